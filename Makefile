@@ -1,0 +1,30 @@
+# Two entry points for a fresh machine: `make demo` trains, `make test` runs the suite.
+# Both create .venv when it is missing and install the project (with its pinned deps) into it.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/raypar train examples/configs/small.toml
+
+test: $(STAMP)
+	$(BIN)/ruff check raypar actors collectives tests benchmarks examples
+	$(BIN)/python -m pytest -q -ra tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/collectives.py
+
+clean:
+	rm -rf $(VENV) runs

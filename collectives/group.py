@@ -1,0 +1,277 @@
+"""The Group API: collectives over one set of members, with timeouts that say what they waited for.
+
+A `Group` owns a backend communicator (gloo or nccl) and adds what the backends lack: uneven splits for
+reduce-scatter / all-gather / all-to-all, `avg`, zero-size tensors, one handle type for async ops, and errors
+that name the group, its epoch, the operation and the members. The even-split fast path hands the caller's
+tensors straight to the backend: nothing is copied or padded unless the split is uneven.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+REDUCE_OPS = ("sum", "avg", "max")
+
+
+class GroupError(RuntimeError):
+    """A collective failed (a member died, the connection broke, or the backend raised)."""
+
+
+class GroupTimeout(GroupError):
+    """A collective did not complete within the group's timeout."""
+
+
+class BackendWork(Protocol):
+    def wait(self, timeout_s: float) -> None: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class Backend(Protocol):
+    """What a communicator must provide; every call is asynchronous and returns a BackendWork."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> BackendWork: ...
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> BackendWork: ...
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> BackendWork: ...
+
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> BackendWork: ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> BackendWork: ...
+
+    def send(self, tensor: torch.Tensor, dst: int) -> BackendWork: ...
+
+    def recv(self, tensor: torch.Tensor, src: int) -> BackendWork: ...
+
+    def barrier(self) -> BackendWork: ...
+
+    def abort(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    name: str
+    epoch: int
+    rank: int
+    members: tuple[str, ...]
+    backend: str
+    timeout_s: float
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def describe(self, op: str) -> str:
+        return (
+            f"group {self.name!r} (epoch {self.epoch}, {self.backend}): {op} at member "
+            f"{self.members[self.rank]!r} (rank {self.rank} of {list(self.members)})"
+        )
+
+
+class Work:
+    """Handle of an async collective; `wait()` blocks (bounded by the group timeout) and returns the result."""
+
+    def __init__(self, group: Group, op: str, works: Sequence[BackendWork], finish: Callable[[], Any]):
+        self._group, self._op, self._works, self._finish = group, op, works, finish
+        self._done, self._result = False, None
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+    def wait(self) -> Any:
+        if not self._done:
+            info = self._group.info
+            deadline = time.monotonic() + info.timeout_s
+            for work in self._works:
+                self._group._wait(work, self._op, max(deadline - time.monotonic(), 0.001))
+            self._result, self._done = self._finish(), True
+        return self._result
+
+
+def _split_sizes(n: int, parts: int) -> list[int]:
+    """torch.tensor_split's sizes: the first n % parts chunks get one more row."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+class Group:
+    """Collectives among `info.members`; `info.rank` is this process's index among them.
+
+    All ops accept `async_op=True` and then return a `Work` whose `wait()` returns what the sync op would.
+    Ranks in `send`/`recv`/`broadcast` are group ranks.
+    """
+
+    def __init__(self, info: GroupInfo, backend: Backend):
+        self.info, self._backend = info, backend
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def size(self) -> int:
+        return self.info.size
+
+    def __repr__(self) -> str:
+        return f"Group({self.info.name!r}, epoch={self.info.epoch}, rank={self.rank}/{self.size})"
+
+    # -- error handling -------------------------------------------------------------------------------
+    def _wait(self, work: BackendWork, op: str, timeout_s: float) -> None:
+        try:
+            work.wait(timeout_s)
+        except GroupError:
+            raise
+        except Exception as err:  # the backends raise RuntimeError subclasses with long native messages
+            cause = " ".join(str(err).split())[:300]
+            if "timeout" in cause.lower() or "timed out" in cause.lower():
+                raise GroupTimeout(
+                    f"{self.info.describe(op)} timed out after {self.info.timeout_s:g}s waiting for the other "
+                    f"members; re-form the group under a new epoch ({cause})"
+                ) from None
+            raise GroupError(f"{self.info.describe(op)} failed: {cause}") from None
+
+    def _launch(self, op: str, start: Callable[[], BackendWork]) -> BackendWork:
+        try:
+            return start()
+        except Exception as err:
+            raise GroupError(f"{self.info.describe(op)} failed to start: {' '.join(str(err).split())[:300]}") from None
+
+    def _run(self, op: str, starts: list[Callable[[], BackendWork]], finish: Callable[[], Any], async_op: bool):
+        works = [self._launch(op, start) for start in starts]
+        handle = Work(self, op, works, finish)
+        return handle if async_op else handle.wait()
+
+    def _check_op(self, op: str, tensor: torch.Tensor) -> None:
+        if op not in REDUCE_OPS:
+            raise ValueError(f"{self.info.describe('reduce')}: op must be one of {REDUCE_OPS}, got {op!r}")
+        if op == "avg" and not tensor.is_floating_point():
+            raise TypeError(f"{self.info.describe('reduce')}: avg needs a floating dtype, got {tensor.dtype}")
+
+    # -- operations -----------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
+        """Reduce `tensor` across members in place; returns it."""
+        self._check_op(op, tensor)
+        if self.size == 1 or tensor.numel() == 0:
+            return self._run("all_reduce", [], lambda: tensor, async_op)
+        backend_op = "sum" if op == "avg" else op
+
+        def finish() -> torch.Tensor:
+            return tensor.div_(self.size) if op == "avg" else tensor
+
+        return self._run("all_reduce", [lambda: self._backend.all_reduce(tensor, backend_op)], finish, async_op)
+
+    def reduce_scatter(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
+        """Reduce `tensor` across members and return this rank's part of dim 0, split as torch.tensor_split."""
+        self._check_op(op, tensor)
+        if tensor.dim() == 0:
+            raise ValueError(f"{self.info.describe('reduce_scatter')}: needs at least one dimension")
+        sizes = _split_sizes(tensor.shape[0], self.size)
+        rows = max(sizes)
+        out = tensor.new_empty((rows, *tensor.shape[1:]))
+        if self.size == 1 or tensor.numel() == 0:
+            return self._run("reduce_scatter", [], lambda: tensor.clone()[: sizes[self.rank]], async_op)
+        if len(set(sizes)) == 1:
+            inp = tensor.contiguous()
+        else:  # pad each rank's chunk to the largest so the backend sees equal parts
+            inp = tensor.new_zeros((rows * self.size, *tensor.shape[1:]))
+            for i, chunk in enumerate(torch.tensor_split(tensor, self.size)):
+                inp[i * rows : i * rows + chunk.shape[0]] = chunk
+        backend_op = "sum" if op == "avg" else op
+
+        def finish() -> torch.Tensor:
+            result = out[: sizes[self.rank]]
+            return result.div_(self.size) if op == "avg" else result
+
+        return self._run("reduce_scatter", [lambda: self._backend.reduce_scatter(out, inp, backend_op)], finish, async_op)
+
+    def all_gather(self, tensor: torch.Tensor, sizes: Sequence[int] | None = None, async_op: bool = False):
+        """Concatenate every member's `tensor` along dim 0. Pass `sizes` (dim-0 length per rank) when they
+        differ; trailing dims must match."""
+        sizes = list(sizes) if sizes is not None else [tensor.shape[0]] * self.size
+        if len(sizes) != self.size or sizes[self.rank] != tensor.shape[0]:
+            raise ValueError(f"{self.info.describe('all_gather')}: sizes {sizes} do not match this rank's tensor")
+        rows = max(sizes)
+        out = tensor.new_empty((rows * self.size, *tensor.shape[1:]))
+        if len(set(sizes)) == 1:
+            inp = tensor.contiguous()
+        else:
+            inp = tensor.new_zeros((rows, *tensor.shape[1:]))
+            inp[: tensor.shape[0]] = tensor
+
+        def finish() -> torch.Tensor:
+            if len(set(sizes)) == 1:
+                return out
+            return torch.cat([out[i * rows : i * rows + n] for i, n in enumerate(sizes)])
+
+        if self.size == 1 or out.numel() == 0:
+            return self._run("all_gather", [], lambda: tensor.clone(), async_op)
+        return self._run("all_gather", [lambda: self._backend.all_gather(out, inp)], finish, async_op)
+
+    def all_to_all(
+        self,
+        tensor: torch.Tensor,
+        input_splits: Sequence[int] | None = None,
+        output_splits: Sequence[int] | None = None,
+        async_op: bool = False,
+    ):
+        """Send rows `input_splits[j]` of dim 0 to rank j; receive `output_splits[j]` rows from rank j.
+        Without splits dim 0 is split evenly. If only `input_splits` is given, the output sizes are first
+        exchanged (one extra small all-to-all)."""
+        if input_splits is None:
+            if tensor.shape[0] % self.size:
+                raise ValueError(f"{self.info.describe('all_to_all')}: dim 0 of {tuple(tensor.shape)} is not "
+                                 f"divisible by {self.size}; pass input_splits")
+            input_splits = [tensor.shape[0] // self.size] * self.size
+        input_splits = list(input_splits)
+        if len(input_splits) != self.size or sum(input_splits) != tensor.shape[0]:
+            raise ValueError(f"{self.info.describe('all_to_all')}: input_splits {input_splits} do not cover dim 0")
+        if output_splits is None:
+            counts = torch.tensor(input_splits, dtype=torch.int64)
+            output_splits = self.all_to_all(counts, [1] * self.size, [1] * self.size).tolist()
+        output_splits = list(output_splits)
+        out = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
+        if self.size == 1:
+            return self._run("all_to_all", [], lambda: tensor.clone(), async_op)
+        if tensor.numel() == 0 and out.numel() == 0 and not any(input_splits) and not any(output_splits):
+            return self._run("all_to_all", [], lambda: out, async_op)
+        inp = tensor.contiguous()
+        start = lambda: self._backend.all_to_all(out, inp, output_splits, input_splits)  # noqa: E731
+        return self._run("all_to_all", [start], lambda: out, async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        """Overwrite `tensor` on every member with member `src`'s; returns it."""
+        if self.size == 1 or tensor.numel() == 0:
+            return self._run("broadcast", [], lambda: tensor, async_op)
+        return self._run("broadcast", [lambda: self._backend.broadcast(tensor, src)], lambda: tensor, async_op)
+
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False):
+        if tensor.numel() == 0:
+            return self._run(f"send to {dst}", [], lambda: None, async_op)
+        inp = tensor.contiguous()
+        return self._run(f"send to {dst}", [lambda: self._backend.send(inp, dst)], lambda: None, async_op)
+
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False):
+        """Receive into `tensor` (its shape and dtype must match the sender's); returns it."""
+        if tensor.numel() == 0:
+            return self._run(f"recv from {src}", [], lambda: tensor, async_op)
+        return self._run(f"recv from {src}", [lambda: self._backend.recv(tensor, src)], lambda: tensor, async_op)
+
+    def barrier(self, async_op: bool = False):
+        if self.size == 1:
+            return self._run("barrier", [], lambda: None, async_op)
+        return self._run("barrier", [self._backend.barrier], lambda: None, async_op)
+
+    def destroy(self) -> None:
+        """Abort the communicator (pending ops on it fail); the group cannot be used afterwards."""
+        self._backend.abort()

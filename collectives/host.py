@@ -1,0 +1,85 @@
+"""Groups inside Ray actors: a mixin for actor classes and one driver call that wires a whole mesh.
+
+Joining a gloo/nccl group blocks until all its members join. Every member therefore joins its groups in
+one global order (the order of the `groups` mapping given to `create_groups`): the earliest group not yet
+complete always has all its members working on it, so overlapping groups never deadlock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+
+from collectives.group import Group, GroupError
+from collectives.rendezvous import GroupSpec, StoreAddress, create_group
+
+
+class GroupHost:
+    """Mix into a Ray actor class to let the driver form groups in it (`create_groups`)."""
+
+    def join_groups(self, specs: Sequence[GroupSpec]) -> list[str]:
+        groups: dict[str, Group] = self.__dict__.setdefault("_raypar_groups", {})
+        for spec in specs:
+            old = groups.pop(spec.name, None)
+            if old is not None:
+                old.destroy()
+            groups[spec.name] = create_group(spec)
+        return [spec.name for spec in specs]
+
+    def leave_groups(self, names: Sequence[str]) -> None:
+        groups: dict[str, Group] = self.__dict__.get("_raypar_groups", {})
+        for name in names:
+            group = groups.pop(name, None)
+            if group is not None:
+                group.destroy()
+
+    def group(self, name: str) -> Group:
+        try:
+            return self.__dict__["_raypar_groups"][name]
+        except KeyError:
+            raise GroupError(f"this actor is not a member of group {name!r}") from None
+
+
+def group_specs(
+    groups: Mapping[str, Sequence[str]],
+    store: StoreAddress,
+    epoch: int = 0,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+    devices: Mapping[str, int] | None = None,
+) -> dict[str, list[GroupSpec]]:
+    """member label -> the specs of its groups, in the global join order (the order of `groups`)."""
+    per_member: dict[str, list[GroupSpec]] = {}
+    for name, members in groups.items():
+        if len(set(members)) != len(members):
+            raise ValueError(f"group {name!r} lists a member twice: {list(members)}")
+        for rank, label in enumerate(members):
+            device = (devices or {}).get(label, 0)
+            spec = GroupSpec(name, tuple(members), rank, store, epoch, backend, timeout_s, device)
+            per_member.setdefault(label, []).append(spec)
+    return per_member
+
+
+def create_groups(
+    actors: Mapping[str, Any],
+    groups: Mapping[str, Sequence[str]],
+    store: StoreAddress,
+    epoch: int = 0,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+    devices: Mapping[str, int] | None = None,
+) -> None:
+    """From the driver: form every group of `groups` (name -> member labels) in the `actors` (label -> handle,
+    each a GroupHost), all at once. Raises GroupError naming the members that did not join in time."""
+    per_member = group_specs(groups, store, epoch, backend, timeout_s, devices)
+    missing = sorted(set(per_member) - set(actors))
+    if missing:
+        raise ValueError(f"groups name members without an actor: {missing}")
+    refs = {actors[label].join_groups.remote(specs): label for label, specs in per_member.items()}
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s + 10)
+    if pending:
+        late = sorted(refs[r] for r in pending)
+        raise GroupError(f"forming groups (epoch {epoch}) timed out after {timeout_s:g}s waiting for {late}")
+    ray.get(ready)

@@ -1,0 +1,96 @@
+"""The device mesh: rank <-> (dp, pp, tp) coordinates and every communication group derived from it.
+
+Ranks are laid out tp-fastest (rank = (dp * pp + pp_idx) * tp + tp_idx), so a tensor-parallel group is a
+run of consecutive ranks; the placement plan packs each such run on one node, where the traffic of
+tensor parallelism (an all-reduce per layer) belongs. Groups are named by what they connect so that logs,
+timeouts and re-formed epochs read naturally: `tp.dp0.pp1`, `dp.pp0.tp1`, `mp.dp0`, `pp.dp0.tp0.s1-2`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class Coord(NamedTuple):
+    dp: int
+    pp: int
+    tp: int
+
+    @property
+    def key(self) -> str:
+        return f"dp{self.dp}.pp{self.pp}.tp{self.tp}"
+
+
+def actor_name(run: str, coord: Coord) -> str:
+    """The Ray actor name: what the dashboard, `ray list actors` and error messages show."""
+    return f"raypar:{run}:{coord.key}"
+
+
+@dataclass(frozen=True)
+class Mesh:
+    dp: int
+    pp: int
+    tp: int
+
+    def __post_init__(self) -> None:
+        for axis in ("dp", "pp", "tp"):
+            if getattr(self, axis) < 1:
+                raise ValueError(f"mesh {axis} must be >= 1, got {getattr(self, axis)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def rank(self, coord: Coord) -> int:
+        d, p, t = coord
+        if not (0 <= d < self.dp and 0 <= p < self.pp and 0 <= t < self.tp):
+            raise ValueError(f"{coord} is outside mesh dp={self.dp} pp={self.pp} tp={self.tp}")
+        return (d * self.pp + p) * self.tp + t
+
+    def coord(self, rank: int) -> Coord:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world size {self.world_size}")
+        return Coord(rank // (self.pp * self.tp), rank // self.tp % self.pp, rank % self.tp)
+
+    def coords(self) -> list[Coord]:
+        return [self.coord(r) for r in range(self.world_size)]
+
+    def groups(self) -> dict[str, list[Coord]]:
+        """Every group of the mesh, name -> members in group-rank order.
+
+        tp: the tensor-parallel ranks of one stage of one replica.
+        dp: the same (stage, tp rank) across replicas; gradients are averaged here.
+        mp: all ranks of one replica (model parallel); the global gradient norm is summed here.
+        pp: two neighbouring stages at the same tp rank (the `direct` activation transport).
+        """
+        out: dict[str, list[Coord]] = {}
+        for d in range(self.dp):
+            for p in range(self.pp):
+                out[f"tp.dp{d}.pp{p}"] = [Coord(d, p, t) for t in range(self.tp)]
+            out[f"mp.dp{d}"] = [Coord(d, p, t) for p in range(self.pp) for t in range(self.tp)]
+            for t in range(self.tp):
+                for p in range(self.pp - 1):
+                    out[pipe_group_name(d, t, p)] = [Coord(d, p, t), Coord(d, p + 1, t)]
+        for p in range(self.pp):
+            for t in range(self.tp):
+                out[f"dp.pp{p}.tp{t}"] = [Coord(d, p, t) for d in range(self.dp)]
+        return out
+
+    def groups_of(self, coord: Coord) -> dict[str, list[Coord]]:
+        return {name: members for name, members in self.groups().items() if coord in members}
+
+
+def pipe_group_name(dp: int, tp: int, stage: int) -> str:
+    """The pair group between `stage` and `stage + 1` at one (dp, tp)."""
+    return f"pp.dp{dp}.tp{tp}.s{stage}-{stage + 1}"
+
+
+def stage_layers(n_layers: int, pp: int, explicit: list[int] | None = None) -> list[range]:
+    """Layer index ranges per pipeline stage: explicit counts, or an even split (earlier stages get the
+    remainder, since the last stage also carries the output head and loss)."""
+    counts = list(explicit) if explicit else [n_layers // pp + (1 if s < n_layers % pp else 0) for s in range(pp)]
+    if sum(counts) != n_layers or len(counts) != pp or min(counts) < 1:
+        raise ValueError(f"stage layer counts {counts} do not split {n_layers} layers into {pp} stages")
+    starts = [sum(counts[:s]) for s in range(pp)]
+    return [range(a, a + n) for a, n in zip(starts, counts, strict=True)]
