@@ -27,7 +27,9 @@ class _GlooWork:
 
 class GlooBackend:
     def __init__(self, store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float):
-        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout_s))
+        self._pg = dist.ProcessGroupGloo(
+            dist.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout_s)
+        )
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> _GlooWork:
         opts = dist.AllreduceOptions()

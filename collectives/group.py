@@ -77,7 +77,7 @@ class GroupInfo:
 
 
 class Work:
-    """Handle of an async collective; `wait()` blocks (bounded by the group timeout) and returns the result."""
+    """Handle of an async collective; `wait()` blocks (up to the group timeout) and returns the result."""
 
     def __init__(self, group: Group, op: str, works: Sequence[BackendWork], finish: Callable[[], Any]):
         self._group, self._op, self._works, self._finish = group, op, works, finish
@@ -136,8 +136,8 @@ class Group:
             cause = " ".join(str(err).split())[:300]
             if "timeout" in cause.lower() or "timed out" in cause.lower():
                 raise GroupTimeout(
-                    f"{self.info.describe(op)} timed out after {self.info.timeout_s:g}s waiting for the other "
-                    f"members; re-form the group under a new epoch ({cause})"
+                    f"{self.info.describe(op)} timed out after {self.info.timeout_s:g}s waiting for the "
+                    f"other members; re-form the group under a new epoch ({cause})"
                 ) from None
             raise GroupError(f"{self.info.describe(op)} failed: {cause}") from None
 
@@ -145,9 +145,13 @@ class Group:
         try:
             return start()
         except Exception as err:
-            raise GroupError(f"{self.info.describe(op)} failed to start: {' '.join(str(err).split())[:300]}") from None
+            raise GroupError(
+                f"{self.info.describe(op)} failed to start: {' '.join(str(err).split())[:300]}"
+            ) from None
 
-    def _run(self, op: str, starts: list[Callable[[], BackendWork]], finish: Callable[[], Any], async_op: bool):
+    def _run(
+        self, op: str, starts: list[Callable[[], BackendWork]], finish: Callable[[], Any], async_op: bool
+    ):
         works = [self._launch(op, start) for start in starts]
         handle = Work(self, op, works, finish)
         return handle if async_op else handle.wait()
@@ -169,10 +173,12 @@ class Group:
         def finish() -> torch.Tensor:
             return tensor.div_(self.size) if op == "avg" else tensor
 
-        return self._run("all_reduce", [lambda: self._backend.all_reduce(tensor, backend_op)], finish, async_op)
+        return self._run(
+            "all_reduce", [lambda: self._backend.all_reduce(tensor, backend_op)], finish, async_op
+        )
 
     def reduce_scatter(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
-        """Reduce `tensor` across members and return this rank's part of dim 0, split as torch.tensor_split."""
+        """Reduce `tensor` across members; return this rank's part of dim 0, split as torch.tensor_split."""
         self._check_op(op, tensor)
         if tensor.dim() == 0:
             raise ValueError(f"{self.info.describe('reduce_scatter')}: needs at least one dimension")
@@ -193,14 +199,18 @@ class Group:
             result = out[: sizes[self.rank]]
             return result.div_(self.size) if op == "avg" else result
 
-        return self._run("reduce_scatter", [lambda: self._backend.reduce_scatter(out, inp, backend_op)], finish, async_op)
+        return self._run(
+            "reduce_scatter", [lambda: self._backend.reduce_scatter(out, inp, backend_op)], finish, async_op
+        )
 
     def all_gather(self, tensor: torch.Tensor, sizes: Sequence[int] | None = None, async_op: bool = False):
         """Concatenate every member's `tensor` along dim 0. Pass `sizes` (dim-0 length per rank) when they
         differ; trailing dims must match."""
         sizes = list(sizes) if sizes is not None else [tensor.shape[0]] * self.size
         if len(sizes) != self.size or sizes[self.rank] != tensor.shape[0]:
-            raise ValueError(f"{self.info.describe('all_gather')}: sizes {sizes} do not match this rank's tensor")
+            raise ValueError(
+                f"{self.info.describe('all_gather')}: sizes {sizes} do not match this rank's tensor"
+            )
         rows = max(sizes)
         out = tensor.new_empty((rows * self.size, *tensor.shape[1:]))
         if len(set(sizes)) == 1:
@@ -214,8 +224,11 @@ class Group:
                 return out
             return torch.cat([out[i * rows : i * rows + n] for i, n in enumerate(sizes)])
 
-        if self.size == 1 or out.numel() == 0:
+        if self.size == 1:
             return self._run("all_gather", [], lambda: tensor.clone(), async_op)
+        if out.numel() == 0:  # every rank sees the same sizes and trailing dims, so all of them skip
+            empty = tensor.new_empty((sum(sizes), *tensor.shape[1:]))
+            return self._run("all_gather", [], lambda: empty, async_op)
         return self._run("all_gather", [lambda: self._backend.all_gather(out, inp)], finish, async_op)
 
     def all_to_all(
@@ -230,12 +243,16 @@ class Group:
         exchanged (one extra small all-to-all)."""
         if input_splits is None:
             if tensor.shape[0] % self.size:
-                raise ValueError(f"{self.info.describe('all_to_all')}: dim 0 of {tuple(tensor.shape)} is not "
-                                 f"divisible by {self.size}; pass input_splits")
+                raise ValueError(
+                    f"{self.info.describe('all_to_all')}: dim 0 of {tuple(tensor.shape)} is not "
+                    f"divisible by {self.size}; pass input_splits"
+                )
             input_splits = [tensor.shape[0] // self.size] * self.size
         input_splits = list(input_splits)
         if len(input_splits) != self.size or sum(input_splits) != tensor.shape[0]:
-            raise ValueError(f"{self.info.describe('all_to_all')}: input_splits {input_splits} do not cover dim 0")
+            raise ValueError(
+                f"{self.info.describe('all_to_all')}: input_splits {input_splits} do not cover dim 0"
+            )
         if output_splits is None:
             counts = torch.tensor(input_splits, dtype=torch.int64)
             output_splits = self.all_to_all(counts, [1] * self.size, [1] * self.size).tolist()
@@ -243,8 +260,8 @@ class Group:
         out = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
         if self.size == 1:
             return self._run("all_to_all", [], lambda: tensor.clone(), async_op)
-        if tensor.numel() == 0 and out.numel() == 0 and not any(input_splits) and not any(output_splits):
-            return self._run("all_to_all", [], lambda: out, async_op)
+        # No shortcut for a rank that sends and receives nothing: the others still run the collective, and a
+        # rank that skips it would pair its next collective with their current one.
         inp = tensor.contiguous()
         start = lambda: self._backend.all_to_all(out, inp, output_splits, input_splits)  # noqa: E731
         return self._run("all_to_all", [start], lambda: out, async_op)
@@ -253,7 +270,9 @@ class Group:
         """Overwrite `tensor` on every member with member `src`'s; returns it."""
         if self.size == 1 or tensor.numel() == 0:
             return self._run("broadcast", [], lambda: tensor, async_op)
-        return self._run("broadcast", [lambda: self._backend.broadcast(tensor, src)], lambda: tensor, async_op)
+        return self._run(
+            "broadcast", [lambda: self._backend.broadcast(tensor, src)], lambda: tensor, async_op
+        )
 
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False):
         if tensor.numel() == 0:
@@ -265,7 +284,9 @@ class Group:
         """Receive into `tensor` (its shape and dtype must match the sender's); returns it."""
         if tensor.numel() == 0:
             return self._run(f"recv from {src}", [], lambda: tensor, async_op)
-        return self._run(f"recv from {src}", [lambda: self._backend.recv(tensor, src)], lambda: tensor, async_op)
+        return self._run(
+            f"recv from {src}", [lambda: self._backend.recv(tensor, src)], lambda: tensor, async_op
+        )
 
     def barrier(self, async_op: bool = False):
         if self.size == 1:

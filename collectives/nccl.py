@@ -109,7 +109,9 @@ class NcclBackend:
         nccl = self._nccl
         red = nccl.NCCL_SUM if op == "sum" else nccl.NCCL_MAX
         src, dst, dtype = self._ptr(inp), self._ptr(out), _nccl_dtype(nccl, out.dtype)
-        return self._launch([out, inp], lambda s: self._comm.reduceScatter(src, dst, out.numel(), dtype, red, s))
+        return self._launch(
+            [out, inp], lambda s: self._comm.reduceScatter(src, dst, out.numel(), dtype, red, s)
+        )
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> _NcclWork:
         src, dst, dtype = self._ptr(inp), self._ptr(out), _nccl_dtype(self._nccl, out.dtype)

@@ -8,12 +8,13 @@ place and run in one pass.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 
 class ConfigError(ValueError):
@@ -60,6 +61,7 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int = 1
     transport: str = "object_store"
+    device: str = "auto"
     stage_layers: list[int] = field(default_factory=list)
     bucket_mb: float = 25.0
     min_dp: int = 1
@@ -240,8 +242,8 @@ def validate(cfg: Config) -> None:
     _require(m.rope_theta > 0 and m.norm_eps > 0, "model.rope_theta/norm_eps: must be positive")
 
     if isinstance(p.dp, str):
-        _require(p.dp == "auto", f"parallel.dp: expected a positive int or \"auto\", got {p.dp!r}")
-        _require(p.max_dp >= p.min_dp, "parallel.max_dp: must be set and >= parallel.min_dp when dp = \"auto\"")
+        _require(p.dp == "auto", f'parallel.dp: expected a positive int or "auto", got {p.dp!r}')
+        _require(p.max_dp >= p.min_dp, 'parallel.max_dp: must be set and >= parallel.min_dp when dp = "auto"')
     for key in ("pp", "tp", "microbatches", "min_dp"):
         _require(getattr(p, key) > 0, f"parallel.{key}: must be a positive size, got {getattr(p, key)}")
     _require(p.max_dp >= 0, f"parallel.max_dp: must be >= 0 (0 means dp), got {p.max_dp}")
@@ -251,16 +253,26 @@ def validate(cfg: Config) -> None:
         m.n_kv_heads % p.tp == 0, f"parallel.tp: must divide model.n_kv_heads={m.n_kv_heads}, got tp={p.tp}"
     )
     _require(m.d_ff % p.tp == 0, f"parallel.tp: must divide model.d_ff={m.d_ff}, got tp={p.tp}")
-    _require(m.vocab_size % p.tp == 0, f"parallel.tp: must divide model.vocab_size={m.vocab_size}, got tp={p.tp}")
+    _require(
+        m.vocab_size % p.tp == 0, f"parallel.tp: must divide model.vocab_size={m.vocab_size}, got tp={p.tp}"
+    )
     _require(p.pp <= m.n_layers, f"parallel.pp: must be <= model.n_layers={m.n_layers}, got pp={p.pp}")
     if p.stage_layers:
         _require(len(p.stage_layers) == p.pp, f"parallel.stage_layers: needs pp={p.pp} entries")
         _require(all(n > 0 for n in p.stage_layers), "parallel.stage_layers: every stage needs >= 1 layer")
-        _require(sum(p.stage_layers) == m.n_layers, f"parallel.stage_layers: must sum to n_layers={m.n_layers}")
-    _require(p.schedule in ("1f1b", "gpipe"), f"parallel.schedule: must be \"1f1b\" or \"gpipe\", got {p.schedule!r}")
+        _require(
+            sum(p.stage_layers) == m.n_layers, f"parallel.stage_layers: must sum to n_layers={m.n_layers}"
+        )
+    _require(
+        p.schedule in ("1f1b", "gpipe"), f'parallel.schedule: must be "1f1b" or "gpipe", got {p.schedule!r}'
+    )
     _require(
         p.transport in ("object_store", "direct"),
-        f"parallel.transport: must be \"object_store\" or \"direct\", got {p.transport!r}",
+        f'parallel.transport: must be "object_store" or "direct", got {p.transport!r}',
+    )
+    _require(
+        p.device in ("auto", "cpu", "gpu"),
+        f'parallel.device: must be "auto", "cpu" or "gpu", got {p.device!r}',
     )
     _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be positive, got {p.bucket_mb}")
     _require(p.timeout_s > 0, f"parallel.timeout_s: must be positive, got {p.timeout_s}")
@@ -283,7 +295,9 @@ def validate(cfg: Config) -> None:
     _require(t.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2: must be in [0, 1)")
     _require(t.grad_clip >= 0, f"train.grad_clip: must be >= 0 (0 disables), got {t.grad_clip}")
-    _require(t.precision in ("fp32", "bf16"), f"train.precision: must be \"fp32\" or \"bf16\", got {t.precision!r}")
+    _require(
+        t.precision in ("fp32", "bf16"), f'train.precision: must be "fp32" or "bf16", got {t.precision!r}'
+    )
     _require(t.max_failures >= 0, f"train.max_failures: must be >= 0, got {t.max_failures}")
 
     _require(c.every >= 0, f"checkpoint.every: must be >= 0 (0 disables), got {c.every}")

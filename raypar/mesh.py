@@ -89,7 +89,9 @@ def pipe_group_name(dp: int, tp: int, stage: int) -> str:
 def stage_layers(n_layers: int, pp: int, explicit: list[int] | None = None) -> list[range]:
     """Layer index ranges per pipeline stage: explicit counts, or an even split (earlier stages get the
     remainder, since the last stage also carries the output head and loss)."""
-    counts = list(explicit) if explicit else [n_layers // pp + (1 if s < n_layers % pp else 0) for s in range(pp)]
+    counts = (
+        list(explicit) if explicit else [n_layers // pp + (1 if s < n_layers % pp else 0) for s in range(pp)]
+    )
     if sum(counts) != n_layers or len(counts) != pp or min(counts) < 1:
         raise ValueError(f"stage layer counts {counts} do not split {n_layers} layers into {pp} stages")
     starts = [sum(counts[:s]) for s in range(pp)]

@@ -1,0 +1,132 @@
+"""Moving activations and their gradients between neighbouring pipeline stages.
+
+Stage s, tp rank j talks only to stages s-1 and s+1 at tp rank j. Two transports share one interface:
+
+- `ObjectStoreTransport` (default): the sender puts the tensor into the Ray object store as a numpy view
+  (one copy into shared memory, no pickling of a torch tensor) and hands the reference straight to the
+  receiving actor with an actor call; the receiver maps it back without a copy. The driver never sees it.
+- `DirectTransport`: collective send/recv on the pair group of the two stages (gloo here, NCCL on GPUs).
+
+Sends never block; receives block, bounded by the run's timeout, and say what they waited for.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from collectives import Group, Work
+
+
+class TransportTimeout(TimeoutError):
+    pass
+
+
+def _to_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
+    tensor = tensor.detach().contiguous().cpu()
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the bits, reinterpret on arrival
+        return tensor.view(torch.int16).numpy(), "bfloat16"
+    return tensor.numpy(), str(tensor.dtype).removeprefix("torch.")
+
+
+def _from_numpy(array: np.ndarray, dtype: str) -> torch.Tensor:
+    with warnings.catch_warnings():  # object-store buffers are read-only; autograd never writes into inputs
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
+
+
+class Mailbox:
+    """Where a neighbour's `deliver` calls drop object references until the stage asks for them."""
+
+    def __init__(self) -> None:
+        self._items: dict[tuple[str, int, int], Any] = {}
+        self._cond = threading.Condition()
+
+    def put(self, key: tuple[str, int, int], item: Any) -> None:
+        with self._cond:
+            self._items[key] = item
+            self._cond.notify_all()
+
+    def take(self, key: tuple[str, int, int], timeout_s: float, what: str) -> Any:
+        with self._cond:
+            if not self._cond.wait_for(lambda: key in self._items, timeout=timeout_s):
+                raise TransportTimeout(f"waited {timeout_s:g}s for {what}")
+            return self._items.pop(key)
+
+    def clear_before(self, step: int) -> None:
+        with self._cond:
+            for key in [k for k in self._items if k[1] < step]:
+                del self._items[key]
+
+
+class ObjectStoreTransport:
+    def __init__(self, me: str, prev: Any | None, next_: Any | None, mailbox: Mailbox, timeout_s: float):
+        self.me, self.prev, self.next, self.mailbox, self.timeout_s = me, prev, next_, mailbox, timeout_s
+        self.step = 0
+        self._pending: list[ray.ObjectRef] = []
+
+    def _send(self, peer: Any, kind: str, mb: int, tensor: torch.Tensor) -> None:
+        array, dtype = _to_numpy(tensor)
+        # The reference travels inside a list so Ray passes it unresolved; the receiver fetches it itself.
+        self._pending.append(peer.deliver.remote(kind, self.step, mb, [ray.put(array)], dtype))
+
+    def _recv(self, kind: str, mb: int, source: str) -> torch.Tensor:
+        what = f"{kind} of microbatch {mb} (step {self.step}) from {source} at {self.me}"
+        deadline = time.monotonic() + self.timeout_s
+        refs, dtype = self.mailbox.take((kind, self.step, mb), self.timeout_s, what)
+        try:
+            array = ray.get(refs[0], timeout=max(deadline - time.monotonic(), 0.001))
+        except ray.exceptions.GetTimeoutError:
+            raise TransportTimeout(f"waited {self.timeout_s:g}s to fetch {what}") from None
+        return _from_numpy(array, dtype)
+
+    def send_act(self, mb: int, tensor: torch.Tensor) -> None:
+        self._send(self.next, "act", mb, tensor)
+
+    def send_grad(self, mb: int, tensor: torch.Tensor) -> None:
+        self._send(self.prev, "grad", mb, tensor)
+
+    def recv_act(self, mb: int, like: torch.Tensor) -> torch.Tensor:
+        return self._recv("act", mb, "the previous stage")
+
+    def recv_grad(self, mb: int, like: torch.Tensor) -> torch.Tensor:
+        return self._recv("grad", mb, "the next stage")
+
+    def finish_step(self) -> None:
+        """The deliver calls are fire-and-forget, but a failed one must not go unnoticed."""
+        if self._pending:
+            ray.get(self._pending, timeout=self.timeout_s)
+            self._pending.clear()
+
+
+class DirectTransport:
+    """send/recv on the pair groups; gloo and NCCL both match messages between two ranks in order."""
+
+    def __init__(self, prev_group: Group | None, next_group: Group | None):
+        self.prev_group, self.next_group = prev_group, next_group
+        self.step = 0
+        self._sends: list[Work] = []
+
+    def send_act(self, mb: int, tensor: torch.Tensor) -> None:
+        self._sends.append(self.next_group.send(tensor.detach().contiguous(), dst=1, async_op=True))
+
+    def send_grad(self, mb: int, tensor: torch.Tensor) -> None:
+        self._sends.append(self.prev_group.send(tensor.detach().contiguous(), dst=0, async_op=True))
+
+    def recv_act(self, mb: int, like: torch.Tensor) -> torch.Tensor:
+        return self.prev_group.recv(torch.empty_like(like), src=0)
+
+    def recv_grad(self, mb: int, like: torch.Tensor) -> torch.Tensor:
+        return self.next_group.recv(torch.empty_like(like), src=1)
+
+    def finish_step(self) -> None:
+        for work in self._sends:
+            work.wait()
+        self._sends.clear()

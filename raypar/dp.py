@@ -1,0 +1,107 @@
+"""Data parallelism: gradients averaged across a DP group in buckets, overlapped with the last backward.
+
+Like torch DDP, parameters are packed into buckets in reverse registration order (the order backward
+produces their gradients). Gradients accumulate locally over microbatches; during the backward of the
+last microbatch a hook counts each parameter whose gradient is final, and when a bucket is complete its
+all-reduce starts asynchronously while autograd moves on to earlier layers. `finish()` waits for every
+bucket and copies the averaged values back into `.grad`.
+
+This object owns the gradients' reduction; a ZeRO strategy (reduce-scatter into owned shards, all-gather
+the updated parameters) replaces it behind the same `arm()` / `finish()` calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from collectives import Group, Work
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    buffer: torch.Tensor | None = None
+    pending: int = 0
+    work: Work | None = None
+    ready: set[int] = field(default_factory=set)
+
+
+class GradReducer:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        group: Group | None,
+        bucket_bytes: int,
+        op: str = "avg",
+    ):
+        self.group, self.op = group, op
+        self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        self._armed = False
+        if group is None or group.size == 1:
+            return
+        current: list[torch.nn.Parameter] = []
+        size = 0
+        for p in reversed([p for p in params if p.requires_grad]):
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+        if current:
+            self.buckets.append(_Bucket(current))
+        for bucket in self.buckets:
+            for p in bucket.params:
+                self._bucket_of[id(p)] = bucket
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.buckets)
+
+    def arm(self) -> None:
+        """Call right before the backward of the last microbatch: from now on, a final gradient starts
+        its bucket's reduction."""
+        self._armed = self.active
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.work = None
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if not self._armed:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.ready.add(id(param))
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        if bucket.buffer is None:
+            bucket.buffer = torch.empty(
+                sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device
+            )
+        torch.cat([g.reshape(-1) for g in grads], out=bucket.buffer)
+        bucket.work = self.group.all_reduce(bucket.buffer, self.op, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for every bucket (launching any whose parameters got no gradient) and write back `.grad`."""
+        if not self.active:
+            return
+        self._armed = False
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                flat = bucket.buffer[offset : offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = flat.clone()
+                else:
+                    p.grad.copy_(flat)
+                offset += n

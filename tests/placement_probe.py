@@ -1,0 +1,45 @@
+"""Run as a subprocess by test_placement.py: a 2-node `ray.cluster_utils.Cluster` with 4 fake GPUs per node,
+a 2x2x2 placement, and the node of every bundle printed as JSON. A separate process, because the test
+session already has its own Ray instance and one process can join only one."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import ray
+from ray.cluster_utils import Cluster
+from ray.util.placement_group import placement_group, placement_group_table
+
+from raypar.placement import ActorResources, place_stage, release
+
+
+def main() -> None:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(2):
+        cluster.add_node(num_cpus=4, num_gpus=4)
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        res = ActorResources(cpus=1.0, gpus=1.0)
+        out = {}
+        pgs = []
+        for d in range(2):
+            for p in range(2):
+                pg = place_stage("probe", d, p, 2, res, timeout_s=60)
+                pgs.append(pg)
+                out[f"dp{d}.pp{p}"] = placement_group_table(pg)["bundles_to_node_id"]
+        release(pgs)
+        # Negative control for the test's check: the same bundles spread over nodes on purpose.
+        spread = placement_group([res.bundle(), res.bundle()], strategy="STRICT_SPREAD")
+        ray.get(spread.ready(), timeout=60)
+        out["control"] = placement_group_table(spread)["bundles_to_node_id"]
+        release([spread])
+        print(json.dumps(out))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
