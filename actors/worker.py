@@ -18,7 +18,6 @@ from typing import Any
 
 import ray
 import torch
-from raypar.optim import Optimizer, lr_at
 
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from collectives import GroupHost
@@ -27,6 +26,8 @@ from raypar import data, schedules
 from raypar.dp import GradReducer
 from raypar.mesh import Coord, Mesh, actor_name, pipe_group_name, stage_layers
 from raypar.model import LlamaStage
+from raypar.optim import Optimizer, lr_at
+from raypar.tp import RowParallelLinear
 
 
 class WorkerFailure(RuntimeError):
@@ -71,6 +72,10 @@ class Worker(GroupHost):
             self.cfg.model, layers, self.first, self.last, tp_group, seed=self.cfg.train.seed
         )
         self.model.to(self.device)
+        if "tp_drop_allreduce" in self.faults:  # negative control: row-parallel outputs left as partial sums
+            for module in self.model.modules():
+                if isinstance(module, RowParallelLinear):
+                    module.group = None
         self.optimizer = Optimizer(self.model, self.cfg.train)
         dp_group = self.group(f"dp.pp{p}.tp{t}") if dp > 1 else None
         self.reducer = GradReducer(
@@ -86,7 +91,7 @@ class Worker(GroupHost):
         self.dataset = data.open_dataset(self.cfg.data, self.cfg.model) if self.first or self.last else None
         if self.dataset is not None:
             self.sampler = data.GlobalSampler(
-                len(self.dataset), self.cfg.train.global_batch, self.cfg.train.seed
+                self.dataset.num_samples, self.cfg.train.global_batch, self.cfg.train.seed
             )
         if par.transport == "direct":
             prev = self.group(pipe_group_name(d, t, p - 1)) if not self.first else None
@@ -171,7 +176,10 @@ class Worker(GroupHost):
                 out = outputs.pop(mb)
                 out.backward(None if self.last else grads.pop(mb))
             elif op == "send_grad":
-                self.transport.send_grad(mb, inputs.pop(mb).grad)
+                grad = inputs.pop(mb).grad
+                self.transport.send_grad(
+                    mb, torch.zeros_like(grad) if "pp_zero_grad" in self.faults else grad
+                )
             events.append((op, mb, t0 - start, time.perf_counter() - start))
         compute_end = time.perf_counter()
         self.reducer.finish()

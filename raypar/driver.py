@@ -128,6 +128,18 @@ class Trainer:
         groups = {name: [c.key for c in members] for name, members in self.mesh.groups().items()}
         by_key = {c.key: a for c, a in self.actors.items()}
         create_groups(by_key, groups, self.server.address, self.epoch, self._backend(), par.timeout_s)
+        self._setup_actors()
+
+    def reconfigure(self, cfg: Config, faults: dict[Coord, list[str]] | None = None) -> None:
+        """Rebuild every actor's state from the seed under `cfg` (same mesh): a new schedule, transport or
+        microbatch count without new processes or groups."""
+        mesh = Mesh(cfg.dp_fixed, cfg.parallel.pp, cfg.parallel.tp)
+        if mesh != self.mesh:
+            raise ValueError(f"reconfigure keeps the mesh {self.mesh}; got {mesh}")
+        self.cfg, self.faults = cfg, faults or {}
+        self._setup_actors()
+
+    def _setup_actors(self) -> None:
         cfg = self.cfg.to_dict()
         refs = {}
         for coord, actor in self.actors.items():

@@ -1,0 +1,369 @@
+"""Token data: prepare text into Arrow shards, read them memory-mapped, and sample batches by global index.
+
+Cache layout (``prepare``)::
+
+    <out_dir>/index.json           vocab, files, shard token counts, total tokens, sha256 of the tokens
+    <out_dir>/tokens-00000.arrow   Arrow IPC file, one uint16 column ``tokens`` (one record batch)
+
+A cache is built in a hidden sibling directory and renamed into place, so a directory at ``out_dir`` is
+always complete. Tokenization is byte-level (token = byte value, vocab 256); the token stream is the
+files' bytes joined by ``separator``. uint16 keeps the format valid for vocabularies up to 65536.
+
+Sampling (the numerics contract): sample ``i`` is the window ``tokens[i*T : i*T + T + 1]`` (inputs the
+first T, targets the last T). ``GlobalSampler`` maps a step to a fixed, ordered global batch of sample
+indices; a microbatch is a slice of it addressed by its *global* microbatch index, so which samples a
+step sees does not depend on dp or on the number of microbatches, and resuming needs only the step.
+
+    ds = open_dataset(cfg.data, cfg.model)
+    sampler = GlobalSampler(ds.num_samples, cfg.train.global_batch, cfg.train.seed)
+    for mb in replica_microbatch_ids(dp_rank, dp, cfg.train.global_batch, cfg.microbatch_size):
+        inputs, targets = microbatch(ds, sampler, step, mb, cfg.microbatch_size)  # int64 [mb, T]
+"""
+
+from __future__ import annotations
+
+import errno
+import glob
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sysconfig
+import uuid
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from raypar.config import ConfigError, DataConfig, ModelConfig
+
+INDEX = "index.json"
+FORMAT_VERSION = 1
+BYTE_VOCAB = 256
+DEFAULT_SHARD_TOKENS = 16 * 2**20
+_SCHEMA = pa.schema([("tokens", pa.uint16())])
+# Top-level stdlib directories left out of the stdlib corpus: installed packages are not the standard
+# library, and test/ is mostly fixtures (some deliberately malformed) that would double the corpus.
+_STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "__pycache__"})
+
+
+# ---------------------------------------------------------------------------------------------- prepare
+
+
+def expand_globs(globs: list[str]) -> list[str]:
+    """Files matching any glob (``**`` recursive, ``~`` expanded), absolute, deduplicated and sorted."""
+    found = set()
+    for pattern in globs:
+        for path in glob.glob(os.path.expanduser(pattern), recursive=True):
+            if os.path.isfile(path):
+                found.add(os.path.abspath(path))
+    return sorted(found)
+
+
+def _write_shard(path: Path, tokens: np.ndarray) -> None:
+    batch = pa.record_batch([pa.array(tokens, type=pa.uint16())], schema=_SCHEMA)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, _SCHEMA) as writer:
+        writer.write_batch(batch)
+
+
+class _ShardWriter:
+    """Cuts a stream of token arrays into shards of exactly `shard_tokens` (the last one shorter)."""
+
+    def __init__(self, out_dir: Path, shard_tokens: int):
+        self.out_dir, self.shard_tokens = out_dir, shard_tokens
+        self.pending: list[np.ndarray] = []
+        self.pending_len = 0
+        self.shards: list[dict[str, Any]] = []
+        self.sha256 = hashlib.sha256()
+
+    def add(self, tokens: np.ndarray) -> None:
+        self.sha256.update(tokens)
+        while len(tokens):
+            take = min(len(tokens), self.shard_tokens - self.pending_len)
+            self.pending.append(tokens[:take])
+            self.pending_len += take
+            tokens = tokens[take:]
+            if self.pending_len == self.shard_tokens:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self.pending_len:
+            return
+        name = f"tokens-{len(self.shards):05d}.arrow"
+        _write_shard(self.out_dir / name, np.concatenate(self.pending))
+        self.shards.append({"file": name, "tokens": self.pending_len})
+        self.pending, self.pending_len = [], 0
+
+
+def prepare(
+    globs: list[str],
+    out_dir: str | os.PathLike[str],
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    separator: bytes = b"\n\n",
+) -> dict[str, Any]:
+    """Tokenize the text files matching `globs` into Arrow shards under `out_dir`; return the index.
+
+    If `out_dir` already holds a cache of the same tokens (a concurrent preparer won the race, or this
+    is a rerun) that cache is kept and its index returned; a cache of different tokens is never
+    overwritten (FileExistsError: remove it first).
+    """
+    if shard_tokens <= 0:
+        raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
+    files = expand_globs(globs)
+    if not files:
+        raise ValueError(f"no files match {globs}")
+    out = Path(out_dir).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        writer = _ShardWriter(staging, shard_tokens)
+        sep = np.frombuffer(separator, dtype=np.uint8).astype(np.uint16)
+        file_entries = []
+        for n, path in enumerate(files):
+            body = Path(path).read_bytes()
+            if n:
+                writer.add(sep)
+            writer.add(np.frombuffer(body, dtype=np.uint8).astype(np.uint16))
+            file_entries.append({"path": path, "bytes": len(body)})
+        writer.flush()
+        index = {
+            "format_version": FORMAT_VERSION,
+            "vocab": "bytes",
+            "vocab_size": BYTE_VOCAB,
+            "dtype": "uint16",
+            "separator": list(separator),
+            "sources": list(globs),
+            "files": file_entries,
+            "shards": writer.shards,
+            "total_tokens": sum(s["tokens"] for s in writer.shards),
+            "sha256": writer.sha256.hexdigest(),
+        }
+        (staging / INDEX).write_text(json.dumps(index, indent=1))
+        return _publish(staging, out, index)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _publish(staging: Path, out: Path, index: dict[str, Any]) -> dict[str, Any]:
+    """Rename `staging` to `out` (atomic; replaces at most an empty directory) or defer to a cache there."""
+    try:
+        os.rename(staging, out)
+        return index
+    except OSError as err:
+        if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+    existing = read_index(out) if (out / INDEX).is_file() else None
+    if existing is None or existing.get("sha256") != index["sha256"]:
+        raise FileExistsError(f"{out}: already exists and holds other data; remove it or choose another dir")
+    return existing
+
+
+def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
+    index_path = Path(path) / INDEX
+    try:
+        index = json.loads(index_path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{index_path}: not found (not a prepared token directory)") from None
+    if index.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{index_path}: unsupported format_version {index.get('format_version')!r}")
+    return index
+
+
+def stdlib_globs() -> list[str]:
+    """Globs of the running interpreter's standard library sources (see _STDLIB_SKIP for what is left out)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    subdirs = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in _STDLIB_SKIP)
+    return [str(root / "*.py")] + [str(root / name / "**" / "*.py") for name in subdirs]
+
+
+# ---------------------------------------------------------------------------------------------- datasets
+
+
+class Dataset(Protocol):
+    """What the trainer needs: a count of samples and sample i as (inputs, targets) int64 of shape [T]."""
+
+    @property
+    def num_samples(self) -> int: ...
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def _check_index(i: int, n: int) -> None:
+    if not 0 <= i < n:
+        raise IndexError(f"sample {i} out of range [0, {n})")
+
+
+class TokenDataset:
+    """The shards of a prepared directory, memory-mapped (no copy, shared by every process on the node)."""
+
+    def __init__(self, path: str | os.PathLike[str], seq_len: int, vocab_size: int):
+        self.path, self.seq_len, self.vocab_size = str(path), seq_len, vocab_size
+        self.index = read_index(path)
+        if vocab_size < self.index["vocab_size"]:
+            raise ConfigError(
+                f"model.vocab_size: {vocab_size} is smaller than the {self.index['vocab_size']} token ids of "
+                f"the {self.index['vocab']!r} data in {path}"
+            )
+        if seq_len <= 0:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        self.shards = [self._map(Path(path) / s["file"]) for s in self.index["shards"]]
+        # starts[k] = global position of shards[k][0]; windows that cross a boundary are stitched in sample().
+        self.starts = np.cumsum([0] + [len(s) for s in self.shards])
+        self.total_tokens = int(self.starts[-1])
+
+    @staticmethod
+    def _map(path: Path) -> np.ndarray:
+        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+        batches = (reader.get_batch(b) for b in range(reader.num_record_batches))
+        chunks = [batch.column(0).to_numpy(zero_copy_only=True) for batch in batches]
+        return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Ship the path, not the mapped tokens: the receiving process maps the same files itself.
+        return (TokenDataset, (self.path, self.seq_len, self.vocab_size))
+
+    @property
+    def num_samples(self) -> int:
+        return max(self.total_tokens - 1, 0) // self.seq_len
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Global token positions [start, stop), possibly spanning shards (a view when within one)."""
+        k = int(np.searchsorted(self.starts, start, side="right")) - 1
+        if stop <= self.starts[k + 1]:
+            return self.shards[k][start - self.starts[k] : stop - self.starts[k]]
+        pieces = []
+        while start < stop:
+            lo, hi = int(self.starts[k]), int(self.starts[k + 1])
+            pieces.append(self.shards[k][start - lo : min(stop, hi) - lo])
+            start, k = min(stop, hi), k + 1
+        return np.concatenate(pieces)
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_index(i, self.num_samples)
+        window = torch.from_numpy(self.tokens(i * self.seq_len, (i + 1) * self.seq_len + 1).astype(np.int64))
+        return window[:-1], window[1:]
+
+
+class SyntheticDataset:
+    """Arithmetic progressions mod vocab_size: sample i has a random start and a stride from STRIDES.
+
+    Learnable fast (the next token is the last one plus a stride readable from the context), and sample i
+    is a pure function of (seed, i), so any process regenerates it without shared state.
+    """
+
+    STRIDES = (1, 2, 3, 5)
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int = 0, num_samples: int = 2**20):
+        if vocab_size <= 0 or seq_len <= 0 or num_samples <= 0:
+            sizes = (vocab_size, seq_len, num_samples)
+            raise ValueError(f"vocab_size, seq_len, num_samples must be positive, got {sizes}")
+        self.vocab_size, self.seq_len, self.seed, self._num_samples = vocab_size, seq_len, seed, num_samples
+
+    @property
+    def num_samples(self) -> int:
+        return self._num_samples
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_index(i, self.num_samples)
+        rng = np.random.Generator(np.random.PCG64([self.seed, i]))
+        start = int(rng.integers(self.vocab_size))
+        stride = self.STRIDES[int(rng.integers(len(self.STRIDES)))]
+        window = (start + stride * torch.arange(self.seq_len + 1, dtype=torch.int64)) % self.vocab_size
+        return window[:-1], window[1:]
+
+
+def open_dataset(data_cfg: DataConfig, model_cfg: ModelConfig) -> Dataset:
+    """The dataset `data.source` names: "synthetic", "stdlib", a prepared directory, or text-file globs.
+
+    Text sources are prepared on first use into `data.cache_dir` and reused afterwards; a ConfigError
+    naming `data.source` (or `model.vocab_size`) says what is wrong with the config.
+    """
+    source, seq_len, vocab_size = data_cfg.source.strip(), model_cfg.seq_len, model_cfg.vocab_size
+    if source == "synthetic":
+        # The synthetic data is fixed, like a corpus on disk; train.seed only drives the sampling order.
+        return SyntheticDataset(vocab_size, seq_len, seed=0)
+    if source == "stdlib":
+        out = Path(data_cfg.cache_dir) / f"stdlib-{platform.python_version()}"
+        return _prepared(stdlib_globs(), out, seq_len, vocab_size)
+    if source and (Path(source) / INDEX).is_file():
+        return TokenDataset(source, seq_len, vocab_size)
+    if source and Path(source).is_dir():
+        raise ConfigError(
+            f"data.source: {source} is a directory without {INDEX}; give a glob such as {source}/**/*.txt"
+        )
+    globs = [g.strip() for g in source.split(",") if g.strip()]
+    files = expand_globs(globs)
+    if not files:
+        raise ConfigError(
+            f'data.source: {data_cfg.source!r} is not "synthetic", "stdlib", a prepared directory, '
+            "or a glob matching any file"
+        )
+    # Keyed by the matched files and their sizes, so adding or editing a file makes a new cache.
+    key = json.dumps([[f, os.path.getsize(f)] for f in files]).encode()
+    out = Path(data_cfg.cache_dir) / f"text-{hashlib.sha256(key).hexdigest()[:16]}"
+    return _prepared(globs, out, seq_len, vocab_size)
+
+
+def _prepared(globs: list[str], out: Path, seq_len: int, vocab_size: int) -> TokenDataset:
+    if not (out / INDEX).is_file():
+        prepare(globs, out)
+    return TokenDataset(out, seq_len, vocab_size)
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+
+class GlobalSampler:
+    """Step -> the ordered sample indices of its global batch; a pure function of (seed, step).
+
+    Epoch e is a permutation of all samples drawn from PCG64([seed, e]), cut into
+    num_samples // global_batch whole batches; the remainder of each epoch is dropped (a different
+    remainder every epoch), so a batch never straddles two epochs and no sample repeats within one.
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, seed: int):
+        if global_batch <= 0:
+            raise ValueError(f"global_batch must be positive, got {global_batch}")
+        if num_samples < global_batch:
+            raise ConfigError(
+                f"train.global_batch: {global_batch} exceeds the dataset's {num_samples} samples; "
+                "use a smaller global batch or seq_len, or more data"
+            )
+        self.num_samples, self.global_batch, self.seed = num_samples, global_batch, seed
+        self.batches_per_epoch = num_samples // global_batch
+        self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)  # the last epoch's permutation, cached
+
+    def batch_indices(self, step: int) -> np.ndarray:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        epoch, pos = divmod(step, self.batches_per_epoch)
+        if epoch != self._epoch:
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+            self._epoch, self._perm = epoch, rng.permutation(self.num_samples)
+        return self._perm[pos * self.global_batch : (pos + 1) * self.global_batch].copy()
+
+
+def replica_microbatch_ids(dp_rank: int, dp: int, global_batch: int, mb_size: int) -> range:
+    """The global microbatch indices data-parallel replica `dp_rank` of `dp` processes in a step."""
+    if global_batch % (dp * mb_size):
+        raise ValueError(f"global_batch {global_batch} is not divisible by dp*mb_size = {dp}*{mb_size}")
+    if not 0 <= dp_rank < dp:
+        raise ValueError(f"dp_rank {dp_rank} out of range [0, {dp})")
+    per_replica = global_batch // (dp * mb_size)
+    return range(dp_rank * per_replica, (dp_rank + 1) * per_replica)
+
+
+def microbatch(
+    dataset: Dataset, sampler: GlobalSampler, step: int, mb_index: int, mb_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows mb_index*mb_size ... of step's global batch, as (inputs, targets) int64 of shape [mb_size, T]."""
+    batch = sampler.global_batch
+    if batch % mb_size or not 0 <= mb_index < batch // mb_size:
+        raise ValueError(f"microbatch {mb_index} of size {mb_size} is not in a global batch of {batch}")
+    rows = sampler.batch_indices(step)[mb_index * mb_size : (mb_index + 1) * mb_size]
+    inputs, targets = zip(*(dataset.sample(int(i)) for i in rows), strict=True)
+    return torch.stack(inputs), torch.stack(targets)

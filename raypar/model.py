@@ -1,0 +1,221 @@
+"""A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention, untied embeddings, no biases).
+
+`LlamaStage` is the part of the model one pipeline stage holds on one tensor-parallel rank; the whole model
+is `LlamaStage(cfg, range(cfg.n_layers), first=True, last=True)`. Parameter names are global whatever the
+layout (`layers.5.attn.wq.weight` is called that on any stage), and each parameter is initialised by
+generating its full global tensor from (seed, name) and keeping the local shard, so every layout starts
+from the same model.
+
+Tensor parallelism only swaps layers (see raypar.tp): heads, the MLP hidden dim and the vocabulary are
+split across ranks; activations between blocks are full on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from collectives import Group
+from raypar.config import ModelConfig
+from raypar.tp import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp,
+    global_shape,
+    shard_of,
+    shard_offsets,
+    tp_size,
+    vocab_parallel_cross_entropy,
+)
+
+INIT_STD = 0.02
+
+
+class RMSNorm(nn.Module):
+    shard_dim = None  # replicated on every tp rank
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 even under autocast: the mean of squares loses too much in bf16.
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).type_as(x)
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position * frequency, [seq_len, head_dim / 2] each."""
+    freqs = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float64), freqs)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (first half, second half) pair of x [B, H, T, hd] by its position's angle."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, group: Group | None):
+        super().__init__()
+        self.group, self.head_dim = group, cfg.head_dim
+        self.n_heads = cfg.n_heads // tp_size(group)
+        self.n_kv_heads = cfg.n_kv_heads // tp_size(group)
+        d, hd = cfg.d_model, cfg.head_dim
+        self.wq = ColumnParallelLinear(d, cfg.n_heads * hd, group, copy_input=False)
+        self.wk = ColumnParallelLinear(d, cfg.n_kv_heads * hd, group, copy_input=False)
+        self.wv = ColumnParallelLinear(d, cfg.n_kv_heads * hd, group, copy_input=False)
+        self.wo = RowParallelLinear(cfg.n_heads * hd, d, group)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        x = copy_to_tp(x, self.group)  # once for wq, wk and wv
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig, group: Group | None):
+        super().__init__()
+        self.group = group
+        self.w_gate = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
+        self.w_up = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
+        self.w_down = RowParallelLinear(cfg.d_ff, cfg.d_model, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.group)  # once for w_gate and w_up
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, group: Group | None):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, group)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg, group)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaStage(nn.Module):
+    """Layers `layers` of the model, plus the embedding if `first` and the final norm and head if `last`,
+    on one tensor-parallel rank of `tp_group` (None: no tensor parallelism)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: range,
+        first: bool,
+        last: bool,
+        tp_group: Group | None = None,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.cfg, self.first, self.last, self.tp_group = cfg, first, last, tp_group
+        if first:
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group) for i in layers})
+        if last:
+            self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp_group)
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights(seed)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """x: token ids [B, T] on the first stage, hidden states [B, T, d] elsewhere. Returns hidden states
+        [B, T, d] if not last; on the last stage the mean loss over all B*T tokens given `targets`, else this
+        rank's logits [B, T, vocab/tp]."""
+        seq = x.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.embed(x) if self.first else x
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        if not self.last:
+            return h
+        logits = self.head(self.norm(h))
+        if targets is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+
+    # -- layout ---------------------------------------------------------------------------------------
+    def _placed_parameters(self):
+        """(global name, parameter, shard_dim) for every local parameter."""
+        for module_name, module in self.named_modules():
+            for name, param in module.named_parameters(recurse=False):
+                yield f"{module_name}.{name}", param, module.shard_dim
+
+    def shard_specs(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """name -> (global shape, offsets of the local shard in it), for every local parameter."""
+        return {
+            name: (global_shape(p.shape, dim, self.tp_group), shard_offsets(p.shape, dim, self.tp_group))
+            for name, p, dim in self._placed_parameters()
+        }
+
+    def replicated(self, name: str) -> bool:
+        """True if the parameter is the same full tensor on every tp rank (count it once, write it once)."""
+        return self.get_submodule(name.rpartition(".")[0]).shard_dim is None
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill each parameter with its shard of a global tensor drawn from (seed, name): layout-free."""
+        for name, param, dim in self._placed_parameters():
+            full = init_tensor(self.cfg, name, global_shape(param.shape, dim, self.tp_group), seed)
+            param.copy_(shard_of(full, dim, self.tp_group))
+            del full  # before the next one is drawn: at most one full tensor alive (embeddings are big)
+
+
+def init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The global initial value of parameter `name`: ones for norms; N(0, 0.02) for linears and the
+    embedding, with output projections scaled down by sqrt(2 * n_layers) (GPT-2) so the residual stream's
+    variance does not grow with depth."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    std = INIT_STD
+    if name.endswith(("wo.weight", "w_down.weight")):
+        std /= math.sqrt(2 * cfg.n_layers)
+    # crc32, not hash(): the seed must be the same in every process (hash() of str is salted per process).
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """All parameters of the whole model: embedding, blocks, final norm and head."""
+    d = cfg.d_model
+    per_layer = 2 * d + _matmul_params_per_layer(cfg)
+    return cfg.vocab_size * d + cfg.n_layers * per_layer + d + cfg.vocab_size * d
+
+
+def _matmul_params_per_layer(cfg: ModelConfig) -> int:
+    d, hd = cfg.d_model, cfg.head_dim
+    attn = 2 * d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd
+    return attn + 3 * d * cfg.d_ff
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs (forward + backward) per token, the PaLM / Megatron MFU convention.
+
+    6 * N for the matmuls, N = every weight that is multiplied (all linears including the head; not the
+    embedding, a lookup, nor the norms): 2 FLOPs per multiply-add forward, 4 backward. Plus attention
+    scores and their use, 12 * n_layers * d_model * seq_len: QK^T and AV are 2 * T * d multiply-adds per
+    token per layer, times 6 as above. The causal mask's skipped half is counted, as the convention does.
+    """
+    n = cfg.n_layers * _matmul_params_per_layer(cfg) + cfg.vocab_size * cfg.d_model
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len

@@ -1,0 +1,49 @@
+"""The one-process reference run: the same model, data and update rule in a plain PyTorch loop.
+
+Written independently of the parallel path on purpose: one forward over the whole global batch,
+`torch.optim.AdamW` and `torch.nn.utils.clip_grad_norm_` directly, no microbatches, no groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from raypar import data
+from raypar.config import Config
+from raypar.model import LlamaStage
+from raypar.optim import ADAM_EPS, lr_at
+
+
+@dataclass
+class Run:
+    losses: list[float]
+    grad_norms: list[float]
+    params: dict[str, torch.Tensor]
+
+
+def reference_run(cfg: Config, steps: int) -> Run:
+    torch.manual_seed(0)
+    m, t = cfg.model, cfg.train
+    model = LlamaStage(m, range(m.n_layers), first=True, last=True, tp_group=None, seed=t.seed)
+    params = [p for p in model.parameters()]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=ADAM_EPS)
+    dataset = data.open_dataset(cfg.data, m)
+    sampler = data.GlobalSampler(dataset.num_samples, t.global_batch, t.seed)
+    losses, norms = [], []
+    for step in range(steps):
+        inputs, targets = data.microbatch(dataset, sampler, step, 0, t.global_batch)
+        loss = model(inputs, targets)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip)))
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, t)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return Run(losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()})
