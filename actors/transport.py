@@ -28,6 +28,10 @@ class TransportTimeout(TimeoutError):
     pass
 
 
+class StepAborted(RuntimeError):
+    """The driver called off the step (another actor failed): stop waiting for neighbours."""
+
+
 def _to_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
     tensor = tensor.detach().contiguous().cpu()
     if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the bits, reinterpret on arrival
@@ -46,41 +50,58 @@ class Mailbox:
     """Where a neighbour's `deliver` calls drop object references until the stage asks for them."""
 
     def __init__(self) -> None:
-        self._items: dict[tuple[str, int, int], Any] = {}
+        self._items: dict[tuple[str, int, int, int], Any] = {}
         self._cond = threading.Condition()
+        self._aborted = False
 
-    def put(self, key: tuple[str, int, int], item: Any) -> None:
+    def put(self, key: tuple[str, int, int, int], item: Any) -> None:
+        """key: (kind, membership epoch, step, microbatch); messages of an older epoch are stale."""
         with self._cond:
             self._items[key] = item
             self._cond.notify_all()
 
-    def take(self, key: tuple[str, int, int], timeout_s: float, what: str) -> Any:
+    def take(self, key: tuple[str, int, int, int], timeout_s: float, what: str) -> Any:
         with self._cond:
-            if not self._cond.wait_for(lambda: key in self._items, timeout=timeout_s):
+            if not self._cond.wait_for(lambda: key in self._items or self._aborted, timeout=timeout_s):
                 raise TransportTimeout(f"waited {timeout_s:g}s for {what}")
+            if self._aborted:
+                raise StepAborted(f"step called off while waiting for {what}")
             return self._items.pop(key)
 
-    def clear_before(self, step: int) -> None:
+    def abort(self) -> None:
         with self._cond:
-            for key in [k for k in self._items if k[1] < step]:
+            self._aborted = True
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        """Forget everything (a new membership starts with an empty mailbox) and accept waits again."""
+        with self._cond:
+            self._items.clear()
+            self._aborted = False
+
+    def clear_before(self, epoch: int, step: int) -> None:
+        with self._cond:
+            for key in [k for k in self._items if k[1:3] < (epoch, step)]:
                 del self._items[key]
 
 
 class ObjectStoreTransport:
-    def __init__(self, me: str, prev: Any | None, next_: Any | None, mailbox: Mailbox, timeout_s: float):
+    def __init__(
+        self, me: str, prev: Any | None, next_: Any | None, mailbox: Mailbox, timeout_s: float, epoch: int
+    ):
         self.me, self.prev, self.next, self.mailbox, self.timeout_s = me, prev, next_, mailbox, timeout_s
-        self.step = 0
+        self.epoch, self.step = epoch, 0
         self._pending: list[ray.ObjectRef] = []
 
     def _send(self, peer: Any, kind: str, mb: int, tensor: torch.Tensor) -> None:
         array, dtype = _to_numpy(tensor)
         # The reference travels inside a list so Ray passes it unresolved; the receiver fetches it itself.
-        self._pending.append(peer.deliver.remote(kind, self.step, mb, [ray.put(array)], dtype))
+        self._pending.append(peer.deliver.remote((kind, self.epoch, self.step, mb), [ray.put(array)], dtype))
 
     def _recv(self, kind: str, mb: int, source: str) -> torch.Tensor:
         what = f"{kind} of microbatch {mb} (step {self.step}) from {source} at {self.me}"
         deadline = time.monotonic() + self.timeout_s
-        refs, dtype = self.mailbox.take((kind, self.step, mb), self.timeout_s, what)
+        refs, dtype = self.mailbox.take((kind, self.epoch, self.step, mb), self.timeout_s, what)
         try:
             array = ray.get(refs[0], timeout=max(deadline - time.monotonic(), 0.001))
         except ray.exceptions.GetTimeoutError:

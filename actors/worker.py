@@ -1,30 +1,37 @@
 """The training actor: one (dp, pp, tp) coordinate, holding one shard of the model and its optimizer.
 
 A training step on an actor, top to bottom:
-  1. walk this stage's schedule (raypar.schedules): receive activations, forward, send; receive gradients,
-     backward, send — microbatch by microbatch, with data read locally from the global sampler;
-  2. the DP reducer averages gradients across replicas, its buckets overlapping the last backward;
-  3. the global gradient norm is summed over this replica's stages and tp ranks, then clipped;
-  4. the optimizer applies the update; small results (loss, norm, timings) go back to the driver.
-The driver sends only the step number: data, activations and gradients never pass through it.
+  1. `train_step`: walk this stage's schedule (raypar.schedules): receive activations, forward, send;
+     receive gradients, backward, send — microbatch by microbatch, data read locally from the global
+     sampler; the DP reducer averages gradients across replicas, its buckets overlapping the last backward;
+     the global gradient norm is summed over this replica's stages and tp ranks, then clipped;
+  2. `apply_step`: the optimizer update, sent by the driver only once every actor finished phase 1.
+Nothing is applied before all gradients are reduced everywhere, so a failed step leaves every survivor
+at the previous step and can simply be redone. The driver sends only step numbers: data, activations
+and gradients never pass through it.
+
+The actor's name (its coordinate) never changes; its data-parallel rank does when replicas come and go.
 """
 
 from __future__ import annotations
 
+import base64
 import math
 import os
+import threading
 import time
 from typing import Any
 
 import ray
 import torch
 
+from actors.telemetry import ActorMetrics
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from collectives import GroupHost
+from raypar import checkpoint, data, flops, schedules
 from raypar import config as config_mod
-from raypar import data, schedules
 from raypar.dp import GradReducer
-from raypar.mesh import Coord, Mesh, actor_name, pipe_group_name, stage_layers
+from raypar.mesh import Coord, actor_name, pipe_group_name, stage_layers
 from raypar.model import LlamaStage
 from raypar.optim import Optimizer, lr_at
 from raypar.tp import RowParallelLinear
@@ -34,14 +41,17 @@ class WorkerFailure(RuntimeError):
     """Raised inside an actor; the message is prefixed with the actor's coordinates."""
 
 
-@ray.remote(max_concurrency=4)  # one thread runs the step; others take neighbours' `deliver` calls
+@ray.remote(max_concurrency=4)  # one thread runs the step; others take `deliver`, `abort`, `where`
 class Worker(GroupHost):
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         torch.set_num_threads(threads)
         self.run, self.coord = run, Coord(*coord)
         self.name = actor_name(run, self.coord)
         self.mailbox = Mailbox()
+        self.metrics = ActorMetrics(run, self.coord)
         self.faults: set[str] = set()
+        self._writer: threading.Thread | None = None
+        self._written: dict[str, Any] | BaseException | None = None
 
     def __repr__(self) -> str:
         return self.name
@@ -56,54 +66,71 @@ class Worker(GroupHost):
             "cuda": torch.cuda.is_available(),
         }
 
+    def _fail(self, what: str, err: Exception) -> WorkerFailure:
+        d, p, t = self.coord
+        return WorkerFailure(f"{self.name} (dp={d}, pp={p}, tp={t}) {what}: {type(err).__name__}: {err}")
+
     # -- set-up ----------------------------------------------------------------------------------------
-    def setup(self, cfg: dict, dp: int, peers: dict[str, Any], faults: list[str] = ()) -> dict[str, Any]:
-        """(Re)build model, optimizer, data and transport for layout (dp, pp, tp) from the seed alone."""
+    def setup(
+        self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int, faults: list[str] = ()
+    ) -> dict:
+        """Build model, optimizer and data for this coordinate from the seed alone, then bind groups."""
         self.cfg = config_mod.from_dict(cfg)
         self.faults = set(faults)
-        d, p, t = self.coord
-        par = self.cfg.parallel
-        self.mesh = Mesh(dp, par.pp, par.tp)
+        p, par = self.coord.pp, self.cfg.parallel
         self.device = self._device()
+        dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
+        self.peak_flops = flops.device_peak_flops(self.device, dtype)  # measured once per process on CPU
         layers = stage_layers(self.cfg.model.n_layers, par.pp, par.stage_layers or None)[p]
         self.first, self.last = p == 0, p == par.pp - 1
-        tp_group = self.group(f"tp.dp{d}.pp{p}") if par.tp > 1 else None
-        self.model = LlamaStage(
-            self.cfg.model, layers, self.first, self.last, tp_group, seed=self.cfg.train.seed
-        )
+        tp_group = self.group(f"tp.dp{self.coord.dp}.pp{p}") if par.tp > 1 else None  # shapes the shards
+        self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, self.cfg.train.seed)
         self.model.to(self.device)
-        if "tp_drop_allreduce" in self.faults:  # negative control: row-parallel outputs left as partial sums
-            for module in self.model.modules():
-                if isinstance(module, RowParallelLinear):
-                    module.group = None
         self.optimizer = Optimizer(self.model, self.cfg.train)
-        dp_group = self.group(f"dp.pp{p}.tp{t}") if dp > 1 else None
-        self.reducer = GradReducer(
-            list(self.model.parameters()),
-            dp_group,
-            int(par.bucket_mb * 2**20),
-            op="sum" if "dp_sum" in self.faults else "avg",
-        )
-        self.mp_group = self.group(f"mp.dp{d}") if par.pp * par.tp > 1 else None
-        self.microbatches = self.cfg.microbatches_at(dp)
-        self.plan = schedules.build(par.schedule, par.pp, self.microbatches)[p]
-        self.last_backward = max(i for i, ins in enumerate(self.plan) if ins.op == "backward")
         self.dataset = data.open_dataset(self.cfg.data, self.cfg.model) if self.first or self.last else None
         if self.dataset is not None:
             self.sampler = data.GlobalSampler(
                 self.dataset.num_samples, self.cfg.train.global_batch, self.cfg.train.seed
             )
+        mbs, seq = self.cfg.microbatch_size, self.cfg.model.seq_len
+        self.act_like = torch.empty(mbs, seq, self.cfg.model.d_model, device=self.device)
+        self.rebind(replicas, peers, epoch)
+        return {"params": sum(p.numel() for p in self.model.parameters()), "peak_flops": self.peak_flops}
+
+    def rebind(self, replicas: list[int], peers: dict[str, Any], epoch: int) -> None:
+        """Use the groups formed for membership `epoch` (after any change of replicas), keeping the
+        model and optimizer state. `replicas` lists the live replica ids in data-parallel rank order."""
+        d, p, t = self.coord
+        self.epoch = epoch
+        par = self.cfg.parallel
+        self.dp, self.dp_rank = len(replicas), replicas.index(d)
+        tp_group = self.group(f"tp.dp{d}.pp{p}") if par.tp > 1 else None
+        self.model.tp_group = tp_group
+        for module in self.model.modules():
+            if hasattr(module, "group"):
+                module.group = tp_group
+        if "tp_drop_allreduce" in self.faults:  # negative control: row-parallel outputs left as partial sums
+            for module in self.model.modules():
+                if isinstance(module, RowParallelLinear):
+                    module.group = None
+        dp_group = self.group(f"dp.pp{p}.tp{t}") if self.dp > 1 else None
+        op = "sum" if "dp_sum" in self.faults else "avg"
+        self.reducer = GradReducer(list(self.model.parameters()), dp_group, int(par.bucket_mb * 2**20), op)
+        self.dp_group = dp_group
+        self.mp_group = self.group(f"mp.dp{d}") if par.pp * par.tp > 1 else None
+        self.microbatches = self.cfg.microbatches_at(self.dp)
+        self.plan = schedules.build(par.schedule, par.pp, self.microbatches)[p]
+        self.last_backward = max(i for i, ins in enumerate(self.plan) if ins.op == "backward")
         if par.transport == "direct":
             prev = self.group(pipe_group_name(d, t, p - 1)) if not self.first else None
             nxt = self.group(pipe_group_name(d, t, p)) if not self.last else None
             self.transport = DirectTransport(prev, nxt)
         else:
             self.transport = ObjectStoreTransport(
-                self.name, peers.get("prev"), peers.get("next"), self.mailbox, par.timeout_s
+                self.name, peers.get("prev"), peers.get("next"), self.mailbox, par.timeout_s, epoch
             )
-        mbs, seq = self.cfg.microbatch_size, self.cfg.model.seq_len
-        self.act_like = torch.empty(mbs, seq, self.cfg.model.d_model, device=self.device)
-        return {"params": sum(p.numel() for p in self.model.parameters()), "microbatches": self.microbatches}
+        self.optimizer.zero_grad()
+        self.mailbox.reset()
 
     def _device(self) -> torch.device:
         gpu_ids = ray.get_gpu_ids()
@@ -115,12 +142,16 @@ class Worker(GroupHost):
             return device
         return torch.device("cpu")
 
-    def deliver(self, kind: str, step: int, mb: int, refs: list, dtype: str) -> None:
-        self.mailbox.put((kind, step, mb), (refs, dtype))
+    def deliver(self, key: tuple[str, int, int, int], refs: list, dtype: str) -> None:
+        self.mailbox.put(tuple(key), (refs, dtype))
+
+    def abort(self) -> None:
+        """The step failed elsewhere: stop waiting for neighbours (collectives end by their timeout)."""
+        self.mailbox.abort()
 
     # -- one step --------------------------------------------------------------------------------------
     def _batch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        global_mb = self.coord.dp * self.microbatches + mb
+        global_mb = self.dp_rank * self.microbatches + mb
         inputs, targets = data.microbatch(
             self.dataset, self.sampler, step, global_mb, self.cfg.microbatch_size
         )
@@ -130,20 +161,22 @@ class Worker(GroupHost):
         try:
             return self._train_step(step)
         except Exception as err:
-            raise WorkerFailure(
-                f"{self.name} (dp={self.coord.dp}, pp={self.coord.pp}, tp={self.coord.tp}) "
-                f"step {step}: {type(err).__name__}: {err}"
-            ) from err
+            self.optimizer.zero_grad()  # the step is discarded: nothing of it may leak into a redo
+            raise self._fail(f"step {step}", err) from err
+
+    def apply_step(self, step: int) -> None:
+        """Phase 2: every actor finished phase 1 of `step`, so the update is applied everywhere."""
+        self.optimizer.step(lr_at(step, self.cfg.train))
+        self.optimizer.zero_grad()
 
     def _train_step(self, step: int) -> dict[str, Any]:
         if f"raise_at_step:{step}" in self.faults:
             raise RuntimeError("fault injected by the test suite")
         start = time.perf_counter()
         self.transport.step = step
-        self.mailbox.clear_before(step)
-        autocast = torch.autocast(
-            self.device.type, dtype=torch.bfloat16, enabled=self.cfg.train.precision == "bf16"
-        )
+        self.mailbox.clear_before(self.epoch, step)
+        bf16 = self.cfg.train.precision == "bf16"
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         grads: dict[int, torch.Tensor] = {}
@@ -185,22 +218,24 @@ class Worker(GroupHost):
         self.reducer.finish()
         self.transport.finish_step()
         grad_norm = self._clip_grad_norm()
-        lr = lr_at(step, self.cfg.train)
-        self.optimizer.step(lr)
-        self.optimizer.zero_grad()
         end = time.perf_counter()
         busy = sum(t1 - t0 for op, _, t0, t1 in events if op in ("forward", "backward"))
-        loss = (torch.stack(losses).float().mean().item()) if losses else None
-        return {
+        result = {
             "coord": tuple(self.coord),
-            "loss": loss,
+            "dp_rank": self.dp_rank,
+            "loss": torch.stack(losses).float().mean().item() if losses else None,
             "grad_norm": grad_norm,
-            "lr": lr,
+            "lr": lr_at(step, self.cfg.train),
             "step_s": end - start,
             "busy_s": busy,
             "reduce_s": end - compute_end,
             "events": events,
         }
+        tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result["step_s"]
+        world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp
+        mfu = flops.mfu(tokens_per_s / world, self.cfg.model, self.peak_flops) if self.peak_flops else None
+        self.metrics.record(result, tokens_per_s, mfu)
+        return result
 
     def _clip_grad_norm(self) -> float:
         sq = self.optimizer.grad_sq_norm(self.model.replicated, self.coord.tp == 0).double().reshape(1)
@@ -211,8 +246,100 @@ class Worker(GroupHost):
             self.optimizer.clip_(norm, self.cfg.train.grad_clip)
         return norm
 
-    # -- state -----------------------------------------------------------------------------------------
+    # -- state: inspection, healing a new replica, checkpoints ----------------------------------------
     def parameters(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
         """name -> (local shard, global shape, offsets), on the CPU."""
         specs = self.model.shard_specs()
         return {n: (p.detach().cpu(), *specs[n]) for n, p in self.model.named_parameters()}
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        """Everything to continue: parameters and optimizer moments, by checkpoint name."""
+        return {**dict(self.model.named_parameters()), **self.optimizer.state_tensors()}
+
+    def _spec(self, name: str) -> checkpoint.ShardSpec:
+        param = name.removeprefix("optim.").partition(".")[2] if name.startswith("optim.") else name
+        shape, offsets = self.model.shard_specs()[param]
+        return checkpoint.ShardSpec(tuple(shape), tuple(offsets))
+
+    def sync_state(self, src_dp_rank: int) -> None:
+        """Copy parameters and optimizer state from the replica at `src_dp_rank` to every other replica
+        of this (stage, tp rank): how a new or rebuilt replica is healed from a live peer."""
+        if self.dp_group is None:
+            return
+        steps = torch.tensor([float(self.optimizer.step_count)], dtype=torch.float64)
+        self.dp_group.broadcast(steps, src_dp_rank)
+        step_count = int(steps.item())
+        if step_count and not self.optimizer.state_tensors():  # a fresh replica: give its moments a shape
+            zeros = {
+                f"optim.{m}.{n}": torch.zeros_like(p)
+                for n, p in self.model.named_parameters()
+                for m in ("exp_avg", "exp_avg_sq")
+            }
+            self.optimizer.load_state_tensors(zeros, step_count)
+        self.optimizer.step_count = step_count
+        with torch.no_grad():
+            for _, tensor in sorted(self._state().items()):
+                self.dp_group.broadcast(tensor.data, src_dp_rank)
+
+    def save_shard(self, staging: str) -> bool:
+        """Snapshot this shard to host memory now (the stall), write it in a background thread.
+
+        One replica writes; tensors replicated across tp ranks are written by tp rank 0 only."""
+        if self.dp_rank != 0:
+            return False
+        self.wait_shard()
+        tensors = {n: t for n, t in self._state().items() if self.coord.tp == 0 or not self._replicated(n)}
+        snap = checkpoint.snapshot(tensors)
+        specs = {n: self._spec(n) for n in snap}
+        key = checkpoint.shard_key(0, self.coord.pp, self.coord.tp)
+
+        def write() -> None:
+            try:
+                self._written = checkpoint.write_shard(staging, key, snap, specs)
+            except BaseException as err:  # noqa: BLE001 - handed to the driver by wait_shard
+                self._written = err
+
+        self._written = None
+        self._writer = threading.Thread(target=write, name="checkpoint-writer", daemon=True)
+        self._writer.start()
+        return True
+
+    def _replicated(self, name: str) -> bool:
+        return self.model.replicated(
+            name.removeprefix("optim.").partition(".")[2] if name.startswith("optim.") else name
+        )
+
+    def wait_shard(self) -> dict[str, Any] | None:
+        """The manifest entry of the shard written in the background (None if this actor wrote none)."""
+        if self._writer is None:
+            return None
+        self._writer.join()
+        self._writer, result, self._written = None, self._written, None
+        if isinstance(result, BaseException):
+            raise self._fail("writing its checkpoint shard", result)
+        return result
+
+    def rng_state(self) -> str:
+        return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+    def load_state(self, ckpt_uri: str) -> int:
+        """Load this shard's parameters and optimizer state from any checkpoint, at any layout; returns the
+        optimizer's step count."""
+        try:
+            reader = checkpoint.CheckpointReader(ckpt_uri)
+            step_count = int(reader.meta["optimizer_steps"])
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    shape, offsets = self.model.shard_specs()[name]
+                    p.copy_(reader.read_slice(name, tuple(shape), tuple(offsets), tuple(p.shape), p.dtype))
+            moments = {}
+            if step_count:
+                for name, p in self.model.named_parameters():
+                    shape, offsets = self.model.shard_specs()[name]
+                    for m in ("exp_avg", "exp_avg_sq"):
+                        key = f"optim.{m}.{name}"
+                        moments[key] = reader.read_slice(key, tuple(shape), tuple(offsets), tuple(p.shape))
+            self.optimizer.load_state_tensors(moments, step_count)
+            return step_count
+        except Exception as err:
+            raise self._fail(f"loading {ckpt_uri}", err) from err

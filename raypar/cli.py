@@ -1,15 +1,20 @@
-"""`raypar` command line. Usage and config errors: one line on stderr, exit 2, before any actor starts.
-Runtime failures: one line naming the actor and the cause, exit 1."""
+"""`raypar` command line.
+
+Usage and config errors: one line on stderr, exit 2, before any actor starts (Ray is imported only once the
+input is known good). Runtime failures: one line naming the actor (run, dp, pp, tp) and the cause, exit 1.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
 import sys
 from pathlib import Path
 
 from raypar import config as config_mod
-from raypar.config import ConfigError
+from raypar.config import Config, ConfigError
 
 
 class UsageError(Exception):
@@ -35,29 +40,101 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--name", help="run name (default: config name + time)")
     train.add_argument("--address", help="Ray cluster: 'auto' or HOST:PORT (default: start a local Ray)")
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="PATH|latest",
+        help="continue from a checkpoint: a step directory, a checkpoint root, or latest "
+        "(the newest under checkpoint.dir)",
+    )
+    train.add_argument("--stop-at", type=int, metavar="STEP", help="stop before this step (resume later)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     prepare = sub.add_parser("prepare", help="turn text files into byte-level token shards (Arrow IPC)")
     prepare.add_argument("globs", nargs="+", help="text file globs (** allowed)")
     prepare.add_argument("--out", required=True, type=Path, help="output directory")
+
+    scale = sub.add_parser("scale", help="change a running run's number of data-parallel replicas")
+    scale.add_argument("--run", required=True, help="the run's name")
+    scale.add_argument("--dp", required=True, type=int, help="new number of replicas")
+    scale.add_argument("--address", default="auto", help="Ray cluster (default: auto)")
+
+    status = sub.add_parser("status", help="live runs: layout, step, throughput, actors and their nodes")
+    status.add_argument("--address", default="auto", help="Ray cluster (default: auto)")
+    status.add_argument("--json", action="store_true", help="print JSON")
+
+    rep = sub.add_parser("report", help="timeline (Chrome trace + PNG) and loss plot of a run directory")
+    rep.add_argument("run_dir", type=Path)
+    rep.add_argument("--step", type=int, help="the step to draw (default: the median one)")
+
+    ckpt = sub.add_parser("checkpoint", help="inspect or export a checkpoint")
+    ckpt_sub = ckpt.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    inspect = ckpt_sub.add_parser("inspect", help="summarise a checkpoint's manifest")
+    inspect.add_argument("path", help="a step directory or a checkpoint root (its latest)")
+    export = ckpt_sub.add_parser("export", help="write one consolidated safetensors file")
+    export.add_argument("path", help="a step directory or a checkpoint root (its latest)")
+    export.add_argument("out", help="output .safetensors path or URI")
     return parser
+
+
+def _check_data(cfg: Config) -> None:
+    """Open the dataset once here: its errors are config errors, and the stdlib corpus is prepared once."""
+    from raypar import data
+
+    dataset = data.open_dataset(cfg.data, cfg.model)
+    data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
+
+
+def _resolve_resume(cfg: Config, which: str) -> str:
+    from raypar import checkpoint
+
+    if which == "latest" and not cfg.checkpoint.dir:
+        raise ConfigError("--resume latest: checkpoint.dir is not set")
+    try:
+        uri = checkpoint.resolve(cfg.checkpoint.dir if which == "latest" else which)
+        saved = checkpoint.load_manifest(uri)["meta"].get("model", {})
+    except checkpoint.CheckpointError as err:
+        raise ConfigError(f"--resume: {err}") from None
+    mine = dataclasses.asdict(cfg.model)
+    diff = [k for k in mine if k != "preset" and k in saved and saved[k] != mine[k]]
+    if diff:
+        raise ConfigError(
+            f"--resume: {uri}/manifest.json does not match the model: "
+            + ", ".join(f"model.{k}={mine[k]} vs {saved[k]}" for k in diff)
+        )
+    return uri
 
 
 def _train(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config, args.set)
+    if args.stop_at is not None and args.stop_at <= 0:
+        raise UsageError(f"--stop-at: must be a positive step, got {args.stop_at}")
+    if cfg.data.cache_dir:
+        cfg.data.cache_dir = str(Path(cfg.data.cache_dir).resolve())  # actors may run in another directory
+    _check_data(cfg)
+    resume = _resolve_resume(cfg, args.resume) if args.resume else None
     name = args.name or f"{Path(args.config).stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = args.run_dir or Path("runs") / name
-    from raypar.driver import RunFailure, run_training  # imports Ray: only once the config is known good
+    from raypar.driver import RunFailure  # imports Ray: only once the input is known good
+    from raypar.training import Run
 
     try:
-        summary = run_training(cfg, name, run_dir, args.address, progress=not args.no_progress)
+        summary = Run(cfg, name, run_dir, args.address, resume, args.stop_at, not args.no_progress).execute()
     except RunFailure as err:
         print(f"raypar: run {name} failed: {err}", file=sys.stderr)
         return 1
+    tokens_s = summary["tokens"] / summary["wall_s"] if summary["wall_s"] else 0.0
+    loss = (
+        f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
+        if summary["final_loss"] is not None
+        else ""
+    )
     print(
-        f"raypar: run {summary['run']} done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> "
-        f"{summary['final_loss']:.4f}, {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s "
-        f"({summary['tokens'] / summary['wall_s']:,.0f} tokens/s overall); {summary['run_dir']}/metrics.jsonl"
+        f"raypar: run {summary['run']} done at step {summary['steps']}: {loss}{summary['tokens']:,} tokens "
+        f"in "
+        f"{summary['wall_s']:.1f}s ({tokens_s:,.0f} tokens/s overall), {summary['restarts']} restarts; "
+        f"{summary['run_dir']}/metrics.jsonl"
     )
     return 0
 
@@ -70,10 +147,87 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _connect(address: str) -> None:
+    from raypar.driver import connect
+
+    connect(address)
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from raypar import control
+
+    _connect(args.address)
+    try:
+        print(f"raypar: {control.scale(args.run, args.dp)}")
+    except LookupError as err:
+        raise UsageError(str(err)) from None
+    except Exception as err:  # noqa: BLE001 - the control actor's refusal, raised through Ray
+        cause = getattr(err, "cause", None) or err
+        raise UsageError(str(cause).strip().splitlines()[-1]) from None
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from raypar import control
+
+    _connect(args.address)
+    runs = control.runs()
+    if args.json:
+        print(json.dumps(runs, indent=2))
+        return 0
+    if not runs:
+        print("raypar: no live runs")
+    for run in runs:
+        if run.get("step") is None:
+            print(f"{run['run']}: starting")
+            continue
+        print(
+            f"{run['run']}: step {run['step'] + 1}/{run['steps']}  loss {run['loss']:.4f}  "
+            f"{run['tokens_per_s']:,.0f} tokens/s  dp={run['dp']} pp={run['pp']} tp={run['tp']}  "
+            f"restarts {run['restarts']}  {run['run_dir']}"
+        )
+        for name, where in run["actors"].items():
+            print(f"  {name:40s} node {where['node_id'][:12]}  {where['ip']}  pid {where['pid']}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from raypar import report
+
+    try:
+        result = report.write_report(args.run_dir, args.step)
+    except (FileNotFoundError, ValueError) as err:
+        raise UsageError(str(err)) from None
+    print(report.describe(result))
+    return 0
+
+
+def _checkpoint(args: argparse.Namespace) -> int:
+    from raypar import checkpoint
+
+    try:
+        uri = checkpoint.resolve(args.path)
+        if args.action == "inspect":
+            print(checkpoint.inspect(uri))
+        else:
+            print(f"raypar: wrote {checkpoint.export(uri, args.out)}")
+    except checkpoint.CheckpointError as err:
+        print(f"raypar: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        handler = {"train": _train, "prepare": _prepare}[args.command]
+        handler = {
+            "train": _train,
+            "prepare": _prepare,
+            "scale": _scale,
+            "status": _status,
+            "report": _report,
+            "checkpoint": _checkpoint,
+        }[args.command]
         return handler(args)
     except (ConfigError, UsageError) as err:
         print(f"raypar: {err}", file=sys.stderr)

@@ -1,13 +1,15 @@
-"""The controller: config in; placement groups, actors and groups out; then steps.
+"""The controller's mesh: placement groups, actors and groups in; steps, recovery and scaling out.
 
-`Trainer` owns one run's actors. Per step it sends every actor the step number and gathers small
-results; a failure anywhere surfaces as `RunFailure` naming the actor (run, dp, pp, tp) and the cause.
-`run_training` is what `raypar train` runs: it adds the run directory, metrics.jsonl and the progress bar.
+`Trainer` owns one run's actors. A step is two calls per actor: `train_step` (compute and reduce, no
+update) and, once every actor has finished it, `apply_step`. A failure anywhere surfaces as `StepFailure`
+naming the actor (run, dp, pp, tp) and the cause; when actors died it also says which, and `recover`
+continues with the intact replicas (or asks for a restore when none is left). Replicas come and go
+between steps (`scale_to`); each membership change re-forms every group under a new epoch.
 """
 
 from __future__ import annotations
 
-import json
+import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,16 +21,26 @@ import torch
 
 from actors.worker import Worker
 from collectives import RendezvousServer, create_groups
-from raypar import config as config_mod
+from raypar import checkpoint
 from raypar.config import Config
 from raypar.mesh import Coord, Mesh, actor_name
-from raypar.placement import ActorResources, in_bundle, place_stage, release, resources_for
+from raypar.placement import ActorResources, PlacementTimeout, in_bundle, place_stage, release, resources_for
 
 NAMESPACE = "raypar"
+PING_TIMEOUT_S = 5.0
 
 
 class RunFailure(RuntimeError):
     """A runtime failure of the run; `str()` is the one-line cause shown to the user (exit status 1)."""
+
+
+class StepFailure(RunFailure):
+    """A step (or another all-actor call) failed. `dead`: actors found dead; `applied`: whether the
+    update of the step was applied by every intact replica before the failure."""
+
+    def __init__(self, message: str, dead: set[Coord], applied: bool = False):
+        super().__init__(message)
+        self.dead, self.applied = dead, applied
 
 
 def connect(address: str | None, num_cpus: int | None = None) -> None:
@@ -36,7 +48,7 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     if address and address != "auto" and "RAY_AUTH_MODE" not in os.environ:
-        # Clusters started by `ray start` turn token auth on; `address="auto"` finds the token by itself,
+        # Clusters started by `ray start` may use token auth; `address="auto"` finds the token by itself,
         # an explicit HOST:PORT only with RAY_AUTH_MODE=token (measured on Ray 2.60).
         if (Path.home() / ".ray" / "auth_token").exists() or os.environ.get("RAY_AUTH_TOKEN"):
             os.environ["RAY_AUTH_MODE"] = "token"
@@ -49,17 +61,21 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
         hint = ""
         if "auth" in str(err).lower():
             hint = " (token authentication: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN, or ~/.ray/auth_token)"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise RunFailure(
-            f"could not connect to Ray at {address or 'a new local instance'}: "
-            f"{str(err).splitlines()[0]}{hint}"
+            f"could not connect to Ray at {address or 'a new local instance'}: {first}{hint}"
         ) from None
 
 
+def _died(err: BaseException) -> bool:
+    return isinstance(err, ray.exceptions.ActorDiedError | ray.exceptions.ActorUnavailableError)
+
+
 def _cause(err: BaseException) -> str:
+    if _died(err):
+        return "the actor died (" + " ".join(str(err).split())[:160] + ")"
     if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None:
         err = err.cause
-    if isinstance(err, ray.exceptions.ActorDiedError | ray.exceptions.RayActorError):
-        return "the actor died (" + " ".join(str(err).split())[:200] + ")"
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__
 
@@ -78,40 +94,75 @@ class Trainer:
     def __init__(self, cfg: Config, run: str, faults: dict[Coord, list[str]] | None = None):
         self.cfg, self.run = cfg, run
         self.faults = faults or {}
-        self.mesh = Mesh(cfg.dp_fixed, cfg.parallel.pp, cfg.parallel.tp)
+        par = cfg.parallel
+        self.pp, self.tp = par.pp, par.tp
+        self.replicas: list[int] = []
         self.actors: dict[Coord, Any] = {}
         self.pgs: dict[tuple[int, int], Any] = {}
+        self.nodes: dict[Coord, dict[str, Any]] = {}
+        self.peaks: dict[Coord, float | None] = {}
         self.epoch = 0
         self.server: RendezvousServer | None = None
         self.resources: ActorResources | None = None
 
-    # -- building the mesh -----------------------------------------------------------------------------
-    def start(self) -> None:
-        par = self.cfg.parallel
-        self.server = RendezvousServer(timeout_s=par.timeout_s)
-        self.resources = resources_for(par.device)
-        for d in range(self.mesh.dp):
-            self._add_replica(d)
-        self._wire()
+    @property
+    def dp(self) -> int:
+        return len(self.replicas)
 
-    def _add_replica(self, d: int) -> None:
-        par = self.cfg.parallel
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(max(self.dp, 1), self.pp, self.tp)
+
+    @property
+    def peak_flops(self) -> float | None:
+        """The summed peak FLOP/s of every actor's device (None if one is unknown): MFU's denominator."""
+        peaks = [self.peaks.get(c) for c in self.actors]
+        return sum(peaks) if peaks and all(peaks) else None
+
+    def name(self, coord: Coord) -> str:
+        return actor_name(self.run, coord)
+
+    # -- building the mesh -----------------------------------------------------------------------------
+    def start(self, dp: int | None = None) -> None:
+        self.server = RendezvousServer(timeout_s=self.cfg.parallel.timeout_s)
+        self.resources = resources_for(self.cfg.parallel.device)
+        for d in range(dp if dp is not None else self.cfg.dp_fixed):
+            self._place_replica(d, self.cfg.parallel.timeout_s)
+        self._regroup(new=set(self.replicas))
+
+    def _place_replica(self, d: int, timeout_s: float) -> None:
+        """Reserve and start the pp x tp actors of replica `d` (all or none)."""
         env = (
             {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}} if self.resources.gpus else {}
         )
-        for p in range(par.pp):
-            pg = place_stage(self.run, d, p, par.tp, self.resources, par.timeout_s)
+        placed = []
+        try:
+            for p in range(self.pp):
+                placed.append(place_stage(self.run, d, p, self.tp, self.resources, timeout_s))
+        except PlacementTimeout:
+            release(placed)
+            raise
+        for p, pg in enumerate(placed):
             self.pgs[(d, p)] = pg
-            for t in range(par.tp):
+            for t in range(self.tp):
                 coord = Coord(d, p, t)
                 self.actors[coord] = Worker.options(
-                    name=actor_name(self.run, coord),
+                    name=self.name(coord),
                     namespace=NAMESPACE,
                     num_cpus=self.resources.cpus,
                     num_gpus=self.resources.gpus,
                     scheduling_strategy=in_bundle(pg, t),
                     runtime_env=env,
                 ).remote(self.run, tuple(coord))
+        self.replicas.append(d)
+
+    def _drop_replicas(self, ids: set[int]) -> None:
+        for coord in [c for c in self.actors if c.dp in ids]:
+            ray.kill(self.actors.pop(coord))
+            self.nodes.pop(coord, None)
+            self.peaks.pop(coord, None)
+        release([self.pgs.pop(key) for key in list(self.pgs) if key[0] in ids])
+        self.replicas = [d for d in self.replicas if d not in ids]
 
     def _backend(self) -> str:
         if not self.resources.gpus:
@@ -122,91 +173,195 @@ class Trainer:
             "nccl" if ray.get(first.where.remote(), timeout=self.cfg.parallel.timeout_s)["cuda"] else "gloo"
         )
 
-    def _wire(self) -> None:
-        """Form every group of the mesh under the current epoch, then (re)build each actor's state."""
-        par = self.cfg.parallel
-        groups = {name: [c.key for c in members] for name, members in self.mesh.groups().items()}
+    def _peers(self, coord: Coord) -> dict[str, Any]:
+        return {
+            "prev": self.actors.get(Coord(coord.dp, coord.pp - 1, coord.tp)),
+            "next": self.actors.get(Coord(coord.dp, coord.pp + 1, coord.tp)),
+        }
+
+    def _regroup(self, new: set[int] = frozenset()) -> None:
+        """Form every group for the current replicas under a new epoch; build the actors of the `new`
+        replicas from the seed, rebind the others (keeping their state)."""
+        self.epoch += 1
+        timeout = self.cfg.parallel.timeout_s
+        groups = {name: [c.key for c in m] for name, m in self.mesh.groups(self.replicas).items()}
         by_key = {c.key: a for c, a in self.actors.items()}
-        create_groups(by_key, groups, self.server.address, self.epoch, self._backend(), par.timeout_s)
-        self._setup_actors()
-
-    def reconfigure(self, cfg: Config, faults: dict[Coord, list[str]] | None = None) -> None:
-        """Rebuild every actor's state from the seed under `cfg` (same mesh): a new schedule, transport or
-        microbatch count without new processes or groups."""
-        mesh = Mesh(cfg.dp_fixed, cfg.parallel.pp, cfg.parallel.tp)
-        if mesh != self.mesh:
-            raise ValueError(f"reconfigure keeps the mesh {self.mesh}; got {mesh}")
-        self.cfg, self.faults = cfg, faults or {}
-        self._setup_actors()
-
-    def _setup_actors(self) -> None:
+        create_groups(by_key, groups, self.server.address, self.epoch, self._backend(), timeout)
         cfg = self.cfg.to_dict()
         refs = {}
         for coord, actor in self.actors.items():
-            peers = {
-                "prev": self.actors.get(Coord(coord.dp, coord.pp - 1, coord.tp)),
-                "next": self.actors.get(Coord(coord.dp, coord.pp + 1, coord.tp)),
-            }
-            refs[actor.setup.remote(cfg, self.mesh.dp, peers, self.faults.get(coord, []))] = coord
-        self._gather(refs, "setting up")
+            if coord.dp in new:
+                faults = self.faults.get(coord, [])
+                ref = actor.setup.remote(cfg, self.replicas, self._peers(coord), self.epoch, faults)
+            else:
+                ref = actor.rebind.remote(self.replicas, self._peers(coord), self.epoch)
+            refs[ref] = coord
+        for coord, info in self._gather(refs, "setting up" if new else "re-forming groups").items():
+            if info is not None:
+                self.peaks[coord] = info["peak_flops"]
+        where = self._gather({a.where.remote(): c for c, a in self.actors.items()}, "locating actors")
+        self.nodes = where
 
-    # -- running ---------------------------------------------------------------------------------------
-    def _gather(self, refs: dict[Any, Coord], what: str) -> dict[Coord, Any]:
-        """Wait for every ref; on the first failure, report the root cause by actor, not a symptom."""
+    def reconfigure(self, cfg: Config, faults: dict[Coord, list[str]] | None = None) -> None:
+        """Rebuild every actor's state from the seed under `cfg` (same layout): a new schedule, transport
+        or microbatch count without new processes."""
+        if (cfg.parallel.pp, cfg.parallel.tp, cfg.dp_fixed) != (self.pp, self.tp, self.dp):
+            raise ValueError("reconfigure keeps the layout; start a new Trainer to change it")
+        self.cfg, self.faults = cfg, faults or {}
+        self._regroup(new=set(self.replicas))
+
+    # -- calls to every actor, with failure containment ------------------------------------------------
+    def _gather(self, refs: dict[Any, Coord], what: str, applied: bool = False) -> dict[Coord, Any]:
+        """Wait for every ref. On the first failure: find dead actors, end the broken replicas (their
+        peers then fail fast instead of waiting out a timeout), call off the others' waits, and raise
+        StepFailure with the root cause, not a symptom."""
         deadline = time.monotonic() + 2 * self.cfg.parallel.timeout_s + 30
         results: dict[Coord, Any] = {}
         errors: dict[Coord, BaseException] = {}
+        dead: set[Coord] = set()
+        contained = False
         pending = list(refs)
         while pending:
-            timeout = deadline - time.monotonic()
-            if errors:  # give the others a moment to fail too, so the root cause can be told from symptoms
-                timeout = min(timeout, 2.0)
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(timeout, 0))
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
             if not done:
-                if errors:
-                    break
-                late = ", ".join(actor_name(self.run, refs[r]) for r in pending)
-                raise RunFailure(
-                    f"{what}: no answer within {2 * self.cfg.parallel.timeout_s + 30:g}s from {late}"
-                )
+                late = ", ".join(self.name(refs[r]) for r in pending)
+                raise StepFailure(f"{what}: no answer within the deadline from {late}", dead, applied)
             for ref in done:
                 try:
                     results[refs[ref]] = ray.get(ref)
                 except Exception as err:  # noqa: BLE001 - every worker error is reported below
                     errors[refs[ref]] = err
+                    if not contained:
+                        dead, contained = self._contain(refs[ref], err), True
         if errors:
-            raise RunFailure(self._describe_failure(errors, what))
+            raise StepFailure(self._describe_failure(errors, dead, what), dead, applied)
         return results
 
-    def _describe_failure(self, errors: dict[Coord, BaseException], what: str) -> str:
+    def _contain(self, first: Coord, err: BaseException) -> set[Coord]:
+        dead = {first} if _died(err) else set()
+        pings = {a.where.remote(): c for c, a in self.actors.items() if c != first}
+        ready, missing = ray.wait(list(pings), num_returns=len(pings), timeout=PING_TIMEOUT_S)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001 - any failure to answer a ping means the actor is gone
+                dead.add(pings[ref])
+        dead |= {pings[r] for r in missing}
+        broken = {c.dp for c in dead}
+        for coord, actor in self.actors.items():
+            if coord.dp in broken and coord not in dead:
+                ray.kill(actor)  # its sockets close, so intact peers fail now instead of at their timeout
+            elif coord not in dead:
+                actor.abort.remote()
+        return dead
+
+    def _describe_failure(self, errors: dict[Coord, BaseException], dead: set[Coord], what: str) -> str:
         def rank(item: tuple[Coord, BaseException]) -> int:
             cause = _cause(item[1])
-            if "actor died" in cause:
+            if item[0] in dead or "actor died" in cause:
                 return 0
-            if "GroupError" in cause or "Timeout" in cause or "group '" in cause:
+            if "GroupError" in cause or "Timeout" in cause or "StepAborted" in cause or "group '" in cause:
                 return 2  # a symptom: a peer of the actor that really failed
             return 1
 
         coord, err = min(errors.items(), key=rank)
+        if coord in dead and not _died(err):
+            cause = "the actor died"
+        else:
+            cause = _cause(err)
         return (
-            f"{what}: worker {actor_name(self.run, coord)} (run={self.run}, dp={coord.dp}, pp={coord.pp}, "
-            f"tp={coord.tp}) failed: {_cause(err)}"
+            f"{what}: worker {self.name(coord)} (run={self.run}, dp={coord.dp}, pp={coord.pp}, "
+            f"tp={coord.tp}) failed: {cause}"
         )
 
+    # -- running ---------------------------------------------------------------------------------------
     def step(self, step: int) -> StepResult:
         start = time.perf_counter()
-        refs = {actor.train_step.remote(step): coord for coord, actor in self.actors.items()}
-        results = self._gather(refs, f"step {step}")
+        results = self._gather({a.train_step.remote(step): c for c, a in self.actors.items()}, f"step {step}")
+        self._gather({a.apply_step.remote(step): c for c, a in self.actors.items()}, f"step {step}", True)
         elapsed = time.perf_counter() - start
-        last = self.cfg.parallel.pp - 1
+        last = self.pp - 1
         losses = [r["loss"] for c, r in results.items() if c.pp == last and c.tp == 0]
-        any_result = results[Coord(0, 0, 0)]
-        return StepResult(
-            step, sum(losses) / len(losses), any_result["grad_norm"], any_result["lr"], elapsed, results
-        )
+        some = next(iter(results.values()))
+        return StepResult(step, sum(losses) / len(losses), some["grad_norm"], some["lr"], elapsed, results)
 
-    def parameters(self, replica: int = 0) -> dict[str, torch.Tensor]:
+    def recover(self, failure: StepFailure) -> str:
+        """Drop the replicas that lost an actor and continue with the intact ones, at once and without
+        touching disk. Raises `failure` itself when nothing died (a bug, not a fault) and RunFailure
+        when no replica is intact (the caller restores a checkpoint)."""
+        if not failure.dead:
+            raise failure
+        broken = {c.dp for c in failure.dead}
+        self._drop_replicas(broken)
+        if not self.replicas:
+            raise RunFailure(f"no intact replica left after {failure}")
+        self._regroup()
+        return f"lost replica(s) {sorted(broken)} ({failure}); continuing at dp={self.dp}"
+
+    def scale_to(self, dp: int, timeout_s: float) -> str:
+        """Add or remove replicas between steps. New ones are placed, join the groups under a new epoch and
+        receive parameters and optimizer state from replica rank 0. Returns what happened."""
+        if dp < self.dp:
+            gone = set(self.replicas[dp:])
+            self._drop_replicas(gone)
+            self._regroup()
+            return f"removed replica(s) {sorted(gone)}: dp={self.dp}"
+        new: set[int] = set()
+        try:
+            while self.dp < dp:
+                d = next(i for i in itertools.count() if i not in self.replicas)
+                self._place_replica(d, timeout_s)
+                new.add(d)
+        except PlacementTimeout as err:
+            if not new:
+                return f"could not add a replica: {err}"
+        if not new:
+            return f"dp={self.dp} already"
+        fresh = not (set(self.replicas) - new)
+        self._regroup(new=new)
+        if not fresh:
+            self._gather({a.sync_state.remote(0): c for c, a in self.actors.items()}, "healing new replicas")
+        return f"added replica(s) {sorted(new)}: dp={self.dp}"
+
+    def restart_all(self, dp: int, ckpt_uri: str | None) -> int:
+        """No intact replica: start every replica again and load `ckpt_uri` (or the seed's initial state
+        when there is no checkpoint yet). Returns the step to continue from."""
+        self._drop_replicas(set(self.replicas))
+        for d in range(dp):
+            self._place_replica(d, self.cfg.parallel.timeout_s)
+        self._regroup(new=set(self.replicas))
+        return self.load(ckpt_uri) if ckpt_uri else 0
+
+    # -- state -----------------------------------------------------------------------------------------
+    def load(self, ckpt_uri: str) -> int:
+        """Every actor loads its shard of `ckpt_uri` (written at any layout); returns the step to run next."""
+        self._gather({a.load_state.remote(ckpt_uri): c for c, a in self.actors.items()}, "loading checkpoint")
+        return int(checkpoint.load_manifest(ckpt_uri)["step"])
+
+    def begin_checkpoint(self, root: str, step: int) -> tuple[str, list[Coord]]:
+        """Snapshot every shard (the only stall) and start writing it in the background; returns the
+        staging URI and the writers to collect from with `finish_checkpoint`."""
+        staging = checkpoint.begin(root, step)
+        wrote = self._gather({a.save_shard.remote(staging): c for c, a in self.actors.items()}, "checkpoint")
+        return staging, [c for c, w in wrote.items() if w]
+
+    def finish_checkpoint(self, writers: list[Coord]) -> list[dict[str, Any]]:
+        refs = {self.actors[c].wait_shard.remote(): c for c in writers if c in self.actors}
+        if len(refs) != len(writers):
+            raise RunFailure("a checkpoint writer died before finishing its shard")
+        return list(self._gather(refs, "writing checkpoint shards").values())
+
+    def rng_states(self) -> dict[str, str]:
+        return {
+            c.key: s
+            for c, s in self._gather(
+                {a.rng_state.remote(): c for c, a in self.actors.items()}, "reading RNG states"
+            ).items()
+        }
+
+    def parameters(self, replica: int | None = None) -> dict[str, torch.Tensor]:
         """The full model of one replica, assembled from its shards (tests and export)."""
+        replica = self.replicas[0] if replica is None else replica
         refs = {a.parameters.remote(): c for c, a in self.actors.items() if c.dp == replica}
         full: dict[str, torch.Tensor] = {}
         for shards in self._gather(refs, "reading parameters").values():
@@ -217,74 +372,4 @@ class Trainer:
         return full
 
     def shutdown(self) -> None:
-        for actor in self.actors.values():
-            ray.kill(actor)
-        release(list(self.pgs.values()))
-        self.actors.clear()
-        self.pgs.clear()
-
-
-def tokens_per_step(cfg: Config) -> int:
-    return cfg.train.global_batch * cfg.model.seq_len
-
-
-def run_training(cfg: Config, run: str, run_dir: Path, address: str | None, progress: bool = True) -> dict:
-    """What `raypar train` does after the config is valid; returns the summary."""
-    from tqdm import tqdm
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
-    world = cfg.dp_fixed * cfg.parallel.pp * cfg.parallel.tp
-    connect(address, num_cpus=None if address else max(os.cpu_count() or 1, world))
-    trainer = Trainer(cfg, run, faults=_faults_from_env())
-    tokens = tokens_per_step(cfg)
-    wall = time.perf_counter()
-    first_loss = None
-    try:
-        trainer.start()
-        with (
-            open(run_dir / "metrics.jsonl", "w") as metrics,
-            tqdm(total=cfg.train.steps, disable=not progress, unit="step", dynamic_ncols=True) as bar,
-        ):
-            for step in range(cfg.train.steps):
-                result = trainer.step(step)
-                record = {
-                    "step": step,
-                    "loss": result.loss,
-                    "grad_norm": result.grad_norm,
-                    "lr": result.lr,
-                    "tokens": tokens * (step + 1),
-                    "step_time_s": result.step_time_s,
-                    "tokens_per_s": tokens / result.step_time_s,
-                    "dp": trainer.mesh.dp,
-                    "pp": trainer.mesh.pp,
-                    "tp": trainer.mesh.tp,
-                }
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-                bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                bar.update(1)
-                first_loss = record["loss"] if first_loss is None else first_loss
-    finally:
-        trainer.shutdown()
-    elapsed = time.perf_counter() - wall
-    return {
-        "run": run,
-        "steps": cfg.train.steps,
-        "first_loss": first_loss,
-        "final_loss": record["loss"],
-        "tokens": record["tokens"],
-        "wall_s": elapsed,
-        "run_dir": str(run_dir),
-    }
-
-
-def _faults_from_env() -> dict[Coord, list[str]]:
-    """RAYPAR_INJECT_FAULT="dp0.pp1.tp0=raise_at_step:2": how the test suite makes a worker fail."""
-    spec = os.environ.get("RAYPAR_INJECT_FAULT", "")
-    faults: dict[Coord, list[str]] = {}
-    for item in filter(None, spec.split(";")):
-        key, _, fault = item.partition("=")
-        d, p, t = (int(part[2:]) for part in key.split("."))
-        faults.setdefault(Coord(d, p, t), []).append(fault)
-    return faults
+        self._drop_replicas(set(self.replicas))

@@ -56,16 +56,19 @@ class Mesh:
     def coords(self) -> list[Coord]:
         return [self.coord(r) for r in range(self.world_size)]
 
-    def groups(self) -> dict[str, list[Coord]]:
+    def groups(self, replicas: list[int] | None = None) -> dict[str, list[Coord]]:
         """Every group of the mesh, name -> members in group-rank order.
 
+        `replicas` are the live replica ids in data-parallel rank order (default 0..dp-1): after failures
+        and scaling they need not be contiguous, while names and coordinates of actors never change.
         tp: the tensor-parallel ranks of one stage of one replica.
         dp: the same (stage, tp rank) across replicas; gradients are averaged here.
         mp: all ranks of one replica (model parallel); the global gradient norm is summed here.
         pp: two neighbouring stages at the same tp rank (the `direct` activation transport).
         """
+        replicas = list(range(self.dp)) if replicas is None else list(replicas)
         out: dict[str, list[Coord]] = {}
-        for d in range(self.dp):
+        for d in replicas:
             for p in range(self.pp):
                 out[f"tp.dp{d}.pp{p}"] = [Coord(d, p, t) for t in range(self.tp)]
             out[f"mp.dp{d}"] = [Coord(d, p, t) for p in range(self.pp) for t in range(self.tp)]
@@ -74,7 +77,7 @@ class Mesh:
                     out[pipe_group_name(d, t, p)] = [Coord(d, p, t), Coord(d, p + 1, t)]
         for p in range(self.pp):
             for t in range(self.tp):
-                out[f"dp.pp{p}.tp{t}"] = [Coord(d, p, t) for d in range(self.dp)]
+                out[f"dp.pp{p}.tp{t}"] = [Coord(d, p, t) for d in replicas]
         return out
 
     def groups_of(self, coord: Coord) -> dict[str, list[Coord]]:

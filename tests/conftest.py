@@ -7,6 +7,9 @@ import os
 import pytest
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Actors export metrics to Ray's agent every interval (default 10 s); 1 s, Ray's floor, keeps
+# tests/test_telemetry.py's wait short. Read by every Ray process ray.init starts, so set before it.
+os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,77 @@
+"""Per-actor training metrics exported to Ray (`ray.util.metrics`), and from there to Prometheus.
+
+Ray's metrics agent on each node serves them at `http://<node>:<MetricsExportPort>/metrics` (see
+`ray.nodes()`), with Ray's `ray_` prefix: `raypar_loss` is scraped as `ray_raypar_loss`. Every series is
+tagged with run, dp, pp and tp, so a dashboard can show one actor, a stage, a replica or the whole run.
+
+All metrics are gauges holding the latest step's value: a histogram would lose them, as Ray exports a
+histogram's sum from bucket midpoints. A gauge that is not set again ages out of the agent after two
+report intervals (`RAY_metrics_report_interval_ms`, 10 s by default), so a step slower than that shows
+as a gap, not a stale value.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from typing import Any
+
+import torch
+from ray.util.metrics import Gauge
+
+TAG_KEYS = ("run", "dp", "pp", "tp")
+COMM_OPS = ("recv_act", "send_act", "recv_grad", "send_grad")
+METRICS = {
+    "raypar_step_seconds": "Wall time of the last training step on this actor",
+    "raypar_tokens_per_second": "Training throughput of the run, in tokens per second, as seen by this actor",
+    "raypar_loss": "Mean loss over the replica's microbatches at the last step (last pipeline stage only)",
+    "raypar_mfu": "Model FLOPs utilisation of this actor's device at the last step",
+    "raypar_bubble_fraction": (
+        "Share of the last step this actor did not spend in forward or backward: the pipeline bubble "
+        "plus the gradient reduction and optimizer tail"
+    ),
+    "raypar_comm_seconds": "Time of the last step spent in pipeline sends and receives (waits included)",
+    "raypar_memory_bytes": "Peak memory: allocated by torch on the accelerator, else the process's peak RSS",
+}
+
+
+class ActorMetrics:
+    """The raypar_* gauges of one actor. Create it inside the actor process, once (in `__init__`): Ray
+    metrics register with the process that creates them, so a copy pickled from the driver would report
+    from the wrong process, or not at all."""
+
+    def __init__(self, run: str, coord: tuple[int, int, int]):
+        dp, pp, tp = coord
+        tags = {"run": run, "dp": str(dp), "pp": str(pp), "tp": str(tp)}
+        self.gauges = {name: Gauge(name, text, tag_keys=TAG_KEYS) for name, text in METRICS.items()}
+        for gauge in self.gauges.values():
+            gauge.set_default_tags(tags)
+
+    def __reduce__(self) -> Any:
+        raise TypeError("ActorMetrics must be created inside the actor that records them, not passed to it")
+
+    def record(self, step_result: dict[str, Any], tokens_per_s: float, mfu: float | None = None) -> None:
+        """Set every gauge from one `Worker.train_step` result (step_s, busy_s, events, loss)."""
+        step_s = step_result["step_s"]
+        values = {
+            "raypar_step_seconds": step_s,
+            "raypar_tokens_per_second": tokens_per_s,
+            "raypar_bubble_fraction": 1.0 - step_result["busy_s"] / step_s if step_s > 0 else 0.0,
+            "raypar_comm_seconds": sum(t1 - t0 for op, _, t0, t1 in step_result["events"] if op in COMM_OPS),
+            "raypar_memory_bytes": float(self._memory_bytes()),
+        }
+        # Only the last stage computes a loss, and only a device in the peak table has an MFU.
+        if step_result.get("loss") is not None:
+            values["raypar_loss"] = step_result["loss"]
+        if mfu is not None:
+            values["raypar_mfu"] = mfu
+        for name, value in values.items():
+            self.gauges[name].set(value)
+
+    @staticmethod
+    def _memory_bytes() -> int:
+        # An actor that computes on a GPU has initialised CUDA and made its GPU the current device.
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.max_memory_allocated()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux

@@ -1,0 +1,348 @@
+"""Pictures of a run (`raypar report RUN_DIR`): the pipeline as executed, the loss and the throughput.
+
+Reads a run directory (config.toml, metrics.jsonl, timeline.jsonl) and writes next to them:
+
+- timeline.json: one step as a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing);
+  one process per data-parallel replica, one thread per (stage, tp rank) actor;
+- timeline.png: the same step as a Gantt chart, forward / backward / communication / idle per actor;
+- loss.png: loss and tokens/s against the step.
+
+Actors' clocks are not synchronised: each actor's events are laid out from its own step start. On one
+machine the driver starts every actor's step within a few milliseconds, so the picture is faithful; across
+nodes the rows can be offset from each other by the call latency.
+
+Bubble accounting. The theoretical bubble of GPipe and 1F1B is (p-1)/(m+p-1): the share of the pipeline
+phase of a step (from its start to the last backward of the replica) in which a stage is idle. The measured
+bubble is the same quantity read off the timeline: per actor, 1 - (forward + backward time) / (the
+replica's pipeline phase), averaged over actors. What follows the pipeline phase (the last gradient
+buckets' reduction, clipping, the optimizer) is shown in the pictures but is not bubble.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from raypar.schedules import theoretical_bubble
+
+COMPUTE_OPS = ("forward", "backward")
+COMM_OPS = ("recv_act", "send_act", "recv_grad", "send_grad")
+TAIL = "reduce+optimizer"
+
+# One colour per kind of time; receives (mostly waiting for a neighbour) and sends are told apart.
+COLOURS = {
+    "forward": "#3b75af",
+    "backward": "#ef8636",
+    "recv": "#c03d3e",
+    "send": "#9467bd",
+    TAIL: "#8c8c8c",
+    "idle": "#ececec",
+}
+LEGEND = {
+    "forward": "forward (F)",
+    "backward": "backward (B)",
+    "recv": "receive (incl. waiting)",
+    "send": "send",
+    TAIL: "grad reduce + optimizer",
+    "idle": "idle",
+}
+
+SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe"}
+
+Row = dict[str, Any]  # one line of timeline.jsonl: one actor's events of one step
+
+
+def timeline_rows(step: int, per_actor: Mapping[tuple[int, int, int], Mapping[str, Any]]) -> list[Row]:
+    """The timeline.jsonl lines of one step, from the driver's {(dp, pp, tp): train_step result}."""
+    return [
+        {
+            "step": step,
+            "actor": f"dp{dp}.pp{pp}.tp{tp}",
+            "dp": dp,
+            "pp": pp,
+            "tp": tp,
+            "step_s": result["step_s"],
+            "events": [list(event) for event in result["events"]],
+        }
+        for (dp, pp, tp), result in sorted(per_actor.items())
+    ]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _busy(row: Row) -> float:
+    return sum(t1 - t0 for op, _, t0, t1 in row["events"] if op in COMPUTE_OPS)
+
+
+def _pipeline_end(row: Row) -> float:
+    return max((t1 for _, _, _, t1 in row["events"]), default=0.0)
+
+
+def _pipeline_phases(rows: Iterable[Row]) -> dict[int, float]:
+    """Per replica, when its pipeline phase ended: the end of the last event of any of its actors."""
+    phase: dict[int, float] = {}
+    for row in rows:
+        phase[row["dp"]] = max(phase.get(row["dp"], 0.0), _pipeline_end(row))
+    return phase
+
+
+def _spans(row: Row, phase_end: float) -> list[tuple[str, int, float, float]]:
+    """The row's events plus the tail after its replica's pipeline phase (mb -1)."""
+    spans = [(op, mb, t0, t1) for op, mb, t0, t1 in row["events"]]
+    if row["step_s"] > phase_end:
+        spans.append((TAIL, -1, phase_end, row["step_s"]))
+    return spans
+
+
+def measured_bubble(rows: Iterable[Row]) -> float | None:
+    """Mean over actors of 1 - busy / (their replica's pipeline phase), for the rows of one step."""
+    rows = list(rows)
+    phase = _pipeline_phases(rows)
+    bubbles = [1.0 - _busy(row) / phase[row["dp"]] for row in rows if phase[row["dp"]] > 0]
+    return statistics.fmean(bubbles) if bubbles else None
+
+
+def _tail_fraction(rows: list[Row]) -> float:
+    """Mean share of an actor's step spent after its replica's pipeline phase."""
+    phase = _pipeline_phases(rows)
+    return statistics.fmean(max(row["step_s"] - phase[row["dp"]], 0.0) / row["step_s"] for row in rows)
+
+
+def pick_step(rows: list[Row], step: int | None = None) -> int:
+    """`step` if given (it must be in the timeline), else the step of median duration. Step 0 is left out
+    when there are others: it carries one-time costs (allocations, first collectives)."""
+    duration: dict[int, float] = {}
+    for row in rows:
+        duration[row["step"]] = max(duration.get(row["step"], 0.0), row["step_s"])
+    if not duration:
+        raise ValueError("the timeline has no steps")
+    if step is not None:
+        if step not in duration:
+            raise ValueError(
+                f"step {step} is not in the timeline (it has steps {min(duration)}..{max(duration)})"
+            )
+        return step
+    candidates = sorted((d, s) for s, d in duration.items() if s != 0 or len(duration) == 1)
+    return candidates[(len(candidates) - 1) // 2][1]
+
+
+def _label(op: str, mb: int) -> str:
+    if op in COMPUTE_OPS:
+        return f"{op[0].upper()}{mb}"
+    verb, _, what = op.partition("_")
+    return f"{verb} {what} {mb}"
+
+
+def chrome_trace(rows: list[Row]) -> dict[str, Any]:
+    """One step as Chrome trace events ("X" complete events, microseconds): pid = replica, tid = actor."""
+    n_tp = 1 + max(row["tp"] for row in rows)
+    phase = _pipeline_phases(rows)
+    events: list[dict[str, Any]] = []
+    for dp in sorted({row["dp"] for row in rows}):
+        events.append({"ph": "M", "name": "process_name", "pid": dp, "args": {"name": f"replica dp{dp}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": dp, "args": {"sort_index": dp}})
+    for row in rows:
+        pid, tid = row["dp"], row["pp"] * n_tp + row["tp"]
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": row["actor"]}}
+        )
+        events.append(
+            {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
+        )
+        for op, mb, t0, t1 in _spans(row, phase[row["dp"]]):
+            category = op if op in COMPUTE_OPS else "comm" if op in COMM_OPS else "reduce"
+            events.append(
+                {
+                    "name": TAIL if op == TAIL else _label(op, mb),
+                    "cat": category,
+                    "ph": "X",
+                    "ts": round(t0 * 1e6, 3),
+                    "dur": round((t1 - t0) * 1e6, 3),
+                    "pid": pid,
+                    "tid": tid,
+                    "args": {"step": row["step"], "op": op, "mb": mb},
+                }
+            )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"clocks": "each actor's events are relative to its own step start"},
+    }
+
+
+def _kind(op: str) -> str:
+    return op if op in COMPUTE_OPS or op == TAIL else op.partition("_")[0]
+
+
+def plot_timeline(rows: list[Row], path: Path, title: str) -> None:
+    """A Gantt chart of one step: a row per actor, replicas top to bottom, time in ms from step start."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = sorted(rows, key=lambda r: (r["dp"], r["pp"], r["tp"]))
+    end_ms = 1e3 * max(row["step_s"] for row in rows)
+    fig_w = 14.0
+    fig, ax = plt.subplots(figsize=(fig_w, 1.8 + 0.42 * len(rows)), dpi=110)
+    ax.set_xlim(0, end_ms)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    # Width of one character of the box labels in milliseconds: the label goes inside a box only if it fits.
+    axes_px = fig_w * fig.dpi * 0.86
+    char_ms = end_ms / axes_px * 8 * 0.62 * fig.dpi / 72
+    phase = _pipeline_phases(rows)
+    for y, row in enumerate(rows):
+        ax.broken_barh([(0, 1e3 * row["step_s"])], (y - 0.4, 0.8), color=COLOURS["idle"])
+        for op, mb, t0, t1 in _spans(row, phase[row["dp"]]):
+            kind = _kind(op)
+            x, w = 1e3 * t0, 1e3 * (t1 - t0)
+            # Communication as a thin bar through the middle of the row: a receive is mostly waiting for
+            # the neighbour, so the bubble still reads as a gap between compute boxes.
+            height = 0.8 if kind in COMPUTE_OPS or kind == TAIL else 0.16
+            ax.broken_barh([(x, w)], (y - height / 2, height), color=COLOURS[kind], linewidth=0)
+            if kind in COMPUTE_OPS:
+                ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolor="none", edgecolor="white", linewidth=0.6)
+                text = str(mb)
+                if w > char_ms * (len(text) + 0.6):
+                    ax.text(x + w / 2, y, text, ha="center", va="center", fontsize=8, color="white")
+    ax.set_yticks(range(len(rows)), [f"dp{r['dp']} · pp{r['pp']} · tp{r['tp']}" for r in rows], fontsize=9)
+    for y in range(1, len(rows)):
+        if rows[y]["dp"] != rows[y - 1]["dp"]:
+            ax.axhline(y - 0.5, color="black", linewidth=1.2)
+    ax.set_xlabel("ms from each actor's step start")
+    ax.grid(axis="x", color="#d0d0d0", linewidth=0.5)
+    ax.set_axisbelow(True)
+    ax.set_title(title, fontsize=11)
+    handles = [Patch(color=COLOURS[k], label=LEGEND[k]) for k in COLOURS]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=9)
+    fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))  # keep the bottom 0.35 in for the legend
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_metrics(metrics: list[dict[str, Any]], path: Path) -> None:
+    """Loss (top) and tokens/s (bottom) against the step; dotted lines where the dp degree changed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    steps = [m["step"] for m in metrics]
+    marker = "o" if len(steps) <= 50 else None  # points, as long as they can be told apart
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), dpi=110, sharex=True)
+    top.plot(
+        steps, [m["loss"] for m in metrics], color=COLOURS["forward"], linewidth=1.4, marker=marker, ms=3
+    )
+    top.set_ylabel("loss")
+    bottom.plot(
+        steps,
+        [m["tokens_per_s"] for m in metrics],
+        color=COLOURS["backward"],
+        linewidth=1.4,
+        marker=marker,
+        ms=3,
+    )
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    bottom.set_ylabel("tokens / s")
+    bottom.set_xlabel("step")
+    bottom.set_ylim(bottom=0)
+    for before, after in itertools.pairwise(metrics):
+        if before["dp"] != after["dp"]:
+            for ax in (top, bottom):
+                ax.axvline(after["step"] - 0.5, color="black", linestyle=":", linewidth=1)
+            top.annotate(
+                f"dp {before['dp']}→{after['dp']}",
+                (after["step"] - 0.5, 1),
+                xycoords=("data", "axes fraction"),
+                xytext=(4, -4),
+                textcoords="offset points",
+                va="top",
+                fontsize=8,
+            )
+    for ax in (top, bottom):
+        ax.grid(color="#d0d0d0", linewidth=0.5)
+    last = metrics[-1]
+    top.set_title(f"loss and throughput (dp={last['dp']}, pp={last['pp']}, tp={last['tp']})", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
+    """Write timeline.json, timeline.png (if the run has a timeline) and loss.png into `run_dir`.
+
+    Returns the step shown, schedule, p, m, the measured and theoretical bubble fractions (None without a
+    timeline), the share of the step after the pipeline phase, and the files written."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise FileNotFoundError(f"{run_dir}: not a run directory (no config.toml)")
+    config = tomllib.loads((run_dir / "config.toml").read_text())
+    schedule = config["parallel"]["schedule"]
+    result: dict[str, Any] = {
+        "schedule": schedule,
+        "step": None,
+        "pp": config["parallel"]["pp"],
+        "microbatches": None,
+        "bubble_measured": None,
+        "bubble_theoretical": None,
+        "tail_fraction": None,
+        "files": [],
+    }
+    timeline_path = run_dir / "timeline.jsonl"
+    all_rows = read_jsonl(timeline_path) if timeline_path.exists() else []
+    # Runs from before timelines were recorded, or that failed before their first step, have none.
+    if all_rows:
+        shown = pick_step(all_rows, step)
+        rows = [row for row in all_rows if row["step"] == shown]
+        p = len({row["pp"] for row in rows})
+        # Microbatches per replica as executed: with elastic dp it differs from the config's.
+        m = sum(op == "forward" for op, *_ in rows[0]["events"])
+        measured, theory = measured_bubble(rows), theoretical_bubble(p, m)
+        result.update(
+            step=shown,
+            pp=p,
+            microbatches=m,
+            bubble_measured=measured,
+            bubble_theoretical=theory,
+            tail_fraction=_tail_fraction(rows),
+        )
+        (run_dir / "timeline.json").write_text(json.dumps(chrome_trace(rows)))
+        dp, tp = len({row["dp"] for row in rows}), len({row["tp"] for row in rows})
+        title = (
+            f"{SCHEDULE_NAMES.get(schedule, schedule)} pipeline, p={p} stages × m={m} microbatches "
+            f"(dp={dp}, tp={tp}), step {shown}   —   "
+            f"bubble measured {measured:.1%}, theory (p−1)/(m+p−1) = {theory:.1%}"
+        )
+        plot_timeline(rows, run_dir / "timeline.png", title)
+        result["files"] += [str(run_dir / "timeline.json"), str(run_dir / "timeline.png")]
+    metrics_path = run_dir / "metrics.jsonl"
+    metrics = read_jsonl(metrics_path) if metrics_path.exists() else []
+    if metrics:
+        plot_metrics(metrics, run_dir / "loss.png")
+        result["files"].append(str(run_dir / "loss.png"))
+    return result
+
+
+def describe(result: dict[str, Any]) -> str:
+    """The lines `raypar report` prints."""
+    lines = []
+    if result["bubble_measured"] is not None:
+        lines.append(
+            f"step {result['step']}, {result['schedule']}, p={result['pp']}, m={result['microbatches']}: "
+            f"bubble measured {result['bubble_measured']:.1%}, "
+            f"theoretical (p-1)/(m+p-1) {result['bubble_theoretical']:.1%}; "
+            f"gradient reduce + optimizer {result['tail_fraction']:.1%} of the step"
+        )
+    lines += [f"wrote {path}" for path in result["files"]]
+    return "\n".join(lines)
