@@ -28,6 +28,7 @@ from raypar.placement import ActorResources, PlacementTimeout, in_bundle, place_
 
 NAMESPACE = "raypar"
 PING_TIMEOUT_S = 5.0
+STARTUP_TIMEOUT_S = 300.0  # an actor process imports torch: seconds each, many at once on a small node
 
 
 class RunFailure(RuntimeError):
@@ -56,7 +57,7 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
         if address:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         else:
-            ray.init(num_cpus=num_cpus, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False)
+            ray.init(num_cpus=num_cpus, namespace=NAMESPACE, log_to_driver=False, include_dashboard=True)
     except Exception as err:
         hint = ""
         if "auth" in str(err).lower():
@@ -184,6 +185,7 @@ class Trainer:
         replicas from the seed, rebind the others (keeping their state)."""
         self.epoch += 1
         timeout = self.cfg.parallel.timeout_s
+        self._await_started()
         groups = {name: [c.key for c in m] for name, m in self.mesh.groups(self.replicas).items()}
         by_key = {c.key: a for c, a in self.actors.items()}
         create_groups(by_key, groups, self.server.address, self.epoch, self._backend(), timeout)
@@ -199,8 +201,19 @@ class Trainer:
         for coord, info in self._gather(refs, "setting up" if new else "re-forming groups").items():
             if info is not None:
                 self.peaks[coord] = info["peak_flops"]
-        where = self._gather({a.where.remote(): c for c, a in self.actors.items()}, "locating actors")
-        self.nodes = where
+
+    def _await_started(self) -> None:
+        """Wait until every actor process is up, so that group timeouts measure collectives, not start-up."""
+        refs = {a.where.remote(): c for c, a in self.actors.items() if c not in self.nodes}
+        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=STARTUP_TIMEOUT_S)
+        if pending:
+            late = ", ".join(self.name(refs[r]) for r in pending)
+            raise RunFailure(f"actors did not start within {STARTUP_TIMEOUT_S:g}s: {late}")
+        for ref in ready:
+            try:
+                self.nodes[refs[ref]] = ray.get(ref)
+            except Exception as err:  # noqa: BLE001 - an actor that cannot start is a run failure
+                raise RunFailure(f"worker {self.name(refs[ref])} failed to start: {_cause(err)}") from None
 
     def reconfigure(self, cfg: Config, faults: dict[Coord, list[str]] | None = None) -> None:
         """Rebuild every actor's state from the seed under `cfg` (same layout): a new schedule, transport
@@ -345,11 +358,14 @@ class Trainer:
         wrote = self._gather({a.save_shard.remote(staging): c for c, a in self.actors.items()}, "checkpoint")
         return staging, [c for c, w in wrote.items() if w]
 
-    def finish_checkpoint(self, writers: list[Coord]) -> list[dict[str, Any]]:
-        refs = {self.actors[c].wait_shard.remote(): c for c in writers if c in self.actors}
-        if len(refs) != len(writers):
+    def checkpoint_writes(self, writers: list[Coord]) -> dict[Any, Coord]:
+        """Refs that resolve to the writers' manifest entries once their background writes finish."""
+        if any(c not in self.actors for c in writers):
             raise RunFailure("a checkpoint writer died before finishing its shard")
-        return list(self._gather(refs, "writing checkpoint shards").values())
+        return {self.actors[c].wait_shard.remote(): c for c in writers}
+
+    def collect(self, refs: dict[Any, Coord], what: str) -> list[Any]:
+        return list(self._gather(refs, what).values())
 
     def rng_states(self) -> dict[str, str]:
         return {

@@ -35,7 +35,7 @@ HEAL_PLACEMENT_TIMEOUT_S = 10.0
 class PendingCheckpoint:
     staging: str
     step: int
-    writers: list[Coord]
+    writes: dict[Any, Coord]
     meta: dict[str, Any]
     started: float
     stall_s: float
@@ -125,14 +125,21 @@ class Run:
             "precision": self.cfg.train.precision,
         }
         stall = time.perf_counter() - start
-        self.pending = PendingCheckpoint(staging, next_step, writers, meta, time.perf_counter(), stall)
+        writes = self.trainer.checkpoint_writes(writers)
+        self.pending = PendingCheckpoint(staging, next_step, writes, meta, time.perf_counter(), stall)
 
     def _publish(self, wait: bool) -> None:
-        """Publish the checkpoint being written in the background once its shards are done."""
+        """Publish the checkpoint being written in the background once its shards are done (checked
+        without blocking at every step boundary; `wait` blocks, before the next one or at the end)."""
         if self.pending is None:
             return
+        if (
+            not wait
+            and ray.wait(list(self.pending.writes), num_returns=len(self.pending.writes), timeout=0)[1]
+        ):
+            return
         pending, self.pending = self.pending, None
-        entries = self.trainer.finish_checkpoint(pending.writers)
+        entries = self.trainer.collect(pending.writes, "writing checkpoint shards")
         uri = checkpoint.publish(
             self.cfg.checkpoint.dir,
             pending.staging,
@@ -222,11 +229,16 @@ class Run:
         self._open_logs(step)
         bar = tqdm(total=end, initial=step, disable=not self.progress, unit="step", dynamic_ncols=True)
         with bar:
+            recovered = False
             while step < end:
-                self._membership(control, step)
+                self._publish(wait=False)
+                if not recovered:  # the failed step is redone by the survivors first, then the mesh heals
+                    self._membership(control, step)
                 try:
                     result = trainer.step(step)
+                    recovered = False
                 except StepFailure as failure:
+                    recovered = True
                     redo = self._recover(failure, step)
                     if redo < step:
                         self._open_logs(redo)

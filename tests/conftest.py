@@ -18,6 +18,7 @@ def ray_session():
 
     if not ray.is_initialized():
         # More logical CPUs than cores: test actors are tiny and mostly wait on each other.
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # The dashboard serves the state API (list_actors) that tests use to find processes by actor name.
+        ray.init(num_cpus=16, include_dashboard=True, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()

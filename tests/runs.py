@@ -1,0 +1,66 @@
+"""Helpers for tests that drive whole runs (raypar.training.Run) inside the test session's Ray."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from raypar import config
+from raypar.training import Run
+
+TINY = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.toml"
+
+
+def tiny(*overrides: str) -> config.Config:
+    return config.load(TINY, ["parallel.timeout_s=15", *overrides])
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [m["loss"] for m in metrics(run_dir)]
+
+
+def run(cfg: config.Config, name: str, run_dir: Path, **kwargs: Any) -> dict[str, Any]:
+    return Run(cfg, name, run_dir, progress=False, **kwargs).execute()
+
+
+class Background:
+    """A run in a thread, so the test can act on it (kill actors, scale) while it trains."""
+
+    def __init__(self, cfg: config.Config, name: str, run_dir: Path):
+        self.run_dir = run_dir
+        self.result: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, args=(cfg, name, run_dir), daemon=True)
+        self._thread.start()
+
+    def _main(self, cfg: config.Config, name: str, run_dir: Path) -> None:
+        try:
+            self.result = run(cfg, name, run_dir)
+        except BaseException as err:  # noqa: BLE001 - re-raised in join()
+            self.error = err
+
+    def wait_for_step(self, step: int, timeout_s: float = 120) -> None:
+        """Block until metrics.jsonl records `step` (polling a file the run appends to, bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while not any(m["step"] >= step for m in metrics(self.run_dir)):
+            if not self._thread.is_alive():
+                raise AssertionError(f"run ended before step {step}: {self.error or self.result}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"run did not reach step {step} within {timeout_s}s")
+            time.sleep(0.05)
+
+    def join(self, timeout_s: float = 300) -> dict[str, Any]:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise AssertionError(f"run did not finish within {timeout_s}s")
+        if self.error is not None:
+            raise self.error
+        return self.result
