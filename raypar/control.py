@@ -66,9 +66,10 @@ def runs() -> list[dict[str, Any]]:
     """The status every live run last posted (Python API of `raypar status`)."""
     from ray.util.state import list_actors
 
+    address = ray.get_runtime_context().gcs_address  # the cluster we joined, not any other on this host
     names = [
         a.name
-        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10000)
+        for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=10000)
         if a.name.startswith("raypar:") and a.name.endswith(":control")
     ]
     return [

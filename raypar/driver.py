@@ -10,6 +10,7 @@ between steps (`scale_to`); each membership change re-forms every group under a 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -55,9 +56,15 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
             os.environ["RAY_AUTH_MODE"] = "token"
     try:
         if address:
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
         else:
-            ray.init(num_cpus=num_cpus, namespace=NAMESPACE, log_to_driver=False, include_dashboard=True)
+            ray.init(
+                num_cpus=num_cpus,
+                namespace=NAMESPACE,
+                log_to_driver=False,
+                include_dashboard=True,
+                logging_level=logging.ERROR,
+            )
     except Exception as err:
         hint = ""
         if "auth" in str(err).lower():
