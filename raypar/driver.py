@@ -49,6 +49,7 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
     """Join a running cluster (`auto` or HOST:PORT) or start a local Ray for this process."""
     if ray.is_initialized():
         return
+    address = address or os.environ.get("RAY_ADDRESS") or None  # set by `ray job submit`, or by hand
     if address and address != "auto" and "RAY_AUTH_MODE" not in os.environ:
         # Clusters started by `ray start` may use token auth; `address="auto"` finds the token by itself,
         # an explicit HOST:PORT only with RAY_AUTH_MODE=token (measured on Ray 2.60).
