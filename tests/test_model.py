@@ -9,21 +9,19 @@ or more. Parameters must match exactly: initialisation does not depend on the la
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import math
-import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from collectives import Group, GroupSpec, RendezvousServer, create_group
+from collectives import Group
 from raypar.config import ModelConfig
 from raypar.model import LlamaStage, count_params, flops_per_token, init_tensor
+from tests.threads import run_ranks
 
 CFG = ModelConfig(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256, seq_len=16)
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -31,34 +29,6 @@ _tokens = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1), generator=torch
 IDS, TARGETS = _tokens[:, :-1], _tokens[:, 1:]
 
 Grads = dict[str, torch.Tensor]
-
-
-def run_ranks(size: int, fn: Callable[[Group], Any]) -> list[Any]:
-    """fn(group) on `size` threads forming one gloo group; returns the per-rank results in rank order."""
-    server = RendezvousServer(host="127.0.0.1")
-    results: list[Any] = [None] * size
-    errors: list[BaseException] = []
-
-    def member(rank: int) -> None:
-        try:
-            store = dist.TCPStore(
-                "127.0.0.1", server.address.port, is_master=False, timeout=datetime.timedelta(seconds=20)
-            )
-            members = tuple(f"m{i}" for i in range(size))
-            group = create_group(GroupSpec("tp", members, rank, server.address, timeout_s=20), store)
-            results[rank] = fn(group)
-        except BaseException as err:  # re-raised in the test thread below
-            errors.append(err)
-
-    threads = [threading.Thread(target=member, args=(rank,), daemon=True) for rank in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not any(thread.is_alive() for thread in threads), "a rank did not finish"
-    if errors:
-        raise errors[0]
-    return results
 
 
 def loss_and_grads(model: LlamaStage) -> tuple[torch.Tensor, Grads]:

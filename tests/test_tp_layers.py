@@ -9,18 +9,12 @@ below is off by O(1).
 
 from __future__ import annotations
 
-import datetime
-import threading
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from collectives import Group, GroupSpec, RendezvousServer, create_group
+from collectives import Group
 from raypar import tp
 from raypar.tp import (
     ColumnParallelLinear,
@@ -29,37 +23,10 @@ from raypar.tp import (
     shard_of,
     vocab_parallel_cross_entropy,
 )
+from tests.threads import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 B, T, D_IN, D_HID, D_OUT, VOCAB = 2, 3, 16, 32, 24, 64
-
-
-def run_ranks(size: int, fn: Callable[[Group], Any]) -> list[Any]:
-    """fn(group) on `size` threads forming one gloo group; returns the per-rank results in rank order."""
-    server = RendezvousServer(host="127.0.0.1")
-    results: list[Any] = [None] * size
-    errors: list[BaseException] = []
-
-    def member(rank: int) -> None:
-        try:
-            store = dist.TCPStore(
-                "127.0.0.1", server.address.port, is_master=False, timeout=datetime.timedelta(seconds=20)
-            )
-            members = tuple(f"m{i}" for i in range(size))
-            group = create_group(GroupSpec("tp", members, rank, server.address, timeout_s=20), store)
-            results[rank] = fn(group)
-        except BaseException as err:  # re-raised in the test thread below
-            errors.append(err)
-
-    threads = [threading.Thread(target=member, args=(rank,), daemon=True) for rank in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not any(thread.is_alive() for thread in threads), "a rank did not finish"
-    if errors:
-        raise errors[0]
-    return results
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:
