@@ -139,7 +139,11 @@ class Run:
         ):
             return
         pending, self.pending = self.pending, None
-        entries = self.trainer.collect(pending.writes, "writing checkpoint shards")
+        try:
+            entries = self.trainer.collect(pending.writes, "writing checkpoint shards")
+        except RunFailure as err:  # a writer died: its staging directory stays aside, pruned by a later save
+            self.event(f"checkpoint step {pending.step} abandoned: {err}")
+            return
         uri = checkpoint.publish(
             self.cfg.checkpoint.dir,
             pending.staging,

@@ -137,3 +137,10 @@ def test_elastic_dp_matches_fixed_dp(ray_session, tmp_path):
     assert not ray.util.list_named_actors(all_namespaces=True) or all(
         "elastic" not in a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
     ), "shrinking and shutdown release every actor"
+
+
+def test_auto_dp_grows_into_free_resources(ray_session, tmp_path):
+    cfg = tiny('parallel.dp="auto"', "parallel.min_dp=1", "parallel.max_dp=2", "train.steps=3")
+    assert cfg.dp_fixed == 1
+    run(cfg, "auto", tmp_path)
+    assert [m["dp"] for m in metrics(tmp_path)] == [2, 2, 2]  # the session's Ray has room for two replicas
