@@ -116,7 +116,7 @@ def _train(args: argparse.Namespace) -> int:
     resume = _resolve_resume(cfg, args.resume) if args.resume else None
     name = args.name or f"{Path(args.config).stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = args.run_dir or Path("runs") / name
-    from raypar.driver import RunFailure  # imports Ray: only once the input is known good
+    from raypar.connection import RunFailure  # imports Ray: only once the input is known good
     from raypar.training import Run
 
     try:
@@ -148,9 +148,13 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _connect(address: str) -> None:
-    from raypar.driver import connect
+    from raypar.connection import RunFailure, connect
 
-    connect(address)
+    try:
+        connect(address)
+    except RunFailure as err:
+        print(f"raypar: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def _scale(args: argparse.Namespace) -> int:

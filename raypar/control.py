@@ -11,7 +11,7 @@ from typing import Any
 
 import ray
 
-NAMESPACE = "raypar"
+from raypar.connection import NAMESPACE
 
 
 def control_name(run: str) -> str:
@@ -72,6 +72,10 @@ def runs() -> list[dict[str, Any]]:
         for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=10000)
         if a.name.startswith("raypar:") and a.name.endswith(":control")
     ]
-    return [
-        ray.get(_control(n[len("raypar:") : -len(":control")]).status.remote(), timeout=30) for n in names
-    ]
+    out = []
+    for name in names:
+        try:
+            out.append(ray.get(_control(name[len("raypar:") : -len(":control")]).status.remote(), timeout=30))
+        except (LookupError, ray.exceptions.RayActorError):
+            continue  # the run ended between listing and asking
+    return out

@@ -10,11 +10,8 @@ between steps (`scale_to`); each membership change re-forms every group under a 
 from __future__ import annotations
 
 import itertools
-import logging
-import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -24,16 +21,12 @@ from actors.worker import Worker
 from collectives import RendezvousServer, create_groups
 from raypar import checkpoint
 from raypar.config import Config
+from raypar.connection import NAMESPACE, RunFailure
 from raypar.mesh import Coord, Mesh, actor_name
 from raypar.placement import ActorResources, PlacementTimeout, in_bundle, place_stage, release, resources_for
 
-NAMESPACE = "raypar"
 PING_TIMEOUT_S = 5.0
 STARTUP_TIMEOUT_S = 300.0  # an actor process imports torch: seconds each, many at once on a small node
-
-
-class RunFailure(RuntimeError):
-    """A runtime failure of the run; `str()` is the one-line cause shown to the user (exit status 1)."""
 
 
 class StepFailure(RunFailure):
@@ -43,37 +36,6 @@ class StepFailure(RunFailure):
     def __init__(self, message: str, dead: set[Coord], applied: bool = False):
         super().__init__(message)
         self.dead, self.applied = dead, applied
-
-
-def connect(address: str | None, num_cpus: int | None = None) -> None:
-    """Join a running cluster (`auto` or HOST:PORT) or start a local Ray for this process."""
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS") or None  # set by `ray job submit`, or by hand
-    if address and address != "auto" and "RAY_AUTH_MODE" not in os.environ:
-        # Clusters started by `ray start` may use token auth; `address="auto"` finds the token by itself,
-        # an explicit HOST:PORT only with RAY_AUTH_MODE=token (measured on Ray 2.60).
-        if (Path.home() / ".ray" / "auth_token").exists() or os.environ.get("RAY_AUTH_TOKEN"):
-            os.environ["RAY_AUTH_MODE"] = "token"
-    try:
-        if address:
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
-        else:
-            ray.init(
-                num_cpus=num_cpus,
-                namespace=NAMESPACE,
-                log_to_driver=False,
-                include_dashboard=True,
-                logging_level=logging.ERROR,
-            )
-    except Exception as err:
-        hint = ""
-        if "auth" in str(err).lower():
-            hint = " (token authentication: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN, or ~/.ray/auth_token)"
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RunFailure(
-            f"could not connect to Ray at {address or 'a new local instance'}: {first}{hint}"
-        ) from None
 
 
 def _died(err: BaseException) -> bool:

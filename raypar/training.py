@@ -23,8 +23,9 @@ import ray
 from raypar import checkpoint, report
 from raypar import config as config_mod
 from raypar.config import Config
+from raypar.connection import RunFailure, connect
 from raypar.control import NAMESPACE, RunControl, control_name, valid_dps
-from raypar.driver import RunFailure, StepFailure, Trainer, connect
+from raypar.driver import StepFailure, Trainer
 from raypar.flops import mfu
 from raypar.mesh import Coord
 

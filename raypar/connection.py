@@ -1,0 +1,49 @@
+"""Joining Ray: a running cluster (`auto`, HOST:PORT, or RAY_ADDRESS) or a local instance started here.
+
+Imports only Ray, so `raypar scale` and `raypar status` connect without loading torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import ray
+
+NAMESPACE = "raypar"
+
+
+class RunFailure(RuntimeError):
+    """A runtime failure of the run; `str()` is the one-line cause shown to the user (exit status 1)."""
+
+
+def connect(address: str | None, num_cpus: int | None = None) -> None:
+    """Join a running cluster (`auto` or HOST:PORT) or start a local Ray for this process."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None  # set by `ray job submit`, or by hand
+    if address and address != "auto" and "RAY_AUTH_MODE" not in os.environ:
+        # Clusters started by `ray start` may use token auth; `address="auto"` finds the token by itself,
+        # an explicit HOST:PORT only with RAY_AUTH_MODE=token (measured on Ray 2.60).
+        if (Path.home() / ".ray" / "auth_token").exists() or os.environ.get("RAY_AUTH_TOKEN"):
+            os.environ["RAY_AUTH_MODE"] = "token"
+    try:
+        if address:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
+        else:
+            ray.init(
+                num_cpus=num_cpus,
+                namespace=NAMESPACE,
+                log_to_driver=False,
+                include_dashboard=True,
+                logging_level=logging.ERROR,
+            )
+    except Exception as err:
+        hint = ""
+        if "auth" in str(err).lower():
+            hint = " (token authentication: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN, or ~/.ray/auth_token)"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RunFailure(
+            f"could not connect to Ray at {address or 'a new local instance'}: {first}{hint}"
+        ) from None
