@@ -62,6 +62,7 @@ class ParallelConfig:
     microbatches: int = 1
     transport: str = "object_store"
     device: str = "auto"
+    threads_per_actor: int = 1
     stage_layers: list[int] = field(default_factory=list)
     bucket_mb: float = 25.0
     min_dp: int = 1
@@ -244,7 +245,7 @@ def validate(cfg: Config) -> None:
     if isinstance(p.dp, str):
         _require(p.dp == "auto", f'parallel.dp: expected a positive int or "auto", got {p.dp!r}')
         _require(p.max_dp >= p.min_dp, 'parallel.max_dp: must be set and >= parallel.min_dp when dp = "auto"')
-    for key in ("pp", "tp", "microbatches", "min_dp"):
+    for key in ("pp", "tp", "microbatches", "min_dp", "threads_per_actor"):
         _require(getattr(p, key) > 0, f"parallel.{key}: must be a positive size, got {getattr(p, key)}")
     _require(p.max_dp >= 0, f"parallel.max_dp: must be >= 0 (0 means dp), got {p.max_dp}")
     _require(cfg.dp_fixed > 0, f"parallel.dp: must be a positive size, got {p.dp}")

@@ -32,6 +32,8 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
         if address:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
         else:
+            # Ray starts workers at nice 15; the actors are the training, not background work.
+            os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(
                 num_cpus=num_cpus,
                 namespace=NAMESPACE,

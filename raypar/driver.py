@@ -96,7 +96,7 @@ class Trainer:
     # -- building the mesh -----------------------------------------------------------------------------
     def start(self, dp: int | None = None) -> None:
         self.server = RendezvousServer(timeout_s=self.cfg.parallel.timeout_s)
-        self.resources = resources_for(self.cfg.parallel.device)
+        self.resources = resources_for(self.cfg.parallel.device, self.cfg.parallel.threads_per_actor)
         for d in range(dp if dp is not None else self.cfg.dp_fixed):
             self._place_replica(d, self.cfg.parallel.timeout_s)
         self._regroup(new=set(self.replicas))
@@ -124,7 +124,7 @@ class Trainer:
                     num_gpus=self.resources.gpus,
                     scheduling_strategy=in_bundle(pg, t),
                     runtime_env=env,
-                ).remote(self.run, tuple(coord))
+                ).remote(self.run, tuple(coord), self.cfg.parallel.threads_per_actor)
         self.replicas.append(d)
 
     def _drop_replicas(self, ids: set[int]) -> None:

@@ -207,7 +207,8 @@ class Run:
     def execute(self) -> dict[str, Any]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(config_mod.to_toml(self.cfg))
-        world = self.target_dp * self.cfg.parallel.pp * self.cfg.parallel.tp
+        par = self.cfg.parallel
+        world = self.target_dp * par.pp * par.tp * par.threads_per_actor  # CPUs a local Ray must offer
         connect(self.address, num_cpus=max(os.cpu_count() or 1, world))
         control = RunControl.options(name=control_name(self.name), namespace=NAMESPACE).remote(
             self.name, self.dps
