@@ -17,13 +17,20 @@ import json
 import os
 import signal
 import statistics
+import sys
 import tempfile
 import time
 
-import ray
+# benchmarks/collectives.py would shadow the `collectives` package (here and, via the path Ray copies,
+# in every actor): run with the repository root first instead of this folder.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
 
-from raypar import checkpoint, config
-from raypar.driver import StepFailure, Trainer
+import ray  # noqa: E402
+
+from raypar import checkpoint, config  # noqa: E402
+from raypar.driver import StepFailure, Trainer  # noqa: E402
 
 
 def timed(fn, *args):
@@ -41,10 +48,22 @@ def main() -> None:
     args = parser.parse_args()
 
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    cfg = config.load(None, [f"model.preset='{args.preset}'", f"model.seq_len={args.seq_len}",
-                             "parallel.dp=1", "parallel.pp=2", "parallel.microbatches=4", "parallel.max_dp=2",
-                             "parallel.device='cpu'", "parallel.timeout_s=60", "train.global_batch=8",
-                             "train.steps=1000", "data.source='synthetic'"])
+    cfg = config.load(
+        None,
+        [
+            f"model.preset='{args.preset}'",
+            f"model.seq_len={args.seq_len}",
+            "parallel.dp=1",
+            "parallel.pp=2",
+            "parallel.microbatches=4",
+            "parallel.max_dp=2",
+            "parallel.device='cpu'",
+            "parallel.timeout_s=60",
+            "train.global_batch=8",
+            "train.steps=1000",
+            "data.source='synthetic'",
+        ],
+    )
     trainer = Trainer(cfg, "bench-elastic")
     out: dict[str, float] = {}
     step = 0

@@ -1,0 +1,267 @@
+"""Helpers shared by the training benchmarks (train_throughput, pipeline_bubble, activation_hop).
+
+Import it after the script has put the repository root on sys.path and removed benchmarks/ from it
+(benchmarks/collectives.py would otherwise shadow the `collectives` package, in the driver and, through
+the path Ray copies from the driver, in every actor):
+
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    sys.path.insert(0, os.path.dirname(_HERE))
+    from benchmarks import _common
+
+Nothing here runs inside an actor: actor classes live in the scripts themselves (module `__main__`, which
+Ray pickles by value), so the actors never need to import this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import torch
+
+from actors.worker import Worker
+from raypar import config as config_mod
+from raypar import data
+from raypar import driver as driver_mod
+from raypar.config import Config
+from raypar.connection import connect
+from raypar.driver import Trainer
+from raypar.model import LlamaStage
+from raypar.optim import ADAM_EPS, lr_at
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- Ray ---------------------------------------------------------------------------------------------------
+def start_ray(num_cpus: int, worker_niceness: int = 0) -> None:
+    """A private local Ray for this process (never someone else's cluster on the same machine).
+
+    Ray starts its worker processes at nice 15 (`RAY_worker_niceness`), below the baselines (this process,
+    torchrun's ranks: nice 0). On a machine shared with other work, a nice-15 actor gets a small share of a
+    contended core, and raypar would be measured at a handicap that has nothing to do with raypar. So the
+    benchmarks start Ray with the workers at `worker_niceness` (default 0: the baselines' priority)."""
+    os.environ.pop("RAY_ADDRESS", None)  # ray.init() would join that cluster instead of starting one
+    os.environ["RAY_worker_niceness"] = str(worker_niceness)  # read by the raylet that ray.init starts
+    connect(None, num_cpus=num_cpus)
+    print(f"local Ray: {num_cpus} logical CPUs, worker processes at nice {worker_niceness}", flush=True)
+
+
+def add_ray_arguments(parser: Any) -> None:
+    parser.add_argument(
+        "--worker-niceness", type=int, default=0,
+        help="nice value of Ray's worker processes (Ray's default is 15; the baselines run at 0)",
+    )
+
+
+class _WorkerFactory:
+    """Stands in for `actors.worker.Worker` inside raypar.driver: `.options(...).remote(run, coord)` creates
+    a `cls` actor with the same options and `kwargs` added to its constructor call."""
+
+    def __init__(self, cls: Any, kwargs: dict[str, Any]):
+        self.cls, self.kwargs = cls, kwargs
+
+    def options(self, **options: Any) -> Any:
+        bound = self.cls.options(**options)
+        kwargs = self.kwargs
+
+        class _Bound:
+            @staticmethod
+            def remote(*args: Any) -> Any:
+                return bound.remote(*args, **kwargs)
+
+        return _Bound
+
+
+class BenchTrainer(Trainer):
+    """raypar's Trainer, unchanged, except that the actors it creates get constructor arguments (`threads`:
+    raypar's Trainer has no knob for it, every actor runs `torch.set_num_threads(1)`) and may be an
+    instrumented subclass of `Worker`. Done by handing raypar.driver a factory in place of `Worker` while
+    actors are created, so the Trainer's own code places and starts them."""
+
+    def __init__(self, cfg: Config, run: str, worker_cls: Any = Worker, **worker_kwargs: Any):
+        super().__init__(cfg, run)
+        self._factory = _WorkerFactory(worker_cls, worker_kwargs)
+
+    def start(self, *args: Any, **kwargs: Any) -> None:
+        original = driver_mod.Worker
+        driver_mod.Worker = self._factory
+        try:
+            super().start(*args, **kwargs)
+        finally:
+            driver_mod.Worker = original
+
+
+class _FixedCost(torch.autograd.Function):
+    """Identity whose forward sleeps `fwd_s` and backward `bwd_s`: a known cost that needs no core."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fwd_s: float, bwd_s: float) -> torch.Tensor:
+        time.sleep(fwd_s)
+        ctx.bwd_s = bwd_s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.bwd_s)
+        return grad, None, None
+
+
+@ray.remote(max_concurrency=4)  # as Worker
+class TimedWorker(Worker.__ray_actor_class__):
+    """raypar's Worker, instrumented, behaviour unchanged: each `train_step` result also holds
+    - `t_start`: the absolute `time.perf_counter()` at its start (system-wide on Linux, so the events of
+      all actors can be put on one clock),
+    - `cpu_s` / `thread_cpu_s`: CPU time of the process (all threads) / of the step's thread in it,
+    - `prev_apply_s` / `prev_apply_cpu_s`: wall and process CPU time of the previous `apply_step`.
+    Optionally (`set_fixed_cost`, before `setup`) a fixed cost per microbatch on the stage's output."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._cost = (0.0, 0.0)
+        self._apply = (float("nan"), float("nan"))
+
+    def set_fixed_cost(self, fwd_s: float, bwd_s: float) -> None:
+        self._cost = (fwd_s, bwd_s)
+
+    def setup(self, *args: Any, **kwargs: Any) -> dict:
+        out = super().setup(*args, **kwargs)
+        fwd_s, bwd_s = self._cost
+        if fwd_s or bwd_s:
+            self.model.register_forward_hook(lambda module, inp, out: _FixedCost.apply(out, fwd_s, bwd_s))
+        return out
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        start, cpu, thread_cpu = time.perf_counter(), time.process_time(), time.thread_time()
+        result = super().train_step(step)
+        result["t_start"], result["cpu_s"] = start, time.process_time() - cpu
+        result["thread_cpu_s"] = time.thread_time() - thread_cpu
+        result["prev_apply_s"], result["prev_apply_cpu_s"] = self._apply
+        return result
+
+    def apply_step(self, step: int) -> None:
+        start, cpu = time.perf_counter(), time.process_time()
+        super().apply_step(step)
+        self._apply = (time.perf_counter() - start, time.process_time() - cpu)
+
+
+def register_for_actors() -> None:
+    """Ship this module's classes to actors by value: they need not find `benchmarks` on their path."""
+    import sys
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def make_config(preset: str, overrides: Sequence[str] = ()) -> Config:
+    """A config from a model preset and `section.key=value` overrides; synthetic data, CPU actors."""
+    base = [f'model.preset="{preset}"', 'data.source="synthetic"', 'parallel.device="cpu"']
+    return config_mod.load(None, [*base, *overrides])
+
+
+# -- the plain PyTorch loop (the baselines' side) ------------------------------------------------------------
+class PlainLoop:
+    """The training loop one writes without raypar: the same `LlamaStage` (same seeded init), the same
+    batches (raypar's global sampler over the same synthetic data), `torch.optim.AdamW` with raypar's
+    hyper-parameters and decay groups, `clip_grad_norm_`, raypar's learning-rate schedule. `wrap` turns the
+    model into what is called (e.g. `DistributedDataParallel`); `rank`/`world` pick this process's rows."""
+
+    def __init__(self, cfg: Config, wrap: Any = None, rank: int = 0, world: int = 1):
+        self.cfg, self.rank = cfg, rank
+        self.rows = cfg.train.global_batch // world
+        self.model = LlamaStage(cfg.model, range(cfg.model.n_layers), True, True, None, seed=cfg.train.seed)
+        self.call = wrap(self.model) if wrap is not None else self.model
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.train.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        self.params = params
+        betas = (cfg.train.beta1, cfg.train.beta2)
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=betas, eps=ADAM_EPS)
+        self.dataset = data.open_dataset(cfg.data, cfg.model)
+        self.sampler = data.GlobalSampler(self.dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
+
+    def step(self, step: int) -> tuple[float, float]:
+        """One optimizer step; returns (seconds, this process's loss). `last_cpu_s`: the CPU time this
+        process (all its threads) spent on the step."""
+        start, cpu = time.perf_counter(), time.process_time()
+        inputs, targets = data.microbatch(self.dataset, self.sampler, step, self.rank, self.rows)
+        loss = self.call(inputs, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, self.cfg.train)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        value = loss.item()
+        self.last_cpu_s = time.process_time() - cpu
+        return time.perf_counter() - start, value
+
+
+# -- statistics and output ---------------------------------------------------------------------------------
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A plain fixed-width table (also valid Markdown) of `rows` restricted to `columns`."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            if value != value:  # nan
+                return ""
+            if abs(value) >= 100:
+                return f"{value:.0f}"
+            return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3g}"
+        return str(value)
+
+    body = [[cell(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in body)) if body else len(c) for i, c in enumerate(columns)]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)) + " |"]
+    lines.append("| " + " | ".join("-" * w for w in widths) + " |")
+    lines += ["| " + " | ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    """Where and when: for the header of every report (the machine is shared; the load says how much)."""
+    model = ""
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        model = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if "Model name" in ln), "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "nproc": os.cpu_count(),
+        "cpu": model or platform.processor(),
+        "loadavg": os.getloadavg(),
+        "python": platform.python_version(),
+        "ray": ray.__version__,
+    }
+
+
+def loadavg() -> float:
+    return os.getloadavg()[0]
+
+
+def header(title: str) -> str:
+    m = machine()
+    load = " ".join(f"{x:.2f}" for x in m["loadavg"])
+    omp = ", ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY") if k in os.environ)
+    return (
+        f"# {title}\n{m['date']} · {m['nproc']} CPUs ({m['cpu']}) · load average {load} · Ray {m['ray']}"
+        + (f" · {omp}" if omp else "")
+    )
+
+
+def dump_json(path: str, payload: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump({"machine": machine(), **payload}, f, indent=2, default=str)
