@@ -15,7 +15,7 @@ Bubble accounting. The theoretical bubble of GPipe and 1F1B is (p-1)/(m+p-1): th
 phase of a step (from its start to the last backward of the replica) in which a stage is idle. The measured
 bubble is the same quantity read off the timeline: per actor, 1 - (forward + backward time) / (the
 replica's pipeline phase), averaged over actors. What follows the pipeline phase (the last gradient
-buckets' reduction, clipping, the optimizer) is shown in the pictures but is not bubble.
+buckets' reduction and the global-norm clipping) is shown in the pictures but is not bubble.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ LEGEND = {
     "backward": "backward (B)",
     "recv": "receive (incl. waiting)",
     "send": "send",
-    TAIL: "grad reduce + optimizer",
+    TAIL: "grad reduce + clip",
     "idle": "idle",
 }
 
@@ -342,7 +342,7 @@ def describe(result: dict[str, Any]) -> str:
             f"step {result['step']}, {result['schedule']}, p={result['pp']}, m={result['microbatches']}: "
             f"bubble measured {result['bubble_measured']:.1%}, "
             f"theoretical (p-1)/(m+p-1) {result['bubble_theoretical']:.1%}; "
-            f"gradient reduce + optimizer {result['tail_fraction']:.1%} of the step"
+            f"gradient reduce + clip {result['tail_fraction']:.1%} of the step"
         )
     lines += [f"wrote {path}" for path in result["files"]]
     return "\n".join(lines)
