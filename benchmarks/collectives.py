@@ -13,7 +13,10 @@ names of all_gather_into_tensor / reduce_scatter_tensor in torch 2.13) and
 
 --torch-in-actors puts the torch world inside the same actors and alternates raypar and torch call by call:
 same processes, same moment, so the difference is only what raypar's call path adds; on a shared, loaded
-machine it is also the measurement least disturbed by other work.
+machine it is also the measurement least disturbed by other work. --raypar-in-processes runs raypar's ranks
+as plain processes as well (no Ray at all), which separates what the Group costs from what running inside a
+Ray actor costs. The local Ray starts its workers at nice 0 (--worker-niceness), like the torch ranks: Ray's
+default of 15 starves the actors on a loaded machine.
 
 Per (op, size, ranks): warm-up calls, then `rounds` timed runs of the same number of calls for each
 implementation (chosen so one run lasts about --seconds; at least --min-iters, at most --iters), each run
@@ -218,24 +221,27 @@ class RayparWorld:
             self._ray.kill(actor)
 
 
-# -- raw torch ranks: plain processes ------------------------------------------------------------------------
-def _torch_rank(rank: int, n: int, port: int, conn: Any) -> None:
+# -- ranks as plain processes: raw torch, or raypar outside Ray (--raypar-in-processes) ---------------------
+def _process_rank(impl: str, rank: int, n: int, port: int, alloc: bool, conn: Any) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=timedelta(seconds=600)
-    )
+    if impl == "torch":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
+                                timeout=timedelta(seconds=600))
+        make, barrier = (lambda op, numel: torch_call(op, numel)), dist.barrier
+    else:
+        from collectives import GroupSpec, StoreAddress, create_group
+
+        spec = GroupSpec("bench", tuple(f"p{i}" for i in range(n)), rank, StoreAddress("127.0.0.1", port))
+        group = create_group(spec)
+        make, barrier = (lambda op, numel: raypar_call(group, op, numel, alloc)), group.barrier
     calls: dict[tuple[str, int], Callable[[], Any]] = {}
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            break
+    while (msg := conn.recv()) is not None:
         op, numel, warmup, iters = msg
         if (op, numel) not in calls:
-            calls = {(op, numel): torch_call(op, numel)}
-        conn.send(timed(calls[(op, numel)], dist.barrier, warmup, iters))
-    dist.destroy_process_group()
+            calls = {(op, numel): make(op, numel)}
+        conn.send(timed(calls[(op, numel)], barrier, warmup, iters))
 
 
 def free_port() -> int:
@@ -244,14 +250,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class TorchWorld:
-    def __init__(self, n: int) -> None:
+class ProcessWorld:
+    """n spawned processes: one torch.distributed world, or one raypar group on a store served from here."""
+
+    def __init__(self, n: int, impl: str = "torch", alloc: bool = False) -> None:
         ctx = mp.get_context("spawn")
-        port = free_port()
+        if impl == "torch":
+            port = free_port()
+        else:
+            from collectives import RendezvousServer
+
+            self._server = RendezvousServer(host="127.0.0.1")
+            port = self._server.address.port
         self._conns, self._procs = [], []
         for rank in range(n):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_torch_rank, args=(rank, n, port, child), daemon=True)
+            proc = ctx.Process(target=_process_rank, args=(impl, rank, n, port, alloc, child), daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
@@ -313,15 +327,15 @@ def human(nbytes: int) -> str:
 
 
 def measure(
-    raypar: RayparWorld,
-    torch_world: TorchWorld | None,
+    raypar: RayparWorld | ProcessWorld,
+    torch_world: ProcessWorld | None,
     op: str,
     nbytes: int,
     n: int,
     args: argparse.Namespace,
 ) -> list[Row]:
-    """Median time per call of both implementations: alternating runs of raypar (actors) and torch
-    (processes), or, without `torch_world`, both interleaved call by call in the same actors."""
+    """Median time per call of both implementations: alternating runs of raypar and torch (processes), or,
+    without `torch_world`, both interleaved call by call in the same actors."""
     numel = max(nbytes // ELEMENT // n * n, n)  # divisible by the rank count
     nbytes = numel * ELEMENT
     # Calibrate on raypar so both implementations run the same number of iterations.
@@ -370,8 +384,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-in-actors", action="store_true",
                         help="run the torch baseline in the raypar actors (calls interleaved one by one) "
                              "instead of plain processes: isolates what the Group call path adds")
+    parser.add_argument("--raypar-in-processes", action="store_true",
+                        help="run raypar's ranks as plain processes too (no Ray): isolates what running "
+                             "inside Ray actors costs")
     parser.add_argument("--raypar-alloc", action="store_true",
                         help="raypar's all_gather/reduce_scatter/all_to_all allocate their output per call")
+    parser.add_argument("--worker-niceness", type=int, default=0,
+                        help="nice level of the Ray actors (Ray's default is 15; the torch ranks run at 0)")
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     args = parser.parse_args(argv)
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
@@ -381,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     ranks = [int(r) for r in args.ranks.split(",")]
     if min(ranks) < 2:
         parser.error("--ranks: collectives need at least 2 ranks")
+    if args.torch_in_actors and args.raypar_in_processes:
+        parser.error("--torch-in-actors and --raypar-in-processes exclude each other")
     size_list = sizes(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.factor)
     if not size_list or args.factor < 2:
         parser.error("empty size range: need min-bytes <= max-bytes and factor >= 2")
@@ -388,17 +409,26 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # Ray starts its workers at nice 15; the torch ranks run at this process's nice 0. On a loaded machine a
+    # nice-15 rank gets a small share of a contended core, a handicap that is not raypar's (read by the
+    # raylet that ray.init starts).
+    os.environ["RAY_worker_niceness"] = str(args.worker_niceness)
+    if not args.raypar_in_processes:  # without actors, no Ray at all
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     if not args.json:
         cores = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
         where = "in the same Ray actors, calls interleaved" if args.torch_in_actors else "plain processes"
-        print(f"# raypar gloo Group (Ray actors) vs torch.distributed gloo ({where}); {cores} cores; "
-              f"torch {torch.__version__}, ray {ray.__version__}")
+        mine = "plain processes" if args.raypar_in_processes else "Ray actors"
+        print(f"# raypar gloo Group ({mine}) vs torch.distributed gloo ({where}); {cores} cores; "
+              f"torch {torch.__version__}, ray {ray.__version__}; Ray workers at nice {args.worker_niceness}")
     rows: list[Row] = []
     try:
         for n in ranks:
-            raypar = RayparWorld(n, args.raypar_alloc, with_torch=args.torch_in_actors)
-            torch_world = None if args.torch_in_actors else TorchWorld(n)
+            if args.raypar_in_processes:
+                raypar: RayparWorld | ProcessWorld = ProcessWorld(n, "raypar", args.raypar_alloc)
+            else:
+                raypar = RayparWorld(n, args.raypar_alloc, with_torch=args.torch_in_actors)
+            torch_world = None if args.torch_in_actors else ProcessWorld(n, "torch")
             try:
                 for op in ops:
                     for nbytes in size_list:
@@ -412,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                 if torch_world is not None:
                     torch_world.close()
     finally:
-        ray.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
     if not args.json:
         print_table(rows)
     return 0
