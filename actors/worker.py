@@ -37,6 +37,11 @@ from raypar.optim import Optimizer, lr_at
 from raypar.tp import RowParallelLinear
 
 
+def _param_of(name: str) -> str:
+    """The parameter a checkpoint tensor belongs to: `optim.exp_avg.<param>` -> `<param>`."""
+    return name.removeprefix("optim.").partition(".")[2] if name.startswith("optim.") else name
+
+
 class WorkerFailure(RuntimeError):
     """Raised inside an actor; the message is prefixed with the actor's coordinates."""
 
@@ -257,8 +262,7 @@ class Worker(GroupHost):
         return {**dict(self.model.named_parameters()), **self.optimizer.state_tensors()}
 
     def _spec(self, name: str) -> checkpoint.ShardSpec:
-        param = name.removeprefix("optim.").partition(".")[2] if name.startswith("optim.") else name
-        shape, offsets = self.model.shard_specs()[param]
+        shape, offsets = self.model.shard_specs()[_param_of(name)]
         return checkpoint.ShardSpec(tuple(shape), tuple(offsets))
 
     def sync_state(self, src_dp_rank: int) -> None:
@@ -305,9 +309,7 @@ class Worker(GroupHost):
         return True
 
     def _replicated(self, name: str) -> bool:
-        return self.model.replicated(
-            name.removeprefix("optim.").partition(".")[2] if name.startswith("optim.") else name
-        )
+        return self.model.replicated(_param_of(name))
 
     def wait_shard(self) -> dict[str, Any] | None:
         """The manifest entry of the shard written in the background (None if this actor wrote none)."""

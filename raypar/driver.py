@@ -323,7 +323,7 @@ class Trainer:
 
     def begin_checkpoint(self, root: str, step: int) -> tuple[str, list[Coord]]:
         """Snapshot every shard (the only stall) and start writing it in the background; returns the
-        staging URI and the writers to collect from with `finish_checkpoint`."""
+        staging URI and the writers to pass to `checkpoint_writes`."""
         staging = checkpoint.begin(root, step)
         wrote = self._gather({a.save_shard.remote(staging): c for c, a in self.actors.items()}, "checkpoint")
         return staging, [c for c, w in wrote.items() if w]
