@@ -28,10 +28,10 @@ import torch
 from actors.telemetry import ActorMetrics
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from collectives import GroupHost
-from raypar import checkpoint, data, flops, schedules
+from raypar import checkpoint, data, flops, hf, schedules
 from raypar import config as config_mod
 from raypar.dp import GradReducer
-from raypar.mesh import Coord, actor_name, pipe_group_name, stage_layers
+from raypar.mesh import Coord, actor_name, emb_group_name, pipe_group_name, stage_layers
 from raypar.model import LlamaStage
 from raypar.optim import Optimizer, lr_at
 from raypar.tp import RowParallelLinear
@@ -90,6 +90,8 @@ class Worker(GroupHost):
         self.first, self.last = p == 0, p == par.pp - 1
         tp_group = self.group(f"tp.dp{self.coord.dp}.pp{p}") if par.tp > 1 else None  # shapes the shards
         self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, self.cfg.train.seed)
+        if self.cfg.model.init_from:  # this shard only, read from the files (never the whole model)
+            hf.load_stage(self.model, self.cfg.model.init_from)
         self.model.to(self.device)
         self.optimizer = Optimizer(self.model, self.cfg.train)
         self.dataset = data.open_dataset(self.cfg.data, self.cfg.model) if self.first or self.last else None
@@ -122,6 +124,10 @@ class Worker(GroupHost):
         op = "sum" if "dp_sum" in self.faults else "avg"
         self.reducer = GradReducer(list(self.model.parameters()), dp_group, int(par.bucket_mb * 2**20), op)
         self.dp_group = dp_group
+        tied = self.model.tied_weight() is not None
+        self.emb_group = self.group(emb_group_name(d, t)) if tied else None
+        if "tie_no_sum" in self.faults:  # negative control: the tied copies' gradients left apart
+            self.emb_group = None
         self.mp_group = self.group(f"mp.dp{d}") if par.pp * par.tp > 1 else None
         self.microbatches = self.cfg.microbatches_at(self.dp)
         self.plan = schedules.build(par.schedule, par.pp, self.microbatches)[p]
@@ -221,6 +227,7 @@ class Worker(GroupHost):
             events.append((op, mb, t0 - start, time.perf_counter() - start))
         compute_end = time.perf_counter()
         self.reducer.finish()
+        self._sum_tied_grads()
         self.transport.finish_step()
         grad_norm = self._clip_grad_norm()
         end = time.perf_counter()
@@ -242,8 +249,15 @@ class Worker(GroupHost):
         self.metrics.record(result, tokens_per_s, mfu)
         return result
 
+    def _sum_tied_grads(self) -> None:
+        """The two copies of a tied embedding (first and last stage) take the same, summed gradient, so
+        their identical updates keep them equal."""
+        if self.emb_group is not None:
+            self.emb_group.all_reduce(self.model.tied_weight().grad, "sum")
+
     def _clip_grad_norm(self) -> float:
-        sq = self.optimizer.grad_sq_norm(self.model.replicated, self.coord.tp == 0).double().reshape(1)
+        sq = self.optimizer.grad_sq_norm(self.model.replicated, self.coord.tp == 0, self.model.tied_copy)
+        sq = sq.double().reshape(1)
         if self.mp_group is not None:
             self.mp_group.all_reduce(sq, "sum")
         norm = math.sqrt(sq.item())
@@ -292,7 +306,11 @@ class Worker(GroupHost):
         if self.dp_rank != 0:
             return False
         self.wait_shard()
-        tensors = {n: t for n, t in self._state().items() if self.coord.tp == 0 or not self._replicated(n)}
+        tensors = {
+            n: t
+            for n, t in self._state().items()
+            if (self.coord.tp == 0 or not self._replicated(n)) and not self.model.tied_copy(_param_of(n))
+        }
         snap = checkpoint.snapshot(tensors)
         specs = {n: self._spec(n) for n in snap}
         key = checkpoint.shard_key(0, self.coord.pp, self.coord.tp)
@@ -333,14 +351,18 @@ class Worker(GroupHost):
             with torch.no_grad():
                 for name, p in self.model.named_parameters():
                     shape, offsets = self.model.shard_specs()[name]
-                    p.copy_(reader.read_slice(name, tuple(shape), tuple(offsets), tuple(p.shape), p.dtype))
+                    source = self.model.init_source(name)  # a tied head is stored as the embedding
+                    p.copy_(reader.read_slice(source, tuple(shape), tuple(offsets), tuple(p.shape), p.dtype))
             moments = {}
             if step_count:
                 for name, p in self.model.named_parameters():
                     shape, offsets = self.model.shard_specs()[name]
+                    source = self.model.init_source(name)
                     for m in ("exp_avg", "exp_avg_sq"):
-                        key = f"optim.{m}.{name}"
-                        moments[key] = reader.read_slice(key, tuple(shape), tuple(offsets), tuple(p.shape))
+                        saved = f"optim.{m}.{source}"
+                        moments[f"optim.{m}.{name}"] = reader.read_slice(
+                            saved, tuple(shape), tuple(offsets), tuple(p.shape)
+                        )
             self.optimizer.load_state_tensors(moments, step_count)
             return step_count
         except Exception as err:

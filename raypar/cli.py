@@ -72,9 +72,15 @@ def _parser() -> argparse.ArgumentParser:
     ckpt_sub = ckpt.add_subparsers(dest="action", required=True, parser_class=_Parser)
     inspect = ckpt_sub.add_parser("inspect", help="summarise a checkpoint's manifest")
     inspect.add_argument("path", help="a step directory or a checkpoint root (its latest)")
-    export = ckpt_sub.add_parser("export", help="write one consolidated safetensors file")
+    export = ckpt_sub.add_parser(
+        "export", help="write one consolidated safetensors file, or a Hugging Face model directory"
+    )
     export.add_argument("path", help="a step directory or a checkpoint root (its latest)")
-    export.add_argument("out", help="output .safetensors path or URI")
+    export.add_argument("out", help="output .safetensors path or URI (--format hf: a new directory)")
+    export.add_argument(
+        "--format", choices=("safetensors", "hf"), default="safetensors",
+        help="hf: config.json + model*.safetensors for transformers' LlamaForCausalLM.from_pretrained",
+    )
     return parser
 
 
@@ -213,9 +219,13 @@ def _checkpoint(args: argparse.Namespace) -> int:
         uri = checkpoint.resolve(args.path)
         if args.action == "inspect":
             print(checkpoint.inspect(uri))
+        elif args.format == "hf":
+            from raypar import hf
+
+            print(f"raypar: wrote {hf.export(uri, args.out)}")
         else:
             print(f"raypar: wrote {checkpoint.export(uri, args.out)}")
-    except checkpoint.CheckpointError as err:
+    except (checkpoint.CheckpointError, FileExistsError) as err:
         print(f"raypar: {err}", file=sys.stderr)
         return 1
     return 0

@@ -47,6 +47,8 @@ class ModelConfig:
     seq_len: int = 0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_from: str = ""  # a Hugging Face Llama directory: config.json sets the shape, its weights the start
 
     @property
     def head_dim(self) -> int:
@@ -171,10 +173,34 @@ def from_dict(raw: dict[str, Any]) -> Config:
     preset = model.get("preset", ModelConfig.preset)
     if preset not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset {preset!r} (known: {', '.join(PRESETS)})")
-    sections["model"] = {**PRESETS[preset], **model}
+    sections["model"] = {**PRESETS[preset], **model, **_external_model_fields(model, sections)}
     cfg = Config(**{name: _SECTION_TYPES[name](**sections.get(name, {})) for name in _SECTION_TYPES})
     validate(cfg)
     return cfg
+
+
+def _external_model_fields(model: dict[str, Any], sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Model fields that come from files rather than the config: a Hugging Face config.json
+    (`model.init_from`), or the vocabulary of a tokenizer-prepared `data.source` when `model.vocab_size`
+    is not given (padded to a multiple of tp so the vocab-parallel layers split it). Keys the user set
+    must agree with config.json."""
+    from raypar import data, hf  # both import this module: resolved at call time
+
+    if model.get("init_from"):
+        fields = hf.model_fields(model["init_from"])
+        for key, value in fields.items():
+            if key in model and model[key] != value:
+                raise ConfigError(
+                    f"model.{key}: {model[key]!r} conflicts with {value!r} from {model['init_from']}/"
+                    f"config.json; leave it unset when model.init_from is set"
+                )
+        return fields
+    if "vocab_size" not in model:
+        vocab = data.prepared_vocab_size(str(sections.get("data", {}).get("source", "")))
+        if vocab is not None:
+            tp = int(sections.get("parallel", {}).get("tp", 1)) or 1
+            return {"vocab_size": -(-vocab // tp) * tp}
+    return {}
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

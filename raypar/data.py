@@ -173,6 +173,15 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
     return index
 
 
+def prepared_vocab_size(source: str) -> int | None:
+    """The tokenizer's vocabulary size if `source` is a directory prepared with a tokenizer, else None."""
+    path = Path(source.strip()) / INDEX if source.strip() else None
+    if path is None or not path.is_file():
+        return None
+    index = read_index(path.parent)
+    return int(index["vocab_size"]) if index.get("tokenizer") else None
+
+
 def stdlib_globs() -> list[str]:
     """Globs of the running interpreter's standard library sources (see _STDLIB_SKIP for what is left out)."""
     root = Path(sysconfig.get_paths()["stdlib"])

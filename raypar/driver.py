@@ -82,7 +82,7 @@ class Trainer:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(max(self.dp, 1), self.pp, self.tp)
+        return Mesh(max(self.dp, 1), self.pp, self.tp, self.cfg.model.tie_embeddings)
 
     @property
     def peak_flops(self) -> float | None:

@@ -32,6 +32,7 @@ class Mesh:
     dp: int
     pp: int
     tp: int
+    tied_embeddings: bool = False  # adds the emb groups (first and last stage) when pp > 1
 
     def __post_init__(self) -> None:
         for axis in ("dp", "pp", "tp"):
@@ -65,6 +66,8 @@ class Mesh:
         dp: the same (stage, tp rank) across replicas; gradients are averaged here.
         mp: all ranks of one replica (model parallel); the global gradient norm is summed here.
         pp: two neighbouring stages at the same tp rank (the `direct` activation transport).
+        emb: the first and last stage at the same tp rank, when embeddings are tied and pp > 1: the
+            gradients of the two copies of the embedding are summed here (Megatron's embedding group).
         """
         replicas = list(range(self.dp)) if replicas is None else list(replicas)
         out: dict[str, list[Coord]] = {}
@@ -75,6 +78,8 @@ class Mesh:
             for t in range(self.tp):
                 for p in range(self.pp - 1):
                     out[pipe_group_name(d, t, p)] = [Coord(d, p, t), Coord(d, p + 1, t)]
+                if self.tied_embeddings and self.pp > 1:
+                    out[emb_group_name(d, t)] = [Coord(d, 0, t), Coord(d, self.pp - 1, t)]
         for p in range(self.pp):
             for t in range(self.tp):
                 out[f"dp.pp{p}.tp{t}"] = [Coord(d, p, t) for d in replicas]
@@ -87,6 +92,11 @@ class Mesh:
 def pipe_group_name(dp: int, tp: int, stage: int) -> str:
     """The pair group between `stage` and `stage + 1` at one (dp, tp)."""
     return f"pp.dp{dp}.tp{tp}.s{stage}-{stage + 1}"
+
+
+def emb_group_name(dp: int, tp: int) -> str:
+    """The group of the first and last stage at one (dp, tp) that holds the two tied embedding copies."""
+    return f"emb.dp{dp}.tp{tp}"
 
 
 def stage_layers(n_layers: int, pp: int, explicit: list[int] | None = None) -> list[range]:

@@ -112,16 +112,22 @@ class Optimizer:
             state["step"] = torch.tensor(float(step), dtype=torch.float32)
             self._adamw.state[p] = state
 
-    def grad_sq_norm(self, replicated: Callable[[str], bool], is_tp_rank0: bool) -> torch.Tensor:
+    def grad_sq_norm(
+        self, replicated: Callable[[str], bool], is_tp_rank0: bool, copy: Callable[[str], bool] | None = None
+    ) -> torch.Tensor:
         """Sum of squared local gradients, float64, on the parameters' device.
 
         Parameters replicated across tensor-parallel ranks (``replicated(name)``, e.g. norm gains) count
-        on tp rank 0 only, so the sum of this over the model-parallel group is the global norm squared.
+        on tp rank 0 only, and ``copy(name)`` ones (a tied head on the last stage, equal to the first
+        stage's embedding) not at all, so the sum of this over the model-parallel group is the global
+        norm squared.
         """
         device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float64, device=device)
         for name, p in self.params.items():
-            if p.grad is not None and (is_tp_rank0 or not replicated(name)):
+            if p.grad is None or (copy is not None and copy(name)):
+                continue
+            if is_tp_rank0 or not replicated(name):
                 total += torch.linalg.vector_norm(p.grad, dtype=torch.float32).double().square()
         return total
 

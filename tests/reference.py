@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raypar import data
+from raypar import data, hf
 from raypar.config import Config
 from raypar.model import LlamaStage
 from raypar.optim import ADAM_EPS, lr_at
@@ -27,6 +27,8 @@ def reference_run(cfg: Config, steps: int) -> Run:
     torch.manual_seed(0)
     m, t = cfg.model, cfg.train
     model = LlamaStage(m, range(m.n_layers), first=True, last=True, tp_group=None, seed=t.seed)
+    if m.init_from:
+        hf.load_stage(model, m.init_from)
     params = [p for p in model.parameters()]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
