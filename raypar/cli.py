@@ -51,9 +51,17 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--stop-at", type=int, metavar="STEP", help="stop before this step (resume later)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    prepare = sub.add_parser("prepare", help="turn text files into byte-level token shards (Arrow IPC)")
-    prepare.add_argument("globs", nargs="+", help="text file globs (** allowed)")
+    prepare = sub.add_parser("prepare", help="tokenize documents into token shards (Arrow IPC)")
+    prepare.add_argument(
+        "sources", nargs="+",
+        help="text file globs (** allowed; one document per file), or .parquet / .jsonl files, globs or "
+        "pyarrow.fs URIs (one document per row of --column)",
+    )
     prepare.add_argument("--out", required=True, type=Path, help="output directory")
+    prepare.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json (default: byte-level)")
+    prepare.add_argument("--column", default="text", help="the text column of tables (default: text)")
+    prepare.add_argument("--eos", metavar="TOKEN", help="the token between documents (default: found)")
+    prepare.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     scale = sub.add_parser("scale", help="change a running run's number of data-parallel replicas")
     scale.add_argument("--run", required=True, help="the run's name")
@@ -147,9 +155,15 @@ def _train(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace) -> int:
     from raypar import data
+    from raypar.tokenizer import load
 
-    index = data.prepare(args.globs, str(args.out))
-    print(f"raypar: {index['total_tokens']:,} tokens from {len(index['files'])} files -> {args.out}")
+    try:
+        index = data.prepare(args.sources, str(args.out), tokenizer=load(args.tokenizer, args.eos),
+                             column=args.column, progress=not args.no_progress)
+    except FileExistsError as err:
+        raise UsageError(f"--out: {err}") from None
+    print(f"raypar: {index['total_tokens']:,} tokens ({index['vocab']}, vocab {index['vocab_size']:,}) from "
+          f"{index['documents']:,} documents -> {args.out}")
     return 0
 
 

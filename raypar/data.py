@@ -3,11 +3,13 @@
 Cache layout (``prepare``)::
 
     <out_dir>/index.json           vocab, files, shard token counts, total tokens, sha256 of the tokens
-    <out_dir>/tokens-00000.arrow   Arrow IPC file, one uint16 column ``tokens`` (one record batch)
+    <out_dir>/tokens-00000.arrow   Arrow IPC file, one uint16 (uint32 past 65536 ids) column ``tokens``
+    <out_dir>/tokenizer.json       the tokenizer, when not byte-level (recorded again in checkpoints)
 
 A cache is built in a hidden sibling directory and renamed into place, so a directory at ``out_dir`` is
-always complete. Tokenization is byte-level (token = byte value, vocab 256); the token stream is the
-files' bytes joined by ``separator``. uint16 keeps the format valid for vocabularies up to 65536.
+always complete. Tokenization is byte-level (token = byte value, vocab 256; documents joined by
+``separator``) or a `tokenizers` tokenizer (documents joined by its EOS token); see raypar.tokenizer
+and, for where documents come from, raypar.corpus.
 
 Sampling (the numerics contract): sample ``i`` is the window ``tokens[i*T : i*T + T + 1]`` (inputs the
 first T, targets the last T). ``GlobalSampler`` maps a step to a fixed, ordered global batch of sample
@@ -23,13 +25,13 @@ step sees does not depend on dp or on the number of microbatches, and resuming n
 from __future__ import annotations
 
 import errno
-import glob
 import hashlib
 import json
 import os
 import platform
 import shutil
 import sysconfig
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,12 +41,12 @@ import pyarrow as pa
 import torch
 
 from raypar.config import ConfigError, DataConfig, ModelConfig
+from raypar.corpus import Corpus, expand_globs
+from raypar.tokenizer import ByteTokenizer, Tokenizer, from_record
 
-INDEX = "index.json"
+INDEX, TOKENIZER = "index.json", "tokenizer.json"
 FORMAT_VERSION = 1
-BYTE_VOCAB = 256
 DEFAULT_SHARD_TOKENS = 16 * 2**20
-_SCHEMA = pa.schema([("tokens", pa.uint16())])
 # Top-level stdlib directories left out of the stdlib corpus: installed packages are not the standard
 # library, and test/ is mostly fixtures (some deliberately malformed) that would double the corpus.
 _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "__pycache__"})
@@ -53,19 +55,10 @@ _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "__pycache__
 # ---------------------------------------------------------------------------------------------- prepare
 
 
-def expand_globs(globs: list[str]) -> list[str]:
-    """Files matching any glob (``**`` recursive, ``~`` expanded), absolute, deduplicated and sorted."""
-    found = set()
-    for pattern in globs:
-        for path in glob.glob(os.path.expanduser(pattern), recursive=True):
-            if os.path.isfile(path):
-                found.add(os.path.abspath(path))
-    return sorted(found)
-
-
 def _write_shard(path: Path, tokens: np.ndarray) -> None:
-    batch = pa.record_batch([pa.array(tokens, type=pa.uint16())], schema=_SCHEMA)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, _SCHEMA) as writer:
+    schema = pa.schema([("tokens", pa.from_numpy_dtype(tokens.dtype))])
+    batch = pa.record_batch([pa.array(tokens)], schema=schema)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
         writer.write_batch(batch)
 
 
@@ -76,11 +69,13 @@ class _ShardWriter:
         self.out_dir, self.shard_tokens = out_dir, shard_tokens
         self.pending: list[np.ndarray] = []
         self.pending_len = 0
+        self.total = 0
         self.shards: list[dict[str, Any]] = []
         self.sha256 = hashlib.sha256()
 
     def add(self, tokens: np.ndarray) -> None:
         self.sha256.update(tokens)
+        self.total += len(tokens)
         while len(tokens):
             take = min(len(tokens), self.shard_tokens - self.pending_len)
             self.pending.append(tokens[:take])
@@ -99,52 +94,75 @@ class _ShardWriter:
 
 
 def prepare(
-    globs: list[str],
+    sources: list[str],
     out_dir: str | os.PathLike[str],
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     separator: bytes = b"\n\n",
+    tokenizer: Tokenizer | None = None,
+    column: str = "text",
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """Tokenize the text files matching `globs` into Arrow shards under `out_dir`; return the index.
+    """Tokenize the documents of `sources` (text-file globs, Parquet / JSON-lines tables: see
+    raypar.corpus) into Arrow shards under `out_dir`; return the index.
 
-    If `out_dir` already holds a cache of the same tokens (a concurrent preparer won the race, or this
-    is a rerun) that cache is kept and its index returned; a cache of different tokens is never
-    overwritten (FileExistsError: remove it first).
+    Documents are joined by the tokenizer's EOS token (byte-level: by `separator`). Streaming: at most one
+    batch of documents and one shard of tokens are in memory. If `out_dir` already holds a cache of the
+    same tokens (a concurrent preparer won the race, or a rerun) that cache is kept and its index
+    returned; a cache of different tokens is never overwritten (FileExistsError: remove it first).
     """
+    from tqdm import tqdm
+
     if shard_tokens <= 0:
         raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
-    files = expand_globs(globs)
-    if not files:
-        raise ValueError(f"no files match {globs}")
+    tok = tokenizer or ByteTokenizer()
+    corpus = Corpus.open(sources, column)
+    dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
+    if tok.eos_id is None:
+        sep = np.frombuffer(separator, dtype=np.uint8).astype(dtype)
+    else:
+        sep = np.array([tok.eos_id], dtype=dtype)
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
+    bar = tqdm(unit="doc", disable=not progress, dynamic_ncols=True, desc="prepare")
     try:
         writer = _ShardWriter(staging, shard_tokens)
-        sep = np.frombuffer(separator, dtype=np.uint8).astype(np.uint16)
-        file_entries = []
-        for n, path in enumerate(files):
-            body = Path(path).read_bytes()
-            if n:
-                writer.add(sep)
-            writer.add(np.frombuffer(body, dtype=np.uint8).astype(np.uint16))
-            file_entries.append({"path": path, "bytes": len(body)})
+        docs, read_bytes, start = 0, 0, time.perf_counter()
+        for texts in corpus.batches():
+            for ids in tok.encode_batch(texts):
+                if docs:
+                    writer.add(sep)
+                writer.add(ids.astype(dtype, copy=False))
+                docs += 1
+            read_bytes += sum(len(t) if isinstance(t, bytes) else len(t.encode()) for t in texts)
+            mb_s = read_bytes / 2**20 / max(time.perf_counter() - start, 1e-9)
+            bar.update(len(texts))
+            bar.set_postfix(tokens=f"{writer.total:,}", MB_s=f"{mb_s:.1f}", refresh=False)
         writer.flush()
+        if not writer.total:
+            raise ConfigError(f"{', '.join(sources)}: the corpus is empty (no document has any text)")
+        record = tok.record()
         index = {
             "format_version": FORMAT_VERSION,
-            "vocab": "bytes",
-            "vocab_size": BYTE_VOCAB,
-            "dtype": "uint16",
-            "separator": list(separator),
-            "sources": list(globs),
-            "files": file_entries,
+            "vocab": "bytes" if record["kind"] == "bytes" else "tokenizer",
+            "vocab_size": tok.vocab_size,
+            "dtype": dtype.name,
+            "separator": list(separator) if tok.eos_id is None else None,
+            "eos_id": tok.eos_id,
+            **corpus.describe(),
+            "documents": docs,
             "shards": writer.shards,
-            "total_tokens": sum(s["tokens"] for s in writer.shards),
+            "total_tokens": writer.total,
             "sha256": writer.sha256.hexdigest(),
         }
+        if record["kind"] != "bytes":
+            (staging / TOKENIZER).write_text(record.pop("json"))
+            index["tokenizer"] = {**record, "file": TOKENIZER}
         (staging / INDEX).write_text(json.dumps(index, indent=1))
         return _publish(staging, out, index)
     finally:
+        bar.close()
         shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -180,6 +198,23 @@ def prepared_vocab_size(source: str) -> int | None:
         return None
     index = read_index(path.parent)
     return int(index["vocab_size"]) if index.get("tokenizer") else None
+
+
+def tokenizer_record(data_cfg: DataConfig) -> dict[str, Any] | None:
+    """The tokenizer of `data.source`, as checkpoints record it (None for synthetic data)."""
+    source = data_cfg.source.strip()
+    if source == "synthetic":
+        return None
+    if source and (Path(source) / INDEX).is_file():
+        entry = read_index(source).get("tokenizer")
+        if entry:
+            return {**entry, "json": (Path(source) / entry["file"]).read_text()}
+    return ByteTokenizer().record()
+
+
+def open_tokenizer(source: str) -> Tokenizer:
+    """The tokenizer a prepared directory was made with."""
+    return from_record(tokenizer_record(DataConfig(source=source)))
 
 
 def stdlib_globs() -> list[str]:

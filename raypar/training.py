@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 import ray
 
-from raypar import checkpoint, report
+from raypar import checkpoint, data, report
 from raypar import config as config_mod
 from raypar.config import Config
 from raypar.connection import RunFailure, connect
@@ -73,6 +73,7 @@ class Run:
         self.last_checkpoint: str | None = None
         self.events: list[str] = []
         self.logs: dict[str, TextIO] = {}
+        self.tokenizer = data.tokenizer_record(cfg.data)  # in every checkpoint, for `raypar generate`
 
     # -- log ---------------------------------------------------------------------------------------------
     def event(self, text: str) -> None:
@@ -124,6 +125,7 @@ class Run:
             },
             "rng": self.trainer.rng_states(),
             "precision": self.cfg.train.precision,
+            "tokenizer": self.tokenizer,
         }
         stall = time.perf_counter() - start
         writes = self.trainer.checkpoint_writes(writers)
