@@ -76,6 +76,15 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("run_dir", type=Path)
     rep.add_argument("--step", type=int, help="the step to draw (default: the median one)")
 
+    gen = sub.add_parser("generate", help="sample text from a checkpoint (one process, KV cache)")
+    gen.add_argument("path", help="a step directory or a checkpoint root (its latest)")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-tokens", type=int, default=200, help="new tokens at most (default 200)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
+
     ckpt = sub.add_parser("checkpoint", help="inspect or export a checkpoint")
     ckpt_sub = ckpt.add_subparsers(dest="action", required=True, parser_class=_Parser)
     inspect = ckpt_sub.add_parser("inspect", help="summarise a checkpoint's manifest")
@@ -245,6 +254,27 @@ def _checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    if args.max_tokens <= 0:
+        raise UsageError(f"--max-tokens: must be positive, got {args.max_tokens}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise UsageError("--temperature: must be >= 0, and --top-p in (0, 1]")
+    from raypar import checkpoint, generate
+
+    try:
+        model, tok = generate.load(checkpoint.resolve(args.path), args.device)
+        text = generate.sample(
+            model, tok, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed
+        )
+    except checkpoint.CheckpointError as err:
+        print(f"raypar: {err}", file=sys.stderr)
+        return 1
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    print(args.prompt + text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
@@ -255,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             "status": _status,
             "report": _report,
             "checkpoint": _checkpoint,
+            "generate": _generate,
         }[args.command]
         return handler(args)
     except (ConfigError, UsageError) as err:
