@@ -36,6 +36,8 @@ from raypar.model import LlamaStage
 from raypar.optim import Optimizer, lr_at
 from raypar.tp import RowParallelLinear
 
+EVAL_MB_BASE = 1 << 30  # validation microbatches' transport keys: never a training microbatch's
+
 
 def _param_of(name: str) -> str:
     """The parameter a checkpoint tensor belongs to: `optim.exp_avg.<param>` -> `<param>`."""
@@ -94,7 +96,9 @@ class Worker(GroupHost):
             hf.load_stage(self.model, self.cfg.model.init_from)
         self.model.to(self.device)
         self.optimizer = Optimizer(self.model, self.cfg.train)
-        self.dataset = data.open_dataset(self.cfg.data, self.cfg.model) if self.first or self.last else None
+        self.dataset = self.val_dataset = None
+        if self.first or self.last:
+            self.dataset, self.val_dataset = data.open_datasets(self.cfg.data, self.cfg.model)
         if self.dataset is not None:
             self.sampler = data.GlobalSampler(
                 self.dataset.num_samples, self.cfg.train.global_batch, self.cfg.train.seed
@@ -254,6 +258,41 @@ class Worker(GroupHost):
         their identical updates keep them equal."""
         if self.emb_group is not None:
             self.emb_group.all_reduce(self.model.tied_weight().grad, "sum")
+
+    @torch.no_grad()
+    def eval_step(self, step: int) -> float | None:
+        """Validation loss after `step`: this replica's microbatches of the fixed validation batches,
+        forward only, through the pipeline; the last stage returns their mean, the others None."""
+        try:
+            return self._eval_step(step)
+        except Exception as err:
+            raise self._fail(f"validation after step {step}", err) from err
+
+    def _eval_step(self, step: int) -> float | None:
+        cfg, mbs = self.cfg, self.cfg.microbatch_size
+        self.transport.step = step
+        bf16 = cfg.train.precision == "bf16"
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
+        batch_size = cfg.train.global_batch
+        per_batch = batch_size // mbs
+        mine = data.replica_microbatch_ids(self.dp_rank, self.dp, batch_size, mbs)
+        losses = []
+        for batch in range(cfg.train.eval_batches):
+            for mb in mine:
+                key = EVAL_MB_BASE + batch * per_batch + mb  # apart from the step's own microbatches
+                if self.first or self.last:
+                    inputs, targets = data.eval_microbatch(self.val_dataset, batch, mb, mbs, batch_size)
+                    inputs, targets = inputs.to(self.device), targets.to(self.device)
+                if not self.first:
+                    inputs = self.transport.recv_act(key, self.act_like).to(self.device)
+                with autocast:
+                    out = self.model(inputs, targets if self.last else None)
+                if self.last:
+                    losses.append(out.float())
+                else:
+                    self.transport.send_act(key, out)
+        self.transport.finish_step()
+        return torch.stack(losses).mean().item() if losses else None
 
     def _clip_grad_norm(self) -> float:
         sq = self.optimizer.grad_sq_norm(self.model.replicated, self.coord.tp == 0, self.model.tied_copy)

@@ -105,8 +105,10 @@ def _check_data(cfg: Config) -> None:
     """Open the dataset once here: its errors are config errors, and the stdlib corpus is prepared once."""
     from raypar import data
 
-    dataset = data.open_dataset(cfg.data, cfg.model)
+    dataset, val = data.open_datasets(cfg.data, cfg.model)
     data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
+    if cfg.train.eval_every:
+        data.check_eval(val, cfg.train.eval_batches, cfg.train.global_batch)
 
 
 def _resolve_resume(cfg: Config, which: str) -> str:

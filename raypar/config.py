@@ -86,12 +86,16 @@ class TrainConfig:
     seed: int = 0
     precision: str = "fp32"
     max_failures: int = 3
+    eval_every: int = 0  # validation loss every N steps (and after the last); 0: never
+    eval_batches: int = 4  # global batches of held-out samples, the same fixed ones every time
 
 
 @dataclass
 class DataConfig:
     source: str = "synthetic"
     cache_dir: str = "data"
+    val_fraction: float = 0.0  # the last samples of `source` (whole documents but one) held out
+    val_source: str = ""  # or a separate source, any kind `source` takes
 
 
 @dataclass
@@ -326,6 +330,17 @@ def validate(cfg: Config) -> None:
         t.precision in ("fp32", "bf16"), f'train.precision: must be "fp32" or "bf16", got {t.precision!r}'
     )
     _require(t.max_failures >= 0, f"train.max_failures: must be >= 0, got {t.max_failures}")
+    _require(t.eval_every >= 0, f"train.eval_every: must be >= 0 (0 disables), got {t.eval_every}")
+    _require(t.eval_batches > 0, f"train.eval_batches: must be positive, got {t.eval_batches}")
+    d = cfg.data
+    _require(0 <= d.val_fraction < 1, f"data.val_fraction: must be in [0, 1), got {d.val_fraction}")
+    _require(
+        not (d.val_fraction and d.val_source), "data.val_fraction: set it or data.val_source, not both"
+    )
+    _require(
+        not t.eval_every or bool(d.val_fraction or d.val_source),
+        "train.eval_every: needs held-out data: set data.val_fraction or data.val_source",
+    )
 
     _require(c.every >= 0, f"checkpoint.every: must be >= 0 (0 disables), got {c.every}")
     _require(c.keep > 0, f"checkpoint.keep: must be positive, got {c.keep}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -318,6 +319,57 @@ class SyntheticDataset:
         stride = self.STRIDES[int(rng.integers(len(self.STRIDES)))]
         window = (start + stride * torch.arange(self.seq_len + 1, dtype=torch.int64)) % self.vocab_size
         return window[:-1], window[1:]
+
+
+class SampleRange:
+    """Samples [start, stop) of another dataset, renumbered from 0: the train / validation split."""
+
+    def __init__(self, base: Dataset, start: int, stop: int):
+        if not 0 <= start <= stop <= base.num_samples:
+            raise ValueError(f"sample range [{start}, {stop}) is not inside [0, {base.num_samples})")
+        self.base, self.start, self.stop = base, start, stop
+
+    @property
+    def num_samples(self) -> int:
+        return self.stop - self.start
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_index(i, self.num_samples)
+        return self.base.sample(self.start + i)
+
+
+def open_datasets(data_cfg: DataConfig, model_cfg: ModelConfig) -> tuple[Dataset, Dataset | None]:
+    """(training, validation) data. `data.val_fraction` holds out the last samples of the source: a
+    contiguous tail of the token stream, so whole documents (all but the one cut at the boundary);
+    `data.val_source` is a separate dataset; else there is no validation data (None)."""
+    full = open_dataset(data_cfg, model_cfg)
+    if data_cfg.val_source:
+        val_cfg = DataConfig(source=data_cfg.val_source, cache_dir=data_cfg.cache_dir)
+        return full, open_dataset(val_cfg, model_cfg)
+    if not data_cfg.val_fraction:
+        return full, None
+    held = math.ceil(full.num_samples * data_cfg.val_fraction)
+    if held >= full.num_samples:
+        raise ConfigError(f"data.val_fraction: {data_cfg.val_fraction} leaves no training samples")
+    cut = full.num_samples - held
+    return SampleRange(full, 0, cut), SampleRange(full, cut, full.num_samples)
+
+
+def check_eval(val: Dataset | None, eval_batches: int, global_batch: int) -> None:
+    """ConfigError unless `val` holds `eval_batches` global batches."""
+    if val is not None and val.num_samples < eval_batches * global_batch:
+        raise ConfigError(
+            f"train.eval_batches: {eval_batches} batches of {global_batch} need "
+            f"{eval_batches * global_batch} validation samples, the held-out data has {val.num_samples}"
+        )
+
+
+def eval_microbatch(dataset: Dataset, batch: int, mb_index: int, mb_size: int, global_batch: int):
+    """Microbatch `mb_index` of validation batch `batch`: samples in order (no shuffling), so every
+    evaluation sees the same batches whatever the layout. Returns (inputs, targets) [mb_size, T]."""
+    first = batch * global_batch + mb_index * mb_size
+    inputs, targets = zip(*(dataset.sample(first + i) for i in range(mb_size)), strict=True)
+    return torch.stack(inputs), torch.stack(targets)
 
 
 def open_dataset(data_cfg: DataConfig, model_cfg: ModelConfig) -> Dataset:

@@ -268,6 +268,14 @@ class Trainer:
         some = next(iter(results.values()))
         return StepResult(step, sum(losses) / len(losses), some["grad_norm"], some["lr"], elapsed, results)
 
+    def evaluate(self, step: int) -> float:
+        """The validation loss after `step` (whose update is applied): the mean over replicas (each the
+        mean of its equal share of the fixed validation microbatches)."""
+        refs = {a.eval_step.remote(step): c for c, a in self.actors.items()}
+        results = self._gather(refs, f"validation after step {step}", applied=True)
+        losses = [loss for c, loss in results.items() if c.pp == self.pp - 1 and c.tp == 0]
+        return sum(losses) / len(losses)
+
     def recover(self, failure: StepFailure) -> str:
         """Drop the replicas that lost an actor and continue with the intact ones, at once and without
         touching disk. Raises `failure` itself when nothing died (a bug, not a fault) and RunFailure

@@ -74,6 +74,7 @@ class Run:
         self.events: list[str] = []
         self.logs: dict[str, TextIO] = {}
         self.tokenizer = data.tokenizer_record(cfg.data)  # in every checkpoint, for `raypar generate`
+        self.val_loss: float | None = None  # the latest, for the progress bar
 
     # -- log ---------------------------------------------------------------------------------------------
     def event(self, text: str) -> None:
@@ -245,6 +246,7 @@ class Run:
                 try:
                     result = trainer.step(step)
                     recovered = False
+                    val_loss = trainer.evaluate(step) if self._eval_due(step) else None
                 except StepFailure as failure:
                     recovered = True
                     redo = self._recover(failure, step)
@@ -267,6 +269,7 @@ class Run:
                     "pp": trainer.pp,
                     "tp": trainer.tp,
                     "restarts": self.restarts,
+                    "val_loss": val_loss,
                     "bubble_fraction": report.measured_bubble(rows),
                     "mfu": mfu(self.tokens_per_step / result.step_time_s, cfg.model, trainer.peak_flops)
                     if trainer.peak_flops
@@ -276,8 +279,11 @@ class Run:
                 self.logs["metrics.jsonl"].flush()
                 self.logs["timeline.jsonl"].writelines(json.dumps(r) + "\n" for r in rows)
                 control.update.remote(self._status(record))
+                if val_loss is not None:
+                    self.val_loss = val_loss
+                shown = {} if self.val_loss is None else {"val": f"{self.val_loss:.4f}"}
                 bar.set_postfix(
-                    loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", dp=trainer.dp
+                    loss=f"{result.loss:.4f}", **shown, tok_s=f"{record['tokens_per_s']:.0f}", dp=trainer.dp
                 )
                 bar.update(1)
                 first_loss = result.loss if first_loss is None else first_loss
@@ -298,6 +304,10 @@ class Run:
             "restarts": self.restarts,
             "checkpoint": self.last_checkpoint,
         }
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.train.eval_every
+        return bool(every) and ((step + 1) % every == 0 or step + 1 == self.cfg.train.steps)
 
     def _status(self, record: dict[str, Any]) -> dict[str, Any]:
         return {

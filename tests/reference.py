@@ -6,7 +6,7 @@ Written independently of the parallel path on purpose: one forward over the whol
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ class Run:
     losses: list[float]
     grad_norms: list[float]
     params: dict[str, torch.Tensor]
+    val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss after it
 
 
 def reference_run(cfg: Config, steps: int) -> Run:
@@ -35,9 +36,9 @@ def reference_run(cfg: Config, steps: int) -> Run:
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=ADAM_EPS)
-    dataset = data.open_dataset(cfg.data, m)
+    dataset, val = data.open_datasets(cfg.data, m)
     sampler = data.GlobalSampler(dataset.num_samples, t.global_batch, t.seed)
-    losses, norms = [], []
+    losses, norms, val_losses = [], [], {}
     for step in range(steps):
         inputs, targets = data.microbatch(dataset, sampler, step, 0, t.global_batch)
         loss = model(inputs, targets)
@@ -48,4 +49,11 @@ def reference_run(cfg: Config, steps: int) -> Run:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return Run(losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()})
+        if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+            with torch.no_grad():
+                batches = [
+                    data.eval_microbatch(val, k, 0, t.global_batch, t.global_batch)
+                    for k in range(t.eval_batches)
+                ]
+                val_losses[step] = sum(model(x, y).item() for x, y in batches) / len(batches)
+    return Run(losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}, val_losses)
