@@ -188,9 +188,9 @@ def _external_model_fields(model: dict[str, Any], sections: dict[str, dict[str, 
     (`model.init_from`), or the vocabulary of a tokenizer-prepared `data.source` when `model.vocab_size`
     is not given (padded to a multiple of tp so the vocab-parallel layers split it). Keys the user set
     must agree with config.json."""
-    from raypar import data, hf  # both import this module: resolved at call time
-
     if model.get("init_from"):
+        from raypar import hf  # imports this module: resolved at call time
+
         fields = hf.model_fields(model["init_from"])
         for key, value in fields.items():
             if key in model and model[key] != value:
@@ -199,8 +199,11 @@ def _external_model_fields(model: dict[str, Any], sections: dict[str, dict[str, 
                     f"config.json; leave it unset when model.init_from is set"
                 )
         return fields
-    if "vocab_size" not in model:
-        vocab = data.prepared_vocab_size(str(sections.get("data", {}).get("source", "")))
+    source = str(sections.get("data", {}).get("source", ""))
+    if "vocab_size" not in model and source not in ("", "synthetic", "stdlib"):
+        from raypar import data  # imports this module, and torch: only when a directory may be one
+
+        vocab = data.prepared_vocab_size(source)
         if vocab is not None:
             tp = int(sections.get("parallel", {}).get("tp", 1)) or 1
             return {"vocab_size": -(-vocab // tp) * tp}
