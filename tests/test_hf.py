@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from raypar import checkpoint, config, hf
 from raypar.config import ConfigError
-from raypar.driver import Trainer
+from raypar.controller.actor_mesh import ActorMesh
 from raypar.model import LlamaStage
+from tests.faults import FaultyActorMesh
 from tests.hf_models import VOCAB, make_hf_llama
 from tests.reference import Run, reference_run
 from tests.threads import run_ranks
@@ -169,7 +170,7 @@ def test_conflicting_key_refused(untied):
 
 
 def test_cli_refuses_before_any_actor(untied, tmp_path, capsys):
-    from raypar import cli
+    from raypar.controller import cli
 
     path = tmp_path / "bad"
     shutil.copytree(untied[0], path)
@@ -193,13 +194,13 @@ def test_cli_refuses_before_any_actor(untied, tmp_path, capsys):
 # -- training from imported weights, on Ray ---------------------------------------------------------------
 
 
-def train(trainer: Trainer) -> Run:
+def train(trainer: ActorMesh) -> Run:
     results = [trainer.step(s) for s in range(STEPS)]
     return Run([r.loss for r in results], [r.grad_norm for r in results], trainer.parameters())
 
 
-def run_layout(cfg: config.Config, name: str, faults: dict | None = None) -> Run:
-    trainer = Trainer(cfg, name, faults=faults)
+def run_layout(cfg: config.Config, name: str) -> Run:
+    trainer = ActorMesh(cfg, name)
     try:
         trainer.start()
         return train(trainer)
@@ -251,7 +252,7 @@ def test_tied_pp2_copies_stay_equal(ray_session, tied):
     ref = reference_run(cfg_for(path), STEPS)
     assert "head.weight" not in ref.params  # one tensor at pp=1
     cfg = cfg_for(path, "parallel.pp=2", "parallel.tp=2")
-    trainer = Trainer(cfg, "hf-tied")
+    trainer = FaultyActorMesh(cfg, "hf-tied", faults={})
     try:
         trainer.start()
         run = train(trainer)
@@ -259,7 +260,8 @@ def test_tied_pp2_copies_stay_equal(ray_session, tied):
         assert torch.equal(head, run.params["embed.weight"])
         assert_matches(run, ref)
         # Negative control on the same actors: the two copies' gradients not summed.
-        trainer.reconfigure(cfg, faults={c: ["tie_no_sum"] for c in trainer.actors})
+        trainer.set_faults({c: ["tie_no_sum"] for c in trainer.actors})
+        trainer.reconfigure(cfg)
         bad = train(trainer)
         assert not torch.equal(bad.params.pop("head.weight"), bad.params["embed.weight"])
         with pytest.raises(AssertionError, match="at step 1"):

@@ -11,8 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raypar import cli, config, data
+from raypar import config, data
 from raypar.config import ConfigError
+from raypar.controller import cli
 from raypar.tokenizer import from_record, load
 
 WORDS = "def return class import lambda yield async await while for if else elif try except".split()
