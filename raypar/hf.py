@@ -31,7 +31,7 @@ from safetensors import safe_open
 from raypar.config import ConfigError
 
 CONFIG, INDEX = "config.json", "model.safetensors.index.json"
-MAX_SHARD_BYTES = 2 * 2**30  # per exported file, like HF's default "5GB" order of magnitude, kept modest
+MAX_SHARD_BYTES = 2 * 2**30  # per exported file; a larger model is split into files with an index
 
 # raypar module path inside a block -> HF's.
 _BLOCK = {

@@ -300,7 +300,7 @@ class ActorMesh:
         mean of its equal share of the fixed validation microbatches)."""
         commit, self.uncommitted = self.uncommitted, None  # applied first, as a step call would
         refs = {a.eval_step.remote(step, commit): c for c, a in self.actors.items()}
-        results = self._gather(refs, f"validation after step {step}", applied=True)
+        results = self._gather(refs, f"validation after step {step}")
         losses = [loss for c, loss in results.items() if c.pp == self.pp - 1 and c.tp == 0]
         return sum(losses) / len(losses)
 

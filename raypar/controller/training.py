@@ -249,17 +249,16 @@ class TrainingLoop:
                         self._membership(control, step)
                     result = actor_mesh.step(step)
                     recovered = False
-                    val_loss = actor_mesh.evaluate(step) if self._eval_due(step) else None
                 except StepFailure as failure:
                     recovered = True
-                    redo = self._recover(failure, step)
-                    if redo < step:
-                        self._open_logs(redo)
-                        bar.reset(total=end)
-                        bar.update(redo)
-                        checkpointed = redo
-                    step = redo
+                    step, checkpointed = self._after_failure(failure, step, checkpointed, bar, end)
                     continue
+                val_loss, eval_failure = None, None
+                if self._eval_due(step):
+                    try:
+                        val_loss = actor_mesh.evaluate(step)
+                    except StepFailure as failure:  # the step is complete: logged, then recovered from
+                        eval_failure = failure
                 rows = report.timeline_rows(step, result.per_actor)
                 record = {
                     "step": step,
@@ -292,6 +291,9 @@ class TrainingLoop:
                 first_loss = result.loss if first_loss is None else first_loss
                 last = record
                 step += 1
+                if eval_failure is not None:
+                    recovered = True
+                    step, checkpointed = self._after_failure(eval_failure, step, checkpointed, bar, end)
             self._publish(wait=True)
         self._close_logs()
         return {
@@ -305,6 +307,19 @@ class TrainingLoop:
             "restarts": self.restarts,
             "checkpoint": self.last_checkpoint,
         }
+
+    def _after_failure(
+        self, failure: StepFailure, step: int, checkpointed: int, bar: Any, end: int
+    ) -> tuple[int, int]:
+        """Recover from `failure` before `step` ran; returns the step to run next and the last one whose
+        state is on disk (moved back when the run restarted from a checkpoint)."""
+        redo = self._recover(failure, step)
+        if redo < step:
+            self._open_logs(redo)
+            bar.reset(total=end)
+            bar.update(redo)
+            checkpointed = redo
+        return redo, checkpointed
 
     def _eval_due(self, step: int) -> bool:
         every = self.cfg.train.eval_every
