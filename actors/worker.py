@@ -92,9 +92,12 @@ class Worker(GroupHost):
         layers = stage_layers(self.cfg.model.n_layers, par.pp, par.stage_layers or None)[p]
         self.first, self.last = p == 0, p == par.pp - 1
         tp_group = self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None  # shapes the shards
-        self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, self.cfg.train.seed)
-        if self.cfg.model.init_from:  # this shard only, read from the files (never the whole model)
-            hf.load_stage(self.model, self.cfg.model.init_from)
+        init_from = self.cfg.model.init_from
+        self.model = LlamaStage(
+            self.cfg.model, layers, self.first, self.last, tp_group, self.cfg.train.seed, init=not init_from
+        )
+        if init_from:  # this shard only, read from the files (never the whole model)
+            hf.load_stage(self.model, init_from)
         self.model.to(self.device)
         self.optimizer = Optimizer(self.model, self.cfg.train)
         self.dataset = self.val_dataset = None

@@ -28,7 +28,7 @@ def load(ckpt_uri: str, device: str = "cpu") -> tuple[LlamaStage, Tokenizer]:
     reader = checkpoint.CheckpointReader(ckpt_uri)
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = ModelConfig(**{k: v for k, v in reader.meta["model"].items() if k in fields})
-    model = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True)
+    model = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, init=False)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(reader.read_full(model.init_source(name)))

@@ -126,6 +126,7 @@ class LlamaStage(nn.Module):
         last: bool,
         tp_group: Group | None = None,
         seed: int = 0,
+        init: bool = True,
     ):
         super().__init__()
         self.cfg, self.first, self.last, self.tp_group = cfg, first, last, tp_group
@@ -140,7 +141,8 @@ class LlamaStage(nn.Module):
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights(seed)
+        if init:  # False: the caller fills every parameter (from a checkpoint or Hugging Face files)
+            self.init_weights(seed)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """x: token ids [B, T] on the first stage, hidden states [B, T, d] elsewhere. Returns hidden states
