@@ -419,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     # raylet that ray.init starts).
     os.environ["RAY_worker_niceness"] = str(args.worker_niceness)
     if not args.raypar_in_processes:  # without actors, no Ray at all
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # address="local": a new Ray even when `ray start` left a cluster running on this machine
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     if not args.json:
         cores = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
         where = "in the same Ray actors, calls interleaved" if args.torch_in_actors else "plain processes"

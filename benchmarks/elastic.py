@@ -51,7 +51,8 @@ def main() -> None:
     if args.quick:
         args.preset, args.seq_len, args.steps = "tiny", 32, 1
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    # address="local": a new Ray even when `ray start` left a cluster running on this machine
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     cfg = config.load(
         None,
         [
