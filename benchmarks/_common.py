@@ -52,8 +52,17 @@ def start_ray(num_cpus: int, worker_niceness: int = 0) -> None:
     os.environ["RAY_worker_niceness"] = str(worker_niceness)  # read by the raylet that ray.init starts
     # address="local": without it, ray.init() joins a cluster that `ray start` left running on this machine
     # (/tmp/ray/ray_current_cluster), e.g. another engineer's test cluster, and rejects num_cpus.
-    ray.init(address="local", num_cpus=num_cpus, namespace=NAMESPACE, log_to_driver=False,
-             include_dashboard=False, logging_level=logging.ERROR)
+    for attempt in range(3):
+        try:
+            ray.init(address="local", num_cpus=num_cpus, namespace=NAMESPACE, log_to_driver=False,
+                     include_dashboard=False, logging_level=logging.ERROR)
+            break
+        except Exception as err:  # noqa: BLE001 - only Ray's start-up timeout is retried
+            # Ray waits a fixed 30 s for its raylet to register; an overloaded machine can miss that.
+            if "timed out during startup" not in str(err) or attempt == 2:
+                raise
+            ray.shutdown()
+            print(f"local Ray did not start in time ({err}); starting it again", flush=True)
     print(f"local Ray: {num_cpus} logical CPUs, worker processes at nice {worker_niceness}", flush=True)
 
 

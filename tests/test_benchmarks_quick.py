@@ -38,7 +38,8 @@ def test_controller_scale_quick(tmp_path):
         (d, n) for d in ("per_actor", "fanout") for n in (8, 16)
     }
     measures = {(f["design"], f["measure"]) for f in result["fits"]}
-    assert {("per_actor", "step_ms"), ("fanout", "step_ms"), ("per_actor", "recover_s")} <= measures
+    assert measures >= {(d, m) for d in ("per_actor", "fanout") for m in ("step_ms", "driver_cpu_ms")}
+    assert ("per_actor", "scale_up_s") not in measures  # one point (16 actors) is not fitted
     paths = {p["actors"]: p for p in result["paths"]}
     assert "start_s" in paths[8] and {"scale_up_s", "recover_s"} <= set(paths[16])
 
