@@ -332,8 +332,27 @@ class Worker(GroupHost):
             raise self._fail("writing its checkpoint shard", result)
         return result
 
-    def rng_state(self) -> str:
-        return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+    def rng_state(self) -> dict[str, str]:
+        """This process's random state (dropout draws from it), base64 per generator."""
+        states = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in states.items()}
+
+    def _restore_rng(self, saved: dict[str, str] | str | None) -> None:
+        """Random state from a checkpoint written at this actor's coordinate. At another layout there is no
+        such rank: the actor keeps its seeded state (the math of a step does not depend on it)."""
+        if not saved:
+            return
+        if isinstance(saved, str):  # checkpoints written before CUDA state was saved: the CPU state alone
+            saved = {"cpu": saved}
+
+        def state(key: str) -> torch.Tensor:
+            return torch.frombuffer(bytearray(base64.b64decode(saved[key])), dtype=torch.uint8)
+
+        torch.set_rng_state(state("cpu"))
+        if "cuda" in saved and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state("cuda"), self.device)
 
     def load_state(self, ckpt_uri: str) -> int:
         """Load this shard's parameters and optimizer state from any checkpoint, at any layout; returns the
@@ -353,6 +372,7 @@ class Worker(GroupHost):
                         key = f"optim.{m}.{name}"
                         moments[key] = reader.read_slice(key, tuple(shape), tuple(offsets), tuple(p.shape))
             self.optimizer.load_state_tensors(moments, step_count)
+            self._restore_rng(reader.meta.get("rng", {}).get(self.coord.key))
             return step_count
         except Exception as err:
             raise self._fail(f"loading {ckpt_uri}", err) from err

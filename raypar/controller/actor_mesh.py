@@ -375,7 +375,7 @@ class ActorMesh:
     def collect(self, refs: dict[Any, Coord], what: str) -> list[Any]:
         return list(self._gather(refs, what).values())
 
-    def rng_states(self) -> dict[str, str]:
+    def rng_states(self) -> dict[str, dict[str, str]]:
         return {
             c.key: s
             for c, s in self._gather(

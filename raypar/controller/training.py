@@ -285,6 +285,10 @@ class TrainingLoop:
                 first_loss = result.loss if first_loss is None else first_loss
                 last = record
                 step += 1
+            try:  # the last step's update, so that the actors hold the trained model
+                actor_mesh.commit()
+            except StepFailure as failure:  # every step is logged and its checkpoint (if due) written
+                self.event(f"applying the last step failed: {failure}")
             self._publish(wait=True)
         self._close_logs()
         return {
