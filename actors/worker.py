@@ -28,11 +28,11 @@ import torch
 from actors.telemetry import ActorMetrics
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from collectives import GroupHost
-from raypar import checkpoint, data, flops, schedules
+from raypar import checkpoint, data, flops, memory, schedules
 from raypar import config as config_mod
 from raypar.dp import GradReducer
 from raypar.mesh import Coord, actor_name, pipe_group_name, stage_layers
-from raypar.model import LlamaStage
+from raypar.model import LlamaStage, dropout_seed
 from raypar.optim import Optimizer, lr_at
 from raypar.tp import RowParallelLinear
 
@@ -89,7 +89,9 @@ class Worker(GroupHost):
         layers = stage_layers(self.cfg.model.n_layers, par.pp, par.stage_layers or None)[p]
         self.first, self.last = p == 0, p == par.pp - 1
         tp_group = self.group(f"tp.dp{self.coord.dp}.pp{p}") if par.tp > 1 else None  # shapes the shards
-        self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, self.cfg.train.seed)
+        train = self.cfg.train
+        self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, train.seed)
+        self.model.set_recompute(train.recompute, train.recompute_every)
         self.model.to(self.device)
         self.optimizer = Optimizer(self.model, self.cfg.train)
         self.dataset = data.open_dataset(self.cfg.data, self.cfg.model) if self.first or self.last else None
@@ -187,6 +189,10 @@ class Worker(GroupHost):
         grads: dict[int, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         events: list[tuple[str, int, float, float]] = []
+        saved = memory.SavedActivations(exclude=[*self.model.parameters(), *self.model.buffers()])
+        live = memory.LiveActivations()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         for index, ins in enumerate(self.plan):
             t0 = time.perf_counter()
             op, mb = ins.op, ins.mb
@@ -198,8 +204,12 @@ class Worker(GroupHost):
                     inputs[mb], targets = self._batch(step, mb)
                 elif self.last:
                     targets = self._batch(step, mb)[1]
-                with autocast:
+                if self.cfg.model.dropout > 0:  # the same masks on every tp rank, whatever recomputes
+                    global_mb = self.dp_rank * self.microbatches + mb
+                    torch.manual_seed(dropout_seed(self.cfg.train.seed, step, global_mb, self.coord.pp))
+                with autocast, saved:
                     out = self.model(inputs[mb], targets if self.last else None)
+                live.forward(mb, saved.bytes)
                 if self.last:
                     losses.append(out.detach())
                     out = out / self.microbatches  # the replica's loss is the mean over its microbatches
@@ -213,6 +223,7 @@ class Worker(GroupHost):
                     self.reducer.arm()
                 out = outputs.pop(mb)
                 out.backward(None if self.last else grads.pop(mb))
+                live.backward(mb)
             elif op == "send_grad":
                 grad = inputs.pop(mb).grad
                 self.transport.send_grad(
@@ -235,12 +246,31 @@ class Worker(GroupHost):
             "busy_s": busy,
             "reduce_s": end - compute_end,
             "events": events,
+            **self._memory(live),
         }
         tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result["step_s"]
         world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp
         mfu = flops.mfu(tokens_per_s / world, self.cfg.model, self.peak_flops) if self.peak_flops else None
         self.metrics.record(result, tokens_per_s, mfu)
         return result
+
+    def _memory(self, live: memory.LiveActivations) -> dict[str, int]:
+        """Measured memory of this step: activations saved per microbatch and at most at once, microbatches
+        in flight, model states, and the peak (GPU: the allocator's; CPU: model states + activations)."""
+        states = memory.tensor_bytes(
+            [*self.model.parameters(), *(p.grad for p in self.model.parameters())]
+        ) + memory.tensor_bytes(self.optimizer.state_tensors().values())
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = states + live.peak_bytes
+        return {
+            "activation_bytes": live.per_microbatch,
+            "activation_peak_bytes": live.peak_bytes,
+            "in_flight": live.peak_count,
+            "model_state_bytes": states,
+            "peak_memory_bytes": peak,
+        }
 
     def _clip_grad_norm(self) -> float:
         sq = self.optimizer.grad_sq_norm(self.model.replicated, self.coord.tp == 0).double().reshape(1)

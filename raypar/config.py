@@ -16,6 +16,8 @@ from typing import Any
 
 import tomllib
 
+RECOMPUTE = ("none", "full", "selective")
+
 
 class ConfigError(ValueError):
     """A bad config value. `str(err)` is the one-line message shown to the user."""
@@ -47,6 +49,7 @@ class ModelConfig:
     seq_len: int = 0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    dropout: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -84,6 +87,8 @@ class TrainConfig:
     seed: int = 0
     precision: str = "fp32"
     max_failures: int = 3
+    recompute: str = "none"
+    recompute_every: int = 1
 
 
 @dataclass
@@ -241,6 +246,7 @@ def validate(cfg: Config) -> None:
     _require(m.head_dim % 2 == 0, f"model.d_model: d_model/n_heads={m.head_dim} must be even for RoPE")
     _require(m.n_heads % m.n_kv_heads == 0, f"model.n_kv_heads: must divide model.n_heads={m.n_heads}")
     _require(m.rope_theta > 0 and m.norm_eps > 0, "model.rope_theta/norm_eps: must be positive")
+    _require(0 <= m.dropout < 1, f"model.dropout: must be in [0, 1), got {m.dropout}")
 
     if isinstance(p.dp, str):
         _require(p.dp == "auto", f'parallel.dp: expected a positive int or "auto", got {p.dp!r}')
@@ -299,6 +305,11 @@ def validate(cfg: Config) -> None:
     _require(
         t.precision in ("fp32", "bf16"), f'train.precision: must be "fp32" or "bf16", got {t.precision!r}'
     )
+    _require(
+        t.recompute in RECOMPUTE,
+        f"train.recompute: must be one of {', '.join(RECOMPUTE)}, got {t.recompute!r}",
+    )
+    _require(t.recompute_every > 0, f"train.recompute_every: must be positive, got {t.recompute_every}")
     _require(t.max_failures >= 0, f"train.max_failures: must be >= 0, got {t.max_failures}")
 
     _require(c.every >= 0, f"checkpoint.every: must be >= 0 (0 disables), got {c.every}")

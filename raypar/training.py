@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 import ray
 
-from raypar import checkpoint, report
+from raypar import checkpoint, memory, report
 from raypar import config as config_mod
 from raypar.config import Config
 from raypar.connection import RunFailure, connect
@@ -269,6 +269,7 @@ class Run:
                     "mfu": mfu(self.tokens_per_step / result.step_time_s, cfg.model, trainer.peak_flops)
                     if trainer.peak_flops
                     else None,
+                    **memory.worst(result.per_actor.values()),
                 }
                 self.logs["metrics.jsonl"].write(json.dumps(record) + "\n")
                 self.logs["metrics.jsonl"].flush()
