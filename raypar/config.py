@@ -89,6 +89,13 @@ class TrainConfig:
     max_failures: int = 3
     recompute: str = "none"
     recompute_every: int = 1
+    reduce_dtype: str = "fp32"
+    loss_scale: float = 2.0**32  # fp16 only: initial dynamic loss scale (Megatron-LM's defaults below)
+    loss_scale_window: int = 1000
+    loss_scale_growth: float = 2.0
+    loss_scale_backoff: float = 0.5
+    loss_scale_hysteresis: int = 2
+    loss_scale_min: float = 1.0
 
 
 @dataclass
@@ -303,7 +310,24 @@ def validate(cfg: Config) -> None:
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2: must be in [0, 1)")
     _require(t.grad_clip >= 0, f"train.grad_clip: must be >= 0 (0 disables), got {t.grad_clip}")
     _require(
-        t.precision in ("fp32", "bf16"), f'train.precision: must be "fp32" or "bf16", got {t.precision!r}'
+        t.precision in ("fp32", "bf16", "fp16"),
+        f'train.precision: must be "fp32", "bf16" or "fp16", got {t.precision!r}',
+    )
+    _require(
+        t.reduce_dtype in ("fp32", "bf16"),
+        f'train.reduce_dtype: must be "fp32" or "bf16", got {t.reduce_dtype!r}',
+    )
+    _require(t.loss_scale_min > 0, f"train.loss_scale_min: must be positive, got {t.loss_scale_min}")
+    _require(t.loss_scale >= t.loss_scale_min, "train.loss_scale: must be >= train.loss_scale_min")
+    _require(t.loss_scale_window > 0, f"train.loss_scale_window: must be positive, got {t.loss_scale_window}")
+    _require(t.loss_scale_growth > 1, f"train.loss_scale_growth: must be > 1, got {t.loss_scale_growth}")
+    _require(
+        0 < t.loss_scale_backoff < 1,
+        f"train.loss_scale_backoff: must be in (0, 1), got {t.loss_scale_backoff}",
+    )
+    _require(
+        t.loss_scale_hysteresis > 0,
+        f"train.loss_scale_hysteresis: must be positive, got {t.loss_scale_hysteresis}",
     )
     _require(
         t.recompute in RECOMPUTE,

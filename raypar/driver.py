@@ -59,6 +59,8 @@ class StepResult:
     lr: float
     step_time_s: float
     per_actor: dict[Coord, dict[str, Any]] = field(default_factory=dict)
+    loss_scale: float = 1.0
+    skipped: bool = False
 
 
 class Trainer:
@@ -266,7 +268,16 @@ class Trainer:
         last = self.pp - 1
         losses = [r["loss"] for c, r in results.items() if c.pp == last and c.tp == 0]
         some = next(iter(results.values()))
-        return StepResult(step, sum(losses) / len(losses), some["grad_norm"], some["lr"], elapsed, results)
+        return StepResult(
+            step,
+            sum(losses) / len(losses),
+            some["grad_norm"],
+            some["lr"],
+            elapsed,
+            results,
+            some["loss_scale"],
+            some["skipped"],
+        )
 
     def recover(self, failure: StepFailure) -> str:
         """Drop the replicas that lost an actor and continue with the intact ones, at once and without
@@ -336,6 +347,11 @@ class Trainer:
 
     def collect(self, refs: dict[Any, Coord], what: str) -> list[Any]:
         return list(self._gather(refs, what).values())
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """Updates applied and the loss scaler's state: the same on every actor (they skip together)."""
+        first = next(iter(self.actors.values()))
+        return ray.get(first.optimizer_state.remote(), timeout=self.cfg.parallel.timeout_s)
 
     def rng_states(self) -> dict[str, str]:
         return {

@@ -3,8 +3,9 @@
 Memory per actor = model states + activations in flight + buffers, for the tightest pipeline stage:
 
 - Model states (ZeRO paper, Ψ = parameters on this actor): bytes per parameter of parameter + gradient +
-  optimizer state, sharded over dp by the ZeRO stage. fp32 Adam: 4 + 4 + 8; 16-bit: 2 + 2 + 12 (fp32 master
-  weights and both moments). zero 0: 16Ψ; 1: (p+g)Ψ + KΨ/dp; 2: pΨ + (g+K)Ψ/dp; 3: 16Ψ/dp.
+  optimizer state, sharded over dp by the ZeRO stage. fp32 Adam: 4 + 4 + 8; 16-bit: 2 + 4 + 12 (fp32 master
+  gradients, as Megatron's main grads, where the ZeRO paper counts 2; fp32 master weights and both
+  moments). zero 0: (p+g+K)Ψ; 1: (p+g)Ψ + KΨ/dp; 2: pΨ + (g+K)Ψ/dp; 3: (p+g+K)Ψ/dp.
 - Activations: what autograd saves for backward per microbatch, counted per op of this model's block the
   way Korthikanti et al. (2022) count theirs (their 34·sbh + 5·as²b for a GPT layer becomes the sums below
   for RMSNorm, RoPE, grouped-query SDPA and SwiGLU), times the stage's layers, times the most microbatches
@@ -144,7 +145,10 @@ def stage_params(m: ModelConfig, layers: range, first: bool, last: bool, tp: int
 
 
 def model_state_bytes(params: int, precision: str, zero: int, dp: int) -> float:
-    p = g = PRECISION_BYTES[precision]
+    p = PRECISION_BYTES[precision]
+    # The optimizer's gradients are fp32 in every precision: 16-bit ones are converted one by one into
+    # fp32 master gradients (unscaled) and freed, so they hold 4 bytes, not 2, once backward is done.
+    g = 4
     k = 12 if p == 2 else 8  # 16-bit: fp32 master + two fp32 moments; fp32: the moments only
     full, sharded = [(p + g + k, 0), (p + g, k), (p, g + k), (0, p + g + k)][zero]
     return params * (full + sharded / dp)

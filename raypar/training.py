@@ -112,7 +112,7 @@ class Run:
             "tokens": next_step * self.tokens_per_step,
             "layout": {"dp": self.trainer.dp, "pp": self.trainer.pp, "tp": self.trainer.tp},
             "model": dataclasses.asdict(self.cfg.model),
-            "optimizer_steps": next_step,
+            **self.trainer.optimizer_state(),  # optimizer_steps (fp16 skips make it < next_step), loss_scaler
             "data": {
                 "seed": self.cfg.train.seed,
                 "next_step": next_step,
@@ -269,6 +269,8 @@ class Run:
                     "mfu": mfu(self.tokens_per_step / result.step_time_s, cfg.model, trainer.peak_flops)
                     if trainer.peak_flops
                     else None,
+                    "loss_scale": result.loss_scale,
+                    "skipped": result.skipped,
                     **memory.worst(result.per_actor.values()),
                 }
                 self.logs["metrics.jsonl"].write(json.dumps(record) + "\n")
