@@ -64,8 +64,15 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run: str, faults: dict[Coord, list[str]] | None = None):
-        self.cfg, self.run = cfg, run
+    def __init__(
+        self,
+        cfg: Config,
+        run: str,
+        faults: dict[Coord, list[str]] | None = None,
+        worker_cls: Any = Worker,
+    ):
+        """`worker_cls`: the Ray actor class of the workers (tests pass subclasses that inject faults)."""
+        self.cfg, self.run, self.worker_cls = cfg, run, worker_cls
         self.faults = faults or {}
         par = cfg.parallel
         self.pp, self.tp = par.pp, par.tp
@@ -119,7 +126,7 @@ class Trainer:
             self.pgs[(d, p)] = pg
             for t in range(self.tp):
                 coord = Coord(d, p, t)
-                self.actors[coord] = Worker.options(
+                self.actors[coord] = self.worker_cls.options(
                     name=self.name(coord),
                     namespace=NAMESPACE,
                     num_cpus=self.resources.cpus,
