@@ -168,7 +168,14 @@ def test_fp16_overflow_on_one_actor_skips_the_step_everywhere(ray_session) -> No
 
 
 # -- 16-bit curves --------------------------------------------------------------------------------------
+# Tolerance: a 16-bit value carries a relative rounding error of 2^-8 (bf16) or 2^-11 (fp16); the loss
+# averages 256 tokens' cross-entropies computed in fp32 from 16-bit logits, and the fp32 masters keep
+# rounding from accumulating in the weights, so each step's loss should stay within a few tenths of a
+# percent of fp32 (measured here: bf16 worst step 0.35 %, mean 0.055 %; fp16 0.14 %, 0.041 %). 2 % per
+# step and 0.5 % on average leave a margin of ~5x for other machines. (No negative control yet: which
+# broken variant this check rejects is still to be shown.)
 CURVE_STEPS = 100
+CURVE_MAX_RTOL, CURVE_MEAN_RTOL = 0.02, 0.005
 
 
 def test_bf16_and_fp16_curves_track_fp32(ray_session) -> None:
@@ -189,4 +196,6 @@ def test_bf16_and_fp16_curves_track_fp32(ray_session) -> None:
     fp32 = curves["fp32"]
     for precision in ("bf16", "fp16"):
         diffs = [abs(a - b) / b for a, b in zip(curves[precision], fp32, strict=True)]
-        print(precision, max(diffs), sum(diffs) / len(diffs), curves[precision][-1], fp32[-1])
+        assert max(diffs) <= CURVE_MAX_RTOL, f"{precision}: worst step off by {max(diffs):.2%}"
+        mean = sum(diffs) / len(diffs)
+        assert mean <= CURVE_MEAN_RTOL, f"{precision}: mean off by {mean:.2%}"
