@@ -22,7 +22,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
 from raypar import config, plan  # noqa: E402
-from raypar.driver import Trainer  # noqa: E402
+from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
 
 TINY = os.path.join(os.path.dirname(_HERE), "examples", "configs", "tiny.toml")
 
@@ -71,7 +71,7 @@ def measure(layouts: dict[tuple[int, int, int], list[list[str]]] = LAYOUTS) -> l
     """Train each layout two steps (inside an initialised Ray) and compare measured with predicted."""
     rows = []
     for mesh, variants in layouts.items():
-        trainer = Trainer(layout_cfg(mesh, variants[0]), f"planval-{'-'.join(map(str, mesh))}")
+        trainer = ActorMesh(layout_cfg(mesh, variants[0]), f"planval-{'-'.join(map(str, mesh))}")
         try:
             trainer.start()
             for overrides in variants:

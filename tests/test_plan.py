@@ -17,8 +17,9 @@ import torch
 
 from benchmarks.plan_validation import measure
 from collectives import Group
-from raypar import cli, config, plan
+from raypar import config, plan
 from raypar.config import ConfigError
+from raypar.controller import cli
 from raypar.memory import SavedActivations
 from raypar.model import LlamaStage
 from tests.threads import run_ranks

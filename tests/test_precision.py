@@ -13,7 +13,7 @@ import torch
 from actors.worker import Worker
 from raypar import config
 from raypar.config import TrainConfig
-from raypar.driver import StepFailure, Trainer
+from raypar.controller.actor_mesh import ActorMesh, StepFailure
 from raypar.mesh import Coord
 from raypar.optim import Optimizer
 from raypar.precision import LossScaler, ScalerConfig
@@ -107,10 +107,14 @@ def test_masters_are_fp32_and_16bit_params_their_rounding() -> None:
 INF_STEP, INF_ACTOR = 1, Coord(1, 1, 0)
 
 
-@ray.remote(max_concurrency=4)
-class InfWorker(Worker.__ray_actor_class__):
+class _InfWorker(Worker):
     """Puts an inf into one gradient of one actor at INF_STEP, after the DP reduction (so no other actor
     sees it through the data); `local_only` breaks the MAX reduction of the verdict (negative control)."""
+
+    local_only = False
+
+    def set_local_only(self, value: bool) -> None:
+        self.local_only = value
 
     def train_step(self, step: int):  # noqa: ANN201 - Worker's
         self.step_now = step
@@ -129,7 +133,11 @@ class InfWorker(Worker.__ray_actor_class__):
         return out
 
     def _anywhere(self, flag: bool) -> bool:
-        return flag if "local_only" in self.faults else super()._anywhere(flag)
+        return flag if self.local_only else super()._anywhere(flag)
+
+
+class InfMesh(ActorMesh):
+    worker_class = ray.remote(max_concurrency=4)(_InfWorker)
 
 
 def fp16_cfg(*extra: str) -> config.Config:
@@ -143,7 +151,7 @@ def fp16_cfg(*extra: str) -> config.Config:
 
 
 def test_fp16_overflow_on_one_actor_skips_the_step_everywhere(ray_session) -> None:
-    trainer = Trainer(fp16_cfg(), "fp16-skip", worker_cls=InfWorker)
+    trainer = InfMesh(fp16_cfg(), "fp16-skip")
     try:
         trainer.start()
         results = [trainer.step(s) for s in range(4)]
@@ -158,8 +166,8 @@ def test_fp16_overflow_on_one_actor_skips_the_step_everywhere(ray_session) -> No
         assert all(torch.equal(skipped_run[n], p) for n, p in never_run.items())
         # Negative control: the verdict not reduced, only actor (1, 1, 0) skips; its stage's tp peer waits
         # in the grad-norm all-reduce it never joins and the step fails instead of silently diverging.
-        faults = {c: ["local_only"] for c in trainer.actors}
-        trainer.reconfigure(fp16_cfg("parallel.timeout_s=5"), faults=faults)
+        ray.get([a.set_local_only.remote(True) for a in trainer.actors.values()])
+        trainer.reconfigure(fp16_cfg("parallel.timeout_s=5"))
         trainer.step(0)
         with pytest.raises(StepFailure):
             trainer.step(INF_STEP)
@@ -184,7 +192,7 @@ def test_bf16_and_fp16_curves_track_fp32(ray_session) -> None:
             TINY, [f'train.precision="{precision}"', f"train.steps={CURVE_STEPS}", "train.loss_scale=65536.0"]
         )
 
-    trainer = Trainer(cfg("fp32"), "curves")
+    trainer = ActorMesh(cfg("fp32"), "curves")
     curves = {}
     try:
         trainer.start()

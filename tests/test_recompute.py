@@ -19,7 +19,7 @@ from torch.utils import checkpoint as torch_checkpoint
 from collectives import Group
 from raypar import config, model
 from raypar.config import ModelConfig
-from raypar.driver import Trainer
+from raypar.controller.actor_mesh import ActorMesh
 from raypar.memory import SavedActivations
 from raypar.model import LlamaStage
 from tests.threads import run_ranks
@@ -117,7 +117,7 @@ def test_recompute_on_actors_at_1_2_2_with_dropout(ray_session) -> None:
             ["parallel.pp=2", "parallel.tp=2", "model.dropout=0.1", f'train.recompute="{mode}"'],
         )
 
-    trainer = Trainer(cfg("none"), "recompute-122")
+    trainer = ActorMesh(cfg("none"), "recompute-122")
     try:
         trainer.start()
         runs = {}
