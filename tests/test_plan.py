@@ -28,13 +28,14 @@ TINY = "examples/configs/tiny.toml"
 STATES_RTOL, ACTIVATIONS_RTOL = 0.05, 0.15
 
 
-def test_model_state_formulas_are_the_zero_papers() -> None:
+def test_model_state_formulas_by_zero_stage() -> None:
+    """The ZeRO paper's, with fp32 optimizer-side gradients under 16 bits (2 + 4 + 12 bytes, not 2+2+12)."""
     psi, d = 1000, 4
     assert [plan.model_state_bytes(psi, "bf16", z, d) for z in range(4)] == [
-        16 * psi,
-        4 * psi + 12 * psi / d,
-        2 * psi + 14 * psi / d,
-        16 * psi / d,
+        18 * psi,
+        6 * psi + 12 * psi / d,
+        2 * psi + 16 * psi / d,
+        18 * psi / d,
     ]
     assert [plan.model_state_bytes(psi, "fp32", z, d) for z in range(4)] == [
         16 * psi,
