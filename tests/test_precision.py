@@ -116,9 +116,9 @@ class _InfWorker(Worker):
     def set_local_only(self, value: bool) -> None:
         self.local_only = value
 
-    def train_step(self, step: int):  # noqa: ANN201 - Worker's
+    def train_step(self, step: int, commit: int | None = None):  # noqa: ANN201 - Worker's
         self.step_now = step
-        return super().train_step(step)
+        return super().train_step(step, commit)
 
     def setup(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - Worker's
         out = super().setup(*args, **kwargs)
