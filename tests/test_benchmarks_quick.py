@@ -96,6 +96,11 @@ def test_collectives_quick():
     }
 
 
+def test_plan_validation_quick():
+    text = ok(run("benchmarks/plan_validation.py", "--quick"))
+    assert "| (2, 1, 1) microbatches=2 | dp0.pp0.tp0 |" in text
+
+
 def test_gpu_check_quick():
     lines = [json.loads(ln) for ln in ok(run("benchmarks/gpu_check.py", "--quick")).splitlines()
              if ln.startswith("{")]
