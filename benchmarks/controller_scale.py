@@ -82,7 +82,10 @@ class _LightWorker:
         pass
 
     def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
-        return {"coord": self.coord, "loss": 1.0, "grad_norm": 1.0, "lr": 0.0, "events": []}
+        return {
+            "coord": self.coord, "loss": 1.0, "grad_norm": 1.0, "lr": 0.0, "events": [], "loss_scale": 1.0,
+            "skipped": False,
+        }
 
     def apply_step(self, step: int) -> None:
         pass
