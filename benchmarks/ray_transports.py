@@ -179,7 +179,10 @@ GraphStage = ray.remote(_GraphStage)
 
 def cgraph_hops(sizes: list[int], args: argparse.Namespace) -> dict[int, float]:
     """Per size: (round trip A -> B -> A - round trip A -> A) / 2 through compiled graphs."""
-    from ray.dag import InputNode
+    from ray.dag import DAGContext, InputNode
+
+    # The graph's actors are disposable (killed at teardown): do not wait Ray's default 30 s for their loops.
+    DAGContext.get_current().teardown_timeout = 5
 
     def compiled(a: Any, b: Any | None) -> Any:
         with InputNode() as inp:
