@@ -6,7 +6,8 @@ Imports nothing from `raypar` or `actors`. CuPy is optional: only asking for bac
 from collectives.group import Group, GroupError, GroupInfo, GroupTimeout, Work
 from collectives.host import GroupHost, create_groups, group_specs
 from collectives.nccl import BackendUnavailable
-from collectives.rendezvous import GroupSpec, RendezvousServer, StoreAddress, connect_store, create_group
+from collectives.ray_store import RendezvousServer
+from collectives.rendezvous import GroupSpec, StoreRef, connect_store, create_group
 
 __all__ = [
     "BackendUnavailable",
@@ -17,7 +18,7 @@ __all__ = [
     "GroupSpec",
     "GroupTimeout",
     "RendezvousServer",
-    "StoreAddress",
+    "StoreRef",
     "Work",
     "connect_store",
     "create_group",

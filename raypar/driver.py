@@ -359,3 +359,6 @@ class Trainer:
 
     def shutdown(self) -> None:
         self._drop_replicas(set(self.replicas))
+        if self.server is not None:
+            self.server.close()
+            self.server = None

@@ -2,29 +2,37 @@
 
 from __future__ import annotations
 
-import datetime
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
-from collectives import Group, GroupSpec, RendezvousServer, create_group
+from collectives import Group, GroupSpec, create_group
+
+
+@dataclass(frozen=True)
+class LocalStoreRef:
+    """A store in this process only (the threads share it): no network, no Ray."""
+
+    store: dist.Store = field(default_factory=dist.HashStore)
+    key: str = "local"
+
+    def connect(self, timeout_s: float) -> dist.Store:
+        return self.store
 
 
 def run_ranks(size: int, fn: Callable[[Group], Any]) -> list[Any]:
     """fn(group) on `size` threads forming one gloo group; returns the per-rank results in rank order."""
-    server = RendezvousServer(host="127.0.0.1")
+    ref = LocalStoreRef()
     results: list[Any] = [None] * size
     errors: list[BaseException] = []
 
     def member(rank: int) -> None:
         try:
-            store = dist.TCPStore(
-                "127.0.0.1", server.address.port, is_master=False, timeout=datetime.timedelta(seconds=20)
-            )
             members = tuple(f"m{i}" for i in range(size))
-            group = create_group(GroupSpec("tp", members, rank, server.address, timeout_s=20), store)
+            group = create_group(GroupSpec("tp", members, rank, ref, timeout_s=20), ref.store)
             results[rank] = fn(group)
         except BaseException as err:  # re-raised in the test thread below
             errors.append(err)
