@@ -114,3 +114,22 @@ def test_stage_layers():
     assert stage_layers(4, 2, [1, 3]) == [range(0, 1), range(1, 4)]
     with pytest.raises(ValueError):
         stage_layers(4, 2, [2, 3])
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "/abs", "..", ".hidden", "", "x:y", "a" * 101])
+def test_cli_name_must_stay_in_the_runs_directory(name, tmp_path, capsys, monkeypatch):
+    from raypar import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", str(TINY), "--name", name]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--name" in err[0] and "Traceback" not in err[0], err
+    assert list(tmp_path.iterdir()) == [] and not (tmp_path.parent / "escape").exists()
+
+
+def test_cli_name_control_a_good_name_passes_the_check(tmp_path, capsys):
+    """The same call with a valid name gets past the name check (and stops at the next bad input)."""
+    from raypar import cli
+
+    assert cli.main(["train", str(TINY), "--name", "run-1.a_b", "--set", "model.n_layers=-1"]) == 2
+    assert "--name" not in capsys.readouterr().err
