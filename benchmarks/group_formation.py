@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import ray  # noqa: E402
 
 from benchmarks.tcp_store import TcpStoreServer  # noqa: E402
-from collectives import GroupHost, RendezvousServer, create_groups  # noqa: E402
+from collectives.host import GroupHost, create_groups  # noqa: E402
+from collectives.ray_store import RendezvousServer  # noqa: E402
 from raypar.mesh import Mesh  # noqa: E402
 
 LAYOUTS = {4: Mesh(2, 1, 2), 8: Mesh(2, 2, 2), 16: Mesh(4, 2, 2)}

@@ -8,7 +8,8 @@ its own key prefix, so re-forming a group after a failure is just creating it ag
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch.distributed as dist
@@ -25,6 +26,18 @@ class StoreRef(Protocol):
     def key(self) -> str: ...
 
     def connect(self, timeout_s: float) -> dist.Store: ...
+
+
+@dataclass(frozen=True)
+class LocalStoreRef:
+    """A store inside this process (a HashStore): for groups whose members are all here (threads, or a
+    single member). No network and no Ray."""
+
+    store: dist.Store = field(default_factory=dist.HashStore)
+    key: str = field(default_factory=lambda: f"local-{uuid.uuid4().hex}")
+
+    def connect(self, timeout_s: float) -> dist.Store:
+        return self.store
 
 
 # One client per store and process, shared by every group of the process. The dict also keeps Python store

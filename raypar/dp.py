@@ -40,6 +40,7 @@ class GradReducer:
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         self._armed = False
+        self._hooks: list = []
         if group is None or group.size == 1:
             return
         current: list[torch.nn.Parameter] = []
@@ -55,7 +56,15 @@ class GradReducer:
         for bucket in self.buckets:
             for p in bucket.params:
                 self._bucket_of[id(p)] = bucket
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def close(self) -> None:
+        """Remove the gradient hooks and drop the buckets (a new membership builds a new reducer)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self.buckets.clear()
+        self._bucket_of.clear()
 
     @property
     def active(self) -> bool:

@@ -73,8 +73,9 @@ def is_loopback(ip: str) -> bool:
 def main() -> None:
     import ray
 
-    from collectives import GroupHost, RendezvousServer, create_groups
-    from raypar.connection import connect
+    from collectives.host import GroupHost, create_groups
+    from collectives.ray_store import RendezvousServer
+    from raypar.controller.connection import connect
 
     connect(None, num_cpus=2)
 

@@ -36,10 +36,10 @@ from collectives import (
     GroupError,
     GroupSpec,
     GroupTimeout,
-    RendezvousServer,
     create_group,
-    create_groups,
 )
+from collectives.host import create_groups
+from collectives.ray_store import RendezvousServer
 from raypar.mesh import Mesh
 from tests.collective_actor import (
     COLS,
@@ -338,8 +338,7 @@ def test_collectives_import_without_cupy():
     code = (
         "import sys; sys.modules['cupy'] = None\n"
         "import collectives\n"
-        "from collectives import BackendUnavailable, GroupSpec, create_group\n"
-        "from tests.threads import LocalStoreRef\n"
+        "from collectives import BackendUnavailable, GroupSpec, LocalStoreRef, create_group\n"
         "ref = LocalStoreRef()\n"
         "spec = GroupSpec('g', ('m',), 0, ref, backend='nccl', timeout_s=30)\n"
         "try:\n"

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from raypar.connection import LOCAL_ONLY_ENV
+from raypar.controller.connection import LOCAL_ONLY_ENV
 from tests.listen_probe import is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,8 @@ from ray._private import state
 from ray._raylet import AuthenticationTokenLoader
 from ray.core.generated import core_worker_pb2, core_worker_pb2_grpc, gcs_service_pb2, gcs_service_pb2_grpc
 
-from collectives import GroupSpec, RendezvousServer, create_group
+from collectives import GroupSpec, create_group
+from collectives.ray_store import RendezvousServer
 
 
 @pytest.fixture(scope="module")

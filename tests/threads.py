@@ -4,23 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
-
-from collectives import Group, GroupSpec, create_group
-
-
-@dataclass(frozen=True)
-class LocalStoreRef:
-    """A store in this process only (the threads share it): no network, no Ray."""
-
-    store: dist.Store = field(default_factory=dist.HashStore)
-    key: str = "local"
-
-    def connect(self, timeout_s: float) -> dist.Store:
-        return self.store
+from collectives import Group, GroupSpec, LocalStoreRef, create_group
 
 
 def run_ranks(size: int, fn: Callable[[Group], Any]) -> list[Any]:
