@@ -20,8 +20,9 @@ import ray
 import torch.distributed as dist
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-# Members wait in the actor, so a `get` of a key not yet set costs one call, not a polling loop; the
-# Ray call itself gets this much longer than the store's timeout before the member gives up on the actor.
+# Members wait in the actor, so a `get` of a key not yet set costs one call, not a polling loop. A member
+# gives up on the actor itself after the store's timeout (as a TCPStore client gives up connecting: the
+# actor may still be starting, its process importing torch, on a busy node) plus this much.
 _CALL_SLACK_S = 10.0
 
 
@@ -107,7 +108,7 @@ class RayStore(dist.Store):
     def _call(self, method: str, *args: Any, wait_s: float = 0.0) -> Any:
         ref = getattr(self._actor, method).remote(*args)
         try:
-            return ray.get(ref, timeout=wait_s + _CALL_SLACK_S)
+            return ray.get(ref, timeout=max(wait_s, self._timeout_s) + _CALL_SLACK_S)
         except ray.exceptions.RayTaskError as err:
             raise (err.cause or err) from None  # the store's own error (a TimeoutError), not Ray's wrapper
 
