@@ -8,13 +8,12 @@ place and run in one pass.
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 RECOMPUTE = ("none", "full", "selective")
 

@@ -20,8 +20,8 @@ import ray
 import torch
 
 from actors.worker import RemoteWorker
-from collectives import RendezvousServer
 from collectives.host import create_groups
+from collectives.ray_store import RendezvousServer
 from raypar import checkpoint
 from raypar.config import Config
 from raypar.controller.connection import NAMESPACE, RunFailure
@@ -415,3 +415,6 @@ class ActorMesh:
 
     def shutdown(self) -> None:
         self._drop_replicas(set(self.replicas))
+        if self.server is not None:
+            self.server.close()
+            self.server = None
