@@ -48,6 +48,7 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
                 # it from the environment.
                 ray_constants.ENABLE_RAY_CLUSTER = False
             ray.init(
+                address="local",  # a new instance, never another one that happens to run on this machine
                 num_cpus=num_cpus,
                 namespace=NAMESPACE,
                 log_to_driver=False,
