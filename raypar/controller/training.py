@@ -274,6 +274,8 @@ class TrainingLoop:
                     if actor_mesh.peak_flops
                     else None,
                 }
+                if result.moe is not None:  # aux_loss, dropped_tokens, expert_load (layer -> per expert)
+                    record.update(result.moe)
                 self.logs["metrics.jsonl"].write(json.dumps(record) + "\n")
                 self.logs["metrics.jsonl"].flush()
                 self.logs["timeline.jsonl"].writelines(json.dumps(r) + "\n" for r in rows)
