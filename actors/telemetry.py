@@ -32,8 +32,8 @@ METRICS = {
     ),
     "raypar_comm_seconds": "Time of the last step spent in pipeline sends and receives (waits included)",
     "raypar_memory_bytes": "Peak memory: allocated by torch on the accelerator, else the process's peak RSS",
-    "raypar_moe_aux_loss": "MoE load-balancing loss of this stage's MoE layers at the last step (this replica)",
-    "raypar_moe_dropped_tokens": "Expert assignments over capacity at the last step (this stage, this replica)",
+    "raypar_moe_aux_loss": "MoE load-balancing loss of this stage's MoE layers at the last step",
+    "raypar_moe_dropped_tokens": "Expert assignments over capacity at the last step (this stage)",
 }
 LOAD_METRIC = "raypar_moe_expert_load"  # tagged also by layer and expert
 

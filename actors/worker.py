@@ -128,7 +128,9 @@ class Worker(GroupHost):
         if par.ep == 1:  # every replica holds every expert
             edp_group = dp_group
         else:
-            edp_group = self.group(Mesh.edp_group(self.coord, self.dp_rank, par.ep)) if self.dp > par.ep else None
+            edp_group = (
+                self.group(Mesh.edp_group(self.coord, self.dp_rank, par.ep)) if self.dp > par.ep else None
+            )
         if self.expert_reducer is not None:
             self.expert_reducer.close()
         self.expert_reducer = self._make_expert_reducer(edp_group)
@@ -169,7 +171,7 @@ class Worker(GroupHost):
         return GradReducer(self._params(experts=False), dp_group, bucket_bytes, "avg")
 
     def _make_expert_reducer(self, edp_group: Any) -> ep_mod.ExpertGradReducer:
-        """Expert gradients: summed over the expert-data-parallel group, divided by dp (raypar.ep says why)."""
+        """Expert gradients: summed over the expert-dp group, divided by dp (raypar.ep says why)."""
         bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
         return ep_mod.ExpertGradReducer(self._params(experts=True), edp_group, self.dp, bucket_bytes)
 

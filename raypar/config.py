@@ -135,7 +135,9 @@ class Config:
         top = self.parallel.max_dp or self.train.global_batch // self.microbatch_size
         batch, mbs = self.train.global_batch, self.microbatch_size
         ep = self.parallel.ep
-        return [d for d in range(max(self.parallel.min_dp, 1), top + 1) if batch % (d * mbs) == 0 and d % ep == 0]
+        return [
+            d for d in range(max(self.parallel.min_dp, 1), top + 1) if batch % (d * mbs) == 0 and d % ep == 0
+        ]
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -307,6 +309,8 @@ def validate(cfg: Config) -> None:
     )
     if p.dp == "auto" or p.max_dp:
         for dp in range(p.min_dp, max(p.max_dp, cfg.dp_fixed) + 1):
+            if p.ep > 1 and dp % p.ep:
+                continue  # never taken: expert parallelism needs dp to be a multiple of ep
             _require(
                 t.global_batch % (dp * cfg.microbatch_size) == 0,
                 f"train.global_batch: must be divisible by dp*microbatch_size for every dp in "
@@ -337,7 +341,9 @@ def _validate_moe(cfg: Config) -> None:
         1 <= m.moe_top_k <= m.moe_experts,
         f"model.moe_top_k: must be in [1, moe_experts={m.moe_experts}], got {m.moe_top_k}",
     )
-    _require(m.moe_capacity_factor > 0, f"model.moe_capacity_factor: must be positive, got {m.moe_capacity_factor}")
+    _require(
+        m.moe_capacity_factor > 0, f"model.moe_capacity_factor: must be positive, got {m.moe_capacity_factor}"
+    )
     _require(m.moe_aux_loss_coef >= 0, f"model.moe_aux_loss_coef: must be >= 0, got {m.moe_aux_loss_coef}")
     _require(
         1 <= m.moe_every <= m.n_layers,
@@ -353,5 +359,5 @@ def _validate_moe(cfg: Config) -> None:
     if p.dp == "auto" or p.max_dp:
         _require(
             bool(cfg.valid_dps()),
-            f"parallel.ep: no dp in [{p.min_dp}, {p.max_dp}] is a multiple of ep={p.ep} that splits the batch",
+            f"parallel.ep: no dp in [{p.min_dp}, {p.max_dp}] is a multiple of ep={p.ep} splitting the batch",
         )

@@ -5,13 +5,13 @@ dp ranks g*ep .. g*ep+ep-1 form EP group g, and the rank at position j of it hol
 (j+1)*E/ep - 1 of every MoE layer. The expert-data-parallel (EDP) group is the dp ranks holding the same
 experts (dp rank = j mod ep): dp/ep members.
 
-Gradient of an expert parameter. Each replica's loss is the mean over its own tokens and the step's loss is
-the mean over the dp replicas: L = (1/dp) sum_r L_r. The all-to-all's backward returns to the expert's owner the
-gradients of every EP-group member's tokens, so the owner's local gradient is already the SUM over the ep
-replicas of its EP group. Summing that over the EDP group covers all dp replicas once, and the divisor is
-therefore dp, the full data-parallel degree, not the EDP group's size (that would be ep times too large;
-with ep = dp it would not divide at all). tests/test_moe_training.py checks this against one process and
-rejects the EDP-size divisor.
+Gradient of an expert parameter. Each replica's loss is the mean over its own tokens and the step's loss
+is the mean over the dp replicas: L = (1/dp) sum_r L_r. The all-to-all's backward returns to the expert's
+owner the gradients of every EP-group member's tokens, so the owner's local gradient is already the SUM
+over the ep replicas of its EP group. Summing that over the EDP group covers all dp replicas once, and the
+divisor is therefore dp, the full data-parallel degree, not the EDP group's size (that would be ep times
+too large; with ep = dp it would not divide at all). tests/test_moe_training.py checks this against one
+process and rejects the EDP-size divisor.
 """
 
 from __future__ import annotations

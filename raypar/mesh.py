@@ -71,7 +71,7 @@ class Mesh:
         dp: the same (stage, tp rank) across replicas; gradients are averaged here.
         mp: all ranks of one replica (model parallel); the global gradient norm is summed here.
         pp: two neighbouring stages at the same tp rank (the `direct` activation transport).
-        ep: (ep > 1) `ep` consecutive dp ranks at one (stage, tp rank): they exchange tokens with their experts.
+        ep: (ep > 1) `ep` consecutive dp ranks at one (stage, tp rank): tokens travel to their experts here.
         edp: (ep > 1 and dp > ep) the dp ranks holding the same experts: expert gradients are summed here.
         """
         replicas = list(range(self.dp)) if replicas is None else list(replicas)
@@ -120,7 +120,7 @@ class Mesh:
 
     @staticmethod
     def edp_group(coord: Coord, dp_rank: int, ep: int) -> str:
-        """The dp ranks holding the same experts as `coord` (dp rank `dp_rank`): expert gradients meet here."""
+        """The dp ranks holding the same experts as `coord` (dp rank `dp_rank`): expert grads meet here."""
         return f"edp.pp{coord.pp}.tp{coord.tp}.e{dp_rank % ep}"
 
     @staticmethod

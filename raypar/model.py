@@ -102,7 +102,9 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: Group | None, moe: bool = False, ep_group: Group | None = None):
+    def __init__(
+        self, cfg: ModelConfig, group: Group | None, moe: bool = False, ep_group: Group | None = None
+    ):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, group)
@@ -220,7 +222,7 @@ def init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) 
 
 
 def count_params(cfg: ModelConfig) -> int:
-    """All parameters of the whole model: embedding, blocks (every expert of MoE ones), final norm and head."""
+    """All parameters of the whole model: embedding, blocks (all experts of MoE ones), final norm, head."""
     d = cfg.d_model
     blocks = sum(2 * d + _matmul_params(cfg, i, cfg.moe_experts) for i in range(cfg.n_layers))
     return cfg.vocab_size * d + blocks + d + cfg.vocab_size * d

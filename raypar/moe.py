@@ -76,8 +76,8 @@ class Expert(nn.Module):
 
 
 class MoEStats:
-    """What one layer did over the microbatches since the last `take`: assignments per expert (before capacity,
-    this rank's tokens), dropped assignments, and the aux losses to add to the training loss."""
+    """What one layer did over the microbatches since the last `take`: assignments per expert (this rank's
+    tokens, before capacity), assignments dropped, and the mean aux loss."""
 
     def __init__(self, n_experts: int):
         self.load = torch.zeros(n_experts, dtype=torch.int64)
@@ -122,7 +122,9 @@ class MoELayer(nn.Module):
     def capacity(self, local_tokens: int, global_tokens: int) -> int:
         return math.ceil(self.capacity_factor * global_tokens * self.top_k / self.n_experts)
 
-    def combine(self, out: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, tokens: int) -> torch.Tensor:
+    def combine(
+        self, out: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, tokens: int
+    ) -> torch.Tensor:
         """Sum each kept assignment's expert output, weighted by its router probability, into its token."""
         y = out.new_zeros(tokens, out.shape[-1])
         return y.index_add(0, token, out * weight.to(out.dtype).unsqueeze(-1))
@@ -175,7 +177,7 @@ class MoELayer(nn.Module):
         return kept
 
     def _experts(self, rows: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-        """Send `rows` (sorted by expert) to the experts' ranks, run the local experts, send the results back."""
+        """Send `rows` (sorted by expert) to their experts' ranks, run the local experts, return results."""
         per_expert = kept.sum(dim=1)  # [ep, E] rows from each rank to each expert
         ep = per_expert.shape[0]
         rank = 0 if self.ep_group is None else self.ep_group.rank

@@ -298,7 +298,9 @@ def plot_expert_load(metrics: list[dict[str, Any]], path: Path) -> None:
     axes = axes[:, 0]
     n_experts = len(rows[0]["expert_load"][layers[0]])
     for ax, layer in zip(axes, layers, strict=False):
-        share = [[load / max(sum(m["expert_load"][layer]), 1) for load in m["expert_load"][layer]] for m in rows]
+        share = [
+            [load / max(sum(m["expert_load"][layer]), 1) for load in m["expert_load"][layer]] for m in rows
+        ]
         image = ax.imshow(
             list(map(list, zip(*share, strict=True))),
             aspect="auto",
@@ -317,7 +319,9 @@ def plot_expert_load(metrics: list[dict[str, Any]], path: Path) -> None:
     dropped.plot(steps, [m["dropped_tokens"] for m in rows], color=COLOURS["recv"], label="dropped")
     dropped.set_ylabel("dropped", color=COLOURS["recv"])
     bottom.set_xlabel("step")
-    axes[0].set_title(f"expert load: share of routed tokens per expert (balanced = 1/{n_experts})", fontsize=11)
+    axes[0].set_title(
+        f"expert load: share of routed tokens per expert (balanced = 1/{n_experts})", fontsize=11
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -48,7 +48,7 @@ class _FaultyWorker(Worker):
         if "dp_sum" not in self.faults:
             return super()._make_reducer(dp_group)
         bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
-        return GradReducer(list(self.model.parameters()), dp_group, bucket_bytes, "sum")
+        return GradReducer(self._params(experts=False), dp_group, bucket_bytes, "sum")
 
     def _make_expert_reducer(self, edp_group: Any) -> ExpertGradReducer:
         if "ep_divisor_edp" not in self.faults:

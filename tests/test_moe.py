@@ -33,8 +33,12 @@ TOL = 1e-5
 def model_cfg(cf: float = CF) -> config.ModelConfig:
     return config.load(
         "examples/configs/tiny.toml",
-        [f"model.moe_experts={E}", f"model.moe_top_k={K}", f"model.moe_capacity_factor={cf}",
-         f"model.moe_aux_loss_coef={COEF}"],
+        [
+            f"model.moe_experts={E}",
+            f"model.moe_top_k={K}",
+            f"model.moe_capacity_factor={cf}",
+            f"model.moe_aux_loss_coef={COEF}",
+        ],
     ).model
 
 

@@ -316,7 +316,13 @@ class ActorMesh:
         losses = [r["loss"] for c, r in results.items() if c.pp == last and c.tp == 0]
         some = next(iter(results.values()))
         return StepResult(
-            step, sum(losses) / len(losses), some["grad_norm"], some["lr"], elapsed, results, moe_totals(results)
+            step,
+            sum(losses) / len(losses),
+            some["grad_norm"],
+            some["lr"],
+            elapsed,
+            results,
+            moe_totals(results),
         )
 
     def commit(self) -> None:
