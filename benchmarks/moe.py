@@ -41,10 +41,13 @@ from raypar.moe import MoELayer  # noqa: E402
 from raypar.optim import ADAM_EPS  # noqa: E402
 
 
-def model_cfg(quick: bool, *overrides: str) -> config.Config:
-    base = "examples/configs/moe-small.toml"
-    size = ["model.seq_len=32", "train.global_batch=8"] if quick else []
-    return config.load(os.path.join(os.path.dirname(_HERE), base), [*size, *overrides])
+def model_cfg(quick: bool) -> config.Config:
+    """moe-small.toml; quick: the test suite's tiny model with 8 experts in every other block."""
+    root = os.path.dirname(_HERE)
+    if not quick:
+        return config.load(os.path.join(root, "examples/configs/moe-small.toml"))
+    moe = ["model.moe_experts=8", "model.moe_top_k=2", "model.moe_every=2", "parallel.dp=2", "parallel.ep=2"]
+    return config.load(os.path.join(root, "examples/configs/tiny.toml"), moe)
 
 
 def _thread_ranks(size: int, fn: Any) -> list[Any]:
@@ -151,13 +154,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--skip-ray", action="store_true", help="leave out the step-time section")
     args = parser.parse_args(argv)
     cfg = model_cfg(args.quick)
-    tokens = 256 if args.quick else 4096
+    tokens = 128 if args.quick else 4096
     result: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "load": os.getloadavg()[0]}}
     result["alltoall"] = [alltoall_bytes(cfg, ep, tokens) for ep in (1, 2, 4)]
     if not args.skip_ray:
         eps = [1, 2] if args.quick else [1, 2, 4]  # quick: 2 actors instead of 4
         result["step_time_s"] = step_times(cfg, eps, 1 if args.quick else 5)
-    steps = 6 if args.quick else 200
+    steps = 4 if args.quick else 200
     result["balance"] = [load_balance(model_cfg(args.quick), steps, c) for c in (0.0, 0.01)]
     if args.json:
         print(json.dumps(result, indent=1))
