@@ -19,7 +19,8 @@ import torch
 
 from raypar import config
 from raypar.moe import MoELayer
-from tests.threads import run_ranks
+from raypar.tp import shard_of
+from tests.threads import run_groups, run_ranks
 
 E, K, CF, COEF = 4, 2, 0.75, 0.01
 UNEVEN = [(2, 8), (3, 8), (1, 8), (2, 8)]  # per rank: (sequences, seq_len)
@@ -173,3 +174,48 @@ def test_no_drop_capacity_keeps_every_token():
         return layer.take_stats().dropped
 
     assert run_ranks(2, rank) == [0, 0]
+
+
+def test_experts_split_across_tp_with_expert_parallelism():
+    """tp=2 x ep=2 on 4 threads (rank = 2 * ep_rank + tp_rank): each expert's gate/up rows and down columns
+    split across the tp pair, the router replicated; both tp ranks route the same tokens."""
+    ep, tp = 2, 2
+    xs, cs = inputs(ep, UNEVEN)
+    ref = reference(ep)
+    groups = {f"tp{e}": [2 * e, 2 * e + 1] for e in range(ep)} | {f"ep{t}": [t, 2 + t] for t in range(tp)}
+
+    def rank(r: int, mine: dict) -> dict:
+        e, t = divmod(r, tp)
+        tp_group, ep_group = mine[f"tp{e}"], mine[f"ep{t}"]
+        layer = MoELayer(model_cfg(), tp_group, ep_group)
+        full = dict(build(MoELayer, model_cfg(), None).named_parameters())
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                dim = layer.get_submodule(name.rpartition(".")[0]).shard_dim
+                p.copy_(shard_of(full[name].detach(), dim, tp_group))
+        x = xs[e].clone().requires_grad_()
+        y = layer(x)
+        ((y * cs[e]).sum() + layer.take_aux_loss()).backward()
+        return {
+            "y": y.detach().reshape(-1, y.shape[-1]),
+            "x_grad": x.grad.reshape(-1, x.shape[-1]),
+            "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
+            "dims": {
+                n: layer.get_submodule(n.rpartition(".")[0]).shard_dim for n, _ in layer.named_parameters()
+            },
+            "tp_group": tp_group,
+        }
+
+    ranks = run_groups(ep * tp, groups, rank)
+    for t in range(tp):  # each tp rank's EP group sees the whole computation
+        same_tp = [ranks[2 * e + t] for e in range(ep)]
+        for e, got in enumerate(same_tp):
+            assert (got["y"] - ref["y"][e]).abs().max().item() <= TOL
+            assert (got["x_grad"] - ref["x_grad"][e]).abs().max().item() <= TOL
+        router = sum(got["grads"]["router.weight"] for got in same_tp)
+        assert (router - ref["grads"]["router.weight"]).abs().max().item() <= TOL
+        for got in same_tp:
+            for name, grad in got["grads"].items():
+                if name.startswith("experts."):
+                    want = shard_of(ref["grads"][name], got["dims"][name], got["tp_group"])
+                    assert (grad - want).abs().max().item() <= TOL, name
