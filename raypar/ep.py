@@ -59,10 +59,15 @@ class ExpertGradReducer:
     own it next to the dense one; it reuses GradReducer's buckets and overlap with the last backward."""
 
     def __init__(
-        self, params: list[torch.nn.Parameter], edp_group: Group | None, divisor: int, bucket_bytes: int
+        self,
+        params: list[torch.nn.Parameter],
+        edp_group: Group | None,
+        divisor: int,
+        bucket_bytes: int,
+        reduce_dtype: torch.dtype | None = None,
     ):
         self.params, self.divisor = params, divisor
-        self._sum = GradReducer(params, edp_group, bucket_bytes, "sum")
+        self._sum = GradReducer(params, edp_group, bucket_bytes, "sum", reduce_dtype)
 
     def arm(self) -> None:
         self._sum.arm()

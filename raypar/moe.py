@@ -98,6 +98,7 @@ class MoELayer(nn.Module):
         self.n_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.capacity_factor, self.aux_coef = cfg.moe_capacity_factor, cfg.moe_aux_loss_coef
         self.group = tp_group  # named like the tp layers' so that rebinding tp reaches it
+        self.selective = False  # selective recomputation (raypar.model) does not reach the experts
         self.router = Router(cfg.d_model, self.n_experts)
         ep, rank = (1, 0) if ep_group is None else (ep_group.size, ep_group.rank)
         if self.n_experts % ep:

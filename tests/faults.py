@@ -37,6 +37,10 @@ class _FaultyWorker(Worker):
     def set_faults(self, faults: list[str]) -> None:
         self.faults = set(faults)
 
+    def draw(self, n: int) -> list[float]:
+        """Numbers from the process's random state (what dropout would draw)."""
+        return torch.rand(n).tolist()
+
     def _bind_tp(self, group: Any) -> None:
         super()._bind_tp(group)
         if "tp_drop_allreduce" in self.faults:
@@ -61,7 +65,7 @@ class _FaultyWorker(Worker):
         """name -> (local gradient after reduction and clipping, global shape, offsets): read between a step's
         phase 1 and its commit."""
         specs = self.model.shard_specs()
-        return {n: (p.grad.detach().cpu(), *specs[n]) for n, p in self.model.named_parameters()}
+        return {n: (p.grad.detach().cpu(), *specs[n]) for n, p in self.optimizer.masters.items()}
 
     def _send_grad(self, mb: int, grad: torch.Tensor) -> None:
         super()._send_grad(mb, torch.zeros_like(grad) if "pp_zero_grad" in self.faults else grad)

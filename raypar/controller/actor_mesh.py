@@ -69,6 +69,8 @@ class StepResult:
     lr: float
     step_time_s: float
     per_actor: dict[Coord, dict[str, Any]] = field(default_factory=dict)
+    loss_scale: float = 1.0
+    skipped: bool = False
     moe: dict[str, Any] | None = None  # see moe_totals
 
 
@@ -322,6 +324,8 @@ class ActorMesh:
             some["lr"],
             elapsed,
             results,
+            some["loss_scale"],
+            some["skipped"],
             moe_totals(results),
         )
 
@@ -428,7 +432,13 @@ class ActorMesh:
     def collect(self, refs: dict[Any, Coord], what: str) -> list[Any]:
         return list(self._gather(refs, what).values())
 
-    def rng_states(self) -> dict[str, str]:
+    def optimizer_state(self) -> dict[str, Any]:
+        """Updates applied and the loss scaler's state: the same on every actor (they skip together)."""
+        self.commit()
+        first = next(iter(self.actors.values()))
+        return ray.get(first.optimizer_state.remote(), timeout=self.cfg.parallel.timeout_s)
+
+    def rng_states(self) -> dict[str, dict[str, str]]:
         return {
             c.key: s
             for c, s in self._gather(
