@@ -31,9 +31,11 @@ from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from collectives.host import GroupHost
 from raypar import checkpoint, data, flops, memory, precision, schedules
 from raypar import config as config_mod
+from raypar import ep as ep_mod
 from raypar.dp import GradReducer
 from raypar.mesh import Coord, Mesh, actor_name, stage_layers
 from raypar.model import LlamaStage, dropout_seed
+from raypar.moe import is_expert_param
 from raypar.optim import Optimizer, lr_at
 
 
@@ -48,7 +50,8 @@ class WorkerFailure(RuntimeError):
 
 class Worker(GroupHost):
     """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks) override
-    the seams `_make_reducer`, `_bind_tp`, `_send_grad` and `_train_step` and wrap themselves the same way."""
+    the seams `_make_reducer`, `_make_expert_reducer`, `_bind_tp`, `_send_grad` and `_train_step` and wrap
+    themselves the same way."""
 
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         torch.set_num_threads(threads)
@@ -57,6 +60,7 @@ class Worker(GroupHost):
         self.mailbox = Mailbox()
         self.metrics = ActorMetrics(run, self.coord)
         self.reducer: GradReducer | None = None
+        self.expert_reducer: ep_mod.ExpertGradReducer | None = None
         self.transport: ObjectStoreTransport | DirectTransport | None = None
         self._writer: threading.Thread | None = None
         self._written: dict[str, Any] | BaseException | None = None
@@ -90,8 +94,9 @@ class Worker(GroupHost):
         layers = stage_layers(self.cfg.model.n_layers, par.pp, par.stage_layers or None)[p]
         self.first, self.last = p == 0, p == par.pp - 1
         tp_group = self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None  # shapes the shards
+        ep_group = self._ep_group(replicas.index(self.coord.dp))  # which experts live here
         train = self.cfg.train
-        self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, train.seed)
+        self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, train.seed, ep_group)
         self.model.set_recompute(train.recompute, train.recompute_every)
         self.model.to(self.device)
         self.optimizer = Optimizer(self.model, train, dtype)  # holds the fp32 masters; params -> dtype
@@ -120,6 +125,18 @@ class Worker(GroupHost):
             self.reducer.close()  # its hooks and buckets belong to the old membership
         self.reducer = self._make_reducer(dp_group)
         self.dp_group = dp_group
+        self.ep_group = self._ep_group(self.dp_rank)
+        self.model.bind_ep(self.ep_group)
+        if par.ep == 1:  # every replica holds every expert
+            edp_group = dp_group
+        else:
+            edp_group = (
+                self.group(Mesh.edp_group(self.coord, self.dp_rank, par.ep)) if self.dp > par.ep else None
+            )
+        if self.expert_reducer is not None:
+            self.expert_reducer.close()
+        self.expert_reducer = self._make_expert_reducer(edp_group)
+        self.edp_group = edp_group
         self.mp_group = self.group(Mesh.mp_group(self.coord)) if par.pp * par.tp > 1 else None
         self.microbatches = self.cfg.microbatches_at(self.dp)
         self.plan = schedules.build(par.schedule, par.pp, self.microbatches)[p]
@@ -143,10 +160,26 @@ class Worker(GroupHost):
             if hasattr(module, "group"):
                 module.group = group
 
+    def _ep_group(self, dp_rank: int) -> Any:
+        ep = self.cfg.parallel.ep
+        return self.group(Mesh.ep_group(self.coord, dp_rank, ep)) if ep > 1 else None
+
+    def _params(self, experts: bool) -> list[torch.nn.Parameter]:
+        return [p for n, p in self.model.named_parameters() if is_expert_param(n) == experts]
+
     def _make_reducer(self, dp_group: Any) -> GradReducer:
+        """Averages every non-expert gradient over the data-parallel group."""
         bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
         reduce_dtype = precision.DTYPES[self.cfg.train.reduce_dtype]
-        return GradReducer(list(self.model.parameters()), dp_group, bucket_bytes, "avg", reduce_dtype)
+        return GradReducer(self._params(experts=False), dp_group, bucket_bytes, "avg", reduce_dtype)
+
+    def _make_expert_reducer(self, edp_group: Any) -> ep_mod.ExpertGradReducer:
+        """Expert gradients: summed over the expert-dp group, divided by dp (raypar.ep says why)."""
+        bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
+        reduce_dtype = precision.DTYPES[self.cfg.train.reduce_dtype]
+        return ep_mod.ExpertGradReducer(
+            self._params(experts=True), edp_group, self.dp, bucket_bytes, reduce_dtype
+        )
 
     def _device(self) -> torch.device:
         gpu_ids = ray.get_gpu_ids()
@@ -204,6 +237,7 @@ class Worker(GroupHost):
         outputs: dict[int, torch.Tensor] = {}
         grads: dict[int, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
+        auxes: dict[int, torch.Tensor] = {}
         events: list[tuple[str, int, float, float]] = []
         saved = memory.SavedActivations(exclude=[*self.model.parameters(), *self.model.buffers()])
         live = memory.LiveActivations()
@@ -227,10 +261,14 @@ class Worker(GroupHost):
                 with saved:
                     out = self.model(inputs[mb], targets if self.last else None)
                 live.forward(mb, saved.bytes)
+                aux = self.model.take_aux_loss()  # MoE load balancing: part of the training loss
                 if self.last:
                     losses.append(out.detach())
+                    out = out if aux is None else out + aux
                     # the replica's loss is the mean over its microbatches (fp16: times the loss scale)
                     out = out / self.microbatches if scale == 1.0 else out * (scale / self.microbatches)
+                elif aux is not None:
+                    auxes[mb] = aux / self.microbatches if scale == 1.0 else aux * (scale / self.microbatches)
                 outputs[mb] = out
             elif op == "send_act":
                 self.transport.send_act(mb, outputs[mb])
@@ -239,8 +277,12 @@ class Worker(GroupHost):
             elif op == "backward":
                 if index == self.last_backward:
                     self.reducer.arm()
+                    self.expert_reducer.arm()
                 out = outputs.pop(mb)
-                out.backward(None if self.last else grads.pop(mb))
+                if mb in auxes:  # a stage before the last: its aux loss joins the received gradient
+                    torch.autograd.backward([out, auxes.pop(mb)], [grads.pop(mb), None])
+                else:
+                    out.backward(None if self.last else grads.pop(mb))
                 live.backward(mb)
                 self.transport.release("grad", mb)
             elif op == "send_grad":
@@ -249,6 +291,7 @@ class Worker(GroupHost):
             events.append((op, mb, t0 - start, time.perf_counter() - start))
         compute_end = time.perf_counter()
         self.reducer.finish()
+        self.expert_reducer.finish()
         self.transport.finish_step()
         found_inf = self.optimizer.unscale_(1.0 / scale, check=self.scaler is not None)
         self._skip = self.scaler is not None and self._anywhere(found_inf)
@@ -269,6 +312,12 @@ class Worker(GroupHost):
             "events": events,
             **self._memory(live),
         }
+        moe = self.model.take_moe_stats()
+        if moe:
+            result["moe"] = {
+                i: {"load": s.load.tolist(), "dropped": s.dropped, "aux": s.aux_sum / max(s.microbatches, 1)}
+                for i, s in moe.items()
+            }
         tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result["step_s"]
         world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp
         mfu = flops.mfu(tokens_per_s / world, self.cfg.model, self.peak_flops) if self.peak_flops else None
@@ -305,10 +354,12 @@ class Worker(GroupHost):
         self.transport.send_grad(mb, grad)
 
     def _clip_grad_norm(self) -> float:
-        sq = self.optimizer.grad_sq_norm(self.model.replicated, self.coord.tp == 0).double().reshape(1)
-        if self.mp_group is not None:
-            self.mp_group.all_reduce(sq, "sum")
-        norm = math.sqrt(sq.item())
+        def part(experts: bool) -> torch.Tensor:
+            return self.optimizer.grad_sq_norm(
+                self.model.replicated, self.coord.tp == 0, lambda n: is_expert_param(n) == experts
+            )
+
+        norm = math.sqrt(ep_mod.grad_sq_norm(part(False), part(True), self.ep_group, self.mp_group))
         if self.cfg.train.grad_clip > 0:
             self.optimizer.clip_(norm, self.cfg.train.grad_clip)
         return norm
@@ -352,22 +403,34 @@ class Worker(GroupHost):
             }
             self.optimizer.load_state_tensors(zeros, step_count)
         self.optimizer.step_count = step_count
+        # Experts come from the replica holding the same ones in the source's EP group, over the EDP group.
+        ep = self.cfg.parallel.ep
         with torch.no_grad():
-            for _, tensor in sorted(self._state().items()):
-                self.dp_group.broadcast(tensor.data, src_dp_rank)
+            for name, tensor in sorted(self._state().items()):
+                if not is_expert_param(_param_of(name)):
+                    self.dp_group.broadcast(tensor.data, src_dp_rank)
+                elif self.edp_group is not None:
+                    self.edp_group.broadcast(tensor.data, src_dp_rank // ep)
         self.optimizer.refresh_params()
 
     def save_shard(self, staging: str) -> bool:
         """Snapshot this shard to host memory now (the stall), write it in a background thread.
 
-        One replica writes; tensors replicated across tp ranks are written by tp rank 0 only."""
-        if self.dp_rank != 0:
+        One replica writes, and with expert parallelism the rest of its EP group writes their experts (which
+        are named by global expert id, so any ep reads them back); tensors replicated across tp ranks are
+        written by tp rank 0 only."""
+        if self.dp_rank >= self.cfg.parallel.ep:
             return False
         self.wait_shard()
-        tensors = {n: t for n, t in self._state().items() if self.coord.tp == 0 or not self._replicated(n)}
+        tensors = {
+            n: t
+            for n, t in self._state().items()
+            if (self.coord.tp == 0 or not self._replicated(n))
+            and (self.dp_rank == 0 or is_expert_param(_param_of(n)))
+        }
         snap = checkpoint.snapshot(tensors)
         specs = {n: self._spec(n) for n in snap}
-        key = checkpoint.shard_key(0, self.coord.pp, self.coord.tp)
+        key = checkpoint.shard_key(self.dp_rank, self.coord.pp, self.coord.tp)
 
         def write() -> None:
             try:
