@@ -108,15 +108,29 @@ def test_gpu_check_quick():
     assert all(row["ok"] for row in lines), lines
 
 
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+BENCH = os.path.join(REPO, "benchmarks")
+# The runnable scripts (helper modules such as _common.py or tcp_store.py have no main).
 SCRIPTS = sorted(
-    f for f in os.listdir(os.path.join(REPO, "benchmarks")) if f.endswith(".py") and not f.startswith("_")
+    f for f in os.listdir(BENCH)
+    if f.endswith(".py") and '__name__ == "__main__"' in _read(os.path.join(BENCH, f))
 )
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_every_benchmark_has_a_quick_run_here(script):
-    """A new script gets a --quick mode and a test above, or this fails."""
-    with open(os.path.join(REPO, "benchmarks", script)) as f:
-        assert '"--quick"' in f.read(), f"benchmarks/{script} has no --quick mode"
-    with open(__file__) as f:
-        assert f'"benchmarks/{script}"' in f.read(), f"no --quick run of benchmarks/{script} in this file"
+def test_every_benchmark_has_a_quick_run_in_the_tests(script):
+    """A new script gets a --quick mode and a test that runs it (here, or in-process elsewhere), or this
+    fails."""
+    assert '"--quick"' in _read(os.path.join(BENCH, script)), f"benchmarks/{script} has no --quick mode"
+    name = script.removesuffix(".py")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    texts = [_read(os.path.join(tests, t)) for t in os.listdir(tests) if t.endswith(".py")]
+    runs = [
+        t for t in texts
+        if '"--quick"' in t and (f'"benchmarks/{script}"' in t or f"from benchmarks import {name}" in t)
+    ]
+    assert runs, f"no test runs benchmarks/{script} --quick"
