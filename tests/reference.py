@@ -21,10 +21,13 @@ class Run:
     losses: list[float]
     grad_norms: list[float]
     params: dict[str, torch.Tensor]
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per step, after clipping
     val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss after it
 
 
-def reference_run(cfg: Config, steps: int) -> Run:
+def reference_run(cfg: Config, steps: int, microbatch_size: int | None = None) -> Run:
+    """`microbatch_size`: forward the global batch in microbatches of that size, the loss being the mean of
+    their (cross-entropy + MoE aux) losses, as the parallel run defines it; the default is one forward."""
     torch.manual_seed(0)
     m, t = cfg.model, cfg.train
     model = LlamaStage(m, range(m.n_layers), first=True, last=True, tp_group=None, seed=t.seed)
@@ -39,21 +42,33 @@ def reference_run(cfg: Config, steps: int) -> Run:
     dataset, val = data.open_datasets(cfg.data, m)
     sampler = data.GlobalSampler(dataset.num_samples, t.global_batch, t.seed)
     losses, norms, val_losses = [], [], {}
+    mbs = microbatch_size or t.global_batch
+    count = t.global_batch // mbs
+    grads = []
     for step in range(steps):
-        inputs, targets = data.microbatch(dataset, sampler, step, 0, t.global_batch)
-        loss = model(inputs, targets)
-        loss.backward()
+        loss = 0.0
+        for mb in range(count):
+            inputs, targets = data.microbatch(dataset, sampler, step, mb, mbs)
+            ce = model(inputs, targets)
+            aux = model.take_aux_loss()
+            ((ce if aux is None else ce + aux) / count).backward()
+            loss += ce.detach() / count
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip)))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         for group in opt.param_groups:
             group["lr"] = lr_at(step, t)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
         if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+            model.eval()
             with torch.no_grad():
                 batches = [
                     data.eval_microbatch(val, k, 0, t.global_batch, t.global_batch)
                     for k in range(t.eval_batches)
                 ]
                 val_losses[step] = sum(model(x, y).item() for x, y in batches) / len(batches)
-    return Run(losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}, val_losses)
+                model.take_aux_loss()
+            model.train()
+    params_out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return Run(losses, norms, params_out, grads, val_losses)

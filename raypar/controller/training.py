@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import ray
 
 from actors.control import RunControl, control_name
-from raypar import checkpoint, data, report
+from raypar import checkpoint, data, memory, report
 from raypar import config as config_mod
 from raypar.config import Config
 from raypar.controller.actor_mesh import ActorMesh, StepFailure
@@ -109,9 +109,14 @@ class TrainingLoop:
         staging, writers = self.actor_mesh.begin_checkpoint(root, next_step)
         meta = {
             "tokens": next_step * self.tokens_per_step,
-            "layout": {"dp": self.actor_mesh.dp, "pp": self.actor_mesh.pp, "tp": self.actor_mesh.tp},
+            "layout": {
+                "dp": self.actor_mesh.dp,
+                "pp": self.actor_mesh.pp,
+                "tp": self.actor_mesh.tp,
+                "ep": self.cfg.parallel.ep,
+            },
             "model": dataclasses.asdict(self.cfg.model),
-            "optimizer_steps": next_step,
+            **self.actor_mesh.optimizer_state(),  # optimizer_steps (fewer after fp16 skips), loss_scaler
             "data": {
                 "seed": self.cfg.train.seed,
                 "next_step": next_step,
@@ -172,7 +177,8 @@ class TrainingLoop:
                 + f" (before step {step}, {time.perf_counter() - start:.1f}s)"
             )
         elif self.auto and mesh.dp < self.cfg.parallel.max_dp and _room_for_replica(mesh):
-            target = max(d for d in self.dps if d <= self.actor_mesh.dp + 1)
+            grow = self.cfg.parallel.ep  # expert parallelism grows by whole EP groups
+            target = max(d for d in self.dps if d <= self.actor_mesh.dp + grow)
             if target > self.actor_mesh.dp:
                 self.event("auto: " + self.actor_mesh.scale_to(target, HEAL_PLACEMENT_TIMEOUT_S))
         elif self.actor_mesh.dp < self.target_dp and _room_for_replica(self.actor_mesh):
@@ -277,7 +283,12 @@ class TrainingLoop:
                     "mfu": mfu(self.tokens_per_step / result.step_time_s, cfg.model, actor_mesh.peak_flops)
                     if actor_mesh.peak_flops
                     else None,
+                    "loss_scale": result.loss_scale,
+                    "skipped": result.skipped,
+                    **memory.worst(result.per_actor.values()),
                 }
+                if result.moe is not None:  # aux_loss, dropped_tokens, expert_load (layer -> per expert)
+                    record.update(result.moe)
                 self.logs["metrics.jsonl"].write(json.dumps(record) + "\n")
                 self.logs["metrics.jsonl"].flush()
                 self.logs["timeline.jsonl"].writelines(json.dumps(r) + "\n" for r in rows)
@@ -294,6 +305,10 @@ class TrainingLoop:
                 if eval_failure is not None:
                     recovered = True
                     step, checkpointed = self._after_failure(eval_failure, step, checkpointed, bar, end)
+            try:  # the last step's update, so that the actors hold the trained model
+                actor_mesh.commit()
+            except StepFailure as failure:  # every step is logged and its checkpoint (if due) written
+                self.event(f"applying the last step failed: {failure}")
             self._publish(wait=True)
         self._close_logs()
         return {
