@@ -3,9 +3,10 @@
 A training step on an actor, top to bottom (`train_step(step, commit)`):
   1. `commit`: the update of the previous step, once the driver knows that every actor finished its
      phase 1 (it says so by passing that step's number along with the next call: one round trip a step);
-  2. phase 1 of `step`: walk this stage's schedule (raypar.schedules): receive activations, forward,
-     send; receive gradients, backward, send — microbatch by microbatch, data read locally from the global
-     sampler; the DP reducer averages gradients across replicas, its buckets overlapping the last backward;
+  2. phase 1 of `step`: walk this stage's schedule (raypar.schedules) on the core's executor
+     (raypar.executor): receive activations, forward, send; receive gradients, backward, send — microbatch
+     by microbatch and chunk by chunk, data read locally from the global sampler; the DP reducer averages
+     gradients across replicas, each chunk's buckets overlapping its last weight-gradient op;
      the global gradient norm is summed over this replica's stages and tp ranks, then clipped.
 Nothing is applied before all gradients are reduced everywhere, so a failed step leaves every survivor
 at the previous step and can simply be redone. The driver sends only step numbers: data, activations
@@ -32,6 +33,7 @@ from collectives.host import GroupHost
 from raypar import checkpoint, data, flops, schedules
 from raypar import config as config_mod
 from raypar.dp import GradReducer
+from raypar.executor import ModelBackend, StepRun, busy_seconds
 from raypar.mesh import Coord, Mesh, actor_name, stage_layers
 from raypar.model import LlamaStage
 from raypar.optim import Optimizer, lr_at
@@ -87,10 +89,14 @@ class Worker(GroupHost):
         self.device = self._device()
         dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
         self.peak_flops = flops.device_peak_flops(self.device, dtype)  # measured once per process on CPU
-        layers = stage_layers(self.cfg.model.n_layers, par.pp, par.stage_layers or None)[p]
+        self.topo = schedules.Topology(par.pp, par.virtual_stages)
+        virtual = stage_layers(self.cfg.model.n_layers, par.pp * par.virtual_stages, par.stage_layers or None)
+        chunks = [virtual[self.topo.virtual(p, c)] for c in range(par.virtual_stages)]
         self.first, self.last = p == 0, p == par.pp - 1
         tp_group = self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None  # shapes the shards
-        self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, self.cfg.train.seed)
+        self.model = LlamaStage(
+            self.cfg.model, chunks[0], self.first, self.last, tp_group, self.cfg.train.seed, chunks=chunks
+        )
         self.model.to(self.device)
         self.optimizer = Optimizer(self.model, self.cfg.train)
         self.dataset = data.open_dataset(self.cfg.data, self.cfg.model) if self.first or self.last else None
@@ -118,17 +124,18 @@ class Worker(GroupHost):
         self.dp_group = dp_group
         self.mp_group = self.group(Mesh.mp_group(self.coord)) if par.pp * par.tp > 1 else None
         self.microbatches = self.cfg.microbatches_at(self.dp)
-        self.plan = schedules.build(par.schedule, par.pp, self.microbatches)[p]
-        self.last_backward = max(i for i, ins in enumerate(self.plan) if ins.op == "backward")
+        self.plan = schedules.build(par.schedule, par.pp, self.microbatches, par.virtual_stages)[p]
         if self.transport is not None:
             self.transport.close()
         if par.transport == "direct":
-            prev = self.group(Mesh.pipe_group(d, t, p - 1)) if not self.first else None
-            nxt = self.group(Mesh.pipe_group(d, t, p)) if not self.last else None
+            ring = par.virtual_stages > 1  # the last stage feeds rank 0's next chunk
+            prev = self.group(Mesh.pipe_group(d, t, p - 1, par.pp)) if not self.first or ring else None
+            nxt = self.group(Mesh.pipe_group(d, t, p, par.pp)) if not self.last or ring else None
             self.transport = DirectTransport(prev, nxt)
         else:
             self.transport = ObjectStoreTransport(
-                self.name, peers.get("prev"), peers.get("next"), self.mailbox, par.timeout_s, epoch
+                self.name, peers.get("prev"), peers.get("next"), self.mailbox, par.timeout_s, epoch,
+                p, self.topo,
             )
         self.optimizer.zero_grad()
         self.mailbox.reset()
@@ -153,7 +160,7 @@ class Worker(GroupHost):
             return device
         return torch.device("cpu")
 
-    def deliver(self, key: tuple[str, int, int, int], refs: list, dtype: str) -> None:
+    def deliver(self, key: tuple[str, int, int, int, int], refs: list, dtype: str) -> None:
         self.mailbox.put(tuple(key), (refs, dtype))
 
     def abort(self) -> None:
@@ -190,49 +197,19 @@ class Worker(GroupHost):
         self.mailbox.clear_before(self.epoch, step)
         bf16 = self.cfg.train.precision == "bf16"
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        grads: dict[int, torch.Tensor] = {}
-        losses: list[torch.Tensor] = []
-        events: list[tuple[str, int, float, float]] = []
-        for index, ins in enumerate(self.plan):
-            t0 = time.perf_counter()
-            op, mb = ins.op, ins.mb
-            if op == "recv_act":
-                # A leaf of its own: the received buffer is reused once this microbatch is done.
-                inputs[mb] = self.transport.recv_act(mb, self.act_like).detach().requires_grad_()
-            elif op == "forward":
-                targets = None
-                if self.first:
-                    inputs[mb], targets = self._batch(step, mb)
-                elif self.last:
-                    targets = self._batch(step, mb)[1]
-                with autocast:
-                    out = self.model(inputs[mb], targets if self.last else None)
-                if self.last:
-                    losses.append(out.detach())
-                    out = out / self.microbatches  # the replica's loss is the mean over its microbatches
-                outputs[mb] = out
-            elif op == "send_act":
-                self.transport.send_act(mb, outputs[mb])
-            elif op == "recv_grad":
-                grads[mb] = self.transport.recv_grad(mb, self.act_like)
-            elif op == "backward":
-                if index == self.last_backward:
-                    self.reducer.arm()
-                out = outputs.pop(mb)
-                out.backward(None if self.last else grads.pop(mb))
-                self.transport.release("grad", mb)
-            elif op == "send_grad":
-                self._send_grad(mb, inputs.pop(mb).grad)
-                self.transport.release("act", mb)
-            events.append((op, mb, t0 - start, time.perf_counter() - start))
+        backend = ModelBackend(
+            self.model, self.coord.pp, self.topo, self.transport, self.act_like,
+            lambda mb: self._batch(step, mb), self.microbatches, self._send_grad, autocast,
+        )
+        run = StepRun(self.coord.pp, self.topo, self.plan, backend, self.reducer, self.model.chunk_parameters)
+        events = run.run(time.perf_counter, start)
+        losses = backend.losses
         compute_end = time.perf_counter()
         self.reducer.finish()
         self.transport.finish_step()
         grad_norm = self._clip_grad_norm()
         end = time.perf_counter()
-        busy = sum(t1 - t0 for op, _, t0, t1 in events if op in ("forward", "backward"))
+        busy = busy_seconds(events)
         result = {
             "coord": tuple(self.coord),
             "dp_rank": self.dp_rank,
@@ -250,8 +227,8 @@ class Worker(GroupHost):
         self.metrics.record(result, tokens_per_s, mfu)
         return result
 
-    def _send_grad(self, mb: int, grad: torch.Tensor) -> None:
-        self.transport.send_grad(mb, grad)
+    def _send_grad(self, chunk: int, mb: int, grad: torch.Tensor) -> None:
+        self.transport.send_grad(chunk, mb, grad)
 
     def _clip_grad_norm(self) -> float:
         sq = self.optimizer.grad_sq_norm(self.model.replicated, self.coord.tp == 0).double().reshape(1)

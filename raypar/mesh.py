@@ -32,6 +32,7 @@ class Mesh:
     dp: int
     pp: int
     tp: int
+    ring: bool = False  # interleaved pipelines: a pair group from the last stage back to the first
 
     def __post_init__(self) -> None:
         for axis in ("dp", "pp", "tp"):
@@ -64,7 +65,8 @@ class Mesh:
         tp: the tensor-parallel ranks of one stage of one replica.
         dp: the same (stage, tp rank) across replicas; gradients are averaged here.
         mp: all ranks of one replica (model parallel); the global gradient norm is summed here.
-        pp: two neighbouring stages at the same tp rank (the `direct` activation transport).
+        pp: two neighbouring stages at the same tp rank (the `direct` activation transport); with `ring`,
+            also the last stage and the first (members in that order).
         """
         replicas = list(range(self.dp)) if replicas is None else list(replicas)
         out: dict[str, list[Coord]] = {}
@@ -76,6 +78,9 @@ class Mesh:
             for t in range(self.tp):
                 for p in range(self.pp - 1):
                     out[self.pipe_group(d, t, p)] = [Coord(d, p, t), Coord(d, p + 1, t)]
+                if self.ring and self.pp > 1:
+                    last = self.pp - 1
+                    out[self.pipe_group(d, t, last, self.pp)] = [Coord(d, last, t), Coord(d, 0, t)]
         for p in range(self.pp):
             for t in range(self.tp):
                 out[self.dp_group(Coord(0, p, t))] = [Coord(d, p, t) for d in replicas]
@@ -98,8 +103,12 @@ class Mesh:
         return f"mp.dp{coord.dp}"
 
     @staticmethod
-    def pipe_group(dp: int, tp: int, stage: int) -> str:
-        """The pair group between `stage` and `stage + 1` at one (dp, tp)."""
+    def pipe_group(dp: int, tp: int, stage: int, n_stages: int = 0) -> str:
+        """The pair group between `stage` and the next stage at one (dp, tp). Given `n_stages`, stages count
+        around the ring: stage n_stages - 1 (or -1) names the link from the last stage back to stage 0."""
+        if n_stages:
+            stage %= n_stages
+            return f"pp.dp{dp}.tp{tp}.s{stage}-{(stage + 1) % n_stages}"
         return f"pp.dp{dp}.tp{tp}.s{stage}-{stage + 1}"
 
     def groups_of(self, coord: Coord) -> dict[str, list[Coord]]:

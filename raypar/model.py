@@ -115,7 +115,11 @@ class Block(nn.Module):
 
 class LlamaStage(nn.Module):
     """Layers `layers` of the model, plus the embedding if `first` and the final norm and head if `last`,
-    on one tensor-parallel rank of `tp_group` (None: no tensor parallelism)."""
+    on one tensor-parallel rank of `tp_group` (None: no tensor parallelism).
+
+    `chunks` (interleaved pipelines): the layer ranges of the model chunks this rank holds, in order, e.g.
+    [range(0, 2), range(4, 6)]; `layers` is then ignored. The embedding belongs to chunk 0 and the head
+    to the last chunk. Parameter names stay global, so checkpoints, DP and TP see one flat model."""
 
     def __init__(
         self,
@@ -125,12 +129,14 @@ class LlamaStage(nn.Module):
         last: bool,
         tp_group: Group | None = None,
         seed: int = 0,
+        chunks: list[range] | None = None,
     ):
         super().__init__()
         self.cfg, self.first, self.last, self.tp_group = cfg, first, last, tp_group
+        self.chunks = list(chunks) if chunks else [layers]
         if first:
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group) for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group) for c in self.chunks for i in c})
         if last:
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp_group)
@@ -139,21 +145,30 @@ class LlamaStage(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights(seed)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """x: token ids [B, T] on the first stage, hidden states [B, T, d] elsewhere. Returns hidden states
-        [B, T, d] if not last; on the last stage the mean loss over all B*T tokens given `targets`, else this
-        rank's logits [B, T, vocab/tp]."""
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        """Run model chunk `chunk`. x: token ids [B, T] into the first stage's chunk 0, hidden states
+        [B, T, d] elsewhere. Returns hidden states [B, T, d] except from the last stage's last chunk: there
+        the mean loss over all B*T tokens given `targets`, else this rank's logits [B, T, vocab/tp]."""
         seq = x.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        h = self.embed(x) if self.first else x
-        for block in self.layers.values():
-            h = block(h, cos, sin)
-        if not self.last:
+        h = self.embed(x) if self.first and chunk == 0 else x
+        for i in self.chunks[chunk]:
+            h = self.layers[str(i)](h, cos, sin)
+        if not (self.last and chunk == len(self.chunks) - 1):
             return h
         logits = self.head(self.norm(h))
         if targets is None:
             return logits
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+
+    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        """The parameters model chunk `chunk` computes with (what its backward_weight differentiates)."""
+        modules: list[nn.Module] = [self.layers[str(i)] for i in self.chunks[chunk]]
+        if self.first and chunk == 0:
+            modules.insert(0, self.embed)
+        if self.last and chunk == len(self.chunks) - 1:
+            modules += [self.norm, self.head]
+        return [p for m in modules for p in m.parameters()]
 
     # -- layout ---------------------------------------------------------------------------------------
     def _placed_parameters(self):

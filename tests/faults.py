@@ -48,8 +48,8 @@ class _FaultyWorker(Worker):
         bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
         return GradReducer(list(self.model.parameters()), dp_group, bucket_bytes, "sum")
 
-    def _send_grad(self, mb: int, grad: torch.Tensor) -> None:
-        super()._send_grad(mb, torch.zeros_like(grad) if "pp_zero_grad" in self.faults else grad)
+    def _send_grad(self, chunk: int, mb: int, grad: torch.Tensor) -> None:
+        super()._send_grad(chunk, mb, torch.zeros_like(grad) if "pp_zero_grad" in self.faults else grad)
 
     def _train_step(self, step: int) -> dict[str, Any]:
         if f"raise_at_step:{step}" in self.faults:

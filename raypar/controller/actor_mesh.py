@@ -94,7 +94,7 @@ class ActorMesh:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(max(self.dp, 1), self.pp, self.tp)
+        return Mesh(max(self.dp, 1), self.pp, self.tp, ring=self.cfg.parallel.virtual_stages > 1)
 
     @property
     def peak_flops(self) -> float | None:
@@ -162,9 +162,12 @@ class ActorMesh:
         return "nccl" if len(set(gpus)) == len(gpus) else "gloo"
 
     def _peers(self, coord: Coord) -> dict[str, Any]:
+        prev, nxt = coord.pp - 1, coord.pp + 1
+        if self.cfg.parallel.virtual_stages > 1:  # interleaved chunks: the last stage feeds the first
+            prev, nxt = prev % self.pp, nxt % self.pp
         return {
-            "prev": self.actors.get(Coord(coord.dp, coord.pp - 1, coord.tp)),
-            "next": self.actors.get(Coord(coord.dp, coord.pp + 1, coord.tp)),
+            "prev": self.actors.get(Coord(coord.dp, prev, coord.tp)),
+            "next": self.actors.get(Coord(coord.dp, nxt, coord.tp)),
         }
 
     def _regroup(self, new: set[int] = frozenset()) -> None:
