@@ -95,7 +95,8 @@ class Worker(GroupHost):
         self.first, self.last = p == 0, p == par.pp - 1
         tp_group = self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None  # shapes the shards
         self.model = LlamaStage(
-            self.cfg.model, chunks[0], self.first, self.last, tp_group, self.cfg.train.seed, chunks=chunks
+            self.cfg.model, chunks[0], self.first, self.last, tp_group, self.cfg.train.seed, chunks,
+            par.sequence_parallel,
         )
         self.model.to(self.device)
         self.optimizer = Optimizer(self.model, self.cfg.train)
@@ -105,6 +106,7 @@ class Worker(GroupHost):
                 self.dataset.num_samples, self.cfg.train.global_batch, self.cfg.train.seed
             )
         mbs, seq = self.cfg.microbatch_size, self.cfg.model.seq_len
+        seq //= par.tp if par.sequence_parallel else 1  # hops carry this rank's tokens under SP
         self.act_like = torch.empty(mbs, seq, self.cfg.model.d_model, device=self.device)
         self.rebind(replicas, peers, epoch)
         return {"params": sum(p.numel() for p in self.model.parameters()), "peak_flops": self.peak_flops}

@@ -60,6 +60,7 @@ class ParallelConfig:
     tp: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    sequence_parallel: bool = False
     microbatches: int = 1
     transport: str = "object_store"
     device: str = "auto"
@@ -309,6 +310,12 @@ def validate(cfg: Config) -> None:
         f'parallel.schedule: must be "1f1b", "gpipe" or "zb-h1", got {p.schedule!r}',
     )
     _validate_pipeline(cfg)
+    if p.sequence_parallel:
+        _require(p.tp > 1, f"parallel.sequence_parallel: needs parallel.tp > 1, got tp={p.tp}")
+        _require(
+            m.seq_len % p.tp == 0,
+            f"parallel.sequence_parallel: model.seq_len={m.seq_len} must be divisible by tp={p.tp}",
+        )
     _require(
         p.transport in ("object_store", "direct"),
         f'parallel.transport: must be "object_store" or "direct", got {p.transport!r}',

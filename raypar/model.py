@@ -21,6 +21,7 @@ from torch import nn
 
 from collectives import Group
 from raypar.config import ModelConfig
+from raypar.sp import gather_from_sp
 from raypar.tp import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -45,10 +46,32 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._normalize(x, self.weight)
+
+    def _normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # fp32 even under autocast: the mean of squares loses too much in bf16.
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).type_as(x)
+        return (y * weight.float()).type_as(x)
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """RMSNorm over this rank's sequence shard (raypar.sp). Its weight sees only these tokens, so the weight
+    is used through Megatron's f: the backward all-reduces its gradient over `group` (tp), and every rank
+    holds the full gradient of the replicated weight. `group` is rebound like every tp layer's."""
+
+    def __init__(self, dim: int, eps: float, group: Group | None):
+        super().__init__(dim, eps)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._normalize(x, copy_to_tp(self.weight, self.group))
+
+
+def make_norm(cfg: ModelConfig, group: Group | None, sequence_parallel: bool) -> RMSNorm:
+    if sequence_parallel:
+        return SequenceParallelRMSNorm(cfg.d_model, cfg.norm_eps, group)
+    return RMSNorm(cfg.d_model, cfg.norm_eps)
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,20 +88,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: Group | None):
+    def __init__(self, cfg: ModelConfig, group: Group | None, sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.head_dim = group, cfg.head_dim
+        self.group, self.head_dim, self.sp = group, cfg.head_dim, sequence_parallel
         self.n_heads = cfg.n_heads // tp_size(group)
         self.n_kv_heads = cfg.n_kv_heads // tp_size(group)
         d, hd = cfg.d_model, cfg.head_dim
         self.wq = ColumnParallelLinear(d, cfg.n_heads * hd, group, copy_input=False)
         self.wk = ColumnParallelLinear(d, cfg.n_kv_heads * hd, group, copy_input=False)
         self.wv = ColumnParallelLinear(d, cfg.n_kv_heads * hd, group, copy_input=False)
-        self.wo = RowParallelLinear(cfg.n_heads * hd, d, group)
+        self.wo = RowParallelLinear(cfg.n_heads * hd, d, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # once for wq, wk and wv: the whole sequence (all-gathered under SP) on every rank
+        x = gather_from_sp(x, self.group) if self.sp else copy_to_tp(x, self.group)
         batch, seq, _ = x.shape
-        x = copy_to_tp(x, self.group)  # once for wq, wk and wv
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -88,25 +112,26 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: Group | None):
+    def __init__(self, cfg: ModelConfig, group: Group | None, sequence_parallel: bool = False):
         super().__init__()
-        self.group = group
+        self.group, self.sp = group, sequence_parallel
         self.w_gate = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
         self.w_up = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
-        self.w_down = RowParallelLinear(cfg.d_ff, cfg.d_model, group)
+        self.w_down = RowParallelLinear(cfg.d_ff, cfg.d_model, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.group)  # once for w_gate and w_up
+        # once for w_gate and w_up
+        x = gather_from_sp(x, self.group) if self.sp else copy_to_tp(x, self.group)
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: Group | None):
+    def __init__(self, cfg: ModelConfig, group: Group | None, sequence_parallel: bool = False):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, group)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg, group)
+        self.attn_norm = make_norm(cfg, group, sequence_parallel)
+        self.attn = Attention(cfg, group, sequence_parallel)
+        self.mlp_norm = make_norm(cfg, group, sequence_parallel)
+        self.mlp = SwiGLU(cfg, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -119,7 +144,10 @@ class LlamaStage(nn.Module):
 
     `chunks` (interleaved pipelines): the layer ranges of the model chunks this rank holds, in order, e.g.
     [range(0, 2), range(4, 6)]; `layers` is then ignored. The embedding belongs to chunk 0 and the head
-    to the last chunk. Parameter names stay global, so checkpoints, DP and TP see one flat model."""
+    to the last chunk. Parameter names stay global, so checkpoints, DP and TP see one flat model.
+
+    `sequence_parallel` (Megatron-SP, raypar.sp, tp > 1): hidden states between blocks, and into and out of
+    the stage, hold this tp rank's T/tp tokens; the loss still covers every token."""
 
     def __init__(
         self,
@@ -130,16 +158,19 @@ class LlamaStage(nn.Module):
         tp_group: Group | None = None,
         seed: int = 0,
         chunks: list[range] | None = None,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         self.cfg, self.first, self.last, self.tp_group = cfg, first, last, tp_group
+        self.sp = sequence_parallel
         self.chunks = list(chunks) if chunks else [layers]
+        sp = sequence_parallel
         if first:
-            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group) for c in self.chunks for i in c})
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group, sp)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, sp) for c in self.chunks for i in c})
         if last:
-            self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-            self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp_group)
+            self.norm = make_norm(cfg, tp_group, sp)
+            self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp_group, copy_input=not sp)
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -150,13 +181,16 @@ class LlamaStage(nn.Module):
         [B, T, d] elsewhere. Returns hidden states [B, T, d] except from the last stage's last chunk: there
         the mean loss over all B*T tokens given `targets`, else this rank's logits [B, T, vocab/tp]."""
         seq = x.shape[1]
+        if self.sp and x.dim() == 3:  # hidden states hold T/tp tokens; attention sees all T
+            seq *= tp_size(self.tp_group)
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.embed(x) if self.first and chunk == 0 else x
         for i in self.chunks[chunk]:
             h = self.layers[str(i)](h, cos, sin)
         if not (self.last and chunk == len(self.chunks) - 1):
             return h
-        logits = self.head(self.norm(h))
+        h = self.norm(h)
+        logits = self.head(gather_from_sp(h, self.tp_group) if self.sp else h)
         if targets is None:
             return logits
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group)

@@ -83,12 +83,14 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
             d, p, t = coord
             tp_group = mine.get(Mesh.tp_group(coord))
             chunks = [virtual[topo.virtual(p, c)] for c in range(v)]
-            model = LlamaStage(cfg.model, chunks[0], p == 0, p == pp - 1, tp_group, cfg.train.seed, chunks)
+            model = LlamaStage(cfg.model, chunks[0], p == 0, p == pp - 1, tp_group, cfg.train.seed, chunks,
+                               par.sequence_parallel)
             if model_hook is not None:
                 model_hook(model, coord, mine)
             reducer = GradReducer(list(model.parameters()), mine.get(Mesh.dp_group(coord)), bucket_bytes)
             transport = pipes[(d, t)].transport(p)
-            like = torch.empty(mbs, cfg.model.seq_len, cfg.model.d_model)
+            seq = cfg.model.seq_len // (tp if par.sequence_parallel else 1)  # SP hops carry T/tp tokens
+            like = torch.empty(mbs, seq, cfg.model.d_model)
 
             def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
                 return data.microbatch(dataset, sampler, step, d * n_mb + mb, mbs)
