@@ -29,9 +29,8 @@ from typing import Any
 
 import tomllib
 
-from raypar.schedules import theoretical_bubble
+from raypar.schedules import COMPUTE_OPS, theoretical_bubble
 
-COMPUTE_OPS = ("forward", "backward")
 COMM_OPS = ("recv_act", "send_act", "recv_grad", "send_grad")
 TAIL = "reduce+optimizer"
 
@@ -39,6 +38,8 @@ TAIL = "reduce+optimizer"
 COLOURS = {
     "forward": "#3b75af",
     "backward": "#ef8636",
+    "backward_input": "#ef8636",
+    "backward_weight": "#2ca02c",
     "recv": "#c03d3e",
     "send": "#9467bd",
     TAIL: "#8c8c8c",
@@ -47,13 +48,15 @@ COLOURS = {
 LEGEND = {
     "forward": "forward (F)",
     "backward": "backward (B)",
+    "backward_input": "input gradient (zero-bubble B)",
+    "backward_weight": "weight gradient (zero-bubble W)",
     "recv": "receive (incl. waiting)",
     "send": "send",
     TAIL: "grad reduce + clip",
     "idle": "idle",
 }
 
-SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe"}
+SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe", "zb-h1": "ZB-H1"}
 
 Row = dict[str, Any]  # one line of timeline.jsonl: one actor's events of one step
 

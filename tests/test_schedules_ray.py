@@ -1,10 +1,10 @@
-"""Interleaved 1F1B and ZB-H1 on Ray actors, both transports, against the one-process run (3 steps).
+"""Interleaved 1F1B, ZB-H1 and sequence parallelism on Ray actors against the one-process run (3 steps).
 
-The actors run the same core executor as the thread-rank tests (tests/test_executor_equivalence.py, where
-the negative controls live); this checks the actor's side of it: two chunks per actor, the ring link from
-the last stage back to the first (a pair group for `direct`, a peer for `object_store`), messages keyed by
-chunk, the W-armed DP reduction, gradient clipping and AdamW over 3 steps. One set of actors, rebuilt from
-the seed for each configuration.
+The actors run the same core executor as the thread-rank tests (tests/test_executor_equivalence.py and
+tests/test_sequence_parallel.py, where the negative controls live); this checks the actor's side of it: two
+chunks per actor, the ring link from the last stage back to the first (a pair group for `direct`, a peer
+for `object_store`), messages keyed by chunk, the W-armed DP reduction, T/tp-token hops under SP, gradient
+clipping and AdamW over 3 steps. One set of pp=2 x tp=2 actors, rebuilt from the seed per configuration.
 """
 
 from __future__ import annotations
@@ -15,22 +15,28 @@ from tests.reference import reference_run
 from tests.test_equivalence import STEPS, assert_matches, train
 
 
-def make_cfg(schedule: str, v: int, transport: str) -> config.Config:
+def make_cfg(schedule: str, v: int, transport: str, sp: bool = False) -> config.Config:
     return config.load("examples/configs/tiny.toml", [
-        "parallel.pp=2", f'parallel.schedule="{schedule}"', f"parallel.virtual_stages={v}",
-        f'parallel.transport="{transport}"', "parallel.microbatches=4", "train.global_batch=8",
-        f"train.steps={STEPS}",
+        "parallel.pp=2", "parallel.tp=2", f'parallel.schedule="{schedule}"', f"parallel.virtual_stages={v}",
+        f'parallel.transport="{transport}"', f"parallel.sequence_parallel={str(sp).lower()}",
+        "parallel.microbatches=4", "train.global_batch=8", f"train.steps={STEPS}",
     ])
 
 
-def test_interleaved_and_zero_bubble_on_actors(ray_session):
+def test_interleaved_zero_bubble_and_sequence_parallel_on_actors(ray_session):
     reference = reference_run(make_cfg("1f1b", 1, "object_store"), STEPS)
-    trainer = ActorMesh(make_cfg("1f1b", 2, "object_store"), "eq-sched")
+    layouts = [
+        ("1f1b", 2, "object_store", False),
+        ("1f1b", 2, "direct", True),
+        ("zb-h1", 1, "direct", False),
+        ("zb-h1", 1, "object_store", True),
+    ]
+    trainer = ActorMesh(make_cfg(*layouts[0]), "eq-sched")
     try:
         trainer.start()
-        for schedule, v in (("1f1b", 2), ("zb-h1", 1)):
-            for transport in ("object_store", "direct"):
-                trainer.reconfigure(make_cfg(schedule, v, transport))
-                assert_matches(train(trainer), reference)
+        for i, layout in enumerate(layouts):
+            if i:
+                trainer.reconfigure(make_cfg(*layout))
+            assert_matches(train(trainer), reference)
     finally:
         trainer.shutdown()
