@@ -119,14 +119,15 @@ class BufferPool:
 
 
 class ObjectStoreTransport:
-    """`prev` / `next`: the actors of the neighbouring ranks (with the ring link when chunks interleave)."""
+    """`prev` / `next`: the actors of the neighbouring ranks (with the ring link when chunks interleave);
+    `rank` and `topo` map a sender's chunk to the receiver's."""
 
     def __init__(
         self, me: str, prev: Any | None, next_: Any | None, mailbox: Mailbox, timeout_s: float, epoch: int,
-        rank: int = 0, topo: Topology | None = None,
+        rank: int, topo: Topology,
     ):
         self.me, self.prev, self.next, self.mailbox, self.timeout_s = me, prev, next_, mailbox, timeout_s
-        self.rank, self.topo = rank, topo or Topology(1)
+        self.rank, self.topo = rank, topo
         self.epoch, self.step = epoch, 0
         self._pending: list[ray.ObjectRef] = []
         self._pool = BufferPool()  # device copies of host messages (GPU stages); on the CPU, none is needed

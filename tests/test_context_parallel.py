@@ -1,0 +1,121 @@
+"""Context-parallel attention (raypar.cp) against full causal attention in one process, on thread ranks.
+
+Each rank holds its tokens of q, k, v (contiguous for Ulysses, zigzag for ring); the sum over ranks of
+(out * w) over local tokens is the one-process loss, and each rank's q/k/v gradients are its rows of the
+one-process gradients. fp32; the ring's online softmax sums in another order than SDPA, hence 1e-4 there
+(the issue's tolerance), 1e-5 for Ulysses (the same SDPA on regrouped heads). Collective counts are checked
+against the formulas: ring cp - 1 transfers per forward and cp per backward; Ulysses 4 all-to-alls each way.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raypar import cp
+from tests.threads import run_ranks
+
+B, HQ, HKV, T, HD = 2, 4, 2, 32, 8
+
+
+def full_inputs() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(B, HQ, T, HD), (B, HKV, T, HD), (B, HKV, T, HD), (B, HQ, T, HD)]
+    return [torch.randn(s, generator=gen) for s in shapes]
+
+
+def reference() -> tuple[float, list[torch.Tensor]]:
+    q, k, v, w = full_inputs()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    loss = (F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * w).sum()
+    loss.backward()
+    return loss.item(), [q.grad, k.grad, v.grad]
+
+
+class CountingGroup:
+    """A Group that counts the collectives called on it (sends for the ring, all-to-alls for Ulysses)."""
+
+    def __init__(self, group: Any):
+        self.group, self.calls = group, Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.group, name)
+        if name in ("send", "recv", "all_to_all", "all_gather", "all_reduce", "reduce_scatter"):
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                self.calls[name] += 1
+                return attr(*args, **kwargs)
+            return counted
+        return attr
+
+
+def run_cp(size: int, style: str, ring_class: type = cp.RingAttention) -> list[dict]:
+    def rank_fn(group: Any) -> dict:
+        counting = CountingGroup(group)
+        q, k, v, w = (cp.shard(t, group, style, dim=2) for t in full_inputs())
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        if style == "ring":
+            out = ring_class(counting, T)(q, k, v)
+        else:
+            out = cp.ulysses_attention(q, k, v, counting)
+        forward = dict(counting.calls)
+        loss = (out * w).sum()
+        loss.backward()
+        backward = {n: c - forward.get(n, 0) for n, c in counting.calls.items()}
+        grads = [q.grad, k.grad, v.grad]
+        return {"loss": loss.item(), "grads": grads, "forward": forward, "backward": backward}
+
+    return run_ranks(size, rank_fn)
+
+
+def assert_matches(results: list[dict], style: str, rtol: float) -> None:
+    loss, grads = reference()
+    got = sum(r["loss"] for r in results)
+    assert abs(got - loss) <= rtol * abs(loss), f"loss {got} vs {loss}"
+    for rank, r in enumerate(results):
+        for name, g, want in zip("qkv", r["grads"], grads, strict=True):
+            mine = cp.positions(T, len(results), rank, style)
+            err = (g - want[:, :, mine]).abs().max().item()
+            limit = rtol * want.abs().max().item()
+            assert err <= limit, f"rank {rank}: gradient of {name} differs by {err:.3g}"
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ring_attention_matches_full_attention(size):
+    results = run_cp(size, "ring")
+    assert_matches(results, "ring", 1e-4)
+    for r in results:
+        assert r["forward"] == {"send": size - 1, "recv": size - 1}  # cp - 1 block transfers per forward
+        assert r["backward"] == {"send": size, "recv": size}  # cp - 1 with the block, 1 returning its grads
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ulysses_attention_matches_full_attention(size):
+    """At cp=4 the 2 kv heads do not split: they are repeated up to the 4 q heads."""
+    results = run_cp(size, "ulysses")
+    assert_matches(results, "ulysses", 1e-5)
+    for r in results:
+        assert r["forward"] == {"all_to_all": 4} and r["backward"] == {"all_to_all": 4}
+
+
+class NoDiagonalCorrection(cp.RingAttention):
+    """The ring bug: a rank's own block treated as fully visible, so zigzag tokens see their future."""
+
+    def mask(self, q_rank: int, k_rank: int) -> torch.Tensor | None:
+        return None if q_rank == k_rank else super().mask(q_rank, k_rank)
+
+
+def test_ring_without_diagonal_correction_is_rejected():
+    with pytest.raises(AssertionError, match="^loss"):
+        assert_matches(run_cp(2, "ring", NoDiagonalCorrection), "ring", 1e-4)
+
+
+def test_zigzag_balances_the_causal_triangle():
+    """Rank i holds chunks i and 2cp-1-i: every rank has the same number of visible (q, k) pairs."""
+    for size in (2, 4):
+        ring = cp.RingAttention(type("G", (), {"size": size, "rank": 0})(), T)
+        work = [sum(int(ring.mask(q, k).sum()) for k in range(size)) for q in range(size)]
+        assert len(set(work)) == 1, work
