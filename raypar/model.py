@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from collectives import Group
+from raypar import cp
 from raypar.config import ModelConfig
 from raypar.sp import gather_from_sp
 from raypar.tp import (
@@ -35,6 +37,7 @@ from raypar.tp import (
 )
 
 INIT_STD = 0.02
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None
 
 
 class RMSNorm(nn.Module):
@@ -99,15 +102,22 @@ class Attention(nn.Module):
         self.wv = ColumnParallelLinear(d, cfg.n_kv_heads * hd, group, copy_input=False)
         self.wo = RowParallelLinear(cfg.n_heads * hd, d, group, sequence_parallel)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # once for wq, wk and wv: the whole sequence (all-gathered under SP) on every rank
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend = None
+    ) -> torch.Tensor:
+        """`attend(q, k, v)`: context-parallel causal attention (raypar.cp) when the sequence is split
+        across a cp group; None: all tokens are here, plain SDPA."""
+        # once for wq, wk and wv: this rank's whole sequence (all-gathered under SP) on every tp rank
         x = gather_from_sp(x, self.group) if self.sp else copy_to_tp(x, self.group)
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if attend is not None:
+            y = attend(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
 
 
@@ -133,8 +143,10 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg, group, sequence_parallel)
         self.mlp = SwiGLU(cfg, group, sequence_parallel)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, attend)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -147,7 +159,12 @@ class LlamaStage(nn.Module):
     to the last chunk. Parameter names stay global, so checkpoints, DP and TP see one flat model.
 
     `sequence_parallel` (Megatron-SP, raypar.sp, tp > 1): hidden states between blocks, and into and out of
-    the stage, hold this tp rank's T/tp tokens; the loss still covers every token."""
+    the stage, hold this tp rank's T/tp tokens; the loss still covers every token.
+
+    `cp_group` (context parallelism, raypar.cp): this rank holds its T/cp tokens of every sequence
+    (contiguous for `cp_style` "ulysses", zigzag for "ring"); the first stage takes full token ids and
+    keeps its own, RoPE uses their global positions, attention spans the group, and the loss is the mean
+    over this rank's tokens (equal shares: the mean over the cp group is the sequence's mean)."""
 
     def __init__(
         self,
@@ -159,10 +176,12 @@ class LlamaStage(nn.Module):
         seed: int = 0,
         chunks: list[range] | None = None,
         sequence_parallel: bool = False,
+        cp_group: Group | None = None,
+        cp_style: str = "ring",
     ):
         super().__init__()
         self.cfg, self.first, self.last, self.tp_group = cfg, first, last, tp_group
-        self.sp = sequence_parallel
+        self.sp, self.cp_group, self.cp_style = sequence_parallel, cp_group, cp_style
         self.chunks = list(chunks) if chunks else [layers]
         sp = sequence_parallel
         if first:
@@ -180,20 +199,37 @@ class LlamaStage(nn.Module):
         """Run model chunk `chunk`. x: token ids [B, T] into the first stage's chunk 0, hidden states
         [B, T, d] elsewhere. Returns hidden states [B, T, d] except from the last stage's last chunk: there
         the mean loss over all B*T tokens given `targets`, else this rank's logits [B, T, vocab/tp]."""
-        seq = x.shape[1]
-        if self.sp and x.dim() == 3:  # hidden states hold T/tp tokens; attention sees all T
-            seq *= tp_size(self.tp_group)
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        seq = x.shape[1]  # of the whole sequence: token ids are full, hidden states T/(cp tp) or T/cp
+        if x.dim() == 3:
+            seq *= tp_size(self.tp_group) if self.sp else 1
+            seq *= tp_size(self.cp_group)
+        elif self.cp_group is not None:
+            x = cp.shard(x, self.cp_group, self.cp_style)
+        cos, sin, attend = self._rope_and_attention(seq)
         h = self.embed(x) if self.first and chunk == 0 else x
         for i in self.chunks[chunk]:
-            h = self.layers[str(i)](h, cos, sin)
+            h = self.layers[str(i)](h, cos, sin, attend)
         if not (self.last and chunk == len(self.chunks) - 1):
             return h
         h = self.norm(h)
         logits = self.head(gather_from_sp(h, self.tp_group) if self.sp else h)
         if targets is None:
             return logits
+        if self.cp_group is not None:
+            targets = cp.shard(targets, self.cp_group, self.cp_style)
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+
+    def _rope_and_attention(self, seq: int) -> tuple[torch.Tensor, torch.Tensor, Attend]:
+        """RoPE tables for this rank's tokens of a `seq`-token sequence; its attention over the cp group."""
+        group = self.cp_group
+        if tp_size(group) == 1:
+            return self.rope_cos[:seq], self.rope_sin[:seq], None
+        pos = cp.positions(seq, group.size, group.rank, self.cp_style).to(self.rope_cos.device)
+        if self.cp_style == "ulysses":
+            attend: Attend = lambda q, k, v: cp.ulysses_attention(q, k, v, group)  # noqa: E731
+        else:
+            attend = cp.RingAttention(group, seq)
+        return self.rope_cos[pos], self.rope_sin[pos], attend
 
     def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
         """The parameters model chunk `chunk` computes with (what its backward_weight differentiates)."""

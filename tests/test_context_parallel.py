@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raypar import cp
+from raypar import config, cp, data
+from raypar.model import LlamaStage
 from tests.threads import run_ranks
 
 B, HQ, HKV, T, HD = 2, 4, 2, 32, 8
@@ -119,3 +120,43 @@ def test_zigzag_balances_the_causal_triangle():
         ring = cp.RingAttention(type("G", (), {"size": size, "rank": 0})(), T)
         work = [sum(int(ring.mask(q, k).sum()) for k in range(size)) for q in range(size)]
         assert len(set(work)) == 1, work
+
+
+# -- the model: cp-sharded tokens, global RoPE positions, loss as the mean of equal shares ----------------
+def model_step(size: int, style: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """One step of the tiny model with its sequence split over `size` thread ranks; gradients of the
+    (cp-replicated) parameters averaged over the group, as a cp x dp reduction does."""
+    cfg = config.load("examples/configs/tiny.toml", ["train.global_batch=4"])
+    dataset = data.open_dataset(cfg.data, cfg.model)
+    sampler = data.GlobalSampler(dataset.num_samples, 4, cfg.train.seed)
+    inputs, targets = data.microbatch(dataset, sampler, 0, 0, 4)
+
+    def rank_fn(group: Any) -> tuple[float, dict[str, torch.Tensor]]:
+        m = cfg.model
+        model = LlamaStage(
+            m, range(m.n_layers), True, True, seed=cfg.train.seed, cp_group=group, cp_style=style
+        )
+        loss = model(inputs, targets)
+        loss.backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            grads[name] = group.all_reduce(p.grad.clone(), "avg")
+        return group.all_reduce(loss.detach().reshape(1), "avg").item(), grads
+
+    if size == 1:
+        model = LlamaStage(cfg.model, range(cfg.model.n_layers), True, True, seed=cfg.train.seed)
+        loss = model(inputs, targets)
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+    return run_ranks(size, rank_fn)[0]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("style, rtol", [("ulysses", 1e-5), ("ring", 1e-4)])
+def test_model_with_context_parallelism_matches_one_process(size, style, rtol):
+    want_loss, want = model_step(1, style)
+    loss, grads = model_step(size, style)
+    assert abs(loss - want_loss) <= rtol * abs(want_loss), f"loss {loss} vs {want_loss}"
+    for name, g in want.items():
+        err = (grads[name] - g).abs().max().item()
+        assert err <= rtol * g.abs().max().item() + 1e-9, f"gradient of {name} differs by {err:.3g}"
