@@ -78,8 +78,9 @@ class Worker(GroupHost):
         }
 
     def _fail(self, what: str, err: Exception) -> WorkerFailure:
-        d, p, t = self.coord
-        return WorkerFailure(f"{self.name} (dp={d}, pp={p}, tp={t}) {what}: {type(err).__name__}: {err}")
+        d, p, t, c = self.coord
+        where = f"dp={d}, pp={p}, tp={t}" + (f", cp={c}" if c else "")  # as in the name
+        return WorkerFailure(f"{self.name} ({where}) {what}: {type(err).__name__}: {err}")
 
     # -- set-up ----------------------------------------------------------------------------------------
     def setup(self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int) -> dict:
@@ -94,9 +95,10 @@ class Worker(GroupHost):
         chunks = [virtual[self.topo.virtual(p, c)] for c in range(par.virtual_stages)]
         self.first, self.last = p == 0, p == par.pp - 1
         tp_group = self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None  # shapes the shards
+        cp_group = self.group(Mesh.cp_group(self.coord)) if par.cp > 1 else None
         self.model = LlamaStage(
             self.cfg.model, chunks[0], self.first, self.last, tp_group, self.cfg.train.seed, chunks,
-            par.sequence_parallel,
+            par.sequence_parallel, cp_group, par.cp_style,
         )
         self.model.to(self.device)
         self.optimizer = Optimizer(self.model, self.cfg.train)
@@ -106,7 +108,7 @@ class Worker(GroupHost):
                 self.dataset.num_samples, self.cfg.train.global_batch, self.cfg.train.seed
             )
         mbs, seq = self.cfg.microbatch_size, self.cfg.model.seq_len
-        seq //= par.tp if par.sequence_parallel else 1  # hops carry this rank's tokens under SP
+        seq //= par.cp * (par.tp if par.sequence_parallel else 1)  # hops carry this rank's tokens
         self.act_like = torch.empty(mbs, seq, self.cfg.model.d_model, device=self.device)
         self.rebind(replicas, peers, epoch)
         return {"params": sum(p.numel() for p in self.model.parameters()), "peak_flops": self.peak_flops}
@@ -114,25 +116,27 @@ class Worker(GroupHost):
     def rebind(self, replicas: list[int], peers: dict[str, Any], epoch: int) -> None:
         """Use the groups formed for membership `epoch` (after any change of replicas), keeping the
         model and optimizer state. `replicas` lists the live replica ids in data-parallel rank order."""
-        d, p, t = self.coord
+        d, p, t, c = self.coord
         self.epoch = epoch
         par = self.cfg.parallel
         self.dp, self.dp_rank = len(replicas), replicas.index(d)
         self._bind_tp(self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None)
-        dp_group = self.group(Mesh.dp_group(self.coord)) if self.dp > 1 else None
+        self.model.cp_group = self.group(Mesh.cp_group(self.coord)) if par.cp > 1 else None
+        # Gradients of parameters replicated across cp are reduced over cp x dp.
+        dp_group = self.group(Mesh.dp_group(self.coord)) if self.dp * par.cp > 1 else None
         if self.reducer is not None:
             self.reducer.close()  # its hooks and buckets belong to the old membership
         self.reducer = self._make_reducer(dp_group)
         self.dp_group = dp_group
-        self.mp_group = self.group(Mesh.mp_group(self.coord)) if par.pp * par.tp > 1 else None
+        self.mp_group = self.group(Mesh.mp_group(self.coord)) if par.pp * par.tp * par.cp > 1 else None
         self.microbatches = self.cfg.microbatches_at(self.dp)
         self.plan = schedules.build(par.schedule, par.pp, self.microbatches, par.virtual_stages)[p]
         if self.transport is not None:
             self.transport.close()
         if par.transport == "direct":
             ring = par.virtual_stages > 1  # the last stage feeds rank 0's next chunk
-            prev = self.group(Mesh.pipe_group(d, t, p - 1, par.pp)) if not self.first or ring else None
-            nxt = self.group(Mesh.pipe_group(d, t, p, par.pp)) if not self.last or ring else None
+            prev = self.group(Mesh.pipe_group(d, t, p - 1, par.pp, c)) if not self.first or ring else None
+            nxt = self.group(Mesh.pipe_group(d, t, p, par.pp, c)) if not self.last or ring else None
             self.transport = DirectTransport(prev, nxt)
         else:
             self.transport = ObjectStoreTransport(
@@ -224,7 +228,7 @@ class Worker(GroupHost):
             "events": events,
         }
         tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result["step_s"]
-        world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp
+        world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp * self.cfg.parallel.cp
         mfu = flops.mfu(tokens_per_s / world, self.cfg.model, self.peak_flops) if self.peak_flops else None
         self.metrics.record(result, tokens_per_s, mfu)
         return result
@@ -233,7 +237,10 @@ class Worker(GroupHost):
         self.transport.send_grad(chunk, mb, grad)
 
     def _clip_grad_norm(self) -> float:
+        # cp ranks hold the same (reduced) gradients: only cp rank 0 counts them.
         sq = self.optimizer.grad_sq_norm(self.model.replicated, self.coord.tp == 0).double().reshape(1)
+        if self.coord.cp:
+            sq.zero_()
         if self.mp_group is not None:
             self.mp_group.all_reduce(sq, "sum")
         norm = math.sqrt(sq.item())
@@ -260,6 +267,7 @@ class Worker(GroupHost):
         of this (stage, tp rank): how a new or rebuilt replica is healed from a live peer."""
         if self.dp_group is None:
             return
+        src_dp_rank *= self.cfg.parallel.cp  # the dp group lists each replica's cp ranks together
         steps = torch.tensor([float(self.optimizer.step_count)], dtype=torch.float64)
         self.dp_group.broadcast(steps, src_dp_rank)
         step_count = int(steps.item())
@@ -278,8 +286,9 @@ class Worker(GroupHost):
     def save_shard(self, staging: str) -> bool:
         """Snapshot this shard to host memory now (the stall), write it in a background thread.
 
-        One replica writes; tensors replicated across tp ranks are written by tp rank 0 only."""
-        if self.dp_rank != 0:
+        One replica writes, and of it cp rank 0; tensors replicated across tp ranks are written by tp rank 0
+        only."""
+        if self.dp_rank != 0 or self.coord.cp != 0:
             return False
         self.wait_shard()
         tensors = {n: t for n, t in self._state().items() if self.coord.tp == 0 or not self._replicated(n)}

@@ -61,6 +61,8 @@ class ParallelConfig:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     sequence_parallel: bool = False
+    cp: int = 1
+    cp_style: str = "ring"
     microbatches: int = 1
     transport: str = "object_store"
     device: str = "auto"
@@ -270,6 +272,27 @@ def _validate_pipeline(cfg: Config) -> None:
             )
 
 
+def _validate_context_parallel(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    _require(
+        p.cp_style in ("ring", "ulysses"),
+        f'parallel.cp_style: must be "ring" or "ulysses", got {p.cp_style!r}',
+    )
+    if p.cp == 1:
+        return
+    chunks = 2 * p.cp if p.cp_style == "ring" else p.cp  # ring: the zigzag cuts 2*cp chunks
+    _require(
+        m.seq_len % chunks == 0,
+        f"parallel.cp: model.seq_len={m.seq_len} must be divisible by {chunks} for cp_style={p.cp_style!r}",
+    )
+    if p.cp_style == "ulysses":
+        heads = m.n_heads // p.tp
+        _require(
+            heads % p.cp == 0,
+            f"parallel.cp: the {heads} query heads per tp rank must be divisible by cp={p.cp} for ulysses",
+        )
+
+
 def validate(cfg: Config) -> None:
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.checkpoint
     for key in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "seq_len"):
@@ -282,7 +305,7 @@ def validate(cfg: Config) -> None:
     if isinstance(p.dp, str):
         _require(p.dp == "auto", f'parallel.dp: expected a positive int or "auto", got {p.dp!r}')
         _require(p.max_dp >= p.min_dp, 'parallel.max_dp: must be set and >= parallel.min_dp when dp = "auto"')
-    for key in ("pp", "tp", "microbatches", "min_dp", "threads_per_actor", "virtual_stages"):
+    for key in ("pp", "tp", "cp", "microbatches", "min_dp", "threads_per_actor", "virtual_stages"):
         _require(getattr(p, key) > 0, f"parallel.{key}: must be a positive size, got {getattr(p, key)}")
     _require(p.max_dp >= 0, f"parallel.max_dp: must be >= 0 (0 means dp), got {p.max_dp}")
     _require(
@@ -313,9 +336,10 @@ def validate(cfg: Config) -> None:
     if p.sequence_parallel:
         _require(p.tp > 1, f"parallel.sequence_parallel: needs parallel.tp > 1, got tp={p.tp}")
         _require(
-            m.seq_len % p.tp == 0,
-            f"parallel.sequence_parallel: model.seq_len={m.seq_len} must be divisible by tp={p.tp}",
+            m.seq_len % (p.tp * p.cp) == 0,
+            f"parallel.sequence_parallel: model.seq_len={m.seq_len} must be divisible by tp*cp={p.tp * p.cp}",
         )
+    _validate_context_parallel(cfg)
     _require(
         p.transport in ("object_store", "direct"),
         f'parallel.transport: must be "object_store" or "direct", got {p.transport!r}',

@@ -82,8 +82,7 @@ def faults_from_env() -> dict[Coord, list[str]]:
     faults: dict[Coord, list[str]] = {}
     for item in filter(None, os.environ.get("RAYPAR_INJECT_FAULT", "").split(";")):
         key, _, fault = item.partition("=")
-        d, p, t = (int(part[2:]) for part in key.split("."))
-        faults.setdefault(Coord(d, p, t), []).append(fault)
+        faults.setdefault(Coord(*(int(part[2:]) for part in key.split("."))), []).append(fault)
     return faults
 
 

@@ -56,12 +56,12 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
     `model_hook(model, coord, groups)` may alter each shard after it is built (also negative controls).
     A small `bucket_bytes` makes DP buckets span layers and chunks."""
     par = cfg.parallel
-    dp, pp, tp, v = cfg.dp_fixed, par.pp, par.tp, par.virtual_stages
-    mesh = Mesh(dp, pp, tp, ring=v > 1)
+    dp, pp, tp, v, cp = cfg.dp_fixed, par.pp, par.tp, par.virtual_stages, par.cp
+    mesh = Mesh(dp, pp, tp, v > 1, cp)
     # Only tp and dp groups: pipeline messages go through the in-process transport, norms are not clipped.
-    groups = {n: m for n, m in mesh.groups().items() if n.startswith(("tp.", "dp."))}
+    groups = {n: m for n, m in mesh.groups().items() if n.startswith(("tp.", "dp.", "cp."))}
     topo = schedules.Topology(pp, v)
-    pipes = {(d, t): LocalPipe(topo, TIMEOUT_S) for d in range(dp) for t in range(tp)}
+    pipes = {(d, t, c): LocalPipe(topo, TIMEOUT_S) for d in range(dp) for t in range(tp) for c in range(cp)}
     server = RendezvousServer(host="127.0.0.1", timeout_s=TIMEOUT_S)
     dataset = data.open_dataset(cfg.data, cfg.model)
     sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
@@ -80,16 +80,16 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
                     labels = tuple(c.key for c in members)
                     spec = GroupSpec(name, labels, members.index(coord), server.address, timeout_s=TIMEOUT_S)
                     mine[name] = create_group(spec, store)
-            d, p, t = coord
+            d, p, t, c = coord
             tp_group = mine.get(Mesh.tp_group(coord))
-            chunks = [virtual[topo.virtual(p, c)] for c in range(v)]
+            chunks = [virtual[topo.virtual(p, k)] for k in range(v)]
             model = LlamaStage(cfg.model, chunks[0], p == 0, p == pp - 1, tp_group, cfg.train.seed, chunks,
-                               par.sequence_parallel)
+                               par.sequence_parallel, mine.get(Mesh.cp_group(coord)), par.cp_style)
             if model_hook is not None:
                 model_hook(model, coord, mine)
             reducer = GradReducer(list(model.parameters()), mine.get(Mesh.dp_group(coord)), bucket_bytes)
-            transport = pipes[(d, t)].transport(p)
-            seq = cfg.model.seq_len // (tp if par.sequence_parallel else 1)  # SP hops carry T/tp tokens
+            transport = pipes[(d, t, c)].transport(p)
+            seq = cfg.model.seq_len // cp // (tp if par.sequence_parallel else 1)  # this rank's tokens
             like = torch.empty(mbs, seq, cfg.model.d_model)
 
             def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +119,7 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
     losses = [x for c, r in results.items() if c.pp == pp - 1 and c.tp == 0 for x in r["losses"]]
     grads: dict[str, torch.Tensor] = {}
     for coord, r in results.items():
-        if coord.dp == 0:
+        if coord.dp == 0 and coord.cp == 0:
             for name, (local, shape, offsets) in r["grads"].items():
                 full = grads.setdefault(name, torch.empty(shape))
                 full[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))] = local

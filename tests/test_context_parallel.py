@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from raypar import config, cp, data
+from raypar.mesh import Coord, Mesh
 from raypar.model import LlamaStage
+from tests.pipeline_threads import assert_step_matches, reference_step, run_step
 from tests.threads import run_ranks
 
 B, HQ, HKV, T, HD = 2, 4, 2, 32, 8
@@ -160,3 +162,40 @@ def test_model_with_context_parallelism_matches_one_process(size, style, rtol):
     for name, g in want.items():
         err = (grads[name] - g).abs().max().item()
         assert err <= rtol * g.abs().max().item() + 1e-9, f"gradient of {name} differs by {err:.3g}"
+
+
+# -- cp as a mesh axis: groups from raypar.mesh, gradients reduced over cp x dp, composed with the rest ---
+@pytest.mark.parametrize("style, rtol", [("ulysses", 1e-5), ("ring", 1e-4)])
+def test_combined_layout_matches_one_process(style, rtol):
+    """dp=2 x pp=2 x tp=2 with sequence parallelism x cp=2: 16 thread ranks, one step."""
+    overrides = ["train.global_batch=8"]
+    want = reference_step(config.load("examples/configs/tiny.toml", overrides))
+    cfg = config.load("examples/configs/tiny.toml", overrides + [
+        "parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2",
+        f'parallel.cp_style="{style}"',
+    ])
+    got = run_step(cfg)
+    assert_step_matches(got, want, rtol)
+    assert set(got.hop_bytes) == {2 * 32 // 4 * 64 * 4}  # microbatch 2 x T/(cp tp) tokens x d, fp32
+
+
+def test_mesh_names_and_groups_with_cp():
+    mesh = Mesh(1, 1, 2, cp=2)
+    names = ["dp0.pp0.tp0", "dp0.pp0.tp1", "dp0.pp0.tp0.cp1", "dp0.pp0.tp1.cp1"]
+    assert [c.key for c in mesh.coords()] == names
+    groups = mesh.groups()
+    assert groups["cp.dp0.pp0.tp1"] == [Coord(0, 0, 1, 0), Coord(0, 0, 1, 1)]
+    assert groups["tp.dp0.pp0.cp1"] == [Coord(0, 0, 0, 1), Coord(0, 0, 1, 1)]
+    assert groups["dp.pp0.tp0"] == [Coord(0, 0, 0, 0), Coord(0, 0, 0, 1)]  # the cp x dp reduction
+
+
+def test_bad_context_parallel_configs_are_one_line_errors():
+    def load(*overrides: str) -> config.Config:
+        return config.load("examples/configs/tiny.toml", list(overrides))
+
+    with pytest.raises(config.ConfigError, match="^parallel.cp: model.seq_len=36 must be divisible by 16"):
+        load("parallel.cp=8", "model.seq_len=36")
+    with pytest.raises(config.ConfigError, match="^parallel.cp: the 4 query heads per tp rank must be"):
+        load("parallel.cp=8", 'parallel.cp_style="ulysses"')
+    with pytest.raises(config.ConfigError, match="^parallel.cp_style: must be"):
+        load('parallel.cp_style="stripes"')
