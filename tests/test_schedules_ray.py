@@ -40,3 +40,26 @@ def test_interleaved_zero_bubble_and_sequence_parallel_on_actors(ray_session):
             assert_matches(train(trainer), reference)
     finally:
         trainer.shutdown()
+
+
+def test_context_parallel_on_actors(ray_session):
+    """pp=2 x cp=2 actors (named ...cp1), ring then Ulysses, both transports, against one process."""
+    def cp_cfg(style: str, transport: str) -> config.Config:
+        return config.load("examples/configs/tiny.toml", [
+            "parallel.pp=2", "parallel.cp=2", f'parallel.cp_style="{style}"',
+            f'parallel.transport="{transport}"', "train.global_batch=8", f"train.steps={STEPS}",
+        ])
+
+    reference = reference_run(cp_cfg("ring", "direct"), STEPS)
+    trainer = ActorMesh(cp_cfg("ring", "direct"), "eq-cp")
+    try:
+        trainer.start()
+        assert sorted(c.key for c in trainer.actors) == [
+            "dp0.pp0.tp0", "dp0.pp0.tp0.cp1", "dp0.pp1.tp0", "dp0.pp1.tp0.cp1"
+        ]
+        for i, (style, transport) in enumerate([("ring", "direct"), ("ulysses", "object_store")]):
+            if i:
+                trainer.reconfigure(cp_cfg(style, transport))
+            assert_matches(train(trainer), reference)
+    finally:
+        trainer.shutdown()
