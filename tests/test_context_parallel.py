@@ -199,3 +199,14 @@ def test_bad_context_parallel_configs_are_one_line_errors():
         load("parallel.cp=8", 'parallel.cp_style="ulysses"')
     with pytest.raises(config.ConfigError, match="^parallel.cp_style: must be"):
         load('parallel.cp_style="stripes"')
+
+
+def test_bytes_per_layer_match_the_formulas():
+    """benchmarks/sequence_bytes.py's counts (its --quick shapes) equal the exact formulas, per style."""
+    from benchmarks import sequence_bytes
+
+    cfg = config.load(None, []).model
+    for style in ("sp", "ulysses", "ring"):
+        measured = sequence_bytes.layer_bytes(style, 2, cfg, batch=2)
+        exact, _ = sequence_bytes.formula(style, 2, cfg, 2)
+        assert {m["forward"] for m in measured} == {exact}, style
