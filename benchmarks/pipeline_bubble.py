@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if model == "fixed":
                     row["ideal_ms"] = ideal_ms(schedule, p, m, *cost)
                 window_s = row.pop("window_s")
+                row["window_ms"] = window_s * 1e3
                 if schedule in ("gpipe", "1f1b"):  # the stall budget is 1F1B's algebra
                     row.update(stall_budget(row["bubble"], window_s, p, m))
                 row["load"] = _common.loadavg()

@@ -264,10 +264,12 @@ class ModelBackend:
         if op == FORWARD:
             targets = None
             if first:
-                self.inputs[unit], targets = self.batch(mb)
+                ids, targets = self.batch(mb)
             elif last:
                 targets = self.batch(mb)[1]
             with self.autocast:
+                if first:  # the embedding's output: where the first stage's input gradient (B) stops
+                    self.inputs[unit] = self.model.embed_tokens(ids)
                 out = self.model(self.inputs[unit], targets if last else None, chunk=chunk)
             if last:
                 self.losses.append(out.detach())
@@ -280,10 +282,10 @@ class ModelBackend:
             self.transport.release("grad", chunk, mb)
             self._read_act(unit)
         elif op == BACKWARD_INPUT:
-            if not first:
-                (grad,) = torch.autograd.grad(
-                    self.outputs[unit], self.inputs[unit], self.grads.get(unit), retain_graph=True
-                )
+            (grad,) = torch.autograd.grad(
+                self.outputs[unit], self.inputs[unit], self.grads.get(unit), retain_graph=True
+            )
+            if not first:  # the first stage's stops at the embedding: nothing to send
                 self.input_grads[unit] = grad
         else:
             params = self.model.chunk_parameters(chunk)

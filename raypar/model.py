@@ -203,10 +203,8 @@ class LlamaStage(nn.Module):
         if x.dim() == 3:
             seq *= tp_size(self.tp_group) if self.sp else 1
             seq *= tp_size(self.cp_group)
-        elif self.cp_group is not None:
-            x = cp.shard(x, self.cp_group, self.cp_style)
         cos, sin, attend = self._rope_and_attention(seq)
-        h = self.embed(x) if self.first and chunk == 0 else x
+        h = self.embed_tokens(x) if x.dim() == 2 else x
         for i in self.chunks[chunk]:
             h = self.layers[str(i)](h, cos, sin, attend)
         if not (self.last and chunk == len(self.chunks) - 1):
@@ -218,6 +216,14 @@ class LlamaStage(nn.Module):
         if self.cp_group is not None:
             targets = cp.shard(targets, self.cp_group, self.cp_style)
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> this rank's hidden states: its cp share of the tokens, embedded (and under SP,
+        its tp share of those). `forward` on chunk 0 does this itself; the executor calls it apart so that a
+        split backward has the embedding's output to stop at (zero-bubble B on the first stage)."""
+        if self.cp_group is not None:
+            ids = cp.shard(ids, self.cp_group, self.cp_style)
+        return self.embed(ids)
 
     def _rope_and_attention(self, seq: int) -> tuple[torch.Tensor, torch.Tensor, Attend]:
         """RoPE tables for this rank's tokens of a `seq`-token sequence; its attention over the cp group."""

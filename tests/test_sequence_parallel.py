@@ -60,5 +60,5 @@ def test_sequence_parallel_without_norm_weight_allreduce_is_rejected():
 def test_bad_sequence_parallel_configs_are_one_line_errors():
     with pytest.raises(config.ConfigError, match="^parallel.sequence_parallel: needs parallel.tp > 1"):
         make_cfg(1)
-    with pytest.raises(config.ConfigError, match="seq_len=30 must be divisible by tp=4"):
+    with pytest.raises(config.ConfigError, match="seq_len=30 must be divisible by tp\\*cp=4"):
         make_cfg(4, extra=("model.seq_len=30",))
