@@ -1,6 +1,6 @@
 """Bytes per transformer layer under Megatron-SP, Ulysses and ring attention, against their formulas.
 
-    python benchmarks/sequence_bytes.py            # P = 2, 4 at the `small` preset's width, seq_len 256
+    python benchmarks/sequence_bytes.py            # P = 2, 4: d_model 512, 8 heads (4 kv), seq_len 256
     python benchmarks/sequence_bytes.py --quick    # P = 2, tiny shapes: a smoke run of a few seconds
 
 No Ray and no timing: P thread ranks form one gloo group and run one raypar Block (raypar.model) forward and
@@ -127,8 +127,10 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--batch", type=int, default=2)
     args = parser.parse_args()
+    # `small`'s 6 heads do not split 4 ways: its shape with 8 heads (4 kv), so P = 4 works for every style.
+    shape = ["model.d_model=512", "model.n_heads=8", "model.n_kv_heads=4", "model.seq_len=256"]
     preset, ranks = ("tiny", [2]) if args.quick else ("small", [int(r) for r in args.ranks.split(",")])
-    cfg = config.load(None, [f'model.preset="{preset}"']).model
+    cfg = config.load(None, [f'model.preset="{preset}"', *([] if args.quick else shape)]).model
     print(f"{preset}: d_model={cfg.d_model}, heads={cfg.n_heads}/{cfg.n_kv_heads} kv, seq_len={cfg.seq_len}, "
           f"batch={args.batch}; bytes sent per rank for one layer (fp32)\n")
     print(f"{'style':8} {'P':>2} {'forward':>12} {'formula':>12} {'ratio':>6} {'paper':>12} {'backward':>12}")
