@@ -30,13 +30,43 @@ import torch
 from actors.telemetry import ActorMetrics
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from collectives.host import GroupHost
-from raypar import checkpoint, data, flops, schedules
+from raypar import checkpoint, data, flops, memory, precision, schedules
 from raypar import config as config_mod
 from raypar.dp import GradReducer
 from raypar.executor import ModelBackend, StepRun, busy_seconds
 from raypar.mesh import Coord, Mesh, actor_name, stage_layers
-from raypar.model import LlamaStage
+from raypar.model import LlamaStage, dropout_seed
 from raypar.optim import Optimizer, lr_at
+
+
+class _ActorBackend(ModelBackend):
+    """The executor's model backend for one actor's step, plus what the actor does around each forward:
+    dropout seeded per (step, microbatch, virtual stage), the same on every tp rank of it; the activations
+    each unit saves, measured while its graph lives (raypar.memory)."""
+
+    def __init__(self, worker: Worker, step: int, scale: float):
+        super().__init__(
+            worker.model, worker.coord.pp, worker.topo, worker.transport, worker.act_like,
+            lambda mb: worker._batch(step, mb), worker.microbatches, worker._send_grad, scale,
+        )
+        self.worker, self.step = worker, step
+        model = worker.model
+        self.saved = memory.SavedActivations(exclude=[*model.parameters(), *model.buffers()])
+        self.live = memory.LiveActivations()
+
+    def run_forward(self, chunk: int, mb: int, forward: Any) -> torch.Tensor:
+        w = self.worker
+        if w.cfg.model.dropout > 0:  # the same masks on every tp rank, whatever recomputes
+            global_mb = w.dp_rank * w.microbatches + mb
+            stage = self.topo.virtual(self.rank, chunk)
+            torch.manual_seed(dropout_seed(w.cfg.train.seed, self.step, global_mb, stage))
+        with self.saved:
+            out = forward()
+        self.live.forward((chunk, mb), self.saved.bytes)
+        return out
+
+    def freed(self, chunk: int, mb: int) -> None:
+        self.live.backward((chunk, mb))
 
 
 def _param_of(name: str) -> str:
@@ -88,7 +118,7 @@ class Worker(GroupHost):
         self.cfg = config_mod.from_dict(cfg)
         p, par = self.coord.pp, self.cfg.parallel
         self.device = self._device()
-        dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
+        dtype = precision.DTYPES[self.cfg.train.precision]
         self.peak_flops = flops.device_peak_flops(self.device, dtype)  # measured once per process on CPU
         self.topo = schedules.Topology(par.pp, par.virtual_stages)
         virtual = stage_layers(self.cfg.model.n_layers, par.pp * par.virtual_stages, par.stage_layers or None)
@@ -96,12 +126,16 @@ class Worker(GroupHost):
         self.first, self.last = p == 0, p == par.pp - 1
         tp_group = self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None  # shapes the shards
         cp_group = self.group(Mesh.cp_group(self.coord)) if par.cp > 1 else None
+        train = self.cfg.train
         self.model = LlamaStage(
-            self.cfg.model, chunks[0], self.first, self.last, tp_group, self.cfg.train.seed, chunks,
+            self.cfg.model, chunks[0], self.first, self.last, tp_group, train.seed, chunks,
             par.sequence_parallel, cp_group, par.cp_style,
         )
+        self.model.set_recompute(train.recompute, train.recompute_every)
         self.model.to(self.device)
-        self.optimizer = Optimizer(self.model, self.cfg.train)
+        self.optimizer = Optimizer(self.model, train, dtype)  # holds the fp32 masters; params -> dtype
+        self.scaler = precision.scaler_for(train)
+        self._skip = False
         self.dataset = data.open_dataset(self.cfg.data, self.cfg.model) if self.first or self.last else None
         if self.dataset is not None:
             self.sampler = data.GlobalSampler(
@@ -109,7 +143,7 @@ class Worker(GroupHost):
             )
         mbs, seq = self.cfg.microbatch_size, self.cfg.model.seq_len
         seq //= par.cp * (par.tp if par.sequence_parallel else 1)  # hops carry this rank's tokens
-        self.act_like = torch.empty(mbs, seq, self.cfg.model.d_model, device=self.device)
+        self.act_like = torch.empty(mbs, seq, self.cfg.model.d_model, device=self.device, dtype=dtype)
         self.rebind(replicas, peers, epoch)
         return {"params": sum(p.numel() for p in self.model.parameters()), "peak_flops": self.peak_flops}
 
@@ -154,7 +188,8 @@ class Worker(GroupHost):
 
     def _make_reducer(self, dp_group: Any) -> GradReducer:
         bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
-        return GradReducer(list(self.model.parameters()), dp_group, bucket_bytes, "avg")
+        reduce_dtype = precision.DTYPES[self.cfg.train.reduce_dtype]
+        return GradReducer(list(self.model.parameters()), dp_group, bucket_bytes, "avg", reduce_dtype)
 
     def _device(self) -> torch.device:
         gpu_ids = ray.get_gpu_ids()
@@ -192,28 +227,34 @@ class Worker(GroupHost):
             raise self._fail(f"step {step}", err) from err
 
     def apply_step(self, step: int) -> None:
-        """Phase 2 of `step`: every actor finished phase 1, so the update is applied everywhere. Comes with
-        the next `train_step` call, or alone before anything that reads the state (checkpoint, scaling)."""
-        self.optimizer.step(lr_at(step, self.cfg.train))
+        """Phase 2 of `step`: every actor finished phase 1, so the update is applied everywhere, or skipped
+        everywhere after an fp16 overflow (then neither Adam's count nor the LR schedule advances). Comes
+        with the next `train_step` call, or alone before anything that reads the state (checkpoint,
+        scaling)."""
+        if not self._skip:
+            self.optimizer.step(lr_at(self.optimizer.step_count, self.cfg.train))
+        if self.scaler is not None:
+            self.scaler.update(self._skip)
+        self._skip = False  # applied once: a second apply of the same step must not count it again
         self.optimizer.zero_grad()
 
     def _train_step(self, step: int) -> dict[str, Any]:
         start = time.perf_counter()
         self.transport.step = step
         self.mailbox.clear_before(self.epoch, step)
-        bf16 = self.cfg.train.precision == "bf16"
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
-        backend = ModelBackend(
-            self.model, self.coord.pp, self.topo, self.transport, self.act_like,
-            lambda mb: self._batch(step, mb), self.microbatches, self._send_grad, autocast,
-        )
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        backend = _ActorBackend(self, step, scale)
         run = StepRun(self.coord.pp, self.topo, self.plan, backend, self.reducer, self.model.chunk_parameters)
         events = run.run(time.perf_counter, start)
-        losses = backend.losses
+        losses, live = backend.losses, backend.live
         compute_end = time.perf_counter()
         self.reducer.finish()
         self.transport.finish_step()
-        grad_norm = self._clip_grad_norm()
+        found_inf = self.optimizer.unscale_(1.0 / scale, check=self.scaler is not None)
+        self._skip = self.scaler is not None and self._anywhere(found_inf)
+        grad_norm = float("inf") if self._skip else self._clip_grad_norm()
         end = time.perf_counter()
         busy = busy_seconds(events)
         result = {
@@ -221,11 +262,14 @@ class Worker(GroupHost):
             "dp_rank": self.dp_rank,
             "loss": torch.stack(losses).float().mean().item() if losses else None,
             "grad_norm": grad_norm,
-            "lr": lr_at(step, self.cfg.train),
+            "lr": lr_at(self.optimizer.step_count, self.cfg.train),
+            "loss_scale": scale,
+            "skipped": self._skip,
             "step_s": end - start,
             "busy_s": busy,
             "reduce_s": end - compute_end,
             "events": events,
+            **self._memory(live),
         }
         tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result["step_s"]
         world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp * self.cfg.parallel.cp
@@ -252,11 +296,16 @@ class Worker(GroupHost):
     def parameters(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
         """name -> (local shard, global shape, offsets), on the CPU."""
         specs = self.model.shard_specs()
-        return {n: (p.detach().cpu(), *specs[n]) for n, p in self.model.named_parameters()}
+        return {n: (p.detach().cpu(), *specs[n]) for n, p in self.optimizer.masters.items()}
 
     def _state(self) -> dict[str, torch.Tensor]:
-        """Everything to continue: parameters and optimizer moments, by checkpoint name."""
-        return {**dict(self.model.named_parameters()), **self.optimizer.state_tensors()}
+        """Everything to continue: parameters (fp32 masters) and optimizer moments, by checkpoint name."""
+        return {**self.optimizer.masters, **self.optimizer.state_tensors()}
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """What a checkpoint's JSON needs besides tensors: updates applied, and the loss scaler's state."""
+        scaler = self.scaler.state() if self.scaler is not None else None
+        return {"optimizer_steps": self.optimizer.step_count, "loss_scaler": scaler}
 
     def _spec(self, name: str) -> checkpoint.ShardSpec:
         shape, offsets = self.model.shard_specs()[_param_of(name)]
@@ -268,9 +317,13 @@ class Worker(GroupHost):
         if self.dp_group is None:
             return
         src_dp_rank *= self.cfg.parallel.cp  # the dp group lists each replica's cp ranks together
-        steps = torch.tensor([float(self.optimizer.step_count)], dtype=torch.float64)
+        scaler = self.scaler.state() if self.scaler is not None else {}
+        counts = [self.optimizer.step_count, *scaler.values()]  # a float64 holds each of them exactly
+        steps = torch.tensor([float(c) for c in counts], dtype=torch.float64)
         self.dp_group.broadcast(steps, src_dp_rank)
-        step_count = int(steps.item())
+        step_count = int(steps[0].item())
+        if self.scaler is not None:
+            self.scaler.load_state(dict(zip(scaler, steps[1:].tolist(), strict=True)))
         if step_count and not self.optimizer.state_tensors():  # a fresh replica: give its moments a shape
             zeros = {
                 f"optim.{m}.{n}": torch.zeros_like(p)
@@ -282,6 +335,7 @@ class Worker(GroupHost):
         with torch.no_grad():
             for _, tensor in sorted(self._state().items()):
                 self.dp_group.broadcast(tensor.data, src_dp_rank)
+        self.optimizer.refresh_params()
 
     def save_shard(self, staging: str) -> bool:
         """Snapshot this shard to host memory now (the stall), write it in a background thread.
@@ -320,8 +374,27 @@ class Worker(GroupHost):
             raise self._fail("writing its checkpoint shard", result)
         return result
 
-    def rng_state(self) -> str:
-        return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+    def rng_state(self) -> dict[str, str]:
+        """This process's random state (dropout draws from it), base64 per generator."""
+        states = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in states.items()}
+
+    def _restore_rng(self, saved: dict[str, str] | str | None) -> None:
+        """Random state from a checkpoint written at this actor's coordinate. At another layout there is no
+        such rank: the actor keeps its seeded state (the math of a step does not depend on it)."""
+        if not saved:
+            return
+        if isinstance(saved, str):  # checkpoints written before CUDA state was saved: the CPU state alone
+            saved = {"cpu": saved}
+
+        def state(key: str) -> torch.Tensor:
+            return torch.frombuffer(bytearray(base64.b64decode(saved[key])), dtype=torch.uint8)
+
+        torch.set_rng_state(state("cpu"))
+        if "cuda" in saved and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state("cuda"), self.device)
 
     def load_state(self, ckpt_uri: str) -> int:
         """Load this shard's parameters and optimizer state from any checkpoint, at any layout; returns the
@@ -329,10 +402,13 @@ class Worker(GroupHost):
         try:
             reader = checkpoint.CheckpointReader(ckpt_uri)
             step_count = int(reader.meta["optimizer_steps"])
+            if self.scaler is not None and reader.meta.get("loss_scaler"):
+                self.scaler.load_state(reader.meta["loss_scaler"])
             with torch.no_grad():
-                for name, p in self.model.named_parameters():
+                for name, p in self.optimizer.masters.items():  # fp32, whatever the run's precision
                     shape, offsets = self.model.shard_specs()[name]
                     p.copy_(reader.read_slice(name, tuple(shape), tuple(offsets), tuple(p.shape), p.dtype))
+            self.optimizer.refresh_params()
             moments = {}
             if step_count:
                 for name, p in self.model.named_parameters():
@@ -341,6 +417,7 @@ class Worker(GroupHost):
                         key = f"optim.{m}.{name}"
                         moments[key] = reader.read_slice(key, tuple(shape), tuple(offsets), tuple(p.shape))
             self.optimizer.load_state_tensors(moments, step_count)
+            self._restore_rng(reader.meta.get("rng", {}).get(self.coord.key))
             return step_count
         except Exception as err:
             raise self._fail(f"loading {ckpt_uri}", err) from err

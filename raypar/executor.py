@@ -15,7 +15,6 @@ input on real ranks either (sends never block, so whether a plan completes does 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -215,9 +214,11 @@ class Transport(Protocol):
 class ModelBackend:
     """One step of real compute on one rank: the chunks of `model` (a LlamaStage), messages through
     `transport`, batches from `batch(mb) -> (inputs, targets)`, gradient sends through `send_grad` (the
-    actor's seam), and `reducer.arm(params)` at each chunk's arm point (see `arm_points`).
+    actor's seam). Subclasses wrap each forward (`run_forward`) and hear when a unit's graph is gone
+    (`freed`): the actor seeds dropout and measures saved activations there.
 
-    The loss of a microbatch is divided by `n_mb`: the replica's loss is the mean over its microbatches.
+    The loss of a microbatch is divided by `n_mb` (the replica's loss is the mean over its microbatches)
+    and multiplied by the loss `scale` (fp16).
     backward_input takes the input gradient with `torch.autograd.grad` (parameter gradients are not
     computed: autograd prunes them), keeping the graph; backward_weight walks it again for the parameters
     only, accumulating into `.grad` (where the DP reducer's hooks fire). Received buffers go back to the
@@ -227,12 +228,11 @@ class ModelBackend:
         self, model: Any, rank: int, topo: Topology, transport: Transport, act_like: torch.Tensor,
         batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]], n_mb: int,
         send_grad: Callable[[int, int, torch.Tensor], None] | None = None,
-        autocast: Any = None,
+        scale: float = 1.0,
     ):
         self.model, self.rank, self.topo, self.transport = model, rank, topo, transport
-        self.act_like, self.batch, self.n_mb = act_like, batch, n_mb
+        self.act_like, self.batch, self.n_mb, self.scale = act_like, batch, n_mb, scale
         self.send_grad = send_grad or transport.send_grad
-        self.autocast = autocast or contextlib.nullcontext()
         self.inputs: dict[Unit, torch.Tensor] = {}
         self.outputs: dict[Unit, torch.Tensor] = {}
         self.grads: dict[Unit, torch.Tensor | None] = {}
@@ -267,16 +267,20 @@ class ModelBackend:
                 ids, targets = self.batch(mb)
             elif last:
                 targets = self.batch(mb)[1]
-            with self.autocast:
+
+            def forward() -> torch.Tensor:
                 if first:  # the embedding's output: where the first stage's input gradient (B) stops
                     self.inputs[unit] = self.model.embed_tokens(ids)
-                out = self.model(self.inputs[unit], targets if last else None, chunk=chunk)
+                return self.model(self.inputs[unit], targets if last else None, chunk=chunk)
+
+            out = self.run_forward(chunk, mb, forward)
             if last:
                 self.losses.append(out.detach())
-                out = out / self.n_mb
+                out = out / self.n_mb if self.scale == 1.0 else out * (self.scale / self.n_mb)
             self.outputs[unit] = out
         elif op == BACKWARD:
             self.outputs.pop(unit).backward(self.grads.pop(unit, None))
+            self.freed(chunk, mb)
             if not first:
                 self.input_grads[unit] = self.inputs[unit].grad
             self.transport.release("grad", chunk, mb)
@@ -290,8 +294,16 @@ class ModelBackend:
         else:
             params = self.model.chunk_parameters(chunk)
             torch.autograd.backward(self.outputs.pop(unit), self.grads.pop(unit, None), inputs=params)
+            self.freed(chunk, mb)
             self.transport.release("grad", chunk, mb)
             self._read_act(unit)
+
+    def run_forward(self, chunk: int, mb: int, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run one unit's forward (embedding included on the first stage); the seam around it."""
+        return forward()
+
+    def freed(self, chunk: int, mb: int) -> None:
+        """The autograd graph of (chunk, mb) is gone (after its backward or backward_weight)."""
 
     def _read_act(self, unit: Unit) -> None:
         """One reader of the received activation of `unit` is done; the last one gives the buffer back."""

@@ -69,6 +69,8 @@ class StepResult:
     lr: float
     step_time_s: float
     per_actor: dict[Coord, dict[str, Any]] = field(default_factory=dict)
+    loss_scale: float = 1.0
+    skipped: bool = False
 
 
 class ActorMesh:
@@ -298,7 +300,16 @@ class ActorMesh:
         last = self.pp - 1
         losses = [r["loss"] for c, r in results.items() if c.pp == last and c.tp == 0]
         some = next(iter(results.values()))
-        return StepResult(step, sum(losses) / len(losses), some["grad_norm"], some["lr"], elapsed, results)
+        return StepResult(
+            step,
+            sum(losses) / len(losses),
+            some["grad_norm"],
+            some["lr"],
+            elapsed,
+            results,
+            some["loss_scale"],
+            some["skipped"],
+        )
 
     def commit(self) -> None:
         """Apply the last completed step everywhere now (before reading or moving state)."""
@@ -380,7 +391,13 @@ class ActorMesh:
     def collect(self, refs: dict[Any, Coord], what: str) -> list[Any]:
         return list(self._gather(refs, what).values())
 
-    def rng_states(self) -> dict[str, str]:
+    def optimizer_state(self) -> dict[str, Any]:
+        """Updates applied and the loss scaler's state: the same on every actor (they skip together)."""
+        self.commit()
+        first = next(iter(self.actors.values()))
+        return ray.get(first.optimizer_state.remote(), timeout=self.cfg.parallel.timeout_s)
+
+    def rng_states(self) -> dict[str, dict[str, str]]:
         return {
             c.key: s
             for c, s in self._gather(
