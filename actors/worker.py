@@ -277,6 +277,32 @@ class Worker(GroupHost):
         self.metrics.record(result, tokens_per_s, mfu)
         return result
 
+    def _memory(self, live: memory.LiveActivations) -> dict[str, int]:
+        """Measured memory of this step: activations saved per microbatch and at most at once, microbatches
+        in flight, model states, and the peak (GPU: the allocator's; CPU: model states + activations)."""
+        params = list(self.model.parameters())
+        states = memory.tensor_bytes([*params, *(p.grad for p in params)]) + self.optimizer.state_bytes()
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = states + live.peak_bytes
+        return {
+            "activation_bytes": live.per_microbatch,
+            "activation_peak_bytes": live.peak_bytes,
+            "in_flight": live.peak_count,
+            "model_state_bytes": states,
+            "peak_memory_bytes": peak,
+        }
+
+    def _anywhere(self, flag: bool) -> bool:
+        """True on every actor if `flag` is True on any actor of the step: MAX over this replica's stages
+        and tp ranks, then over the replicas, so all actors skip together (or none does)."""
+        t = torch.tensor([float(flag)], device=self.device)
+        for group in (self.mp_group, self.dp_group):
+            if group is not None:
+                group.all_reduce(t, "max")
+        return bool(t.item())
+
     def _send_grad(self, chunk: int, mb: int, grad: torch.Tensor) -> None:
         self.transport.send_grad(chunk, mb, grad)
 
