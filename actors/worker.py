@@ -32,10 +32,12 @@ from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from collectives.host import GroupHost
 from raypar import checkpoint, data, flops, memory, precision, schedules
 from raypar import config as config_mod
+from raypar import ep as ep_mod
 from raypar.dp import GradReducer
 from raypar.executor import ModelBackend, StepRun, busy_seconds
 from raypar.mesh import Coord, Mesh, actor_name, stage_layers
 from raypar.model import LlamaStage, dropout_seed
+from raypar.moe import is_expert_param
 from raypar.optim import Optimizer, lr_at
 
 
@@ -80,7 +82,8 @@ class WorkerFailure(RuntimeError):
 
 class Worker(GroupHost):
     """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks) override
-    the seams `_make_reducer`, `_bind_tp`, `_send_grad` and `_train_step` and wrap themselves the same way."""
+    the seams `_make_reducer`, `_make_expert_reducer`, `_bind_tp`, `_send_grad` and `_train_step` and wrap
+    themselves the same way."""
 
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         torch.set_num_threads(threads)
@@ -89,6 +92,7 @@ class Worker(GroupHost):
         self.mailbox = Mailbox()
         self.metrics = ActorMetrics(run, self.coord)
         self.reducer: GradReducer | None = None
+        self.expert_reducer: ep_mod.ExpertGradReducer | None = None
         self.transport: ObjectStoreTransport | DirectTransport | None = None
         self._writer: threading.Thread | None = None
         self._written: dict[str, Any] | BaseException | None = None
@@ -126,9 +130,10 @@ class Worker(GroupHost):
         self.first, self.last = p == 0, p == par.pp - 1
         tp_group = self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None  # shapes the shards
         cp_group = self.group(Mesh.cp_group(self.coord)) if par.cp > 1 else None
+        ep_group = self._ep_group(replicas.index(self.coord.dp))  # which experts live here
         train = self.cfg.train
         self.model = LlamaStage(
-            self.cfg.model, chunks[0], self.first, self.last, tp_group, train.seed, chunks,
+            self.cfg.model, chunks[0], self.first, self.last, tp_group, train.seed, ep_group, chunks,
             par.sequence_parallel, cp_group, par.cp_style,
         )
         self.model.set_recompute(train.recompute, train.recompute_every)
@@ -162,6 +167,18 @@ class Worker(GroupHost):
             self.reducer.close()  # its hooks and buckets belong to the old membership
         self.reducer = self._make_reducer(dp_group)
         self.dp_group = dp_group
+        self.ep_group = self._ep_group(self.dp_rank)
+        self.model.bind_ep(self.ep_group)
+        if par.ep == 1:  # every replica holds every expert
+            edp_group = dp_group
+        else:
+            edp_group = (
+                self.group(Mesh.edp_group(self.coord, self.dp_rank, par.ep)) if self.dp > par.ep else None
+            )
+        if self.expert_reducer is not None:
+            self.expert_reducer.close()
+        self.expert_reducer = self._make_expert_reducer(edp_group)
+        self.edp_group = edp_group
         self.mp_group = self.group(Mesh.mp_group(self.coord)) if par.pp * par.tp * par.cp > 1 else None
         self.microbatches = self.cfg.microbatches_at(self.dp)
         self.plan = schedules.build(par.schedule, par.pp, self.microbatches, par.virtual_stages)[p]
@@ -186,10 +203,26 @@ class Worker(GroupHost):
             if hasattr(module, "group"):
                 module.group = group
 
+    def _ep_group(self, dp_rank: int) -> Any:
+        ep = self.cfg.parallel.ep
+        return self.group(Mesh.ep_group(self.coord, dp_rank, ep)) if ep > 1 else None
+
+    def _params(self, experts: bool) -> list[torch.nn.Parameter]:
+        return [p for n, p in self.model.named_parameters() if is_expert_param(n) == experts]
+
     def _make_reducer(self, dp_group: Any) -> GradReducer:
+        """Averages every non-expert gradient over the data-parallel group."""
         bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
         reduce_dtype = precision.DTYPES[self.cfg.train.reduce_dtype]
-        return GradReducer(list(self.model.parameters()), dp_group, bucket_bytes, "avg", reduce_dtype)
+        return GradReducer(self._params(experts=False), dp_group, bucket_bytes, "avg", reduce_dtype)
+
+    def _make_expert_reducer(self, edp_group: Any) -> ep_mod.ExpertGradReducer:
+        """Expert gradients: summed over the expert-dp group, divided by dp (raypar.ep says why)."""
+        bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
+        reduce_dtype = precision.DTYPES[self.cfg.train.reduce_dtype]
+        return ep_mod.ExpertGradReducer(
+            self._params(experts=True), edp_group, self.dp, bucket_bytes, reduce_dtype
+        )
 
     def _device(self) -> torch.device:
         gpu_ids = ray.get_gpu_ids()
@@ -246,11 +279,13 @@ class Worker(GroupHost):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         backend = _ActorBackend(self, step, scale)
-        run = StepRun(self.coord.pp, self.topo, self.plan, backend, self.reducer, self.model.chunk_parameters)
+        reducers = [self.reducer, self.expert_reducer]
+        run = StepRun(self.coord.pp, self.topo, self.plan, backend, reducers, self.model.chunk_parameters)
         events = run.run(time.perf_counter, start)
         losses, live = backend.losses, backend.live
         compute_end = time.perf_counter()
         self.reducer.finish()
+        self.expert_reducer.finish()
         self.transport.finish_step()
         found_inf = self.optimizer.unscale_(1.0 / scale, check=self.scaler is not None)
         self._skip = self.scaler is not None and self._anywhere(found_inf)
@@ -271,6 +306,12 @@ class Worker(GroupHost):
             "events": events,
             **self._memory(live),
         }
+        moe = self.model.take_moe_stats()
+        if moe:
+            result["moe"] = {
+                i: {"load": s.load.tolist(), "dropped": s.dropped, "aux": s.aux_sum / max(s.microbatches, 1)}
+                for i, s in moe.items()
+            }
         tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result["step_s"]
         world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp * self.cfg.parallel.cp
         mfu = flops.mfu(tokens_per_s / world, self.cfg.model, self.peak_flops) if self.peak_flops else None
@@ -307,13 +348,14 @@ class Worker(GroupHost):
         self.transport.send_grad(chunk, mb, grad)
 
     def _clip_grad_norm(self) -> float:
-        # cp ranks hold the same (reduced) gradients: only cp rank 0 counts them.
-        sq = self.optimizer.grad_sq_norm(self.model.replicated, self.coord.tp == 0).double().reshape(1)
-        if self.coord.cp:
-            sq.zero_()
-        if self.mp_group is not None:
-            self.mp_group.all_reduce(sq, "sum")
-        norm = math.sqrt(sq.item())
+        def part(experts: bool) -> torch.Tensor:
+            if self.coord.cp:  # cp ranks hold the same (reduced) gradients: only cp rank 0 counts them
+                return torch.zeros((), dtype=torch.float64, device=self.device)
+            return self.optimizer.grad_sq_norm(
+                self.model.replicated, self.coord.tp == 0, lambda n: is_expert_param(n) == experts
+            )
+
+        norm = math.sqrt(ep_mod.grad_sq_norm(part(False), part(True), self.ep_group, self.mp_group))
         if self.cfg.train.grad_clip > 0:
             self.optimizer.clip_(norm, self.cfg.train.grad_clip)
         return norm
@@ -358,23 +400,34 @@ class Worker(GroupHost):
             }
             self.optimizer.load_state_tensors(zeros, step_count)
         self.optimizer.step_count = step_count
+        # Experts come from the replica holding the same ones in the source's EP group, over the EDP group.
+        ep = self.cfg.parallel.ep
         with torch.no_grad():
-            for _, tensor in sorted(self._state().items()):
-                self.dp_group.broadcast(tensor.data, src_dp_rank)
+            for name, tensor in sorted(self._state().items()):
+                if not is_expert_param(_param_of(name)):
+                    self.dp_group.broadcast(tensor.data, src_dp_rank)
+                elif self.edp_group is not None:
+                    self.edp_group.broadcast(tensor.data, src_dp_rank // ep)
         self.optimizer.refresh_params()
 
     def save_shard(self, staging: str) -> bool:
         """Snapshot this shard to host memory now (the stall), write it in a background thread.
 
-        One replica writes, and of it cp rank 0; tensors replicated across tp ranks are written by tp rank 0
-        only."""
-        if self.dp_rank != 0 or self.coord.cp != 0:
+        One replica writes, and with expert parallelism the rest of its EP group writes their experts (which
+        are named by global expert id, so any ep reads them back); of each, cp rank 0; tensors replicated
+        across tp ranks are written by tp rank 0 only."""
+        if self.dp_rank >= self.cfg.parallel.ep or self.coord.cp != 0:
             return False
         self.wait_shard()
-        tensors = {n: t for n, t in self._state().items() if self.coord.tp == 0 or not self._replicated(n)}
+        tensors = {
+            n: t
+            for n, t in self._state().items()
+            if (self.coord.tp == 0 or not self._replicated(n))
+            and (self.dp_rank == 0 or is_expert_param(_param_of(n)))
+        }
         snap = checkpoint.snapshot(tensors)
         specs = {n: self._spec(n) for n in snap}
-        key = checkpoint.shard_key(0, self.coord.pp, self.coord.tp)
+        key = checkpoint.shard_key(self.dp_rank, self.coord.pp, self.coord.tp)
 
         def write() -> None:
             try:

@@ -22,7 +22,6 @@ tests/test_sequence_parallel.py.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import threading
@@ -34,9 +33,8 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
-from collectives import GroupSpec, RendezvousServer, create_group  # noqa: E402
+from collectives import GroupSpec, LocalStoreRef, create_group  # noqa: E402
 from raypar import config, cp  # noqa: E402
 from raypar.model import Block, rope_tables  # noqa: E402
 
@@ -67,16 +65,14 @@ class ByteCounter:
 
 def layer_bytes(style: str, p: int, cfg: config.ModelConfig, batch: int) -> list[dict[str, float]]:
     """Per rank: bytes sent in forward and in backward by one Block under `style` on `p` thread ranks."""
-    server = RendezvousServer(host="127.0.0.1")
+    ref = LocalStoreRef()
     out: list[dict[str, float]] = [{} for _ in range(p)]
     errors: list[BaseException] = []
 
     def rank_fn(rank: int) -> None:
         try:
-            store = dist.TCPStore("127.0.0.1", server.address.port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=60))
-            spec = GroupSpec("bytes", tuple(f"r{i}" for i in range(p)), rank, server.address, timeout_s=60)
-            group = ByteCounter(create_group(spec, store))
+            spec = GroupSpec("bytes", tuple(f"r{i}" for i in range(p)), rank, ref, timeout_s=60)
+            group = ByteCounter(create_group(spec, ref.store))
             torch.manual_seed(0)
             tokens = cfg.seq_len // p
             cos, sin = rope_tables(cfg)

@@ -15,7 +15,7 @@ input on real ranks either (sends never block, so whether a plan completes does 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -237,6 +237,7 @@ class ModelBackend:
         self.outputs: dict[Unit, torch.Tensor] = {}
         self.grads: dict[Unit, torch.Tensor | None] = {}
         self.input_grads: dict[Unit, torch.Tensor] = {}
+        self.aux: dict[Unit, torch.Tensor] = {}  # MoE load-balancing loss of a unit before the last stage
         self.pending: dict[Unit, int] = {}  # readers left of a received act buffer (send_grad, W)
         self.losses: list[torch.Tensor] = []
 
@@ -274,29 +275,47 @@ class ModelBackend:
                 return self.model(self.inputs[unit], targets if last else None, chunk=chunk)
 
             out = self.run_forward(chunk, mb, forward)
+            aux = self.model.take_aux_loss()  # MoE load balancing: part of the training loss
             if last:
                 self.losses.append(out.detach())
-                out = out / self.n_mb if self.scale == 1.0 else out * (self.scale / self.n_mb)
+                out = out if aux is None else out + aux
+                out = self._scaled(out)
+            elif aux is not None:
+                self.aux[unit] = self._scaled(aux)
             self.outputs[unit] = out
         elif op == BACKWARD:
-            self.outputs.pop(unit).backward(self.grads.pop(unit, None))
+            torch.autograd.backward(*self._roots(unit, pop=True))
             self.freed(chunk, mb)
             if not first:
                 self.input_grads[unit] = self.inputs[unit].grad
             self.transport.release("grad", chunk, mb)
             self._read_act(unit)
         elif op == BACKWARD_INPUT:
-            (grad,) = torch.autograd.grad(
-                self.outputs[unit], self.inputs[unit], self.grads.get(unit), retain_graph=True
-            )
+            roots, grads = self._roots(unit, pop=False)
+            (grad,) = torch.autograd.grad(roots, self.inputs[unit], grads, retain_graph=True)
             if not first:  # the first stage's stops at the embedding: nothing to send
                 self.input_grads[unit] = grad
         else:
             params = self.model.chunk_parameters(chunk)
-            torch.autograd.backward(self.outputs.pop(unit), self.grads.pop(unit, None), inputs=params)
+            torch.autograd.backward(*self._roots(unit, pop=True), inputs=params)
             self.freed(chunk, mb)
             self.transport.release("grad", chunk, mb)
             self._read_act(unit)
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The replica's loss is the mean over its microbatches (fp16: times the loss scale)."""
+        return loss / self.n_mb if self.scale == 1.0 else loss * (self.scale / self.n_mb)
+
+    def _roots(self, unit: Unit, pop: bool) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """What a backward of `unit` starts from: its output with the received gradient (none for the loss),
+        and before the last stage its MoE aux loss, which joins the gradient there."""
+        take = dict.pop if pop else dict.get
+        roots, grads = [take(self.outputs, unit)], [take(self.grads, unit, None)]
+        aux = take(self.aux, unit, None)
+        if aux is not None:
+            roots.append(aux)
+            grads.append(None)
+        return roots, grads
 
     def run_forward(self, chunk: int, mb: int, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run one unit's forward (embedding included on the first stage); the seam around it."""
@@ -318,13 +337,13 @@ class ModelBackend:
 
 
 class StepRun:
-    """Walk `plan` on `backend` with real blocking receives, arming `reducer` at each chunk's arm point and
-    timing every instruction: events are (op, mb, t0, t1) relative to `start`."""
+    """Walk `plan` on `backend` with real blocking receives, arming the gradient `reducers` (dense, experts)
+    at each chunk's arm point and timing every instruction: events are (op, mb, t0, t1) from `start`."""
 
     def __init__(self, rank: int, topo: Topology, plan: list[Instr], backend: ModelBackend,
-                 reducer: Any = None, chunk_params: Callable[[int], list] | None = None):
+                 reducers: Sequence[Any] = (), chunk_params: Callable[[int], list] | None = None):
         self.walker = StageWalker(rank, topo, plan, backend)
-        self.reducer, self.chunk_params = reducer, chunk_params
+        self.reducers, self.chunk_params = list(reducers), chunk_params
         self.arm_at = self.arm_points(plan)
 
     def arm_points(self, plan: list[Instr]) -> dict[int, int]:
@@ -332,13 +351,14 @@ class StepRun:
 
     def run(self, clock: Callable[[], float], start: float) -> list[tuple]:
         events: list[tuple] = []
-        if self.reducer is not None:
-            self.reducer.disarm()
+        for reducer in self.reducers:
+            reducer.disarm()
         walker = self.walker
         while walker.pc < len(walker.plan):
             ins = walker.plan[walker.pc]
-            if self.reducer is not None and walker.pc in self.arm_at:
-                self.reducer.arm(self.chunk_params(self.arm_at[walker.pc]))
+            if walker.pc in self.arm_at:
+                for reducer in self.reducers:
+                    reducer.arm(self.chunk_params(self.arm_at[walker.pc]))
             t0 = clock()
             walker.step()
             events.append((ins.op, ins.mb, t0 - start, clock() - start))

@@ -7,6 +7,9 @@ layer) and of context parallelism (key/value blocks or all-to-alls per layer) be
 optional everywhere: a coordinate without it is cp rank 0, and its name has no cp part. Groups are named
 by what they connect so that logs, timeouts and re-formed epochs read naturally: `tp.dp0.pp1`,
 `dp.pp0.tp1`, `mp.dp0`, `pp.dp0.tp0.s1-2`, `cp.dp0.pp0.tp0`.
+
+Expert parallelism (`ep`) is not a further axis of actors: its groups are carved out of the data-parallel
+ranks (see raypar.ep), so it changes which groups exist, not where actors are.
 """
 
 from __future__ import annotations
@@ -41,13 +44,16 @@ class Mesh:
     dp: int
     pp: int
     tp: int
+    ep: int = 1
     ring: bool = False  # interleaved pipelines: a pair group from the last stage back to the first
     cp: int = 1
 
     def __post_init__(self) -> None:
-        for axis in ("dp", "pp", "tp", "cp"):
+        for axis in ("dp", "pp", "tp", "ep", "cp"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"mesh {axis} must be >= 1, got {getattr(self, axis)}")
+        if self.dp % self.ep:
+            raise ValueError(f"mesh ep={self.ep} must divide dp={self.dp}")
 
     @property
     def world_size(self) -> int:
@@ -81,6 +87,8 @@ class Mesh:
         mp: all ranks of one replica (model parallel); the global gradient norm is summed here.
         pp: two neighbouring stages at the same tp rank (the `direct` activation transport); with `ring`,
             also the last stage and the first (members in that order).
+        ep: (ep > 1) `ep` consecutive dp ranks at one (stage, tp rank): tokens travel to their experts here.
+        edp: (ep > 1 and dp > ep) the dp ranks holding the same experts: expert gradients are summed here.
         """
         replicas = list(range(self.dp)) if replicas is None else list(replicas)
         out: dict[str, list[Coord]] = {}
@@ -105,6 +113,14 @@ class Mesh:
         for p in range(self.pp):
             for t in range(self.tp):
                 out[self.dp_group(Coord(0, p, t))] = [Coord(d, p, t, c) for d in replicas for c in cps]
+                if self.ep > 1:
+                    for rank in range(0, len(replicas), self.ep):
+                        members = [Coord(d, p, t) for d in replicas[rank : rank + self.ep]]
+                        out[self.ep_group(members[0], rank, self.ep)] = members
+                if len(replicas) > self.ep > 1:
+                    for j in range(self.ep):
+                        members = [Coord(d, p, t) for d in replicas[j :: self.ep]]
+                        out[self.edp_group(members[0], j, self.ep)] = members
         return out
 
     # Group names: the only place they are spelled. An actor finds its groups by these, the driver forms them.
@@ -127,6 +143,16 @@ class Mesh:
     def mp_group(coord: Coord) -> str:
         """Every rank of `coord`'s replica: the global gradient norm is summed here."""
         return f"mp.dp{coord.dp}"
+
+    @staticmethod
+    def ep_group(coord: Coord, dp_rank: int, ep: int) -> str:
+        """The expert-parallel group of the actor at `coord` with data-parallel rank `dp_rank`."""
+        return f"ep.pp{coord.pp}.tp{coord.tp}.g{dp_rank // ep}"
+
+    @staticmethod
+    def edp_group(coord: Coord, dp_rank: int, ep: int) -> str:
+        """The dp ranks holding the same experts as `coord` (dp rank `dp_rank`): expert grads meet here."""
+        return f"edp.pp{coord.pp}.tp{coord.tp}.e{dp_rank % ep}"
 
     @staticmethod
     def pipe_group(dp: int, tp: int, stage: int, n_stages: int = 0, cp: int = 0) -> str:

@@ -161,8 +161,14 @@ class Optimizer:
             state["step"] = torch.tensor(float(step), dtype=torch.float32)
             self._adamw.state[p] = state
 
-    def grad_sq_norm(self, replicated: Callable[[str], bool], is_tp_rank0: bool) -> torch.Tensor:
-        """Sum of squared local gradients, float64, on the parameters' device.
+    def grad_sq_norm(
+        self,
+        replicated: Callable[[str], bool],
+        is_tp_rank0: bool,
+        select: Callable[[str], bool] | None = None,
+    ) -> torch.Tensor:
+        """Sum of squared local gradients, float64, on the parameters' device; of the parameters
+        ``select(name)`` accepts, if given (expert and dense parameters are summed over different groups).
 
         Parameters replicated across tensor-parallel ranks (``replicated(name)``, e.g. norm gains) count
         on tp rank 0 only, so the sum of this over the model-parallel group is the global norm squared.
@@ -170,6 +176,8 @@ class Optimizer:
         device = next(iter(self.masters.values())).device if self.masters else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float64, device=device)
         for name, p in self.masters.items():
+            if select is not None and not select(name):
+                continue
             if p.grad is not None and (is_tp_rank0 or not replicated(name)):
                 total += torch.linalg.vector_norm(p.grad, dtype=torch.float32).double().square()
         return total

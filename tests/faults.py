@@ -5,6 +5,7 @@ here, not in production code. Faults are strings per actor coordinate:
 - `dp_sum`: DP gradients summed instead of averaged;
 - `pp_zero_grad`: the stage sends zeros instead of its input gradient;
 - `tp_drop_allreduce`: row-parallel outputs left as partial sums (the TP all-reduce dropped);
+- `ep_divisor_edp`: expert gradients divided by the expert-data-parallel group's size instead of dp;
 - `raise_at_step:N`: phase 1 of step N raises.
 `python -m tests.faults train ...` runs the real CLI with the faults of RAYPAR_INJECT_FAULT
 ("dp0.pp1.tp0=raise_at_step:2;...").
@@ -23,6 +24,7 @@ from actors.worker import Worker
 from raypar.config import Config
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.dp import GradReducer
+from raypar.ep import ExpertGradReducer
 from raypar.mesh import Coord
 from raypar.tp import RowParallelLinear
 
@@ -50,7 +52,20 @@ class _FaultyWorker(Worker):
         if "dp_sum" not in self.faults:
             return super()._make_reducer(dp_group)
         bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
-        return GradReducer(list(self.model.parameters()), dp_group, bucket_bytes, "sum")
+        return GradReducer(self._params(experts=False), dp_group, bucket_bytes, "sum")
+
+    def _make_expert_reducer(self, edp_group: Any) -> ExpertGradReducer:
+        if "ep_divisor_edp" not in self.faults:
+            return super()._make_expert_reducer(edp_group)
+        bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
+        size = 1 if edp_group is None else edp_group.size
+        return ExpertGradReducer(self._params(experts=True), edp_group, size, bucket_bytes)
+
+    def gradients(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+        """name -> (local gradient after reduction and clipping, global shape, offsets): read between a step's
+        phase 1 and its commit."""
+        specs = self.model.shard_specs()
+        return {n: (p.grad.detach().cpu(), *specs[n]) for n, p in self.optimizer.masters.items()}
 
     def _send_grad(self, chunk: int, mb: int, grad: torch.Tensor) -> None:
         super()._send_grad(chunk, mb, torch.zeros_like(grad) if "pp_zero_grad" in self.faults else grad)

@@ -9,16 +9,12 @@ the bytes each pipeline hop carried: what the equivalence tests compare with one
 
 from __future__ import annotations
 
-import datetime
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from collectives import GroupSpec, RendezvousServer, create_group
 from raypar import data, schedules
 from raypar.config import Config
 from raypar.dp import GradReducer
@@ -26,6 +22,7 @@ from raypar.executor import ModelBackend, StepRun
 from raypar.local_transport import LocalPipe
 from raypar.mesh import Coord, Mesh, stage_layers
 from raypar.model import LlamaStage
+from tests.threads import run_groups
 
 TIMEOUT_S = 60
 
@@ -57,65 +54,49 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
     A small `bucket_bytes` makes DP buckets span layers and chunks."""
     par = cfg.parallel
     dp, pp, tp, v, cp = cfg.dp_fixed, par.pp, par.tp, par.virtual_stages, par.cp
-    mesh = Mesh(dp, pp, tp, v > 1, cp)
+    mesh = Mesh(dp, pp, tp, ring=v > 1, cp=cp)
     # Only tp and dp groups: pipeline messages go through the in-process transport, norms are not clipped.
     groups = {n: m for n, m in mesh.groups().items() if n.startswith(("tp.", "dp.", "cp."))}
     topo = schedules.Topology(pp, v)
     pipes = {(d, t, c): LocalPipe(topo, TIMEOUT_S) for d in range(dp) for t in range(tp) for c in range(cp)}
-    server = RendezvousServer(host="127.0.0.1", timeout_s=TIMEOUT_S)
     dataset = data.open_dataset(cfg.data, cfg.model)
     sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
     n_mb, mbs = cfg.microbatches_at(dp), cfg.microbatch_size
     virtual = stage_layers(cfg.model.n_layers, pp * v)
     results: dict[Coord, dict[str, Any]] = {}
-    errors: list[BaseException] = []
 
-    def member(coord: Coord) -> None:
-        try:
-            store = dist.TCPStore("127.0.0.1", server.address.port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=TIMEOUT_S))
-            mine = {}
-            for name, members in groups.items():
-                if coord in members:
-                    labels = tuple(c.key for c in members)
-                    spec = GroupSpec(name, labels, members.index(coord), server.address, timeout_s=TIMEOUT_S)
-                    mine[name] = create_group(spec, store)
-            d, p, t, c = coord
-            tp_group = mine.get(Mesh.tp_group(coord))
-            chunks = [virtual[topo.virtual(p, k)] for k in range(v)]
-            model = LlamaStage(cfg.model, chunks[0], p == 0, p == pp - 1, tp_group, cfg.train.seed, chunks,
-                               par.sequence_parallel, mine.get(Mesh.cp_group(coord)), par.cp_style)
-            if model_hook is not None:
-                model_hook(model, coord, mine)
-            reducer = GradReducer(list(model.parameters()), mine.get(Mesh.dp_group(coord)), bucket_bytes)
-            transport = pipes[(d, t, c)].transport(p)
-            seq = cfg.model.seq_len // cp // (tp if par.sequence_parallel else 1)  # this rank's tokens
-            like = torch.empty(mbs, seq, cfg.model.d_model)
+    def member(rank: int, mine: dict[str, Any]) -> None:
+        coord = mesh.coord(rank)
+        d, p, t, c = coord
+        tp_group = mine.get(Mesh.tp_group(coord))
+        chunks = [virtual[topo.virtual(p, k)] for k in range(v)]
+        model = LlamaStage(
+            cfg.model, chunks[0], p == 0, p == pp - 1, tp_group, cfg.train.seed, chunks=chunks,
+            sequence_parallel=par.sequence_parallel, cp_group=mine.get(Mesh.cp_group(coord)),
+            cp_style=par.cp_style,
+        )
+        if model_hook is not None:
+            model_hook(model, coord, mine)
+        reducer = GradReducer(list(model.parameters()), mine.get(Mesh.dp_group(coord)), bucket_bytes)
+        transport = pipes[(d, t, c)].transport(p)
+        seq = cfg.model.seq_len // cp // (tp if par.sequence_parallel else 1)  # this rank's tokens
+        like = torch.empty(mbs, seq, cfg.model.d_model)
 
-            def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-                return data.microbatch(dataset, sampler, step, d * n_mb + mb, mbs)
+        def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return data.microbatch(dataset, sampler, step, d * n_mb + mb, mbs)
 
-            backend = ModelBackend(model, p, topo, transport, like, batch, n_mb)
-            plan = schedules.build(par.schedule, pp, n_mb, v)[p]
-            run_class(p, topo, plan, backend, reducer, model.chunk_parameters).run(time.perf_counter, 0.0)
-            reducer.finish()
-            specs = model.shard_specs()
-            results[coord] = {
-                "losses": [x.item() for x in backend.losses],
-                "grads": {n: (q.grad.clone(), *specs[n]) for n, q in model.named_parameters()},
-                "sent_bytes": transport.sent_bytes,
-            }
-        except BaseException as err:  # re-raised in the test thread
-            errors.append(err)
+        backend = ModelBackend(model, p, topo, transport, like, batch, n_mb)
+        plan = schedules.build(par.schedule, pp, n_mb, v)[p]
+        run_class(p, topo, plan, backend, [reducer], model.chunk_parameters).run(time.perf_counter, 0.0)
+        reducer.finish()
+        specs = model.shard_specs()
+        results[coord] = {
+            "losses": [x.item() for x in backend.losses],
+            "grads": {n: (q.grad.clone(), *specs[n]) for n, q in model.named_parameters()},
+            "sent_bytes": transport.sent_bytes,
+        }
 
-    threads = [threading.Thread(target=member, args=(c,), daemon=True) for c in mesh.coords()]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=3 * TIMEOUT_S)
-    assert not any(thread.is_alive() for thread in threads), "a rank did not finish"
-    if errors:
-        raise errors[0]
+    run_groups(mesh.world_size, {n: [mesh.rank(c) for c in m] for n, m in groups.items()}, member)
     losses = [x for c, r in results.items() if c.pp == pp - 1 and c.tp == 0 for x in r["losses"]]
     grads: dict[str, torch.Tensor] = {}
     for coord, r in results.items():

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -19,6 +20,11 @@ from raypar.config import Config, ConfigError
 
 class UsageError(Exception):
     pass
+
+
+# A run name is one path component under runs/ and part of actor names (`raypar:<run>:...`): no separators,
+# no leading '.' (so never '.' or '..'), no ':'.
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -133,6 +139,11 @@ def _resolve_resume(cfg: Config, which: str) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
+    if args.name is not None and not _RUN_NAME.fullmatch(args.name):
+        raise UsageError(
+            f"--name: must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit "
+            f"(it names a directory under runs/), got {args.name!r}"
+        )
     cfg = config_mod.load(args.config, args.set)
     if args.stop_at is not None and args.stop_at <= 0:
         raise UsageError(f"--stop-at: must be a positive step, got {args.stop_at}")
