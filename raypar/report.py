@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from raypar.mesh import Coord
 from raypar.schedules import COMPUTE_OPS, theoretical_bubble
 
 COMM_OPS = ("recv_act", "send_act", "recv_grad", "send_grad")
@@ -62,19 +63,19 @@ SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe", "zb-h1": "ZB-H1"}
 Row = dict[str, Any]  # one line of timeline.jsonl: one actor's events of one step
 
 
-def timeline_rows(step: int, per_actor: Mapping[tuple[int, int, int], Mapping[str, Any]]) -> list[Row]:
-    """The timeline.jsonl lines of one step, from the driver's {(dp, pp, tp): train_step result}."""
+def timeline_rows(step: int, per_actor: Mapping[tuple[int, ...], Mapping[str, Any]]) -> list[Row]:
+    """The timeline.jsonl lines of one step, from the driver's {(dp, pp, tp[, cp]): train_step result}."""
     return [
         {
             "step": step,
-            "actor": f"dp{dp}.pp{pp}.tp{tp}",
-            "dp": dp,
-            "pp": pp,
-            "tp": tp,
+            "actor": Coord(*coord).key,
+            "dp": coord[0],
+            "pp": coord[1],
+            "tp": coord[2],
             "step_s": result["step_s"],
             "events": [list(event) for event in result["events"]],
         }
-        for (dp, pp, tp), result in sorted(per_actor.items())
+        for coord, result in sorted(per_actor.items())
     ]
 
 
