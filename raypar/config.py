@@ -68,6 +68,10 @@ class ParallelConfig:
     tp: int = 1
     ep: int = 1
     schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    cp: int = 1
+    cp_style: str = "ring"
     microbatches: int = 1
     transport: str = "object_store"
     device: str = "auto"
@@ -262,6 +266,56 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _validate_pipeline(cfg: Config) -> None:
+    """Interleaved 1F1B (virtual_stages > 1) and zero-bubble need whole chunks and enough microbatches,
+    at every data-parallel degree the run may take (microbatches per replica change with dp)."""
+    m, p = cfg.model, cfg.parallel
+    v = p.virtual_stages
+    if v > 1:
+        _require(p.schedule == "1f1b", f'parallel.virtual_stages: needs parallel.schedule = "1f1b", got {v}')
+        _require(p.pp > 1, f"parallel.virtual_stages: needs parallel.pp > 1, got pp={p.pp}")
+        _require(not p.stage_layers, "parallel.stage_layers: must be empty when parallel.virtual_stages > 1")
+        _require(
+            m.n_layers % (p.pp * v) == 0,
+            f"parallel.virtual_stages: model.n_layers={m.n_layers} must be divisible by pp*virtual_stages="
+            f"{p.pp * v}",
+        )
+    if (v > 1 or p.schedule == "zb-h1") and p.pp > 1 and cfg.dp_fixed > 0:
+        top = max(p.max_dp, cfg.dp_fixed)
+        for dp in [cfg.dp_fixed] + list(range(p.min_dp, top + 1)) * (p.dp == "auto" or p.max_dp > 0):
+            if cfg.microbatch_size == 0 or cfg.train.global_batch % (dp * cfg.microbatch_size):
+                continue  # reported by the global_batch rules
+            n_mb = cfg.microbatches_at(dp)
+            _require(
+                n_mb % p.pp == 0 if v > 1 else n_mb >= p.pp,
+                f"parallel.microbatches: {n_mb} microbatches per replica (at dp={dp}) must be "
+                + (f"divisible by pp={p.pp} for interleaved 1F1B" if v > 1 else f">= pp={p.pp} for zb-h1"),
+            )
+
+
+def _validate_context_parallel(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    _require(
+        p.cp_style in ("ring", "ulysses"),
+        f'parallel.cp_style: must be "ring" or "ulysses", got {p.cp_style!r}',
+    )
+    if p.cp == 1:
+        return
+    _require(m.moe_experts == 0, "parallel.cp: not with model.moe_experts > 0 yet")
+    _require(m.dropout == 0, f"parallel.cp: needs model.dropout = 0 (cp attention has none), got {m.dropout}")
+    chunks = 2 * p.cp if p.cp_style == "ring" else p.cp  # ring: the zigzag cuts 2*cp chunks
+    _require(
+        m.seq_len % chunks == 0,
+        f"parallel.cp: model.seq_len={m.seq_len} must be divisible by {chunks} for cp_style={p.cp_style!r}",
+    )
+    if p.cp_style == "ulysses":
+        heads = m.n_heads // p.tp
+        _require(
+            heads % p.cp == 0,
+            f"parallel.cp: the {heads} query heads per tp rank must be divisible by cp={p.cp} for ulysses",
+        )
+
+
 def validate(cfg: Config) -> None:
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.checkpoint
     for key in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "seq_len"):
@@ -275,7 +329,7 @@ def validate(cfg: Config) -> None:
     if isinstance(p.dp, str):
         _require(p.dp == "auto", f'parallel.dp: expected a positive int or "auto", got {p.dp!r}')
         _require(p.max_dp >= p.min_dp, 'parallel.max_dp: must be set and >= parallel.min_dp when dp = "auto"')
-    for key in ("pp", "tp", "ep", "microbatches", "min_dp", "threads_per_actor"):
+    for key in ("pp", "tp", "ep", "cp", "microbatches", "min_dp", "threads_per_actor", "virtual_stages"):
         _require(getattr(p, key) > 0, f"parallel.{key}: must be a positive size, got {getattr(p, key)}")
     _require(p.max_dp >= 0, f"parallel.max_dp: must be >= 0 (0 means dp), got {p.max_dp}")
     _require(
@@ -299,8 +353,18 @@ def validate(cfg: Config) -> None:
             sum(p.stage_layers) == m.n_layers, f"parallel.stage_layers: must sum to n_layers={m.n_layers}"
         )
     _require(
-        p.schedule in ("1f1b", "gpipe"), f'parallel.schedule: must be "1f1b" or "gpipe", got {p.schedule!r}'
+        p.schedule in ("1f1b", "gpipe", "zb-h1"),
+        f'parallel.schedule: must be "1f1b", "gpipe" or "zb-h1", got {p.schedule!r}',
     )
+    _validate_pipeline(cfg)
+    if p.sequence_parallel:
+        _require(p.tp > 1, f"parallel.sequence_parallel: needs parallel.tp > 1, got tp={p.tp}")
+        _require(m.moe_experts == 0, "parallel.sequence_parallel: not with model.moe_experts > 0 yet")
+        _require(
+            m.seq_len % (p.tp * p.cp) == 0,
+            f"parallel.sequence_parallel: model.seq_len={m.seq_len} must be divisible by tp*cp={p.tp * p.cp}",
+        )
+    _validate_context_parallel(cfg)
     _require(
         p.transport in ("object_store", "direct"),
         f'parallel.transport: must be "object_store" or "direct", got {p.transport!r}',

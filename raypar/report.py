@@ -30,9 +30,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from raypar.schedules import theoretical_bubble
+from raypar.mesh import Coord
+from raypar.schedules import COMPUTE_OPS, theoretical_bubble
 
-COMPUTE_OPS = ("forward", "backward")
 COMM_OPS = ("recv_act", "send_act", "recv_grad", "send_grad")
 TAIL = "reduce+optimizer"
 
@@ -40,6 +40,8 @@ TAIL = "reduce+optimizer"
 COLOURS = {
     "forward": "#3b75af",
     "backward": "#ef8636",
+    "backward_input": "#ef8636",
+    "backward_weight": "#2ca02c",
     "recv": "#c03d3e",
     "send": "#9467bd",
     TAIL: "#8c8c8c",
@@ -48,30 +50,32 @@ COLOURS = {
 LEGEND = {
     "forward": "forward (F)",
     "backward": "backward (B)",
+    "backward_input": "input gradient (zero-bubble B)",
+    "backward_weight": "weight gradient (zero-bubble W)",
     "recv": "receive (incl. waiting)",
     "send": "send",
     TAIL: "grad reduce + clip",
     "idle": "idle",
 }
 
-SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe"}
+SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe", "zb-h1": "ZB-H1"}
 
 Row = dict[str, Any]  # one line of timeline.jsonl: one actor's events of one step
 
 
-def timeline_rows(step: int, per_actor: Mapping[tuple[int, int, int], Mapping[str, Any]]) -> list[Row]:
-    """The timeline.jsonl lines of one step, from the driver's {(dp, pp, tp): train_step result}."""
+def timeline_rows(step: int, per_actor: Mapping[tuple[int, ...], Mapping[str, Any]]) -> list[Row]:
+    """The timeline.jsonl lines of one step, from the driver's {(dp, pp, tp[, cp]): train_step result}."""
     return [
         {
             "step": step,
-            "actor": f"dp{dp}.pp{pp}.tp{tp}",
-            "dp": dp,
-            "pp": pp,
-            "tp": tp,
+            "actor": Coord(*coord).key,
+            "dp": coord[0],
+            "pp": coord[1],
+            "tp": coord[2],
             "step_s": result["step_s"],
             "events": [list(event) for event in result["events"]],
         }
-        for (dp, pp, tp), result in sorted(per_actor.items())
+        for coord, result in sorted(per_actor.items())
     ]
 
 

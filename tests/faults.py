@@ -67,8 +67,8 @@ class _FaultyWorker(Worker):
         specs = self.model.shard_specs()
         return {n: (p.grad.detach().cpu(), *specs[n]) for n, p in self.optimizer.masters.items()}
 
-    def _send_grad(self, mb: int, grad: torch.Tensor) -> None:
-        super()._send_grad(mb, torch.zeros_like(grad) if "pp_zero_grad" in self.faults else grad)
+    def _send_grad(self, chunk: int, mb: int, grad: torch.Tensor) -> None:
+        super()._send_grad(chunk, mb, torch.zeros_like(grad) if "pp_zero_grad" in self.faults else grad)
 
     def _train_step(self, step: int) -> dict[str, Any]:
         if f"raise_at_step:{step}" in self.faults:
@@ -101,8 +101,7 @@ def faults_from_env() -> dict[Coord, list[str]]:
     faults: dict[Coord, list[str]] = {}
     for item in filter(None, os.environ.get("RAYPAR_INJECT_FAULT", "").split(";")):
         key, _, fault = item.partition("=")
-        d, p, t = (int(part[2:]) for part in key.split("."))
-        faults.setdefault(Coord(d, p, t), []).append(fault)
+        faults.setdefault(Coord(*(int(part[2:]) for part in key.split("."))), []).append(fault)
     return faults
 
 

@@ -101,7 +101,7 @@ class ActorMesh:
     def __init__(self, cfg: Config, run: str):
         self.cfg, self.run = cfg, run
         par = cfg.parallel
-        self.pp, self.tp = par.pp, par.tp
+        self.pp, self.tp, self.cp = par.pp, par.tp, par.cp
         self.replicas: list[int] = []
         self.actors: dict[Coord, Any] = {}
         self.pgs: dict[tuple[int, int], Any] = {}
@@ -118,7 +118,8 @@ class ActorMesh:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(max(self.dp, 1), self.pp, self.tp, self.cfg.parallel.ep)
+        par = self.cfg.parallel
+        return Mesh(max(self.dp, 1), self.pp, self.tp, par.ep, ring=par.virtual_stages > 1, cp=self.cp)
 
     @property
     def peak_flops(self) -> float | None:
@@ -139,27 +140,28 @@ class ActorMesh:
         self._regroup(new=set(self.replicas))
 
     def _place_replica(self, d: int, timeout_s: float) -> None:
-        """Reserve and start the pp x tp actors of replica `d` (all or none)."""
+        """Reserve and start the pp x cp x tp actors of replica `d` (all or none); a stage's cp x tp actors
+        share a node."""
         env = (
             {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}} if self.resources.gpus else {}
         )
         placed = []
         try:
             for p in range(self.pp):
-                placed.append(place_stage(self.run, d, p, self.tp, self.resources, timeout_s))
+                placed.append(place_stage(self.run, d, p, self.cp * self.tp, self.resources, timeout_s))
         except PlacementTimeout:
             release(placed)
             raise
         for p, pg in enumerate(placed):
             self.pgs[(d, p)] = pg
-            for t in range(self.tp):
-                coord = Coord(d, p, t)
+            for c, t in itertools.product(range(self.cp), range(self.tp)):
+                coord = Coord(d, p, t, c)
                 self.actors[coord] = self.worker_class.options(
                     name=self.name(coord),
                     namespace=NAMESPACE,
                     num_cpus=self.resources.cpus,
                     num_gpus=self.resources.gpus,
-                    scheduling_strategy=in_bundle(pg, t),
+                    scheduling_strategy=in_bundle(pg, c * self.tp + t),
                     runtime_env=env,
                 ).remote(*self._worker_args(coord))
         self.replicas.append(d)
@@ -186,9 +188,12 @@ class ActorMesh:
         return "nccl" if len(set(gpus)) == len(gpus) else "gloo"
 
     def _peers(self, coord: Coord) -> dict[str, Any]:
+        prev, nxt = coord.pp - 1, coord.pp + 1
+        if self.cfg.parallel.virtual_stages > 1:  # interleaved chunks: the last stage feeds the first
+            prev, nxt = prev % self.pp, nxt % self.pp
         return {
-            "prev": self.actors.get(Coord(coord.dp, coord.pp - 1, coord.tp)),
-            "next": self.actors.get(Coord(coord.dp, coord.pp + 1, coord.tp)),
+            "prev": self.actors.get(coord._replace(pp=prev)),
+            "next": self.actors.get(coord._replace(pp=nxt)),
         }
 
     def _regroup(self, new: set[int] = frozenset()) -> None:
@@ -235,7 +240,8 @@ class ActorMesh:
     def reconfigure(self, cfg: Config) -> None:
         """Rebuild every actor's state from the seed under `cfg` (same layout): a new schedule, transport
         or microbatch count without new processes."""
-        if (cfg.parallel.pp, cfg.parallel.tp, cfg.dp_fixed) != (self.pp, self.tp, self.dp):
+        par = cfg.parallel
+        if (par.pp, par.tp, par.cp, cfg.dp_fixed) != (self.pp, self.tp, self.cp, self.dp):
             raise ValueError("reconfigure keeps the layout; start a new ActorMesh to change it")
         self.cfg, self.uncommitted = cfg, None
         self._regroup(new=set(self.replicas))
@@ -309,7 +315,7 @@ class ActorMesh:
             cause = _cause(err)
         return (
             f"{what}: worker {self.name(coord)} (run={self.run}, dp={coord.dp}, pp={coord.pp}, "
-            f"tp={coord.tp}) failed: {cause}"
+            f"tp={coord.tp}{f', cp={coord.cp}' if self.cp > 1 else ''}) failed: {cause}"
         )
 
     # -- running ---------------------------------------------------------------------------------------
