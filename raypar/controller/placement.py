@@ -13,9 +13,12 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raypar.config import ConfigError
+from raypar.controller.connection import RunFailure
 
-class PlacementTimeout(RuntimeError):
-    pass
+
+class PlacementTimeout(RunFailure):
+    """Resources for a placement group did not appear in time (a runtime failure, recovered like one)."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,31 @@ def resources_for(device: str, threads: int = 1, gpus: float = 1.0) -> ActorReso
     if device == "auto":
         device = "gpu" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
     return ActorResources(cpus=float(threads), gpus=gpus if device == "gpu" else 0.0)
+
+
+def check_device(device: str, gpus_per_actor: float, local: bool) -> None:
+    """parallel.device = "gpu" on a cluster without GPUs: a ConfigError now, instead of a placement that
+    waits out its timeout. Unless an autoscaler runs (GPU nodes may come): then the placement waits."""
+    if device != "gpu" or ray.cluster_resources().get("GPU", 0) >= gpus_per_actor:
+        return
+    if local or not _autoscaler_running():
+        raise ConfigError(
+            'parallel.device: "gpu" needs GPUs, and this Ray cluster has none (and no autoscaler to add '
+            'them); use "cpu" or "auto"'
+        )
+
+
+def _autoscaler_running() -> bool:
+    """Whether the cluster has an autoscaler. Ray has no public call for it: the v1 monitor posts its
+    status to the GCS key-value store (what `ray status` reads), v2 marks itself there."""
+    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    try:
+        return bool(_internal_kv_get(DEBUG_AUTOSCALING_STATUS)) or is_autoscaler_v2(fetch_from_server=True)
+    except Exception:  # noqa: BLE001 - cannot tell: let the placement wait and say what it waited for
+        return True
 
 
 def place_stage(run: str, dp: int, pp: int, tp: int, res: ActorResources, timeout_s: float) -> PlacementGroup:
