@@ -10,18 +10,29 @@ Every run checks that each step is logged exactly once.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from collectives.group import GroupError
 from raypar import checkpoint
+from raypar.config import ConfigError
 from raypar.controller import actor_mesh as actor_mesh_mod
+from raypar.controller import cli
 from raypar.controller.placement import PlacementTimeout
 from raypar.controller.training import TrainingLoop
 from raypar.mesh import Coord
 from tests.faults import FaultyActorMesh
-from tests.runs import losses, metrics, tiny
+from tests.runs import TINY, losses, metrics, tiny
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Loop(TrainingLoop):
@@ -63,16 +74,16 @@ def test_failed_checkpoint_write_costs_only_itself(ray_session, tmp_path):
 
 
 def test_actor_lost_in_snapshot_and_again_while_regrouping(ray_session, tmp_path):
-    """dp1.pp1 dies in the step-2 checkpoint snapshot; while the survivors re-form their groups, dp0.pp0
-    dies too. Before the fix the first ended the run (a failure outside the step); the second, a failure
+    """dp1 dies in the step-2 checkpoint snapshot; while the survivors re-form their groups, dp0 dies
+    too. Before the fix the first ended the run (a failure outside the step); the second, a failure
     during recovery, ended it with a GroupError. Now: restart from the initial state (no checkpoint yet),
     the same losses as an undisturbed run, every step once, every checkpoint written."""
     ckpt = tmp_path / "ckpt"
-    shape = ["parallel.dp=2", "parallel.pp=2", "train.steps=6", "parallel.timeout_s=10"]
+    shape = ["parallel.dp=2", "train.steps=6", "parallel.timeout_s=10"]
     straight = tmp_path / "straight"
     _run(tiny(*shape), "straight2", straight, {})
     cfg = tiny(*shape, f"checkpoint.dir='{ckpt}'", "checkpoint.every=2", "checkpoint.keep=5")
-    faults = {Coord(1, 1, 0): ["exit_in:save_shard:1"], Coord(0, 0, 0): ["exit_in:rebind:2"]}
+    faults = {Coord(1, 0, 0): ["exit_in:save_shard:1"], Coord(0, 0, 0): ["exit_in:rebind:2"]}
     trainer, result = _run(cfg, "snapdeath", tmp_path / "run", faults)
     assert [m["step"] for m in metrics(tmp_path / "run")] == list(range(6)), trainer.events
     assert result["restarts"] == 2, trainer.events
@@ -141,3 +152,92 @@ def test_busy_actor_is_not_declared_dead(ray_session):
         mesh.step(1)
     finally:
         mesh.shutdown()
+
+
+def _two_checkpoints(root: Path) -> None:
+    tensors = {"embed.weight": torch.zeros(4, 4)}
+    specs = {"embed.weight": checkpoint.ShardSpec.full((4, 4))}
+    for step in (2, 4):
+        checkpoint.save(str(root), step, {"dp0.pp0.tp0": (tensors, specs)}, {"model": {}})
+
+
+@pytest.mark.parametrize("damage", ["truncated shard", "flipped byte", "deleted manifest"])
+def test_resume_latest_skips_damaged_checkpoint_and_says_so(tmp_path, capsys, damage):
+    """Damage to the newest checkpoint is found before any actor starts: the newest intact one is used,
+    and stderr names the one passed over and why (before: a truncated shard was found only by the actors
+    loading it, and a deleted manifest made the resume fall back silently)."""
+    root = tmp_path / "ckpt"
+    _two_checkpoints(root)
+    newest = root / "step_00000004"
+    shard = next(newest.glob("shard-*"))
+    if damage == "truncated shard":
+        shard.write_bytes(shard.read_bytes()[:-10])
+    elif damage == "flipped byte":
+        shard.write_bytes(shard.read_bytes()[:-1] + b"\x07")
+    else:
+        (newest / "manifest.json").unlink()
+    uri = cli._resolve_resume(tiny(f"checkpoint.dir='{root}'"), "latest")
+    assert uri.endswith("step_00000002")
+    err = capsys.readouterr().err
+    assert "skipped step_00000004" in err and "using" in err and "step_00000002" in err, err
+    assert (shard.name if damage != "deleted manifest" else "manifest.json") in err, err
+    # Named explicitly, the damaged checkpoint is refused (exit 2 naming the file), not replaced.
+    if damage != "deleted manifest":
+        with pytest.raises(ConfigError, match=shard.name):
+            cli._resolve_resume(tiny(), str(newest))
+
+
+def test_gpu_device_on_a_cluster_without_gpus_says_so(ray_session, tmp_path, capsys):
+    """parallel.device = "gpu" where Ray has no GPU: exit 2 naming the key, not a placement timeout."""
+    argv = ["train", str(TINY), "--run-dir", str(tmp_path), "--no-progress", "--set", "parallel.device='gpu'"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parallel.device" in err[0] and "GPU" in err[0], err
+
+
+def test_sigterm_ends_like_ctrl_c(ray_session, tmp_path):
+    """SIGTERM (`ray job stop`) mid-run: one line, exit 143, every actor and placement group released, no
+    stack dump. Before: Ray's own handler exited at once, leaving the run's actors to Ray's clean-up."""
+    import ray
+    from ray.util.state import list_actors
+
+    address = ray.get_runtime_context().gcs_address
+    cmd = [sys.executable, "-m", "raypar.controller.cli", "train", str(TINY), "--name", "sigterm",
+           "--run-dir", str(tmp_path), "--no-progress", "--set", "train.steps=100000", "--address", address]
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not metrics(tmp_path):  # bounded poll of a file the run appends to
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=30)
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert err.strip().splitlines()[-1] == "raypar: terminated (SIGTERM)", err[-3000:]
+    assert "Traceback" not in err and "SIGTERM received" not in err and "***" not in err, err[-3000:]
+    alive = list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=10000)
+    assert not [a.name for a in alive if (a.name or "").startswith("raypar:sigterm:")]
+    groups = ray.util.placement_group_table().values()
+    assert all(g["state"] == "REMOVED" for g in groups if g["name"].startswith("raypar:sigterm:")), groups
+
+
+def test_node_loss_mid_run_continues_and_heals():
+    """A whole node (a tensor-parallel group: both actors of replica 1) removed from a local multi-node
+    cluster mid-run: the run goes on at dp=1, heals to dp=2 when a node is added back, logs every step once
+    and stays on the undisturbed run's loss curve. See tests/node_loss_probe.py."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.node_loss_probe"], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    records = out["metrics"]
+    assert out["victims"] == ["dp1.pp0.tp0", "dp1.pp0.tp1"], out["victims"]
+    assert not out["alive"] and out["restarts"] >= 1, out["events"]
+    assert [m["step"] for m in records] == list(range(12)), out["events"]
+    assert 1 in {m["dp"] for m in records} and records[-1]["dp"] == 2, [m["dp"] for m in records]
+    got, want = [m["loss"] for m in records], out["straight"]
+    assert all(abs(g - w) <= 1e-5 * abs(w) for g, w in zip(got, want, strict=True)), (got, want)
