@@ -35,7 +35,8 @@ from raypar.controller.placement import (
 )
 from raypar.mesh import Coord, Mesh, actor_name
 
-POLL_S = 1.0  # how often an unanswered ping is checked against Ray's record of the actor
+PING_GRACE_S = 5.0  # pings answered within this are the common case: no need to ask Ray about anyone
+POLL_S = 1.0  # then, how often an unanswered ping is checked against Ray's record of the actor
 STARTUP_TIMEOUT_S = 300.0  # an actor process imports torch: seconds each, many at once on a small node
 
 
@@ -273,9 +274,10 @@ class ActorMesh:
         pings = {self.actors[c].where.remote(): c for c in coords if c in self.actors}
         dead: set[Coord] = set()
         deadline = time.monotonic() + self.cfg.parallel.timeout_s
-        pending = list(pings)
+        pending, wait_s = list(pings), PING_GRACE_S
         while pending:
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+            wait_s = POLL_S
             for ref in ready:
                 try:
                     ray.get(ref)
