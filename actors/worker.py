@@ -29,11 +29,13 @@ import torch
 from actors.telemetry import ActorMetrics
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from collectives.host import GroupHost
-from raypar import checkpoint, data, flops, schedules
+from raypar import checkpoint, data, flops, memory, precision, schedules
 from raypar import config as config_mod
+from raypar import ep as ep_mod
 from raypar.dp import GradReducer
 from raypar.mesh import Coord, Mesh, actor_name, stage_layers
-from raypar.model import LlamaStage
+from raypar.model import LlamaStage, dropout_seed
+from raypar.moe import is_expert_param
 from raypar.optim import Optimizer, lr_at
 
 
@@ -48,8 +50,8 @@ class WorkerFailure(RuntimeError):
 
 class Worker(GroupHost):
     """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks) override
-    the seams `_make_reducer`, `_bind_tp`, `_send_grad`, `_train_step` and `_write_shard` and wrap
-    themselves the same way."""
+    the seams `_make_reducer`, `_make_expert_reducer`, `_bind_tp`, `_send_grad`, `_train_step` and
+    `_write_shard` and wrap themselves the same way."""
 
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         torch.set_num_threads(threads)
@@ -58,6 +60,7 @@ class Worker(GroupHost):
         self.mailbox = Mailbox()
         self.metrics = ActorMetrics(run, self.coord)
         self.reducer: GradReducer | None = None
+        self.expert_reducer: ep_mod.ExpertGradReducer | None = None
         self.transport: ObjectStoreTransport | DirectTransport | None = None
         self._writer: threading.Thread | None = None
         self._written: dict[str, Any] | BaseException | None = None
@@ -86,21 +89,26 @@ class Worker(GroupHost):
         self.cfg = config_mod.from_dict(cfg)
         p, par = self.coord.pp, self.cfg.parallel
         self.device = self._device()
-        dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
+        dtype = precision.DTYPES[self.cfg.train.precision]
         self.peak_flops = flops.device_peak_flops(self.device, dtype)  # measured once per process on CPU
         layers = stage_layers(self.cfg.model.n_layers, par.pp, par.stage_layers or None)[p]
         self.first, self.last = p == 0, p == par.pp - 1
         tp_group = self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None  # shapes the shards
-        self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, self.cfg.train.seed)
+        ep_group = self._ep_group(replicas.index(self.coord.dp))  # which experts live here
+        train = self.cfg.train
+        self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, train.seed, ep_group)
+        self.model.set_recompute(train.recompute, train.recompute_every)
         self.model.to(self.device)
-        self.optimizer = Optimizer(self.model, self.cfg.train)
+        self.optimizer = Optimizer(self.model, train, dtype)  # holds the fp32 masters; params -> dtype
+        self.scaler = precision.scaler_for(train)
+        self._skip = False
         self.dataset = data.open_dataset(self.cfg.data, self.cfg.model) if self.first or self.last else None
         if self.dataset is not None:
             self.sampler = data.GlobalSampler(
                 self.dataset.num_samples, self.cfg.train.global_batch, self.cfg.train.seed
             )
         mbs, seq = self.cfg.microbatch_size, self.cfg.model.seq_len
-        self.act_like = torch.empty(mbs, seq, self.cfg.model.d_model, device=self.device)
+        self.act_like = torch.empty(mbs, seq, self.cfg.model.d_model, device=self.device, dtype=dtype)
         self.rebind(replicas, peers, epoch)
         return {"params": sum(p.numel() for p in self.model.parameters()), "peak_flops": self.peak_flops}
 
@@ -117,6 +125,18 @@ class Worker(GroupHost):
             self.reducer.close()  # its hooks and buckets belong to the old membership
         self.reducer = self._make_reducer(dp_group)
         self.dp_group = dp_group
+        self.ep_group = self._ep_group(self.dp_rank)
+        self.model.bind_ep(self.ep_group)
+        if par.ep == 1:  # every replica holds every expert
+            edp_group = dp_group
+        else:
+            edp_group = (
+                self.group(Mesh.edp_group(self.coord, self.dp_rank, par.ep)) if self.dp > par.ep else None
+            )
+        if self.expert_reducer is not None:
+            self.expert_reducer.close()
+        self.expert_reducer = self._make_expert_reducer(edp_group)
+        self.edp_group = edp_group
         self.mp_group = self.group(Mesh.mp_group(self.coord)) if par.pp * par.tp > 1 else None
         self.microbatches = self.cfg.microbatches_at(self.dp)
         self.plan = schedules.build(par.schedule, par.pp, self.microbatches)[p]
@@ -140,9 +160,26 @@ class Worker(GroupHost):
             if hasattr(module, "group"):
                 module.group = group
 
+    def _ep_group(self, dp_rank: int) -> Any:
+        ep = self.cfg.parallel.ep
+        return self.group(Mesh.ep_group(self.coord, dp_rank, ep)) if ep > 1 else None
+
+    def _params(self, experts: bool) -> list[torch.nn.Parameter]:
+        return [p for n, p in self.model.named_parameters() if is_expert_param(n) == experts]
+
     def _make_reducer(self, dp_group: Any) -> GradReducer:
+        """Averages every non-expert gradient over the data-parallel group."""
         bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
-        return GradReducer(list(self.model.parameters()), dp_group, bucket_bytes, "avg")
+        reduce_dtype = precision.DTYPES[self.cfg.train.reduce_dtype]
+        return GradReducer(self._params(experts=False), dp_group, bucket_bytes, "avg", reduce_dtype)
+
+    def _make_expert_reducer(self, edp_group: Any) -> ep_mod.ExpertGradReducer:
+        """Expert gradients: summed over the expert-dp group, divided by dp (raypar.ep says why)."""
+        bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
+        reduce_dtype = precision.DTYPES[self.cfg.train.reduce_dtype]
+        return ep_mod.ExpertGradReducer(
+            self._params(experts=True), edp_group, self.dp, bucket_bytes, reduce_dtype
+        )
 
     def _device(self) -> torch.device:
         gpu_ids = ray.get_gpu_ids()
@@ -181,22 +218,32 @@ class Worker(GroupHost):
             raise self._fail(f"step {step}", err) from err
 
     def apply_step(self, step: int) -> None:
-        """Phase 2 of `step`: every actor finished phase 1, so the update is applied everywhere. Comes with
-        the next `train_step` call, or alone before anything that reads the state (checkpoint, scaling)."""
-        self.optimizer.step(lr_at(step, self.cfg.train))
+        """Phase 2 of `step`: every actor finished phase 1, so the update is applied everywhere, or skipped
+        everywhere after an fp16 overflow (then neither Adam's count nor the LR schedule advances). Comes
+        with the next `train_step` call, or alone before anything that reads the state (checkpoint,
+        scaling)."""
+        if not self._skip:
+            self.optimizer.step(lr_at(self.optimizer.step_count, self.cfg.train))
+        if self.scaler is not None:
+            self.scaler.update(self._skip)
+        self._skip = False  # applied once: a second apply of the same step must not count it again
         self.optimizer.zero_grad()
 
     def _train_step(self, step: int) -> dict[str, Any]:
         start = time.perf_counter()
         self.transport.step = step
         self.mailbox.clear_before(self.epoch, step)
-        bf16 = self.cfg.train.precision == "bf16"
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         grads: dict[int, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
+        auxes: dict[int, torch.Tensor] = {}
         events: list[tuple[str, int, float, float]] = []
+        saved = memory.SavedActivations(exclude=[*self.model.parameters(), *self.model.buffers()])
+        live = memory.LiveActivations()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         for index, ins in enumerate(self.plan):
             t0 = time.perf_counter()
             op, mb = ins.op, ins.mb
@@ -209,11 +256,20 @@ class Worker(GroupHost):
                     inputs[mb], targets = self._batch(step, mb)
                 elif self.last:
                     targets = self._batch(step, mb)[1]
-                with autocast:
+                if self.cfg.model.dropout > 0:  # the same masks on every tp rank, whatever recomputes
+                    global_mb = self.dp_rank * self.microbatches + mb
+                    torch.manual_seed(dropout_seed(self.cfg.train.seed, step, global_mb, self.coord.pp))
+                with saved:
                     out = self.model(inputs[mb], targets if self.last else None)
+                live.forward(mb, saved.bytes)
+                aux = self.model.take_aux_loss()  # MoE load balancing: part of the training loss
                 if self.last:
                     losses.append(out.detach())
-                    out = out / self.microbatches  # the replica's loss is the mean over its microbatches
+                    out = out if aux is None else out + aux
+                    # the replica's loss is the mean over its microbatches (fp16: times the loss scale)
+                    out = out / self.microbatches if scale == 1.0 else out * (scale / self.microbatches)
+                elif aux is not None:
+                    auxes[mb] = aux / self.microbatches if scale == 1.0 else aux * (scale / self.microbatches)
                 outputs[mb] = out
             elif op == "send_act":
                 self.transport.send_act(mb, outputs[mb])
@@ -222,8 +278,13 @@ class Worker(GroupHost):
             elif op == "backward":
                 if index == self.last_backward:
                     self.reducer.arm()
+                    self.expert_reducer.arm()
                 out = outputs.pop(mb)
-                out.backward(None if self.last else grads.pop(mb))
+                if mb in auxes:  # a stage before the last: its aux loss joins the received gradient
+                    torch.autograd.backward([out, auxes.pop(mb)], [grads.pop(mb), None])
+                else:
+                    out.backward(None if self.last else grads.pop(mb))
+                live.backward(mb)
                 self.transport.release("grad", mb)
             elif op == "send_grad":
                 self._send_grad(mb, inputs.pop(mb).grad)
@@ -231,8 +292,11 @@ class Worker(GroupHost):
             events.append((op, mb, t0 - start, time.perf_counter() - start))
         compute_end = time.perf_counter()
         self.reducer.finish()
+        self.expert_reducer.finish()
         self.transport.finish_step()
-        grad_norm = self._clip_grad_norm()
+        found_inf = self.optimizer.unscale_(1.0 / scale, check=self.scaler is not None)
+        self._skip = self.scaler is not None and self._anywhere(found_inf)
+        grad_norm = float("inf") if self._skip else self._clip_grad_norm()
         end = time.perf_counter()
         busy = sum(t1 - t0 for op, _, t0, t1 in events if op in ("forward", "backward"))
         result = {
@@ -240,26 +304,63 @@ class Worker(GroupHost):
             "dp_rank": self.dp_rank,
             "loss": torch.stack(losses).float().mean().item() if losses else None,
             "grad_norm": grad_norm,
-            "lr": lr_at(step, self.cfg.train),
+            "lr": lr_at(self.optimizer.step_count, self.cfg.train),
+            "loss_scale": scale,
+            "skipped": self._skip,
             "step_s": end - start,
             "busy_s": busy,
             "reduce_s": end - compute_end,
             "events": events,
+            **self._memory(live),
         }
+        moe = self.model.take_moe_stats()
+        if moe:
+            result["moe"] = {
+                i: {"load": s.load.tolist(), "dropped": s.dropped, "aux": s.aux_sum / max(s.microbatches, 1)}
+                for i, s in moe.items()
+            }
         tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result["step_s"]
         world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp
         mfu = flops.mfu(tokens_per_s / world, self.cfg.model, self.peak_flops) if self.peak_flops else None
         self.metrics.record(result, tokens_per_s, mfu)
         return result
 
+    def _memory(self, live: memory.LiveActivations) -> dict[str, int]:
+        """Measured memory of this step: activations saved per microbatch and at most at once, microbatches
+        in flight, model states, and the peak (GPU: the allocator's; CPU: model states + activations)."""
+        params = list(self.model.parameters())
+        states = memory.tensor_bytes([*params, *(p.grad for p in params)]) + self.optimizer.state_bytes()
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = states + live.peak_bytes
+        return {
+            "activation_bytes": live.per_microbatch,
+            "activation_peak_bytes": live.peak_bytes,
+            "in_flight": live.peak_count,
+            "model_state_bytes": states,
+            "peak_memory_bytes": peak,
+        }
+
+    def _anywhere(self, flag: bool) -> bool:
+        """True on every actor if `flag` is True on any actor of the step: MAX over this replica's stages
+        and tp ranks, then over the replicas, so all actors skip together (or none does)."""
+        t = torch.tensor([float(flag)], device=self.device)
+        for group in (self.mp_group, self.dp_group):
+            if group is not None:
+                group.all_reduce(t, "max")
+        return bool(t.item())
+
     def _send_grad(self, mb: int, grad: torch.Tensor) -> None:
         self.transport.send_grad(mb, grad)
 
     def _clip_grad_norm(self) -> float:
-        sq = self.optimizer.grad_sq_norm(self.model.replicated, self.coord.tp == 0).double().reshape(1)
-        if self.mp_group is not None:
-            self.mp_group.all_reduce(sq, "sum")
-        norm = math.sqrt(sq.item())
+        def part(experts: bool) -> torch.Tensor:
+            return self.optimizer.grad_sq_norm(
+                self.model.replicated, self.coord.tp == 0, lambda n: is_expert_param(n) == experts
+            )
+
+        norm = math.sqrt(ep_mod.grad_sq_norm(part(False), part(True), self.ep_group, self.mp_group))
         if self.cfg.train.grad_clip > 0:
             self.optimizer.clip_(norm, self.cfg.train.grad_clip)
         return norm
@@ -268,11 +369,16 @@ class Worker(GroupHost):
     def parameters(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
         """name -> (local shard, global shape, offsets), on the CPU."""
         specs = self.model.shard_specs()
-        return {n: (p.detach().cpu(), *specs[n]) for n, p in self.model.named_parameters()}
+        return {n: (p.detach().cpu(), *specs[n]) for n, p in self.optimizer.masters.items()}
 
     def _state(self) -> dict[str, torch.Tensor]:
-        """Everything to continue: parameters and optimizer moments, by checkpoint name."""
-        return {**dict(self.model.named_parameters()), **self.optimizer.state_tensors()}
+        """Everything to continue: parameters (fp32 masters) and optimizer moments, by checkpoint name."""
+        return {**self.optimizer.masters, **self.optimizer.state_tensors()}
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """What a checkpoint's JSON needs besides tensors: updates applied, and the loss scaler's state."""
+        scaler = self.scaler.state() if self.scaler is not None else None
+        return {"optimizer_steps": self.optimizer.step_count, "loss_scaler": scaler}
 
     def _spec(self, name: str) -> checkpoint.ShardSpec:
         shape, offsets = self.model.shard_specs()[_param_of(name)]
@@ -283,9 +389,13 @@ class Worker(GroupHost):
         of this (stage, tp rank): how a new or rebuilt replica is healed from a live peer."""
         if self.dp_group is None:
             return
-        steps = torch.tensor([float(self.optimizer.step_count)], dtype=torch.float64)
+        scaler = self.scaler.state() if self.scaler is not None else {}
+        counts = [self.optimizer.step_count, *scaler.values()]  # a float64 holds each of them exactly
+        steps = torch.tensor([float(c) for c in counts], dtype=torch.float64)
         self.dp_group.broadcast(steps, src_dp_rank)
-        step_count = int(steps.item())
+        step_count = int(steps[0].item())
+        if self.scaler is not None:
+            self.scaler.load_state(dict(zip(scaler, steps[1:].tolist(), strict=True)))
         if step_count and not self.optimizer.state_tensors():  # a fresh replica: give its moments a shape
             zeros = {
                 f"optim.{m}.{n}": torch.zeros_like(p)
@@ -294,23 +404,36 @@ class Worker(GroupHost):
             }
             self.optimizer.load_state_tensors(zeros, step_count)
         self.optimizer.step_count = step_count
+        # Experts come from the replica holding the same ones in the source's EP group, over the EDP group.
+        ep = self.cfg.parallel.ep
         with torch.no_grad():
-            for _, tensor in sorted(self._state().items()):
-                self.dp_group.broadcast(tensor.data, src_dp_rank)
+            for name, tensor in sorted(self._state().items()):
+                if not is_expert_param(_param_of(name)):
+                    self.dp_group.broadcast(tensor.data, src_dp_rank)
+                elif self.edp_group is not None:
+                    self.edp_group.broadcast(tensor.data, src_dp_rank // ep)
+        self.optimizer.refresh_params()
 
     def save_shard(self, staging: str) -> bool:
         """Snapshot this shard to host memory now (the stall), write it in a background thread.
 
-        One replica writes; tensors replicated across tp ranks are written by tp rank 0 only."""
+        One replica writes, and with expert parallelism the rest of its EP group writes their experts (which
+        are named by global expert id, so any ep reads them back); tensors replicated across tp ranks are
+        written by tp rank 0 only."""
+        if self.dp_rank >= self.cfg.parallel.ep:
+            return False
         if self._writer is not None:  # an earlier write the driver collected or abandoned: only finish it
             self._writer.join()
             self._writer = None
-        if self.dp_rank != 0:
-            return False
-        tensors = {n: t for n, t in self._state().items() if self.coord.tp == 0 or not self._replicated(n)}
+        tensors = {
+            n: t
+            for n, t in self._state().items()
+            if (self.coord.tp == 0 or not self._replicated(n))
+            and (self.dp_rank == 0 or is_expert_param(_param_of(n)))
+        }
         snap = checkpoint.snapshot(tensors)
         specs = {n: self._spec(n) for n in snap}
-        key = checkpoint.shard_key(0, self.coord.pp, self.coord.tp)
+        key = checkpoint.shard_key(self.dp_rank, self.coord.pp, self.coord.tp)
 
         def write() -> None:
             try:
@@ -339,8 +462,27 @@ class Worker(GroupHost):
             raise self._fail("writing its checkpoint shard", result)
         return result
 
-    def rng_state(self) -> str:
-        return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+    def rng_state(self) -> dict[str, str]:
+        """This process's random state (dropout draws from it), base64 per generator."""
+        states = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in states.items()}
+
+    def _restore_rng(self, saved: dict[str, str] | str | None) -> None:
+        """Random state from a checkpoint written at this actor's coordinate. At another layout there is no
+        such rank: the actor keeps its seeded state (the math of a step does not depend on it)."""
+        if not saved:
+            return
+        if isinstance(saved, str):  # checkpoints written before CUDA state was saved: the CPU state alone
+            saved = {"cpu": saved}
+
+        def state(key: str) -> torch.Tensor:
+            return torch.frombuffer(bytearray(base64.b64decode(saved[key])), dtype=torch.uint8)
+
+        torch.set_rng_state(state("cpu"))
+        if "cuda" in saved and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state("cuda"), self.device)
 
     def load_state(self, ckpt_uri: str) -> int:
         """Load this shard's parameters and optimizer state from any checkpoint, at any layout; returns the
@@ -348,10 +490,13 @@ class Worker(GroupHost):
         try:
             reader = checkpoint.CheckpointReader(ckpt_uri)
             step_count = int(reader.meta["optimizer_steps"])
+            if self.scaler is not None and reader.meta.get("loss_scaler"):
+                self.scaler.load_state(reader.meta["loss_scaler"])
             with torch.no_grad():
-                for name, p in self.model.named_parameters():
+                for name, p in self.optimizer.masters.items():  # fp32, whatever the run's precision
                     shape, offsets = self.model.shard_specs()[name]
                     p.copy_(reader.read_slice(name, tuple(shape), tuple(offsets), tuple(p.shape), p.dtype))
+            self.optimizer.refresh_params()
             moments = {}
             if step_count:
                 for name, p in self.model.named_parameters():
@@ -360,6 +505,7 @@ class Worker(GroupHost):
                         key = f"optim.{m}.{name}"
                         moments[key] = reader.read_slice(key, tuple(shape), tuple(offsets), tuple(p.shape))
             self.optimizer.load_state_tensors(moments, step_count)
+            self._restore_rng(reader.meta.get("rng", {}).get(self.coord.key))
             return step_count
         except Exception as err:
             raise self._fail(f"loading {ckpt_uri}", err) from err

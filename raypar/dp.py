@@ -35,8 +35,11 @@ class GradReducer:
         group: Group | None,
         bucket_bytes: int,
         op: str = "avg",
+        reduce_dtype: torch.dtype | None = None,
     ):
-        self.group, self.op = group, op
+        """`reduce_dtype`: the dtype gradients are summed in (default: theirs); 16-bit gradients reduced in
+        fp32 are rounded once, when written back, instead of at every partial sum."""
+        self.group, self.op, self.reduce_dtype = group, op, reduce_dtype
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         self._armed = False
@@ -90,7 +93,9 @@ class GradReducer:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         if bucket.buffer is None:
             bucket.buffer = torch.empty(
-                sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device
+                sum(g.numel() for g in grads),
+                dtype=self.reduce_dtype or grads[0].dtype,
+                device=grads[0].device,
             )
         torch.cat([g.reshape(-1) for g in grads], out=bucket.buffer)
         bucket.work = self.group.all_reduce(bucket.buffer, self.op, async_op=True)
@@ -110,7 +115,7 @@ class GradReducer:
                 n = p.numel()
                 flat = bucket.buffer[offset : offset + n].view_as(p)
                 if p.grad is None:
-                    p.grad = flat.clone()
+                    p.grad = flat.to(p.dtype, copy=True)
                 else:
                     p.grad.copy_(flat)
                 offset += n

@@ -5,6 +5,7 @@ here, not in production code. Faults are strings per actor coordinate:
 - `dp_sum`: DP gradients summed instead of averaged;
 - `pp_zero_grad`: the stage sends zeros instead of its input gradient;
 - `tp_drop_allreduce`: row-parallel outputs left as partial sums (the TP all-reduce dropped);
+- `ep_divisor_edp`: expert gradients divided by the expert-data-parallel group's size instead of dp;
 - `raise_at_step:N`: phase 1 of step N raises.
 - `exit_in:METHOD:N`: the process exits (as if killed) at the start of its N-th call of METHOD
   (`train_step`, `apply_step`, `rebind`, `save_shard`, `sync_state`, `rng_state`); only the first actor
@@ -31,6 +32,7 @@ from actors.worker import Worker
 from raypar.config import Config
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.dp import GradReducer
+from raypar.ep import ExpertGradReducer
 from raypar.mesh import Coord
 from raypar.tp import RowParallelLinear
 
@@ -85,6 +87,10 @@ class _FaultyWorker(Worker):
             raise OSError(errno.ENOSPC, "No space left on device (fault injected by the test suite)")
         return super()._write_shard(staging, key, snap, specs)
 
+    def draw(self, n: int) -> list[float]:
+        """Numbers from the process's random state (what dropout would draw)."""
+        return torch.rand(n).tolist()
+
     def _bind_tp(self, group: Any) -> None:
         super()._bind_tp(group)
         if "tp_drop_allreduce" in self.faults:
@@ -96,7 +102,20 @@ class _FaultyWorker(Worker):
         if "dp_sum" not in self.faults:
             return super()._make_reducer(dp_group)
         bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
-        return GradReducer(list(self.model.parameters()), dp_group, bucket_bytes, "sum")
+        return GradReducer(self._params(experts=False), dp_group, bucket_bytes, "sum")
+
+    def _make_expert_reducer(self, edp_group: Any) -> ExpertGradReducer:
+        if "ep_divisor_edp" not in self.faults:
+            return super()._make_expert_reducer(edp_group)
+        bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
+        size = 1 if edp_group is None else edp_group.size
+        return ExpertGradReducer(self._params(experts=True), edp_group, size, bucket_bytes)
+
+    def gradients(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+        """name -> (local gradient after reduction and clipping, global shape, offsets): read between a step's
+        phase 1 and its commit."""
+        specs = self.model.shard_specs()
+        return {n: (p.grad.detach().cpu(), *specs[n]) for n, p in self.optimizer.masters.items()}
 
     def _send_grad(self, mb: int, grad: torch.Tensor) -> None:
         super()._send_grad(mb, torch.zeros_like(grad) if "pp_zero_grad" in self.faults else grad)

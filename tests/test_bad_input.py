@@ -30,6 +30,7 @@ AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 ZERO_OK = {
     "train.warmup_steps", "train.seed", "train.max_failures", "train.min_lr", "train.weight_decay",
     "train.beta1", "train.beta2", "train.grad_clip", "checkpoint.every", "parallel.max_dp",
+    "model.dropout", "model.moe_experts", "model.moe_aux_loss_coef",
 }  # fmt: skip
 
 
@@ -127,10 +128,16 @@ def _cases() -> list:
     # -- train: every number, through --set -------------------------------------------------------------
     for key in _numeric_keys():
         values = ["-1", "nan", "inf", "-inf"] + ([] if key in ZERO_OK else ["0"])
+        # The other MoE keys only mean something (and are only checked) with experts.
+        moe = (
+            ["--set", "model.moe_experts=4"]
+            if key.startswith("model.moe_") and key != "model.moe_experts"
+            else []
+        )
         for value in values:
             case(
                 f"train-set-{key}={value}",
-                lambda f, k=key, v=value: train(f, "--set", f"{k}={v}"),
+                lambda f, k=key, v=value, extra=moe: train(f, *extra, "--set", f"{k}={v}"),
                 lambda f, k=key: k,
             )
     case(
@@ -347,6 +354,25 @@ def _cases() -> list:
         lambda f: ["checkpoint", "export", str(f.ckpt("ok")), str(f.file / "m.safetensors")],
         lambda f: str(f.file),
     )
+    # -- plan --------------------------------------------------------------------------------------------
+    plan = lambda f, *a: ["plan", str(TINY), "--devices", "4", "--device-memory", "80GB", *a]  # noqa: E731
+    for kind in ("missing", "dir", "random", "garbage", "deep_toml"):
+        case(
+            f"plan-config-{kind}",
+            lambda f, k=kind: ["plan", str(getattr(f, k)), "--devices", "4", "--device-memory", "80GB"],
+            lambda f, k=kind: str(getattr(f, k)),
+        )
+    for flag, values in (
+        ("--devices", ("0", "-4", "nan")),
+        ("--device-memory", ("0", "-80GB", "nan", "inf", "1e999", "eighty", ".")),
+        ("--mfu", ("0", "-0.4", "nan", "inf", "-inf", "1.5")),
+        ("--top", ("0", "-1", "nan")),
+        ("--device", ("tpu",)),
+    ):
+        for value in values:
+            case(
+                f"plan{flag}={value}", lambda f, fl=flag, v=value: plan(f, f"{fl}={v}"), lambda f, fl=flag: fl
+            )
     # -- scale (status and --address: issue 9's other half) ---------------------------------------------
     for value in ("0", "-2", "nan"):
         case(f"scale-dp-{value}", lambda f, v=value: ["scale", "--run", "x", "--dp", v], lambda f: "--dp")

@@ -20,8 +20,8 @@ import ray
 import torch
 
 from actors.worker import RemoteWorker
-from collectives import RendezvousServer
 from collectives.host import create_groups
+from collectives.ray_store import RendezvousServer
 from raypar import checkpoint
 from raypar.config import Config
 from raypar.controller.connection import NAMESPACE, RunFailure
@@ -75,6 +75,30 @@ class StepResult:
     lr: float
     step_time_s: float
     per_actor: dict[Coord, dict[str, Any]] = field(default_factory=dict)
+    loss_scale: float = 1.0
+    skipped: bool = False
+    moe: dict[str, Any] | None = None  # see moe_totals
+
+
+def moe_totals(per_actor: dict[Coord, dict[str, Any]]) -> dict[str, Any] | None:
+    """The step's MoE figures over the whole mesh: `aux_loss` (summed over layers, each the mean over replicas
+    and microbatches), `dropped_tokens` (assignments over capacity, all replicas) and `expert_load` (layer ->
+    assignments per expert, all replicas). Every tp rank routes the same tokens: tp rank 0 speaks for them."""
+    layers: dict[str, dict[str, Any]] = {}
+    for coord, result in per_actor.items():
+        for layer, stats in result.get("moe", {}).items() if coord.tp == 0 else ():
+            total = layers.setdefault(layer, {"load": [0] * len(stats["load"]), "dropped": 0, "aux": []})
+            total["load"] = [a + b for a, b in zip(total["load"], stats["load"], strict=True)]
+            total["dropped"] += stats["dropped"]
+            total["aux"].append(stats["aux"])
+    if not layers:
+        return None
+    order = sorted(layers, key=int)
+    return {
+        "aux_loss": sum(sum(layers[i]["aux"]) / len(layers[i]["aux"]) for i in order),
+        "dropped_tokens": sum(layers[i]["dropped"] for i in order),
+        "expert_load": {i: layers[i]["load"] for i in order},
+    }
 
 
 class ActorMesh:
@@ -101,7 +125,7 @@ class ActorMesh:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(max(self.dp, 1), self.pp, self.tp)
+        return Mesh(max(self.dp, 1), self.pp, self.tp, self.cfg.parallel.ep)
 
     @property
     def peak_flops(self) -> float | None:
@@ -326,7 +350,17 @@ class ActorMesh:
         last = self.pp - 1
         losses = [r["loss"] for c, r in results.items() if c.pp == last and c.tp == 0]
         some = next(iter(results.values()))
-        return StepResult(step, sum(losses) / len(losses), some["grad_norm"], some["lr"], elapsed, results)
+        return StepResult(
+            step,
+            sum(losses) / len(losses),
+            some["grad_norm"],
+            some["lr"],
+            elapsed,
+            results,
+            some["loss_scale"],
+            some["skipped"],
+            moe_totals(results),
+        )
 
     def commit(self) -> None:
         """Apply the last completed step everywhere now (before reading or moving state)."""
@@ -339,16 +373,34 @@ class ActorMesh:
         """Continue after `failure` (of a step, or of anything else between steps) with the intact
         replicas, at once and without touching disk: drop every replica that lost an actor or was not
         completely set up, apply the last completed step on the others, re-form the groups. Raises
-        RunFailure when no replica is intact (the caller restores a checkpoint)."""
+        NoIntactReplica when no replica is intact (the caller restores a checkpoint)."""
         dead = set(getattr(failure, "dead", ())) or self.find_dead()
         broken = {c.dp for c in dead} | (set(self.replicas) - self.ready)
+        before = list(self.replicas)
         self._drop_replicas(broken)
         if not self.replicas:
             raise NoIntactReplica(f"no intact replica left (lost {sorted(broken)})")
+        self._keep_expert_slices(before)
         self.commit()  # a completed step not yet applied (the failure came between steps) is applied now
         self._regroup()
         lost = f"dropped replica(s) {sorted(broken)}" if broken else "no actor lost; groups re-formed"
         return f"{lost}; continuing at dp={self.dp}"
+
+    def _keep_expert_slices(self, before: list[int]) -> None:
+        """With expert parallelism a replica's position in its EP group (dp rank mod ep) says which experts it
+        holds. Reorder the survivors so each keeps its position, keeping as many whole EP groups as survive;
+        if every holder of some experts is gone, only a checkpoint has them (NoIntactReplica: restore)."""
+        ep = self.cfg.parallel.ep
+        if ep == 1:
+            return
+        slices = [[d for d in self.replicas if before.index(d) % ep == j] for j in range(ep)]
+        whole = min(len(held) for held in slices)
+        if not whole:
+            lost = next(j for j, held in enumerate(slices) if not held)
+            raise NoIntactReplica(f"every replica holding expert slice {lost} of ep={ep} is lost")
+        keep = [held[i] for i in range(whole) for held in slices]
+        self._drop_replicas(set(self.replicas) - set(keep))
+        self.replicas = keep
 
     def scale_to(self, dp: int, timeout_s: float) -> str:
         """Add or remove replicas between steps. New ones are placed, join the groups under a new epoch and
@@ -366,6 +418,11 @@ class ActorMesh:
                 self._place_replica(d, timeout_s)
                 new.add(d)
         except PlacementTimeout as err:
+            partial = self.dp % self.cfg.parallel.ep  # expert-parallel groups need whole multiples of ep
+            if partial:
+                extra = set(self.replicas[-partial:])
+                self._drop_replicas(extra)
+                new -= extra
             if not new:
                 return f"could not add a replica: {err}"
         if not new:
@@ -429,7 +486,13 @@ class ActorMesh:
     def collect(self, refs: dict[Any, Coord], what: str) -> list[Any]:
         return list(self._gather(refs, what).values())
 
-    def rng_states(self) -> dict[str, str]:
+    def optimizer_state(self) -> dict[str, Any]:
+        """Updates applied and the loss scaler's state: the same on every actor (they skip together)."""
+        self.commit()
+        first = next(iter(self.actors.values()))
+        return ray.get(first.optimizer_state.remote(), timeout=self.cfg.parallel.timeout_s)
+
+    def rng_states(self) -> dict[str, dict[str, str]]:
         return {
             c.key: s
             for c, s in self._gather(
@@ -438,10 +501,13 @@ class ActorMesh:
         }
 
     def parameters(self, replica: int | None = None) -> dict[str, torch.Tensor]:
-        """The full model of one replica, assembled from its shards (tests and export)."""
+        """The full model of one replica, assembled from its shards (tests and export); with expert
+        parallelism, the experts come from the replicas of its EP group."""
         self.commit()
-        replica = self.replicas[0] if replica is None else replica
-        refs = {a.parameters.remote(): c for c, a in self.actors.items() if c.dp == replica}
+        ep = self.cfg.parallel.ep
+        first = self.replicas.index(self.replicas[0] if replica is None else replica) // ep * ep
+        group = set(self.replicas[first : first + ep])
+        refs = {a.parameters.remote(): c for c, a in self.actors.items() if c.dp in group}
         full: dict[str, torch.Tensor] = {}
         for shards in self._gather(refs, "reading parameters").values():
             for name, (local, shape, offsets) in shards.items():
@@ -452,6 +518,9 @@ class ActorMesh:
 
     def shutdown(self) -> None:
         self._drop_replicas(set(self.replicas))
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
 
 def _actor_state(actor: Any) -> str | None:

@@ -29,7 +29,7 @@ import ray
 
 from actors.control import RunControl, control_name
 from collectives.group import GroupError
-from raypar import checkpoint, report
+from raypar import checkpoint, memory, report
 from raypar import config as config_mod
 from raypar.config import Config
 from raypar.controller import stopping
@@ -139,9 +139,14 @@ class TrainingLoop:
     def _meta(self, next_step: int) -> dict[str, Any]:
         return {
             "tokens": next_step * self.tokens_per_step,
-            "layout": {"dp": self.actor_mesh.dp, "pp": self.actor_mesh.pp, "tp": self.actor_mesh.tp},
+            "layout": {
+                "dp": self.actor_mesh.dp,
+                "pp": self.actor_mesh.pp,
+                "tp": self.actor_mesh.tp,
+                "ep": self.cfg.parallel.ep,
+            },
             "model": dataclasses.asdict(self.cfg.model),
-            "optimizer_steps": next_step,
+            **self.actor_mesh.optimizer_state(),  # optimizer_steps (fewer after fp16 skips), loss_scaler
             "data": {
                 "seed": self.cfg.train.seed,
                 "next_step": next_step,
@@ -198,7 +203,8 @@ class TrainingLoop:
                 + f" (before step {step}, {time.perf_counter() - start:.1f}s)"
             )
         elif self.auto and mesh.dp < self.cfg.parallel.max_dp and _room_for_replica(mesh):
-            target = max(d for d in self.dps if d <= self.actor_mesh.dp + 1)
+            grow = self.cfg.parallel.ep  # expert parallelism grows by whole EP groups
+            target = max(d for d in self.dps if d <= self.actor_mesh.dp + grow)
             if target > self.actor_mesh.dp:
                 self.event("auto: " + self.actor_mesh.scale_to(target, HEAL_PLACEMENT_TIMEOUT_S))
         elif self.actor_mesh.dp < self.target_dp and _room_for_replica(self.actor_mesh):
@@ -289,6 +295,7 @@ class TrainingLoop:
                         checkpointed, rewrite = step, False
                         self._checkpoint(step)
                     if step >= end:
+                        actor_mesh.commit()  # the last update: the actors end holding the trained model
                         self._publish(wait=True)
                         break
                     self._publish(wait=False)
@@ -325,7 +332,12 @@ class TrainingLoop:
                     "mfu": mfu(self.tokens_per_step / result.step_time_s, cfg.model, actor_mesh.peak_flops)
                     if actor_mesh.peak_flops
                     else None,
+                    "loss_scale": result.loss_scale,
+                    "skipped": result.skipped,
+                    **memory.worst(result.per_actor.values()),
                 }
+                if result.moe is not None:  # aux_loss, dropped_tokens, expert_load (layer -> per expert)
+                    record.update(result.moe)
                 self.logs["metrics.jsonl"].write(json.dumps(record) + "\n")
                 self.logs["metrics.jsonl"].flush()
                 self.logs["timeline.jsonl"].writelines(json.dumps(r) + "\n" for r in rows)
