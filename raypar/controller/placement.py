@@ -38,12 +38,12 @@ def resources_for(device: str, threads: int = 1, gpus: float = 1.0) -> ActorReso
     return ActorResources(cpus=float(threads), gpus=gpus if device == "gpu" else 0.0)
 
 
-def check_device(device: str, gpus_per_actor: float, local: bool) -> None:
+def check_device(device: str, gpus_per_actor: float) -> None:
     """parallel.device = "gpu" on a cluster without GPUs: a ConfigError now, instead of a placement that
     waits out its timeout. Unless an autoscaler runs (GPU nodes may come): then the placement waits."""
     if device != "gpu" or ray.cluster_resources().get("GPU", 0) >= gpus_per_actor:
         return
-    if local or not _autoscaler_running():
+    if not _autoscaler_running():
         raise ConfigError(
             'parallel.device: "gpu" needs GPUs, and this Ray cluster has none (and no autoscaler to add '
             'them); use "cpu" or "auto"'
@@ -51,14 +51,25 @@ def check_device(device: str, gpus_per_actor: float, local: bool) -> None:
 
 
 def _autoscaler_running() -> bool:
-    """Whether the cluster has an autoscaler. Ray has no public call for it: the v1 monitor posts its
-    status to the GCS key-value store (what `ray status` reads), v2 marks itself there."""
+    """Whether the cluster has an autoscaler that can add nodes. Ray has no public call for it. The v1
+    monitor posts a status to the GCS key-value store (what `ray status` reads); on a cluster without an
+    autoscaling config (a local `ray.init`, a plain `ray start`) it runs with the read-only provider,
+    which names every node's type `node_<node id>`; a real autoscaler uses the config's type names. v2
+    marks itself in the store."""
+    import json
+
     from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
     from ray.autoscaler.v2.utils import is_autoscaler_v2
     from ray.experimental.internal_kv import _internal_kv_get
 
     try:
-        return bool(_internal_kv_get(DEBUG_AUTOSCALING_STATUS)) or is_autoscaler_v2(fetch_from_server=True)
+        if is_autoscaler_v2(fetch_from_server=True):
+            return True
+        status = _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
+        if not status:
+            return False
+        types = json.loads(status).get("autoscaler_report", {}).get("node_type_mapping") or {}
+        return any(t != f"node_{node}" for node, t in types.items())
     except Exception:  # noqa: BLE001 - cannot tell: let the placement wait and say what it waited for
         return True
 

@@ -256,7 +256,7 @@ class TrainingLoop:
         world = self.target_dp * par.pp * par.tp * par.threads_per_actor  # CPUs a local Ray must offer
         connect(self.address, num_cpus=max(os.cpu_count() or 1, world))
         stopping.install()  # again: ray.init installs a SIGTERM handler of its own
-        check_device(par.device, par.gpus_per_actor, local=self.address is None)
+        check_device(par.device, par.gpus_per_actor)
         control = RunControl.options(name=control_name(self.name), namespace=NAMESPACE).remote(
             self.name, self.dps
         )
