@@ -266,6 +266,14 @@ class ActorMesh:
             if not done:
                 late = ", ".join(self.name(refs[r]) for r in pending)
                 raise StepFailure(f"{what}: no answer within the deadline from {late}", dead, step)
+            if pending:  # and every other answer already in: one wait per answer is O(actors²) a step
+                more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+                done += more
+            try:
+                results.update(zip((refs[r] for r in done), ray.get(done), strict=True))
+                continue
+            except Exception:  # noqa: BLE001 - one of them failed: sorted out one by one below
+                pass
             for ref in done:
                 try:
                     results[refs[ref]] = ray.get(ref)
