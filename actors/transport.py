@@ -65,7 +65,9 @@ class Mailbox:
     def __init__(self) -> None:
         self._items: dict[tuple[str, int, int, int, int], Any] = {}
         self._cond = threading.Condition()
-        self._aborted = False
+        # (epoch, step) of the last step called off: waits for it or an earlier one end at once. Scoped, so
+        # an abort that arrives late (calls to a threaded actor are not ordered) cannot touch a later step.
+        self._aborted: tuple[int, int] = (-1, -1)
 
     def put(self, key: tuple[str, int, int, int, int], item: Any) -> None:
         """key: (kind, membership epoch, step, chunk, microbatch); messages of an older epoch are stale."""
@@ -75,22 +77,23 @@ class Mailbox:
 
     def take(self, key: tuple[str, int, int, int, int], timeout_s: float, what: str) -> Any:
         with self._cond:
-            if not self._cond.wait_for(lambda: key in self._items or self._aborted, timeout=timeout_s):
+            called_off = lambda: key[1:3] <= self._aborted  # noqa: E731
+            if not self._cond.wait_for(lambda: key in self._items or called_off(), timeout=timeout_s):
                 raise TransportTimeout(f"waited {timeout_s:g}s for {what}")
-            if self._aborted:
+            if called_off():
                 raise StepAborted(f"step called off while waiting for {what}")
             return self._items.pop(key)
 
-    def abort(self) -> None:
+    def abort(self, epoch: int, step: int) -> None:
+        """Call off step `step` of membership `epoch` (and anything before it)."""
         with self._cond:
-            self._aborted = True
+            self._aborted = max(self._aborted, (epoch, step))
             self._cond.notify_all()
 
     def reset(self) -> None:
-        """Forget everything (a new membership starts with an empty mailbox) and accept waits again."""
+        """Forget everything: a new membership starts with an empty mailbox."""
         with self._cond:
             self._items.clear()
-            self._aborted = False
 
     def clear_before(self, epoch: int, step: int) -> None:
         with self._cond:

@@ -82,8 +82,8 @@ class WorkerFailure(RuntimeError):
 
 class Worker(GroupHost):
     """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks) override
-    the seams `_make_reducer`, `_make_expert_reducer`, `_bind_tp`, `_send_grad` and `_train_step` and wrap
-    themselves the same way."""
+    the seams `_make_reducer`, `_make_expert_reducer`, `_bind_tp`, `_send_grad`, `_train_step` and
+    `_write_shard` and wrap themselves the same way."""
 
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         torch.set_num_threads(threads)
@@ -237,9 +237,10 @@ class Worker(GroupHost):
     def deliver(self, key: tuple[str, int, int, int, int], refs: list, dtype: str) -> None:
         self.mailbox.put(tuple(key), (refs, dtype))
 
-    def abort(self) -> None:
-        """The step failed elsewhere: stop waiting for neighbours (collectives end by their timeout)."""
-        self.mailbox.abort()
+    def abort(self, epoch: int, step: int) -> None:
+        """Step `step` of membership `epoch` failed elsewhere: stop waiting for neighbours (collectives end
+        by their timeout). Later steps are not affected, however late this call arrives."""
+        self.mailbox.abort(epoch, step)
 
     # -- one step --------------------------------------------------------------------------------------
     def _batch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -418,7 +419,9 @@ class Worker(GroupHost):
         across tp ranks are written by tp rank 0 only."""
         if self.dp_rank >= self.cfg.parallel.ep or self.coord.cp != 0:
             return False
-        self.wait_shard()
+        if self._writer is not None:  # an earlier write the driver collected or abandoned: only finish it
+            self._writer.join()
+            self._writer = None
         tensors = {
             n: t
             for n, t in self._state().items()
@@ -431,7 +434,7 @@ class Worker(GroupHost):
 
         def write() -> None:
             try:
-                self._written = checkpoint.write_shard(staging, key, snap, specs)
+                self._written = self._write_shard(staging, key, snap, specs)
             except BaseException as err:  # noqa: BLE001 - handed to the driver by wait_shard
                 self._written = err
 
@@ -439,6 +442,9 @@ class Worker(GroupHost):
         self._writer = threading.Thread(target=write, name="checkpoint-writer", daemon=True)
         self._writer.start()
         return True
+
+    def _write_shard(self, staging: str, key: str, snap: dict, specs: dict) -> dict[str, Any]:
+        return checkpoint.write_shard(staging, key, snap, specs)
 
     def _replicated(self, name: str) -> bool:
         return self.model.replicated(_param_of(name))

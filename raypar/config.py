@@ -8,6 +8,7 @@ place and run in one pass.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -220,6 +221,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         value = tomllib.loads(f"v = {value_text}")["v"]
     except tomllib.TOMLDecodeError:
         value = value_text
+    except RecursionError:
+        raise ConfigError(f"--set {path.strip()}: value nested too deeply") from None
     return section, key.strip(), value
 
 
@@ -227,11 +230,19 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> Config:  # type:
     raw: dict[str, Any] = {}
     if path is not None:
         try:
-            raw = tomllib.loads(Path(path).read_text())
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{path}: config file not found") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{path}: is a directory, not a config file") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not a text file (not UTF-8), so not a TOML config") from None
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot read the config file: {err.strerror or err}") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML ({err})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: not a config (nested too deeply)") from None
     for text in overrides:
         section, key, value = parse_override(text)
         raw.setdefault(section, {})
@@ -318,12 +329,19 @@ def _validate_context_parallel(cfg: Config) -> None:
 
 def validate(cfg: Config) -> None:
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.checkpoint
+    for section in dataclasses.fields(cfg):  # nan and +-inf pass comparisons in surprising ways: none allowed
+        body = getattr(cfg, section.name)
+        for f in dataclasses.fields(body):
+            value = getattr(body, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name}: must be a finite number, got {value}")
     for key in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "seq_len"):
         _require(getattr(m, key) > 0, f"model.{key}: must be a positive size, got {getattr(m, key)}")
     _require(m.d_model % m.n_heads == 0, f"model.n_heads: must divide model.d_model={m.d_model}")
     _require(m.head_dim % 2 == 0, f"model.d_model: d_model/n_heads={m.head_dim} must be even for RoPE")
     _require(m.n_heads % m.n_kv_heads == 0, f"model.n_kv_heads: must divide model.n_heads={m.n_heads}")
-    _require(m.rope_theta > 0 and m.norm_eps > 0, "model.rope_theta/norm_eps: must be positive")
+    _require(m.rope_theta > 0, f"model.rope_theta: must be positive, got {m.rope_theta}")
+    _require(m.norm_eps > 0, f"model.norm_eps: must be positive, got {m.norm_eps}")
     _require(0 <= m.dropout < 1, f"model.dropout: must be in [0, 1), got {m.dropout}")
 
     if isinstance(p.dp, str):
@@ -392,10 +410,14 @@ def validate(cfg: Config) -> None:
                 f"train.global_batch: must be divisible by dp*microbatch_size for every dp in "
                 f"[{p.min_dp}, {p.max_dp}]; fails at dp={dp} (microbatch_size={cfg.microbatch_size})",
             )
-    _require(t.lr > 0 and t.min_lr >= 0, "train.lr: must be positive (and train.min_lr >= 0)")
+    _require(t.lr > 0, f"train.lr: must be positive, got {t.lr}")
+    _require(t.min_lr >= 0, f"train.min_lr: must be >= 0, got {t.min_lr}")
     _require(t.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
-    _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2: must be in [0, 1)")
+    _require(0 <= t.beta1 < 1, f"train.beta1: must be in [0, 1), got {t.beta1}")
+    _require(0 <= t.beta2 < 1, f"train.beta2: must be in [0, 1), got {t.beta2}")
     _require(t.grad_clip >= 0, f"train.grad_clip: must be >= 0 (0 disables), got {t.grad_clip}")
+    _require(t.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {t.weight_decay}")
+    _require(t.seed >= 0, f"train.seed: must be >= 0 (it seeds numpy's PCG64), got {t.seed}")
     _require(
         t.precision in ("fp32", "bf16", "fp16"),
         f'train.precision: must be "fp32", "bf16" or "fp16", got {t.precision!r}',

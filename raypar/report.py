@@ -79,9 +79,32 @@ def timeline_rows(step: int, per_actor: Mapping[tuple[int, ...], Mapping[str, An
     ]
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+# What each file's records must hold for the pictures (the rest is optional).
+METRICS_KEYS = ("step", "loss", "tokens_per_s", "dp", "pp", "tp")
+TIMELINE_KEYS = ("step", "dp", "pp", "tp", "step_s", "events")
+
+
+def read_jsonl(path: Path, keys: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file, each an object with `keys`; ValueError naming the file and line.
+    A last line cut short (a run killed while writing it) is left out."""
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file (not UTF-8)") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            if number == len(lines):  # no newline after it: the write was cut short
+                continue
+            raise ValueError(f"{path}:{number}: not a JSON record") from None
+        if not isinstance(record, dict) or any(k not in record for k in keys):
+            raise ValueError(f"{path}:{number}: a record needs {', '.join(keys)}")
+        records.append(record)
+    return records
 
 
 def _busy(row: Row) -> float:
@@ -339,12 +362,11 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
     run_dir = Path(run_dir)
     if not (run_dir / "config.toml").is_file():
         raise FileNotFoundError(f"{run_dir}: not a run directory (no config.toml)")
-    config = tomllib.loads((run_dir / "config.toml").read_text())
-    schedule = config["parallel"]["schedule"]
+    schedule, pp = _read_layout(run_dir / "config.toml")
     result: dict[str, Any] = {
         "schedule": schedule,
         "step": None,
-        "pp": config["parallel"]["pp"],
+        "pp": pp,
         "microbatches": None,
         "bubble_measured": None,
         "bubble_theoretical": None,
@@ -352,7 +374,7 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         "files": [],
     }
     timeline_path = run_dir / "timeline.jsonl"
-    all_rows = read_jsonl(timeline_path) if timeline_path.exists() else []
+    all_rows = read_jsonl(timeline_path, TIMELINE_KEYS) if timeline_path.exists() else []
     # Runs from before timelines were recorded, or that failed before their first step, have none.
     if all_rows:
         shown = pick_step(all_rows, step)
@@ -379,7 +401,7 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         plot_timeline(rows, run_dir / "timeline.png", title)
         result["files"] += [str(run_dir / "timeline.json"), str(run_dir / "timeline.png")]
     metrics_path = run_dir / "metrics.jsonl"
-    metrics = read_jsonl(metrics_path) if metrics_path.exists() else []
+    metrics = read_jsonl(metrics_path, METRICS_KEYS) if metrics_path.exists() else []
     if metrics:
         plot_metrics(metrics, run_dir / "loss.png")
         result["files"].append(str(run_dir / "loss.png"))
@@ -387,6 +409,24 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         plot_expert_load(metrics, run_dir / "expert_load.png")
         result["files"].append(str(run_dir / "expert_load.png"))
     return result
+
+
+def _read_layout(path: Path) -> tuple[str, int]:
+    """parallel.schedule and parallel.pp of a run's config.toml; ValueError naming it if they are missing."""
+    try:
+        config = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file (not UTF-8)") from None
+    except (tomllib.TOMLDecodeError, RecursionError) as err:
+        raise ValueError(f"{path}: not valid TOML ({str(err)[:80]})") from None
+    parallel = config.get("parallel")
+    if not (
+        isinstance(parallel, dict)
+        and isinstance(parallel.get("schedule"), str)
+        and isinstance(parallel.get("pp"), int)
+    ):
+        raise ValueError(f"{path}: needs parallel.schedule and parallel.pp (as `raypar train` writes it)")
+    return parallel["schedule"], parallel["pp"]
 
 
 def describe(result: dict[str, Any]) -> str:
