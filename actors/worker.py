@@ -3,9 +3,10 @@
 A training step on an actor, top to bottom (`train_step(step, commit)`):
   1. `commit`: the update of the previous step, once the driver knows that every actor finished its
      phase 1 (it says so by passing that step's number along with the next call: one round trip a step);
-  2. phase 1 of `step`: walk this stage's schedule (raypar.schedules): receive activations, forward,
-     send; receive gradients, backward, send — microbatch by microbatch, data read locally from the global
-     sampler; the DP reducer averages gradients across replicas, its buckets overlapping the last backward;
+  2. phase 1 of `step`: walk this stage's schedule (raypar.schedules) on the core's executor
+     (raypar.executor): receive activations, forward, send; receive gradients, backward, send — microbatch
+     by microbatch and chunk by chunk, data read locally from the global sampler; the DP reducer averages
+     gradients across replicas, each chunk's buckets overlapping its last weight-gradient op;
      the global gradient norm is summed over this replica's stages and tp ranks, then clipped.
 Nothing is applied before all gradients are reduced everywhere, so a failed step leaves every survivor
 at the previous step and can simply be redone. The driver sends only step numbers: data, activations
@@ -33,12 +34,43 @@ from raypar import checkpoint, data, flops, hf, memory, precision, schedules
 from raypar import config as config_mod
 from raypar import ep as ep_mod
 from raypar.dp import GradReducer
+from raypar.executor import ModelBackend, StepRun, busy_seconds
 from raypar.mesh import Coord, Mesh, actor_name, stage_layers
 from raypar.model import LlamaStage, dropout_seed
 from raypar.moe import is_expert_param
 from raypar.optim import Optimizer, lr_at
 
 EVAL_MB_BASE = 1 << 30  # validation microbatches' transport keys: never a training microbatch's
+
+
+class _ActorBackend(ModelBackend):
+    """The executor's model backend for one actor's step, plus what the actor does around each forward:
+    dropout seeded per (step, microbatch, virtual stage), the same on every tp rank of it; the activations
+    each unit saves, measured while its graph lives (raypar.memory)."""
+
+    def __init__(self, worker: Worker, step: int, scale: float):
+        super().__init__(
+            worker.model, worker.coord.pp, worker.topo, worker.transport, worker.act_like,
+            lambda mb: worker._batch(step, mb), worker.microbatches, worker._send_grad, scale,
+        )
+        self.worker, self.step = worker, step
+        model = worker.model
+        self.saved = memory.SavedActivations(exclude=[*model.parameters(), *model.buffers()])
+        self.live = memory.LiveActivations()
+
+    def run_forward(self, chunk: int, mb: int, forward: Any) -> torch.Tensor:
+        w = self.worker
+        if w.cfg.model.dropout > 0:  # the same masks on every tp rank, whatever recomputes
+            global_mb = w.dp_rank * w.microbatches + mb
+            stage = self.topo.virtual(self.rank, chunk)
+            torch.manual_seed(dropout_seed(w.cfg.train.seed, self.step, global_mb, stage))
+        with self.saved:
+            out = forward()
+        self.live.forward((chunk, mb), self.saved.bytes)
+        return out
+
+    def freed(self, chunk: int, mb: int) -> None:
+        self.live.backward((chunk, mb))
 
 
 def _param_of(name: str) -> str:
@@ -52,8 +84,8 @@ class WorkerFailure(RuntimeError):
 
 class Worker(GroupHost):
     """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks) override
-    the seams `_make_reducer`, `_make_expert_reducer`, `_bind_tp`, `_send_grad` and `_train_step` and wrap
-    themselves the same way."""
+    the seams `_make_reducer`, `_make_expert_reducer`, `_bind_tp`, `_send_grad`, `_train_step` and
+    `_write_shard` and wrap themselves the same way."""
 
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         torch.set_num_threads(threads)
@@ -82,8 +114,9 @@ class Worker(GroupHost):
         }
 
     def _fail(self, what: str, err: Exception) -> WorkerFailure:
-        d, p, t = self.coord
-        return WorkerFailure(f"{self.name} (dp={d}, pp={p}, tp={t}) {what}: {type(err).__name__}: {err}")
+        d, p, t, c = self.coord
+        where = f"dp={d}, pp={p}, tp={t}" + (f", cp={c}" if c else "")  # as in the name
+        return WorkerFailure(f"{self.name} ({where}) {what}: {type(err).__name__}: {err}")
 
     # -- set-up ----------------------------------------------------------------------------------------
     def setup(self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int) -> dict:
@@ -93,13 +126,17 @@ class Worker(GroupHost):
         self.device = self._device()
         dtype = precision.DTYPES[self.cfg.train.precision]
         self.peak_flops = flops.device_peak_flops(self.device, dtype)  # measured once per process on CPU
-        layers = stage_layers(self.cfg.model.n_layers, par.pp, par.stage_layers or None)[p]
+        self.topo = schedules.Topology(par.pp, par.virtual_stages)
+        virtual = stage_layers(self.cfg.model.n_layers, par.pp * par.virtual_stages, par.stage_layers or None)
+        chunks = [virtual[self.topo.virtual(p, c)] for c in range(par.virtual_stages)]
         self.first, self.last = p == 0, p == par.pp - 1
         tp_group = self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None  # shapes the shards
+        cp_group = self.group(Mesh.cp_group(self.coord)) if par.cp > 1 else None
         ep_group = self._ep_group(replicas.index(self.coord.dp))  # which experts live here
         train, init_from = self.cfg.train, self.cfg.model.init_from
         self.model = LlamaStage(
-            self.cfg.model, layers, self.first, self.last, tp_group, train.seed, ep_group, init=not init_from
+            self.cfg.model, chunks[0], self.first, self.last, tp_group, train.seed, ep_group, chunks,
+            par.sequence_parallel, cp_group, par.cp_style, init=not init_from,
         )
         if init_from:  # this shard only, read from the files (never the whole model)
             hf.load_stage(self.model, init_from)
@@ -116,6 +153,7 @@ class Worker(GroupHost):
                 self.dataset.num_samples, self.cfg.train.global_batch, self.cfg.train.seed
             )
         mbs, seq = self.cfg.microbatch_size, self.cfg.model.seq_len
+        seq //= par.cp * (par.tp if par.sequence_parallel else 1)  # hops carry this rank's tokens
         self.act_like = torch.empty(mbs, seq, self.cfg.model.d_model, device=self.device, dtype=dtype)
         self.rebind(replicas, peers, epoch)
         return {"params": sum(p.numel() for p in self.model.parameters()), "peak_flops": self.peak_flops}
@@ -123,18 +161,20 @@ class Worker(GroupHost):
     def rebind(self, replicas: list[int], peers: dict[str, Any], epoch: int) -> None:
         """Use the groups formed for membership `epoch` (after any change of replicas), keeping the
         model and optimizer state. `replicas` lists the live replica ids in data-parallel rank order."""
-        d, p, t = self.coord
+        d, p, t, c = self.coord
         self.epoch = epoch
         par = self.cfg.parallel
         self.dp, self.dp_rank = len(replicas), replicas.index(d)
         self._bind_tp(self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None)
-        dp_group = self.group(Mesh.dp_group(self.coord)) if self.dp > 1 else None
+        self.model.cp_group = self.group(Mesh.cp_group(self.coord)) if par.cp > 1 else None
+        # Gradients of parameters replicated across cp are reduced over cp x dp.
+        dp_group = self.group(Mesh.dp_group(self.coord)) if self.dp * par.cp > 1 else None
         if self.reducer is not None:
             self.reducer.close()  # its hooks and buckets belong to the old membership
         self.reducer = self._make_reducer(dp_group)
         self.dp_group = dp_group
         tied = self.model.tied_weight() is not None
-        self.emb_group = self.group(Mesh.emb_group(d, t)) if tied else None
+        self.emb_group = self.group(Mesh.emb_group(d, t, self.coord.cp)) if tied else None
         self.ep_group = self._ep_group(self.dp_rank)
         self.model.bind_ep(self.ep_group)
         if par.ep == 1:  # every replica holds every expert
@@ -147,19 +187,20 @@ class Worker(GroupHost):
             self.expert_reducer.close()
         self.expert_reducer = self._make_expert_reducer(edp_group)
         self.edp_group = edp_group
-        self.mp_group = self.group(Mesh.mp_group(self.coord)) if par.pp * par.tp > 1 else None
+        self.mp_group = self.group(Mesh.mp_group(self.coord)) if par.pp * par.tp * par.cp > 1 else None
         self.microbatches = self.cfg.microbatches_at(self.dp)
-        self.plan = schedules.build(par.schedule, par.pp, self.microbatches)[p]
-        self.last_backward = max(i for i, ins in enumerate(self.plan) if ins.op == "backward")
+        self.plan = schedules.build(par.schedule, par.pp, self.microbatches, par.virtual_stages)[p]
         if self.transport is not None:
             self.transport.close()
         if par.transport == "direct":
-            prev = self.group(Mesh.pipe_group(d, t, p - 1)) if not self.first else None
-            nxt = self.group(Mesh.pipe_group(d, t, p)) if not self.last else None
+            ring = par.virtual_stages > 1  # the last stage feeds rank 0's next chunk
+            prev = self.group(Mesh.pipe_group(d, t, p - 1, par.pp, c)) if not self.first or ring else None
+            nxt = self.group(Mesh.pipe_group(d, t, p, par.pp, c)) if not self.last or ring else None
             self.transport = DirectTransport(prev, nxt)
         else:
             self.transport = ObjectStoreTransport(
-                self.name, peers.get("prev"), peers.get("next"), self.mailbox, par.timeout_s, epoch
+                self.name, peers.get("prev"), peers.get("next"), self.mailbox, par.timeout_s, epoch,
+                p, self.topo,
             )
         self.optimizer.zero_grad()
         self.mailbox.reset()
@@ -201,12 +242,13 @@ class Worker(GroupHost):
             return device
         return torch.device("cpu")
 
-    def deliver(self, key: tuple[str, int, int, int], refs: list, dtype: str) -> None:
+    def deliver(self, key: tuple[str, int, int, int, int], refs: list, dtype: str) -> None:
         self.mailbox.put(tuple(key), (refs, dtype))
 
-    def abort(self) -> None:
-        """The step failed elsewhere: stop waiting for neighbours (collectives end by their timeout)."""
-        self.mailbox.abort()
+    def abort(self, epoch: int, step: int) -> None:
+        """Step `step` of membership `epoch` failed elsewhere: stop waiting for neighbours (collectives end
+        by their timeout). Later steps are not affected, however late this call arrives."""
+        self.mailbox.abort(epoch, step)
 
     # -- one step --------------------------------------------------------------------------------------
     def _batch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,64 +285,14 @@ class Worker(GroupHost):
         self.transport.step = step
         self.mailbox.clear_before(self.epoch, step)
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        grads: dict[int, torch.Tensor] = {}
-        losses: list[torch.Tensor] = []
-        auxes: dict[int, torch.Tensor] = {}
-        events: list[tuple[str, int, float, float]] = []
-        saved = memory.SavedActivations(exclude=[*self.model.parameters(), *self.model.buffers()])
-        live = memory.LiveActivations()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        for index, ins in enumerate(self.plan):
-            t0 = time.perf_counter()
-            op, mb = ins.op, ins.mb
-            if op == "recv_act":
-                # A leaf of its own: the received buffer is reused once this microbatch is done.
-                inputs[mb] = self.transport.recv_act(mb, self.act_like).detach().requires_grad_()
-            elif op == "forward":
-                targets = None
-                if self.first:
-                    inputs[mb], targets = self._batch(step, mb)
-                elif self.last:
-                    targets = self._batch(step, mb)[1]
-                if self.cfg.model.dropout > 0:  # the same masks on every tp rank, whatever recomputes
-                    global_mb = self.dp_rank * self.microbatches + mb
-                    torch.manual_seed(dropout_seed(self.cfg.train.seed, step, global_mb, self.coord.pp))
-                with saved:
-                    out = self.model(inputs[mb], targets if self.last else None)
-                live.forward(mb, saved.bytes)
-                aux = self.model.take_aux_loss()  # MoE load balancing: part of the training loss
-                if self.last:
-                    losses.append(out.detach())
-                    out = out if aux is None else out + aux
-                    # the replica's loss is the mean over its microbatches (fp16: times the loss scale)
-                    out = out / self.microbatches if scale == 1.0 else out * (scale / self.microbatches)
-                elif aux is not None:
-                    auxes[mb] = aux / self.microbatches if scale == 1.0 else aux * (scale / self.microbatches)
-                outputs[mb] = out
-            elif op == "send_act":
-                self.transport.send_act(mb, outputs[mb])
-            elif op == "recv_grad":
-                grads[mb] = self.transport.recv_grad(mb, self.act_like)
-            elif op == "backward":
-                if index == self.last_backward:
-                    self.reducer.arm()
-                    self.expert_reducer.arm()
-                out = outputs.pop(mb)
-                if mb in auxes:  # a stage before the last: its aux loss joins the received gradient
-                    torch.autograd.backward([out, auxes.pop(mb)], [grads.pop(mb), None])
-                else:
-                    out.backward(None if self.last else grads.pop(mb))
-                live.backward(mb)
-                self.transport.release("grad", mb)
-            elif op == "send_grad":
-                self._send_grad(mb, inputs.pop(mb).grad)
-                self.transport.release("act", mb)
-            events.append((op, mb, t0 - start, time.perf_counter() - start))
+        backend = _ActorBackend(self, step, scale)
+        reducers = [self.reducer, self.expert_reducer]
+        run = StepRun(self.coord.pp, self.topo, self.plan, backend, reducers, self.model.chunk_parameters)
+        events = run.run(time.perf_counter, start)
+        losses, live = backend.losses, backend.live
         compute_end = time.perf_counter()
-        self.reducer.finish()
         self.reducer.finish()
         self.expert_reducer.finish()
         self._sum_tied_grads()
@@ -309,7 +301,7 @@ class Worker(GroupHost):
         self._skip = self.scaler is not None and self._anywhere(found_inf)
         grad_norm = float("inf") if self._skip else self._clip_grad_norm()
         end = time.perf_counter()
-        busy = sum(t1 - t0 for op, _, t0, t1 in events if op in ("forward", "backward"))
+        busy = busy_seconds(events)
         result = {
             "coord": tuple(self.coord),
             "dp_rank": self.dp_rank,
@@ -331,7 +323,7 @@ class Worker(GroupHost):
                 for i, s in moe.items()
             }
         tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result["step_s"]
-        world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp
+        world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp * self.cfg.parallel.cp
         mfu = flops.mfu(tokens_per_s / world, self.cfg.model, self.peak_flops) if self.peak_flops else None
         self.metrics.record(result, tokens_per_s, mfu)
         return result
@@ -358,6 +350,8 @@ class Worker(GroupHost):
             self.model.train()
 
     def _eval_step(self, step: int) -> float | None:
+        # One model chunk per stage and whole sequences (config.validate refuses eval with interleaving or
+        # cp): the forward chain is stage to stage, chunk 0.
         cfg, mbs = self.cfg, self.cfg.microbatch_size
         self.transport.step = step
         batch_size = cfg.train.global_batch
@@ -371,15 +365,15 @@ class Worker(GroupHost):
                     inputs, targets = data.eval_microbatch(self.val_dataset, batch, mb, mbs, batch_size)
                     inputs, targets = inputs.to(self.device), targets.to(self.device)
                 if not self.first:
-                    inputs = self.transport.recv_act(key, self.act_like).to(self.device)
+                    inputs = self.transport.recv_act(0, key, self.act_like).to(self.device)
                 out = self.model(inputs, targets if self.last else None)
                 self.model.take_aux_loss()  # MoE load balancing: a training loss only
                 if self.last:
                     losses.append(out.float())
                 else:
-                    self.transport.send_act(key, out)
+                    self.transport.send_act(0, key, out)
                 if not self.first:
-                    self.transport.release("act", key)
+                    self.transport.release("act", 0, key)
         self.transport.finish_step()
         return torch.stack(losses).mean().item() if losses else None
 
@@ -409,11 +403,14 @@ class Worker(GroupHost):
                 group.all_reduce(t, "max")
         return bool(t.item())
 
-    def _send_grad(self, mb: int, grad: torch.Tensor) -> None:
-        self.transport.send_grad(mb, grad)
+    def _send_grad(self, chunk: int, mb: int, grad: torch.Tensor) -> None:
+        self.transport.send_grad(chunk, mb, grad)
 
     def _clip_grad_norm(self) -> float:
         def part(experts: bool) -> torch.Tensor:
+            if self.coord.cp:  # cp ranks hold the same (reduced) gradients: only cp rank 0 counts them
+                return torch.zeros((), dtype=torch.float64, device=self.device)
+
             # A tied head on the last stage is a copy of the first stage's embedding: counted there only.
             def select(n: str) -> bool:
                 return is_expert_param(n) == experts and not self.model.tied_copy(n)
@@ -449,6 +446,7 @@ class Worker(GroupHost):
         of this (stage, tp rank): how a new or rebuilt replica is healed from a live peer."""
         if self.dp_group is None:
             return
+        src_dp_rank *= self.cfg.parallel.cp  # the dp group lists each replica's cp ranks together
         scaler = self.scaler.state() if self.scaler is not None else {}
         counts = [self.optimizer.step_count, *scaler.values()]  # a float64 holds each of them exactly
         steps = torch.tensor([float(c) for c in counts], dtype=torch.float64)
@@ -478,11 +476,13 @@ class Worker(GroupHost):
         """Snapshot this shard to host memory now (the stall), write it in a background thread.
 
         One replica writes, and with expert parallelism the rest of its EP group writes their experts (which
-        are named by global expert id, so any ep reads them back); tensors replicated across tp ranks are
-        written by tp rank 0 only."""
-        if self.dp_rank >= self.cfg.parallel.ep:
+        are named by global expert id, so any ep reads them back); of each, cp rank 0; tensors replicated
+        across tp ranks are written by tp rank 0 only."""
+        if self.dp_rank >= self.cfg.parallel.ep or self.coord.cp != 0:
             return False
-        self.wait_shard()
+        if self._writer is not None:  # an earlier write the driver collected or abandoned: only finish it
+            self._writer.join()
+            self._writer = None
         tensors = {
             n: t
             for n, t in self._state().items()
@@ -496,7 +496,7 @@ class Worker(GroupHost):
 
         def write() -> None:
             try:
-                self._written = checkpoint.write_shard(staging, key, snap, specs)
+                self._written = self._write_shard(staging, key, snap, specs)
             except BaseException as err:  # noqa: BLE001 - handed to the driver by wait_shard
                 self._written = err
 
@@ -504,6 +504,9 @@ class Worker(GroupHost):
         self._writer = threading.Thread(target=write, name="checkpoint-writer", daemon=True)
         self._writer.start()
         return True
+
+    def _write_shard(self, staging: str, key: str, snap: dict, specs: dict) -> dict[str, Any]:
+        return checkpoint.write_shard(staging, key, snap, specs)
 
     def _replicated(self, name: str) -> bool:
         return self.model.replicated(_param_of(name))

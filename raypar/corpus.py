@@ -86,7 +86,10 @@ class Corpus:
         batch: list[str | bytes] = []
         size = 0
         for path in self.text_files:
-            body = Path(path).read_bytes()
+            try:
+                body = Path(path).read_bytes()
+            except OSError as err:  # a ValueError: the input is bad, not the output directory
+                raise ValueError(f"{path}: cannot read: {err.strerror or err}") from None
             batch.append(body)
             size += len(body)
             if size >= TEXT_BATCH_BYTES:

@@ -182,13 +182,33 @@ def _publish(staging: Path, out: Path, index: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The index of a prepared directory, checked: ValueError (FileNotFoundError if absent) naming it."""
     index_path = Path(path) / INDEX
     try:
-        index = json.loads(index_path.read_text())
+        index = json.loads(index_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise FileNotFoundError(f"{index_path}: not found (not a prepared token directory)") from None
-    if index.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{index_path}: unsupported format_version {index.get('format_version')!r}")
+    except IsADirectoryError:
+        raise ValueError(f"{index_path}: is a directory, not an index") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise ValueError(f"{index_path}: not a valid index (broken JSON: {str(err)[:80]})") from None
+    if not isinstance(index, dict) or index.get("format_version") != FORMAT_VERSION:
+        version = index.get("format_version") if isinstance(index, dict) else None
+        raise ValueError(f"{index_path}: unsupported format_version {version!r}")
+    shards = index.get("shards")
+    if not (
+        isinstance(index.get("vocab_size"), int)
+        and isinstance(shards, list)
+        and all(
+            isinstance(s, dict)
+            and isinstance(s.get("file"), str)
+            and Path(s["file"]).name == s["file"]  # a file of this directory, nothing outside it
+            and isinstance(s.get("tokens"), int)
+            and s["tokens"] >= 0
+            for s in shards
+        )
+    ):
+        raise ValueError(f"{index_path}: incomplete index (needs vocab_size and shards [{{file, tokens}}])")
     return index
 
 
@@ -255,17 +275,28 @@ class TokenDataset:
             )
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
-        self.shards = [self._map(Path(path) / s["file"]) for s in self.index["shards"]]
+        dtype = np.dtype(self.index.get("dtype", "uint16"))
+        self.shards = [self._map(Path(path) / s["file"], s["tokens"], dtype) for s in self.index["shards"]]
         # starts[k] = global position of shards[k][0]; windows that cross a boundary are stitched in sample().
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])
         self.total_tokens = int(self.starts[-1])
 
     @staticmethod
-    def _map(path: Path) -> np.ndarray:
-        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-        batches = (reader.get_batch(b) for b in range(reader.num_record_batches))
-        chunks = [batch.column(0).to_numpy(zero_copy_only=True) for batch in batches]
-        return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+    def _map(path: Path, tokens: int, dtype: np.dtype) -> np.ndarray:
+        """The shard's tokens, mapped; ValueError naming the file if it is missing, broken or incomplete."""
+        try:
+            reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+            schema = pa.schema([("tokens", pa.from_numpy_dtype(dtype))])
+            if reader.schema != schema:
+                raise ValueError(f"schema {reader.schema}, expected {schema}")
+            batches = (reader.get_batch(b) for b in range(reader.num_record_batches))
+            chunks = [batch.column(0).to_numpy(zero_copy_only=True) for batch in batches]
+        except (OSError, ValueError, pa.ArrowException) as err:
+            raise ValueError(f"{path}: not a readable token shard ({str(err)[:120]})") from None
+        array = chunks[0] if len(chunks) == 1 else np.concatenate([np.empty(0, dtype), *chunks])
+        if len(array) != tokens:
+            raise ValueError(f"{path}: {len(array)} tokens, its index says {tokens} (incomplete)")
+        return array
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Ship the path, not the mapped tokens: the receiving process maps the same files itself.
@@ -406,7 +437,12 @@ def open_dataset(data_cfg: DataConfig, model_cfg: ModelConfig) -> Dataset:
 
 def _prepared(globs: list[str], out: Path, seq_len: int, vocab_size: int) -> TokenDataset:
     if not (out / INDEX).is_file():
-        prepare(globs, out)
+        try:
+            prepare(globs, out)
+        except OSError as err:  # the cache directory is a file, unwritable, or the disk is full
+            raise ConfigError(
+                f"data.cache_dir: cannot prepare the data in {out.parent}: {err.strerror or err}"
+            ) from None
     return TokenDataset(out, seq_len, vocab_size)
 
 

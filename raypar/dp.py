@@ -42,13 +42,14 @@ class GradReducer:
         self.group, self.op, self.reduce_dtype = group, op, reduce_dtype
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
-        self._armed = False
+        self._armed: set[int] = set()  # ids of the parameters whose next gradient is final
         self._hooks: list = []
+        self._params = [p for p in params if p.requires_grad]
         if group is None or group.size == 1:
             return
         current: list[torch.nn.Parameter] = []
         size = 0
-        for p in reversed([p for p in params if p.requires_grad]):
+        for p in reversed(self._params):
             current.append(p)
             size += p.numel() * p.element_size()
             if size >= bucket_bytes:
@@ -73,16 +74,22 @@ class GradReducer:
     def active(self) -> bool:
         return bool(self.buckets)
 
-    def arm(self) -> None:
-        """Call right before the backward of the last microbatch: from now on, a final gradient starts
-        its bucket's reduction."""
-        self._armed = self.active
+    def disarm(self) -> None:
+        """Call at the start of a step: forget the previous (or a failed) step's buckets and readiness."""
+        self._armed.clear()
         for bucket in self.buckets:
             bucket.ready.clear()
             bucket.work = None
 
+    def arm(self, params: list[torch.nn.Parameter] | None = None) -> None:
+        """Call right before the last op that accumulates gradients into `params` (default: all): from now
+        on, a gradient of theirs is final and completes its bucket. A model with several chunks arms each
+        chunk before its own last backward; a bucket may span chunks and launches once all are in."""
+        if self.active:
+            self._armed |= {id(p) for p in (self._params if params is None else params)}
+
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if not self._armed:
+        if id(param) not in self._armed:
             return
         bucket = self._bucket_of[id(param)]
         bucket.ready.add(id(param))
@@ -104,7 +111,7 @@ class GradReducer:
         """Wait for every bucket (launching any whose parameters got no gradient) and write back `.grad`."""
         if not self.active:
             return
-        self._armed = False
+        self._armed.clear()
         for bucket in self.buckets:
             if bucket.work is None:
                 self._launch(bucket)

@@ -69,8 +69,11 @@ class ExpertGradReducer:
         self.params, self.divisor = params, divisor
         self._sum = GradReducer(params, edp_group, bucket_bytes, "sum", reduce_dtype)
 
-    def arm(self) -> None:
-        self._sum.arm()
+    def disarm(self) -> None:
+        self._sum.disarm()
+
+    def arm(self, params: list[torch.nn.Parameter] | None = None) -> None:
+        self._sum.arm(params)
 
     def finish(self) -> None:
         self._sum.finish()
