@@ -30,7 +30,7 @@ import torch
 from actors.telemetry import ActorMetrics
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from collectives.host import GroupHost
-from raypar import checkpoint, data, flops, memory, precision, schedules
+from raypar import checkpoint, data, flops, hf, memory, precision, schedules
 from raypar import config as config_mod
 from raypar import ep as ep_mod
 from raypar.dp import GradReducer
@@ -39,6 +39,8 @@ from raypar.mesh import Coord, Mesh, actor_name, stage_layers
 from raypar.model import LlamaStage, dropout_seed
 from raypar.moe import is_expert_param
 from raypar.optim import Optimizer, lr_at
+
+EVAL_MB_BASE = 1 << 30  # validation microbatches' transport keys: never a training microbatch's
 
 
 class _ActorBackend(ModelBackend):
@@ -131,17 +133,21 @@ class Worker(GroupHost):
         tp_group = self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None  # shapes the shards
         cp_group = self.group(Mesh.cp_group(self.coord)) if par.cp > 1 else None
         ep_group = self._ep_group(replicas.index(self.coord.dp))  # which experts live here
-        train = self.cfg.train
+        train, init_from = self.cfg.train, self.cfg.model.init_from
         self.model = LlamaStage(
             self.cfg.model, chunks[0], self.first, self.last, tp_group, train.seed, ep_group, chunks,
-            par.sequence_parallel, cp_group, par.cp_style,
+            par.sequence_parallel, cp_group, par.cp_style, init=not init_from,
         )
+        if init_from:  # this shard only, read from the files (never the whole model)
+            hf.load_stage(self.model, init_from)
         self.model.set_recompute(train.recompute, train.recompute_every)
         self.model.to(self.device)
         self.optimizer = Optimizer(self.model, train, dtype)  # holds the fp32 masters; params -> dtype
         self.scaler = precision.scaler_for(train)
         self._skip = False
-        self.dataset = data.open_dataset(self.cfg.data, self.cfg.model) if self.first or self.last else None
+        self.dataset = self.val_dataset = None
+        if self.first or self.last:
+            self.dataset, self.val_dataset = data.open_datasets(self.cfg.data, self.cfg.model)
         if self.dataset is not None:
             self.sampler = data.GlobalSampler(
                 self.dataset.num_samples, self.cfg.train.global_batch, self.cfg.train.seed
@@ -167,6 +173,8 @@ class Worker(GroupHost):
             self.reducer.close()  # its hooks and buckets belong to the old membership
         self.reducer = self._make_reducer(dp_group)
         self.dp_group = dp_group
+        tied = self.model.tied_weight() is not None
+        self.emb_group = self.group(Mesh.emb_group(d, t, self.coord.cp)) if tied else None
         self.ep_group = self._ep_group(self.dp_rank)
         self.model.bind_ep(self.ep_group)
         if par.ep == 1:  # every replica holds every expert
@@ -287,6 +295,7 @@ class Worker(GroupHost):
         compute_end = time.perf_counter()
         self.reducer.finish()
         self.expert_reducer.finish()
+        self._sum_tied_grads()
         self.transport.finish_step()
         found_inf = self.optimizer.unscale_(1.0 / scale, check=self.scaler is not None)
         self._skip = self.scaler is not None and self._anywhere(found_inf)
@@ -318,6 +327,55 @@ class Worker(GroupHost):
         mfu = flops.mfu(tokens_per_s / world, self.cfg.model, self.peak_flops) if self.peak_flops else None
         self.metrics.record(result, tokens_per_s, mfu)
         return result
+
+    def _sum_tied_grads(self) -> None:
+        """The two copies of a tied embedding (first and last stage) take the same, summed gradient, so
+        their identical updates keep them equal."""
+        if self.emb_group is not None:
+            self.emb_group.all_reduce(self.model.tied_weight().grad, "sum")
+
+    @torch.no_grad()
+    def eval_step(self, step: int, commit: int | None = None) -> float | None:
+        """Validation loss after `step` (applying the update of step `commit` first): this replica's
+        microbatches of the fixed validation batches, forward only, through the pipeline; the last stage
+        returns their mean, the others None."""
+        if commit is not None:
+            self.apply_step(commit)
+        self.model.eval()  # no dropout
+        try:
+            return self._eval_step(step)
+        except Exception as err:
+            raise self._fail(f"validation after step {step}", err) from err
+        finally:
+            self.model.train()
+
+    def _eval_step(self, step: int) -> float | None:
+        # One model chunk per stage and whole sequences (config.validate refuses eval with interleaving or
+        # cp): the forward chain is stage to stage, chunk 0.
+        cfg, mbs = self.cfg, self.cfg.microbatch_size
+        self.transport.step = step
+        batch_size = cfg.train.global_batch
+        per_batch = batch_size // mbs
+        mine = data.replica_microbatch_ids(self.dp_rank, self.dp, batch_size, mbs)
+        losses = []
+        for batch in range(cfg.train.eval_batches):
+            for mb in mine:
+                key = EVAL_MB_BASE + batch * per_batch + mb  # apart from the step's own microbatches
+                if self.first or self.last:
+                    inputs, targets = data.eval_microbatch(self.val_dataset, batch, mb, mbs, batch_size)
+                    inputs, targets = inputs.to(self.device), targets.to(self.device)
+                if not self.first:
+                    inputs = self.transport.recv_act(0, key, self.act_like).to(self.device)
+                out = self.model(inputs, targets if self.last else None)
+                self.model.take_aux_loss()  # MoE load balancing: a training loss only
+                if self.last:
+                    losses.append(out.float())
+                else:
+                    self.transport.send_act(0, key, out)
+                if not self.first:
+                    self.transport.release("act", 0, key)
+        self.transport.finish_step()
+        return torch.stack(losses).mean().item() if losses else None
 
     def _memory(self, live: memory.LiveActivations) -> dict[str, int]:
         """Measured memory of this step: activations saved per microbatch and at most at once, microbatches
@@ -352,9 +410,12 @@ class Worker(GroupHost):
         def part(experts: bool) -> torch.Tensor:
             if self.coord.cp:  # cp ranks hold the same (reduced) gradients: only cp rank 0 counts them
                 return torch.zeros((), dtype=torch.float64, device=self.device)
-            return self.optimizer.grad_sq_norm(
-                self.model.replicated, self.coord.tp == 0, lambda n: is_expert_param(n) == experts
-            )
+
+            # A tied head on the last stage is a copy of the first stage's embedding: counted there only.
+            def select(n: str) -> bool:
+                return is_expert_param(n) == experts and not self.model.tied_copy(n)
+
+            return self.optimizer.grad_sq_norm(self.model.replicated, self.coord.tp == 0, select)
 
         norm = math.sqrt(ep_mod.grad_sq_norm(part(False), part(True), self.ep_group, self.mp_group))
         if self.cfg.train.grad_clip > 0:
@@ -427,6 +488,7 @@ class Worker(GroupHost):
             for n, t in self._state().items()
             if (self.coord.tp == 0 or not self._replicated(n))
             and (self.dp_rank == 0 or is_expert_param(_param_of(n)))
+            and not self.model.tied_copy(_param_of(n))
         }
         snap = checkpoint.snapshot(tensors)
         specs = {n: self._spec(n) for n in snap}
@@ -492,15 +554,19 @@ class Worker(GroupHost):
             with torch.no_grad():
                 for name, p in self.optimizer.masters.items():  # fp32, whatever the run's precision
                     shape, offsets = self.model.shard_specs()[name]
-                    p.copy_(reader.read_slice(name, tuple(shape), tuple(offsets), tuple(p.shape), p.dtype))
+                    source = self.model.init_source(name)  # a tied head is stored as the embedding
+                    p.copy_(reader.read_slice(source, tuple(shape), tuple(offsets), tuple(p.shape), p.dtype))
             self.optimizer.refresh_params()
             moments = {}
             if step_count:
                 for name, p in self.model.named_parameters():
                     shape, offsets = self.model.shard_specs()[name]
+                    source = self.model.init_source(name)
                     for m in ("exp_avg", "exp_avg_sq"):
-                        key = f"optim.{m}.{name}"
-                        moments[key] = reader.read_slice(key, tuple(shape), tuple(offsets), tuple(p.shape))
+                        saved = f"optim.{m}.{source}"
+                        moments[f"optim.{m}.{name}"] = reader.read_slice(
+                            saved, tuple(shape), tuple(offsets), tuple(p.shape)
+                        )
             self.optimizer.load_state_tensors(moments, step_count)
             self._restore_rng(reader.meta.get("rng", {}).get(self.coord.key))
             return step_count

@@ -49,6 +49,8 @@ class ModelConfig:
     seq_len: int = 0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_from: str = ""  # a Hugging Face Llama directory: config.json sets the shape, its weights the start
     dropout: float = 0.0
     # Mixture of experts (raypar.moe): 0 experts = dense.
     moe_experts: int = 0
@@ -99,6 +101,8 @@ class TrainConfig:
     seed: int = 0
     precision: str = "fp32"
     max_failures: int = 3
+    eval_every: int = 0  # validation loss every N steps (and after the last); 0: never
+    eval_batches: int = 4  # global batches of held-out samples, the same fixed ones every time
     recompute: str = "none"
     recompute_every: int = 1
     reduce_dtype: str = "fp32"
@@ -114,6 +118,8 @@ class TrainConfig:
 class DataConfig:
     source: str = "synthetic"
     cache_dir: str = "data"
+    val_fraction: float = 0.0  # the last samples of `source` (whole documents but one) held out
+    val_source: str = ""  # or a separate source, any kind `source` takes
 
 
 @dataclass
@@ -205,10 +211,37 @@ def from_dict(raw: dict[str, Any]) -> Config:
     preset = model.get("preset", ModelConfig.preset)
     if preset not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset {preset!r} (known: {', '.join(PRESETS)})")
-    sections["model"] = {**PRESETS[preset], **model}
+    sections["model"] = {**PRESETS[preset], **model, **_external_model_fields(model, sections)}
     cfg = Config(**{name: _SECTION_TYPES[name](**sections.get(name, {})) for name in _SECTION_TYPES})
     validate(cfg)
     return cfg
+
+
+def _external_model_fields(model: dict[str, Any], sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Model fields that come from files rather than the config: a Hugging Face config.json
+    (`model.init_from`), or the vocabulary of a tokenizer-prepared `data.source` when `model.vocab_size`
+    is not given (padded to a multiple of tp so the vocab-parallel layers split it). Keys the user set
+    must agree with config.json."""
+    if model.get("init_from"):
+        from raypar import hf  # imports this module: resolved at call time
+
+        fields = hf.model_fields(model["init_from"])
+        for key, value in fields.items():
+            if key in model and model[key] != value:
+                raise ConfigError(
+                    f"model.{key}: {model[key]!r} conflicts with {value!r} from {model['init_from']}/"
+                    f"config.json; leave it unset when model.init_from is set"
+                )
+        return fields
+    source = str(sections.get("data", {}).get("source", ""))
+    if "vocab_size" not in model and source not in ("", "synthetic", "stdlib"):
+        from raypar import data  # imports this module, and torch: only when a directory may be one
+
+        vocab = data.prepared_vocab_size(source)
+        if vocab is not None:
+            tp = int(sections.get("parallel", {}).get("tp", 1)) or 1
+            return {"vocab_size": -(-vocab // tp) * tp}
+    return {}
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -444,6 +477,25 @@ def validate(cfg: Config) -> None:
     )
     _require(t.recompute_every > 0, f"train.recompute_every: must be positive, got {t.recompute_every}")
     _require(t.max_failures >= 0, f"train.max_failures: must be >= 0, got {t.max_failures}")
+    _require(
+        not (m.init_from and m.moe_experts),
+        "model.moe_experts: Hugging Face Llama weights (model.init_from) have no experts; leave it 0",
+    )
+    _require(t.eval_every >= 0, f"train.eval_every: must be >= 0 (0 disables), got {t.eval_every}")
+    _require(t.eval_batches > 0, f"train.eval_batches: must be positive, got {t.eval_batches}")
+    d = cfg.data
+    _require(0 <= d.val_fraction < 1, f"data.val_fraction: must be in [0, 1), got {d.val_fraction}")
+    _require(
+        not (d.val_fraction and d.val_source), "data.val_fraction: set it or data.val_source, not both"
+    )
+    _require(
+        not t.eval_every or (p.virtual_stages == 1 and p.cp == 1),
+        "train.eval_every: validation runs with one model chunk per stage and without cp for now",
+    )
+    _require(
+        not t.eval_every or bool(d.val_fraction or d.val_source),
+        "train.eval_every: needs held-out data: set data.val_fraction or data.val_source",
+    )
 
     _require(c.every >= 0, f"checkpoint.every: must be >= 0 (0 disables), got {c.every}")
     _require(c.keep > 0, f"checkpoint.keep: must be positive, got {c.keep}")

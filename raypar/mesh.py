@@ -47,6 +47,7 @@ class Mesh:
     ep: int = 1
     ring: bool = False  # interleaved pipelines: a pair group from the last stage back to the first
     cp: int = 1
+    tied_embeddings: bool = False  # adds the emb groups (first and last stage) when pp > 1
 
     def __post_init__(self) -> None:
         for axis in ("dp", "pp", "tp", "ep", "cp"):
@@ -87,6 +88,8 @@ class Mesh:
         mp: all ranks of one replica (model parallel); the global gradient norm is summed here.
         pp: two neighbouring stages at the same tp rank (the `direct` activation transport); with `ring`,
             also the last stage and the first (members in that order).
+        emb: the first and last stage at the same (tp, cp) rank, when embeddings are tied and pp > 1: the
+            gradients of the two copies of the embedding are summed here (Megatron's embedding group).
         ep: (ep > 1) `ep` consecutive dp ranks at one (stage, tp rank): tokens travel to their experts here.
         edp: (ep > 1 and dp > ep) the dp ranks holding the same experts: expert gradients are summed here.
         """
@@ -110,6 +113,8 @@ class Mesh:
                         last = self.pp - 1
                         pair = [Coord(d, last, t, c), Coord(d, 0, t, c)]
                         out[self.pipe_group(d, t, last, self.pp, c)] = pair
+                    if self.tied_embeddings and self.pp > 1:
+                        out[self.emb_group(d, t, c)] = [Coord(d, 0, t, c), Coord(d, self.pp - 1, t, c)]
         for p in range(self.pp):
             for t in range(self.tp):
                 out[self.dp_group(Coord(0, p, t))] = [Coord(d, p, t, c) for d in replicas for c in cps]
@@ -163,6 +168,11 @@ class Mesh:
             stage %= n_stages
             nxt = (stage + 1) % n_stages
         return f"pp.dp{dp}.tp{tp}{_cp(cp)}.s{stage}-{nxt}"
+
+    @staticmethod
+    def emb_group(dp: int, tp: int, cp: int = 0) -> str:
+        """The first and last stage at one (dp, tp, cp): the two copies of a tied embedding (pp > 1)."""
+        return f"emb.dp{dp}.tp{tp}{_cp(cp)}"
 
     def groups_of(self, coord: Coord) -> dict[str, list[Coord]]:
         return {name: members for name, members in self.groups().items() if coord in members}

@@ -1,4 +1,5 @@
-"""A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention, untied embeddings, no biases).
+"""A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases), embeddings untied or
+tied (`model.tie_embeddings`: the head is the embedding matrix).
 
 `LlamaStage` is the part of the model one pipeline stage holds on one tensor-parallel rank; the whole model
 is `LlamaStage(cfg, range(cfg.n_layers), first=True, last=True)`. Parameter names are global whatever the
@@ -233,6 +234,7 @@ class LlamaStage(nn.Module):
         sequence_parallel: bool = False,
         cp_group: Group | None = None,
         cp_style: str = "ring",
+        init: bool = True,
     ):
         super().__init__()
         self.cfg, self.first, self.last, self.tp_group = cfg, first, last, tp_group
@@ -247,10 +249,13 @@ class LlamaStage(nn.Module):
         if last:
             self.norm = make_norm(cfg, tp_group, sp)
             self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp_group, copy_input=not sp)
+            if first and cfg.tie_embeddings:
+                self.head.weight = self.embed.weight  # same shape and vocab-row sharding
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights(seed)
+        if init:  # False: the caller fills every parameter (from a checkpoint or Hugging Face files)
+            self.init_weights(seed)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
         """Run model chunk `chunk`. x: token ids [B, T] into the first stage's chunk 0, hidden states
@@ -345,11 +350,28 @@ class LlamaStage(nn.Module):
         """True if the parameter is the same full tensor on every tp rank (count it once, write it once)."""
         return self.get_submodule(name.rpartition(".")[0]).shard_dim is None
 
+    def init_source(self, name: str) -> str:
+        """The global tensor a parameter starts from: a tied head's is the embedding."""
+        return "embed.weight" if name == "head.weight" and self.cfg.tie_embeddings else name
+
+    def tied_copy(self, name: str) -> bool:
+        """True for the last stage's copy of a tied embedding split across stages: not counted in the
+        gradient norm, not saved (the first stage's `embed.weight` is the tensor)."""
+        return name == "head.weight" and self.cfg.tie_embeddings and not self.first
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """This stage's copy of a tied embedding that pp > 1 split over the first and last stage (whose
+        gradients must be summed across the two), else None."""
+        if not self.cfg.tie_embeddings or (self.first and self.last):
+            return None
+        return self.embed.weight if self.first else self.head.weight if self.last else None
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Fill each parameter with its shard of a global tensor drawn from (seed, name): layout-free."""
         for name, param, dim in self._placed_parameters():
-            full = init_tensor(self.cfg, name, global_shape(param.shape, dim, self.tp_group), seed)
+            shape = global_shape(param.shape, dim, self.tp_group)
+            full = init_tensor(self.cfg, self.init_source(name), shape, seed)
             param.copy_(shard_of(full, dim, self.tp_group))
             del full  # before the next one is drawn: at most one full tensor alive (embeddings are big)
 
@@ -375,10 +397,12 @@ def init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) 
 
 
 def count_params(cfg: ModelConfig) -> int:
-    """All parameters of the whole model: embedding, blocks (all experts of MoE ones), final norm, head."""
+    """All parameters of the whole model: embedding, blocks (all experts of MoE ones), final norm, and the
+    head (untied)."""
     d = cfg.d_model
     blocks = sum(2 * d + _matmul_params(cfg, i, cfg.moe_experts) for i in range(cfg.n_layers))
-    return cfg.vocab_size * d + blocks + d + cfg.vocab_size * d
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
+    return cfg.vocab_size * d + blocks + d + head
 
 
 def _matmul_params(cfg: ModelConfig, layer: int, experts: int) -> int:

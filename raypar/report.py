@@ -5,7 +5,7 @@ Reads a run directory (config.toml, metrics.jsonl, timeline.jsonl) and writes ne
 - timeline.json: one step as a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing);
   one process per data-parallel replica, one thread per (stage, tp rank) actor;
 - timeline.png: the same step as a Gantt chart, forward / backward / communication / idle per actor;
-- loss.png: loss and tokens/s against the step;
+- loss.png: loss (training, and validation where measured) and tokens/s against the step;
 - expert_load.png (MoE runs): a heat map per MoE layer of each expert's share of the routed tokens over the
   steps (1/E everywhere is perfect balance), with the aux loss and dropped tokens beneath.
 
@@ -272,6 +272,12 @@ def plot_metrics(metrics: list[dict[str, Any]], path: Path) -> None:
     top.plot(
         steps, [m["loss"] for m in metrics], color=COLOURS["forward"], linewidth=1.4, marker=marker, ms=3
     )
+    val = [(m["step"], m["val_loss"]) for m in metrics if m.get("val_loss") is not None]
+    if val:
+        top.plot(*zip(*val, strict=True), color=COLOURS["recv"], linewidth=1.4, marker="s", ms=4,
+                 label="validation")
+        top.lines[0].set_label("training")
+        top.legend(loc="upper right", fontsize=8)
     top.set_ylabel("loss")
     bottom.plot(
         steps,

@@ -5,6 +5,7 @@ here, not in production code. Faults are strings per actor coordinate:
 - `dp_sum`: DP gradients summed instead of averaged;
 - `pp_zero_grad`: the stage sends zeros instead of its input gradient;
 - `tp_drop_allreduce`: row-parallel outputs left as partial sums (the TP all-reduce dropped);
+- `tie_no_sum`: the two copies of a tied embedding (pp > 1) keep their own gradients (not summed);
 - `ep_divisor_edp`: expert gradients divided by the expert-data-parallel group's size instead of dp;
 - `raise_at_step:N`: phase 1 of step N raises.
 - `exit_in:METHOD:N`: the process exits (as if killed) at the start of its N-th call of METHOD
@@ -116,6 +117,10 @@ class _FaultyWorker(Worker):
         phase 1 and its commit."""
         specs = self.model.shard_specs()
         return {n: (p.grad.detach().cpu(), *specs[n]) for n, p in self.optimizer.masters.items()}
+
+    def _sum_tied_grads(self) -> None:
+        if "tie_no_sum" not in self.faults:
+            super()._sum_tied_grads()
 
     def _send_grad(self, chunk: int, mb: int, grad: torch.Tensor) -> None:
         super()._send_grad(chunk, mb, torch.zeros_like(grad) if "pp_zero_grad" in self.faults else grad)

@@ -126,7 +126,10 @@ class ActorMesh:
     @property
     def mesh(self) -> Mesh:
         par = self.cfg.parallel
-        return Mesh(max(self.dp, 1), self.pp, self.tp, par.ep, ring=par.virtual_stages > 1, cp=self.cp)
+        return Mesh(
+            max(self.dp, 1), self.pp, self.tp, par.ep, ring=par.virtual_stages > 1, cp=self.cp,
+            tied_embeddings=self.cfg.model.tie_embeddings,
+        )
 
     @property
     def peak_flops(self) -> float | None:
@@ -375,6 +378,15 @@ class ActorMesh:
             some["skipped"],
             moe_totals(results),
         )
+
+    def evaluate(self, step: int) -> float:
+        """The validation loss after `step` (whose update is applied): the mean over replicas (each the
+        mean of its equal share of the fixed validation microbatches)."""
+        commit, self.uncommitted = self.uncommitted, None  # applied first, as a step call would
+        refs = {a.eval_step.remote(step, commit): c for c, a in self.actors.items()}
+        results = self._gather(refs, f"validation after step {step}")
+        losses = [loss for c, loss in results.items() if c.pp == self.pp - 1 and c.tp == 0]
+        return sum(losses) / len(losses)
 
     def commit(self) -> None:
         """Apply the last completed step everywhere now (before reading or moving state)."""

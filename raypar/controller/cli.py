@@ -73,9 +73,17 @@ def _parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key"
     )
 
-    prepare = sub.add_parser("prepare", help="turn text files into byte-level token shards (Arrow IPC)")
-    prepare.add_argument("globs", nargs="+", help="text file globs (** allowed)")
+    prepare = sub.add_parser("prepare", help="tokenize documents into token shards (Arrow IPC)")
+    prepare.add_argument(
+        "sources", nargs="+",
+        help="text file globs (** allowed; one document per file), or .parquet / .jsonl files, globs or "
+        "pyarrow.fs URIs (one document per row of --column)",
+    )
     prepare.add_argument("--out", required=True, type=Path, help="output directory")
+    prepare.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json (default: byte-level)")
+    prepare.add_argument("--column", default="text", help="the text column of tables (default: text)")
+    prepare.add_argument("--eos", metavar="TOKEN", help="the token between documents (default: found)")
+    prepare.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     scale = sub.add_parser("scale", help="change a running run's number of data-parallel replicas")
     scale.add_argument("--run", required=True, help="the run's name")
@@ -90,13 +98,28 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("run_dir", type=Path)
     rep.add_argument("--step", type=int, help="the step to draw (default: the median one)")
 
+    gen = sub.add_parser("generate", help="sample text from a checkpoint (one process, KV cache)")
+    gen.add_argument("path", help="a step directory or a checkpoint root (its latest)")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-tokens", type=int, default=200, help="new tokens at most (default 200)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
+
     ckpt = sub.add_parser("checkpoint", help="inspect or export a checkpoint")
     ckpt_sub = ckpt.add_subparsers(dest="action", required=True, parser_class=_Parser)
     inspect = ckpt_sub.add_parser("inspect", help="summarise a checkpoint's manifest")
     inspect.add_argument("path", help="a step directory or a checkpoint root (its latest)")
-    export = ckpt_sub.add_parser("export", help="write one consolidated safetensors file")
+    export = ckpt_sub.add_parser(
+        "export", help="write one consolidated safetensors file, or a Hugging Face model directory"
+    )
     export.add_argument("path", help="a step directory or a checkpoint root (its latest)")
-    export.add_argument("out", help="output .safetensors path or URI")
+    export.add_argument("out", help="output .safetensors path or URI (--format hf: a new directory)")
+    export.add_argument(
+        "--format", choices=("safetensors", "hf"), default="safetensors",
+        help="hf: config.json + model*.safetensors for transformers' LlamaForCausalLM.from_pretrained",
+    )
     return parser
 
 
@@ -105,12 +128,14 @@ def _check_data(cfg: Config) -> None:
     from raypar import data
 
     try:
-        dataset = data.open_dataset(cfg.data, cfg.model)
+        dataset, val = data.open_datasets(cfg.data, cfg.model)
         data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
     except ConfigError:
         raise
     except (OSError, ValueError) as err:  # a broken prepared directory or an unreadable source file
         raise ConfigError(f"data.source: {err}") from None
+    if cfg.train.eval_every:
+        data.check_eval(val, cfg.train.eval_batches, cfg.train.global_batch)
 
 
 def _writable_dir(path: Path, what: str) -> None:
@@ -266,20 +291,21 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace) -> int:
     from raypar import data
+    from raypar.tokenizer import load
 
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out: {args.out} exists and is not a directory")
-    if not data.expand_globs(args.globs):
-        raise UsageError(f"globs: {' '.join(args.globs)} match no file")
     try:
-        index = data.prepare(args.globs, str(args.out))
+        index = data.prepare(args.sources, str(args.out), tokenizer=load(args.tokenizer, args.eos),
+                             column=args.column, progress=not args.no_progress)
     except FileExistsError as err:
         raise UsageError(f"--out: {err}") from None
     except ValueError as err:  # a source file that cannot be read
-        raise UsageError(f"globs: {err}") from None
+        raise UsageError(f"sources: {err}") from None
     except OSError as err:
         raise UsageError(f"--out: cannot write {args.out}: {err.strerror or err}") from None
-    print(f"raypar: {index['total_tokens']:,} tokens from {len(index['files'])} files -> {args.out}")
+    print(f"raypar: {index['total_tokens']:,} tokens ({index['vocab']}, vocab {index['vocab_size']:,}) from "
+          f"{index['documents']:,} documents -> {args.out}")
     return 0
 
 
@@ -353,10 +379,34 @@ def _checkpoint(args: argparse.Namespace) -> int:
         uri = checkpoint.resolve(args.path)
         if args.action == "inspect":
             print(checkpoint.inspect(uri))
+        elif args.format == "hf":
+            from raypar import hf
+
+            print(f"raypar: wrote {hf.export(uri, args.out)}")
         else:
             print(f"raypar: wrote {checkpoint.export(uri, args.out)}")
-    except checkpoint.CheckpointError as err:  # the checkpoint named, or the output, is bad: usage
+    except (checkpoint.CheckpointError, FileExistsError) as err:  # the checkpoint named, or the output
         raise UsageError(str(err)) from None
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if args.max_tokens <= 0:
+        raise UsageError(f"--max-tokens: must be positive, got {args.max_tokens}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise UsageError("--temperature: must be >= 0, and --top-p in (0, 1]")
+    from raypar import checkpoint, generate
+
+    try:
+        model, tok = generate.load(checkpoint.resolve(args.path), args.device)
+        text = generate.sample(
+            model, tok, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed
+        )
+    except checkpoint.CheckpointError as err:  # the checkpoint named is bad: usage
+        raise UsageError(str(err)) from None
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    print(args.prompt + text)
     return 0
 
 
@@ -372,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             "status": _status,
             "report": _report,
             "checkpoint": _checkpoint,
+            "generate": _generate,
         }[args.command]
         return handler(args)
     except (ConfigError, UsageError) as err:

@@ -29,7 +29,7 @@ import ray
 
 from actors.control import RunControl, control_name
 from collectives.group import GroupError
-from raypar import checkpoint, memory, report
+from raypar import checkpoint, data, memory, report
 from raypar import config as config_mod
 from raypar.config import Config
 from raypar.controller import stopping
@@ -90,6 +90,8 @@ class TrainingLoop:
         self.last_checkpoint: str | None = None
         self.events: list[str] = []
         self.logs: dict[str, TextIO] = {}
+        self.tokenizer = data.tokenizer_record(cfg.data)  # in every checkpoint, for `raypar generate`
+        self.val_loss: float | None = None  # the latest, for the progress bar
 
     # -- log ---------------------------------------------------------------------------------------------
     def event(self, text: str) -> None:
@@ -158,6 +160,7 @@ class TrainingLoop:
             },
             "rng": self.actor_mesh.rng_states(),
             "precision": self.cfg.train.precision,
+            "tokenizer": self.tokenizer,
         }
 
     def _publish(self, wait: bool) -> None:
@@ -289,6 +292,7 @@ class TrainingLoop:
             checkpointed = step  # the state before `step` is on disk already (resumed) or is the seed's
             rewrite = False  # a checkpoint lost to dead actors (or the last one): write one at this boundary
             while True:
+                completed = None  # the step's result once it is done (its validation may still fail)
                 try:  # everything that talks to the actors fails the same way and recovers the same way
                     if rewrite or (checkpointed != step and self._checkpoint_due(step, end)):
                         self._publish(wait=True)  # the one before, so that its failure cannot cost this one
@@ -302,9 +306,14 @@ class TrainingLoop:
                     if not recovered:  # the failed step is redone by the survivors first, then the mesh heals
                         self._membership(control, step)
                     result = actor_mesh.step(step)
-                    recovered = False
+                    recovered, completed = False, result
+                    val_loss = actor_mesh.evaluate(step) if self._eval_due(step) else None
                 except RECOVERABLE as failure:
                     recovered = True
+                    if completed is not None:  # only the validation after it failed: the step stands
+                        last = self._log_step(step, completed, None, control, bar)
+                        first_loss = completed.loss if first_loss is None else first_loss
+                        step, completed = step + 1, None
                     if isinstance(failure, CheckpointFailed) and (failure.dead or failure.step == end):
                         rewrite = True
                     redo = self._recover(failure, step)
@@ -315,39 +324,8 @@ class TrainingLoop:
                         checkpointed, rewrite = redo, False
                     step = redo
                     continue
-                rows = report.timeline_rows(step, result.per_actor)
-                record = {
-                    "step": step,
-                    "loss": result.loss,
-                    "grad_norm": result.grad_norm,
-                    "lr": result.lr,
-                    "tokens": self.tokens_per_step * (step + 1),
-                    "step_time_s": result.step_time_s,
-                    "tokens_per_s": self.tokens_per_step / result.step_time_s,
-                    "dp": actor_mesh.dp,
-                    "pp": actor_mesh.pp,
-                    "tp": actor_mesh.tp,
-                    "restarts": self.restarts,
-                    "bubble_fraction": report.measured_bubble(rows),
-                    "mfu": mfu(self.tokens_per_step / result.step_time_s, cfg.model, actor_mesh.peak_flops)
-                    if actor_mesh.peak_flops
-                    else None,
-                    "loss_scale": result.loss_scale,
-                    "skipped": result.skipped,
-                    **memory.worst(result.per_actor.values()),
-                }
-                if result.moe is not None:  # aux_loss, dropped_tokens, expert_load (layer -> per expert)
-                    record.update(result.moe)
-                self.logs["metrics.jsonl"].write(json.dumps(record) + "\n")
-                self.logs["metrics.jsonl"].flush()
-                self.logs["timeline.jsonl"].writelines(json.dumps(r) + "\n" for r in rows)
-                control.update.remote(self._status(record))
-                bar.set_postfix(
-                    loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", dp=actor_mesh.dp
-                )
-                bar.update(1)
+                last = self._log_step(step, result, val_loss, control, bar)
                 first_loss = result.loss if first_loss is None else first_loss
-                last = record
                 step += 1
         self._close_logs()
         return {
@@ -361,6 +339,50 @@ class TrainingLoop:
             "restarts": self.restarts,
             "checkpoint": self.last_checkpoint,
         }
+
+    def _log_step(
+        self, step: int, result: Any, val_loss: float | None, control: Any, bar: Any
+    ) -> dict[str, Any]:
+        """metrics.jsonl, timeline.jsonl, the control actor and the progress bar for a completed step."""
+        rows = report.timeline_rows(step, result.per_actor)
+        record = {
+            "step": step,
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
+            "tokens": self.tokens_per_step * (step + 1),
+            "step_time_s": result.step_time_s,
+            "tokens_per_s": self.tokens_per_step / result.step_time_s,
+            "dp": self.actor_mesh.dp,
+            "pp": self.actor_mesh.pp,
+            "tp": self.actor_mesh.tp,
+            "restarts": self.restarts,
+            "val_loss": val_loss,
+            "bubble_fraction": report.measured_bubble(rows),
+            "mfu": mfu(self.tokens_per_step / result.step_time_s, self.cfg.model, self.actor_mesh.peak_flops)
+            if self.actor_mesh.peak_flops
+            else None,
+            "loss_scale": result.loss_scale,
+            "skipped": result.skipped,
+            **memory.worst(result.per_actor.values()),
+        }
+        if result.moe is not None:  # aux_loss, dropped_tokens, expert_load (layer -> per expert)
+            record.update(result.moe)
+        self.logs["metrics.jsonl"].write(json.dumps(record) + "\n")
+        self.logs["metrics.jsonl"].flush()
+        self.logs["timeline.jsonl"].writelines(json.dumps(r) + "\n" for r in rows)
+        control.update.remote(self._status(record))
+        if val_loss is not None:
+            self.val_loss = val_loss
+        shown = {} if self.val_loss is None else {"val": f"{self.val_loss:.4f}"}
+        tok_s = f"{record['tokens_per_s']:.0f}"
+        bar.set_postfix(loss=f"{result.loss:.4f}", **shown, tok_s=tok_s, dp=self.actor_mesh.dp)
+        bar.update(1)
+        return record
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.train.eval_every
+        return bool(every) and ((step + 1) % every == 0 or step + 1 == self.cfg.train.steps)
 
     def _checkpoint_due(self, step: int, end: int) -> bool:
         """Every `checkpoint.every` steps and after the last; also when `--stop-at` ends the run early, so
