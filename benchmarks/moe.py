@@ -17,7 +17,6 @@ The numbers in benchmarks/README.md need a quiet machine; --quick only proves th
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -32,9 +31,8 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
-from collectives import GroupSpec, RendezvousServer, create_group  # noqa: E402
+from collectives import GroupSpec, LocalStoreRef, create_group  # noqa: E402
 from raypar import config, data  # noqa: E402
 from raypar.model import LlamaStage  # noqa: E402
 from raypar.moe import MoELayer  # noqa: E402
@@ -52,15 +50,12 @@ def model_cfg(quick: bool) -> config.Config:
 
 def _thread_ranks(size: int, fn: Any) -> list[Any]:
     """fn(group) on `size` threads forming one gloo group."""
-    server = RendezvousServer(host="127.0.0.1")
+    ref = LocalStoreRef()  # an in-process store: the ranks are threads of this process
     results: list[Any] = [None] * size
 
     def member(rank: int) -> None:
-        store = dist.TCPStore(
-            "127.0.0.1", server.address.port, is_master=False, timeout=datetime.timedelta(seconds=60)
-        )
         names = tuple(f"m{i}" for i in range(size))
-        results[rank] = fn(create_group(GroupSpec("ep", names, rank, server.address, timeout_s=60), store))
+        results[rank] = fn(create_group(GroupSpec("ep", names, rank, ref, timeout_s=60), ref.store))
 
     threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(size)]
     for t in threads:

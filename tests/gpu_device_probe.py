@@ -1,7 +1,7 @@
-"""Run as a subprocess by test_placement.py: a `ray.cluster_utils.Cluster` with one node of 4 and one of 8
-fake GPUs, an ActorMesh of model-free workers (tp=4, dp=3: one tp group fills the 4-GPU node, two the
-8-GPU node), and for every actor the GPU Ray assigned it next to the device its groups were formed on,
-printed as JSON. `--broken` forms the groups without devices (the bug: every communicator on cuda:0)."""
+"""Run as a subprocess by test_placement.py: a `ray.cluster_utils.Cluster` with one node of 4 and one of
+8 fake GPUs, an ActorMesh of model-free workers (tp=2, dp=6: twelve actors fill both nodes), and for
+every actor the GPU Ray assigned it next to the device its groups were formed on, printed as JSON.
+`--broken` forms the groups without devices (the bug: every communicator on cuda:0)."""
 
 from __future__ import annotations
 
@@ -27,14 +27,14 @@ def main() -> None:
     mesh_cls = _NoDevices if "--broken" in sys.argv else StubActorMesh
     cfg = config.load(
         "examples/configs/tiny.toml",
-        ['parallel.device="gpu"', "parallel.dp=3", "parallel.tp=4", "parallel.pp=1", "train.global_batch=12"],
+        ['parallel.device="gpu"', "parallel.dp=6", "parallel.tp=2", "parallel.pp=1", "train.global_batch=12"],
     )
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
         mesh = mesh_cls(cfg, "gpu-probe")
         mesh.start()
-        devices = ray.get({c.key: a.group_devices.remote() for c, a in mesh.actors.items()}.values())
+        devices = ray.get([a.group_devices.remote() for a in mesh.actors.values()])
         out = {
             c.key: {"node": mesh.nodes[c]["node_id"], "gpu": mesh.nodes[c]["gpu_ids"], "groups": d}
             for c, d in zip(mesh.actors, devices, strict=True)

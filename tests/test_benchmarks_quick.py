@@ -108,6 +108,11 @@ def test_gpu_check_quick():
     assert all(row["ok"] for row in lines), lines
 
 
+def test_sequence_bytes_quick():
+    text = ok(run("benchmarks/sequence_bytes.py", "--quick"))
+    assert "ulysses" in text and "ring" in text
+
+
 def _read(path: str) -> str:
     with open(path) as f:
         return f.read()
