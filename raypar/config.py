@@ -237,7 +237,10 @@ def _external_model_fields(model: dict[str, Any], sections: dict[str, dict[str, 
     if "vocab_size" not in model and source not in ("", "synthetic", "stdlib"):
         from raypar import data  # imports this module, and torch: only when a directory may be one
 
-        vocab = data.prepared_vocab_size(source)
+        try:
+            vocab = data.prepared_vocab_size(source)
+        except (ValueError, OSError) as err:  # a broken or incomplete prepared directory
+            raise ConfigError(f"data.source: {err}") from None
         if vocab is not None:
             tp = int(sections.get("parallel", {}).get("tp", 1)) or 1
             return {"vocab_size": -(-vocab // tp) * tp}

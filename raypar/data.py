@@ -417,7 +417,10 @@ def open_dataset(data_cfg: DataConfig, model_cfg: ModelConfig) -> Dataset:
         out = Path(data_cfg.cache_dir) / f"stdlib-{platform.python_version()}"
         return _prepared(stdlib_globs(), out, seq_len, vocab_size)
     if source and (Path(source) / INDEX).is_file():
-        return TokenDataset(source, seq_len, vocab_size)
+        try:
+            return TokenDataset(source, seq_len, vocab_size)
+        except (ValueError, OSError) as err:  # a broken or incomplete prepared directory
+            raise ConfigError(f"data.source: {err}") from None
     if source and Path(source).is_dir():
         raise ConfigError(
             f"data.source: {source} is a directory without {INDEX}; give a glob such as {source}/**/*.txt"

@@ -31,6 +31,7 @@ ZERO_OK = {
     "train.warmup_steps", "train.seed", "train.max_failures", "train.min_lr", "train.weight_decay",
     "train.beta1", "train.beta2", "train.grad_clip", "checkpoint.every", "parallel.max_dp",
     "model.dropout", "model.moe_experts", "model.moe_aux_loss_coef",
+    "train.eval_every", "data.val_fraction",  # 0: no validation
 }  # fmt: skip
 
 
@@ -261,9 +262,13 @@ def _cases() -> list:
     case(
         "prepare-glob-nothing",
         lambda f: ["prepare", str(f.root / "none*.txt"), "--out", out(f)],
-        lambda f: "glob",
+        lambda f: "matches no file",
     )
-    case("prepare-glob-only-dirs", lambda f: ["prepare", str(f.dir), "--out", out(f)], lambda f: "glob")
+    case(
+        "prepare-glob-only-dirs",
+        lambda f: ["prepare", str(f.dir), "--out", out(f)],
+        lambda f: "matches no file",
+    )
     case("prepare-out-file", lambda f: ["prepare", str(f.text), "--out", str(f.file)], lambda f: "--out")
     case(
         "prepare-out-in-file",
@@ -272,8 +277,8 @@ def _cases() -> list:
     )
     other = lambda f: str(f.prepared("other", lambda o: None))  # noqa: E731 - a cache of other tokens
     case(
-        "prepare-out-holds-other-data",
-        lambda f: ["prepare", str(f.garbage), "--out", other(f)],
+        "prepare-out-holds-other-data",  # known only once the tokens are counted: no progress bar before it
+        lambda f: ["prepare", str(f.garbage), "--out", other(f), "--no-progress"],
         lambda f: "--out",
     )
     case("prepare-no-out", lambda f: ["prepare", str(f.text)], lambda f: "--out")
