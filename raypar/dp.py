@@ -1,107 +1,422 @@
-"""Data parallelism: gradients averaged across a DP group in buckets, overlapped with the last backward.
+"""The data-parallel strategy: one object owns gradients, their reduction, optimizer state and the update.
 
-Like torch DDP, parameters are packed into buckets in reverse registration order (the order backward
-produces their gradients). Gradients accumulate locally over microbatches; during the backward of the
-last microbatch a hook counts each parameter whose gradient is final, and when a bucket is complete its
-all-reduce starts asynchronously while autograd moves on to earlier layers. `finish()` waits for every
-bucket and copies the averaged values back into `.grad`.
+`DPStrategy(model, train_cfg, group, zero, bucket_bytes)` takes over a stage shard's parameters:
 
-This object owns the gradients' reduction; a ZeRO strategy (reduce-scatter into owned shards, all-gather
-the updated parameters) replaces it behind the same `arm()` / `finish()` calls.
+- **Flat buffers.** Parameters and gradients live as views into per-bucket flat buffers
+  (`raypar.flat`), so reducing a bucket reads and writes the gradients themselves: no copy in or out.
+- **Reduction** starts bucket by bucket during the last microbatch's backward (`arm()` before it,
+  `finish()` after): a post-accumulate-grad hook counts each bucket's final gradients.
+- **ZeRO stage** (`zero`): 0 all-reduces gradients and updates everything on every replica; 1 shards the
+  fp32 master weights and Adam moments over the DP group (each rank updates its piece of every bucket,
+  then the buckets' parameters are all-gathered); 2 also reduce-scatters gradients straight into the
+  owned piece, freeing the full gradient buffers as soon as they are reduced; 3 (`raypar.zero3`) also
+  shards the parameters themselves.
+- **Master weights.** Parameters in fp32 below stage 3 are their own master (the owned piece is a view of
+  the parameter buffer); otherwise a separate fp32 master holds the owned piece and the update is cast
+  back. This is the one place master weights live.
+- **Grad norm** (`grad_sq_norm`): this (stage, tp rank) coordinate's part, summed over the DP group
+  when shards are split; tp-replicated parameters count on tp rank 0 only.
+- **State.** `checkpoint_parts` names the rectangles this rank owns (each rank writes only those; at
+  stage 0 replica 0 writes everything); `load` reads this rank's part of any checkpoint; `full_state` /
+  `load_full_state` move the whole state across a change of dp (re-sharding) and heal new replicas.
+- **`close()`** removes every hook, so a rebind leaves nothing of the old strategy attached.
+
+AdamW is torch's own functional implementation, applied to the owned pieces: elementwise, so sharding
+changes nothing of its arithmetic.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from typing import Any, Protocol
 
 import torch
+from torch import nn
+from torch.optim.adam import adam
 
 from collectives import Group, Work
+from raypar.checkpoint import CheckpointReader, ShardSpec
+from raypar.config import TrainConfig
+from raypar.flat import Bucket, FlatLayout, Piece, Slot, rectangles
+
+ADAM_EPS = 1e-8
+MOMENTS = ("exp_avg", "exp_avg_sq")
+ZERO_STAGES = (0, 1, 2, 3)
 
 
-@dataclass
-class _Bucket:
-    params: list[torch.nn.Parameter]
-    buffer: torch.Tensor | None = None
-    pending: int = 0
-    work: Work | None = None
-    ready: set[int] = field(default_factory=set)
+class StageModel(Protocol):
+    """What a strategy needs of the model: named parameters and where each sits in its global tensor."""
+
+    def named_parameters(self) -> Any: ...
+
+    def shard_specs(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]: ...
+
+    def replicated(self, name: str) -> bool: ...
 
 
-class GradReducer:
+class DPStrategy:
+    reduce_op = "avg"  # over the DP group; a test subclass sums instead (a negative control)
+
     def __init__(
         self,
-        params: list[torch.nn.Parameter],
+        model: StageModel,
+        cfg: TrainConfig,
         group: Group | None,
-        bucket_bytes: int,
-        op: str = "avg",
-    ):
-        self.group, self.op = group, op
-        self.buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, _Bucket] = {}
+        zero: int = 0,
+        bucket_bytes: int = 25 * 2**20,
+        tp_rank: int = 0,
+    ) -> None:
+        if zero not in ZERO_STAGES:
+            raise ValueError(f"zero stage must be one of {ZERO_STAGES}, got {zero}")
+        self.cfg, self.zero, self.tp_rank = cfg, zero, tp_rank
+        self.group = group if group is not None and group.size > 1 else None
+        self.size = self.group.size if self.group else 1
+        self.rank = self.group.rank if self.group else 0
+        self.sharded = zero >= 1 and self.size > 1
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.specs = model.shard_specs()
+        self.replicated = model.replicated
+        self.layout = FlatLayout(
+            named, self.size if zero >= 1 else 1, self.rank if zero >= 1 else 0, bucket_bytes,
+            self._bucket_groups(model),
+        )
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) > 1:
+            raise ValueError(f"parameters of one stage must share a dtype, got {sorted(map(str, dtypes))}")
+        self.dtype = dtypes.pop() if dtypes else torch.float32
+        self.device = named[0][1].device if named else torch.device("cpu")
+        self.master_is_param = self.dtype == torch.float32 and zero < 3
+        self.step_count = 0
+        self.traffic = {"reduce_bytes": 0, "gather_bytes": 0}
         self._armed = False
-        if group is None or group.size == 1:
-            return
-        current: list[torch.nn.Parameter] = []
-        size = 0
-        for p in reversed([p for p in params if p.requires_grad]):
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-        if current:
-            self.buckets.append(_Bucket(current))
-        for bucket in self.buckets:
-            for p in bucket.params:
-                self._bucket_of[id(p)] = bucket
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        owned = self.layout.owned_numel
+        with torch.no_grad():
+            for bucket in self.layout.buckets:
+                bucket.params = torch.zeros(bucket.padded, dtype=self.dtype, device=self.device)
+                for slot in bucket.slots:
+                    view = self.layout.view(bucket.params, slot)
+                    if _materialized(slot.param):  # else freed by a ZeRO-3 strategy: load_full_state fills it
+                        view.copy_(slot.param.data)
+                    slot.param.data = view
+            self.master = None if self.master_is_param else torch.zeros(owned, device=self.device)
+            if self.master is not None:
+                for piece in self.layout.pieces:
+                    self._master(piece).copy_(self._bucket_piece("params", piece))
+        self.moments = {m: torch.zeros(owned, device=self.device) for m in MOMENTS}
+        self.owned_grads = torch.zeros(owned, device=self.device) if zero >= 2 else None
+        if zero < 2:  # gradients persist between steps (zeroed, not freed)
+            self._allocate_grads()
+        self._handles = [
+            slot.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, slot))
+            for slot in self.layout.slots.values()
+        ]
 
-    @property
-    def active(self) -> bool:
-        return bool(self.buckets)
+    def _bucket_groups(self, model: StageModel) -> list[list[str]] | None:
+        return None  # buckets by size; ZeRO-3 buckets by block
+
+    # -- views -------------------------------------------------------------------------------------
+    def _bucket_piece(self, which: str, piece: Piece) -> torch.Tensor:
+        return self.layout.piece_of_bucket(getattr(self.layout.buckets[piece.slot.bucket], which), piece)
+
+    def _master(self, piece: Piece) -> torch.Tensor:
+        """The fp32 master values of `piece` (a view of the parameters themselves when they are fp32)."""
+        if self.master is None:
+            return self._bucket_piece("params", piece)
+        return self.master[piece.pos : piece.pos + piece.numel]
+
+    def _grad(self, piece: Piece) -> torch.Tensor:
+        if self.owned_grads is not None:
+            return self.owned_grads[piece.pos : piece.pos + piece.numel]
+        return self._bucket_piece("grads", piece)
+
+    def _moment(self, moment: str, piece: Piece) -> torch.Tensor:
+        return self.moments[moment][piece.pos : piece.pos + piece.numel]
+
+    def _counted(self, piece: Piece) -> bool:
+        return self.tp_rank == 0 or not self.replicated(piece.slot.name)
+
+    # -- gradients -----------------------------------------------------------------------------------
+    def _allocate_grads(self) -> None:
+        for bucket in self.layout.buckets:
+            bucket.grads = torch.zeros(bucket.padded, dtype=self.dtype, device=self.device)
+            for slot in bucket.slots:
+                slot.param.grad = self.layout.view(bucket.grads, slot)
+
+    def _free_grads(self) -> None:
+        for bucket in self.layout.buckets:
+            bucket.grads = None
+            for slot in bucket.slots:
+                slot.param.grad = None
+
+    def begin_step(self) -> None:
+        """Before the first backward of a step: gradient buffers exist, traffic counters restart."""
+        self.traffic = dict.fromkeys(self.traffic, 0)
+        if self.layout.buckets and self.layout.buckets[0].grads is None:
+            self._allocate_grads()
 
     def arm(self) -> None:
-        """Call right before the backward of the last microbatch: from now on, a final gradient starts
-        its bucket's reduction."""
-        self._armed = self.active
-        for bucket in self.buckets:
-            bucket.ready.clear()
-            bucket.work = None
+        """Right before the last microbatch's backward: a bucket whose gradients are final starts its
+        reduction."""
+        self._armed = True
+        for bucket in self.layout.buckets:
+            bucket.ready, bucket.work = 0, None
 
-    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if not self._armed:
-            return
-        bucket = self._bucket_of[id(param)]
-        bucket.ready.add(id(param))
-        if len(bucket.ready) == len(bucket.params):
-            self._launch(bucket)
+    def _on_grad(self, slot: Slot, param: nn.Parameter) -> None:
+        bucket = self.layout.buckets[slot.bucket]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.slots):
+            bucket.ready = 0
+            self._bucket_done(bucket)
 
-    def _launch(self, bucket: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        if bucket.buffer is None:
-            bucket.buffer = torch.empty(
-                sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device
-            )
-        torch.cat([g.reshape(-1) for g in grads], out=bucket.buffer)
-        bucket.work = self.group.all_reduce(bucket.buffer, self.op, async_op=True)
+    def _bucket_done(self, bucket: Bucket) -> None:
+        if self._armed and bucket.work is None:
+            bucket.work = self._reduce(bucket)
+
+    def _reduce(self, bucket: Bucket) -> Work | None:
+        b = self.size
+        if self.owned_grads is None:
+            if self.group is None:
+                return None
+            self.traffic["reduce_bytes"] += 2 * bucket.padded * (b - 1) // b * bucket.grads.element_size()
+            return self.group.all_reduce(bucket.grads, self.reduce_op, async_op=True)
+        out = self.owned_grads[bucket.own_offset : bucket.own_offset + bucket.piece]
+        if self.group is None:
+            out.copy_(bucket.grads)
+            return None
+        self.traffic["reduce_bytes"] += bucket.piece * (b - 1) * bucket.grads.element_size()
+        return self.group.reduce_scatter(bucket.grads, self.reduce_op, async_op=True, out=out)
 
     def finish(self) -> None:
-        """Wait for every bucket (launching any whose parameters got no gradient) and write back `.grad`."""
-        if not self.active:
-            return
+        """After the last backward: every bucket reduced (launching any not yet started). From stage 2 on
+        the full gradients are freed here: only the owned piece outlives the reduction."""
+        for bucket in self.layout.buckets:
+            if bucket.work is None:  # its hook never completed (a parameter without a gradient)
+                bucket.work = self._reduce(bucket)
+        for bucket in self.layout.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
         self._armed = False
-        for bucket in self.buckets:
-            if bucket.work is None:
-                self._launch(bucket)
-        for bucket in self.buckets:
-            bucket.work.wait()
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
-                flat = bucket.buffer[offset : offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = flat.clone()
-                else:
-                    p.grad.copy_(flat)
-                offset += n
+        if self.owned_grads is not None:
+            self._free_grads()
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """This coordinate's part of the squared global gradient norm (float64): its pieces, summed over
+        the DP group when the pieces are split across it."""
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for piece in self.layout.pieces:
+            if self._counted(piece):
+                total += torch.linalg.vector_norm(self._grad(piece), dtype=torch.float32).double().square()
+        if self.sharded:
+            self.group.all_reduce(total, "sum")
+        return total
+
+    def clip_(self, total_norm: float, max_norm: float) -> float:
+        """Scale the gradients that the update reads by min(1, max_norm / (total_norm + 1e-6))."""
+        if max_norm <= 0:
+            return 1.0
+        scale = min(1.0, max_norm / (total_norm + 1e-6))
+        if scale < 1.0:
+            for piece in self.layout.pieces:
+                self._grad(piece).mul_(scale)
+        return scale
+
+    def zero_grad(self) -> None:
+        """Discard gradients (after an update, or a failed step that must leave nothing behind)."""
+        for bucket in self.layout.buckets:
+            bucket.work, bucket.ready = None, 0
+        self._armed = False
+        if self.owned_grads is not None:
+            self._free_grads()
+        else:
+            for bucket in self.layout.buckets:
+                bucket.grads.zero_()
+
+    # -- the update ----------------------------------------------------------------------------------
+    def step(self, lr: float) -> None:
+        """AdamW on the owned pieces (weight decay on matrices only), then publish the parameters."""
+        cfg = self.cfg
+        for decay in (True, False):
+            pieces = [p for p in self.layout.pieces if (len(p.slot.shape) >= 2) == decay]
+            if not pieces:
+                continue
+            adam(
+                [self._master(p) for p in pieces],
+                [self._grad(p).float() for p in pieces],  # a no-op for fp32 gradients
+                [self._moment("exp_avg", p) for p in pieces],
+                [self._moment("exp_avg_sq", p) for p in pieces],
+                [],
+                # torch's AdamW keeps the count as a float32 scalar: the same keeps bias correction bitwise
+                [torch.tensor(float(self.step_count), dtype=torch.float32) for _ in pieces],
+                decoupled_weight_decay=True,
+                amsgrad=False,
+                beta1=cfg.beta1,
+                beta2=cfg.beta2,
+                lr=lr,
+                weight_decay=cfg.weight_decay if decay else 0.0,
+                eps=ADAM_EPS,
+                maximize=False,
+            )
+        self.step_count += 1
+        self._publish()
+        self.zero_grad()
+
+    def _publish(self) -> None:
+        """Make every replica's full parameters the updated ones (stages 0-2; stage 3 gathers on use)."""
+        with torch.no_grad():
+            if self.master is not None:
+                for piece in self.layout.pieces:
+                    self._bucket_piece("params", piece).copy_(self._master(piece))
+            if not self.sharded:
+                return
+            works = []
+            for bucket in self.layout.buckets:
+                mine = bucket.params[self.rank * bucket.piece : (self.rank + 1) * bucket.piece].clone()
+                self.traffic["gather_bytes"] += bucket.piece * (self.size - 1) * mine.element_size()
+                works.append(self.group.all_gather(mine, async_op=True, out=bucket.params))
+            for work in works:
+                work.wait()
+
+    # -- state -------------------------------------------------------------------------------------
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every local parameter in full, on the CPU (a collective under ZeRO-3)."""
+        return {s.name: s.param.detach().to("cpu", copy=True) for s in self.layout.slots.values()}
+
+    def _writes(self) -> bool:
+        return self.zero >= 1 or self.rank == 0
+
+    def checkpoint_parts(self) -> list[dict[str, tuple[torch.Tensor, ShardSpec]]]:
+        """What this rank writes, as live views: name -> (rectangle, its place in the global tensor), split
+        into parts that each name a tensor at most once (a flat range is up to three rectangles)."""
+        parts: list[dict[str, tuple[torch.Tensor, ShardSpec]]] = []
+        if not self._writes():
+            return parts
+        for piece in self.layout.pieces:
+            if not self._counted(piece):
+                continue  # tp-replicated: tp rank 0 writes it
+            sources = {"": self._master(piece), **{f"optim.{m}.": self._moment(m, piece) for m in MOMENTS}}
+            for k, (offsets, shape, start, spec) in enumerate(self._rectangles(piece)):
+                while len(parts) <= k:
+                    parts.append({})
+                n = max(1, _prod(shape))
+                for prefix, flat in sources.items():
+                    parts[k][prefix + piece.slot.name] = (flat[start : start + n].view(shape), spec)
+        return parts
+
+    def _rectangles(self, piece: Piece) -> list[tuple[tuple[int, ...], tuple[int, ...], int, ShardSpec]]:
+        global_shape, tp_offsets = self.specs[piece.slot.name]
+        out = []
+        for offsets, shape, start in rectangles(piece.slot.shape, piece.lo, piece.hi):
+            placed = tuple(a + b for a, b in zip(tp_offsets, offsets, strict=True))
+            out.append((offsets, shape, start, ShardSpec(tuple(global_shape), placed)))
+        return out
+
+    def _read_piece(self, reader: CheckpointReader, name: str, piece: Piece, out: torch.Tensor) -> None:
+        for _, shape, start, spec in self._rectangles(piece):
+            part = reader.read_slice(name, spec.global_shape, spec.offsets, shape, torch.float32)
+            out[start : start + max(1, _prod(shape))].copy_(part.reshape(-1))
+
+    def load(self, reader: CheckpointReader, step_count: int) -> None:
+        """This rank's part of any checkpoint (any layout, any zero stage) after `step_count` updates."""
+        with torch.no_grad():
+            if self.zero < 3:
+                for slot in self.layout.slots.values():
+                    shape, offsets = self.specs[slot.name]
+                    full = reader.read_slice(slot.name, tuple(shape), tuple(offsets), slot.shape, self.dtype)
+                    slot.param.data.copy_(full)
+            for piece in self.layout.pieces:
+                if self.master is not None:
+                    self._read_piece(reader, piece.slot.name, piece, self._master(piece))
+                for m in MOMENTS:
+                    if step_count:
+                        self._read_piece(reader, f"optim.{m}.{piece.slot.name}", piece, self._moment(m, piece))
+                    else:
+                        self._moment(m, piece).zero_()
+        self.step_count = int(step_count)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The whole state of this coordinate by checkpoint name (master values under the parameter's
+        name), local shapes, fp32. Unsharded: live views. Sharded: a collective over the DP group that
+        returns host copies (transiently the full state: dp changes are rare)."""
+        names = {"": None, **{f"optim.{m}.": m for m in MOMENTS}}
+        if not self.sharded:
+            return {
+                prefix + p.slot.name: (self._master(p) if m is None else self._moment(m, p)).view(p.slot.shape)
+                for p in self.layout.pieces for prefix, m in names.items()
+            }
+        out: dict[str, torch.Tensor] = {}
+        for prefix, m in names.items():
+            if m is None:
+                mine = torch.cat(
+                    [self._master_owned(b) for b in self.layout.buckets]
+                ) if self.layout.buckets else torch.zeros(0)
+            else:
+                mine = self.moments[m]
+            gathered = self.group.all_gather(mine.contiguous()).view(self.size, -1)
+            for bucket in self.layout.buckets:
+                own = gathered[:, bucket.own_offset : bucket.own_offset + bucket.piece].reshape(-1)
+                for slot in bucket.slots:
+                    out[prefix + slot.name] = self.layout.view(own, slot).to("cpu", copy=True)
+        return out
+
+    def _master_owned(self, bucket: Bucket) -> torch.Tensor:
+        if self.master is not None:
+            return self.master[bucket.own_offset : bucket.own_offset + bucket.piece]
+        return bucket.params[self.rank * bucket.piece : (self.rank + 1) * bucket.piece].float()
+
+    def state_template(self) -> dict[str, torch.Tensor]:
+        """Tensors shaped like `full_state()`'s, to receive a broadcast into."""
+        return {
+            prefix + s.name: torch.empty(s.shape, device=self.device)
+            for s in self.layout.slots.values() for prefix in ("", *(f"optim.{m}." for m in MOMENTS))
+        }
+
+    def load_full_state(self, state: dict[str, torch.Tensor], step_count: int) -> None:
+        """Take this rank's part of a `full_state()` (from any dp and zero stage)."""
+        with torch.no_grad():
+            if self.zero < 3:
+                for slot in self.layout.slots.values():
+                    if slot.param.data.data_ptr() != state[slot.name].data_ptr():
+                        slot.param.data.copy_(state[slot.name])
+            for piece in self.layout.pieces:
+                lo, hi = piece.lo, piece.hi
+                if self.master is not None:
+                    self._master(piece).copy_(state[piece.slot.name].reshape(-1)[lo:hi])
+                for m in MOMENTS:
+                    self._moment(m, piece).copy_(state[f"optim.{m}.{piece.slot.name}"].reshape(-1)[lo:hi])
+        self.step_count = int(step_count)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of the unique storages of parameters, gradients, master weights and moments, by device
+        type (`cpu`, `cuda`), as allocated now."""
+        tensors: list[torch.Tensor | None] = [self.master, self.owned_grads, *self.moments.values()]
+        for bucket in self.layout.buckets:
+            tensors += [bucket.params, bucket.grads]
+        for slot in self.layout.slots.values():
+            tensors += [slot.param.data, slot.param.grad]
+        seen: dict[tuple[str, int], int] = {}
+        for t in tensors:
+            if t is not None and (storage := t.untyped_storage()).nbytes():
+                seen[(t.device.type, storage.data_ptr())] = storage.nbytes()
+        out: dict[str, int] = {}
+        for (device, _), n in seen.items():
+            out[device] = out.get(device, 0) + n
+        return out
+
+    def close(self) -> None:
+        """Remove every hook this strategy installed (a rebind builds a new one)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _materialized(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+

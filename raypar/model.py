@@ -156,6 +156,11 @@ class LlamaStage(nn.Module):
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
 
     # -- layout ---------------------------------------------------------------------------------------
+    def units(self) -> list[nn.Module]:
+        """The modules forward runs, in order, each gathered as a whole under ZeRO-3."""
+        first = [self.embed] if self.first else []
+        return first + list(self.layers.values()) + ([self.norm, self.head] if self.last else [])
+
     def _placed_parameters(self):
         """(global name, parameter, shard_dim) for every local parameter."""
         for module_name, module in self.named_modules():
