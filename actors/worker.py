@@ -3,9 +3,10 @@
 A training step on an actor, top to bottom:
   1. `train_step`: walk this stage's schedule (raypar.schedules): receive activations, forward, send;
      receive gradients, backward, send — microbatch by microbatch, data read locally from the global
-     sampler; the DP reducer averages gradients across replicas, its buckets overlapping the last backward;
-     the global gradient norm is summed over this replica's stages and tp ranks, then clipped;
-  2. `apply_step`: the optimizer update, sent by the driver only once every actor finished phase 1.
+     sampler; the DP strategy (raypar.dp: plain or ZeRO 1-3) reduces gradients across replicas, its
+     buckets overlapping the last backward; the global gradient norm is summed over this replica's stages
+     and tp ranks (and over the DP group where ZeRO splits the gradients), then clipped;
+  2. `apply_step`: the strategy's update, sent by the driver only once every actor finished phase 1.
 Nothing is applied before all gradients are reduced everywhere, so a failed step leaves every survivor
 at the previous step and can simply be redone. The driver sends only step numbers: data, activations
 and gradients never pass through it.
@@ -30,16 +31,12 @@ from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from collectives import GroupHost
 from raypar import checkpoint, data, flops, schedules
 from raypar import config as config_mod
-from raypar.dp import GradReducer
+from raypar.dp import DPStrategy
 from raypar.mesh import Coord, actor_name, pipe_group_name, stage_layers
 from raypar.model import LlamaStage
-from raypar.optim import Optimizer, lr_at
+from raypar.optim import lr_at
 from raypar.tp import RowParallelLinear
-
-
-def _param_of(name: str) -> str:
-    """The parameter a checkpoint tensor belongs to: `optim.exp_avg.<param>` -> `<param>`."""
-    return name.removeprefix("optim.").partition(".")[2] if name.startswith("optim.") else name
+from raypar.zero3 import Zero3Strategy
 
 
 class WorkerFailure(RuntimeError):
@@ -56,7 +53,11 @@ class Worker(GroupHost):
         self.metrics = ActorMetrics(run, self.coord)
         self.faults: set[str] = set()
         self._writer: threading.Thread | None = None
-        self._written: dict[str, Any] | BaseException | None = None
+        self._written: list[dict[str, Any]] | BaseException | None = None
+        self.strategy: DPStrategy | None = None
+        # The whole DP state, taken before a planned change of dp (ZeRO shards it over the old group):
+        # (state by checkpoint name, optimizer step count); consumed by rebind and sync_state.
+        self._stash: tuple[dict[str, torch.Tensor], int] | None = None
 
     def __repr__(self) -> str:
         return self.name
@@ -91,7 +92,7 @@ class Worker(GroupHost):
         tp_group = self.group(f"tp.dp{self.coord.dp}.pp{p}") if par.tp > 1 else None  # shapes the shards
         self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, self.cfg.train.seed)
         self.model.to(self.device)
-        self.optimizer = Optimizer(self.model, self.cfg.train)
+        self.strategy, self._stash = None, None
         self.dataset = data.open_dataset(self.cfg.data, self.cfg.model) if self.first or self.last else None
         if self.dataset is not None:
             self.sampler = data.GlobalSampler(
@@ -119,9 +120,8 @@ class Worker(GroupHost):
                 if isinstance(module, RowParallelLinear):
                     module.group = None
         dp_group = self.group(f"dp.pp{p}.tp{t}") if self.dp > 1 else None
-        op = "sum" if "dp_sum" in self.faults else "avg"
-        self.reducer = GradReducer(list(self.model.parameters()), dp_group, int(par.bucket_mb * 2**20), op)
         self.dp_group = dp_group
+        self._rebuild_strategy()
         self.mp_group = self.group(f"mp.dp{d}") if par.pp * par.tp > 1 else None
         self.microbatches = self.cfg.microbatches_at(self.dp)
         self.plan = schedules.build(par.schedule, par.pp, self.microbatches)[p]
@@ -134,8 +134,35 @@ class Worker(GroupHost):
             self.transport = ObjectStoreTransport(
                 self.name, peers.get("prev"), peers.get("next"), self.mailbox, par.timeout_s, epoch
             )
-        self.optimizer.zero_grad()
         self.mailbox.reset()
+
+    def _rebuild_strategy(self) -> None:
+        """A new DP strategy for the new group; the old one's hooks go with it. Its state carries over:
+        from the stash of a planned dp change, or read locally where nothing is sharded."""
+        old, par = self.strategy, self.cfg.parallel
+        state, step_count = self._stash if self._stash is not None else (None, 0)
+        if state is None and old is not None:
+            if old.sharded:
+                raise RuntimeError(
+                    f"parallel.zero={par.zero}: this replica's optimizer slices were sharded over a group "
+                    "that changed without a stash; restore from a checkpoint"
+                )
+            state, step_count = old.full_state(), old.step_count
+        if old is not None:
+            old.close()
+        cls = Zero3Strategy if par.zero == 3 else DPStrategy
+        self.strategy = cls(
+            self.model, self.cfg.train, self.dp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp
+        )
+        if "dp_sum" in self.faults:  # negative control: replicas' gradients summed, not averaged
+            self.strategy.reduce_op = "sum"
+        if state is not None:
+            self.strategy.load_full_state(state, step_count)
+
+    def stash_state(self) -> None:
+        """Before a planned change of dp: keep the whole DP state (a collective over the old group under
+        ZeRO) so that the new layout can be carved out of it."""
+        self._stash = (self.strategy.full_state(), self.strategy.step_count)
 
     def _device(self) -> torch.device:
         gpu_ids = ray.get_gpu_ids()
@@ -166,18 +193,19 @@ class Worker(GroupHost):
         try:
             return self._train_step(step)
         except Exception as err:
-            self.optimizer.zero_grad()  # the step is discarded: nothing of it may leak into a redo
+            self.strategy.zero_grad()  # the step is discarded: nothing of it may leak into a redo
             raise self._fail(f"step {step}", err) from err
 
     def apply_step(self, step: int) -> None:
         """Phase 2: every actor finished phase 1 of `step`, so the update is applied everywhere."""
-        self.optimizer.step(lr_at(step, self.cfg.train))
-        self.optimizer.zero_grad()
+        self.strategy.step(lr_at(step, self.cfg.train))
 
     def _train_step(self, step: int) -> dict[str, Any]:
         if f"raise_at_step:{step}" in self.faults:
             raise RuntimeError("fault injected by the test suite")
         start = time.perf_counter()
+        self._stash = None  # a dp change is complete once a step runs
+        self.strategy.begin_step()
         self.transport.step = step
         self.mailbox.clear_before(self.epoch, step)
         bf16 = self.cfg.train.precision == "bf16"
@@ -210,7 +238,7 @@ class Worker(GroupHost):
                 grads[mb] = self.transport.recv_grad(mb, self.act_like).to(self.device)
             elif op == "backward":
                 if index == self.last_backward:
-                    self.reducer.arm()
+                    self.strategy.arm()
                 out = outputs.pop(mb)
                 out.backward(None if self.last else grads.pop(mb))
             elif op == "send_grad":
@@ -220,7 +248,7 @@ class Worker(GroupHost):
                 )
             events.append((op, mb, t0 - start, time.perf_counter() - start))
         compute_end = time.perf_counter()
-        self.reducer.finish()
+        self.strategy.finish()
         self.transport.finish_step()
         grad_norm = self._clip_grad_norm()
         end = time.perf_counter()
@@ -235,6 +263,9 @@ class Worker(GroupHost):
             "busy_s": busy,
             "reduce_s": end - compute_end,
             "events": events,
+            # bytes this actor sent for DP since the last step: reduction, parameter gathers (ZeRO)
+            **self.strategy.take_traffic(),
+            "model_state_bytes": sum(self.strategy.model_state_bytes().values()),
         }
         tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result["step_s"]
         world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp
@@ -243,63 +274,60 @@ class Worker(GroupHost):
         return result
 
     def _clip_grad_norm(self) -> float:
-        sq = self.optimizer.grad_sq_norm(self.model.replicated, self.coord.tp == 0).double().reshape(1)
+        sq = self.strategy.grad_sq_norm()
         if self.mp_group is not None:
             self.mp_group.all_reduce(sq, "sum")
         norm = math.sqrt(sq.item())
-        if self.cfg.train.grad_clip > 0:
-            self.optimizer.clip_(norm, self.cfg.train.grad_clip)
+        self.strategy.clip_(norm, self.cfg.train.grad_clip)
         return norm
 
     # -- state: inspection, healing a new replica, checkpoints ----------------------------------------
     def parameters(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
-        """name -> (local shard, global shape, offsets), on the CPU."""
+        """name -> (local shard, global shape, offsets), on the CPU. Under ZeRO-3 a collective over the DP
+        group: call it on every replica."""
         specs = self.model.shard_specs()
-        return {n: (p.detach().cpu(), *specs[n]) for n, p in self.model.named_parameters()}
-
-    def _state(self) -> dict[str, torch.Tensor]:
-        """Everything to continue: parameters and optimizer moments, by checkpoint name."""
-        return {**dict(self.model.named_parameters()), **self.optimizer.state_tensors()}
-
-    def _spec(self, name: str) -> checkpoint.ShardSpec:
-        shape, offsets = self.model.shard_specs()[_param_of(name)]
-        return checkpoint.ShardSpec(tuple(shape), tuple(offsets))
+        return {n: (t, *specs[n]) for n, t in self.strategy.full_parameters().items()}
 
     def sync_state(self, src_dp_rank: int) -> None:
-        """Copy parameters and optimizer state from the replica at `src_dp_rank` to every other replica
-        of this (stage, tp rank): how a new or rebuilt replica is healed from a live peer."""
+        """Heal new replicas: the replica at `src_dp_rank` broadcasts the whole DP state of this (stage, tp
+        rank) and every replica keeps its part of it (all of it without ZeRO)."""
+        stash, self._stash = self._stash, None
         if self.dp_group is None:
             return
-        steps = torch.tensor([float(self.optimizer.step_count)], dtype=torch.float64)
+        count = stash[1] if stash is not None else self.strategy.step_count
+        steps = torch.tensor([float(count)], dtype=torch.float64)
         self.dp_group.broadcast(steps, src_dp_rank)
-        step_count = int(steps.item())
-        if step_count and not self.optimizer.state_tensors():  # a fresh replica: give its moments a shape
-            zeros = {
-                f"optim.{m}.{n}": torch.zeros_like(p)
-                for n, p in self.model.named_parameters()
-                for m in ("exp_avg", "exp_avg_sq")
-            }
-            self.optimizer.load_state_tensors(zeros, step_count)
-        self.optimizer.step_count = step_count
+        if stash is not None:
+            state = stash[0]
+        elif self.strategy.sharded:  # a new replica under ZeRO: receives everything, keeps its piece
+            state = self.strategy.state_template()
+        else:  # live views: the broadcast writes straight into this replica's state
+            state = self.strategy.full_state()
         with torch.no_grad():
-            for _, tensor in sorted(self._state().items()):
-                self.dp_group.broadcast(tensor.data, src_dp_rank)
+            for name in sorted(state):
+                state[name] = state[name].to(self.device)
+                self.dp_group.broadcast(state[name], src_dp_rank)
+        self.strategy.load_full_state(state, int(steps.item()))
 
     def save_shard(self, staging: str) -> bool:
-        """Snapshot this shard to host memory now (the stall), write it in a background thread.
-
-        One replica writes; tensors replicated across tp ranks are written by tp rank 0 only."""
-        if self.dp_rank != 0:
-            return False
+        """Snapshot the slices this actor owns to host memory now (the stall), write them in a background
+        thread. Without ZeRO one replica writes; tp-replicated tensors are written by tp rank 0 only."""
         self.wait_shard()
-        tensors = {n: t for n, t in self._state().items() if self.coord.tp == 0 or not self._replicated(n)}
-        snap = checkpoint.snapshot(tensors)
-        specs = {n: self._spec(n) for n in snap}
-        key = checkpoint.shard_key(0, self.coord.pp, self.coord.tp)
+        parts = [
+            ({n: t for n, (t, _) in part.items()}, {n: spec for n, (_, spec) in part.items()})
+            for part in self.strategy.checkpoint_parts()
+        ]
+        if not parts:
+            return False
+        snaps = [(checkpoint.snapshot(tensors), specs) for tensors, specs in parts]
+        key = checkpoint.shard_key(self.dp_rank, self.coord.pp, self.coord.tp)
 
         def write() -> None:
             try:
-                self._written = checkpoint.write_shard(staging, key, snap, specs)
+                self._written = [
+                    checkpoint.write_shard(staging, f"{key}.{k}", snap, specs)
+                    for k, (snap, specs) in enumerate(snaps)
+                ]
             except BaseException as err:  # noqa: BLE001 - handed to the driver by wait_shard
                 self._written = err
 
@@ -308,11 +336,8 @@ class Worker(GroupHost):
         self._writer.start()
         return True
 
-    def _replicated(self, name: str) -> bool:
-        return self.model.replicated(_param_of(name))
-
-    def wait_shard(self) -> dict[str, Any] | None:
-        """The manifest entry of the shard written in the background (None if this actor wrote none)."""
+    def wait_shard(self) -> list[dict[str, Any]] | None:
+        """The manifest entries of the shard files written in the background (None if none)."""
         if self._writer is None:
             return None
         self._writer.join()
@@ -330,18 +355,7 @@ class Worker(GroupHost):
         try:
             reader = checkpoint.CheckpointReader(ckpt_uri)
             step_count = int(reader.meta["optimizer_steps"])
-            with torch.no_grad():
-                for name, p in self.model.named_parameters():
-                    shape, offsets = self.model.shard_specs()[name]
-                    p.copy_(reader.read_slice(name, tuple(shape), tuple(offsets), tuple(p.shape), p.dtype))
-            moments = {}
-            if step_count:
-                for name, p in self.model.named_parameters():
-                    shape, offsets = self.model.shard_specs()[name]
-                    for m in ("exp_avg", "exp_avg_sq"):
-                        key = f"optim.{m}.{name}"
-                        moments[key] = reader.read_slice(key, tuple(shape), tuple(offsets), tuple(p.shape))
-            self.optimizer.load_state_tensors(moments, step_count)
+            self.strategy.load(reader, step_count)
             return step_count
         except Exception as err:
             raise self._fail(f"loading {ckpt_uri}", err) from err

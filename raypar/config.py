@@ -65,6 +65,7 @@ class ParallelConfig:
     threads_per_actor: int = 1
     stage_layers: list[int] = field(default_factory=list)
     bucket_mb: float = 25.0
+    zero: int = 0
     min_dp: int = 1
     max_dp: int = 0
     timeout_s: float = 300.0
@@ -275,6 +276,7 @@ def validate(cfg: Config) -> None:
         p.device in ("auto", "cpu", "gpu"),
         f'parallel.device: must be "auto", "cpu" or "gpu", got {p.device!r}',
     )
+    _require(p.zero in (0, 1, 2, 3), f"parallel.zero: must be 0, 1, 2 or 3, got {p.zero}")
     _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be positive, got {p.bucket_mb}")
     _require(p.timeout_s > 0, f"parallel.timeout_s: must be positive, got {p.timeout_s}")
 

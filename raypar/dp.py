@@ -149,10 +149,14 @@ class DPStrategy:
                 slot.param.grad = None
 
     def begin_step(self) -> None:
-        """Before the first backward of a step: gradient buffers exist, traffic counters restart."""
-        self.traffic = dict.fromkeys(self.traffic, 0)
+        """Before the first backward of a step: the gradient buffers exist."""
         if self.layout.buckets and self.layout.buckets[0].grads is None:
             self._allocate_grads()
+
+    def take_traffic(self) -> dict[str, int]:
+        """Bytes this rank sent for DP since the last call: gradient reduction, parameter gathers."""
+        out, self.traffic = self.traffic, dict.fromkeys(self.traffic, 0)
+        return out
 
     def arm(self) -> None:
         """Right before the last microbatch's backward: a bucket whose gradients are final starts its

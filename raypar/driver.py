@@ -274,6 +274,11 @@ class Trainer:
         when no replica is intact (the caller restores a checkpoint)."""
         if not failure.dead:
             raise failure
+        if self.cfg.parallel.zero >= 1:
+            raise RunFailure(
+                f"parallel.zero={self.cfg.parallel.zero}: the optimizer slices of the lost replica exist "
+                f"nowhere else ({failure})"
+            )
         broken = {c.dp for c in failure.dead}
         self._drop_replicas(broken)
         if not self.replicas:
@@ -284,6 +289,8 @@ class Trainer:
     def scale_to(self, dp: int, timeout_s: float) -> str:
         """Add or remove replicas between steps. New ones are placed, join the groups under a new epoch and
         receive parameters and optimizer state from replica rank 0. Returns what happened."""
+        if dp != self.dp and self.cfg.parallel.zero >= 1:  # ZeRO: re-shard from the whole state
+            self._gather({a.stash_state.remote(): c for c, a in self.actors.items()}, "stashing state")
         if dp < self.dp:
             gone = set(self.replicas[dp:])
             self._drop_replicas(gone)
@@ -302,7 +309,7 @@ class Trainer:
             return f"dp={self.dp} already"
         fresh = not (set(self.replicas) - new)
         self._regroup(new=new)
-        if not fresh:
+        if not fresh:  # the new replicas take their part of the state from replica rank 0
             self._gather({a.sync_state.remote(0): c for c, a in self.actors.items()}, "healing new replicas")
         return f"added replica(s) {sorted(new)}: dp={self.dp}"
 
@@ -348,9 +355,11 @@ class Trainer:
     def parameters(self, replica: int | None = None) -> dict[str, torch.Tensor]:
         """The full model of one replica, assembled from its shards (tests and export)."""
         replica = self.replicas[0] if replica is None else replica
-        refs = {a.parameters.remote(): c for c, a in self.actors.items() if c.dp == replica}
+        every = self.cfg.parallel.zero == 3  # sharded parameters: gathered by every replica together
+        refs = {a.parameters.remote(): c for c, a in self.actors.items() if every or c.dp == replica}
         full: dict[str, torch.Tensor] = {}
-        for shards in self._gather(refs, "reading parameters").values():
+        got = self._gather(refs, "reading parameters")
+        for shards in (s for c, s in got.items() if c.dp == replica):
             for name, (local, shape, offsets) in shards.items():
                 target = full.setdefault(name, torch.empty(shape, dtype=local.dtype))
                 index = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))

@@ -124,6 +124,7 @@ class Run:
             },
             "rng": self.trainer.rng_states(),
             "precision": self.cfg.train.precision,
+            "zero": self.cfg.parallel.zero,
         }
         stall = time.perf_counter() - start
         writes = self.trainer.checkpoint_writes(writers)
@@ -141,7 +142,8 @@ class Run:
             return
         pending, self.pending = self.pending, None
         try:
-            entries = self.trainer.collect(pending.writes, "writing checkpoint shards")
+            parts = self.trainer.collect(pending.writes, "writing checkpoint shards")
+            entries = [entry for files in parts for entry in files]  # each writer: one file per part
         except RunFailure as err:  # a writer died: its staging directory stays aside, pruned by a later save
             self.event(f"checkpoint step {pending.step} abandoned: {err}")
             return
@@ -265,6 +267,8 @@ class Run:
                     "pp": trainer.pp,
                     "tp": trainer.tp,
                     "restarts": self.restarts,
+                    "model_state_bytes": max(r["model_state_bytes"] for r in result.per_actor.values()),
+                    "dp_bytes": sum(r["reduce_bytes"] + r["gather_bytes"] for r in result.per_actor.values()),
                     "bubble_fraction": report.measured_bubble(rows),
                     "mfu": mfu(self.tokens_per_step / result.step_time_s, cfg.model, trainer.peak_flops)
                     if trainer.peak_flops
