@@ -299,7 +299,7 @@ class DPStrategy:
             if not self._counted(piece):
                 continue  # tp-replicated: tp rank 0 writes it
             sources = {"": self._master(piece), **{f"optim.{m}.": self._moment(m, piece) for m in MOMENTS}}
-            for k, (offsets, shape, start, spec) in enumerate(self._rectangles(piece)):
+            for k, (_, shape, start, spec) in enumerate(self._rectangles(piece)):
                 while len(parts) <= k:
                     parts.append({})
                 n = max(1, _prod(shape))
@@ -333,7 +333,8 @@ class DPStrategy:
                     self._read_piece(reader, piece.slot.name, piece, self._master(piece))
                 for m in MOMENTS:
                     if step_count:
-                        self._read_piece(reader, f"optim.{m}.{piece.slot.name}", piece, self._moment(m, piece))
+                        name = f"optim.{m}.{piece.slot.name}"
+                        self._read_piece(reader, name, piece, self._moment(m, piece))
                     else:
                         self._moment(m, piece).zero_()
         self.step_count = int(step_count)
@@ -344,9 +345,14 @@ class DPStrategy:
         returns host copies (transiently the full state: dp changes are rare)."""
         names = {"": None, **{f"optim.{m}.": m for m in MOMENTS}}
         if not self.sharded:
+            def live(piece: Piece, moment: str | None) -> torch.Tensor:
+                flat = self._master(piece) if moment is None else self._moment(moment, piece)
+                return flat.view(piece.slot.shape)
+
             return {
-                prefix + p.slot.name: (self._master(p) if m is None else self._moment(m, p)).view(p.slot.shape)
-                for p in self.layout.pieces for prefix, m in names.items()
+                prefix + p.slot.name: live(p, m)
+                for p in self.layout.pieces
+                for prefix, m in names.items()
             }
         out: dict[str, torch.Tensor] = {}
         for prefix, m in names.items():

@@ -110,7 +110,8 @@ class FlatLayout:
             for slot in bucket.slots:
                 lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, end)
                 if lo < hi:
-                    self.pieces.append(Piece(slot, lo - slot.offset, hi - slot.offset, bucket.own_offset + lo - start))
+                    pos = bucket.own_offset + lo - start
+                    self.pieces.append(Piece(slot, lo - slot.offset, hi - slot.offset, pos))
 
     def view(self, flat: torch.Tensor, slot: Slot) -> torch.Tensor:
         """Slot `slot` of a bucket-sized flat tensor, shaped like the parameter."""
@@ -122,7 +123,10 @@ class FlatLayout:
         return flat[start : start + piece.numel]
 
 
-def rectangles(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+Rectangle = tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+def rectangles(shape: tuple[int, ...], lo: int, hi: int) -> list[Rectangle]:
     """Cut flat elements [lo, hi) of a row-major tensor of `shape` (at most 2-D) into rectangles.
 
     Returns (offsets, shape, flat start relative to lo) per rectangle, at most three, in flat order.
@@ -132,7 +136,7 @@ def rectangles(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int
     if len(shape) != 2:
         raise ValueError(f"flat ranges of {len(shape)}-D tensors are not supported (shape {shape})")
     cols = shape[1]
-    out: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+    out: list[Rectangle] = []
     at = lo
     if at % cols:  # a partial first row
         end = min(hi, (at // cols + 1) * cols)
