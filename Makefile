@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/collectives.py
+
+# On a machine with one GPU (CuPy from the `gpu` extra): NCCL ops, a llama-1b bf16 step against plain
+# PyTorch, two stages sharing the GPU, a checkpoint round trip. One JSON line per result; < 8 minutes.
+gpu-check: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[gpu]'
+	$(BIN)/python benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs

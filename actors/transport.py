@@ -5,13 +5,18 @@ Stage s, tp rank j talks only to stages s-1 and s+1 at tp rank j. Two transports
 - `ObjectStoreTransport` (default): the sender puts the tensor into the Ray object store as a numpy view
   (one copy into shared memory, no pickling of a torch tensor) and hands the reference straight to the
   receiving actor with an actor call; the receiver maps it back without a copy. The driver never sees it.
-- `DirectTransport`: collective send/recv on the pair group of the two stages (gloo here, NCCL on GPUs).
+  Messages below Ray's inlining threshold skip the store: the array itself rides in the actor call. All of
+  it happens on a sender thread, so the compute thread only enqueues.
+- `DirectTransport`: collective send/recv on the pair group of the two stages (gloo here, NCCL on GPUs),
+  into receive buffers that are reused from microbatch to microbatch and step to step.
 
-Sends never block; receives block, bounded by the run's timeout, and say what they waited for.
+Sends never block; receives block, bounded by the run's timeout, and say what they waited for. A stage
+gives a received buffer back (`release`) once it no longer needs it: after the microbatch's backward.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 import warnings
@@ -22,6 +27,10 @@ import ray
 import torch
 
 from collectives import Group, Work
+
+# Ray inlines call arguments below `max_direct_call_object_size` (100 KiB by default) in the call itself;
+# larger ones go through the object store. Below that size a put + fetch is pure overhead.
+INLINE_BYTES = 100 * 1024
 
 
 class TransportTimeout(TimeoutError):
@@ -85,6 +94,26 @@ class Mailbox:
                 del self._items[key]
 
 
+class BufferPool:
+    """Receive buffers by shape and dtype: taken for a message, given back once the stage is done with it.
+    A step's buffers are the previous step's, so steady-state receiving allocates nothing."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._held: dict[tuple[str, int], torch.Tensor] = {}
+
+    def take(self, kind: str, mb: int, like: torch.Tensor) -> torch.Tensor:
+        free = self._free.get((like.shape, like.dtype, like.device))
+        buffer = free.pop() if free else torch.empty_like(like)
+        self._held[(kind, mb)] = buffer
+        return buffer
+
+    def give(self, kind: str, mb: int) -> None:
+        buffer = self._held.pop((kind, mb), None)
+        if buffer is not None:
+            self._free.setdefault((buffer.shape, buffer.dtype, buffer.device), []).append(buffer)
+
+
 class ObjectStoreTransport:
     def __init__(
         self, me: str, prev: Any | None, next_: Any | None, mailbox: Mailbox, timeout_s: float, epoch: int
@@ -92,21 +121,47 @@ class ObjectStoreTransport:
         self.me, self.prev, self.next, self.mailbox, self.timeout_s = me, prev, next_, mailbox, timeout_s
         self.epoch, self.step = epoch, 0
         self._pending: list[ray.ObjectRef] = []
+        self._pool = BufferPool()  # device copies of host messages (GPU stages); on the CPU, none is needed
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._sender = threading.Thread(target=self._send_loop, name=f"{me}-sender", daemon=True)
+        self._sender.start()
 
     def _send(self, peer: Any, kind: str, mb: int, tensor: torch.Tensor) -> None:
-        array, dtype = _to_numpy(tensor)
-        # The reference travels inside a list so Ray passes it unresolved; the receiver fetches it itself.
-        self._pending.append(peer.deliver.remote((kind, self.epoch, self.step, mb), [ray.put(array)], dtype))
+        # The tensor is an output or an input gradient that nothing writes to any more: safe to read later.
+        self._queue.put((peer, (kind, self.epoch, self.step, mb), tensor.detach()))
 
-    def _recv(self, kind: str, mb: int, source: str) -> torch.Tensor:
+    def _send_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:
+                    peer, key, tensor = item
+                    array, dtype = _to_numpy(tensor)
+                    # A large array goes into the store, its reference inside a list so that Ray passes it
+                    # unresolved and the receiver fetches it itself; a small one rides in the call.
+                    payload = array if array.nbytes < INLINE_BYTES else [ray.put(array)]
+                    self._pending.append(peer.deliver.remote(key, payload, dtype))
+            except BaseException as err:  # noqa: BLE001 - raised on the step's thread by finish_step
+                self._error = err
+            finally:
+                self._queue.task_done()
+
+    def _recv(self, kind: str, mb: int, source: str, like: torch.Tensor) -> torch.Tensor:
         what = f"{kind} of microbatch {mb} (step {self.step}) from {source} at {self.me}"
         deadline = time.monotonic() + self.timeout_s
-        refs, dtype = self.mailbox.take((kind, self.epoch, self.step, mb), self.timeout_s, what)
-        try:
-            array = ray.get(refs[0], timeout=max(deadline - time.monotonic(), 0.001))
-        except ray.exceptions.GetTimeoutError:
-            raise TransportTimeout(f"waited {self.timeout_s:g}s to fetch {what}") from None
-        return _from_numpy(array, dtype)
+        payload, dtype = self.mailbox.take((kind, self.epoch, self.step, mb), self.timeout_s, what)
+        if isinstance(payload, list):
+            try:
+                payload = ray.get(payload[0], timeout=max(deadline - time.monotonic(), 0.001))
+            except ray.exceptions.GetTimeoutError:
+                raise TransportTimeout(f"waited {self.timeout_s:g}s to fetch {what}") from None
+        tensor = _from_numpy(payload, dtype)
+        if like.device.type == "cpu":
+            return tensor  # zero-copy view of the message
+        return self._pool.take(kind, mb, like).copy_(tensor, non_blocking=True)
 
     def send_act(self, mb: int, tensor: torch.Tensor) -> None:
         self._send(self.next, "act", mb, tensor)
@@ -115,16 +170,27 @@ class ObjectStoreTransport:
         self._send(self.prev, "grad", mb, tensor)
 
     def recv_act(self, mb: int, like: torch.Tensor) -> torch.Tensor:
-        return self._recv("act", mb, "the previous stage")
+        return self._recv("act", mb, "the previous stage", like)
 
     def recv_grad(self, mb: int, like: torch.Tensor) -> torch.Tensor:
-        return self._recv("grad", mb, "the next stage")
+        return self._recv("grad", mb, "the next stage", like)
+
+    def release(self, kind: str, mb: int) -> None:
+        self._pool.give(kind, mb)
 
     def finish_step(self) -> None:
-        """The deliver calls are fire-and-forget, but a failed one must not go unnoticed."""
+        """The sends are fire-and-forget, but a failed one must not go unnoticed."""
+        self._queue.join()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
         if self._pending:
-            ray.get(self._pending, timeout=self.timeout_s)
-            self._pending.clear()
+            pending, self._pending = self._pending, []
+            ray.get(pending, timeout=self.timeout_s)
+
+    def close(self) -> None:
+        """End the sender thread (a new membership builds a new transport)."""
+        self._queue.put(None)
 
 
 class DirectTransport:
@@ -134,6 +200,7 @@ class DirectTransport:
         self.prev_group, self.next_group = prev_group, next_group
         self.step = 0
         self._sends: list[Work] = []
+        self._pool = BufferPool()
 
     def send_act(self, mb: int, tensor: torch.Tensor) -> None:
         self._sends.append(self.next_group.send(tensor.detach().contiguous(), dst=1, async_op=True))
@@ -142,12 +209,18 @@ class DirectTransport:
         self._sends.append(self.prev_group.send(tensor.detach().contiguous(), dst=0, async_op=True))
 
     def recv_act(self, mb: int, like: torch.Tensor) -> torch.Tensor:
-        return self.prev_group.recv(torch.empty_like(like), src=0)
+        return self.prev_group.recv(self._pool.take("act", mb, like), src=0)
 
     def recv_grad(self, mb: int, like: torch.Tensor) -> torch.Tensor:
-        return self.next_group.recv(torch.empty_like(like), src=1)
+        return self.next_group.recv(self._pool.take("grad", mb, like), src=1)
+
+    def release(self, kind: str, mb: int) -> None:
+        self._pool.give(kind, mb)
 
     def finish_step(self) -> None:
         for work in self._sends:
             work.wait()
         self._sends.clear()
+
+    def close(self) -> None:
+        pass

@@ -1,12 +1,13 @@
 """The training actor: one (dp, pp, tp) coordinate, holding one shard of the model and its optimizer.
 
-A training step on an actor, top to bottom:
-  1. `train_step`: walk this stage's schedule (raypar.schedules): receive activations, forward, send;
-     receive gradients, backward, send — microbatch by microbatch, data read locally from the global
+A training step on an actor, top to bottom (`train_step(step, commit)`):
+  1. `commit`: the update of the previous step, once the driver knows that every actor finished its
+     phase 1 (it says so by passing that step's number along with the next call: one round trip a step);
+  2. phase 1 of `step`: walk this stage's schedule (raypar.schedules): receive activations, forward,
+     send; receive gradients, backward, send — microbatch by microbatch, data read locally from the global
      sampler; the DP strategy (raypar.dp: plain or ZeRO 1-3) reduces gradients across replicas, its
      buckets overlapping the last backward; the global gradient norm is summed over this replica's stages
-     and tp ranks (and over the DP group where ZeRO splits the gradients), then clipped;
-  2. `apply_step`: the strategy's update, sent by the driver only once every actor finished phase 1.
+     and tp ranks (and over the DP group where ZeRO splits the gradients), then clipped.
 Nothing is applied before all gradients are reduced everywhere, so a failed step leaves every survivor
 at the previous step and can simply be redone. The driver sends only step numbers: data, activations
 and gradients never pass through it.
@@ -28,14 +29,13 @@ import torch
 
 from actors.telemetry import ActorMetrics
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
-from collectives import GroupHost
+from collectives.host import GroupHost
 from raypar import checkpoint, data, flops, schedules
 from raypar import config as config_mod
 from raypar.dp import DPStrategy
-from raypar.mesh import Coord, actor_name, pipe_group_name, stage_layers
+from raypar.mesh import Coord, Mesh, actor_name, stage_layers
 from raypar.model import LlamaStage
 from raypar.optim import lr_at
-from raypar.tp import RowParallelLinear
 from raypar.zero3 import Zero3Strategy
 
 
@@ -43,15 +43,18 @@ class WorkerFailure(RuntimeError):
     """Raised inside an actor; the message is prefixed with the actor's coordinates."""
 
 
-@ray.remote(max_concurrency=4)  # one thread runs the step; others take `deliver`, `abort`, `where`
 class Worker(GroupHost):
+    """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks)
+    override the seams `_make_strategy`, `_bind_tp`, `_send_grad` and `_train_step` and wrap themselves
+    the same way."""
+
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         torch.set_num_threads(threads)
         self.run, self.coord = run, Coord(*coord)
         self.name = actor_name(run, self.coord)
         self.mailbox = Mailbox()
         self.metrics = ActorMetrics(run, self.coord)
-        self.faults: set[str] = set()
+        self.transport: ObjectStoreTransport | DirectTransport | None = None
         self._writer: threading.Thread | None = None
         self._written: list[dict[str, Any]] | BaseException | None = None
         self.strategy: DPStrategy | None = None
@@ -70,6 +73,7 @@ class Worker(GroupHost):
             "pid": os.getpid(),
             "ip": ray.util.get_node_ip_address(),
             "cuda": torch.cuda.is_available(),
+            "gpu_ids": [int(i) for i in ray.get_gpu_ids()],
         }
 
     def _fail(self, what: str, err: Exception) -> WorkerFailure:
@@ -77,19 +81,16 @@ class Worker(GroupHost):
         return WorkerFailure(f"{self.name} (dp={d}, pp={p}, tp={t}) {what}: {type(err).__name__}: {err}")
 
     # -- set-up ----------------------------------------------------------------------------------------
-    def setup(
-        self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int, faults: list[str] = ()
-    ) -> dict:
+    def setup(self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int) -> dict:
         """Build model, optimizer and data for this coordinate from the seed alone, then bind groups."""
         self.cfg = config_mod.from_dict(cfg)
-        self.faults = set(faults)
         p, par = self.coord.pp, self.cfg.parallel
         self.device = self._device()
         dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
         self.peak_flops = flops.device_peak_flops(self.device, dtype)  # measured once per process on CPU
         layers = stage_layers(self.cfg.model.n_layers, par.pp, par.stage_layers or None)[p]
         self.first, self.last = p == 0, p == par.pp - 1
-        tp_group = self.group(f"tp.dp{self.coord.dp}.pp{p}") if par.tp > 1 else None  # shapes the shards
+        tp_group = self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None  # shapes the shards
         self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, self.cfg.train.seed)
         self.model.to(self.device)
         self.strategy, self._stash = None, None
@@ -110,25 +111,18 @@ class Worker(GroupHost):
         self.epoch = epoch
         par = self.cfg.parallel
         self.dp, self.dp_rank = len(replicas), replicas.index(d)
-        tp_group = self.group(f"tp.dp{d}.pp{p}") if par.tp > 1 else None
-        self.model.tp_group = tp_group
-        for module in self.model.modules():
-            if hasattr(module, "group"):
-                module.group = tp_group
-        if "tp_drop_allreduce" in self.faults:  # negative control: row-parallel outputs left as partial sums
-            for module in self.model.modules():
-                if isinstance(module, RowParallelLinear):
-                    module.group = None
-        dp_group = self.group(f"dp.pp{p}.tp{t}") if self.dp > 1 else None
-        self.dp_group = dp_group
+        self._bind_tp(self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None)
+        self.dp_group = self.group(Mesh.dp_group(self.coord)) if self.dp > 1 else None
         self._rebuild_strategy()
-        self.mp_group = self.group(f"mp.dp{d}") if par.pp * par.tp > 1 else None
+        self.mp_group = self.group(Mesh.mp_group(self.coord)) if par.pp * par.tp > 1 else None
         self.microbatches = self.cfg.microbatches_at(self.dp)
         self.plan = schedules.build(par.schedule, par.pp, self.microbatches)[p]
         self.last_backward = max(i for i, ins in enumerate(self.plan) if ins.op == "backward")
+        if self.transport is not None:
+            self.transport.close()
         if par.transport == "direct":
-            prev = self.group(pipe_group_name(d, t, p - 1)) if not self.first else None
-            nxt = self.group(pipe_group_name(d, t, p)) if not self.last else None
+            prev = self.group(Mesh.pipe_group(d, t, p - 1)) if not self.first else None
+            nxt = self.group(Mesh.pipe_group(d, t, p)) if not self.last else None
             self.transport = DirectTransport(prev, nxt)
         else:
             self.transport = ObjectStoreTransport(
@@ -150,12 +144,7 @@ class Worker(GroupHost):
             state, step_count = old.full_state(), old.step_count
         if old is not None:
             old.close()
-        cls = Zero3Strategy if par.zero == 3 else DPStrategy
-        self.strategy = cls(
-            self.model, self.cfg.train, self.dp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp
-        )
-        if "dp_sum" in self.faults:  # negative control: replicas' gradients summed, not averaged
-            self.strategy.reduce_op = "sum"
+        self.strategy = self._make_strategy(self.dp_group)
         if state is not None:
             self.strategy.load_full_state(state, step_count)
 
@@ -163,6 +152,17 @@ class Worker(GroupHost):
         """Before a planned change of dp: keep the whole DP state (a collective over the old group under
         ZeRO) so that the new layout can be carved out of it."""
         self._stash = (self.strategy.full_state(), self.strategy.step_count)
+
+    def _bind_tp(self, group: Any) -> None:
+        self.model.tp_group = group
+        for module in self.model.modules():
+            if hasattr(module, "group"):
+                module.group = group
+
+    def _make_strategy(self, dp_group: Any) -> DPStrategy:
+        par = self.cfg.parallel
+        cls = Zero3Strategy if par.zero == 3 else DPStrategy
+        return cls(self.model, self.cfg.train, dp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp)
 
     def _device(self) -> torch.device:
         gpu_ids = ray.get_gpu_ids()
@@ -189,7 +189,10 @@ class Worker(GroupHost):
         )
         return inputs.to(self.device), targets.to(self.device)
 
-    def train_step(self, step: int) -> dict[str, Any]:
+    def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
+        """Apply the update of step `commit` (every actor finished its phase 1), then phase 1 of `step`."""
+        if commit is not None:
+            self.apply_step(commit)
         try:
             return self._train_step(step)
         except Exception as err:
@@ -197,12 +200,11 @@ class Worker(GroupHost):
             raise self._fail(f"step {step}", err) from err
 
     def apply_step(self, step: int) -> None:
-        """Phase 2: every actor finished phase 1 of `step`, so the update is applied everywhere."""
+        """Phase 2 of `step`: every actor finished phase 1, so the update is applied everywhere. Comes with
+        the next `train_step` call, or alone before anything that reads the state (checkpoint, scaling)."""
         self.strategy.step(lr_at(step, self.cfg.train))
 
     def _train_step(self, step: int) -> dict[str, Any]:
-        if f"raise_at_step:{step}" in self.faults:
-            raise RuntimeError("fault injected by the test suite")
         start = time.perf_counter()
         self._stash = None  # a dp change is complete once a step runs
         self.strategy.begin_step()
@@ -219,7 +221,8 @@ class Worker(GroupHost):
             t0 = time.perf_counter()
             op, mb = ins.op, ins.mb
             if op == "recv_act":
-                inputs[mb] = self.transport.recv_act(mb, self.act_like).to(self.device).requires_grad_()
+                # A leaf of its own: the received buffer is reused once this microbatch is done.
+                inputs[mb] = self.transport.recv_act(mb, self.act_like).detach().requires_grad_()
             elif op == "forward":
                 targets = None
                 if self.first:
@@ -235,17 +238,16 @@ class Worker(GroupHost):
             elif op == "send_act":
                 self.transport.send_act(mb, outputs[mb])
             elif op == "recv_grad":
-                grads[mb] = self.transport.recv_grad(mb, self.act_like).to(self.device)
+                grads[mb] = self.transport.recv_grad(mb, self.act_like)
             elif op == "backward":
                 if index == self.last_backward:
                     self.strategy.arm()
                 out = outputs.pop(mb)
                 out.backward(None if self.last else grads.pop(mb))
+                self.transport.release("grad", mb)
             elif op == "send_grad":
-                grad = inputs.pop(mb).grad
-                self.transport.send_grad(
-                    mb, torch.zeros_like(grad) if "pp_zero_grad" in self.faults else grad
-                )
+                self._send_grad(mb, inputs.pop(mb).grad)
+                self.transport.release("act", mb)
             events.append((op, mb, t0 - start, time.perf_counter() - start))
         compute_end = time.perf_counter()
         self.strategy.finish()
@@ -272,6 +274,9 @@ class Worker(GroupHost):
         mfu = flops.mfu(tokens_per_s / world, self.cfg.model, self.peak_flops) if self.peak_flops else None
         self.metrics.record(result, tokens_per_s, mfu)
         return result
+
+    def _send_grad(self, mb: int, grad: torch.Tensor) -> None:
+        self.transport.send_grad(mb, grad)
 
     def _clip_grad_norm(self) -> float:
         sq = self.strategy.grad_sq_norm()
@@ -359,3 +364,7 @@ class Worker(GroupHost):
             return step_count
         except Exception as err:
             raise self._fail(f"loading {ckpt_uri}", err) from err
+
+
+# One thread runs the step; the others take `deliver`, `abort` and `where` while it does.
+RemoteWorker = ray.remote(max_concurrency=4)(Worker)

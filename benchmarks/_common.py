@@ -30,10 +30,9 @@ import torch
 from actors.worker import Worker
 from raypar import config as config_mod
 from raypar import data
-from raypar import driver as driver_mod
 from raypar.config import Config
-from raypar.connection import connect
-from raypar.driver import Trainer
+from raypar.controller.actor_mesh import ActorMesh
+from raypar.controller.connection import connect
 from raypar.model import LlamaStage
 from raypar.optim import ADAM_EPS, lr_at
 
@@ -61,42 +60,16 @@ def add_ray_arguments(parser: Any) -> None:
     )
 
 
-class _WorkerFactory:
-    """Stands in for `actors.worker.Worker` inside raypar.driver: `.options(...).remote(run, coord)` creates
-    a `cls` actor with the same options and `kwargs` added to its constructor call."""
+class BenchActorMesh(ActorMesh):
+    """raypar's ActorMesh, unchanged, except that its actors are `worker_cls` (an instrumented subclass of
+    raypar's Worker) running `threads` torch threads each."""
 
-    def __init__(self, cls: Any, kwargs: dict[str, Any]):
-        self.cls, self.kwargs = cls, kwargs
-
-    def options(self, **options: Any) -> Any:
-        bound = self.cls.options(**options)
-        kwargs = self.kwargs
-
-        class _Bound:
-            @staticmethod
-            def remote(*args: Any) -> Any:
-                return bound.remote(*args, **kwargs)
-
-        return _Bound
-
-
-class BenchTrainer(Trainer):
-    """raypar's Trainer, unchanged, except that the actors it creates get constructor arguments (`threads`:
-    raypar's Trainer has no knob for it, every actor runs `torch.set_num_threads(1)`) and may be an
-    instrumented subclass of `Worker`. Done by handing raypar.driver a factory in place of `Worker` while
-    actors are created, so the Trainer's own code places and starts them."""
-
-    def __init__(self, cfg: Config, run: str, worker_cls: Any = Worker, **worker_kwargs: Any):
+    def __init__(self, cfg: Config, run: str, worker_cls: Any, threads: int = 1):
         super().__init__(cfg, run)
-        self._factory = _WorkerFactory(worker_cls, worker_kwargs)
+        self.worker_class, self.threads = worker_cls, threads
 
-    def start(self, *args: Any, **kwargs: Any) -> None:
-        original = driver_mod.Worker
-        driver_mod.Worker = self._factory
-        try:
-            super().start(*args, **kwargs)
-        finally:
-            driver_mod.Worker = original
+    def _worker_args(self, coord: Any) -> tuple:
+        return self.run, tuple(coord), self.threads
 
 
 class _FixedCost(torch.autograd.Function):
@@ -114,13 +87,13 @@ class _FixedCost(torch.autograd.Function):
         return grad, None, None
 
 
-@ray.remote(max_concurrency=4)  # as Worker
-class TimedWorker(Worker.__ray_actor_class__):
+class _TimedWorker(Worker):
     """raypar's Worker, instrumented, behaviour unchanged: each `train_step` result also holds
     - `t_start`: the absolute `time.perf_counter()` at its start (system-wide on Linux, so the events of
       all actors can be put on one clock),
     - `cpu_s` / `thread_cpu_s`: CPU time of the process (all threads) / of the step's thread in it,
-    - `prev_apply_s` / `prev_apply_cpu_s`: wall and process CPU time of the previous `apply_step`.
+    - `prev_apply_s` / `prev_apply_cpu_s`: wall and process CPU time of the last `apply_step` (the previous
+      step's update, which runs at the start of this call when it was piggybacked on it).
     Optionally (`set_fixed_cost`, before `setup`) a fixed cost per microbatch on the stage's output."""
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -138,9 +111,9 @@ class TimedWorker(Worker.__ray_actor_class__):
             self.model.register_forward_hook(lambda module, inp, out: _FixedCost.apply(out, fwd_s, bwd_s))
         return out
 
-    def train_step(self, step: int) -> dict[str, Any]:
+    def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
         start, cpu, thread_cpu = time.perf_counter(), time.process_time(), time.thread_time()
-        result = super().train_step(step)
+        result = super().train_step(step, commit)
         result["t_start"], result["cpu_s"] = start, time.process_time() - cpu
         result["thread_cpu_s"] = time.thread_time() - thread_cpu
         result["prev_apply_s"], result["prev_apply_cpu_s"] = self._apply
@@ -150,6 +123,9 @@ class TimedWorker(Worker.__ray_actor_class__):
         start, cpu = time.perf_counter(), time.process_time()
         super().apply_step(step)
         self._apply = (time.perf_counter() - start, time.process_time() - cpu)
+
+
+TimedWorker = ray.remote(max_concurrency=4)(_TimedWorker)  # as raypar's RemoteWorker
 
 
 def register_for_actors() -> None:
@@ -170,12 +146,19 @@ class PlainLoop:
     """The training loop one writes without raypar: the same `LlamaStage` (same seeded init), the same
     batches (raypar's global sampler over the same synthetic data), `torch.optim.AdamW` with raypar's
     hyper-parameters and decay groups, `clip_grad_norm_`, raypar's learning-rate schedule. `wrap` turns the
-    model into what is called (e.g. `DistributedDataParallel`); `rank`/`world` pick this process's rows."""
+    model into what is called (e.g. `DistributedDataParallel`); `rank`/`world` pick this process's rows.
+    On `device`, with bf16 autocast when `train.precision = "bf16"`, as raypar's actors do."""
 
-    def __init__(self, cfg: Config, wrap: Any = None, rank: int = 0, world: int = 1):
+    def __init__(
+        self, cfg: Config, wrap: Any = None, rank: int = 0, world: int = 1, device: str | None = None
+    ):
         self.cfg, self.rank = cfg, rank
+        self.device = torch.device(device or "cpu")
         self.rows = cfg.train.global_batch // world
         self.model = LlamaStage(cfg.model, range(cfg.model.n_layers), True, True, None, seed=cfg.train.seed)
+        self.model.to(self.device)
+        bf16 = cfg.train.precision == "bf16"
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
         self.call = wrap(self.model) if wrap is not None else self.model
         params = [p for p in self.model.parameters() if p.requires_grad]
         groups = [
@@ -193,7 +176,8 @@ class PlainLoop:
         process (all its threads) spent on the step."""
         start, cpu = time.perf_counter(), time.process_time()
         inputs, targets = data.microbatch(self.dataset, self.sampler, step, self.rank, self.rows)
-        loss = self.call(inputs, targets)
+        with self.autocast:
+            loss = self.call(inputs.to(self.device), targets.to(self.device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
         for group in self.optimizer.param_groups:

@@ -143,7 +143,7 @@ def timed_interleaved(
 def make_raypar_actor_class() -> Any:
     import ray
 
-    from collectives import GroupHost
+    from collectives.host import GroupHost
 
     @ray.remote(num_cpus=0)
     class BenchRank(GroupHost):
@@ -195,7 +195,8 @@ class RayparWorld:
     def __init__(self, n: int, alloc: bool, with_torch: bool) -> None:
         import ray
 
-        from collectives import RendezvousServer, create_groups
+        from collectives import RendezvousServer
+        from collectives.host import create_groups
 
         self._ray, self._alloc = ray, alloc
         self._server = RendezvousServer()

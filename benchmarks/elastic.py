@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import ray  # noqa: E402
 
 from raypar import checkpoint, config  # noqa: E402
-from raypar.driver import StepFailure, Trainer  # noqa: E402
+from raypar.controller.actor_mesh import ActorMesh, StepFailure  # noqa: E402
 
 
 def timed(fn, *args):
@@ -64,7 +64,7 @@ def main() -> None:
             "data.source='synthetic'",
         ],
     )
-    trainer = Trainer(cfg, "bench-elastic")
+    trainer = ActorMesh(cfg, "bench-elastic")
     out: dict[str, float] = {}
     step = 0
     try:

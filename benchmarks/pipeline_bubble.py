@@ -4,7 +4,7 @@
     python benchmarks/pipeline_bubble.py --quick          # smoke run, < 1 min
     python benchmarks/pipeline_bubble.py --models fixed --transports object_store,direct --json out.json
 
-What is measured. raypar's `Trainer` runs real training steps (dp=1, tp=1, p stages); each worker reports
+What is measured. raypar's `ActorMesh` runs real training steps (dp=1, tp=1, p stages); each worker reports
 the time spans of its schedule's instructions (`events`: forward, backward, sends, receives). A stage's busy
 time is the sum of its forward and backward spans. The bubble of a step is the mean over stages of
 1 - busy / W, where W is the pipeline phase of the step, common to all stages: from the first stage's start
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 batch = args.batch if model == "real" else max(args.microbatches)
                 cfg = model_config(model, p, m, schedule, transport, batch)
                 if trainer is None:  # one set of actors per p; each configuration rebuilds their state
-                    trainer = _common.BenchTrainer(cfg, f"bench-bubble-p{p}", _common.TimedWorker, threads=1)
+                    trainer = _common.BenchActorMesh(cfg, f"bench-bubble-p{p}", _common.TimedWorker)
                     trainer.start()
                 cost = (args.fwd_ms / 1e3, args.bwd_ms / 1e3) if model == "fixed" else (0.0, 0.0)
                 ray.get([a.set_fixed_cost.remote(*cost) for a in trainer.actors.values()])
@@ -142,7 +142,7 @@ def stall_budget(bubble: float, window_s: float, p: int, m: int) -> dict[str, fl
             "budget_ms_per_mb": budget / m * 1e3}
 
 
-def measure(trainer: _common.BenchTrainer, steps: int) -> dict[str, float]:
+def measure(trainer: _common.BenchActorMesh, steps: int) -> dict[str, float]:
     samples = []
     for step in range(steps + 1):
         result = trainer.step(step)

@@ -5,12 +5,12 @@
     python benchmarks/train_throughput.py --part single --sizes small --threads 1 --json out.json
 
 Part `single` -- raypar at (dp, pp, tp) = (1, 1, 1) vs a plain PyTorch loop. raypar runs as `raypar train`
-runs it: a `Trainer` driving one `Worker` actor, step by step (`Trainer.step`, timed at the driver: both
+runs it: a `ActorMesh` driving one `Worker` actor, step by step (`ActorMesh.step`, timed at the driver: both
 actor calls of a step, `train_step` and `apply_step`, and everything the worker does are in it). The plain
 loop (`_common.PlainLoop`) runs in this driver process: the same `LlamaStage` with the same seeded init, the
 same batches from the same sampler, AdamW with the same hyper-parameters and decay groups,
 `clip_grad_norm_`, the same learning-rate schedule, and the same torch intra-op thread count
-(`Worker(threads=...)`; raypar's `Trainer` itself always builds its actors with 1 thread). The first step's
+(`Worker(threads=...)`; raypar's `ActorMesh` itself always builds its actors with 1 thread). The first step's
 losses of both are compared (`loss_diff`): 0 shows the two do the same work. Sizes: `small` (the CPU demo
 preset at seq_len 128, batch 8, about a second per step), `mini` and `tiny` (tens of milliseconds per step:
 where raypar's fixed per-step cost shows).
@@ -84,10 +84,10 @@ def params_of(cfg: Config) -> int:
 
 
 class RayparSide:
-    """A live raypar run; `block(n)` times n steps at the driver (Trainer.step: both actor calls included)."""
+    """A live raypar run; `block(n)` times n steps at the driver (ActorMesh.step: one actor call)."""
 
     def __init__(self, cfg: Config, run: str, threads: int):
-        self.trainer = _common.BenchTrainer(cfg, run, _common.TimedWorker, threads=threads)
+        self.trainer = _common.BenchActorMesh(cfg, run, _common.TimedWorker, threads=threads)
         self.trainer.start()
         self.next_step = 0
         self.first_loss: float | None = None

@@ -1,10 +1,11 @@
 """Process groups over Ray actors: the Group API with gloo and nccl (CuPy) backends and a run rendezvous.
 
-Imports nothing from `raypar` or `actors`. CuPy is optional: only asking for backend "nccl" needs it.
+Imports nothing from `raypar` or `actors`, and importing it does not import Ray: the model code uses
+`Group` in plain processes too. The Ray side (`GroupHost`, `create_groups`) is `collectives.host`.
+CuPy is optional: only asking for backend "nccl" needs it.
 """
 
 from collectives.group import Group, GroupError, GroupInfo, GroupTimeout, Work
-from collectives.host import GroupHost, create_groups, group_specs
 from collectives.nccl import BackendUnavailable
 from collectives.rendezvous import GroupSpec, RendezvousServer, StoreAddress, connect_store, create_group
 
@@ -12,7 +13,6 @@ __all__ = [
     "BackendUnavailable",
     "Group",
     "GroupError",
-    "GroupHost",
     "GroupInfo",
     "GroupSpec",
     "GroupTimeout",
@@ -21,6 +21,4 @@ __all__ = [
     "Work",
     "connect_store",
     "create_group",
-    "create_groups",
-    "group_specs",
 ]

@@ -21,16 +21,23 @@ class GroupHost:
 
     def join_groups(self, specs: Sequence[GroupSpec]) -> list[str]:
         groups: dict[str, Group] = self.__dict__.setdefault("_raypar_groups", {})
+        joined: dict[str, GroupSpec] = self.__dict__.setdefault("_raypar_specs", {})
         for spec in specs:
             old = groups.pop(spec.name, None)
             if old is not None:
                 old.destroy()
             groups[spec.name] = create_group(spec)
+            joined[spec.name] = spec
         return [spec.name for spec in specs]
+
+    def group_devices(self) -> dict[str, int]:
+        """The device index each group of this member was formed on (NCCL: its communicator's GPU)."""
+        return {name: spec.device for name, spec in self.__dict__.get("_raypar_specs", {}).items()}
 
     def leave_groups(self, names: Sequence[str]) -> None:
         groups: dict[str, Group] = self.__dict__.get("_raypar_groups", {})
         for name in names:
+            self.__dict__.get("_raypar_specs", {}).pop(name, None)
             group = groups.pop(name, None)
             if group is not None:
                 group.destroy()

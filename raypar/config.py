@@ -63,6 +63,7 @@ class ParallelConfig:
     transport: str = "object_store"
     device: str = "auto"
     threads_per_actor: int = 1
+    gpus_per_actor: float = 1.0
     stage_layers: list[int] = field(default_factory=list)
     bucket_mb: float = 25.0
     zero: int = 0
@@ -121,6 +122,13 @@ class Config:
     def microbatches_at(self, dp: int) -> int:
         """Microbatches per replica that keep the global batch constant at data-parallel degree `dp`."""
         return self.train.global_batch // (dp * self.microbatch_size)
+
+    def valid_dps(self) -> list[int]:
+        """Every dp the run may scale to: within [min_dp, max_dp] (up to one microbatch per replica when
+        max_dp is unset) and splitting the global batch into whole microbatches of the run's size."""
+        top = self.parallel.max_dp or self.train.global_batch // self.microbatch_size
+        batch, mbs = self.train.global_batch, self.microbatch_size
+        return [d for d in range(max(self.parallel.min_dp, 1), top + 1) if batch % (d * mbs) == 0]
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -249,6 +257,10 @@ def validate(cfg: Config) -> None:
     for key in ("pp", "tp", "microbatches", "min_dp", "threads_per_actor"):
         _require(getattr(p, key) > 0, f"parallel.{key}: must be a positive size, got {getattr(p, key)}")
     _require(p.max_dp >= 0, f"parallel.max_dp: must be >= 0 (0 means dp), got {p.max_dp}")
+    _require(
+        0 < p.gpus_per_actor <= 1,
+        f"parallel.gpus_per_actor: must be in (0, 1] (a fraction shares a GPU), got {p.gpus_per_actor}",
+    )
     _require(cfg.dp_fixed > 0, f"parallel.dp: must be a positive size, got {p.dp}")
     _require(m.n_heads % p.tp == 0, f"parallel.tp: must divide model.n_heads={m.n_heads}, got tp={p.tp}")
     _require(

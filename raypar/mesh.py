@@ -70,23 +70,40 @@ class Mesh:
         out: dict[str, list[Coord]] = {}
         for d in replicas:
             for p in range(self.pp):
-                out[f"tp.dp{d}.pp{p}"] = [Coord(d, p, t) for t in range(self.tp)]
-            out[f"mp.dp{d}"] = [Coord(d, p, t) for p in range(self.pp) for t in range(self.tp)]
+                out[self.tp_group(Coord(d, p, 0))] = [Coord(d, p, t) for t in range(self.tp)]
+            replica = [Coord(d, p, t) for p in range(self.pp) for t in range(self.tp)]
+            out[self.mp_group(Coord(d, 0, 0))] = replica
             for t in range(self.tp):
                 for p in range(self.pp - 1):
-                    out[pipe_group_name(d, t, p)] = [Coord(d, p, t), Coord(d, p + 1, t)]
+                    out[self.pipe_group(d, t, p)] = [Coord(d, p, t), Coord(d, p + 1, t)]
         for p in range(self.pp):
             for t in range(self.tp):
-                out[f"dp.pp{p}.tp{t}"] = [Coord(d, p, t) for d in replicas]
+                out[self.dp_group(Coord(0, p, t))] = [Coord(d, p, t) for d in replicas]
         return out
+
+    # Group names: the only place they are spelled. An actor finds its groups by these, the driver forms them.
+    @staticmethod
+    def tp_group(coord: Coord) -> str:
+        """The tensor-parallel ranks of `coord`'s stage in its replica."""
+        return f"tp.dp{coord.dp}.pp{coord.pp}"
+
+    @staticmethod
+    def dp_group(coord: Coord) -> str:
+        """The replicas of `coord`'s (stage, tp rank): gradients are reduced here."""
+        return f"dp.pp{coord.pp}.tp{coord.tp}"
+
+    @staticmethod
+    def mp_group(coord: Coord) -> str:
+        """Every rank of `coord`'s replica: the global gradient norm is summed here."""
+        return f"mp.dp{coord.dp}"
+
+    @staticmethod
+    def pipe_group(dp: int, tp: int, stage: int) -> str:
+        """The pair group between `stage` and `stage + 1` at one (dp, tp)."""
+        return f"pp.dp{dp}.tp{tp}.s{stage}-{stage + 1}"
 
     def groups_of(self, coord: Coord) -> dict[str, list[Coord]]:
         return {name: members for name, members in self.groups().items() if coord in members}
-
-
-def pipe_group_name(dp: int, tp: int, stage: int) -> str:
-    """The pair group between `stage` and `stage + 1` at one (dp, tp)."""
-    return f"pp.dp{dp}.tp{tp}.s{stage}-{stage + 1}"
 
 
 def stage_layers(n_layers: int, pp: int, explicit: list[int] | None = None) -> list[range]:

@@ -11,7 +11,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, placement_group_table
 
-from raypar.placement import ActorResources, place_stage, release
+from raypar.controller.placement import ActorResources, place_stage, release
 
 
 def main() -> None:

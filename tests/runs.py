@@ -1,4 +1,4 @@
-"""Helpers for tests that drive whole runs (raypar.training.Run) inside the test session's Ray."""
+"""Helpers for tests that drive whole runs (raypar.controller.training.TrainingLoop) in the session's Ray."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from raypar import config
-from raypar.training import Run
+from raypar.controller.training import TrainingLoop
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.toml"
 
@@ -28,7 +28,7 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def run(cfg: config.Config, name: str, run_dir: Path, **kwargs: Any) -> dict[str, Any]:
-    return Run(cfg, name, run_dir, progress=False, **kwargs).execute()
+    return TrainingLoop(cfg, name, run_dir, progress=False, **kwargs).execute()
 
 
 class Background:

@@ -23,7 +23,9 @@ def address(ray_session) -> str:
 
 
 def raypar(*args: str, address: str | None = None, env: dict[str, str] | None = None, timeout: float = 300):
-    cmd = [sys.executable, "-m", "raypar.cli", *args]
+    # With faults to inject, the same CLI runs through the test suite's fault-injecting mesh.
+    module = "tests.faults" if "RAYPAR_INJECT_FAULT" in (env or {}) else "raypar.controller.cli"
+    cmd = [sys.executable, "-m", module, *args]
     if address:
         cmd += ["--address", address]
     return subprocess.run(
@@ -115,9 +117,9 @@ def test_status_and_scale_errors(address):
 
 
 def test_metrics_match_the_loss_curve_of_a_direct_run(address, tmp_path):
-    """The CLI's metrics.jsonl is the Trainer's loss curve (guards the wiring of the run loop)."""
+    """The CLI's metrics.jsonl is the ActorMesh's loss curve (guards the wiring of the run loop)."""
     from raypar import config
-    from raypar.driver import Trainer
+    from raypar.controller.actor_mesh import ActorMesh
 
     proc = raypar(
         "train",
@@ -130,7 +132,7 @@ def test_metrics_match_the_loss_curve_of_a_direct_run(address, tmp_path):
         address=address,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    trainer = Trainer(config.load(TINY), "cli-curve-direct")
+    trainer = ActorMesh(config.load(TINY), "cli-curve-direct")
     try:
         trainer.start()
         direct = [trainer.step(s).loss for s in range(4)]

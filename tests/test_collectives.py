@@ -38,8 +38,8 @@ from collectives import (
     GroupTimeout,
     RendezvousServer,
     create_group,
-    create_groups,
 )
+from collectives.host import create_groups
 from raypar.mesh import Mesh
 from tests.collective_actor import (
     COLS,

@@ -70,7 +70,7 @@ def test_bad_config_names_the_key(case):
 )
 def test_cli_exit_2_one_line(case, tmp_path):
     overrides, key = BAD[case]
-    args = [sys.executable, "-m", "raypar.cli", "train", str(TINY), "--run-dir", str(tmp_path)]
+    args = [sys.executable, "-m", "raypar.controller.cli", "train", str(TINY), "--run-dir", str(tmp_path)]
     for o in overrides:
         args += ["--set", o]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -82,11 +82,11 @@ def test_cli_exit_2_one_line(case, tmp_path):
 
 def test_cli_bad_usage_exit_2():
     proc = subprocess.run(
-        [sys.executable, "-m", "raypar.cli", "train"], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-m", "raypar.controller.cli", "train"], capture_output=True, text=True, cwd=ROOT
     )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     proc = subprocess.run(
-        [sys.executable, "-m", "raypar.cli", "train", "missing.toml"],
+        [sys.executable, "-m", "raypar.controller.cli", "train", "missing.toml"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -114,3 +114,13 @@ def test_stage_layers():
     assert stage_layers(4, 2, [1, 3]) == [range(0, 1), range(1, 4)]
     with pytest.raises(ValueError):
         stage_layers(4, 2, [2, 3])
+
+
+def test_core_and_collectives_import_without_ray():
+    """The layering rule: the plain-PyTorch core and `collectives` never pull in Ray (the controller and
+    the actors do). Checked in a fresh interpreter, so nothing this session imported counts."""
+    core = "config mesh model tp schedules dp optim data checkpoint flops report".split()
+    modules = [f"raypar.{m}" for m in core] + ["collectives"]
+    code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False", out.stdout

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from raypar import config
-from raypar.driver import Trainer
+from raypar.controller.actor_mesh import ActorMesh
 from raypar.mesh import Coord, Mesh
+from tests.faults import FaultyActorMesh
 from tests.reference import Run, reference_run
 
 STEPS = 3
@@ -46,7 +47,7 @@ def reference() -> Run:
     return reference_run(make_cfg(1, 1, 1), STEPS)
 
 
-def train(trainer: Trainer) -> Run:
+def train(trainer: ActorMesh) -> Run:
     results = [trainer.step(s) for s in range(STEPS)]
     return Run([r.loss for r in results], [r.grad_norm for r in results], trainer.parameters())
 
@@ -63,7 +64,7 @@ def assert_matches(run: Run, ref: Run) -> None:
 
 
 def run_layout(cfg: config.Config, name: str, faults: dict | None = None) -> Run:
-    trainer = Trainer(cfg, name, faults=faults)
+    trainer = FaultyActorMesh(cfg, name, faults) if faults else ActorMesh(cfg, name)
     try:
         trainer.start()
         return train(trainer)
@@ -82,7 +83,7 @@ def test_layout_matches_one_process(ray_session, reference, layout):
 
 def test_3d_layout_all_schedules_and_transports(ray_session, reference):
     """(2,2,2) under gpipe/1f1b x object_store/direct, on one set of 8 actors (rebuilt from the seed)."""
-    trainer = Trainer(make_cfg(2, 2, 2), "eq-222")
+    trainer = FaultyActorMesh(make_cfg(2, 2, 2), "eq-222", faults={})
     try:
         trainer.start()
         for schedule in ("1f1b", "gpipe"):
@@ -90,8 +91,8 @@ def test_3d_layout_all_schedules_and_transports(ray_session, reference):
                 trainer.reconfigure(make_cfg(2, 2, 2, schedule, transport))
                 assert_matches(train(trainer), reference)
         # Negative control on the same actors: the TP all-reduces of one stage of one replica dropped.
-        faults = {Coord(1, 0, t): ["tp_drop_allreduce"] for t in range(2)}
-        trainer.reconfigure(make_cfg(2, 2, 2), faults=faults)
+        trainer.set_faults({Coord(1, 0, t): ["tp_drop_allreduce"] for t in range(2)})
+        trainer.reconfigure(make_cfg(2, 2, 2))
         with pytest.raises(AssertionError):
             assert_matches(train(trainer), reference)
     finally:

@@ -51,7 +51,7 @@ LOCAL_YAML = ROOT / "examples" / "cluster-local.yaml"
 TINY = ROOT / "examples" / "configs" / "tiny.toml"
 # The console script next to this Python (.venv/bin/raypar), as a user runs it.
 _SCRIPT = Path(sys.executable).with_name("raypar")
-RAYPAR = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "raypar.cli"]
+RAYPAR = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "raypar.controller.cli"]
 
 RUN = "e2e"
 # Steps take 0.1-0.8 s on a loaded 2-core machine. The run must outlast the scale request (landing
@@ -73,7 +73,7 @@ ACTOR_NAME = re.compile(r"^raypar:(?P<run>[^:]+):dp(?P<dp>\d+)\.pp(?P<pp>\d+)\.t
 
 # A Python process with the imports of `raypar scale` / `raypar status` (torch, Ray, raypar) already done,
 # answering one JSON command per stdin line with a "RESULT {...}" line:
-#   {"op": "cli", "argv": [...]}  runs raypar.cli.main(argv), the `raypar` command itself, in this process;
+#   {"op": "cli", "argv": [...]}  runs raypar.controller.cli.main(argv), the `raypar` command, here;
 #   {"op": "snapshot"}           lists nodes and actors through Ray's state API.
 #   {"op": "env", "env": {...}}  sets the cluster's address and token, then imports Ray and raypar;
 #   {"op": "connect"}            joins the cluster at RAY_ADDRESS (the probe; `cli` joins by itself).
@@ -92,7 +92,7 @@ for line in sys.stdin:
         os.environ.update(cmd["env"])
         import ray
         from ray.util.state import list_actors, list_nodes
-        import raypar.cli, raypar.control, raypar.driver
+        import raypar.controller.cli, raypar.controller.connection, raypar.controller.actor_mesh
         out = {}
     elif cmd["op"] == "connect":
         ray.init(log_to_driver=False, configure_logging=False)
@@ -116,7 +116,7 @@ for line in sys.stdin:
         stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             try:
-                rc = raypar.cli.main(cmd["argv"])
+                rc = raypar.controller.cli.main(cmd["argv"])
             except Exception:  # what a traceback and exit status 1 would be
                 traceback.print_exc()
                 rc = 1
@@ -336,7 +336,8 @@ def test_scale_onto_a_node_the_autoscaler_adds(tmp_path: Path) -> None:
                 )
                 after = probe.ask(op="snapshot")
                 # `raypar status` fails when a run ends between its listing the runs and asking each one
-                # (raypar.control.runs); the reference may end just then. Asked again, it answers.
+                # (raypar.controller.connection.runs); the reference may end just then. Asked again, it
+                # answers.
                 for _ in range(3):
                     status = probe.ask(op="cli", argv=["status", "--json", "--address", addr])
                     if status["rc"] == 0:

@@ -15,8 +15,9 @@ import pytest
 import ray
 from ray.util.state import list_actors
 
-from raypar import checkpoint, control
-from raypar.driver import RunFailure
+from raypar import checkpoint
+from raypar.controller import connection as control
+from raypar.controller.actor_mesh import RunFailure
 from tests.runs import Background, losses, metrics, run, tiny
 
 RTOL = 1e-5

@@ -16,8 +16,9 @@ import signal
 import pytest
 
 from raypar import checkpoint, config
-from raypar.driver import Trainer
+from raypar.controller.actor_mesh import ActorMesh
 from raypar.mesh import Mesh
+from tests.faults import FaultyActorMesh
 from tests.reference import Run
 from tests.runs import Background, losses, metrics, run, tiny
 from tests.test_resilience import _pid
@@ -35,7 +36,7 @@ def make_cfg(dp: int, pp: int, tp: int, zero: int, schedule: str = "1f1b") -> co
     )
 
 
-def train(trainer: Trainer) -> Run:
+def train(trainer: ActorMesh) -> Run:
     results = [trainer.step(s) for s in range(STEPS)]
     return Run([r.loss for r in results], [r.grad_norm for r in results], trainer.parameters())
 
@@ -54,7 +55,7 @@ def assert_same(run: Run, ref: Run) -> None:
     ids=lambda v: "dp{}-pp{}-tp{}".format(*v) if isinstance(v, tuple) else v,
 )
 def test_zero_stages_match_zero0(ray_session, layout, schedule):
-    trainer = Trainer(make_cfg(*layout, 0, schedule), "zero-{}{}{}".format(*layout))
+    trainer = FaultyActorMesh(make_cfg(*layout, 0, schedule), "zero-{}{}{}".format(*layout), faults={})
     try:
         trainer.start()
         plain = train(trainer)
@@ -63,8 +64,8 @@ def test_zero_stages_match_zero0(ray_session, layout, schedule):
             assert_same(train(trainer), plain)
         if layout == (2, 2, 2):
             # every member of a collective must take the same broken path, else it hangs
-            faults = {coord: ["dp_sum"] for coord in Mesh(*layout).coords()}
-            trainer.reconfigure(make_cfg(*layout, 2, "gpipe"), faults=faults)
+            trainer.set_faults({coord: ["dp_sum"] for coord in Mesh(*layout).coords()})
+            trainer.reconfigure(make_cfg(*layout, 2, "gpipe"))
             with pytest.raises(AssertionError, match="loss at|grad norm at|parameter .* differs"):
                 assert_same(train(trainer), plain)
     finally:
@@ -84,14 +85,14 @@ def close(got: list[float], want: list[float]) -> bool:
     return len(got) == len(want) and all(abs(g - w) <= RTOL * abs(w) for g, w in zip(got, want, strict=True))
 
 
-def save(trainer: Trainer, root: str, step: int, zero: int) -> str:
+def save(trainer: ActorMesh, root: str, step: int, zero: int) -> str:
     staging, writers = trainer.begin_checkpoint(root, step)
     entries = [e for files in trainer.collect(trainer.checkpoint_writes(writers), "writing") for e in files]
     return checkpoint.publish(root, staging, step, entries, {"optimizer_steps": step, "zero": zero})
 
 
 def test_zero3_checkpoint_resumes_at_other_layouts_and_stages(ray_session, tmp_path):
-    trainer = Trainer(ops_cfg(2, 2, 1, 3), "z3-ckpt")
+    trainer = ActorMesh(ops_cfg(2, 2, 1, 3), "z3-ckpt")
     try:
         trainer.start()
         straight = [trainer.step(s).loss for s in range(3)]
@@ -103,7 +104,7 @@ def test_zero3_checkpoint_resumes_at_other_layouts_and_stages(ray_session, tmp_p
     assert manifest["meta"]["zero"] == 3
     assert {s["file"] for s in manifest["shards"]} >= {"shard-dp1.pp0.tp0.0.safetensors"}  # every rank writes
     for layout, zero in (((1, 2, 2), 0), ((4, 1, 1), 2)):
-        trainer = Trainer(ops_cfg(*layout, zero), "z3-resume-{}{}{}".format(*layout))
+        trainer = ActorMesh(ops_cfg(*layout, zero), "z3-resume-{}{}{}".format(*layout))
         try:
             trainer.start()
             assert trainer.load(uri) == 3
@@ -115,7 +116,7 @@ def test_zero3_checkpoint_resumes_at_other_layouts_and_stages(ray_session, tmp_p
 
 
 def test_elastic_dp_under_zero2_matches_fixed_dp(ray_session):
-    trainer = Trainer(ops_cfg(2, 1, 1, 2), "z2-elastic")
+    trainer = ActorMesh(ops_cfg(2, 1, 1, 2), "z2-elastic")
     try:
         trainer.start()
         fixed = [trainer.step(s).loss for s in range(6)]

@@ -116,11 +116,12 @@ def _train(args: argparse.Namespace) -> int:
     resume = _resolve_resume(cfg, args.resume) if args.resume else None
     name = args.name or f"{Path(args.config).stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = args.run_dir or Path("runs") / name
-    from raypar.connection import RunFailure  # imports Ray: only once the input is known good
-    from raypar.training import Run
+    from raypar.controller.connection import RunFailure  # imports Ray: only once the input is known good
+    from raypar.controller.training import TrainingLoop
 
     try:
-        summary = Run(cfg, name, run_dir, args.address, resume, args.stop_at, not args.no_progress).execute()
+        loop = TrainingLoop(cfg, name, run_dir, args.address, resume, args.stop_at, not args.no_progress)
+        summary = loop.execute()
     except RunFailure as err:
         print(f"raypar: run {name} failed: {err}", file=sys.stderr)
         return 1
@@ -148,7 +149,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _connect(address: str) -> None:
-    from raypar.connection import RunFailure, connect
+    from raypar.controller.connection import RunFailure, connect
 
     try:
         connect(address)
@@ -158,7 +159,7 @@ def _connect(address: str) -> None:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    from raypar import control
+    from raypar.controller import connection as control
 
     _connect(args.address)
     try:
@@ -172,7 +173,7 @@ def _scale(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from raypar import control
+    from raypar.controller import connection as control
 
     _connect(args.address)
     runs = control.runs()

@@ -1,10 +1,12 @@
 """The controller's mesh: placement groups, actors and groups in; steps, recovery and scaling out.
 
-`Trainer` owns one run's actors. A step is two calls per actor: `train_step` (compute and reduce, no
-update) and, once every actor has finished it, `apply_step`. A failure anywhere surfaces as `StepFailure`
-naming the actor (run, dp, pp, tp) and the cause; when actors died it also says which, and `recover`
-continues with the intact replicas (or asks for a restore when none is left). Replicas come and go
-between steps (`scale_to`); each membership change re-forms every group under a new epoch.
+`ActorMesh` owns one run's actors. A step is one call per actor: `train_step(step, commit)` computes and
+reduces step `step` without applying it; its update is applied at the start of the next call (`commit`),
+once every actor has finished phase 1, or by `commit()` alone before anything that reads the state
+(checkpoints, scaling, reading parameters). A failure anywhere surfaces as `StepFailure` naming the actor
+(run, dp, pp, tp) and the cause; when actors died it also says which, and `recover` continues with the
+intact replicas (or asks for a restore when none is left). Replicas come and go between steps
+(`scale_to`); each membership change re-forms every group under a new epoch.
 """
 
 from __future__ import annotations
@@ -17,25 +19,33 @@ from typing import Any
 import ray
 import torch
 
-from actors.worker import Worker
-from collectives import RendezvousServer, create_groups
+from actors.worker import RemoteWorker
+from collectives import RendezvousServer
+from collectives.host import create_groups
 from raypar import checkpoint
 from raypar.config import Config
-from raypar.connection import NAMESPACE, RunFailure
+from raypar.controller.connection import NAMESPACE, RunFailure
+from raypar.controller.placement import (
+    ActorResources,
+    PlacementTimeout,
+    in_bundle,
+    place_stage,
+    release,
+    resources_for,
+)
 from raypar.mesh import Coord, Mesh, actor_name
-from raypar.placement import ActorResources, PlacementTimeout, in_bundle, place_stage, release, resources_for
 
 PING_TIMEOUT_S = 5.0
 STARTUP_TIMEOUT_S = 300.0  # an actor process imports torch: seconds each, many at once on a small node
 
 
 class StepFailure(RunFailure):
-    """A step (or another all-actor call) failed. `dead`: actors found dead; `applied`: whether the
-    update of the step was applied by every intact replica before the failure."""
+    """A step (or another all-actor call) failed. `dead`: actors found dead. The failed step itself was
+    applied nowhere; every step before it was applied by every intact replica."""
 
-    def __init__(self, message: str, dead: set[Coord], applied: bool = False):
+    def __init__(self, message: str, dead: set[Coord]):
         super().__init__(message)
-        self.dead, self.applied = dead, applied
+        self.dead = dead
 
 
 def _died(err: BaseException) -> bool:
@@ -61,10 +71,11 @@ class StepResult:
     per_actor: dict[Coord, dict[str, Any]] = field(default_factory=dict)
 
 
-class Trainer:
-    def __init__(self, cfg: Config, run: str, faults: dict[Coord, list[str]] | None = None):
+class ActorMesh:
+    worker_class: Any = RemoteWorker  # tests and benchmarks swap in instrumented subclasses
+
+    def __init__(self, cfg: Config, run: str):
         self.cfg, self.run = cfg, run
-        self.faults = faults or {}
         par = cfg.parallel
         self.pp, self.tp = par.pp, par.tp
         self.replicas: list[int] = []
@@ -75,6 +86,7 @@ class Trainer:
         self.epoch = 0
         self.server: RendezvousServer | None = None
         self.resources: ActorResources | None = None
+        self.uncommitted: int | None = None  # a step whose phase 1 finished everywhere, not yet applied
 
     @property
     def dp(self) -> int:
@@ -96,7 +108,8 @@ class Trainer:
     # -- building the mesh -----------------------------------------------------------------------------
     def start(self, dp: int | None = None) -> None:
         self.server = RendezvousServer(timeout_s=self.cfg.parallel.timeout_s)
-        self.resources = resources_for(self.cfg.parallel.device, self.cfg.parallel.threads_per_actor)
+        par = self.cfg.parallel
+        self.resources = resources_for(par.device, par.threads_per_actor, par.gpus_per_actor)
         for d in range(dp if dp is not None else self.cfg.dp_fixed):
             self._place_replica(d, self.cfg.parallel.timeout_s)
         self._regroup(new=set(self.replicas))
@@ -117,15 +130,18 @@ class Trainer:
             self.pgs[(d, p)] = pg
             for t in range(self.tp):
                 coord = Coord(d, p, t)
-                self.actors[coord] = Worker.options(
+                self.actors[coord] = self.worker_class.options(
                     name=self.name(coord),
                     namespace=NAMESPACE,
                     num_cpus=self.resources.cpus,
                     num_gpus=self.resources.gpus,
                     scheduling_strategy=in_bundle(pg, t),
                     runtime_env=env,
-                ).remote(self.run, tuple(coord), self.cfg.parallel.threads_per_actor)
+                ).remote(*self._worker_args(coord))
         self.replicas.append(d)
+
+    def _worker_args(self, coord: Coord) -> tuple:
+        return self.run, tuple(coord), self.cfg.parallel.threads_per_actor
 
     def _drop_replicas(self, ids: set[int]) -> None:
         for coord in [c for c in self.actors if c.dp in ids]:
@@ -139,10 +155,11 @@ class Trainer:
         if not self.resources.gpus:
             return "gloo"
         # Fake GPU nodes (a local test cluster) advertise GPUs that have no device behind them.
-        first = next(iter(self.actors.values()))
-        return (
-            "nccl" if ray.get(first.where.remote(), timeout=self.cfg.parallel.timeout_s)["cuda"] else "gloo"
-        )
+        if not all(w["cuda"] for w in self.nodes.values()):
+            return "gloo"
+        # NCCL refuses two ranks on one GPU (parallel.gpus_per_actor < 1): gloo moves those groups' tensors.
+        gpus = [(w["node_id"], w["gpu_ids"][0]) for w in self.nodes.values() if w["gpu_ids"]]
+        return "nccl" if len(set(gpus)) == len(gpus) else "gloo"
 
     def _peers(self, coord: Coord) -> dict[str, Any]:
         return {
@@ -158,19 +175,25 @@ class Trainer:
         self._await_started()
         groups = {name: [c.key for c in m] for name, m in self.mesh.groups(self.replicas).items()}
         by_key = {c.key: a for c, a in self.actors.items()}
-        create_groups(by_key, groups, self.server.address, self.epoch, self._backend(), timeout)
+        create_groups(
+            by_key, groups, self.server.address, self.epoch, self._backend(), timeout, self.devices()
+        )
         cfg = self.cfg.to_dict()
         refs = {}
         for coord, actor in self.actors.items():
             if coord.dp in new:
-                faults = self.faults.get(coord, [])
-                ref = actor.setup.remote(cfg, self.replicas, self._peers(coord), self.epoch, faults)
+                ref = actor.setup.remote(cfg, self.replicas, self._peers(coord), self.epoch)
             else:
                 ref = actor.rebind.remote(self.replicas, self._peers(coord), self.epoch)
             refs[ref] = coord
         for coord, info in self._gather(refs, "setting up" if new else "re-forming groups").items():
             if info is not None:
                 self.peaks[coord] = info["peak_flops"]
+
+    def devices(self) -> dict[str, int]:
+        """Each actor's GPU (the id Ray assigned it) by member label: where its NCCL communicators live.
+        Every GPU stays visible to every actor (see placement), so cuda:0 would be someone else's."""
+        return {c.key: w["gpu_ids"][0] for c, w in self.nodes.items() if w.get("gpu_ids")}
 
     def _await_started(self) -> None:
         """Wait until every actor process is up, so that group timeouts measure collectives, not start-up."""
@@ -185,16 +208,16 @@ class Trainer:
             except Exception as err:  # noqa: BLE001 - an actor that cannot start is a run failure
                 raise RunFailure(f"worker {self.name(refs[ref])} failed to start: {_cause(err)}") from None
 
-    def reconfigure(self, cfg: Config, faults: dict[Coord, list[str]] | None = None) -> None:
+    def reconfigure(self, cfg: Config) -> None:
         """Rebuild every actor's state from the seed under `cfg` (same layout): a new schedule, transport
         or microbatch count without new processes."""
         if (cfg.parallel.pp, cfg.parallel.tp, cfg.dp_fixed) != (self.pp, self.tp, self.dp):
-            raise ValueError("reconfigure keeps the layout; start a new Trainer to change it")
-        self.cfg, self.faults = cfg, faults or {}
+            raise ValueError("reconfigure keeps the layout; start a new ActorMesh to change it")
+        self.cfg, self.uncommitted = cfg, None
         self._regroup(new=set(self.replicas))
 
     # -- calls to every actor, with failure containment ------------------------------------------------
-    def _gather(self, refs: dict[Any, Coord], what: str, applied: bool = False) -> dict[Coord, Any]:
+    def _gather(self, refs: dict[Any, Coord], what: str) -> dict[Coord, Any]:
         """Wait for every ref. On the first failure: find dead actors, end the broken replicas (their
         peers then fail fast instead of waiting out a timeout), call off the others' waits, and raise
         StepFailure with the root cause, not a symptom."""
@@ -208,7 +231,7 @@ class Trainer:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
             if not done:
                 late = ", ".join(self.name(refs[r]) for r in pending)
-                raise StepFailure(f"{what}: no answer within the deadline from {late}", dead, applied)
+                raise StepFailure(f"{what}: no answer within the deadline from {late}", dead)
             for ref in done:
                 try:
                     results[refs[ref]] = ray.get(ref)
@@ -217,7 +240,7 @@ class Trainer:
                     if not contained:
                         dead, contained = self._contain(refs[ref], err), True
         if errors:
-            raise StepFailure(self._describe_failure(errors, dead, what), dead, applied)
+            raise StepFailure(self._describe_failure(errors, dead, what), dead)
         return results
 
     def _contain(self, first: Coord, err: BaseException) -> set[Coord]:
@@ -259,14 +282,25 @@ class Trainer:
 
     # -- running ---------------------------------------------------------------------------------------
     def step(self, step: int) -> StepResult:
+        """Phase 1 of `step` everywhere, carrying the commit of the step before. Once this returns, `step`
+        is complete: every intact replica applies it, with the next call or with `commit()`."""
         start = time.perf_counter()
-        results = self._gather({a.train_step.remote(step): c for c, a in self.actors.items()}, f"step {step}")
-        self._gather({a.apply_step.remote(step): c for c, a in self.actors.items()}, f"step {step}", True)
+        commit, self.uncommitted = self.uncommitted, None  # whoever receives the call applies it
+        refs = {a.train_step.remote(step, commit): c for c, a in self.actors.items()}
+        results = self._gather(refs, f"step {step}")
+        self.uncommitted = step
         elapsed = time.perf_counter() - start
         last = self.pp - 1
         losses = [r["loss"] for c, r in results.items() if c.pp == last and c.tp == 0]
         some = next(iter(results.values()))
         return StepResult(step, sum(losses) / len(losses), some["grad_norm"], some["lr"], elapsed, results)
+
+    def commit(self) -> None:
+        """Apply the last completed step everywhere now (before reading or moving state)."""
+        if self.uncommitted is None:
+            return
+        step, self.uncommitted = self.uncommitted, None
+        self._gather({a.apply_step.remote(step): c for c, a in self.actors.items()}, f"applying step {step}")
 
     def recover(self, failure: StepFailure) -> str:
         """Drop the replicas that lost an actor and continue with the intact ones, at once and without
@@ -289,6 +323,7 @@ class Trainer:
     def scale_to(self, dp: int, timeout_s: float) -> str:
         """Add or remove replicas between steps. New ones are placed, join the groups under a new epoch and
         receive parameters and optimizer state from replica rank 0. Returns what happened."""
+        self.commit()
         if dp != self.dp and self.cfg.parallel.zero >= 1:  # ZeRO: re-shard from the whole state
             self._gather({a.stash_state.remote(): c for c, a in self.actors.items()}, "stashing state")
         if dp < self.dp:
@@ -317,6 +352,7 @@ class Trainer:
         """No intact replica: start every replica again and load `ckpt_uri` (or the seed's initial state
         when there is no checkpoint yet). Returns the step to continue from."""
         self._drop_replicas(set(self.replicas))
+        self.uncommitted = None
         for d in range(dp):
             self._place_replica(d, self.cfg.parallel.timeout_s)
         self._regroup(new=set(self.replicas))
@@ -325,12 +361,14 @@ class Trainer:
     # -- state -----------------------------------------------------------------------------------------
     def load(self, ckpt_uri: str) -> int:
         """Every actor loads its shard of `ckpt_uri` (written at any layout); returns the step to run next."""
+        self.uncommitted = None
         self._gather({a.load_state.remote(ckpt_uri): c for c, a in self.actors.items()}, "loading checkpoint")
         return int(checkpoint.load_manifest(ckpt_uri)["step"])
 
     def begin_checkpoint(self, root: str, step: int) -> tuple[str, list[Coord]]:
         """Snapshot every shard (the only stall) and start writing it in the background; returns the
         staging URI and the writers to pass to `checkpoint_writes`."""
+        self.commit()
         staging = checkpoint.begin(root, step)
         wrote = self._gather({a.save_shard.remote(staging): c for c, a in self.actors.items()}, "checkpoint")
         return staging, [c for c, w in wrote.items() if w]
@@ -354,6 +392,7 @@ class Trainer:
 
     def parameters(self, replica: int | None = None) -> dict[str, torch.Tensor]:
         """The full model of one replica, assembled from its shards (tests and export)."""
+        self.commit()
         replica = self.replicas[0] if replica is None else replica
         every = self.cfg.parallel.zero == 3  # sharded parameters: gathered by every replica together
         refs = {a.parameters.remote(): c for c, a in self.actors.items() if every or c.dp == replica}

@@ -1,4 +1,5 @@
-"""Joining Ray: a running cluster (`auto`, HOST:PORT, or RAY_ADDRESS) or a local instance started here.
+"""Joining Ray (a running cluster: `auto`, HOST:PORT, or RAY_ADDRESS; or a local instance started here) and
+talking to a running run through its control actor: `raypar scale` and `raypar status`.
 
 Imports only Ray, so `raypar scale` and `raypar status` connect without loading torch.
 """
@@ -8,8 +9,11 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import ray
+
+from actors.control import control_name
 
 NAMESPACE = "raypar"
 
@@ -49,3 +53,34 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
         raise RunFailure(
             f"could not connect to Ray at {address or 'a new local instance'}: {first}{hint}"
         ) from None
+
+
+def _control(run: str) -> Any:
+    try:
+        return ray.get_actor(control_name(run), namespace=NAMESPACE)
+    except ValueError:
+        raise LookupError(f"--run {run}: no running raypar run of that name on this cluster") from None
+
+
+def scale(run: str, dp: int) -> str:
+    """Ask run `run` to change its number of data-parallel replicas (Python API of `raypar scale`)."""
+    return ray.get(_control(run).request_dp.remote(dp), timeout=30)
+
+
+def runs() -> list[dict[str, Any]]:
+    """The status every live run last posted (Python API of `raypar status`)."""
+    from ray.util.state import list_actors
+
+    address = ray.get_runtime_context().gcs_address  # the cluster we joined, not any other on this host
+    names = [
+        a.name
+        for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=10000)
+        if a.name.startswith("raypar:") and a.name.endswith(":control")
+    ]
+    out = []
+    for name in names:
+        try:
+            out.append(ray.get(_control(name[len("raypar:") : -len(":control")]).status.remote(), timeout=30))
+        except (LookupError, ray.exceptions.RayActorError):
+            continue  # the run ended between listing and asking
+    return out

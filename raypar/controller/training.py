@@ -20,12 +20,12 @@ from typing import Any, TextIO
 
 import ray
 
+from actors.control import RunControl, control_name
 from raypar import checkpoint, report
 from raypar import config as config_mod
 from raypar.config import Config
-from raypar.connection import RunFailure, connect
-from raypar.control import NAMESPACE, RunControl, control_name, valid_dps
-from raypar.driver import StepFailure, Trainer
+from raypar.controller.actor_mesh import ActorMesh, StepFailure
+from raypar.controller.connection import NAMESPACE, RunFailure, connect
 from raypar.flops import mfu
 from raypar.mesh import Coord
 
@@ -42,8 +42,10 @@ class PendingCheckpoint:
     stall_s: float
 
 
-class Run:
-    """One training run: its directory, trainer, control actor and checkpoint schedule."""
+class TrainingLoop:
+    """One training run: its directory, actor mesh, control actor and checkpoint schedule."""
+
+    mesh_class: Any = ActorMesh  # tests swap in a subclass that injects faults
 
     def __init__(
         self,
@@ -57,17 +59,12 @@ class Run:
     ):
         self.cfg, self.name, self.run_dir, self.address = cfg, name, run_dir, address
         self.resume, self.stop_at, self.progress = resume, stop_at, progress
-        self.trainer = Trainer(cfg, name, faults=_faults_from_env())
+        self.actor_mesh = self.mesh_class(cfg, name)
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         par = cfg.parallel
         self.auto = par.dp == "auto"
         self.target_dp = cfg.dp_fixed
-        self.dps = valid_dps(
-            cfg.train.global_batch,
-            cfg.microbatch_size,
-            par.min_dp,
-            par.max_dp if (self.auto or par.max_dp) else 0,
-        )
+        self.dps = cfg.valid_dps()
         self.restarts = 0
         self.pending: PendingCheckpoint | None = None
         self.last_checkpoint: str | None = None
@@ -107,10 +104,10 @@ class Run:
         root = self.cfg.checkpoint.dir
         self._publish(wait=True)
         start = time.perf_counter()
-        staging, writers = self.trainer.begin_checkpoint(root, next_step)
+        staging, writers = self.actor_mesh.begin_checkpoint(root, next_step)
         meta = {
             "tokens": next_step * self.tokens_per_step,
-            "layout": {"dp": self.trainer.dp, "pp": self.trainer.pp, "tp": self.trainer.tp},
+            "layout": {"dp": self.actor_mesh.dp, "pp": self.actor_mesh.pp, "tp": self.actor_mesh.tp},
             "model": dataclasses.asdict(self.cfg.model),
             "optimizer_steps": next_step,
             "data": {
@@ -122,12 +119,12 @@ class Run:
                 "next_step": next_step,
                 **{k: getattr(self.cfg.train, k) for k in ("lr", "min_lr", "warmup_steps", "steps")},
             },
-            "rng": self.trainer.rng_states(),
+            "rng": self.actor_mesh.rng_states(),
             "precision": self.cfg.train.precision,
             "zero": self.cfg.parallel.zero,
         }
         stall = time.perf_counter() - start
-        writes = self.trainer.checkpoint_writes(writers)
+        writes = self.actor_mesh.checkpoint_writes(writers)
         self.pending = PendingCheckpoint(staging, next_step, writes, meta, time.perf_counter(), stall)
 
     def _publish(self, wait: bool) -> None:
@@ -142,7 +139,7 @@ class Run:
             return
         pending, self.pending = self.pending, None
         try:
-            parts = self.trainer.collect(pending.writes, "writing checkpoint shards")
+            parts = self.actor_mesh.collect(pending.writes, "writing checkpoint shards")
             entries = [entry for files in parts for entry in files]  # each writer: one file per part
         except RunFailure as err:  # a writer died: its staging directory stays aside, pruned by a later save
             self.event(f"checkpoint step {pending.step} abandoned: {err}")
@@ -164,20 +161,21 @@ class Run:
 
     # -- membership --------------------------------------------------------------------------------------
     def _membership(self, control: Any, step: int) -> None:
+        mesh = self.actor_mesh
         requested = ray.get(control.take_request.remote(), timeout=30)
         if requested is not None and requested != self.target_dp:
             self.target_dp = requested
             start = time.perf_counter()
             self.event(
-                self.trainer.scale_to(requested, self.cfg.parallel.timeout_s)
+                self.actor_mesh.scale_to(requested, self.cfg.parallel.timeout_s)
                 + f" (before step {step}, {time.perf_counter() - start:.1f}s)"
             )
-        elif self.auto and self.trainer.dp < self.cfg.parallel.max_dp and _room_for_replica(self.trainer):
-            target = max(d for d in self.dps if d <= self.trainer.dp + 1)
-            if target > self.trainer.dp:
-                self.event("auto: " + self.trainer.scale_to(target, HEAL_PLACEMENT_TIMEOUT_S))
-        elif self.trainer.dp < self.target_dp and _room_for_replica(self.trainer):
-            self.event("healing: " + self.trainer.scale_to(self.target_dp, HEAL_PLACEMENT_TIMEOUT_S))
+        elif self.auto and mesh.dp < self.cfg.parallel.max_dp and _room_for_replica(mesh):
+            target = max(d for d in self.dps if d <= self.actor_mesh.dp + 1)
+            if target > self.actor_mesh.dp:
+                self.event("auto: " + self.actor_mesh.scale_to(target, HEAL_PLACEMENT_TIMEOUT_S))
+        elif self.actor_mesh.dp < self.target_dp and _room_for_replica(self.actor_mesh):
+            self.event("healing: " + self.actor_mesh.scale_to(self.target_dp, HEAL_PLACEMENT_TIMEOUT_S))
 
     def _recover(self, failure: StepFailure, step: int) -> int:
         """Continue after `failure` of `step`; returns the step to run next."""
@@ -187,13 +185,12 @@ class Run:
                 f"giving up after {self.restarts} failures (train.max_failures="
                 f"{self.cfg.train.max_failures}); last: {failure}"
             )
-        next_step = step + 1 if failure.applied else step
         try:
-            self.event(f"step {step} failed: " + self.trainer.recover(failure))
-            usable = [d for d in self.dps if d <= self.trainer.dp]
-            if self.trainer.dp not in self.dps and usable:  # shrink further to a dp the batch splits into
-                self.event(self.trainer.scale_to(max(usable), self.cfg.parallel.timeout_s))
-            return next_step
+            self.event(f"step {step} failed: " + self.actor_mesh.recover(failure))
+            usable = [d for d in self.dps if d <= self.actor_mesh.dp]
+            if self.actor_mesh.dp not in self.dps and usable:  # shrink further to a dp the batch splits into
+                self.event(self.actor_mesh.scale_to(max(usable), self.cfg.parallel.timeout_s))
+            return step
         except StepFailure:
             raise
         except RunFailure as err:
@@ -203,7 +200,7 @@ class Run:
                 f"step {step} failed and {err}; restarting all replicas from "
                 f"{ckpt or 'the initial state (no checkpoint yet)'}"
             )
-            return self.trainer.restart_all(self.target_dp, ckpt)
+            return self.actor_mesh.restart_all(self.target_dp, ckpt)
 
     # -- the loop ----------------------------------------------------------------------------------------
     def execute(self) -> dict[str, Any]:
@@ -217,33 +214,39 @@ class Run:
         )
         wall = time.perf_counter()
         try:
-            self.trainer.start(self.target_dp)
+            self.actor_mesh.start(self.target_dp)
             step = 0
             if self.resume:
-                step = self.trainer.load(self.resume)
+                step = self.actor_mesh.load(self.resume)
                 self.last_checkpoint = self.resume
                 self.event(f"resumed from {self.resume} at step {step}")
             return self._loop(control, step, wall)
         finally:
-            self.trainer.shutdown()
+            self.actor_mesh.shutdown()
             ray.kill(control)
 
     def _loop(self, control: Any, step: int, wall: float) -> dict[str, Any]:
         from tqdm import tqdm
 
-        cfg, trainer = self.cfg, self.trainer
+        cfg, actor_mesh = self.cfg, self.actor_mesh
         end = min(cfg.train.steps, self.stop_at) if self.stop_at is not None else cfg.train.steps
         first_loss = last = None
         self._open_logs(step)
         bar = tqdm(total=end, initial=step, disable=not self.progress, unit="step", dynamic_ncols=True)
         with bar:
             recovered = False
-            while step < end:
-                self._publish(wait=False)
-                if not recovered:  # the failed step is redone by the survivors first, then the mesh heals
-                    self._membership(control, step)
-                try:
-                    result = trainer.step(step)
+            checkpointed = step  # the state before `step` is on disk already (resumed) or is the seed's
+            while True:
+                try:  # everything that talks to the actors fails the same way and recovers the same way
+                    if checkpointed != step and self._checkpoint_due(step, end):
+                        self._checkpoint(step)
+                        checkpointed = step
+                    if step >= end:
+                        break
+                    self._publish(wait=False)
+                    if not recovered:  # the failed step is redone by the survivors first, then the mesh heals
+                        self._membership(control, step)
+                    result = actor_mesh.step(step)
                     recovered = False
                 except StepFailure as failure:
                     recovered = True
@@ -252,6 +255,7 @@ class Run:
                         self._open_logs(redo)
                         bar.reset(total=end)
                         bar.update(redo)
+                        checkpointed = redo
                     step = redo
                     continue
                 rows = report.timeline_rows(step, result.per_actor)
@@ -263,15 +267,15 @@ class Run:
                     "tokens": self.tokens_per_step * (step + 1),
                     "step_time_s": result.step_time_s,
                     "tokens_per_s": self.tokens_per_step / result.step_time_s,
-                    "dp": trainer.dp,
-                    "pp": trainer.pp,
-                    "tp": trainer.tp,
+                    "dp": actor_mesh.dp,
+                    "pp": actor_mesh.pp,
+                    "tp": actor_mesh.tp,
                     "restarts": self.restarts,
                     "model_state_bytes": max(r["model_state_bytes"] for r in result.per_actor.values()),
                     "dp_bytes": sum(r["reduce_bytes"] + r["gather_bytes"] for r in result.per_actor.values()),
                     "bubble_fraction": report.measured_bubble(rows),
-                    "mfu": mfu(self.tokens_per_step / result.step_time_s, cfg.model, trainer.peak_flops)
-                    if trainer.peak_flops
+                    "mfu": mfu(self.tokens_per_step / result.step_time_s, cfg.model, actor_mesh.peak_flops)
+                    if actor_mesh.peak_flops
                     else None,
                 }
                 self.logs["metrics.jsonl"].write(json.dumps(record) + "\n")
@@ -279,14 +283,12 @@ class Run:
                 self.logs["timeline.jsonl"].writelines(json.dumps(r) + "\n" for r in rows)
                 control.update.remote(self._status(record))
                 bar.set_postfix(
-                    loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", dp=trainer.dp
+                    loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", dp=actor_mesh.dp
                 )
                 bar.update(1)
                 first_loss = result.loss if first_loss is None else first_loss
                 last = record
                 step += 1
-                if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps):
-                    self._checkpoint(step)
             self._publish(wait=True)
         self._close_logs()
         return {
@@ -301,6 +303,14 @@ class Run:
             "checkpoint": self.last_checkpoint,
         }
 
+    def _checkpoint_due(self, step: int, end: int) -> bool:
+        """Every `checkpoint.every` steps and after the last; also when `--stop-at` ends the run early, so
+        that it can be resumed."""
+        every, steps = self.cfg.checkpoint.every, self.cfg.train.steps
+        periodic = bool(every) and (step % every == 0 or step == steps)
+        stopping = step == end < steps and bool(self.cfg.checkpoint.dir)
+        return step > 0 and (periodic or stopping)
+
     def _status(self, record: dict[str, Any]) -> dict[str, Any]:
         return {
             "run": self.name,
@@ -313,7 +323,7 @@ class Run:
             "tp": record["tp"],
             "restarts": self.restarts,
             "run_dir": str(self.run_dir),
-            "actors": {self.trainer.name(c): w for c, w in sorted(self.trainer.nodes.items())},
+            "actors": {self.actor_mesh.name(c): w for c, w in sorted(self.actor_mesh.nodes.items())},
         }
 
 
@@ -330,20 +340,9 @@ def _latest(root: str) -> str | None:
         return None
 
 
-def _room_for_replica(trainer: Trainer) -> bool:
+def _room_for_replica(actor_mesh: ActorMesh) -> bool:
     """Whether free resources could hold one more replica (the placement itself decides for sure)."""
-    need = trainer.pp * trainer.tp
+    need = actor_mesh.pp * actor_mesh.tp
     free = ray.available_resources()
-    res = trainer.resources
+    res = actor_mesh.resources
     return free.get("CPU", 0) >= need * res.cpus and free.get("GPU", 0) >= need * res.gpus
-
-
-def _faults_from_env() -> dict[Coord, list[str]]:
-    """RAYPAR_INJECT_FAULT="dp0.pp1.tp0=raise_at_step:2": how the test suite makes a worker fail."""
-    spec = os.environ.get("RAYPAR_INJECT_FAULT", "")
-    faults: dict[Coord, list[str]] = {}
-    for item in filter(None, spec.split(";")):
-        key, _, fault = item.partition("=")
-        d, p, t = (int(part[2:]) for part in key.split("."))
-        faults.setdefault(Coord(d, p, t), []).append(fault)
-    return faults

@@ -27,12 +27,12 @@ class ActorResources:
         return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
 
 
-def resources_for(device: str, threads: int = 1) -> ActorResources:
-    """`parallel.device`: "gpu" asks one GPU per actor, "cpu" none, "auto" GPUs if the cluster has any; and
-    one CPU per torch thread of the actor."""
+def resources_for(device: str, threads: int = 1, gpus: float = 1.0) -> ActorResources:
+    """`parallel.device`: "gpu" asks `gpus` GPUs per actor (a fraction: actors share one), "cpu" none,
+    "auto" GPUs if the cluster has any; and one CPU per torch thread of the actor."""
     if device == "auto":
         device = "gpu" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
-    return ActorResources(cpus=float(threads), gpus=1.0 if device == "gpu" else 0.0)
+    return ActorResources(cpus=float(threads), gpus=gpus if device == "gpu" else 0.0)
 
 
 def place_stage(run: str, dp: int, pp: int, tp: int, res: ActorResources, timeout_s: float) -> PlacementGroup:

@@ -1,0 +1,43 @@
+"""The run's control actor: where `raypar scale` and `raypar status` reach a running run.
+
+Each run has a small named actor, `raypar:<run>:control`, created by its driver. Requests land there and
+the driver picks them up at the next step boundary (one non-blocking check per step); the driver also
+posts its status there after every step, so `raypar status` never disturbs the training loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+
+def control_name(run: str) -> str:
+    return f"raypar:{run}:control"
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class RunControl:
+    def __init__(self, run: str, valid_dps: list[int]):
+        self.run, self.valid_dps = run, valid_dps
+        self.requested: int | None = None
+        self.state: dict[str, Any] = {"run": run, "step": None}
+
+    def request_dp(self, dp: int) -> str:
+        if dp not in self.valid_dps:
+            raise ValueError(
+                f"--dp {dp}: run {self.run} accepts dp in {self.valid_dps} (the global batch must split into "
+                f"whole microbatches of the run's size, within [min_dp, max_dp])"
+            )
+        self.requested = dp
+        return f"run {self.run}: dp={dp} requested; applied at the next step boundary"
+
+    def take_request(self) -> int | None:
+        requested, self.requested = self.requested, None
+        return requested
+
+    def update(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def status(self) -> dict[str, Any]:
+        return self.state
