@@ -38,8 +38,8 @@ from collectives import Group, Work
 from raypar.checkpoint import CheckpointReader, ShardSpec
 from raypar.config import TrainConfig
 from raypar.flat import Bucket, FlatLayout, Piece, Slot, rectangles
+from raypar.optim import ADAM_EPS
 
-ADAM_EPS = 1e-8
 MOMENTS = ("exp_avg", "exp_avg_sq")
 ZERO_STAGES = (0, 1, 2, 3)
 
