@@ -30,11 +30,11 @@ import torch
 from actors.telemetry import ActorMetrics
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from collectives.host import GroupHost
-from raypar import checkpoint, data, flops, schedules
+from raypar import checkpoint, data, flops, memory, precision, schedules
 from raypar import config as config_mod
 from raypar.dp import DPStrategy
 from raypar.mesh import Coord, Mesh, actor_name, stage_layers
-from raypar.model import LlamaStage
+from raypar.model import LlamaStage, dropout_seed
 from raypar.optim import lr_at
 from raypar.zero3 import Zero3Strategy
 
@@ -86,21 +86,26 @@ class Worker(GroupHost):
         self.cfg = config_mod.from_dict(cfg)
         p, par = self.coord.pp, self.cfg.parallel
         self.device = self._device()
-        dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
+        dtype = precision.DTYPES[self.cfg.train.precision]
         self.peak_flops = flops.device_peak_flops(self.device, dtype)  # measured once per process on CPU
         layers = stage_layers(self.cfg.model.n_layers, par.pp, par.stage_layers or None)[p]
         self.first, self.last = p == 0, p == par.pp - 1
         tp_group = self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None  # shapes the shards
-        self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, self.cfg.train.seed)
+        train = self.cfg.train
+        self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, train.seed)
+        self.model.set_recompute(train.recompute, train.recompute_every)
         self.model.to(self.device)
+        self.param_dtype = dtype  # the strategy keeps fp32 masters for 16-bit parameters
         self.strategy, self._stash = None, None
+        self.scaler = precision.scaler_for(train)
+        self._skip = False
         self.dataset = data.open_dataset(self.cfg.data, self.cfg.model) if self.first or self.last else None
         if self.dataset is not None:
             self.sampler = data.GlobalSampler(
                 self.dataset.num_samples, self.cfg.train.global_batch, self.cfg.train.seed
             )
         mbs, seq = self.cfg.microbatch_size, self.cfg.model.seq_len
-        self.act_like = torch.empty(mbs, seq, self.cfg.model.d_model, device=self.device)
+        self.act_like = torch.empty(mbs, seq, self.cfg.model.d_model, device=self.device, dtype=dtype)
         self.rebind(replicas, peers, epoch)
         return {"params": sum(p.numel() for p in self.model.parameters()), "peak_flops": self.peak_flops}
 
@@ -160,9 +165,12 @@ class Worker(GroupHost):
                 module.group = group
 
     def _make_strategy(self, dp_group: Any) -> DPStrategy:
-        par = self.cfg.parallel
+        par, train = self.cfg.parallel, self.cfg.train
         cls = Zero3Strategy if par.zero == 3 else DPStrategy
-        return cls(self.model, self.cfg.train, dp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp)
+        return cls(
+            self.model, train, dp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp,
+            dtype=self.param_dtype, reduce_dtype=precision.DTYPES[train.reduce_dtype],
+        )
 
     def _device(self) -> torch.device:
         gpu_ids = ray.get_gpu_ids()
@@ -200,9 +208,16 @@ class Worker(GroupHost):
             raise self._fail(f"step {step}", err) from err
 
     def apply_step(self, step: int) -> None:
-        """Phase 2 of `step`: every actor finished phase 1, so the update is applied everywhere. Comes with
-        the next `train_step` call, or alone before anything that reads the state (checkpoint, scaling)."""
-        self.strategy.step(lr_at(step, self.cfg.train))
+        """Phase 2 of `step`: every actor finished phase 1, so the update is applied everywhere, or skipped
+        everywhere after an fp16 overflow (then neither Adam's count nor the LR schedule advances). Comes
+        with the next `train_step` call, or alone before anything that reads the state (checkpoint,
+        scaling)."""
+        if not self._skip:
+            self.strategy.step(lr_at(self.strategy.step_count, self.cfg.train))
+        if self.scaler is not None:
+            self.scaler.update(self._skip)
+        self._skip = False  # applied once: a second apply of the same step must not count it again
+        self.strategy.zero_grad()
 
     def _train_step(self, step: int) -> dict[str, Any]:
         start = time.perf_counter()
@@ -210,13 +225,16 @@ class Worker(GroupHost):
         self.strategy.begin_step()
         self.transport.step = step
         self.mailbox.clear_before(self.epoch, step)
-        bf16 = self.cfg.train.precision == "bf16"
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         grads: dict[int, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         events: list[tuple[str, int, float, float]] = []
+        saved = memory.SavedActivations(exclude=[*self.model.parameters(), *self.model.buffers()])
+        live = memory.LiveActivations()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         for index, ins in enumerate(self.plan):
             t0 = time.perf_counter()
             op, mb = ins.op, ins.mb
@@ -229,11 +247,16 @@ class Worker(GroupHost):
                     inputs[mb], targets = self._batch(step, mb)
                 elif self.last:
                     targets = self._batch(step, mb)[1]
-                with autocast:
+                if self.cfg.model.dropout > 0:  # the same masks on every tp rank, whatever recomputes
+                    global_mb = self.dp_rank * self.microbatches + mb
+                    torch.manual_seed(dropout_seed(self.cfg.train.seed, step, global_mb, self.coord.pp))
+                with saved:
                     out = self.model(inputs[mb], targets if self.last else None)
+                live.forward(mb, saved.bytes)
                 if self.last:
                     losses.append(out.detach())
-                    out = out / self.microbatches  # the replica's loss is the mean over its microbatches
+                    # the replica's loss is the mean over its microbatches (fp16: times the loss scale)
+                    out = out / self.microbatches if scale == 1.0 else out * (scale / self.microbatches)
                 outputs[mb] = out
             elif op == "send_act":
                 self.transport.send_act(mb, outputs[mb])
@@ -244,6 +267,7 @@ class Worker(GroupHost):
                     self.strategy.arm()
                 out = outputs.pop(mb)
                 out.backward(None if self.last else grads.pop(mb))
+                live.backward(mb)
                 self.transport.release("grad", mb)
             elif op == "send_grad":
                 self._send_grad(mb, inputs.pop(mb).grad)
@@ -252,7 +276,9 @@ class Worker(GroupHost):
         compute_end = time.perf_counter()
         self.strategy.finish()
         self.transport.finish_step()
-        grad_norm = self._clip_grad_norm()
+        found_inf = self.strategy.unscale_(1.0 / scale, check=self.scaler is not None)
+        self._skip = self.scaler is not None and self._anywhere(found_inf)
+        grad_norm = float("inf") if self._skip else self._clip_grad_norm()
         end = time.perf_counter()
         busy = sum(t1 - t0 for op, _, t0, t1 in events if op in ("forward", "backward"))
         result = {
@@ -260,20 +286,47 @@ class Worker(GroupHost):
             "dp_rank": self.dp_rank,
             "loss": torch.stack(losses).float().mean().item() if losses else None,
             "grad_norm": grad_norm,
-            "lr": lr_at(step, self.cfg.train),
+            "lr": lr_at(self.strategy.step_count, self.cfg.train),
+            "loss_scale": scale,
+            "skipped": self._skip,
             "step_s": end - start,
             "busy_s": busy,
             "reduce_s": end - compute_end,
             "events": events,
             # bytes this actor sent for DP since the last step: reduction, parameter gathers (ZeRO)
             **self.strategy.take_traffic(),
-            "model_state_bytes": sum(self.strategy.model_state_bytes().values()),
+            **self._memory(live),
         }
         tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result["step_s"]
         world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp
         mfu = flops.mfu(tokens_per_s / world, self.cfg.model, self.peak_flops) if self.peak_flops else None
         self.metrics.record(result, tokens_per_s, mfu)
         return result
+
+    def _memory(self, live: memory.LiveActivations) -> dict[str, int]:
+        """Measured memory of this step: activations saved per microbatch and at most at once, microbatches
+        in flight, model states, and the peak (GPU: the allocator's; CPU: model states + activations)."""
+        states = sum(self.strategy.model_state_bytes().values())
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = states + live.peak_bytes
+        return {
+            "activation_bytes": live.per_microbatch,
+            "activation_peak_bytes": live.peak_bytes,
+            "in_flight": live.peak_count,
+            "model_state_bytes": states,
+            "peak_memory_bytes": peak,
+        }
+
+    def _anywhere(self, flag: bool) -> bool:
+        """True on every actor if `flag` is True on any actor of the step: MAX over this replica's stages
+        and tp ranks, then over the replicas, so all actors skip together (or none does)."""
+        t = torch.tensor([float(flag)], device=self.device)
+        for group in (self.mp_group, self.dp_group):
+            if group is not None:
+                group.all_reduce(t, "max")
+        return bool(t.item())
 
     def _send_grad(self, mb: int, grad: torch.Tensor) -> None:
         self.transport.send_grad(mb, grad)
@@ -293,15 +346,24 @@ class Worker(GroupHost):
         specs = self.model.shard_specs()
         return {n: (t, *specs[n]) for n, t in self.strategy.full_parameters().items()}
 
+    def optimizer_state(self) -> dict[str, Any]:
+        """What a checkpoint's JSON needs besides tensors: updates applied, and the loss scaler's state."""
+        scaler = self.scaler.state() if self.scaler is not None else None
+        return {"optimizer_steps": self.strategy.step_count, "loss_scaler": scaler}
+
     def sync_state(self, src_dp_rank: int) -> None:
         """Heal new replicas: the replica at `src_dp_rank` broadcasts the whole DP state of this (stage, tp
         rank) and every replica keeps its part of it (all of it without ZeRO)."""
         stash, self._stash = self._stash, None
         if self.dp_group is None:
             return
+        scaler = self.scaler.state() if self.scaler is not None else {}
         count = stash[1] if stash is not None else self.strategy.step_count
-        steps = torch.tensor([float(count)], dtype=torch.float64)
+        counts = [count, *scaler.values()]  # a float64 holds each of them exactly
+        steps = torch.tensor([float(c) for c in counts], dtype=torch.float64)
         self.dp_group.broadcast(steps, src_dp_rank)
+        if self.scaler is not None:
+            self.scaler.load_state(dict(zip(scaler, steps[1:].tolist(), strict=True)))
         if stash is not None:
             state = stash[0]
         elif self.strategy.sharded:  # a new replica under ZeRO: receives everything, keeps its piece
@@ -312,7 +374,7 @@ class Worker(GroupHost):
             for name in sorted(state):
                 state[name] = state[name].to(self.device)
                 self.dp_group.broadcast(state[name], src_dp_rank)
-        self.strategy.load_full_state(state, int(steps.item()))
+        self.strategy.load_full_state(state, int(steps[0].item()))
 
     def save_shard(self, staging: str) -> bool:
         """Snapshot the slices this actor owns to host memory now (the stall), write them in a background
@@ -351,8 +413,27 @@ class Worker(GroupHost):
             raise self._fail("writing its checkpoint shard", result)
         return result
 
-    def rng_state(self) -> str:
-        return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+    def rng_state(self) -> dict[str, str]:
+        """This process's random state (dropout draws from it), base64 per generator."""
+        states = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in states.items()}
+
+    def _restore_rng(self, saved: dict[str, str] | str | None) -> None:
+        """Random state from a checkpoint written at this actor's coordinate. At another layout there is no
+        such rank: the actor keeps its seeded state (the math of a step does not depend on it)."""
+        if not saved:
+            return
+        if isinstance(saved, str):  # checkpoints written before CUDA state was saved: the CPU state alone
+            saved = {"cpu": saved}
+
+        def state(key: str) -> torch.Tensor:
+            return torch.frombuffer(bytearray(base64.b64decode(saved[key])), dtype=torch.uint8)
+
+        torch.set_rng_state(state("cpu"))
+        if "cuda" in saved and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state("cuda"), self.device)
 
     def load_state(self, ckpt_uri: str) -> int:
         """Load this shard's parameters and optimizer state from any checkpoint, at any layout; returns the
@@ -360,7 +441,10 @@ class Worker(GroupHost):
         try:
             reader = checkpoint.CheckpointReader(ckpt_uri)
             step_count = int(reader.meta["optimizer_steps"])
+            if self.scaler is not None and reader.meta.get("loss_scaler"):
+                self.scaler.load_state(reader.meta["loss_scaler"])
             self.strategy.load(reader, step_count)
+            self._restore_rng(reader.meta.get("rng", {}).get(self.coord.key))
             return step_count
         except Exception as err:
             raise self._fail(f"loading {ckpt_uri}", err) from err

@@ -41,8 +41,8 @@ import torch  # noqa: E402
 
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport  # noqa: E402
 from benchmarks import _common  # noqa: E402
-from collectives import RendezvousServer  # noqa: E402
 from collectives.host import GroupHost, create_groups  # noqa: E402
+from collectives.ray_store import RendezvousServer  # noqa: E402
 
 TRANSPORTS = ("object_store", "direct")
 GROUP = "pp.hop"

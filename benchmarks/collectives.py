@@ -195,8 +195,8 @@ class RayparWorld:
     def __init__(self, n: int, alloc: bool, with_torch: bool) -> None:
         import ray
 
-        from collectives import RendezvousServer
         from collectives.host import create_groups
+        from collectives.ray_store import RendezvousServer
 
         self._ray, self._alloc = ray, alloc
         self._server = RendezvousServer()
@@ -232,9 +232,10 @@ def _process_rank(impl: str, rank: int, n: int, port: int, alloc: bool, conn: An
                                 timeout=timedelta(seconds=600))
         make, barrier = (lambda op, numel: torch_call(op, numel)), dist.barrier
     else:
-        from collectives import GroupSpec, StoreAddress, create_group
+        from benchmarks.tcp_store import TcpStoreRef
+        from collectives import GroupSpec, create_group
 
-        spec = GroupSpec("bench", tuple(f"p{i}" for i in range(n)), rank, StoreAddress("127.0.0.1", port))
+        spec = GroupSpec("bench", tuple(f"p{i}" for i in range(n)), rank, TcpStoreRef("127.0.0.1", port))
         group = create_group(spec)
         make, barrier = (lambda op, numel: raypar_call(group, op, numel, alloc)), group.barrier
     calls: dict[tuple[str, int], Callable[[], Any]] = {}
@@ -259,9 +260,9 @@ class ProcessWorld:
         if impl == "torch":
             port = free_port()
         else:
-            from collectives import RendezvousServer
+            from benchmarks.tcp_store import TcpStoreServer
 
-            self._server = RendezvousServer(host="127.0.0.1")
+            self._server = TcpStoreServer("127.0.0.1")
             port = self._server.address.port
         self._conns, self._procs = [], []
         for rank in range(n):

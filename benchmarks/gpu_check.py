@@ -52,13 +52,13 @@ def nccl_ops() -> None:
     if not torch.cuda.is_available():
         emit("nccl", True, skipped="no CUDA device on this machine")
         return
-    from collectives import GroupSpec, RendezvousServer, create_group
+    from collectives import GroupSpec, LocalStoreRef, create_group
     from collectives.nccl import BackendUnavailable, NcclBackend
 
-    server = RendezvousServer(host="127.0.0.1", timeout_s=60)
+    local = LocalStoreRef()  # one member, in this process
     try:
-        group = create_group(GroupSpec("check", ("me",), 0, server.address, 0, "nccl", 60.0, 0))
-        raw = NcclBackend(server.store, "raw/0", 0, 1, 60.0, 0)
+        group = create_group(GroupSpec("check", ("me",), 0, local, 0, "nccl", 60.0, 0))
+        raw = NcclBackend(local.store, "raw/0", 0, 1, 60.0, 0)
     except BackendUnavailable as err:
         emit("nccl", False, error=f"NCCL unavailable: {err}")
         return

@@ -43,10 +43,20 @@ class _GlooWork:
 
 
 class GlooBackend:
-    def __init__(self, store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float):
-        self._pg = dist.ProcessGroupGloo(
-            dist.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout_s)
-        )
+    def __init__(
+        self, store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float, host: str | None = None
+    ):
+        store = dist.PrefixStore(prefix, store)
+        if host is None:
+            self._pg = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
+        else:
+            # Listen on `host` only (the node address Ray uses: 127.0.0.1 for a local run), not on whatever
+            # the machine's hostname resolves to.
+            opts = dist.ProcessGroupGloo._Options()
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            opts._timeout = timedelta(seconds=timeout_s)
+            opts._threads = 2  # what the timeout-only constructor uses for one device
+            self._pg = dist.ProcessGroupGloo(store, rank, size, opts)
         self._allreduce = {op: _options(dist.AllreduceOptions, reduceOp=r) for op, r in _REDUCE.items()}
         self._reduce_scatter = {
             op: _options(dist.ReduceScatterOptions, reduceOp=r) for op, r in _REDUCE.items()

@@ -13,7 +13,7 @@ from typing import Any
 import ray
 
 from collectives.group import Group, GroupError
-from collectives.rendezvous import GroupSpec, StoreAddress, create_group
+from collectives.rendezvous import GroupSpec, StoreRef, create_group
 
 
 class GroupHost:
@@ -22,11 +22,12 @@ class GroupHost:
     def join_groups(self, specs: Sequence[GroupSpec]) -> list[str]:
         groups: dict[str, Group] = self.__dict__.setdefault("_raypar_groups", {})
         joined: dict[str, GroupSpec] = self.__dict__.setdefault("_raypar_specs", {})
+        host = ray.util.get_node_ip_address()  # gloo listens where Ray does, never on more
         for spec in specs:
             old = groups.pop(spec.name, None)
             if old is not None:
                 old.destroy()
-            groups[spec.name] = create_group(spec)
+            groups[spec.name] = create_group(spec, host=host)
             joined[spec.name] = spec
         return [spec.name for spec in specs]
 
@@ -51,7 +52,7 @@ class GroupHost:
 
 def group_specs(
     groups: Mapping[str, Sequence[str]],
-    store: StoreAddress,
+    store: StoreRef,
     epoch: int = 0,
     backend: str = "gloo",
     timeout_s: float = 300.0,
@@ -72,7 +73,7 @@ def group_specs(
 def create_groups(
     actors: Mapping[str, Any],
     groups: Mapping[str, Sequence[str]],
-    store: StoreAddress,
+    store: StoreRef,
     epoch: int = 0,
     backend: str = "gloo",
     timeout_s: float = 300.0,

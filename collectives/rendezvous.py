@@ -1,16 +1,16 @@
 """Rendezvous: one key-value store per run, hosted on the controller side, and group construction on it.
 
-The store is a `torch.distributed.TCPStore` served from the driver process. Members connect as clients;
-each group and epoch uses its own key prefix, so re-forming a group after a failure is just creating it
-again under a new epoch.
+Members reach the store through a `StoreRef` carried in their GroupSpec (for Ray actors: the run's store
+actor, collectives/ray_store.py, reachable only with the run's Ray credentials). Each group and epoch uses
+its own key prefix, so re-forming a group after a failure is just creating it again under a new epoch.
 """
 
 from __future__ import annotations
 
-import socket
 import threading
-from dataclasses import dataclass
-from datetime import timedelta
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch.distributed as dist
 
@@ -19,50 +19,39 @@ from collectives.group import Group, GroupError, GroupInfo
 from collectives.nccl import BackendUnavailable, NcclBackend
 
 
-@dataclass(frozen=True)
-class StoreAddress:
-    host: str
-    port: int
-
-
-class RendezvousServer:
-    """The run's store, served from this process (the controller) for as long as this object lives."""
-
-    def __init__(self, host: str | None = None, timeout_s: float = 300.0):
-        self.host = host or _node_ip()
-        self._store = dist.TCPStore(
-            self.host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-        )
-        self.address = StoreAddress(self.host, self._store.port)
+class StoreRef(Protocol):
+    """How a member finds the run's store; picklable, shipped inside GroupSpecs."""
 
     @property
-    def store(self) -> dist.Store:
-        return self._store
+    def key(self) -> str: ...
+
+    def connect(self, timeout_s: float) -> dist.Store: ...
 
 
-def _node_ip() -> str:
-    try:
-        import ray
+@dataclass(frozen=True)
+class LocalStoreRef:
+    """A store inside this process (a HashStore): for groups whose members are all here (threads, or a
+    single member). No network and no Ray."""
 
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return socket.gethostbyname(socket.gethostname())
+    store: dist.Store = field(default_factory=dist.HashStore)
+    key: str = field(default_factory=lambda: f"local-{uuid.uuid4().hex}")
+
+    def connect(self, timeout_s: float) -> dist.Store:
+        return self.store
 
 
-_clients: dict[StoreAddress, dist.Store] = {}
+# One client per store and process, shared by every group of the process. The dict also keeps Python store
+# objects alive: a PrefixStore holds only the C++ side of its base store.
+_clients: dict[str, dist.Store] = {}
 _clients_lock = threading.Lock()
 
 
-def connect_store(address: StoreAddress, timeout_s: float = 300.0) -> dist.Store:
+def connect_store(ref: StoreRef, timeout_s: float = 300.0) -> dist.Store:
     """A client of the run's store, shared by every group of this process."""
     with _clients_lock:
-        if address not in _clients:
-            _clients[address] = dist.TCPStore(
-                address.host, address.port, is_master=False, timeout=timedelta(seconds=timeout_s)
-            )
-        return _clients[address]
+        if ref.key not in _clients:
+            _clients[ref.key] = ref.connect(timeout_s)
+        return _clients[ref.key]
 
 
 @dataclass(frozen=True)
@@ -72,15 +61,16 @@ class GroupSpec:
     name: str
     members: tuple[str, ...]
     rank: int
-    store: StoreAddress
+    store: StoreRef
     epoch: int = 0
     backend: str = "gloo"
     timeout_s: float = 300.0
     device: int = 0
 
 
-def create_group(spec: GroupSpec, store: dist.Store | None = None) -> Group:
-    """Join the group described by `spec`; blocks until every member has joined (or the timeout passes)."""
+def create_group(spec: GroupSpec, store: dist.Store | None = None, host: str | None = None) -> Group:
+    """Join the group described by `spec`; blocks until every member has joined (or the timeout passes).
+    `host`: the address gloo listens on (default: what the hostname resolves to)."""
     info = GroupInfo(spec.name, spec.epoch, spec.rank, tuple(spec.members), spec.backend, spec.timeout_s)
     if spec.backend not in ("gloo", "nccl"):
         raise ValueError(f"group {spec.name!r}: backend must be 'gloo' or 'nccl', got {spec.backend!r}")
@@ -90,7 +80,7 @@ def create_group(spec: GroupSpec, store: dist.Store | None = None) -> Group:
         if spec.backend == "nccl":
             backend = NcclBackend(store, prefix, spec.rank, info.size, spec.timeout_s, spec.device)
         else:
-            backend = GlooBackend(store, prefix, spec.rank, info.size, spec.timeout_s)
+            backend = GlooBackend(store, prefix, spec.rank, info.size, spec.timeout_s, host)
     except BackendUnavailable:
         raise
     except Exception as err:

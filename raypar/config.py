@@ -8,13 +8,14 @@ place and run in one pass.
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
+RECOMPUTE = ("none", "full", "selective")
 
 
 class ConfigError(ValueError):
@@ -47,6 +48,7 @@ class ModelConfig:
     seq_len: int = 0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    dropout: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -86,6 +88,15 @@ class TrainConfig:
     seed: int = 0
     precision: str = "fp32"
     max_failures: int = 3
+    recompute: str = "none"
+    recompute_every: int = 1
+    reduce_dtype: str = "fp32"
+    loss_scale: float = 2.0**32  # fp16 only: initial dynamic loss scale (Megatron-LM's defaults below)
+    loss_scale_window: int = 1000
+    loss_scale_growth: float = 2.0
+    loss_scale_backoff: float = 0.5
+    loss_scale_hysteresis: int = 2
+    loss_scale_min: float = 1.0
 
 
 @dataclass
@@ -250,6 +261,7 @@ def validate(cfg: Config) -> None:
     _require(m.head_dim % 2 == 0, f"model.d_model: d_model/n_heads={m.head_dim} must be even for RoPE")
     _require(m.n_heads % m.n_kv_heads == 0, f"model.n_kv_heads: must divide model.n_heads={m.n_heads}")
     _require(m.rope_theta > 0 and m.norm_eps > 0, "model.rope_theta/norm_eps: must be positive")
+    _require(0 <= m.dropout < 1, f"model.dropout: must be in [0, 1), got {m.dropout}")
 
     if isinstance(p.dp, str):
         _require(p.dp == "auto", f'parallel.dp: expected a positive int or "auto", got {p.dp!r}')
@@ -311,8 +323,30 @@ def validate(cfg: Config) -> None:
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2: must be in [0, 1)")
     _require(t.grad_clip >= 0, f"train.grad_clip: must be >= 0 (0 disables), got {t.grad_clip}")
     _require(
-        t.precision in ("fp32", "bf16"), f'train.precision: must be "fp32" or "bf16", got {t.precision!r}'
+        t.precision in ("fp32", "bf16", "fp16"),
+        f'train.precision: must be "fp32", "bf16" or "fp16", got {t.precision!r}',
     )
+    _require(
+        t.reduce_dtype in ("fp32", "bf16"),
+        f'train.reduce_dtype: must be "fp32" or "bf16", got {t.reduce_dtype!r}',
+    )
+    _require(t.loss_scale_min > 0, f"train.loss_scale_min: must be positive, got {t.loss_scale_min}")
+    _require(t.loss_scale >= t.loss_scale_min, "train.loss_scale: must be >= train.loss_scale_min")
+    _require(t.loss_scale_window > 0, f"train.loss_scale_window: must be positive, got {t.loss_scale_window}")
+    _require(t.loss_scale_growth > 1, f"train.loss_scale_growth: must be > 1, got {t.loss_scale_growth}")
+    _require(
+        0 < t.loss_scale_backoff < 1,
+        f"train.loss_scale_backoff: must be in (0, 1), got {t.loss_scale_backoff}",
+    )
+    _require(
+        t.loss_scale_hysteresis > 0,
+        f"train.loss_scale_hysteresis: must be positive, got {t.loss_scale_hysteresis}",
+    )
+    _require(
+        t.recompute in RECOMPUTE,
+        f"train.recompute: must be one of {', '.join(RECOMPUTE)}, got {t.recompute!r}",
+    )
+    _require(t.recompute_every > 0, f"train.recompute_every: must be positive, got {t.recompute_every}")
     _require(t.max_failures >= 0, f"train.max_failures: must be >= 0, got {t.max_failures}")
 
     _require(c.every >= 0, f"checkpoint.every: must be >= 0 (0 disables), got {c.every}")

@@ -65,7 +65,12 @@ class DPStrategy:
         zero: int = 0,
         bucket_bytes: int = 25 * 2**20,
         tp_rank: int = 0,
+        dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
+        """`dtype`: the parameters' dtype from now on (default: theirs; fp32 masters are taken from their
+        values before any rounding). `reduce_dtype`: the dtype gradients are summed in across the group
+        (default: theirs); 16-bit gradients reduced in fp32 stay fp32 up to the update."""
         if zero not in ZERO_STAGES:
             raise ValueError(f"zero stage must be one of {ZERO_STAGES}, got {zero}")
         self.cfg, self.zero, self.tp_rank = cfg, zero, tp_rank
@@ -74,8 +79,11 @@ class DPStrategy:
         self.rank = self.group.rank if self.group else 0
         self.sharded = zero >= 1 and self.size > 1
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.specs = model.shard_specs()
-        self.replicated = model.replicated
+        # A plain module (no placement methods) holds every parameter whole, none tp-replicated.
+        self.specs = model.shard_specs() if hasattr(model, "shard_specs") else {
+            n: (tuple(p.shape), (0,) * p.ndim) for n, p in named
+        }
+        self.replicated = getattr(model, "replicated", lambda name: False)
         self.layout = FlatLayout(
             named, self.size if zero >= 1 else 1, self.rank if zero >= 1 else 0, bucket_bytes,
             self._bucket_groups(model),
@@ -83,14 +91,22 @@ class DPStrategy:
         dtypes = {p.dtype for _, p in named}
         if len(dtypes) > 1:
             raise ValueError(f"parameters of one stage must share a dtype, got {sorted(map(str, dtypes))}")
-        self.dtype = dtypes.pop() if dtypes else torch.float32
+        self.dtype = dtype or (dtypes.pop() if dtypes else torch.float32)
+        self.rdtype = reduce_dtype or self.dtype
         self.device = named[0][1].device if named else torch.device("cpu")
         self.master_is_param = self.dtype == torch.float32 and zero < 3
         self.step_count = 0
         self.traffic = {"reduce_bytes": 0, "gather_bytes": 0}
         self._armed = False
         owned = self.layout.owned_numel
+        self.master_grads: torch.Tensor | None = None  # fp32 copies, when the reduced grads are 16-bit
         with torch.no_grad():
+            self.master = None if self.master_is_param else torch.zeros(owned, device=self.device)
+            if self.master is not None:  # from the values as they are, before the buckets round them
+                for piece in self.layout.pieces:
+                    if _materialized(piece.slot.param):
+                        flat = piece.slot.param.data.reshape(-1)[piece.lo : piece.hi]
+                        self._master(piece).copy_(flat)
             for bucket in self.layout.buckets:
                 bucket.params = torch.zeros(bucket.padded, dtype=self.dtype, device=self.device)
                 for slot in bucket.slots:
@@ -98,12 +114,8 @@ class DPStrategy:
                     if _materialized(slot.param):  # else freed by a ZeRO-3 strategy: load_full_state fills it
                         view.copy_(slot.param.data)
                     slot.param.data = view
-            self.master = None if self.master_is_param else torch.zeros(owned, device=self.device)
-            if self.master is not None:
-                for piece in self.layout.pieces:
-                    self._master(piece).copy_(self._bucket_piece("params", piece))
         self.moments = {m: torch.zeros(owned, device=self.device) for m in MOMENTS}
-        self.owned_grads = torch.zeros(owned, device=self.device) if zero >= 2 else None
+        self.owned_grads = torch.zeros(owned, dtype=self.rdtype, device=self.device) if zero >= 2 else None
         if zero < 2:  # gradients persist between steps (zeroed, not freed)
             self._allocate_grads()
         self._handles = [
@@ -125,9 +137,17 @@ class DPStrategy:
         return self.master[piece.pos : piece.pos + piece.numel]
 
     def _grad(self, piece: Piece) -> torch.Tensor:
+        """The reduced gradient of `piece`, in the reduction dtype."""
         if self.owned_grads is not None:
             return self.owned_grads[piece.pos : piece.pos + piece.numel]
-        return self._bucket_piece("grads", piece)
+        bucket = self.layout.buckets[piece.slot.bucket]
+        return self.layout.piece_of_bucket(bucket.grads if bucket.reduced is None else bucket.reduced, piece)
+
+    def _mgrad(self, piece: Piece) -> torch.Tensor:
+        """The gradient the norm, clipping and the update read: fp32 after `unscale_`."""
+        if self.master_grads is not None:
+            return self.master_grads[piece.pos : piece.pos + piece.numel]
+        return self._grad(piece)
 
     def _moment(self, moment: str, piece: Piece) -> torch.Tensor:
         return self.moments[moment][piece.pos : piece.pos + piece.numel]
@@ -178,17 +198,20 @@ class DPStrategy:
 
     def _reduce(self, bucket: Bucket) -> Work | None:
         b = self.size
+        # The gradients themselves, or (another reduction dtype) one cast copy of them.
+        src = bucket.grads if self.rdtype == self.dtype else bucket.grads.to(self.rdtype)
         if self.owned_grads is None:
+            bucket.reduced = None if src is bucket.grads else src
             if self.group is None:
                 return None
-            self.traffic["reduce_bytes"] += 2 * bucket.padded * (b - 1) // b * bucket.grads.element_size()
-            return self.group.all_reduce(bucket.grads, self.reduce_op, async_op=True)
+            self.traffic["reduce_bytes"] += 2 * bucket.padded * (b - 1) // b * src.element_size()
+            return self.group.all_reduce(src, self.reduce_op, async_op=True)
         out = self.owned_grads[bucket.own_offset : bucket.own_offset + bucket.piece]
         if self.group is None:
-            out.copy_(bucket.grads)
+            out.copy_(src)
             return None
-        self.traffic["reduce_bytes"] += bucket.piece * (b - 1) * bucket.grads.element_size()
-        return self.group.reduce_scatter(bucket.grads, self.reduce_op, async_op=True, out=out)
+        self.traffic["reduce_bytes"] += bucket.piece * (b - 1) * src.element_size()
+        return self.group.reduce_scatter(src, self.reduce_op, async_op=True, out=out)
 
     def finish(self) -> None:
         """After the last backward: every bucket reduced (launching any not yet started). From stage 2 on
@@ -204,13 +227,28 @@ class DPStrategy:
         if self.owned_grads is not None:
             self._free_grads()
 
+    def unscale_(self, inv_scale: float = 1.0, check: bool = False) -> bool:
+        """Master gradients: the reduced ones in fp32 times `inv_scale` (fp16's loss scale divided out).
+        With `check`: True if any of this rank's is inf or nan (the caller MAX-reduces the verdict)."""
+        if self.rdtype == torch.float32:  # buffers of our own: scaled in place
+            if inv_scale != 1.0:
+                for piece in self.layout.pieces:
+                    self._grad(piece).mul_(inv_scale)
+        else:
+            self.master_grads = torch.empty(self.layout.owned_numel, device=self.device)
+            for piece in self.layout.pieces:
+                self._mgrad(piece).copy_(self._grad(piece)).mul_(inv_scale)
+        if not check or not self.layout.pieces:
+            return False
+        return not bool(torch.stack([torch.isfinite(self._mgrad(p)).all() for p in self.layout.pieces]).all())
+
     def grad_sq_norm(self) -> torch.Tensor:
         """This coordinate's part of the squared global gradient norm (float64): its pieces, summed over
         the DP group when the pieces are split across it."""
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for piece in self.layout.pieces:
             if self._counted(piece):
-                total += torch.linalg.vector_norm(self._grad(piece), dtype=torch.float32).double().square()
+                total += torch.linalg.vector_norm(self._mgrad(piece), dtype=torch.float32).double().square()
         if self.sharded:
             self.group.all_reduce(total, "sum")
         return total
@@ -222,14 +260,14 @@ class DPStrategy:
         scale = min(1.0, max_norm / (total_norm + 1e-6))
         if scale < 1.0:
             for piece in self.layout.pieces:
-                self._grad(piece).mul_(scale)
+                self._mgrad(piece).mul_(scale)
         return scale
 
     def zero_grad(self) -> None:
         """Discard gradients (after an update, or a failed step that must leave nothing behind)."""
         for bucket in self.layout.buckets:
-            bucket.work, bucket.ready = None, 0
-        self._armed = False
+            bucket.work, bucket.ready, bucket.reduced = None, 0, None
+        self._armed, self.master_grads = False, None
         if self.owned_grads is not None:
             self._free_grads()
         else:
@@ -246,7 +284,7 @@ class DPStrategy:
                 continue
             adam(
                 [self._master(p) for p in pieces],
-                [self._grad(p).float() for p in pieces],  # a no-op for fp32 gradients
+                [self._mgrad(p).float() for p in pieces],  # a no-op for fp32 gradients
                 [self._moment("exp_avg", p) for p in pieces],
                 [self._moment("exp_avg_sq", p) for p in pieces],
                 [],
@@ -283,8 +321,8 @@ class DPStrategy:
 
     # -- state -------------------------------------------------------------------------------------
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every local parameter in full, on the CPU (a collective under ZeRO-3)."""
-        return {s.name: s.param.detach().to("cpu", copy=True) for s in self.layout.slots.values()}
+        """Every local parameter in full as its fp32 master, on the CPU (a collective when sharded)."""
+        return {n: t.to("cpu", copy=True) for n, t in self.full_state().items() if not n.startswith("optim.")}
 
     def _writes(self) -> bool:
         return self.zero >= 1 or self.rank == 0
@@ -399,9 +437,9 @@ class DPStrategy:
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of the unique storages of parameters, gradients, master weights and moments, by device
         type (`cpu`, `cuda`), as allocated now."""
-        tensors: list[torch.Tensor | None] = [self.master, self.owned_grads, *self.moments.values()]
+        tensors = [self.master, self.owned_grads, self.master_grads, *self.moments.values()]
         for bucket in self.layout.buckets:
-            tensors += [bucket.params, bucket.grads]
+            tensors += [bucket.params, bucket.grads, bucket.reduced]
         for slot in self.layout.slots.values():
             tensors += [slot.param.data, slot.param.grad]
         seen: dict[tuple[str, int], int] = {}

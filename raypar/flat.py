@@ -55,6 +55,7 @@ class Bucket:
     own_offset: int  # where this bucket's owned piece starts in the owned buffer
     params: torch.Tensor | None = None  # the full flat parameters (None or freed storage under ZeRO-3)
     grads: torch.Tensor | None = None  # the full flat gradients, alive from first backward to reduction
+    reduced: torch.Tensor | None = None  # their cast copy, when reduced in another dtype (stages 0-1)
     ready: int = 0
     work: object | None = None
     names: set[str] = field(default_factory=set)

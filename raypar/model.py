@@ -8,16 +8,26 @@ from the same model.
 
 Tensor parallelism only swaps layers (see raypar.tp): heads, the MLP hidden dim and the vocabulary are
 split across ranks; activations between blocks are full on every rank.
+
+Activation recomputation (`recompute`, Korthikanti et al. 2022) trades compute for memory through
+`torch.utils.checkpoint` (non-reentrant): "full" keeps only a block's input and runs its forward again during
+backward; "selective" recomputes only the cheap, memory-hungry parts: the attention core (RoPE, scores,
+softmax, dropout, weighted sum) and the SwiGLU activation. A recomputed region replays its tensor-parallel
+all-reduces, in the same order on every rank, since every rank recomputes the same blocks in the same order.
+Checkpoint restores the RNG state, so dropout masks are identical the second time and gradients are bitwise
+those of no recomputation.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from collectives import Group
 from raypar.config import ModelConfig
@@ -64,10 +74,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
+def _call(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+    return fn(*args)
+
+
+def _recomputed(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+    """fn(*args), its intermediates dropped and recomputed in backward (only when a graph is recorded)."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, group: Group | None):
         super().__init__()
         self.group, self.head_dim = group, cfg.head_dim
+        self.dropout, self.selective = cfg.dropout, False
         self.n_heads = cfg.n_heads // tp_size(group)
         self.n_kv_heads = cfg.n_kv_heads // tp_size(group)
         d, hd = cfg.d_model, cfg.head_dim
@@ -82,35 +104,63 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        core = _recomputed if self.selective else _call
+        y = core(self._core, q, k, v, cos, sin)
         return self.wo(y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
+
+    def _core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig, group: Group | None):
         super().__init__()
-        self.group = group
+        self.group, self.selective = group, False
         self.w_gate = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
         self.w_up = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
         self.w_down = RowParallelLinear(cfg.d_ff, cfg.d_model, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.group)  # once for w_gate and w_up
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        act = _recomputed if self.selective else _call
+        return self.w_down(act(_swiglu, self.w_gate(x), self.w_up(x)))
 
 
 class Block(nn.Module):
+    """A transformer block; `set_recompute` picks what its backward recomputes (see the module docstring)."""
+
     def __init__(self, cfg: ModelConfig, group: Group | None):
         super().__init__()
+        self.full = False
+        self.dropout = cfg.dropout
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, group)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg, group)
 
+    def set_recompute(self, mode: str) -> None:
+        self.full = mode == "full"
+        self.attn.selective = self.mlp.selective = mode == "selective"
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        return (_recomputed if self.full else _call)(self._forward, x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self._drop(self.attn(self.attn_norm(x), cos, sin))
+        return x + self._drop(self.mlp(self.mlp_norm(x)))
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        # Residual dropout acts on full (tp-replicated) activations: every tp rank must draw the same mask,
+        # so callers seed the RNG identically on all ranks of a stage (see actors/worker.py).
+        return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
 
 
 class LlamaStage(nn.Module):
@@ -155,6 +205,12 @@ class LlamaStage(nn.Module):
             return logits
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
 
+    def set_recompute(self, mode: str, every: int = 1) -> None:
+        """Recompute ("none", "full" or "selective") the blocks whose global index is a multiple of `every`;
+        global, so which blocks recompute does not depend on the pipeline split."""
+        for index, block in self.layers.items():
+            block.set_recompute(mode if int(index) % every == 0 else "none")
+
     # -- layout ---------------------------------------------------------------------------------------
     def units(self) -> list[nn.Module]:
         """The modules forward runs, in order, each gathered as a whole under ZeRO-3."""
@@ -185,6 +241,12 @@ class LlamaStage(nn.Module):
             full = init_tensor(self.cfg, name, global_shape(param.shape, dim, self.tp_group), seed)
             param.copy_(shard_of(full, dim, self.tp_group))
             del full  # before the next one is drawn: at most one full tensor alive (embeddings are big)
+
+
+def dropout_seed(seed: int, step: int, global_mb: int, stage: int) -> int:
+    """The RNG seed for one microbatch's forward on one stage: the same on every tp rank of the stage (so
+    dropout on tp-replicated activations agrees), different per step, microbatch and stage."""
+    return zlib.crc32(f"dropout:{seed}:{step}:{global_mb}:{stage}".encode())
 
 
 def init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -23,11 +23,10 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
+import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from raypar.schedules import theoretical_bubble
 

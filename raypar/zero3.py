@@ -129,13 +129,3 @@ class Zero3Strategy(DPStrategy):
 
     def _publish(self) -> None:
         """Nothing to publish: the next forward gathers each unit from the updated master pieces."""
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter in full, on the CPU: a collective over the DP group (gathers each unit)."""
-        out = {}
-        for b, bucket in enumerate(self.layout.buckets):
-            self._ensure(b)
-            for slot in bucket.slots:
-                out[slot.name] = slot.param.detach().to("cpu", copy=True)
-            self._release(b)
-        return out

@@ -19,6 +19,13 @@ def ray_session():
     if not ray.is_initialized():
         # More logical CPUs than cores: test actors are tiny and mostly wait on each other.
         # The dashboard serves the state API (list_actors) that tests use to find processes by actor name.
-        ray.init(num_cpus=16, include_dashboard=True, log_to_driver=False, configure_logging=False)
+        # address="local": a new instance, never another Ray that runs on this machine.
+        ray.init(
+            address="local",
+            num_cpus=16,
+            include_dashboard=True,
+            log_to_driver=False,
+            configure_logging=False,
+        )
     yield ray
     ray.shutdown()

@@ -35,6 +35,10 @@ class _FaultyWorker(Worker):
     def set_faults(self, faults: list[str]) -> None:
         self.faults = set(faults)
 
+    def draw(self, n: int) -> list[float]:
+        """Numbers from the process's random state (what dropout would draw)."""
+        return torch.rand(n).tolist()
+
     def _bind_tp(self, group: Any) -> None:
         super()._bind_tp(group)
         if "tp_drop_allreduce" in self.faults:

@@ -18,6 +18,7 @@ import json
 import re
 import sys
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from packaging.specifiers import SpecifierSet
 from ray.autoscaler._private.node_provider_availability_tracker import NodeAvailabilitySummary
 from ray.autoscaler._private.resource_demand_scheduler import _default_utilization_scorer, get_nodes_for
 from ray.autoscaler._private.util import fill_node_type_min_max_workers, prepare_config, validate_config
@@ -107,10 +109,120 @@ def test_head_has_no_gpus_and_two_worker_types_have_eight() -> None:
         assert 0 <= worker["min_workers"] <= worker["max_workers"], name
 
 
-def test_every_node_pins_an_ami() -> None:
-    # Without ImageId, `ray up` picks Ray's built-in Ubuntu 18.04 / CUDA 11 DLAMI, too old for H100.
-    for name, node_type in load(CLUSTER_YAML)["available_node_types"].items():
-        assert node_type["node_config"].get("ImageId"), name
+# The values a user fills in before the first `ray up` (docs/cluster.md), and sample values for them.
+SET_ME = {
+    "ami-SET-ME-ubuntu-22.04": "ami-0123456789abcdef0",
+    "ami-SET-ME-dlami-base-ubuntu-22.04": "ami-0fedcba9876543210",
+    "sg-SET-ME-raypar-sg": "sg-0123456789abcdef0",
+}
+SG_TEMPLATE = ROOT / "examples" / "aws-security-group.yaml"
+PYPROJECT = ROOT / "pyproject.toml"
+
+
+def configured(text: str) -> Config:
+    for placeholder, value in SET_ME.items():
+        text = text.replace(placeholder, value)
+    return yaml.safe_load(text)
+
+
+def test_only_the_documented_values_are_left_to_set() -> None:
+    text = CLUSTER_YAML.read_text()
+    values = "\n".join(line.split("#")[0] for line in text.splitlines())  # not the comments
+    assert set(re.findall(r"[\w-]*SET-ME[\w.-]*", values)) == set(SET_ME)
+    docs = (ROOT / "docs" / "cluster.md").read_text()
+    assert all(placeholder in docs for placeholder in SET_ME)  # the docs say how to fill each one
+    ray_prepare_and_validate(configured(text))
+
+
+def test_every_node_pins_its_ami() -> None:
+    # Without ImageId, `ray up` picks Ray's built-in Ubuntu 18.04 / CUDA 11 DLAMI, too old for H100. A
+    # moving alias (an SSM "latest"/"current" parameter) would give nodes the autoscaler adds later
+    # another image than the first ones.
+    for name, node_type in configured(CLUSTER_YAML.read_text())["available_node_types"].items():
+        assert re.fullmatch(r"ami-[0-9a-f]{8,17}", node_type["node_config"]["ImageId"]), name
+
+
+def test_every_pip_install_is_pinned() -> None:
+    config = ray_prepare_and_validate(configured(CLUSTER_YAML.read_text()))
+    commands = config["head_setup_commands"] + config["worker_setup_commands"]
+    installs = [c for c in commands if "pip install" in c]
+    assert installs
+    for command in installs:
+        for arg in command.split("pip install", 1)[1].split():
+            assert arg.startswith("-") or "==" in arg or arg == "'/home/ubuntu/raypar[gpu]'", command
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    for dep in project["dependencies"] + project["optional-dependencies"]["gpu"]:
+        assert "==" in dep, dep
+
+
+def test_nodes_use_the_declared_security_group() -> None:
+    """Ray's launcher makes a security group for every node type without SecurityGroupIds, with SSH from
+    0.0.0.0/0 (ray/autoscaler/_private/aws/config.py: _configure_security_group, and
+    _create_default_ssh_inbound_rules). Every type names the group of examples/aws-security-group.yaml."""
+    config = configured(CLUSTER_YAML.read_text())
+    groups = [t["node_config"].get("SecurityGroupIds") for t in config["available_node_types"].values()]
+    assert groups[0] == [SET_ME["sg-SET-ME-raypar-sg"]] and all(g == groups[0] for g in groups), groups
+    assert "security_group" not in config["provider"]  # Ray's own would add SSH from 0.0.0.0/0
+
+
+def _ingress(template: Config) -> list[Config]:
+    resources = template["Resources"]
+    rules = list(resources["ClusterGroup"]["Properties"]["SecurityGroupIngress"])
+    rules += [r["Properties"] for r in resources.values() if r["Type"] == "AWS::EC2::SecurityGroupIngress"]
+    return rules
+
+
+def test_security_group_opens_ssh_to_the_users_cidr_and_ports_only_inside() -> None:
+    template = yaml.safe_load(SG_TEMPLATE.read_text())
+    member = {"Fn::GetAtt": ["ClusterGroup", "GroupId"]}
+    by_cidr = [r for r in _ingress(template) if "CidrIp" in r or "CidrIpv6" in r]
+    assert by_cidr == [{"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22, "CidrIp": {"Ref": "SshCidr"}}]
+    others = [r for r in _ingress(template) if r not in by_cidr]
+    assert others and all(r["SourceSecurityGroupId"] == member for r in others), others
+    cidr = template["Parameters"]["SshCidr"]
+    assert "Default" not in cidr  # the user sets it
+    pattern = re.compile(cidr["AllowedPattern"])
+    for good in ("203.0.113.7/32", "10.0.0.0/8"):
+        assert pattern.search(good), good
+    for bad in ("0.0.0.0/0", "::/0", "203.0.113.7", "me"):  # control: the pattern does reject
+        assert not pattern.search(bad), bad
+
+
+def _cluster_python(config: Config) -> str:
+    """The Python version of the venv every node runs raypar in: from `pythonX.Y -m venv ~/venv`."""
+    (command,) = [c for c in config["setup_commands"] if "-m venv ~/venv" in c]
+    match = re.search(r"python(3\.\d+) -m venv ~/venv", command)
+    assert match, f"the venv is not made from a versioned python: {command}"
+    return match.group(1)
+
+
+def test_the_cluster_runs_a_python_raypar_supports() -> None:
+    config = load(CLUSTER_YAML)
+    version = _cluster_python(config)
+    requires = SpecifierSet(tomllib.loads(PYPROJECT.read_text())["project"]["requires-python"])
+    assert f"{version}.0" in requires, (version, str(requires))
+    # The setup installs that interpreter where the image lacks it.
+    apt = f"apt-get install -y python{version} python{version}-venv"
+    assert any(apt in c for c in config["setup_commands"])
+    # Control: the images' own Python (3.10) fails the same check, and so does the old setup.
+    assert "3.10.12" not in requires
+    old = copy.deepcopy(config)
+    old["setup_commands"] = ["test -x ~/venv/bin/python || python3 -m venv ~/venv"]
+    with pytest.raises(AssertionError, match="not made from a versioned python"):
+        _cluster_python(old)
+
+
+def test_auth_token_is_never_readable_by_others() -> None:
+    config = load(CLUSTER_YAML)
+    # On the nodes, ~/.ray is closed before the launcher copies the token in (initialization_commands run
+    # before file_mounts), and the token itself is made private.
+    first = config["initialization_commands"][0]
+    assert first.startswith("umask 077") and "chmod 700 ~/.ray" in first
+    assert "chmod 600 ~/.ray/auth_token" in config["setup_commands"]
+    # Locally, the token is created under umask 077 (Ray writes it with the process's umask).
+    for text in (CLUSTER_YAML.read_text(), (ROOT / "docs" / "cluster.md").read_text()):
+        generates = [line for line in text.splitlines() if "ray get-auth-token --generate" in line]
+        assert generates and all("umask 077" in line for line in generates), generates
 
 
 def test_token_auth_and_private_dashboard() -> None:

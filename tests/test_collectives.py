@@ -36,10 +36,10 @@ from collectives import (
     GroupError,
     GroupSpec,
     GroupTimeout,
-    RendezvousServer,
     create_group,
 )
 from collectives.host import create_groups
+from collectives.ray_store import RendezvousServer
 from raypar.mesh import Mesh
 from tests.collective_actor import (
     COLS,
@@ -338,14 +338,14 @@ def test_collectives_import_without_cupy():
     code = (
         "import sys; sys.modules['cupy'] = None\n"
         "import collectives\n"
-        "from collectives import BackendUnavailable, GroupSpec, RendezvousServer, create_group\n"
-        "server = RendezvousServer(host='127.0.0.1')\n"
-        "spec = GroupSpec('g', ('m',), 0, server.address, backend='nccl', timeout_s=30)\n"
+        "from collectives import BackendUnavailable, GroupSpec, LocalStoreRef, create_group\n"
+        "ref = LocalStoreRef()\n"
+        "spec = GroupSpec('g', ('m',), 0, ref, backend='nccl', timeout_s=30)\n"
         "try:\n"
         "    create_group(spec)\n"
         "except BackendUnavailable as err:\n"
         "    print('unavailable:', err)\n"
-        "gloo = create_group(GroupSpec('h', ('m',), 0, server.address, timeout_s=30))\n"
+        "gloo = create_group(GroupSpec('h', ('m',), 0, ref, timeout_s=30))\n"
         "print('gloo:', gloo.all_reduce(__import__('torch').ones(2)).tolist())\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

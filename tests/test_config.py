@@ -116,6 +116,25 @@ def test_stage_layers():
         stage_layers(4, 2, [2, 3])
 
 
+@pytest.mark.parametrize("name", ["../escape", "a/b", "/abs", "..", ".hidden", "", "x:y", "a" * 101])
+def test_cli_name_must_stay_in_the_runs_directory(name, tmp_path, capsys, monkeypatch):
+    from raypar.controller import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", str(TINY), "--name", name]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--name" in err[0] and "Traceback" not in err[0], err
+    assert list(tmp_path.iterdir()) == [] and not (tmp_path.parent / "escape").exists()
+
+
+def test_cli_name_control_a_good_name_passes_the_check(tmp_path, capsys):
+    """The same call with a valid name gets past the name check (and stops at the next bad input)."""
+    from raypar.controller import cli
+
+    assert cli.main(["train", str(TINY), "--name", "run-1.a_b", "--set", "model.n_layers=-1"]) == 2
+    assert "--name" not in capsys.readouterr().err
+
+
 def test_core_and_collectives_import_without_ray():
     """The layering rule: the plain-PyTorch core and `collectives` never pull in Ray (the controller and
     the actors do). Checked in a fresh interpreter, so nothing this session imported counts."""

@@ -20,8 +20,8 @@ import ray
 import torch
 
 from actors.worker import RemoteWorker
-from collectives import RendezvousServer
 from collectives.host import create_groups
+from collectives.ray_store import RendezvousServer
 from raypar import checkpoint
 from raypar.config import Config
 from raypar.controller.connection import NAMESPACE, RunFailure
@@ -69,6 +69,8 @@ class StepResult:
     lr: float
     step_time_s: float
     per_actor: dict[Coord, dict[str, Any]] = field(default_factory=dict)
+    loss_scale: float = 1.0
+    skipped: bool = False
 
 
 class ActorMesh:
@@ -293,7 +295,16 @@ class ActorMesh:
         last = self.pp - 1
         losses = [r["loss"] for c, r in results.items() if c.pp == last and c.tp == 0]
         some = next(iter(results.values()))
-        return StepResult(step, sum(losses) / len(losses), some["grad_norm"], some["lr"], elapsed, results)
+        return StepResult(
+            step,
+            sum(losses) / len(losses),
+            some["grad_norm"],
+            some["lr"],
+            elapsed,
+            results,
+            some["loss_scale"],
+            some["skipped"],
+        )
 
     def commit(self) -> None:
         """Apply the last completed step everywhere now (before reading or moving state)."""
@@ -382,7 +393,13 @@ class ActorMesh:
     def collect(self, refs: dict[Any, Coord], what: str) -> list[Any]:
         return list(self._gather(refs, what).values())
 
-    def rng_states(self) -> dict[str, str]:
+    def optimizer_state(self) -> dict[str, Any]:
+        """Updates applied and the loss scaler's state: the same on every actor (they skip together)."""
+        self.commit()
+        first = next(iter(self.actors.values()))
+        return ray.get(first.optimizer_state.remote(), timeout=self.cfg.parallel.timeout_s)
+
+    def rng_states(self) -> dict[str, dict[str, str]]:
         return {
             c.key: s
             for c, s in self._gather(
@@ -394,7 +411,7 @@ class ActorMesh:
         """The full model of one replica, assembled from its shards (tests and export)."""
         self.commit()
         replica = self.replicas[0] if replica is None else replica
-        every = self.cfg.parallel.zero == 3  # sharded parameters: gathered by every replica together
+        every = self.cfg.parallel.zero >= 1  # sharded masters: gathered by every replica together
         refs = {a.parameters.remote(): c for c, a in self.actors.items() if every or c.dp == replica}
         full: dict[str, torch.Tensor] = {}
         got = self._gather(refs, "reading parameters")
@@ -407,3 +424,6 @@ class ActorMesh:
 
     def shutdown(self) -> None:
         self._drop_replicas(set(self.replicas))
+        if self.server is not None:
+            self.server.close()
+            self.server = None

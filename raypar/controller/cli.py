@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -19,6 +20,11 @@ from raypar.config import Config, ConfigError
 
 class UsageError(Exception):
     pass
+
+
+# A run name is one path component under runs/ and part of actor names (`raypar:<run>:...`): no separators,
+# no leading '.' (so never '.' or '..'), no ':'.
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,6 +56,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--stop-at", type=int, metavar="STEP", help="stop before this step (resume later)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    plan = sub.add_parser("plan", help="layouts that fit N devices, with predicted memory and step time")
+    plan.add_argument("config", help="TOML config (its model, batch and precision are planned for)")
+    plan.add_argument("--devices", required=True, type=int, help="number of devices (actors)")
+    plan.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GB, 141GiB")
+    plan.add_argument("--device", default="h100", help="h200, h100, a100 or cpu (peaks and bandwidths)")
+    plan.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation (0.4)")
+    plan.add_argument("--top", type=int, default=20, help="rows of the table (default 20)")
+    plan.add_argument("--all", action="store_true", help="also list layouts that do not fit")
+    plan.add_argument("--json", action="store_true", help="print JSON (every layout)")
+    plan.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key"
+    )
 
     prepare = sub.add_parser("prepare", help="turn text files into byte-level token shards (Arrow IPC)")
     prepare.add_argument("globs", nargs="+", help="text file globs (** allowed)")
@@ -86,6 +105,19 @@ def _check_data(cfg: Config) -> None:
     data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
 
 
+def _check_fits(cfg: Config) -> None:
+    """On GPUs, refuse a layout the planner predicts will not fit (ConfigError naming the knob to turn).
+    The driver's GPU stands for the workers': a driver without one cannot tell, and checks nothing."""
+    import torch
+
+    if cfg.parallel.device == "cpu" or not torch.cuda.is_available():
+        return
+    from raypar import plan
+
+    props = torch.cuda.get_device_properties(0)
+    plan.check_fits(cfg, props.total_memory, plan.device_named(props.name), props.name)
+
+
 def _resolve_resume(cfg: Config, which: str) -> str:
     from raypar import checkpoint
 
@@ -107,12 +139,18 @@ def _resolve_resume(cfg: Config, which: str) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
+    if args.name is not None and not _RUN_NAME.fullmatch(args.name):
+        raise UsageError(
+            f"--name: must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit "
+            f"(it names a directory under runs/), got {args.name!r}"
+        )
     cfg = config_mod.load(args.config, args.set)
     if args.stop_at is not None and args.stop_at <= 0:
         raise UsageError(f"--stop-at: must be a positive step, got {args.stop_at}")
     if cfg.data.cache_dir:
         cfg.data.cache_dir = str(Path(cfg.data.cache_dir).resolve())  # actors may run in another directory
     _check_data(cfg)
+    _check_fits(cfg)
     resume = _resolve_resume(cfg, args.resume) if args.resume else None
     name = args.name or f"{Path(args.config).stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = args.run_dir or Path("runs") / name
@@ -137,6 +175,34 @@ def _train(args: argparse.Namespace) -> int:
         f"{summary['wall_s']:.1f}s ({tokens_s:,.0f} tokens/s overall), {summary['restarts']} restarts; "
         f"{summary['run_dir']}/metrics.jsonl"
     )
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from raypar import plan
+
+    cfg = config_mod.load(args.config, args.set)
+    if args.devices <= 0:
+        raise UsageError(f"--devices: must be positive, got {args.devices}")
+    if args.device not in plan.DEVICES:
+        raise UsageError(f"--device: must be one of {', '.join(plan.DEVICES)}, got {args.device!r}")
+    if not 0 < args.mfu <= 1:
+        raise UsageError(f"--mfu: must be in (0, 1], got {args.mfu}")
+    try:
+        memory = plan.parse_size(args.device_memory)
+    except ValueError as err:
+        raise UsageError(f"--device-memory: {err}") from None
+    preds = plan.plan(cfg, args.devices, memory, plan.DEVICES[args.device], args.mfu)
+    shown = preds if args.all else [p for p in preds if p.fits]
+    if args.json:
+        print(json.dumps([p.to_json() for p in (preds if args.all else shown)], indent=1))
+        return 0
+    print(
+        f"raypar plan: {len(shown)} of {len(preds)} valid layouts fit {args.devices} x {args.device} with "
+        f"{plan.gib(memory)} each (assumed MFU {args.mfu:g}); ranked by predicted tokens/s"
+    )
+    if shown:
+        print(plan.table(shown, args.top))
     return 0
 
 
@@ -227,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         handler = {
             "train": _train,
+            "plan": _plan,
             "prepare": _prepare,
             "scale": _scale,
             "status": _status,

@@ -12,10 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray._private import ray_constants
 
 from actors.control import control_name
 
 NAMESPACE = "raypar"
+# Ray's switch for single-machine use: "0" makes the node address 127.0.0.1, so every server of a local Ray
+# (GCS, raylet, workers, object manager, agents) listens on loopback only. Set it to "1" to listen on the
+# machine's address instead.
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 class RunFailure(RuntimeError):
@@ -38,7 +43,12 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
         else:
             # Ray starts workers at nice 15; the actors are the training, not background work.
             os.environ.setdefault("RAY_worker_niceness", "0")
+            if os.environ.setdefault(LOCAL_ONLY_ENV, "0") == "0":
+                # This process read the variable when it imported Ray; the processes ray.init starts read
+                # it from the environment.
+                ray_constants.ENABLE_RAY_CLUSTER = False
             ray.init(
+                address="local",  # a new instance, never another one that happens to run on this machine
                 num_cpus=num_cpus,
                 namespace=NAMESPACE,
                 log_to_driver=False,

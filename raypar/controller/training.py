@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import ray
 
 from actors.control import RunControl, control_name
-from raypar import checkpoint, report
+from raypar import checkpoint, memory, report
 from raypar import config as config_mod
 from raypar.config import Config
 from raypar.controller.actor_mesh import ActorMesh, StepFailure
@@ -109,7 +109,7 @@ class TrainingLoop:
             "tokens": next_step * self.tokens_per_step,
             "layout": {"dp": self.actor_mesh.dp, "pp": self.actor_mesh.pp, "tp": self.actor_mesh.tp},
             "model": dataclasses.asdict(self.cfg.model),
-            "optimizer_steps": next_step,
+            **self.actor_mesh.optimizer_state(),  # optimizer_steps (fewer after fp16 skips), loss_scaler
             "data": {
                 "seed": self.cfg.train.seed,
                 "next_step": next_step,
@@ -277,6 +277,9 @@ class TrainingLoop:
                     "mfu": mfu(self.tokens_per_step / result.step_time_s, cfg.model, actor_mesh.peak_flops)
                     if actor_mesh.peak_flops
                     else None,
+                    "loss_scale": result.loss_scale,
+                    "skipped": result.skipped,
+                    **memory.worst(result.per_actor.values()),
                 }
                 self.logs["metrics.jsonl"].write(json.dumps(record) + "\n")
                 self.logs["metrics.jsonl"].flush()
@@ -289,6 +292,10 @@ class TrainingLoop:
                 first_loss = result.loss if first_loss is None else first_loss
                 last = record
                 step += 1
+            try:  # the last step's update, so that the actors hold the trained model
+                actor_mesh.commit()
+            except StepFailure as failure:  # every step is logged and its checkpoint (if due) written
+                self.event(f"applying the last step failed: {failure}")
             self._publish(wait=True)
         self._close_logs()
         return {

@@ -1,0 +1,131 @@
+"""The planner's memory predictions against what raypar's actors measure, layout by layout.
+
+    python benchmarks/plan_validation.py    # the table in benchmarks/README.md (tests/test_plan.py runs
+                                            # the same `measure()` and checks its tolerances)
+
+For each layout the tiny model trains two steps on real actors; the second step's per-actor measurements
+(model states: parameters + gradients + optimizer state; activations: bytes saved for backward through
+saved-tensor hooks, summed over the microbatches alive at once) are set against `raypar.plan`'s
+predictions for that actor's pipeline stage. Memory does not depend on load, so these numbers stand on a
+busy machine; layouts sharing (dp, pp, tp) reuse one set of actors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+from raypar import config, plan  # noqa: E402
+from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
+
+TINY = os.path.join(os.path.dirname(_HERE), "examples", "configs", "tiny.toml")
+
+# (dp, pp, tp) -> config overrides of each layout measured on that mesh.
+LAYOUTS: dict[tuple[int, int, int], list[list[str]]] = {
+    (1, 2, 2): [
+        ["parallel.microbatches=4"],
+        ["parallel.microbatches=4", 'parallel.schedule="gpipe"'],
+        ["parallel.microbatches=2", 'train.recompute="selective"'],
+        ["parallel.microbatches=4", 'train.recompute="full"'],
+        ["parallel.microbatches=8", 'train.recompute="full"', "train.recompute_every=2"],
+    ],
+    (2, 1, 1): [
+        ["parallel.microbatches=2"],
+        ["parallel.microbatches=1", 'train.recompute="selective"', "model.dropout=0.1"],
+        ["parallel.microbatches=4", 'train.recompute="full"'],
+    ],
+}
+
+
+@dataclass
+class Row:
+    layout: str
+    actor: str
+    states_measured: int
+    states_predicted: float
+    activations_measured: int
+    activations_predicted: int
+    activations_wrong: int  # the broken formula: not multiplied by the microbatches in flight
+
+    @property
+    def states_error(self) -> float:
+        return self.states_predicted / self.states_measured - 1
+
+    @property
+    def activations_error(self) -> float:
+        return self.activations_predicted / self.activations_measured - 1
+
+
+def layout_cfg(mesh: tuple[int, int, int], overrides: list[str]) -> config.Config:
+    dp, pp, tp = mesh
+    return config.load(TINY, [f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}", *overrides])
+
+
+def measure(layouts: dict[tuple[int, int, int], list[list[str]]] = LAYOUTS) -> list[Row]:
+    """Train each layout two steps (inside an initialised Ray) and compare measured with predicted."""
+    rows = []
+    for mesh, variants in layouts.items():
+        trainer = ActorMesh(layout_cfg(mesh, variants[0]), f"planval-{'-'.join(map(str, mesh))}")
+        try:
+            trainer.start()
+            for overrides in variants:
+                cfg = layout_cfg(mesh, overrides)
+                trainer.reconfigure(cfg)
+                trainer.step(0)
+                measured = trainer.step(1).per_actor  # after one update: the optimizer state exists
+                layout = plan.current_layout(cfg)
+                right = plan.predict_memory(cfg, layout, "cpu")
+                wrong = plan.predict_memory(cfg, layout, "cpu", wrong_in_flight=True)
+                name = f"{mesh} " + " ".join(o.split(".", 1)[1] for o in overrides)
+                for coord, result in sorted(measured.items()):
+                    stage, bad = right[coord.pp], wrong[coord.pp]
+                    rows.append(
+                        Row(
+                            name,
+                            coord.key,
+                            result["model_state_bytes"],
+                            stage.model_states,
+                            result["activation_peak_bytes"],
+                            stage.activations,
+                            bad.activations,
+                        )
+                    )
+        finally:
+            trainer.shutdown()
+    return rows
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = [
+        "| layout | actor | model states measured | predicted | error | activations measured | predicted "
+        "| error |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if not r.actor.endswith(".tp0") or not r.actor.startswith("dp0."):
+            continue  # the other replicas and tp ranks of a stage measure the same (tests check all)
+        lines.append(
+            f"| {r.layout} | {r.actor} | {r.states_measured:,} | {r.states_predicted:,.0f} | "
+            f"{r.states_error:+.1%} | {r.activations_measured:,} | {r.activations_predicted:,} | "
+            f"{r.activations_error:+.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.parse_args()
+    from raypar.connection import connect
+
+    connect(None, num_cpus=16)
+    print(markdown(measure()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""16-bit training: the fp16 loss scaler's state machine, fp32 master weights, every actor skipping an
+overflowing step together, and bf16/fp16 loss curves tracking fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import ray
+import torch
+
+from actors.worker import Worker
+from raypar import config
+from raypar.config import TrainConfig
+from raypar.controller.actor_mesh import ActorMesh, StepFailure
+from raypar.dp import DPStrategy
+from raypar.mesh import Coord
+from raypar.precision import LossScaler, ScalerConfig
+
+TINY = "examples/configs/tiny.toml"
+
+
+# -- the scaler as a state machine ----------------------------------------------------------------------
+def run_scaler(overflows: list[bool], cfg: ScalerConfig) -> tuple[list[float], list[float]]:
+    """(scale used at each step, scale after the last)."""
+    scaler, used = LossScaler(cfg), []
+    for found_inf in overflows:
+        used.append(scaler.scale)
+        scaler.update(found_inf)
+    return used, scaler.scale
+
+
+def test_scaler_sequence_with_hysteresis_growth_and_minimum() -> None:
+    cfg = ScalerConfig(initial=8.0, window=3, growth=2.0, backoff=0.5, hysteresis=2, min_scale=1.0)
+    overflow = [False, False, True, False, True, True, True, True, False, False, False, True, True]
+    used, final = run_scaler(overflow, cfg)
+    # step 2: the first overflow only uses up hysteresis; step 4: the second halves; then every further
+    # one halves down to the minimum 1; three clean steps grow x2 and restore hysteresis (steps 11, 12).
+    assert used == [8, 8, 8, 8, 8, 4, 2, 1, 1, 1, 1, 2, 2]
+    assert final == 1
+
+
+def test_megatron_defaults() -> None:
+    t = TrainConfig(precision="fp16")
+    assert (t.loss_scale, t.loss_scale_window, t.loss_scale_growth) == (2.0**32, 1000, 2.0)
+    assert (t.loss_scale_backoff, t.loss_scale_hysteresis, t.loss_scale_min) == (0.5, 2, 1.0)
+
+
+def test_scaler_state_round_trips() -> None:
+    a = LossScaler(ScalerConfig(initial=64.0, window=5))
+    for found_inf in (False, True, False):
+        a.update(found_inf)
+    b = LossScaler(ScalerConfig(initial=64.0, window=5))
+    b.load_state(a.state())
+    assert b.state() == a.state() == {"scale": 64.0, "growth_tracker": 1, "hysteresis_tracker": 1}
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_injected_overflow_is_skipped_and_leaves_no_trace(bad: float) -> None:
+    """A real fp16 module: overflowing steps are found, skipped (params, Adam's count unchanged)."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(8, 4)
+    opt = DPStrategy(module, TrainConfig(lr=1e-2, weight_decay=0.0), None, dtype=torch.float16)
+    scaler = LossScaler(ScalerConfig(initial=2.0**8, window=2, hysteresis=1))
+    x = torch.randn(16, 8).half()
+    scales, skips = [], []
+    for step in range(6):
+        (module(x).float().pow(2).mean() * scaler.scale).backward()
+        if step in (1, 2):
+            module.weight.grad[0, 0] = bad
+        before = opt.full_parameters()
+        found = opt.unscale_(1.0 / scaler.scale, check=True)
+        scales.append(scaler.scale)
+        skips.append(found)
+        if not found:
+            opt.step(1e-2)
+        else:
+            assert all(torch.equal(before[n], p) for n, p in opt.full_parameters().items())
+        scaler.update(found)
+        opt.zero_grad()
+    assert skips == [False, True, True, False, False, False]
+    assert scales == [256, 256, 128, 64, 64, 128]
+    assert opt.step_count == 4
+
+
+def test_masters_are_fp32_and_16bit_params_their_rounding() -> None:
+    torch.manual_seed(0)
+    module = torch.nn.Linear(8, 4, bias=False)
+    initial = module.weight.detach().clone()
+    opt = DPStrategy(module, TrainConfig(lr=1e-3, weight_decay=0.0), None, dtype=torch.bfloat16)
+    assert module.weight.dtype == torch.bfloat16 and torch.equal(opt.full_parameters()["weight"], initial)
+    reference = torch.nn.Parameter(initial.clone())
+    adam = torch.optim.AdamW([reference], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    for _ in range(3):
+        module(torch.ones(2, 8).bfloat16()).float().sum().backward()
+        reference.grad = module.weight.grad.float()
+        opt.unscale_()
+        opt.step(1e-3)
+        adam.step()
+        opt.zero_grad()
+    assert torch.equal(opt.full_parameters()["weight"], reference.detach())  # sub-ulp updates kept
+    assert torch.equal(module.weight, reference.detach().bfloat16())
+
+
+# -- every actor skips together ---------------------------------------------------------------------------
+INF_STEP, INF_ACTOR = 1, Coord(1, 1, 0)
+
+
+class _InfWorker(Worker):
+    """Puts an inf into one gradient of one actor at INF_STEP, after the DP reduction (so no other actor
+    sees it through the data); `local_only` breaks the MAX reduction of the verdict (negative control)."""
+
+    local_only = False
+
+    def set_local_only(self, value: bool) -> None:
+        self.local_only = value
+
+    def train_step(self, step: int, commit: int | None = None):  # noqa: ANN201 - Worker's
+        self.step_now = step
+        return super().train_step(step, commit)
+
+    def _make_strategy(self, dp_group):  # noqa: ANN001, ANN202 - Worker's
+        strategy = super()._make_strategy(dp_group)
+        unscale = strategy.unscale_
+
+        def unscale_with_inf(inv_scale: float, check: bool = False) -> bool:
+            if self.step_now == INF_STEP and tuple(self.coord) == INF_ACTOR:
+                strategy._grad(strategy.layout.pieces[0]).view(-1)[0] = math.inf  # a reduced gradient
+            return unscale(inv_scale, check)
+
+        strategy.unscale_ = unscale_with_inf
+        return strategy
+
+    def _anywhere(self, flag: bool) -> bool:
+        return flag if self.local_only else super()._anywhere(flag)
+
+
+class InfMesh(ActorMesh):
+    worker_class = ray.remote(max_concurrency=4)(_InfWorker)
+
+
+def fp16_cfg(*extra: str) -> config.Config:
+    return config.load(
+        TINY,
+        [
+            *("parallel.dp=2", "parallel.pp=2", "parallel.tp=2"),
+            *('train.precision="fp16"', "train.loss_scale=1024.0", *extra),
+        ],
+    )
+
+
+def test_fp16_overflow_on_one_actor_skips_the_step_everywhere(ray_session) -> None:
+    trainer = InfMesh(fp16_cfg(), "fp16-skip")
+    try:
+        trainer.start()
+        results = [trainer.step(s) for s in range(4)]
+        skipped_run = trainer.parameters()
+        assert [r.skipped for r in results] == [False, True, False, False]
+        assert all(r["skipped"] for r in results[INF_STEP].per_actor.values())  # every actor, not one
+        assert all(r.loss_scale == 1024.0 for r in results)  # hysteresis 2: one overflow does not back off
+        trainer.reconfigure(fp16_cfg())  # from the seed again; this time step 1 never happens
+        for s in (0, 2, 3):
+            assert not trainer.step(s).skipped
+        never_run = trainer.parameters()
+        assert all(torch.equal(skipped_run[n], p) for n, p in never_run.items())
+        # Negative control: the verdict not reduced, only actor (1, 1, 0) skips; its stage's tp peer waits
+        # in the grad-norm all-reduce it never joins and the step fails instead of silently diverging.
+        ray.get([a.set_local_only.remote(True) for a in trainer.actors.values()])
+        trainer.reconfigure(fp16_cfg("parallel.timeout_s=5"))
+        trainer.step(0)
+        with pytest.raises(StepFailure):
+            trainer.step(INF_STEP)
+    finally:
+        trainer.shutdown()
+
+
+# -- 16-bit curves --------------------------------------------------------------------------------------
+# Tolerance: a 16-bit value carries a relative rounding error of 2^-8 (bf16) or 2^-11 (fp16); the loss
+# averages 256 tokens' cross-entropies computed in fp32 from 16-bit logits, and the fp32 masters keep
+# rounding from accumulating in the weights, so each step's loss should stay within a few tenths of a
+# percent of fp32 (measured here: bf16 worst step 0.35 %, mean 0.055 %; fp16 0.14 %, 0.041 %). 2 % per
+# step and 0.5 % on average leave a margin of ~5x for other machines. (No negative control yet: which
+# broken variant this check rejects is still to be shown.)
+CURVE_STEPS = 100
+CURVE_MAX_RTOL, CURVE_MEAN_RTOL = 0.02, 0.005
+
+
+def test_bf16_and_fp16_curves_track_fp32(ray_session) -> None:
+    def cfg(precision: str) -> config.Config:
+        return config.load(
+            TINY, [f'train.precision="{precision}"', f"train.steps={CURVE_STEPS}", "train.loss_scale=65536.0"]
+        )
+
+    trainer = ActorMesh(cfg("fp32"), "curves")
+    curves = {}
+    try:
+        trainer.start()
+        for precision in ("fp32", "bf16", "fp16"):
+            trainer.reconfigure(cfg(precision))
+            curves[precision] = [trainer.step(s).loss for s in range(CURVE_STEPS)]
+    finally:
+        trainer.shutdown()
+    fp32 = curves["fp32"]
+    for precision in ("bf16", "fp16"):
+        diffs = [abs(a - b) / b for a, b in zip(curves[precision], fp32, strict=True)]
+        assert max(diffs) <= CURVE_MAX_RTOL, f"{precision}: worst step off by {max(diffs):.2%}"
+        mean = sum(diffs) / len(diffs)
+        assert mean <= CURVE_MEAN_RTOL, f"{precision}: mean off by {mean:.2%}"
