@@ -57,10 +57,12 @@ class NoRegather(Zero3Strategy):
                 bucket.params.zero_()
 
 
-def build(cfg: config.Config, group, zero: int, cls: type[DPStrategy] | None = None):
+def build(cfg: config.Config, group, zero: int, cls: type[DPStrategy] | None = None, dtype=None):
     m = cfg.model
     model = LlamaStage(m, range(m.n_layers), True, True, None, cfg.train.seed)
-    strategy = (cls or strategy_class(zero))(model, cfg.train, group, zero, BUCKET_BYTES)
+    strategy = (cls or strategy_class(zero))(
+        model, cfg.train, group, zero, BUCKET_BYTES, dtype=dtype, reduce_dtype=torch.float32
+    )
     return model, strategy
 
 
@@ -90,11 +92,11 @@ def train(cfg, group, model, strategy, steps: range, microbatches: int = 2):
     return losses, norms
 
 
-def run_dp(dp: int, zero: int, cls: type[DPStrategy] | None = None) -> Run:
+def run_dp(dp: int, zero: int, cls: type[DPStrategy] | None = None, dtype=None) -> Run:
     cfg = make_cfg()
 
     def rank(group):
-        model, strategy = build(cfg, group, zero, cls)
+        model, strategy = build(cfg, group, zero, cls, dtype)
         losses, norms = train(cfg, group, model, strategy, range(STEPS))
         return losses, norms, strategy.full_parameters()
 
@@ -129,6 +131,13 @@ def test_zero0_matches_one_process(zero0_dp2):
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_stage_matches_zero0(zero0_dp2, zero):
     assert_close(run_dp(2, zero), zero0_dp2)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_bf16_parameters_with_fp32_masters_match_zero0(zero):
+    # bf16 parameters, fp32 masters and fp32 reduction: sharding changes only the DP sum order of fp32
+    # gradients (measured: grad norms 4e-6 relative, masters 2e-6 absolute after 5 steps)
+    assert_close(run_dp(2, zero, dtype=torch.bfloat16), run_dp(2, 0, dtype=torch.bfloat16))
 
 
 def test_zero3_at_dp4_matches():
