@@ -116,7 +116,10 @@ class DPStrategy:
                     slot.param.data = view
         self.moments = {m: torch.zeros(owned, device=self.device) for m in MOMENTS}
         self.owned_grads = torch.zeros(owned, dtype=self.rdtype, device=self.device) if zero >= 2 else None
-        if zero < 2:  # gradients persist between steps (zeroed, not freed)
+        # Gradients persist between steps (zeroed, not freed) unless a reduction leaves a copy of its own:
+        # the owned piece (stage >= 2) or a cast copy (another reduction dtype).
+        self._free_after_reduce = zero >= 2 or self.rdtype != self.dtype
+        if not self._free_after_reduce:
             self._allocate_grads()
         self._handles = [
             slot.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, slot))
@@ -215,7 +218,8 @@ class DPStrategy:
 
     def finish(self) -> None:
         """After the last backward: every bucket reduced (launching any not yet started). From stage 2 on
-        the full gradients are freed here: only the owned piece outlives the reduction."""
+        (or when reduced in another dtype) the full gradients are freed here: only the reduction's result
+        outlives it."""
         for bucket in self.layout.buckets:
             if bucket.work is None:  # its hook never completed (a parameter without a gradient)
                 bucket.work = self._reduce(bucket)
@@ -224,7 +228,7 @@ class DPStrategy:
                 bucket.work.wait()
                 bucket.work = None
         self._armed = False
-        if self.owned_grads is not None:
+        if self._free_after_reduce:
             self._free_grads()
 
     def unscale_(self, inv_scale: float = 1.0, check: bool = False) -> bool:
@@ -268,7 +272,7 @@ class DPStrategy:
         for bucket in self.layout.buckets:
             bucket.work, bucket.ready, bucket.reduced = None, 0, None
         self._armed, self.master_grads = False, None
-        if self.owned_grads is not None:
+        if self._free_after_reduce:
             self._free_grads()
         else:
             for bucket in self.layout.buckets:
