@@ -84,8 +84,7 @@ def main() -> None:
                 step += 1
                 (staging, writers), stall = timed(trainer.begin_checkpoint, root, step)
                 stalls.append(stall)
-                parts, write = timed(trainer.collect, trainer.checkpoint_writes(writers), "writing")
-                entries = [entry for files in parts for entry in files]  # one file per part per writer
+                entries, write = timed(trainer.collect, trainer.checkpoint_writes(writers), "writing")
                 checkpoint.publish(root, staging, step, entries, {"optimizer_steps": step}, keep=2)
                 writes.append(stall + write)
             out["checkpoint_stall_s"] = statistics.median(stalls)

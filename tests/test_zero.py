@@ -87,7 +87,7 @@ def close(got: list[float], want: list[float]) -> bool:
 
 def save(trainer: ActorMesh, root: str, step: int, zero: int) -> str:
     staging, writers = trainer.begin_checkpoint(root, step)
-    entries = [e for files in trainer.collect(trainer.checkpoint_writes(writers), "writing") for e in files]
+    entries = trainer.collect(trainer.checkpoint_writes(writers), "writing")
     return checkpoint.publish(root, staging, step, entries, {"optimizer_steps": step, "zero": zero})
 
 

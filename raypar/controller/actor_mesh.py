@@ -390,8 +390,9 @@ class ActorMesh:
             raise RunFailure("a checkpoint writer died before finishing its shard")
         return {self.actors[c].wait_shard.remote(): c for c in writers}
 
-    def collect(self, refs: dict[Any, Coord], what: str) -> list[Any]:
-        return list(self._gather(refs, what).values())
+    def collect(self, refs: dict[Any, Coord], what: str) -> list[dict[str, Any]]:
+        """The manifest entries of `checkpoint_writes`' refs: every writer's files (one per part)."""
+        return [entry for files in self._gather(refs, what).values() for entry in files]
 
     def optimizer_state(self) -> dict[str, Any]:
         """Updates applied and the loss scaler's state: the same on every actor (they skip together)."""

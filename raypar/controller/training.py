@@ -139,8 +139,7 @@ class TrainingLoop:
             return
         pending, self.pending = self.pending, None
         try:
-            parts = self.actor_mesh.collect(pending.writes, "writing checkpoint shards")
-            entries = [entry for files in parts for entry in files]  # each writer: one file per part
+            entries = self.actor_mesh.collect(pending.writes, "writing checkpoint shards")
         except RunFailure as err:  # a writer died: its staging directory stays aside, pruned by a later save
             self.event(f"checkpoint step {pending.step} abandoned: {err}")
             return
