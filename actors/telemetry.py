@@ -36,7 +36,10 @@ METRICS = {
         "Unique storages of parameters, gradients, master weights and optimizer moments after the step's "
         "reduction (device and host): what ZeRO shards"
     ),
+    "raypar_moe_aux_loss": "MoE load-balancing loss of this stage's MoE layers at the last step",
+    "raypar_moe_dropped_tokens": "Expert assignments over capacity at the last step (this stage)",
 }
+LOAD_METRIC = "raypar_moe_expert_load"  # tagged also by layer and expert
 
 
 class ActorMetrics:
@@ -48,6 +51,11 @@ class ActorMetrics:
         dp, pp, tp = coord
         tags = {"run": run, "dp": str(dp), "pp": str(pp), "tp": str(tp)}
         self.gauges = {name: Gauge(name, text, tag_keys=TAG_KEYS) for name, text in METRICS.items()}
+        self.gauges[LOAD_METRIC] = Gauge(
+            LOAD_METRIC,
+            "Tokens routed to each expert at the last step (this replica's tokens, before capacity)",
+            tag_keys=(*TAG_KEYS, "layer", "expert"),
+        )
         for gauge in self.gauges.values():
             gauge.set_default_tags(tags)
 
@@ -70,8 +78,15 @@ class ActorMetrics:
             values["raypar_loss"] = step_result["loss"]
         if mfu is not None:
             values["raypar_mfu"] = mfu
+        moe = step_result.get("moe", {})
+        if moe:
+            values["raypar_moe_aux_loss"] = sum(s["aux"] for s in moe.values())
+            values["raypar_moe_dropped_tokens"] = float(sum(s["dropped"] for s in moe.values()))
         for name, value in values.items():
             self.gauges[name].set(value)
+        for layer, stats in moe.items():
+            for expert, load in enumerate(stats["load"]):
+                self.gauges[LOAD_METRIC].set(float(load), tags={"layer": layer, "expert": str(expert)})
 
     @staticmethod
     def _memory_bytes() -> int:

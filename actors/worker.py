@@ -32,11 +32,21 @@ from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from collectives.host import GroupHost
 from raypar import checkpoint, data, flops, memory, precision, schedules
 from raypar import config as config_mod
+from raypar import ep as ep_mod
 from raypar.dp import DPStrategy
 from raypar.mesh import Coord, Mesh, actor_name, stage_layers
 from raypar.model import LlamaStage, dropout_seed
+from raypar.moe import is_expert_param
 from raypar.optim import lr_at
 from raypar.zero3 import Zero3Strategy
+
+
+def _summed(counts: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 class WorkerFailure(RuntimeError):
@@ -45,8 +55,8 @@ class WorkerFailure(RuntimeError):
 
 class Worker(GroupHost):
     """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks)
-    override the seams `_make_strategy`, `_bind_tp`, `_send_grad` and `_train_step` and wrap themselves
-    the same way."""
+    override the seams `_make_strategy`, `_make_expert_strategy`, `_bind_tp`, `_send_grad` and
+    `_train_step` and wrap themselves the same way."""
 
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         torch.set_num_threads(threads)
@@ -57,7 +67,8 @@ class Worker(GroupHost):
         self.transport: ObjectStoreTransport | DirectTransport | None = None
         self._writer: threading.Thread | None = None
         self._written: list[dict[str, Any]] | BaseException | None = None
-        self.strategy: DPStrategy | None = None
+        self.strategy: DPStrategy | None = None  # dense parameters
+        self.expert_strategy: DPStrategy | None = None  # expert parameters (an empty one without MoE)
         # The whole DP state, taken before a planned change of dp (ZeRO shards it over the old group):
         # (state by checkpoint name, optimizer step count); consumed by rebind and sync_state.
         self._stash: tuple[dict[str, torch.Tensor], int] | None = None
@@ -91,12 +102,13 @@ class Worker(GroupHost):
         layers = stage_layers(self.cfg.model.n_layers, par.pp, par.stage_layers or None)[p]
         self.first, self.last = p == 0, p == par.pp - 1
         tp_group = self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None  # shapes the shards
+        ep_group = self._ep_group(replicas.index(self.coord.dp))  # which experts live here
         train = self.cfg.train
-        self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, train.seed)
+        self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, train.seed, ep_group)
         self.model.set_recompute(train.recompute, train.recompute_every)
         self.model.to(self.device)
         self.param_dtype = dtype  # the strategy keeps fp32 masters for 16-bit parameters
-        self.strategy, self._stash = None, None
+        self.strategy, self.expert_strategy, self._stash = None, None, None
         self.scaler = precision.scaler_for(train)
         self._skip = False
         self.dataset = data.open_dataset(self.cfg.data, self.cfg.model) if self.first or self.last else None
@@ -118,7 +130,15 @@ class Worker(GroupHost):
         self.dp, self.dp_rank = len(replicas), replicas.index(d)
         self._bind_tp(self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None)
         self.dp_group = self.group(Mesh.dp_group(self.coord)) if self.dp > 1 else None
-        self._rebuild_strategy()
+        self.ep_group = self._ep_group(self.dp_rank)
+        self.model.bind_ep(self.ep_group)
+        if par.ep == 1:  # every replica holds every expert
+            self.edp_group = self.dp_group
+        else:
+            self.edp_group = (
+                self.group(Mesh.edp_group(self.coord, self.dp_rank, par.ep)) if self.dp > par.ep else None
+            )
+        self._rebuild_strategies()
         self.mp_group = self.group(Mesh.mp_group(self.coord)) if par.pp * par.tp > 1 else None
         self.microbatches = self.cfg.microbatches_at(self.dp)
         self.plan = schedules.build(par.schedule, par.pp, self.microbatches)[p]
@@ -135,28 +155,38 @@ class Worker(GroupHost):
             )
         self.mailbox.reset()
 
-    def _rebuild_strategy(self) -> None:
-        """A new DP strategy for the new group; the old one's hooks go with it. Its state carries over:
-        from the stash of a planned dp change, or read locally where nothing is sharded."""
-        old, par = self.strategy, self.cfg.parallel
+    def _strategies(self) -> tuple[DPStrategy, DPStrategy]:
+        return self.strategy, self.expert_strategy
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """Both strategies' whole state by checkpoint name (dense and expert names are disjoint)."""
+        return {**self.strategy.full_state(), **self.expert_strategy.full_state()}
+
+    def _rebuild_strategies(self) -> None:
+        """New DP strategies for the new groups; the old ones' hooks go with them. Their state carries
+        over: from the stash of a planned dp change, or read locally where nothing is sharded."""
+        par = self.cfg.parallel
         state, step_count = self._stash if self._stash is not None else (None, 0)
-        if state is None and old is not None:
-            if old.sharded:
+        if state is None and self.strategy is not None:
+            if self.strategy.sharded:
                 raise RuntimeError(
                     f"parallel.zero={par.zero}: this replica's optimizer slices were sharded over a group "
                     "that changed without a stash; restore from a checkpoint"
                 )
-            state, step_count = old.full_state(), old.step_count
-        if old is not None:
-            old.close()
+            state, step_count = self._full_state(), self.strategy.step_count
+        if self.strategy is not None:
+            for old in self._strategies():
+                old.close()
         self.strategy = self._make_strategy(self.dp_group)
+        self.expert_strategy = self._make_expert_strategy(self.edp_group)
         if state is not None:
-            self.strategy.load_full_state(state, step_count)
+            for strategy in self._strategies():
+                strategy.load_full_state(state, step_count)
 
     def stash_state(self) -> None:
         """Before a planned change of dp: keep the whole DP state (a collective over the old group under
         ZeRO) so that the new layout can be carved out of it."""
-        self._stash = (self.strategy.full_state(), self.strategy.step_count)
+        self._stash = (self._full_state(), self.strategy.step_count)
 
     def _bind_tp(self, group: Any) -> None:
         self.model.tp_group = group
@@ -164,12 +194,28 @@ class Worker(GroupHost):
             if hasattr(module, "group"):
                 module.group = group
 
+    def _ep_group(self, dp_rank: int) -> Any:
+        ep = self.cfg.parallel.ep
+        return self.group(Mesh.ep_group(self.coord, dp_rank, ep)) if ep > 1 else None
+
     def _make_strategy(self, dp_group: Any) -> DPStrategy:
+        """Every non-expert parameter: averaged over the data-parallel group, ZeRO as configured."""
         par, train = self.cfg.parallel, self.cfg.train
         cls = Zero3Strategy if par.zero == 3 else DPStrategy
         return cls(
             self.model, train, dp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp,
             dtype=self.param_dtype, reduce_dtype=precision.DTYPES[train.reduce_dtype],
+            select=lambda name: not is_expert_param(name),
+        )
+
+    def _make_expert_strategy(self, edp_group: Any) -> DPStrategy:
+        """Expert parameters: summed over the expert-dp group, divided by dp (raypar.ep says why); not
+        sharded (config validation rejects ZeRO with experts)."""
+        par, train = self.cfg.parallel, self.cfg.train
+        return DPStrategy(
+            self.model, train, edp_group, 0, int(par.bucket_mb * 2**20), self.coord.tp,
+            dtype=self.param_dtype, reduce_dtype=precision.DTYPES[train.reduce_dtype],
+            select=is_expert_param, divisor=self.dp,
         )
 
     def _device(self) -> torch.device:
@@ -204,7 +250,8 @@ class Worker(GroupHost):
         try:
             return self._train_step(step)
         except Exception as err:
-            self.strategy.zero_grad()  # the step is discarded: nothing of it may leak into a redo
+            for strategy in self._strategies():  # the step is discarded: nothing of it may leak into a redo
+                strategy.zero_grad()
             raise self._fail(f"step {step}", err) from err
 
     def apply_step(self, step: int) -> None:
@@ -213,16 +260,20 @@ class Worker(GroupHost):
         with the next `train_step` call, or alone before anything that reads the state (checkpoint,
         scaling)."""
         if not self._skip:
-            self.strategy.step(lr_at(self.strategy.step_count, self.cfg.train))
+            lr = lr_at(self.strategy.step_count, self.cfg.train)
+            for strategy in self._strategies():
+                strategy.step(lr)
         if self.scaler is not None:
             self.scaler.update(self._skip)
         self._skip = False  # applied once: a second apply of the same step must not count it again
-        self.strategy.zero_grad()
+        for strategy in self._strategies():
+            strategy.zero_grad()
 
     def _train_step(self, step: int) -> dict[str, Any]:
         start = time.perf_counter()
         self._stash = None  # a dp change is complete once a step runs
-        self.strategy.begin_step()
+        for strategy in self._strategies():
+            strategy.begin_step()
         self.transport.step = step
         self.mailbox.clear_before(self.epoch, step)
         scale = self.scaler.scale if self.scaler is not None else 1.0
@@ -230,6 +281,7 @@ class Worker(GroupHost):
         outputs: dict[int, torch.Tensor] = {}
         grads: dict[int, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
+        auxes: dict[int, torch.Tensor] = {}
         events: list[tuple[str, int, float, float]] = []
         saved = memory.SavedActivations(exclude=[*self.model.parameters(), *self.model.buffers()])
         live = memory.LiveActivations()
@@ -253,10 +305,14 @@ class Worker(GroupHost):
                 with saved:
                     out = self.model(inputs[mb], targets if self.last else None)
                 live.forward(mb, saved.bytes)
+                aux = self.model.take_aux_loss()  # MoE load balancing: part of the training loss
                 if self.last:
                     losses.append(out.detach())
+                    out = out if aux is None else out + aux
                     # the replica's loss is the mean over its microbatches (fp16: times the loss scale)
                     out = out / self.microbatches if scale == 1.0 else out * (scale / self.microbatches)
+                elif aux is not None:
+                    auxes[mb] = aux / self.microbatches if scale == 1.0 else aux * (scale / self.microbatches)
                 outputs[mb] = out
             elif op == "send_act":
                 self.transport.send_act(mb, outputs[mb])
@@ -264,9 +320,13 @@ class Worker(GroupHost):
                 grads[mb] = self.transport.recv_grad(mb, self.act_like)
             elif op == "backward":
                 if index == self.last_backward:
-                    self.strategy.arm()
+                    for strategy in self._strategies():
+                        strategy.arm()
                 out = outputs.pop(mb)
-                out.backward(None if self.last else grads.pop(mb))
+                if mb in auxes:  # a stage before the last: its aux loss joins the received gradient
+                    torch.autograd.backward([out, auxes.pop(mb)], [grads.pop(mb), None])
+                else:
+                    out.backward(None if self.last else grads.pop(mb))
                 live.backward(mb)
                 self.transport.release("grad", mb)
             elif op == "send_grad":
@@ -274,10 +334,12 @@ class Worker(GroupHost):
                 self.transport.release("act", mb)
             events.append((op, mb, t0 - start, time.perf_counter() - start))
         compute_end = time.perf_counter()
-        self.strategy.finish()
+        for strategy in self._strategies():
+            strategy.finish()
         self.transport.finish_step()
-        found_inf = self.strategy.unscale_(1.0 / scale, check=self.scaler is not None)
-        self._skip = self.scaler is not None and self._anywhere(found_inf)
+        check = self.scaler is not None
+        found_inf = [s.unscale_(1.0 / scale, check=check) for s in self._strategies()]  # both, always
+        self._skip = self.scaler is not None and self._anywhere(any(found_inf))
         grad_norm = float("inf") if self._skip else self._clip_grad_norm()
         end = time.perf_counter()
         busy = sum(t1 - t0 for op, _, t0, t1 in events if op in ("forward", "backward"))
@@ -294,9 +356,15 @@ class Worker(GroupHost):
             "reduce_s": end - compute_end,
             "events": events,
             # bytes this actor sent for DP since the last step: reduction, parameter gathers (ZeRO)
-            **self.strategy.take_traffic(),
+            **_summed(s.take_traffic() for s in self._strategies()),
             **self._memory(live),
         }
+        moe = self.model.take_moe_stats()
+        if moe:
+            result["moe"] = {
+                i: {"load": s.load.tolist(), "dropped": s.dropped, "aux": s.aux_sum / max(s.microbatches, 1)}
+                for i, s in moe.items()
+            }
         tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result["step_s"]
         world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp
         mfu = flops.mfu(tokens_per_s / world, self.cfg.model, self.peak_flops) if self.peak_flops else None
@@ -306,7 +374,7 @@ class Worker(GroupHost):
     def _memory(self, live: memory.LiveActivations) -> dict[str, int]:
         """Measured memory of this step: activations saved per microbatch and at most at once, microbatches
         in flight, model states, and the peak (GPU: the allocator's; CPU: model states + activations)."""
-        states = sum(self.strategy.model_state_bytes().values())
+        states = sum(sum(s.model_state_bytes().values()) for s in self._strategies())
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
@@ -332,11 +400,10 @@ class Worker(GroupHost):
         self.transport.send_grad(mb, grad)
 
     def _clip_grad_norm(self) -> float:
-        sq = self.strategy.grad_sq_norm()
-        if self.mp_group is not None:
-            self.mp_group.all_reduce(sq, "sum")
-        norm = math.sqrt(sq.item())
-        self.strategy.clip_(norm, self.cfg.train.grad_clip)
+        dense, experts = (s.grad_sq_norm() for s in self._strategies())
+        norm = math.sqrt(ep_mod.grad_sq_norm(dense, experts, self.ep_group, self.mp_group))
+        for strategy in self._strategies():
+            strategy.clip_(norm, self.cfg.train.grad_clip)
         return norm
 
     # -- state: inspection, healing a new replica, checkpoints ----------------------------------------
@@ -344,7 +411,7 @@ class Worker(GroupHost):
         """name -> (local shard, global shape, offsets), on the CPU. Under ZeRO-3 a collective over the DP
         group: call it on every replica."""
         specs = self.model.shard_specs()
-        return {n: (t, *specs[n]) for n, t in self.strategy.full_parameters().items()}
+        return {n: (t, *specs[n]) for s in self._strategies() for n, t in s.full_parameters().items()}
 
     def optimizer_state(self) -> dict[str, Any]:
         """What a checkpoint's JSON needs besides tensors: updates applied, and the loss scaler's state."""
@@ -364,36 +431,46 @@ class Worker(GroupHost):
         self.dp_group.broadcast(steps, src_dp_rank)
         if self.scaler is not None:
             self.scaler.load_state(dict(zip(scaler, steps[1:].tolist(), strict=True)))
-        if stash is not None:
-            state = stash[0]
-        elif self.strategy.sharded:  # a new replica under ZeRO: receives everything, keeps its piece
-            state = self.strategy.state_template()
-        else:  # live views: the broadcast writes straight into this replica's state
-            state = self.strategy.full_state()
-        with torch.no_grad():
-            for name in sorted(state):
-                state[name] = state[name].to(self.device)
-                self.dp_group.broadcast(state[name], src_dp_rank)
-        self.strategy.load_full_state(state, int(steps[0].item()))
+        # Experts come from the replica holding the same ones in the source's EP group, over the EDP group.
+        sources = [(self.strategy, self.dp_group, src_dp_rank)]
+        sources.append((self.expert_strategy, self.edp_group, src_dp_rank // self.cfg.parallel.ep))
+        for strategy, group, src in sources:
+            if stash is not None:
+                state = {name: stash[0][name] for name in strategy.state_shapes()}
+            elif strategy.sharded:  # a new replica under ZeRO: receives everything, keeps its piece
+                state = strategy.state_template()
+            else:  # live views: the broadcast writes straight into this replica's state
+                state = strategy.full_state()
+            with torch.no_grad():
+                for name in sorted(state):
+                    state[name] = state[name].to(self.device)
+                    if group is not None:
+                        group.broadcast(state[name], src)
+            strategy.load_full_state(state, int(steps[0].item()))
 
     def save_shard(self, staging: str) -> bool:
         """Snapshot the slices this actor owns to host memory now (the stall), write them in a background
-        thread. Without ZeRO one replica writes; tp-replicated tensors are written by tp rank 0 only."""
+        thread. Without ZeRO one replica writes, and with expert parallelism the rest of its EP group writes
+        their experts (rank 0 of each expert-dp group; experts are named by global expert id, so any ep reads
+        them back); tp-replicated tensors are written by tp rank 0 only."""
         self.wait_shard()
-        parts = [
-            ({n: t for n, (t, _) in part.items()}, {n: spec for n, (_, spec) in part.items()})
-            for part in self.strategy.checkpoint_parts()
+        key = checkpoint.shard_key(self.dp_rank, self.coord.pp, self.coord.tp)
+        parts = [  # one file per part: dense `<key>.<k>`, experts `<key>.e<k>`
+            (f"{key}.{tag}{k}", part)
+            for tag, strategy in zip(("", "e"), self._strategies(), strict=True)
+            for k, part in enumerate(strategy.checkpoint_parts())
         ]
         if not parts:
             return False
-        snaps = [(checkpoint.snapshot(tensors), specs) for tensors, specs in parts]
-        key = checkpoint.shard_key(self.dp_rank, self.coord.pp, self.coord.tp)
+        snaps = [
+            (name, checkpoint.snapshot({n: t for n, (t, _) in p.items()}), {n: s for n, (_, s) in p.items()})
+            for name, p in parts
+        ]
 
         def write() -> None:
             try:
                 self._written = [
-                    checkpoint.write_shard(staging, f"{key}.{k}", snap, specs)
-                    for k, (snap, specs) in enumerate(snaps)
+                    checkpoint.write_shard(staging, name, snap, specs) for name, snap, specs in snaps
                 ]
             except BaseException as err:  # noqa: BLE001 - handed to the driver by wait_shard
                 self._written = err
@@ -443,7 +520,8 @@ class Worker(GroupHost):
             step_count = int(reader.meta["optimizer_steps"])
             if self.scaler is not None and reader.meta.get("loss_scaler"):
                 self.scaler.load_state(reader.meta["loss_scaler"])
-            self.strategy.load(reader, step_count)
+            for strategy in self._strategies():
+                strategy.load(reader, step_count)
             self._restore_rng(reader.meta.get("rng", {}).get(self.coord.key))
             return step_count
         except Exception as err:

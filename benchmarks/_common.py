@@ -16,6 +16,7 @@ Ray pickles by value), so the actors never need to import this module.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import statistics
@@ -32,7 +33,7 @@ from raypar import config as config_mod
 from raypar import data
 from raypar.config import Config
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.controller.connection import connect
+from raypar.controller.connection import NAMESPACE
 from raypar.model import LlamaStage
 from raypar.optim import ADAM_EPS, lr_at
 
@@ -49,7 +50,19 @@ def start_ray(num_cpus: int, worker_niceness: int = 0) -> None:
     benchmarks start Ray with the workers at `worker_niceness` (default 0: the baselines' priority)."""
     os.environ.pop("RAY_ADDRESS", None)  # ray.init() would join that cluster instead of starting one
     os.environ["RAY_worker_niceness"] = str(worker_niceness)  # read by the raylet that ray.init starts
-    connect(None, num_cpus=num_cpus)
+    # address="local": without it, ray.init() joins a cluster that `ray start` left running on this machine
+    # (/tmp/ray/ray_current_cluster), e.g. another engineer's test cluster, and rejects num_cpus.
+    for attempt in range(3):
+        try:
+            ray.init(address="local", num_cpus=num_cpus, namespace=NAMESPACE, log_to_driver=False,
+                     include_dashboard=False, logging_level=logging.ERROR)
+            break
+        except Exception as err:  # noqa: BLE001 - only Ray's start-up timeout is retried
+            # Ray waits a fixed 30 s for its raylet to register; an overloaded machine can miss that.
+            if "timed out during startup" not in str(err) or attempt == 2:
+                raise
+            ray.shutdown()
+            print(f"local Ray did not start in time ({err}); starting it again", flush=True)
     print(f"local Ray: {num_cpus} logical CPUs, worker processes at nice {worker_niceness}", flush=True)
 
 

@@ -48,8 +48,7 @@ TRANSPORTS = ("object_store", "direct")
 GROUP = "pp.hop"
 
 
-@ray.remote(max_concurrency=4)  # as raypar's Worker: one thread runs the loop, others take `deliver`
-class HopStage(GroupHost):
+class _HopStage(GroupHost):
     def __init__(self, name: str, threads: int = 1):
         torch.set_num_threads(threads)
         self.name = name
@@ -85,6 +84,7 @@ class HopStage(GroupHost):
             t.send_act(mb, payload)
             t.recv_grad(mb, like)
             rtts.append(time.perf_counter() - start)
+            t.release("grad", mb)  # as a stage does after the backward: the buffer serves the next message
         t.finish_step()
         return rtts
 
@@ -103,12 +103,19 @@ class HopStage(GroupHost):
         for mb in range(n):
             t.send_grad(mb, t.recv_act(mb, like))
         t.finish_step()
+        for mb in range(n):
+            t.release("act", mb)
 
     def stream_recv(self, transport: str, numel: int, n: int) -> float:
         t, like = self._begin(transport, numel)
         for mb in range(n):
             t.recv_act(mb, like)
+            t.release("act", mb)
         return time.perf_counter()
+
+
+HopStage = ray.remote(max_concurrency=4)(_HopStage)  # as raypar's Worker: one thread runs the loop,
+# others take `deliver`; benchmarks/ray_transports.py extends the same class with Ray's transports
 
 
 def parse_size(text: str) -> int:

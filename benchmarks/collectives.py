@@ -394,7 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-niceness", type=int, default=0,
                         help="nice level of the Ray actors (Ray's default is 15; the torch ranks run at 0)")
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 ranks, 4 and 64 KiB, few calls")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.ranks, args.min_bytes, args.max_bytes, args.factor = "2", "4K", "64K", 16
+        args.iters, args.min_iters, args.warmup, args.rounds, args.seconds = 3, 2, 1, 1, 0.01
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     bad = sorted(set(ops) - set(OPS))
     if bad:
@@ -416,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     # raylet that ray.init starts).
     os.environ["RAY_worker_niceness"] = str(args.worker_niceness)
     if not args.raypar_in_processes:  # without actors, no Ray at all
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # address="local": a new Ray even when `ray start` left a cluster running on this machine
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     if not args.json:
         cores = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
         where = "in the same Ray actors, calls interleaved" if args.torch_in_actors else "plain processes"

@@ -8,6 +8,7 @@
 3. Recovery: from the kill -9 of a worker to the end of the redone step at reduced dp.
 
     python benchmarks/elastic.py [--preset small] [--steps 6] [--json]
+    python benchmarks/elastic.py --quick                 # smoke run: tiny model, one step per phase
 """
 
 from __future__ import annotations
@@ -45,9 +46,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=6, help="plain steps to time per phase")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, one step per phase")
     args = parser.parse_args()
+    if args.quick:
+        args.preset, args.seq_len, args.steps = "tiny", 32, 1
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    # address="local": a new Ray even when `ray start` left a cluster running on this machine
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     cfg = config.load(
         None,
         [
@@ -79,7 +84,7 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory() as root:
             stalls, writes = [], []
-            for _ in range(3):
+            for _ in range(1 if args.quick else 3):
                 trainer.step(step)
                 step += 1
                 (staging, writers), stall = timed(trainer.begin_checkpoint, root, step)

@@ -2,6 +2,7 @@
 
     python benchmarks/plan_validation.py    # the table in benchmarks/README.md (tests/test_plan.py runs
                                             # the same `measure()` and checks its tolerances)
+    python benchmarks/plan_validation.py --quick            # smoke run: one layout
 
 For each layout the tiny model trains two steps on real actors; the second step's per-actor measurements
 (model states: parameters + gradients + optimizer state; activations: bytes saved for backward through
@@ -120,11 +121,17 @@ def markdown(rows: list[Row]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.parse_args()
-    from raypar.connection import connect
+    parser.add_argument("--quick", action="store_true", help="smoke run: one layout, (2, 1, 1)")
+    args = parser.parse_args()
+    import ray
 
-    connect(None, num_cpus=16)
-    print(markdown(measure()))
+    from benchmarks import _common
+
+    _common.start_ray(num_cpus=16)
+    try:
+        print(markdown(measure({(2, 1, 1): LAYOUTS[(2, 1, 1)][:1]} if args.quick else LAYOUTS)))
+    finally:
+        ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -49,6 +49,12 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dropout: float = 0.0
+    # Mixture of experts (raypar.moe): 0 experts = dense.
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_capacity_factor: float = 1.25
+    moe_aux_loss_coef: float = 0.01
+    moe_every: int = 1
 
     @property
     def head_dim(self) -> int:
@@ -60,6 +66,7 @@ class ParallelConfig:
     dp: int | str = 1
     pp: int = 1
     tp: int = 1
+    ep: int = 1
     schedule: str = "1f1b"
     microbatches: int = 1
     transport: str = "object_store"
@@ -139,7 +146,10 @@ class Config:
         max_dp is unset) and splitting the global batch into whole microbatches of the run's size."""
         top = self.parallel.max_dp or self.train.global_batch // self.microbatch_size
         batch, mbs = self.train.global_batch, self.microbatch_size
-        return [d for d in range(max(self.parallel.min_dp, 1), top + 1) if batch % (d * mbs) == 0]
+        ep = self.parallel.ep
+        return [
+            d for d in range(max(self.parallel.min_dp, 1), top + 1) if batch % (d * mbs) == 0 and d % ep == 0
+        ]
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -266,7 +276,7 @@ def validate(cfg: Config) -> None:
     if isinstance(p.dp, str):
         _require(p.dp == "auto", f'parallel.dp: expected a positive int or "auto", got {p.dp!r}')
         _require(p.max_dp >= p.min_dp, 'parallel.max_dp: must be set and >= parallel.min_dp when dp = "auto"')
-    for key in ("pp", "tp", "microbatches", "min_dp", "threads_per_actor"):
+    for key in ("pp", "tp", "ep", "microbatches", "min_dp", "threads_per_actor"):
         _require(getattr(p, key) > 0, f"parallel.{key}: must be a positive size, got {getattr(p, key)}")
     _require(p.max_dp >= 0, f"parallel.max_dp: must be >= 0 (0 means dp), got {p.max_dp}")
     _require(
@@ -313,6 +323,8 @@ def validate(cfg: Config) -> None:
     )
     if p.dp == "auto" or p.max_dp:
         for dp in range(p.min_dp, max(p.max_dp, cfg.dp_fixed) + 1):
+            if p.ep > 1 and dp % p.ep:
+                continue  # never taken: expert parallelism needs dp to be a multiple of ep
             _require(
                 t.global_batch % (dp * cfg.microbatch_size) == 0,
                 f"train.global_batch: must be divisible by dp*microbatch_size for every dp in "
@@ -352,3 +364,46 @@ def validate(cfg: Config) -> None:
     _require(c.every >= 0, f"checkpoint.every: must be >= 0 (0 disables), got {c.every}")
     _require(c.keep > 0, f"checkpoint.keep: must be positive, got {c.keep}")
     _require(not c.every or bool(c.dir), "checkpoint.dir: must be set when checkpoint.every > 0")
+    _validate_moe(cfg)
+
+
+def _validate_moe(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    _require(m.moe_experts >= 0, f"model.moe_experts: must be >= 0 (0 = dense), got {m.moe_experts}")
+    if not m.moe_experts:
+        _require(p.ep == 1, f"parallel.ep: needs model.moe_experts > 0, got ep={p.ep}")
+        return
+    _require(
+        1 <= m.moe_top_k <= m.moe_experts,
+        f"model.moe_top_k: must be in [1, moe_experts={m.moe_experts}], got {m.moe_top_k}",
+    )
+    _require(
+        m.moe_capacity_factor > 0, f"model.moe_capacity_factor: must be positive, got {m.moe_capacity_factor}"
+    )
+    _require(m.moe_aux_loss_coef >= 0, f"model.moe_aux_loss_coef: must be >= 0, got {m.moe_aux_loss_coef}")
+    _require(
+        1 <= m.moe_every <= m.n_layers,
+        f"model.moe_every: must be in [1, n_layers={m.n_layers}], got {m.moe_every}",
+    )
+    _require(p.ep >= 1, f"parallel.ep: must be a positive size, got {p.ep}")
+    # Expert parameters have a DP strategy of their own (expert-dp group, divisor dp) that is not sharded.
+    _require(
+        p.zero == 0,
+        f"parallel.zero: must be 0 with model.moe_experts > 0 (experts are not sharded yet), got {p.zero}",
+    )
+    # A fully recomputed block would replay the MoE layer's bookkeeping (aux loss, load) in backward.
+    _require(
+        cfg.train.recompute != "full",
+        'train.recompute: "full" does not support MoE blocks yet (use "selective" or "none")',
+    )
+    _require(
+        m.moe_experts % p.ep == 0,
+        f"parallel.ep: must divide model.moe_experts={m.moe_experts}, got ep={p.ep}",
+    )
+    # Expert-parallel groups are carved out of the data-parallel ranks, at every dp the run may take.
+    _require(cfg.dp_fixed % p.ep == 0, f"parallel.ep: must divide parallel.dp={cfg.dp_fixed}, got ep={p.ep}")
+    if p.dp == "auto" or p.max_dp:
+        _require(
+            bool(cfg.valid_dps()),
+            f"parallel.ep: no dp in [{p.min_dp}, {p.max_dp}] is a multiple of ep={p.ep} splitting the batch",
+        )

@@ -19,6 +19,10 @@
 - **State.** `checkpoint_parts` names the rectangles this rank owns (each rank writes only those; at
   stage 0 replica 0 writes everything); `load` reads this rank's part of any checkpoint; `full_state` /
   `load_full_state` move the whole state across a change of dp (re-sharding) and heal new replicas.
+- **Selection.** `select(name)` takes part of the parameters only: a stage's expert parameters and its
+  dense ones have different groups and divisors (raypar.ep), so each part gets a strategy of its own.
+  With `divisor`, gradients are summed over the group and divided by it (expert gradients are divided by
+  the full dp degree, not by their group's size) instead of averaged.
 - **`close()`** removes every hook, so a rebind leaves nothing of the old strategy attached.
 
 AdamW is torch's own functional implementation, applied to the owned pieces: elementwise, so sharding
@@ -28,6 +32,7 @@ changes nothing of its arithmetic.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -67,10 +72,14 @@ class DPStrategy:
         tp_rank: int = 0,
         dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        select: Callable[[str], bool] | None = None,
+        divisor: int | None = None,
     ) -> None:
-        """`dtype`: the parameters' dtype from now on (default: theirs; fp32 masters are taken from their
-        values before any rounding). `reduce_dtype`: the dtype gradients are summed in across the group
-        (default: theirs); 16-bit gradients reduced in fp32 stay fp32 up to the update."""
+        """`select`: the parameters this strategy owns (default: all). `divisor`: sum gradients over the
+        group and divide by this instead of averaging. `dtype`: the parameters' dtype from now on (default:
+        theirs; fp32 masters are taken from their values before any rounding). `reduce_dtype`: the dtype
+        gradients are summed in across the group (default: theirs); 16-bit gradients reduced in fp32 stay
+        fp32 up to the update."""
         if zero not in ZERO_STAGES:
             raise ValueError(f"zero stage must be one of {ZERO_STAGES}, got {zero}")
         self.cfg, self.zero, self.tp_rank = cfg, zero, tp_rank
@@ -78,7 +87,11 @@ class DPStrategy:
         self.size = self.group.size if self.group else 1
         self.rank = self.group.rank if self.group else 0
         self.sharded = zero >= 1 and self.size > 1
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.divisor = divisor
+        if divisor is not None:
+            self.reduce_op = "sum"
+        every = list(model.named_parameters())
+        named = [(n, p) for n, p in every if p.requires_grad and (select is None or select(n))]
         # A plain module (no placement methods) holds every parameter whole, none tp-replicated.
         self.specs = model.shard_specs() if hasattr(model, "shard_specs") else {
             n: (tuple(p.shape), (0,) * p.ndim) for n, p in named
@@ -93,7 +106,8 @@ class DPStrategy:
             raise ValueError(f"parameters of one stage must share a dtype, got {sorted(map(str, dtypes))}")
         self.dtype = dtype or (dtypes.pop() if dtypes else torch.float32)
         self.rdtype = reduce_dtype or self.dtype
-        self.device = named[0][1].device if named else torch.device("cpu")
+        # an empty selection (a stage without experts) still answers on the stage's device
+        self.device = every[0][1].device if every else torch.device("cpu")
         self.master_is_param = self.dtype == torch.float32 and zero < 3
         self.step_count = 0
         self.traffic = {"reduce_bytes": 0, "gather_bytes": 0}
@@ -227,6 +241,9 @@ class DPStrategy:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
+        if self.divisor not in (None, 1):
+            for piece in self.layout.pieces:
+                self._grad(piece).div_(self.divisor)
         self._armed = False
         if self._free_after_reduce:
             self._free_grads()
@@ -416,12 +433,16 @@ class DPStrategy:
             return self.master[bucket.own_offset : bucket.own_offset + bucket.piece]
         return bucket.params[self.rank * bucket.piece : (self.rank + 1) * bucket.piece].float()
 
-    def state_template(self) -> dict[str, torch.Tensor]:
-        """Tensors shaped like `full_state()`'s, to receive a broadcast into."""
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The names and local shapes of `full_state()`."""
         return {
-            prefix + s.name: torch.empty(s.shape, device=self.device)
+            prefix + s.name: s.shape
             for s in self.layout.slots.values() for prefix in ("", *(f"optim.{m}." for m in MOMENTS))
         }
+
+    def state_template(self) -> dict[str, torch.Tensor]:
+        """Tensors shaped like `full_state()`'s, to receive a broadcast into."""
+        return {name: torch.empty(shape, device=self.device) for name, shape in self.state_shapes().items()}
 
     def load_full_state(self, state: dict[str, torch.Tensor], step_count: int) -> None:
         """Take this rank's part of a `full_state()` (from any dp and zero stage)."""

@@ -1,5 +1,8 @@
 """The device mesh: rank <-> (dp, pp, tp) coordinates and every communication group derived from it.
 
+Expert parallelism (`ep`) is not a further axis of actors: its groups are carved out of the data-parallel
+ranks (see raypar.ep), so it changes which groups exist, not where actors are.
+
 Ranks are laid out tp-fastest (rank = (dp * pp + pp_idx) * tp + tp_idx), so a tensor-parallel group is a
 run of consecutive ranks; the placement plan packs each such run on one node, where the traffic of
 tensor parallelism (an all-reduce per layer) belongs. Groups are named by what they connect so that logs,
@@ -32,11 +35,14 @@ class Mesh:
     dp: int
     pp: int
     tp: int
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for axis in ("dp", "pp", "tp"):
+        for axis in ("dp", "pp", "tp", "ep"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"mesh {axis} must be >= 1, got {getattr(self, axis)}")
+        if self.dp % self.ep:
+            raise ValueError(f"mesh ep={self.ep} must divide dp={self.dp}")
 
     @property
     def world_size(self) -> int:
@@ -65,6 +71,8 @@ class Mesh:
         dp: the same (stage, tp rank) across replicas; gradients are averaged here.
         mp: all ranks of one replica (model parallel); the global gradient norm is summed here.
         pp: two neighbouring stages at the same tp rank (the `direct` activation transport).
+        ep: (ep > 1) `ep` consecutive dp ranks at one (stage, tp rank): tokens travel to their experts here.
+        edp: (ep > 1 and dp > ep) the dp ranks holding the same experts: expert gradients are summed here.
         """
         replicas = list(range(self.dp)) if replicas is None else list(replicas)
         out: dict[str, list[Coord]] = {}
@@ -79,6 +87,14 @@ class Mesh:
         for p in range(self.pp):
             for t in range(self.tp):
                 out[self.dp_group(Coord(0, p, t))] = [Coord(d, p, t) for d in replicas]
+                if self.ep > 1:
+                    for rank in range(0, len(replicas), self.ep):
+                        members = [Coord(d, p, t) for d in replicas[rank : rank + self.ep]]
+                        out[self.ep_group(members[0], rank, self.ep)] = members
+                if len(replicas) > self.ep > 1:
+                    for j in range(self.ep):
+                        members = [Coord(d, p, t) for d in replicas[j :: self.ep]]
+                        out[self.edp_group(members[0], j, self.ep)] = members
         return out
 
     # Group names: the only place they are spelled. An actor finds its groups by these, the driver forms them.
@@ -96,6 +112,16 @@ class Mesh:
     def mp_group(coord: Coord) -> str:
         """Every rank of `coord`'s replica: the global gradient norm is summed here."""
         return f"mp.dp{coord.dp}"
+
+    @staticmethod
+    def ep_group(coord: Coord, dp_rank: int, ep: int) -> str:
+        """The expert-parallel group of the actor at `coord` with data-parallel rank `dp_rank`."""
+        return f"ep.pp{coord.pp}.tp{coord.tp}.g{dp_rank // ep}"
+
+    @staticmethod
+    def edp_group(coord: Coord, dp_rank: int, ep: int) -> str:
+        """The dp ranks holding the same experts as `coord` (dp rank `dp_rank`): expert grads meet here."""
+        return f"edp.pp{coord.pp}.tp{coord.tp}.e{dp_rank % ep}"
 
     @staticmethod
     def pipe_group(dp: int, tp: int, stage: int) -> str:

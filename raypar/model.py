@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from collectives import Group
 from raypar.config import ModelConfig
+from raypar.moe import MoELayer, MoEStats, is_moe_layer
 from raypar.tp import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -137,14 +138,16 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """A transformer block; `set_recompute` picks what its backward recomputes (see the module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, group: Group | None):
+    def __init__(
+        self, cfg: ModelConfig, group: Group | None, moe: bool = False, ep_group: Group | None = None
+    ):
         super().__init__()
         self.full = False
         self.dropout = cfg.dropout
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, group)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg, group)
+        self.mlp = MoELayer(cfg, group, ep_group) if moe else SwiGLU(cfg, group)
 
     def set_recompute(self, mode: str) -> None:
         self.full = mode == "full"
@@ -165,7 +168,8 @@ class Block(nn.Module):
 
 class LlamaStage(nn.Module):
     """Layers `layers` of the model, plus the embedding if `first` and the final norm and head if `last`,
-    on one tensor-parallel rank of `tp_group` (None: no tensor parallelism)."""
+    on one tensor-parallel rank of `tp_group` (None: no tensor parallelism), holding the experts of its
+    position in `ep_group` (None: every expert; see raypar.moe)."""
 
     def __init__(
         self,
@@ -175,12 +179,15 @@ class LlamaStage(nn.Module):
         last: bool,
         tp_group: Group | None = None,
         seed: int = 0,
+        ep_group: Group | None = None,
     ):
         super().__init__()
         self.cfg, self.first, self.last, self.tp_group = cfg, first, last, tp_group
         if first:
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group) for i in layers})
+        self.layers = nn.ModuleDict(
+            {str(i): Block(cfg, tp_group, is_moe_layer(cfg, i), ep_group) for i in layers}
+        )
         if last:
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp_group)
@@ -210,6 +217,24 @@ class LlamaStage(nn.Module):
         global, so which blocks recompute does not depend on the pipeline split."""
         for index, block in self.layers.items():
             block.set_recompute(mode if int(index) % every == 0 else "none")
+
+    # -- mixture of experts -----------------------------------------------------------------------------
+    def moe_layers(self) -> dict[str, MoELayer]:
+        """Global layer index -> MoE MLP, for this stage's MoE blocks."""
+        return {i: b.mlp for i, b in self.layers.items() if isinstance(b.mlp, MoELayer)}
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        """The load-balancing losses of this stage's MoE layers since the last call (the last forward's,
+        when called after each), summed and in the graph; None for a dense stage."""
+        parts = [a for a in (m.take_aux_loss() for m in self.moe_layers().values()) if a is not None]
+        return torch.stack(parts).sum() if parts else None
+
+    def take_moe_stats(self) -> dict[str, MoEStats]:
+        return {i: m.take_stats() for i, m in self.moe_layers().items()}
+
+    def bind_ep(self, group: Group | None) -> None:
+        for layer in self.moe_layers().values():
+            layer.bind_ep(group)
 
     # -- layout ---------------------------------------------------------------------------------------
     def units(self) -> list[nn.Module]:
@@ -264,15 +289,18 @@ def init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) 
 
 
 def count_params(cfg: ModelConfig) -> int:
-    """All parameters of the whole model: embedding, blocks, final norm and head."""
+    """All parameters of the whole model: embedding, blocks (all experts of MoE ones), final norm, head."""
     d = cfg.d_model
-    per_layer = 2 * d + _matmul_params_per_layer(cfg)
-    return cfg.vocab_size * d + cfg.n_layers * per_layer + d + cfg.vocab_size * d
+    blocks = sum(2 * d + _matmul_params(cfg, i, cfg.moe_experts) for i in range(cfg.n_layers))
+    return cfg.vocab_size * d + blocks + d + cfg.vocab_size * d
 
 
-def _matmul_params_per_layer(cfg: ModelConfig) -> int:
+def _matmul_params(cfg: ModelConfig, layer: int, experts: int) -> int:
+    """Weights of block `layer` counting `experts` experts if it is an MoE block (plus its router)."""
     d, hd = cfg.d_model, cfg.head_dim
     attn = 2 * d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd
+    if is_moe_layer(cfg, layer):
+        return attn + experts * 3 * d * cfg.d_ff + d * cfg.moe_experts
     return attn + 3 * d * cfg.d_ff
 
 
@@ -284,5 +312,5 @@ def flops_per_token(cfg: ModelConfig) -> float:
     scores and their use, 12 * n_layers * d_model * seq_len: QK^T and AV are 2 * T * d multiply-adds per
     token per layer, times 6 as above. The causal mask's skipped half is counted, as the convention does.
     """
-    n = cfg.n_layers * _matmul_params_per_layer(cfg) + cfg.vocab_size * cfg.d_model
+    n = sum(_matmul_params(cfg, i, cfg.moe_top_k) for i in range(cfg.n_layers)) + cfg.vocab_size * cfg.d_model
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len

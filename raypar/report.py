@@ -5,7 +5,9 @@ Reads a run directory (config.toml, metrics.jsonl, timeline.jsonl) and writes ne
 - timeline.json: one step as a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing);
   one process per data-parallel replica, one thread per (stage, tp rank) actor;
 - timeline.png: the same step as a Gantt chart, forward / backward / communication / idle per actor;
-- loss.png: loss and tokens/s against the step.
+- loss.png: loss and tokens/s against the step;
+- expert_load.png (MoE runs): a heat map per MoE layer of each expert's share of the routed tokens over the
+  steps (1/E everywhere is perfect balance), with the aux loss and dropped tokens beneath.
 
 Actors' clocks are not synchronised: each actor's events are laid out from its own step start. On one
 machine the driver starts every actor's step within a few milliseconds, so the picture is faithful; across
@@ -278,8 +280,55 @@ def plot_metrics(metrics: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_expert_load(metrics: list[dict[str, Any]], path: Path) -> None:
+    """Expert x step heat maps of each expert's share of its layer's routed tokens; aux loss and dropped
+    tokens against the step below them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [m for m in metrics if m.get("expert_load")]
+    layers = sorted(rows[0]["expert_load"], key=int)
+    steps = [m["step"] for m in rows]
+    fig, axes = plt.subplots(
+        len(layers) + 1, 1, figsize=(9, 1.6 * len(layers) + 2.4), dpi=110, sharex=True, squeeze=False
+    )
+    axes = axes[:, 0]
+    n_experts = len(rows[0]["expert_load"][layers[0]])
+    for ax, layer in zip(axes, layers, strict=False):
+        share = [
+            [load / max(sum(m["expert_load"][layer]), 1) for load in m["expert_load"][layer]] for m in rows
+        ]
+        image = ax.imshow(
+            list(map(list, zip(*share, strict=True))),
+            aspect="auto",
+            cmap="viridis",
+            vmin=0,
+            vmax=min(1.0, 3 / n_experts),
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, n_experts - 0.5, -0.5),
+            interpolation="nearest",
+        )
+        ax.set_ylabel(f"layer {layer}\nexpert")
+        fig.colorbar(image, ax=ax, pad=0.01, label="share")
+    bottom = axes[-1]
+    bottom.plot(steps, [m["aux_loss"] for m in rows], color=COLOURS["forward"], label="aux loss")
+    bottom.set_ylabel("aux loss")
+    dropped = bottom.twinx()
+    dropped.plot(steps, [m["dropped_tokens"] for m in rows], color=COLOURS["recv"], label="dropped")
+    dropped.set_ylabel("dropped", color=COLOURS["recv"])
+    bottom.set_xlabel("step")
+    axes[0].set_title(
+        f"expert load: share of routed tokens per expert (balanced = 1/{n_experts})", fontsize=11
+    )
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
-    """Write timeline.json, timeline.png (if the run has a timeline) and loss.png into `run_dir`.
+    """Write timeline.json, timeline.png (if the run has a timeline), loss.png and, for MoE runs,
+    expert_load.png into `run_dir`.
 
     Returns the step shown, schedule, p, m, the measured and theoretical bubble fractions (None without a
     timeline), the share of the step after the pipeline phase, and the files written."""
@@ -330,6 +379,9 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
     if metrics:
         plot_metrics(metrics, run_dir / "loss.png")
         result["files"].append(str(run_dir / "loss.png"))
+    if any(m.get("expert_load") for m in metrics):
+        plot_expert_load(metrics, run_dir / "expert_load.png")
+        result["files"].append(str(run_dir / "expert_load.png"))
     return result
 
 

@@ -5,6 +5,7 @@ here, not in production code. Faults are strings per actor coordinate:
 - `dp_sum`: DP gradients summed instead of averaged;
 - `pp_zero_grad`: the stage sends zeros instead of its input gradient;
 - `tp_drop_allreduce`: row-parallel outputs left as partial sums (the TP all-reduce dropped);
+- `ep_divisor_edp`: expert gradients divided by the expert-data-parallel group's size instead of dp;
 - `raise_at_step:N`: phase 1 of step N raises.
 `python -m tests.faults train ...` runs the real CLI with the faults of RAYPAR_INJECT_FAULT
 ("dp0.pp1.tp0=raise_at_step:2;...").
@@ -51,6 +52,24 @@ class _FaultyWorker(Worker):
         if "dp_sum" in self.faults:
             strategy.reduce_op = "sum"
         return strategy
+
+    def _make_expert_strategy(self, edp_group: Any) -> DPStrategy:
+        strategy = super()._make_expert_strategy(edp_group)
+        if "ep_divisor_edp" in self.faults:
+            strategy.divisor = 1 if edp_group is None else edp_group.size
+        return strategy
+
+    def gradients(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+        """name -> (local gradient after reduction and clipping, global shape, offsets): read between a step's
+        phase 1 and its commit. Unsharded strategies only (each piece is a whole parameter)."""
+        specs = self.model.shard_specs()
+        out = {}
+        for strategy in self._strategies():
+            assert not strategy.sharded, "gradients() reads whole parameters: zero=0 only"
+            for piece in strategy.layout.pieces:
+                grad = strategy._mgrad(piece).detach().view(piece.slot.shape).to("cpu", copy=True)
+                out[piece.slot.name] = (grad, *specs[piece.slot.name])
+        return out
 
     def _send_grad(self, mb: int, grad: torch.Tensor) -> None:
         super()._send_grad(mb, torch.zeros_like(grad) if "pp_zero_grad" in self.faults else grad)

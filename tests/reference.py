@@ -6,7 +6,7 @@ Written independently of the parallel path on purpose: one forward over the whol
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,9 +21,12 @@ class Run:
     losses: list[float]
     grad_norms: list[float]
     params: dict[str, torch.Tensor]
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per step, after clipping
 
 
-def reference_run(cfg: Config, steps: int) -> Run:
+def reference_run(cfg: Config, steps: int, microbatch_size: int | None = None) -> Run:
+    """`microbatch_size`: forward the global batch in microbatches of that size, the loss being the mean of
+    their (cross-entropy + MoE aux) losses, as the parallel run defines it; the default is one forward."""
     torch.manual_seed(0)
     m, t = cfg.model, cfg.train
     model = LlamaStage(m, range(m.n_layers), first=True, last=True, tp_group=None, seed=t.seed)
@@ -36,14 +39,22 @@ def reference_run(cfg: Config, steps: int) -> Run:
     dataset = data.open_dataset(cfg.data, m)
     sampler = data.GlobalSampler(dataset.num_samples, t.global_batch, t.seed)
     losses, norms = [], []
+    mbs = microbatch_size or t.global_batch
+    count = t.global_batch // mbs
+    grads = []
     for step in range(steps):
-        inputs, targets = data.microbatch(dataset, sampler, step, 0, t.global_batch)
-        loss = model(inputs, targets)
-        loss.backward()
+        loss = 0.0
+        for mb in range(count):
+            inputs, targets = data.microbatch(dataset, sampler, step, mb, mbs)
+            ce = model(inputs, targets)
+            aux = model.take_aux_loss()
+            ((ce if aux is None else ce + aux) / count).backward()
+            loss += ce.detach() / count
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip)))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         for group in opt.param_groups:
             group["lr"] = lr_at(step, t)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return Run(losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()})
+    return Run(losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}, grads)

@@ -36,7 +36,15 @@ class _StubWorker(GroupHost):
     def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
         if commit is not None:
             self.apply_step(commit)
-        return {"coord": tuple(self.coord), "loss": 1.0, "grad_norm": 1.0, "lr": 0.0, "events": []}
+        return {
+            "coord": tuple(self.coord),
+            "loss": 1.0,
+            "grad_norm": 1.0,
+            "lr": 0.0,
+            "loss_scale": 1.0,
+            "skipped": False,
+            "events": [],
+        }
 
     def apply_step(self, step: int) -> None:
         self.applied.append(step)

@@ -1,4 +1,4 @@
-"""Several ranks of one gloo Group as threads of the test process: multi-rank tests without Ray."""
+"""Several ranks of gloo Groups as threads of the test process: multi-rank tests without Ray."""
 
 from __future__ import annotations
 
@@ -11,15 +11,27 @@ from collectives import Group, GroupSpec, LocalStoreRef, create_group
 
 def run_ranks(size: int, fn: Callable[[Group], Any]) -> list[Any]:
     """fn(group) on `size` threads forming one gloo group; returns the per-rank results in rank order."""
+    return run_groups(size, {"tp": list(range(size))}, lambda rank, groups: fn(groups["tp"]))
+
+
+def run_groups(
+    size: int, groups: dict[str, list[int]], fn: Callable[[int, dict[str, Group]], Any]
+) -> list[Any]:
+    """fn(rank, {name: group}) on `size` threads, each a member of the named gloo groups listing its rank
+    (members in group-rank order); returns the per-rank results in rank order."""
     ref = LocalStoreRef()
     results: list[Any] = [None] * size
     errors: list[BaseException] = []
 
     def member(rank: int) -> None:
         try:
-            members = tuple(f"m{i}" for i in range(size))
-            group = create_group(GroupSpec("tp", members, rank, ref, timeout_s=20), ref.store)
-            results[rank] = fn(group)
+            mine = {}
+            for name, ranks in sorted(groups.items()):  # every member creates its groups in one order
+                if rank in ranks:
+                    members = tuple(f"m{r}" for r in ranks)
+                    spec = GroupSpec(name, members, ranks.index(rank), ref, timeout_s=20)
+                    mine[name] = create_group(spec, ref.store)
+            results[rank] = fn(rank, mine)
         except BaseException as err:  # re-raised in the test thread below
             errors.append(err)
 

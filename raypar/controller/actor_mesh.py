@@ -71,6 +71,28 @@ class StepResult:
     per_actor: dict[Coord, dict[str, Any]] = field(default_factory=dict)
     loss_scale: float = 1.0
     skipped: bool = False
+    moe: dict[str, Any] | None = None  # see moe_totals
+
+
+def moe_totals(per_actor: dict[Coord, dict[str, Any]]) -> dict[str, Any] | None:
+    """The step's MoE figures over the whole mesh: `aux_loss` (summed over layers, each the mean over replicas
+    and microbatches), `dropped_tokens` (assignments over capacity, all replicas) and `expert_load` (layer ->
+    assignments per expert, all replicas). Every tp rank routes the same tokens: tp rank 0 speaks for them."""
+    layers: dict[str, dict[str, Any]] = {}
+    for coord, result in per_actor.items():
+        for layer, stats in result.get("moe", {}).items() if coord.tp == 0 else ():
+            total = layers.setdefault(layer, {"load": [0] * len(stats["load"]), "dropped": 0, "aux": []})
+            total["load"] = [a + b for a, b in zip(total["load"], stats["load"], strict=True)]
+            total["dropped"] += stats["dropped"]
+            total["aux"].append(stats["aux"])
+    if not layers:
+        return None
+    order = sorted(layers, key=int)
+    return {
+        "aux_loss": sum(sum(layers[i]["aux"]) / len(layers[i]["aux"]) for i in order),
+        "dropped_tokens": sum(layers[i]["dropped"] for i in order),
+        "expert_load": {i: layers[i]["load"] for i in order},
+    }
 
 
 class ActorMesh:
@@ -96,7 +118,7 @@ class ActorMesh:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(max(self.dp, 1), self.pp, self.tp)
+        return Mesh(max(self.dp, 1), self.pp, self.tp, self.cfg.parallel.ep)
 
     @property
     def peak_flops(self) -> float | None:
@@ -234,6 +256,14 @@ class ActorMesh:
             if not done:
                 late = ", ".join(self.name(refs[r]) for r in pending)
                 raise StepFailure(f"{what}: no answer within the deadline from {late}", dead)
+            if pending:  # and every other answer already in: one wait per answer is O(actors²) a step
+                more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+                done += more
+            try:
+                results.update(zip((refs[r] for r in done), ray.get(done), strict=True))
+                continue
+            except Exception:  # noqa: BLE001 - one of them failed: sorted out one by one below
+                pass
             for ref in done:
                 try:
                     results[refs[ref]] = ray.get(ref)
@@ -304,6 +334,7 @@ class ActorMesh:
             results,
             some["loss_scale"],
             some["skipped"],
+            moe_totals(results),
         )
 
     def commit(self) -> None:
@@ -325,11 +356,29 @@ class ActorMesh:
                 f"nowhere else ({failure})"
             )
         broken = {c.dp for c in failure.dead}
+        before = list(self.replicas)
         self._drop_replicas(broken)
         if not self.replicas:
             raise RunFailure(f"no intact replica left after {failure}")
+        self._keep_expert_slices(before)
         self._regroup()
         return f"lost replica(s) {sorted(broken)} ({failure}); continuing at dp={self.dp}"
+
+    def _keep_expert_slices(self, before: list[int]) -> None:
+        """With expert parallelism a replica's position in its EP group (dp rank mod ep) says which experts it
+        holds. Reorder the survivors so each keeps its position, keeping as many whole EP groups as survive;
+        if every holder of some experts is gone, only a checkpoint has them (RunFailure: restore)."""
+        ep = self.cfg.parallel.ep
+        if ep == 1:
+            return
+        slices = [[d for d in self.replicas if before.index(d) % ep == j] for j in range(ep)]
+        whole = min(len(held) for held in slices)
+        if not whole:
+            lost = next(j for j, held in enumerate(slices) if not held)
+            raise RunFailure(f"every replica holding expert slice {lost} of ep={ep} is lost")
+        keep = [held[i] for i in range(whole) for held in slices]
+        self._drop_replicas(set(self.replicas) - set(keep))
+        self.replicas = keep
 
     def scale_to(self, dp: int, timeout_s: float) -> str:
         """Add or remove replicas between steps. New ones are placed, join the groups under a new epoch and
@@ -349,6 +398,11 @@ class ActorMesh:
                 self._place_replica(d, timeout_s)
                 new.add(d)
         except PlacementTimeout as err:
+            partial = self.dp % self.cfg.parallel.ep  # expert-parallel groups need whole multiples of ep
+            if partial:
+                extra = set(self.replicas[-partial:])
+                self._drop_replicas(extra)
+                new -= extra
             if not new:
                 return f"could not add a replica: {err}"
         if not new:
@@ -409,14 +463,18 @@ class ActorMesh:
         }
 
     def parameters(self, replica: int | None = None) -> dict[str, torch.Tensor]:
-        """The full model of one replica, assembled from its shards (tests and export)."""
+        """The full model of one replica, assembled from its shards (tests and export); with expert
+        parallelism, the experts come from the replicas of its EP group."""
         self.commit()
         replica = self.replicas[0] if replica is None else replica
+        ep = self.cfg.parallel.ep
+        first = self.replicas.index(replica) // ep * ep
+        group = set(self.replicas[first : first + ep])
         every = self.cfg.parallel.zero >= 1  # sharded masters: gathered by every replica together
-        refs = {a.parameters.remote(): c for c, a in self.actors.items() if every or c.dp == replica}
+        refs = {a.parameters.remote(): c for c, a in self.actors.items() if every or c.dp in group}
         full: dict[str, torch.Tensor] = {}
         got = self._gather(refs, "reading parameters")
-        for shards in (s for c, s in got.items() if c.dp == replica):
+        for shards in (s for c, s in got.items() if c.dp in group):
             for name, (local, shape, offsets) in shards.items():
                 target = full.setdefault(name, torch.empty(shape, dtype=local.dtype))
                 index = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))

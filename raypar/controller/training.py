@@ -107,7 +107,12 @@ class TrainingLoop:
         staging, writers = self.actor_mesh.begin_checkpoint(root, next_step)
         meta = {
             "tokens": next_step * self.tokens_per_step,
-            "layout": {"dp": self.actor_mesh.dp, "pp": self.actor_mesh.pp, "tp": self.actor_mesh.tp},
+            "layout": {
+                "dp": self.actor_mesh.dp,
+                "pp": self.actor_mesh.pp,
+                "tp": self.actor_mesh.tp,
+                "ep": self.cfg.parallel.ep,
+            },
             "model": dataclasses.asdict(self.cfg.model),
             **self.actor_mesh.optimizer_state(),  # optimizer_steps (fewer after fp16 skips), loss_scaler
             "data": {
@@ -170,7 +175,8 @@ class TrainingLoop:
                 + f" (before step {step}, {time.perf_counter() - start:.1f}s)"
             )
         elif self.auto and mesh.dp < self.cfg.parallel.max_dp and _room_for_replica(mesh):
-            target = max(d for d in self.dps if d <= self.actor_mesh.dp + 1)
+            grow = self.cfg.parallel.ep  # expert parallelism grows by whole EP groups
+            target = max(d for d in self.dps if d <= self.actor_mesh.dp + grow)
             if target > self.actor_mesh.dp:
                 self.event("auto: " + self.actor_mesh.scale_to(target, HEAL_PLACEMENT_TIMEOUT_S))
         elif self.actor_mesh.dp < self.target_dp and _room_for_replica(self.actor_mesh):
@@ -280,6 +286,8 @@ class TrainingLoop:
                     "skipped": result.skipped,
                     **memory.worst(result.per_actor.values()),
                 }
+                if result.moe is not None:  # aux_loss, dropped_tokens, expert_load (layer -> per expert)
+                    record.update(result.moe)
                 self.logs["metrics.jsonl"].write(json.dumps(record) + "\n")
                 self.logs["metrics.jsonl"].flush()
                 self.logs["timeline.jsonl"].writelines(json.dumps(r) + "\n" for r in rows)

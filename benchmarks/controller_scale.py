@@ -1,0 +1,347 @@
+"""The controller at scale: the driver's cost per step, per scale-up and per recovery, by actor count.
+
+    python benchmarks/controller_scale.py                        # 8..128 actors, both step designs
+    python benchmarks/controller_scale.py --quick                # smoke run: 8 and 16 actors
+    python benchmarks/controller_scale.py --actors 8,16,32,64,128,256 --json out.json
+
+raypar's own `ActorMesh` drives actors that do no work (`LightWorker` below: no model, no torch, no
+groups; every call the mesh makes answered at once), so what is timed is the controller alone: submitting
+the calls, gathering the results, placing and starting actors, and recovering. The mesh is (dp, pp, tp) =
+(n / 8, 4, 2): n actors in n / 8 replicas, like a real run that scales by replicas.
+
+1. **Step**: `ActorMesh.step` (one call per actor, the commit of the step before piggybacked), timed at
+   the driver: wall time per step (median over `--steps`) and the driver process's CPU time per step
+   (all its threads, Ray's included). Fitted by least squares to a + b·n and projected to 1,024 actors,
+   against the goal: under 1 % of a 1-second step (10 ms).
+2. **Fan-out** (`--designs`): the same steps with one call per replica. The driver calls each replica's
+   leader (its (pp, tp) = (0, 0) actor) once; the leader submits its replica's other calls, runs its
+   own, gathers, and returns every result of its replica. The driver's work becomes O(replicas); each
+   leader does O(actors per replica) of it, in parallel with the other leaders. Fitted and projected the
+   same way (against n, with 8 actors per replica).
+3. **Scale and recovery**: from `scale_to(dp + 1)` to the end of the first step with the new replica
+   (placement groups, actor processes, groups, heal); from a `kill -9` of one actor to the end of the
+   redone step at dp - 1 (failure detected by the step, `recover`, the step again).
+
+Light actors ask one logical CPU each (one per torch thread, as the mesh's placement requires), so the
+script starts its local Ray with as many logical CPUs as the largest mesh needs; they use almost none.
+The table is Markdown; `--json PATH` writes the rows and the fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import ray  # noqa: E402
+
+from benchmarks import _common  # noqa: E402
+from raypar import config as config_mod  # noqa: E402
+from raypar.controller.actor_mesh import ActorMesh, StepFailure, StepResult  # noqa: E402
+from raypar.mesh import Coord  # noqa: E402
+
+PP, TP = 4, 2
+PER_REPLICA = PP * TP
+PROJECT_TO = 1024
+STEP_S = 1.0
+GOAL_S = 0.01 * STEP_S  # 1 % of a 1-second step
+
+
+class _LightWorker:
+    """Answers every call an ActorMesh makes, at no cost and without torch (a light process: ~1/3 of the
+    memory of a torch actor, so a 2-core machine holds well over a hundred). Groups are not formed: this
+    measures the controller, not gloo."""
+
+    def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
+        self.coord = tuple(coord)
+        self.members: list[Any] = []
+
+    def where(self) -> dict[str, Any]:
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "cuda": False, "gpu_ids": []}
+
+    def join_groups(self, specs: Sequence[Any]) -> list[str]:
+        return [spec.name for spec in specs]
+
+    def setup(self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int) -> dict:
+        return {"params": 0, "peak_flops": None}
+
+    def rebind(self, replicas: list[int], peers: dict[str, Any], epoch: int) -> None:
+        pass
+
+    def sync_state(self, src_dp_rank: int) -> None:
+        pass
+
+    def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
+        return {
+            "coord": self.coord, "loss": 1.0, "grad_norm": 1.0, "lr": 0.0, "events": [], "loss_scale": 1.0,
+            "skipped": False,
+        }
+
+    def apply_step(self, step: int) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    # -- the fan-out design: this actor leads its replica -------------------------------------------------
+    def lead(self, members: list[Any]) -> None:
+        """The other actors of this replica (sent once per membership, not per step)."""
+        self.members = members
+
+    def replica_step(self, step: int, commit: int | None = None) -> list[dict[str, Any]]:
+        refs = [m.train_step.remote(step, commit) for m in self.members]
+        own = self.train_step(step, commit)  # a real leader computes here while the others run
+        return [own, *ray.get(refs)]
+
+
+LightWorker = ray.remote(num_cpus=0, max_concurrency=4)(_LightWorker)
+
+
+class LightMesh(ActorMesh):
+    """raypar's ActorMesh, unchanged, with light actors; plus `step_fanout`, the fan-out design: one call
+    per replica, to its leader, which calls the others. Both designs run on the same actors."""
+
+    worker_class = LightWorker
+
+    def _regroup(self, new: set[int] = frozenset()) -> None:
+        super()._regroup(new)
+        leads = []
+        for d in self.replicas:
+            members = [a for c, a in self.actors.items() if c.dp == d and (c.pp, c.tp) != (0, 0)]
+            leads.append(self.actors[Coord(d, 0, 0)].lead.remote(members))
+        ray.get(leads)
+
+    def step_fanout(self, step: int) -> StepResult:
+        start = time.perf_counter()
+        commit, self.uncommitted = self.uncommitted, None
+        refs = {
+            self.actors[Coord(d, 0, 0)].replica_step.remote(step, commit): Coord(d, 0, 0)
+            for d in self.replicas
+        }
+        results = {
+            Coord(*r["coord"]): r for rows in self._gather(refs, f"step {step}").values() for r in rows
+        }
+        self.uncommitted = step
+        return StepResult(step, 1.0, 1.0, 0.0, time.perf_counter() - start, results)
+
+
+DESIGNS = {"per_actor": LightMesh.step, "fanout": LightMesh.step_fanout}
+
+
+def make_config(dp: int, max_dp: int) -> Any:
+    batch = math.lcm(*range(1, max_dp + 1))
+    return config_mod.load(None, [
+        'model.preset="tiny"', 'data.source="synthetic"', 'parallel.device="cpu"',
+        f"parallel.dp={dp}", f"parallel.pp={PP}", f"parallel.tp={TP}", f"parallel.max_dp={max_dp}",
+        # one sample per microbatch and a global batch that every dp up to max_dp divides
+        f"parallel.microbatches={batch // dp}", f"train.global_batch={batch}", "parallel.timeout_s=120",
+    ])
+
+
+class Stepper:
+    """Steps the mesh (numbers keep increasing, whatever design takes the step)."""
+
+    def __init__(self, mesh: LightMesh):
+        self.mesh, self.next = mesh, 0
+
+    def __call__(self, design: str = "per_actor") -> StepResult:
+        self.next += 1
+        return DESIGNS[design](self.mesh, self.next - 1)
+
+    def timed(self, designs: Sequence[str], steps: int) -> dict[str, tuple[float, float]]:
+        """design -> (median wall s, mean driver CPU s) per step; designs alternate in blocks of 5 steps
+        (after one untimed step each), so load from other processes hits them alike."""
+        walls: dict[str, list[float]] = {d: [] for d in designs}
+        cpus: dict[str, list[float]] = {d: [] for d in designs}
+        for d in designs:
+            self(d)
+        left, block = steps, 0
+        while left > 0:
+            size = min(5, left)
+            for d in designs if block % 2 == 0 else designs[::-1]:
+                for _ in range(size):
+                    cpu = time.process_time()
+                    walls[d].append(self(d).step_time_s)
+                    cpus[d].append(time.process_time() - cpu)
+            left, block = left - size, block + 1
+        return {d: (_common.median(walls[d]), sum(cpus[d]) / len(cpus[d])) for d in designs}
+
+
+def run(counts: list[int], designs: list[str], args: argparse.Namespace) -> tuple[list, list]:
+    """One mesh grows replica by replica through `counts`. At each count: scale-up by one replica to that
+    count (request -> first step), the step designs, then recovery from a kill -9 (down to count - 8)."""
+    max_dp = max(counts) // PER_REPLICA
+    mesh = LightMesh(make_config(1, max_dp), "cscale")
+    stepper = Stepper(mesh)
+    steps, paths = [], []
+    try:
+        start = time.perf_counter()
+        mesh.start()
+        stepper()
+        first_s = time.perf_counter() - start
+        for n in counts:
+            dp = n // PER_REPLICA
+            if mesh.dp < dp - 1:
+                mesh.scale_to(dp - 1, 300.0)  # untimed: the bulk of the growth
+            path: dict[str, Any] = {"actors": n}
+            if mesh.dp == dp - 1:
+                start = time.perf_counter()
+                message = mesh.scale_to(dp, 300.0)
+                if mesh.dp != dp:
+                    raise RuntimeError(f"scale-up failed: {message}")
+                stepper()
+                path["scale_up_s"] = time.perf_counter() - start
+            else:
+                path["start_s"] = first_s  # the first count: start() to the end of the first step
+            for design, (wall, cpu) in stepper.timed(designs, args.steps).items():
+                steps.append({"design": design, "actors": n, "dp": dp, "step_ms": wall * 1e3,
+                              "driver_cpu_ms": cpu * 1e3, "load": _common.loadavg()})
+                print(f"  {design:9s} n={n:4d}: step {wall * 1e3:.2f} ms, driver CPU {cpu * 1e3:.2f} ms/step "
+                      f"(load {steps[-1]['load']:.1f})", flush=True)
+            if args.paths and dp > 1:
+                victim = next(c for c in mesh.actors if c.dp == mesh.replicas[-1] and c.pp == PP - 1)
+                start = time.perf_counter()
+                os.kill(mesh.nodes[victim]["pid"], signal.SIGKILL)
+                try:
+                    stepper()
+                    raise RuntimeError("the step after a kill -9 did not fail")
+                except StepFailure as failure:
+                    mesh.recover(failure)
+                stepper.next -= 1  # the failed step is redone
+                stepper()
+                path["recover_s"] = time.perf_counter() - start
+            path["load"] = _common.loadavg()
+            paths.append(path)
+    finally:
+        mesh.shutdown()
+    return steps, paths
+
+
+def gather_cost(counts: Sequence[int]) -> list[dict[str, Any]]:
+    """The driver's cost of collecting n answers that are all in already (refs of `ray.put` values, no
+    actors): `ActorMesh._gather` as it is, against the loop it used before (one `ray.wait(num_returns=1)`
+    and one `ray.get` per answer, O(n) each, so O(n²) a step)."""
+    mesh = LightMesh(make_config(1, 1), "gather")
+    rows = []
+    for n in counts:
+        refs = {ray.put(i): Coord(i, 0, 0) for i in range(n)}
+        ray.wait(list(refs), num_returns=n)
+        start = time.perf_counter()
+        mesh._gather(refs, "gather")
+        batched = time.perf_counter() - start
+        start, pending = time.perf_counter(), list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done[0])
+        one = time.perf_counter() - start
+        rows.append(
+            {"answers": n, "gather_ms": batched * 1e3, "wait_one_ms": one * 1e3, "load": _common.loadavg()}
+        )
+    return rows
+
+
+def fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares y = a + b·x."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
+def fits(steps: list[dict[str, Any]], paths: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per design and measure: the fit a + b·n and its value at PROJECT_TO actors. Step costs are judged
+    against the goal; scale-up and recovery times are reported as they are (they happen once, not every
+    step)."""
+    series = [
+        (design, key, [(r["actors"], r[key]) for r in steps if r["design"] == design])
+        for design in dict.fromkeys(r["design"] for r in steps)
+        for key in ("step_ms", "driver_cpu_ms")
+    ]
+    for key in ("scale_up_s", "recover_s"):
+        series.append(("per_actor", key, [(r["actors"], r[key] * 1e3) for r in paths if key in r]))
+    out = []
+    for design, key, points in series:
+        if len(points) < 2:
+            continue
+        a, b = fit([x for x, _ in points], [y for _, y in points])
+        at_ms = a + b * PROJECT_TO
+        row = {"design": design, "measure": key, "a_ms": a, "b_us_per_actor": b * 1e3,
+               f"at_{PROJECT_TO}_ms": at_ms}
+        if key.endswith("_ms"):
+            row["share_of_1s_step"], row["meets_1pct"] = at_ms / 1e3 / STEP_S, at_ms / 1e3 <= GOAL_S
+        out.append(row)
+    return out
+
+
+GATHER_COLUMNS = ["answers", "gather_ms", "wait_one_ms", "load"]
+STEP_COLUMNS = ["design", "actors", "dp", "step_ms", "driver_cpu_ms", "load"]
+PATH_COLUMNS = ["actors", "start_s", "scale_up_s", "recover_s", "load"]
+FIT_COLUMNS = [
+    "design", "measure", "a_ms", "b_us_per_actor", f"at_{PROJECT_TO}_ms", "share_of_1s_step", "meets_1pct",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: 8 and 16 actors, few steps")
+    parser.add_argument("--actors", default="8,16,32,64,128",
+                        help=f"actor counts, increasing multiples of {PER_REPLICA}")
+    parser.add_argument("--designs", default="per_actor,fanout", help="per_actor (raypar today), fanout")
+    parser.add_argument("--gather", default="128,512,1024", help="answer counts for the gather check")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per actor count")
+    parser.add_argument("--no-paths", dest="paths", action="store_false",
+                        help="skip the scale-up and recovery measurements")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows and fits as JSON")
+    _common.add_ray_arguments(parser)
+    args = parser.parse_args()
+    if args.quick:
+        args.actors, args.steps, args.gather = "8,16", 3, "64,256"
+    counts = [int(x) for x in args.actors.split(",")]
+    args.gather = [int(x) for x in args.gather.split(",")]
+    designs = args.designs.split(",")
+    bad = [n for n in counts if n <= 0 or n % PER_REPLICA] or counts != sorted(set(counts))
+    unknown = [d for d in designs if d not in DESIGNS]
+    if bad or unknown or len(counts) < 2:
+        what = f"--actors: need >= 2 counts, multiples of {PER_REPLICA}" if bad or len(counts) < 2 else \
+            f"--designs: unknown {unknown} (known: {', '.join(DESIGNS)})"
+        print(what, file=sys.stderr)
+        sys.exit(2)
+
+    print(_common.header("raypar controller cost by actor count (light actors)"), flush=True)
+    started = time.perf_counter()
+    _common.start_ray(num_cpus=max(counts) + 2 * PER_REPLICA, worker_niceness=args.worker_niceness)
+    _common.register_for_actors()
+    try:
+        gathers = gather_cost(args.gather)
+        steps, paths = run(counts, designs, args)
+    finally:
+        ray.shutdown()
+    fitted = fits(steps, paths)
+    print("\n## collecting n answers already in: ActorMesh._gather vs one wait per answer\n")
+    print(_common.table(gathers, GATHER_COLUMNS))
+    print("\n## driver time per step, by actor count (mesh (n/8, 4, 2))\n")
+    print(_common.table(steps, STEP_COLUMNS))
+    print("\n## request -> end of the first step: start, scale-up by one replica, recovery from a kill -9\n")
+    print(_common.table(paths, PATH_COLUMNS))
+    goal = f"< {GOAL_S * 1e3:g} ms = 1 % of a {STEP_S:g} s step"
+    print(f"\n## fit a + b·n, projected to {PROJECT_TO} actors (goal per step: {goal})\n")
+    print(_common.table(fitted, FIT_COLUMNS))
+    print(f"\nwall time {time.perf_counter() - started:.0f} s")
+    if args.json:
+        _common.dump_json(args.json, {"args": vars(args), "gather": gathers, "steps": steps, "paths": paths,
+                                      "fits": fitted})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Mixture of experts: a router, E SwiGLU experts, capacity, the load-balancing loss, expert parallelism.
+
+One MoE layer replaces the dense MLP of every `moe_every`-th block. Per token, the router's softmax over the E
+experts picks the top k; the token's output is the sum of those experts' outputs weighted by their router
+probabilities (not renormalised: Switch/GShard; the router learns through these weights and the aux loss).
+
+Capacity. Each expert takes at most C = ceil(capacity_factor * tokens * k / E) assignments per dispatch, where
+`tokens` is the GLOBAL count of the dispatch: the microbatch's tokens on every rank of the expert-parallel
+(EP) group. Every rank learns every rank's per-(slot, expert) counts in one small all-gather before the
+all-to-all, so every rank computes the same C and the same kept counts, and the all-to-all's splits follow
+from them with no further exchange. Priority is GShard's: all first choices before any second choice, then
+by (EP rank, token index) -- the order one process holding all experts sees for the concatenated tokens.
+A dropped assignment contributes nothing; the block's residual carries the token on. With
+capacity_factor >= E / k nothing can be dropped (C >= tokens) and the layer's math does not depend on ep.
+
+Load-balancing loss (Switch, eq. 4; GShard): aux = coef * E * sum_e f_e * P_e over the rank's own tokens of
+the microbatch, f_e the share of the k*T assignments routed to e (before capacity), P_e the mean router
+probability of e. It depends only on the microbatch, so it is the same at any layout.
+
+Expert parallelism: this rank holds experts [ep_rank * E/ep, (ep_rank+1) * E/ep) under their global ids
+(`layers.3.mlp.experts.5.w_up.weight`), initialised from (seed, that name) like every parameter, so an expert
+is the same tensor wherever it lives and checkpoints reshard across ep by name. Tokens go to their experts'
+ranks and come back by the differentiable uneven all-to-all of raypar.ep. With tensor parallelism the experts
+are split across tp exactly like the dense MLP (gate/up by rows, down by columns); the router is replicated;
+every tp rank routes the same tokens and exchanges them with the same tp rank of the other EP ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from collectives import Group
+from raypar.config import ModelConfig
+from raypar.ep import all_to_all
+from raypar.tp import ColumnParallelLinear, RowParallelLinear, copy_to_tp, reduce_from_tp
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Whether block `layer` (global index) has an MoE MLP: every `moe_every`-th, counting from 1."""
+    return cfg.moe_experts > 0 and (layer + 1) % cfg.moe_every == 0
+
+
+def is_expert_param(name: str) -> bool:
+    return ".mlp.experts." in f".{name}"
+
+
+class Router(nn.Module):
+    shard_dim = None  # replicated on every tp rank
+
+    def __init__(self, d_model: int, n_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Router probabilities [T, E] in fp32 (also under autocast: top-k ties and the aux loss want it)."""
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float()).softmax(dim=-1)
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert on one tp rank; its input is already copied to tp and its output is reduced by the
+    caller once for all local experts."""
+
+    def __init__(self, cfg: ModelConfig, group: Group | None):
+        super().__init__()
+        self.w_gate = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
+        self.w_up = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
+        self.w_down = RowParallelLinear(cfg.d_ff, cfg.d_model, group)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(self.w_gate(x)) * self.w_up(x), self.w_down.weight)
+
+
+class MoEStats:
+    """What one layer did over the microbatches since the last `take`: assignments per expert (this rank's
+    tokens, before capacity), assignments dropped, and the mean aux loss."""
+
+    def __init__(self, n_experts: int):
+        self.load = torch.zeros(n_experts, dtype=torch.int64)
+        self.dropped = 0
+        self.aux_sum = 0.0
+        self.microbatches = 0
+
+    def add(self, load: torch.Tensor, dropped: int, aux: float) -> None:
+        self.load += load.cpu()
+        self.dropped += dropped
+        self.aux_sum += aux
+        self.microbatches += 1
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group: Group | None, ep_group: Group | None = None):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
+        self.capacity_factor, self.aux_coef = cfg.moe_capacity_factor, cfg.moe_aux_loss_coef
+        self.group = tp_group  # named like the tp layers' so that rebinding tp reaches it
+        self.selective = False  # selective recomputation (raypar.model) does not reach the experts
+        self.router = Router(cfg.d_model, self.n_experts)
+        ep, rank = (1, 0) if ep_group is None else (ep_group.size, ep_group.rank)
+        if self.n_experts % ep:
+            raise ValueError(f"moe_experts={self.n_experts} is not divisible by ep={ep}")
+        self.per_rank = self.n_experts // ep
+        self.first_expert = rank * self.per_rank
+        self.ep_group = ep_group
+        ids = range(self.first_expert, self.first_expert + self.per_rank)
+        self.experts = nn.ModuleDict({str(e): Expert(cfg, tp_group) for e in ids})
+        self.stats = MoEStats(self.n_experts)
+        self.aux_losses: list[torch.Tensor] = []
+        self.last_kept: torch.Tensor | None = None  # [ep, k, E] of the last dispatch: what every rank agreed
+
+    def bind_ep(self, group: Group | None) -> None:
+        """Use a re-formed EP group (same size and position: the experts held here do not change)."""
+        ep, rank = (1, 0) if group is None else (group.size, group.rank)
+        if ep * self.per_rank != self.n_experts or rank * self.per_rank != self.first_expert:
+            raise ValueError(f"EP group {group} would move this rank's experts {self.first_expert}..")
+        self.ep_group = group
+
+    # -- seams (tests subclass these to build negative controls) ---------------------------------------
+    def capacity(self, local_tokens: int, global_tokens: int) -> int:
+        return math.ceil(self.capacity_factor * global_tokens * self.top_k / self.n_experts)
+
+    def combine(
+        self, out: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, tokens: int
+    ) -> torch.Tensor:
+        """Sum each kept assignment's expert output, weighted by its router probability, into its token."""
+        y = out.new_zeros(tokens, out.shape[-1])
+        return y.index_add(0, token, out * weight.to(out.dtype).unsqueeze(-1))
+
+    # -- forward -----------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        tokens, k, n_exp = x.shape[0], self.top_k, self.n_experts
+        probs = self.router(x)
+        gate, idx = probs.topk(k, dim=-1)  # [T, k]
+
+        # Switch/GShard load balancing over this rank's tokens of the microbatch.
+        load = torch.bincount(idx.reshape(-1), minlength=n_exp)
+        aux = self.aux_coef * n_exp * (load.to(probs.dtype) / (tokens * k) * probs.mean(dim=0)).sum()
+        self.aux_losses.append(aux)
+
+        # Assignments in priority order: slot-major (every first choice before any second), then token.
+        expert = idx.t().reshape(-1)
+        token = torch.arange(tokens, device=x.device).repeat(k)
+        weight = gate.t().reshape(-1)
+        onehot = F.one_hot(expert, n_exp).view(k, tokens, n_exp)
+        position = (onehot.cumsum(dim=1) - 1).gather(2, idx.t().unsqueeze(-1)).reshape(-1)  # within (slot, e)
+        counts = onehot.sum(dim=1)  # [k, E] this rank's assignments per (slot, expert)
+
+        kept = self._kept_counts(counts, tokens)  # [ep, k, E], identical on every rank
+        rank = 0 if self.ep_group is None else self.ep_group.rank
+        slot = torch.arange(k, device=x.device).repeat_interleave(tokens)
+        keep = position < kept[rank][slot, expert]
+        self.stats.add(load, int((~keep).sum()), float(aux.detach()))
+
+        expert, token, weight = expert[keep], token[keep], weight[keep]
+        order = torch.argsort(expert, stable=True)  # grouped by expert, hence by destination rank
+        expert, token, weight = expert[order], token[order], weight[order]
+        out = self._experts(x[token], kept)
+        return self.combine(out, token, weight, tokens).view(shape)
+
+    def _kept_counts(self, counts: torch.Tensor, local_tokens: int) -> torch.Tensor:
+        """Every EP rank's kept assignments per (slot, expert), from everyone's counts and one capacity."""
+        if self.ep_group is not None and self.ep_group.size > 1:
+            every = self.ep_group.all_gather(counts.unsqueeze(0).contiguous())  # [ep, k, E]
+        else:
+            every = counts.unsqueeze(0)
+        global_tokens = int(every[:, 0, :].sum())  # every token has exactly one first choice
+        cap = self.capacity(local_tokens, global_tokens)
+        per_slot = every.sum(dim=0)
+        start = (per_slot.cumsum(0) - per_slot).unsqueeze(0) + (every.cumsum(0) - every)
+        kept = (cap - start).clamp(min=0).minimum(every)
+        self.last_kept = kept.detach().cpu()
+        return kept
+
+    def _experts(self, rows: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """Send `rows` (sorted by expert) to their experts' ranks, run the local experts, return results."""
+        per_expert = kept.sum(dim=1)  # [ep, E] rows from each rank to each expert
+        ep = per_expert.shape[0]
+        rank = 0 if self.ep_group is None else self.ep_group.rank
+        by_dest = per_expert.view(ep, ep, self.per_rank)  # [source, destination rank, local expert]
+        in_splits = by_dest[rank].sum(dim=1).tolist()
+        out_splits = by_dest[:, rank].sum(dim=1).tolist()
+        received = all_to_all(rows, self.ep_group, in_splits, out_splits)
+        received = copy_to_tp(received, self.group)  # once for every local expert
+        # Received rows come by source rank, then by expert: regroup by expert to run each expert once.
+        sizes = by_dest[:, rank].reshape(-1).tolist()  # (source, local expert) order
+        chunks = list(received.split(sizes))
+        results: list[torch.Tensor | None] = [None] * len(chunks)
+        for j, expert in enumerate(self.experts.values()):
+            mine = [q * self.per_rank + j for q in range(ep)]
+            out = expert.partial(torch.cat([chunks[i] for i in mine]))
+            for i, part in zip(mine, out.split([sizes[i] for i in mine]), strict=True):
+                results[i] = part
+        done = reduce_from_tp(torch.cat(results), self.group)  # once for every local expert
+        return all_to_all(done, self.ep_group, out_splits, in_splits)
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        """The sum of the aux losses of the forwards since the last call (in the graph), or None."""
+        losses, self.aux_losses = self.aux_losses, []
+        return torch.stack(losses).sum() if losses else None
+
+    def take_stats(self) -> MoEStats:
+        stats, self.stats = self.stats, MoEStats(self.n_experts)
+        return stats

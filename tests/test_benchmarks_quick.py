@@ -1,0 +1,136 @@
+"""Every benchmark's `--quick` run, end to end, in a subprocess (as a user runs it), so none can rot.
+
+Each script starts its own local Ray (or torchrun world); the checks are on what it prints or writes: the
+tables and JSON a reader relies on, not the numbers (a shared machine makes those noise)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 600  # a generous cap for a loaded machine; the runs take seconds to a minute or two
+
+
+def run(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": REPO, "RAY_DEDUP_LOGS": "0"}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_controller_scale_quick(tmp_path):
+    out = tmp_path / "cscale.json"
+    text = ok(run("benchmarks/controller_scale.py", "--quick", "--json", str(out)))
+    assert "projected to 1024 actors" in text
+    result = json.loads(out.read_text())
+    assert {(r["design"], r["actors"]) for r in result["steps"]} == {
+        (d, n) for d in ("per_actor", "fanout") for n in (8, 16)
+    }
+    measures = {(f["design"], f["measure"]) for f in result["fits"]}
+    assert measures >= {(d, m) for d in ("per_actor", "fanout") for m in ("step_ms", "driver_cpu_ms")}
+    assert ("per_actor", "scale_up_s") not in measures  # one point (16 actors) is not fitted
+    paths = {p["actors"]: p for p in result["paths"]}
+    assert "start_s" in paths[8] and {"scale_up_s", "recover_s"} <= set(paths[16])
+
+
+def test_controller_scale_rejects_bad_counts_before_ray():
+    proc = run("benchmarks/controller_scale.py", "--actors", "12,16", timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["--actors: need >= 2 counts, multiples of 8"]
+    assert "local Ray" not in proc.stdout  # nothing started
+
+
+def test_ray_transports_quick(tmp_path):
+    out = tmp_path / "rt.json"
+    ok(run("benchmarks/ray_transports.py", "--quick", "--json", str(out)))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["bytes"] for r in rows] == [4096, 1 << 20]
+    for row in rows:
+        for t in ("object_store", "direct", "rdt_actor", "rdt_driver", "ray_driver", "cgraph"):
+            assert row[f"{t}_ms"] == row[f"{t}_ms"], t  # measured (not nan)
+
+
+def test_activation_hop_quick():
+    assert "one activation hop" in ok(run("benchmarks/activation_hop.py", "--quick"))
+
+
+def test_pipeline_bubble_quick():
+    assert "measured bubble vs theoretical" in ok(run("benchmarks/pipeline_bubble.py", "--quick"))
+
+
+def test_train_throughput_quick():
+    text = ok(run("benchmarks/train_throughput.py", "--quick"))
+    assert "(1,1,1) vs plain PyTorch" in text and "dp=2 vs DDP" in text
+
+
+def test_ddp_baseline_quick(tmp_path):
+    out = tmp_path / "ddp.json"
+    ok(run("-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+           "benchmarks/ddp_baseline.py", "--quick", "--out", str(out)))
+    result = json.loads(out.read_text())
+    assert result["world"] == 2 and len(result["step_s"]) == 1
+
+
+def test_elastic_quick():
+    result = json.loads(ok(run("benchmarks/elastic.py", "--quick", "--json")).strip().splitlines()[-1])
+    assert {"step_s_dp1", "scale_up_total_s", "recovery_s"} <= set(result)
+
+
+def test_collectives_quick():
+    rows = [json.loads(ln) for ln in ok(run("benchmarks/collectives.py", "--quick", "--json")).splitlines()
+            if ln.startswith("{")]
+    assert {(r["op"], r["impl"]) for r in rows} == {
+        (op, impl) for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+        for impl in ("raypar", "torch")
+    }
+
+
+def test_plan_validation_quick():
+    text = ok(run("benchmarks/plan_validation.py", "--quick"))
+    assert "| (2, 1, 1) microbatches=2 | dp0.pp0.tp0 |" in text
+
+
+def test_gpu_check_quick():
+    lines = [json.loads(ln) for ln in ok(run("benchmarks/gpu_check.py", "--quick")).splitlines()
+             if ln.startswith("{")]
+    assert {row["check"] for row in lines} >= {"nccl", "step", "pp2", "checkpoint"}
+    assert all(row["ok"] for row in lines), lines
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+BENCH = os.path.join(REPO, "benchmarks")
+# The runnable scripts (helper modules such as _common.py or tcp_store.py have no main).
+SCRIPTS = sorted(
+    f for f in os.listdir(BENCH)
+    if f.endswith(".py") and '__name__ == "__main__"' in _read(os.path.join(BENCH, f))
+)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_benchmark_has_a_quick_run_in_the_tests(script):
+    """A new script gets a --quick mode and a test that runs it (here, or in-process elsewhere), or this
+    fails."""
+    assert '"--quick"' in _read(os.path.join(BENCH, script)), f"benchmarks/{script} has no --quick mode"
+    name = script.removesuffix(".py")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    texts = [_read(os.path.join(tests, t)) for t in os.listdir(tests) if t.endswith(".py")]
+    runs = [
+        t for t in texts
+        if '"--quick"' in t and (f'"benchmarks/{script}"' in t or f"from benchmarks import {name}" in t)
+    ]
+    assert runs, f"no test runs benchmarks/{script} --quick"

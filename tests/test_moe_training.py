@@ -1,0 +1,140 @@
+"""MoE training under expert parallelism on Ray actors against one process holding every expert.
+
+fp32, 5 steps, the tiny model with 4 experts (top-2) in blocks 1 and 3. The reference forwards the global
+batch in microbatches of the run's size (the aux loss is per microbatch, so the loss is the mean over
+microbatches of cross-entropy + aux, as every layout computes it). The capacity factor is E / k, so no token
+is dropped and the math cannot depend on ep (the thread-rank tests in tests/test_moe.py cover dropping).
+
+Compared per step: loss and grad norm (relative 1e-5), and the reduced, clipped gradients of every router
+and expert (absolute 1e-5, gradients are ~1e-3); at the end every parameter (absolute 1e-5). Only the
+order of float sums differs between layouts. The negative control divides expert gradients by the
+expert-data-parallel group's size instead of dp: at dp=4, ep=2 that doubles them, and the expert-gradient
+check rejects it. A checkpoint written at ep=2 resumes at ep=4 and at ep=1 on the reference curve.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raypar import checkpoint, config
+from raypar.mesh import Coord, Mesh
+from tests.faults import FaultyActorMesh
+from tests.reference import Run, reference_run
+
+STEPS = 5
+TOL = 1e-5
+E, K = 4, 2
+
+
+def make_cfg(dp: int, pp: int, ep: int, microbatches: int) -> config.Config:
+    return config.load(
+        "examples/configs/tiny.toml",
+        [
+            f"parallel.dp={dp}",
+            f"parallel.pp={pp}",
+            f"parallel.ep={ep}",
+            f"parallel.microbatches={microbatches}",
+            "parallel.timeout_s=30",
+            "train.global_batch=8",
+            f"train.steps={STEPS}",
+            f"model.moe_experts={E}",
+            f"model.moe_top_k={K}",
+            f"model.moe_capacity_factor={E / K}",
+            "model.moe_every=2",
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def reference() -> Run:
+    return reference_run(make_cfg(1, 1, 1, 8), STEPS, microbatch_size=1)
+
+
+def gather(mesh: FaultyActorMesh, method: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the model from the replicas of the first EP group (they hold all experts)."""
+    import ray
+
+    ep = mesh.cfg.parallel.ep
+    owners = set(mesh.replicas[:ep])
+    full: dict[str, torch.Tensor] = {}
+    for coord, actor in mesh.actors.items():
+        if coord.dp not in owners:
+            continue
+        for name, (local, shape, offsets) in ray.get(getattr(actor, method).remote()).items():
+            target = full.setdefault(name, torch.empty(shape, dtype=local.dtype))
+            target[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))] = local
+    return full
+
+
+def train(mesh: FaultyActorMesh, steps: range, ref: Run) -> list[float]:
+    """Run `steps`, checking loss, grad norm and the router and expert gradients of each against `ref`."""
+    losses = []
+    for step in steps:
+        result = mesh.step(step)
+        want = ref.losses[step]
+        assert abs(result.loss - want) <= TOL * abs(want), f"loss at step {step}: {result.loss} vs {want}"
+        assert result.moe is not None and result.moe["dropped_tokens"] == 0
+        grads = gather(mesh, "gradients")
+        for name, want in ref.grads[step].items():
+            if ".mlp.router." in name or ".mlp.experts." in name:
+                err = (grads[name] - want).abs().max().item()
+                assert err <= TOL, f"gradient of {name} at step {step} differs by {err:.3g}"
+        want = ref.grad_norms[step]
+        assert abs(result.grad_norm - want) <= TOL * want, f"grad norm at step {step}: {result.grad_norm}"
+        losses.append(result.loss)
+    return losses
+
+
+def assert_params(mesh: FaultyActorMesh, ref: Run) -> None:
+    mesh.commit()
+    params = gather(mesh, "parameters")
+    assert params.keys() == ref.params.keys()
+    for name, want in ref.params.items():
+        err = (params[name] - want).abs().max().item()
+        assert err <= TOL, f"parameter {name} differs by {err:.3g}"
+
+
+def test_dp4_ep2_ep4_divisor_control_and_checkpoint_resharding(ray_session, reference, tmp_path):
+    """One set of 4 actors (dp=4) rebuilt from the seed for each case."""
+    mesh = FaultyActorMesh(make_cfg(4, 1, 2, 2), "moe-dp4", faults={})
+    try:
+        mesh.start()
+        for ep in (2, 4):
+            mesh.reconfigure(make_cfg(4, 1, ep, 2))
+            train(mesh, range(STEPS), reference)
+            assert_params(mesh, reference)
+
+        # Negative control: expert gradients averaged over the expert-dp group (size 2) instead of dp=4.
+        mesh.set_faults({c: ["ep_divisor_edp"] for c in Mesh(4, 1, 1).coords()})
+        mesh.reconfigure(make_cfg(4, 1, 2, 2))
+        with pytest.raises(AssertionError, match=r"gradient of layers\.\d\.mlp\.experts"):
+            train(mesh, range(1), reference)
+        mesh.set_faults({})
+
+        # A checkpoint written at ep=2 after 3 steps, resumed at ep=4 and at ep=1: the same curve.
+        mesh.reconfigure(make_cfg(4, 1, 2, 2))
+        train(mesh, range(3), reference)
+        staging, writers = mesh.begin_checkpoint(str(tmp_path), 3)
+        assert sorted(c.dp for c in writers) == [0, 1]  # the first EP group writes every expert
+        entries = mesh.collect(mesh.checkpoint_writes(writers), "writing")
+        uri = checkpoint.publish(str(tmp_path), staging, 3, entries, {"optimizer_steps": 3})
+        for ep in (4, 1):
+            mesh.reconfigure(make_cfg(4, 1, ep, 2))
+            assert mesh.load(uri) == 3
+            train(mesh, range(3, STEPS), reference)
+            assert_params(mesh, reference)
+    finally:
+        mesh.shutdown()
+
+
+def test_dp2_pp2_ep2(ray_session, reference):
+    """Experts on both stages: the aux loss of stage 0 joins its backward without a loss of its own."""
+    mesh = FaultyActorMesh(make_cfg(2, 2, 2, 4), "moe-dp2pp2", faults={})
+    try:
+        mesh.start()
+        train(mesh, range(STEPS), reference)
+        assert_params(mesh, reference)
+        assert set(mesh.actors) == {Coord(d, p, 0) for d in range(2) for p in range(2)}
+    finally:
+        mesh.shutdown()
