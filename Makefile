@@ -13,8 +13,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# Trains, checkpoints the last step, then prints what the model writes after "def ".
 demo: $(STAMP)
-	$(BIN)/raypar train examples/configs/small.toml
+	$(BIN)/raypar train examples/configs/small.toml --name demo --run-dir runs/demo \
+		--set checkpoint.dir=runs/demo/checkpoints --set checkpoint.every=1000000
+	$(BIN)/raypar generate runs/demo/checkpoints --prompt "def " --max-tokens 300 --temperature 0.7
 
 test: $(STAMP)
 	$(BIN)/ruff check raypar actors collectives tests benchmarks examples

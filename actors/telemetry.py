@@ -48,7 +48,7 @@ class ActorMetrics:
     from the wrong process, or not at all."""
 
     def __init__(self, run: str, coord: tuple[int, int, int]):
-        dp, pp, tp = coord
+        dp, pp, tp = coord[:3]
         tags = {"run": run, "dp": str(dp), "pp": str(pp), "tp": str(tp)}
         self.gauges = {name: Gauge(name, text, tag_keys=TAG_KEYS) for name, text in METRICS.items()}
         self.gauges[LOAD_METRIC] = Gauge(

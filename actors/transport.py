@@ -1,6 +1,9 @@
 """Moving activations and their gradients between neighbouring pipeline stages.
 
-Stage s, tp rank j talks only to stages s-1 and s+1 at tp rank j. Two transports share one interface:
+Stage s, tp rank j talks only to stages s-1 and s+1 at tp rank j; with interleaved chunks the last stage's
+next is stage 0 (the ring link, raypar.schedules.Topology). Messages are keyed by (kind, chunk,
+microbatch), the chunk being the receiver's; senders name their own chunk and the topology maps it. Two
+transports share one interface (raypar.executor.Transport):
 
 - `ObjectStoreTransport` (default): the sender puts the tensor into the Ray object store as a numpy view
   (one copy into shared memory, no pickling of a torch tensor) and hands the reference straight to the
@@ -27,6 +30,7 @@ import ray
 import torch
 
 from collectives import Group, Work
+from raypar.schedules import Topology
 
 # Ray inlines call arguments below `max_direct_call_object_size` (100 KiB by default) in the call itself;
 # larger ones go through the object store. Below that size a put + fetch is pure overhead.
@@ -59,34 +63,37 @@ class Mailbox:
     """Where a neighbour's `deliver` calls drop object references until the stage asks for them."""
 
     def __init__(self) -> None:
-        self._items: dict[tuple[str, int, int, int], Any] = {}
+        self._items: dict[tuple[str, int, int, int, int], Any] = {}
         self._cond = threading.Condition()
-        self._aborted = False
+        # (epoch, step) of the last step called off: waits for it or an earlier one end at once. Scoped, so
+        # an abort that arrives late (calls to a threaded actor are not ordered) cannot touch a later step.
+        self._aborted: tuple[int, int] = (-1, -1)
 
-    def put(self, key: tuple[str, int, int, int], item: Any) -> None:
-        """key: (kind, membership epoch, step, microbatch); messages of an older epoch are stale."""
+    def put(self, key: tuple[str, int, int, int, int], item: Any) -> None:
+        """key: (kind, membership epoch, step, chunk, microbatch); messages of an older epoch are stale."""
         with self._cond:
             self._items[key] = item
             self._cond.notify_all()
 
-    def take(self, key: tuple[str, int, int, int], timeout_s: float, what: str) -> Any:
+    def take(self, key: tuple[str, int, int, int, int], timeout_s: float, what: str) -> Any:
         with self._cond:
-            if not self._cond.wait_for(lambda: key in self._items or self._aborted, timeout=timeout_s):
+            called_off = lambda: key[1:3] <= self._aborted  # noqa: E731
+            if not self._cond.wait_for(lambda: key in self._items or called_off(), timeout=timeout_s):
                 raise TransportTimeout(f"waited {timeout_s:g}s for {what}")
-            if self._aborted:
+            if called_off():
                 raise StepAborted(f"step called off while waiting for {what}")
             return self._items.pop(key)
 
-    def abort(self) -> None:
+    def abort(self, epoch: int, step: int) -> None:
+        """Call off step `step` of membership `epoch` (and anything before it)."""
         with self._cond:
-            self._aborted = True
+            self._aborted = max(self._aborted, (epoch, step))
             self._cond.notify_all()
 
     def reset(self) -> None:
-        """Forget everything (a new membership starts with an empty mailbox) and accept waits again."""
+        """Forget everything: a new membership starts with an empty mailbox."""
         with self._cond:
             self._items.clear()
-            self._aborted = False
 
     def clear_before(self, epoch: int, step: int) -> None:
         with self._cond:
@@ -100,25 +107,30 @@ class BufferPool:
 
     def __init__(self) -> None:
         self._free: dict[tuple, list[torch.Tensor]] = {}
-        self._held: dict[tuple[str, int], torch.Tensor] = {}
+        self._held: dict[tuple[str, int, int], torch.Tensor] = {}
 
-    def take(self, kind: str, mb: int, like: torch.Tensor) -> torch.Tensor:
+    def take(self, kind: str, chunk: int, mb: int, like: torch.Tensor) -> torch.Tensor:
         free = self._free.get((like.shape, like.dtype, like.device))
         buffer = free.pop() if free else torch.empty_like(like)
-        self._held[(kind, mb)] = buffer
+        self._held[(kind, chunk, mb)] = buffer
         return buffer
 
-    def give(self, kind: str, mb: int) -> None:
-        buffer = self._held.pop((kind, mb), None)
+    def give(self, kind: str, chunk: int, mb: int) -> None:
+        buffer = self._held.pop((kind, chunk, mb), None)
         if buffer is not None:
             self._free.setdefault((buffer.shape, buffer.dtype, buffer.device), []).append(buffer)
 
 
 class ObjectStoreTransport:
+    """`prev` / `next`: the actors of the neighbouring ranks (with the ring link when chunks interleave);
+    `rank` and `topo` map a sender's chunk to the receiver's."""
+
     def __init__(
-        self, me: str, prev: Any | None, next_: Any | None, mailbox: Mailbox, timeout_s: float, epoch: int
+        self, me: str, prev: Any | None, next_: Any | None, mailbox: Mailbox, timeout_s: float, epoch: int,
+        rank: int, topo: Topology,
     ):
         self.me, self.prev, self.next, self.mailbox, self.timeout_s = me, prev, next_, mailbox, timeout_s
+        self.rank, self.topo = rank, topo
         self.epoch, self.step = epoch, 0
         self._pending: list[ray.ObjectRef] = []
         self._pool = BufferPool()  # device copies of host messages (GPU stages); on the CPU, none is needed
@@ -127,9 +139,9 @@ class ObjectStoreTransport:
         self._sender = threading.Thread(target=self._send_loop, name=f"{me}-sender", daemon=True)
         self._sender.start()
 
-    def _send(self, peer: Any, kind: str, mb: int, tensor: torch.Tensor) -> None:
+    def _send(self, peer: Any, kind: str, chunk: int, mb: int, tensor: torch.Tensor) -> None:
         # The tensor is an output or an input gradient that nothing writes to any more: safe to read later.
-        self._queue.put((peer, (kind, self.epoch, self.step, mb), tensor.detach()))
+        self._queue.put((peer, (kind, self.epoch, self.step, chunk, mb), tensor.detach()))
 
     def _send_loop(self) -> None:
         while True:
@@ -149,10 +161,10 @@ class ObjectStoreTransport:
             finally:
                 self._queue.task_done()
 
-    def _recv(self, kind: str, mb: int, source: str, like: torch.Tensor) -> torch.Tensor:
-        what = f"{kind} of microbatch {mb} (step {self.step}) from {source} at {self.me}"
+    def _recv(self, kind: str, chunk: int, mb: int, source: str, like: torch.Tensor) -> torch.Tensor:
+        what = f"{kind} of microbatch {mb}, chunk {chunk} (step {self.step}) from {source} at {self.me}"
         deadline = time.monotonic() + self.timeout_s
-        payload, dtype = self.mailbox.take((kind, self.epoch, self.step, mb), self.timeout_s, what)
+        payload, dtype = self.mailbox.take((kind, self.epoch, self.step, chunk, mb), self.timeout_s, what)
         if isinstance(payload, list):
             try:
                 payload = ray.get(payload[0], timeout=max(deadline - time.monotonic(), 0.001))
@@ -161,22 +173,22 @@ class ObjectStoreTransport:
         tensor = _from_numpy(payload, dtype)
         if like.device.type == "cpu":
             return tensor  # zero-copy view of the message
-        return self._pool.take(kind, mb, like).copy_(tensor, non_blocking=True)
+        return self._pool.take(kind, chunk, mb, like).copy_(tensor, non_blocking=True)
 
-    def send_act(self, mb: int, tensor: torch.Tensor) -> None:
-        self._send(self.next, "act", mb, tensor)
+    def send_act(self, chunk: int, mb: int, tensor: torch.Tensor) -> None:
+        self._send(self.next, "act", self.topo.next(self.rank, chunk)[1], mb, tensor)
 
-    def send_grad(self, mb: int, tensor: torch.Tensor) -> None:
-        self._send(self.prev, "grad", mb, tensor)
+    def send_grad(self, chunk: int, mb: int, tensor: torch.Tensor) -> None:
+        self._send(self.prev, "grad", self.topo.prev(self.rank, chunk)[1], mb, tensor)
 
-    def recv_act(self, mb: int, like: torch.Tensor) -> torch.Tensor:
-        return self._recv("act", mb, "the previous stage", like)
+    def recv_act(self, chunk: int, mb: int, like: torch.Tensor) -> torch.Tensor:
+        return self._recv("act", chunk, mb, "the previous stage", like)
 
-    def recv_grad(self, mb: int, like: torch.Tensor) -> torch.Tensor:
-        return self._recv("grad", mb, "the next stage", like)
+    def recv_grad(self, chunk: int, mb: int, like: torch.Tensor) -> torch.Tensor:
+        return self._recv("grad", chunk, mb, "the next stage", like)
 
-    def release(self, kind: str, mb: int) -> None:
-        self._pool.give(kind, mb)
+    def release(self, kind: str, chunk: int, mb: int) -> None:
+        self._pool.give(kind, chunk, mb)
 
     def finish_step(self) -> None:
         """The sends are fire-and-forget, but a failed one must not go unnoticed."""
@@ -194,7 +206,10 @@ class ObjectStoreTransport:
 
 
 class DirectTransport:
-    """send/recv on the pair groups; gloo and NCCL both match messages between two ranks in order."""
+    """send/recv on the pair groups; gloo and NCCL both match messages between two ranks in order, and
+    every schedule receives each directed link in send order (checked by raypar.schedules.simulate), so
+    no tags are needed. In `prev_group` this rank is member 1, in `next_group` member 0 (the ring group
+    of interleaved pipelines lists the last stage first)."""
 
     def __init__(self, prev_group: Group | None, next_group: Group | None):
         self.prev_group, self.next_group = prev_group, next_group
@@ -202,20 +217,20 @@ class DirectTransport:
         self._sends: list[Work] = []
         self._pool = BufferPool()
 
-    def send_act(self, mb: int, tensor: torch.Tensor) -> None:
+    def send_act(self, chunk: int, mb: int, tensor: torch.Tensor) -> None:
         self._sends.append(self.next_group.send(tensor.detach().contiguous(), dst=1, async_op=True))
 
-    def send_grad(self, mb: int, tensor: torch.Tensor) -> None:
+    def send_grad(self, chunk: int, mb: int, tensor: torch.Tensor) -> None:
         self._sends.append(self.prev_group.send(tensor.detach().contiguous(), dst=0, async_op=True))
 
-    def recv_act(self, mb: int, like: torch.Tensor) -> torch.Tensor:
-        return self.prev_group.recv(self._pool.take("act", mb, like), src=0)
+    def recv_act(self, chunk: int, mb: int, like: torch.Tensor) -> torch.Tensor:
+        return self.prev_group.recv(self._pool.take("act", chunk, mb, like), src=0)
 
-    def recv_grad(self, mb: int, like: torch.Tensor) -> torch.Tensor:
-        return self.next_group.recv(self._pool.take("grad", mb, like), src=1)
+    def recv_grad(self, chunk: int, mb: int, like: torch.Tensor) -> torch.Tensor:
+        return self.next_group.recv(self._pool.take("grad", chunk, mb, like), src=1)
 
-    def release(self, kind: str, mb: int) -> None:
-        self._pool.give(kind, mb)
+    def release(self, kind: str, chunk: int, mb: int) -> None:
+        self._pool.give(kind, chunk, mb)
 
     def finish_step(self) -> None:
         for work in self._sends:

@@ -3,11 +3,12 @@
 A training step on an actor, top to bottom (`train_step(step, commit)`):
   1. `commit`: the update of the previous step, once the driver knows that every actor finished its
      phase 1 (it says so by passing that step's number along with the next call: one round trip a step);
-  2. phase 1 of `step`: walk this stage's schedule (raypar.schedules): receive activations, forward,
-     send; receive gradients, backward, send — microbatch by microbatch, data read locally from the global
-     sampler; the DP strategy (raypar.dp: plain or ZeRO 1-3) reduces gradients across replicas, its
-     buckets overlapping the last backward; the global gradient norm is summed over this replica's stages
-     and tp ranks (and over the DP group where ZeRO splits the gradients), then clipped.
+  2. phase 1 of `step`: walk this stage's schedule (raypar.schedules) on the core's executor
+     (raypar.executor): receive activations, forward, send; receive gradients, backward, send — microbatch
+     by microbatch and chunk by chunk, data read locally from the global sampler; the DP strategy
+     (raypar.dp: plain or ZeRO 1-3) reduces gradients across replicas, each chunk's buckets overlapping its
+     last weight-gradient op; the global gradient norm is summed over this replica's stages and tp ranks (and
+     over the DP group where ZeRO splits the gradients), then clipped.
 Nothing is applied before all gradients are reduced everywhere, so a failed step leaves every survivor
 at the previous step and can simply be redone. The driver sends only step numbers: data, activations
 and gradients never pass through it.
@@ -30,15 +31,48 @@ import torch
 from actors.telemetry import ActorMetrics
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from collectives.host import GroupHost
-from raypar import checkpoint, data, flops, memory, precision, schedules
+from raypar import checkpoint, data, flops, hf, memory, precision, schedules
 from raypar import config as config_mod
 from raypar import ep as ep_mod
 from raypar.dp import DPStrategy
+from raypar.executor import ModelBackend, StepRun, busy_seconds
 from raypar.mesh import Coord, Mesh, actor_name, stage_layers
 from raypar.model import LlamaStage, dropout_seed
 from raypar.moe import is_expert_param
 from raypar.optim import lr_at
 from raypar.zero3 import Zero3Strategy
+
+EVAL_MB_BASE = 1 << 30  # validation microbatches' transport keys: never a training microbatch's
+
+
+class _ActorBackend(ModelBackend):
+    """The executor's model backend for one actor's step, plus what the actor does around each forward:
+    dropout seeded per (step, microbatch, virtual stage), the same on every tp rank of it; the activations
+    each unit saves, measured while its graph lives (raypar.memory)."""
+
+    def __init__(self, worker: Worker, step: int, scale: float):
+        super().__init__(
+            worker.model, worker.coord.pp, worker.topo, worker.transport, worker.act_like,
+            lambda mb: worker._batch(step, mb), worker.microbatches, worker._send_grad, scale,
+        )
+        self.worker, self.step = worker, step
+        model = worker.model
+        self.saved = memory.SavedActivations(exclude=[*model.parameters(), *model.buffers()])
+        self.live = memory.LiveActivations()
+
+    def run_forward(self, chunk: int, mb: int, forward: Any) -> torch.Tensor:
+        w = self.worker
+        if w.cfg.model.dropout > 0:  # the same masks on every tp rank, whatever recomputes
+            global_mb = w.dp_rank * w.microbatches + mb
+            stage = self.topo.virtual(self.rank, chunk)
+            torch.manual_seed(dropout_seed(w.cfg.train.seed, self.step, global_mb, stage))
+        with self.saved:
+            out = forward()
+        self.live.forward((chunk, mb), self.saved.bytes)
+        return out
+
+    def freed(self, chunk: int, mb: int) -> None:
+        self.live.backward((chunk, mb))
 
 
 def _summed(counts: Any) -> dict[str, int]:
@@ -54,9 +88,9 @@ class WorkerFailure(RuntimeError):
 
 
 class Worker(GroupHost):
-    """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks)
-    override the seams `_make_strategy`, `_make_expert_strategy`, `_bind_tp`, `_send_grad` and
-    `_train_step` and wrap themselves the same way."""
+    """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks) override
+    the seams `_make_strategy`, `_make_expert_strategy`, `_bind_tp`, `_send_grad`, `_train_step`,
+    `_sum_tied_grads` and `_write_shard` and wrap themselves the same way."""
 
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         torch.set_num_threads(threads)
@@ -88,8 +122,9 @@ class Worker(GroupHost):
         }
 
     def _fail(self, what: str, err: Exception) -> WorkerFailure:
-        d, p, t = self.coord
-        return WorkerFailure(f"{self.name} (dp={d}, pp={p}, tp={t}) {what}: {type(err).__name__}: {err}")
+        d, p, t, c = self.coord
+        where = f"dp={d}, pp={p}, tp={t}" + (f", cp={c}" if c else "")  # as in the name
+        return WorkerFailure(f"{self.name} ({where}) {what}: {type(err).__name__}: {err}")
 
     # -- set-up ----------------------------------------------------------------------------------------
     def setup(self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int) -> dict:
@@ -99,24 +134,35 @@ class Worker(GroupHost):
         self.device = self._device()
         dtype = precision.DTYPES[self.cfg.train.precision]
         self.peak_flops = flops.device_peak_flops(self.device, dtype)  # measured once per process on CPU
-        layers = stage_layers(self.cfg.model.n_layers, par.pp, par.stage_layers or None)[p]
+        self.topo = schedules.Topology(par.pp, par.virtual_stages)
+        virtual = stage_layers(self.cfg.model.n_layers, par.pp * par.virtual_stages, par.stage_layers or None)
+        chunks = [virtual[self.topo.virtual(p, c)] for c in range(par.virtual_stages)]
         self.first, self.last = p == 0, p == par.pp - 1
         tp_group = self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None  # shapes the shards
+        cp_group = self.group(Mesh.cp_group(self.coord)) if par.cp > 1 else None
         ep_group = self._ep_group(replicas.index(self.coord.dp))  # which experts live here
-        train = self.cfg.train
-        self.model = LlamaStage(self.cfg.model, layers, self.first, self.last, tp_group, train.seed, ep_group)
+        train, init_from = self.cfg.train, self.cfg.model.init_from
+        self.model = LlamaStage(
+            self.cfg.model, chunks[0], self.first, self.last, tp_group, train.seed, ep_group, chunks,
+            par.sequence_parallel, cp_group, par.cp_style, init=not init_from,
+        )
+        if init_from:  # this shard only, read from the files (never the whole model)
+            hf.load_stage(self.model, init_from)
         self.model.set_recompute(train.recompute, train.recompute_every)
         self.model.to(self.device)
         self.param_dtype = dtype  # the strategy keeps fp32 masters for 16-bit parameters
         self.strategy, self.expert_strategy, self._stash = None, None, None
         self.scaler = precision.scaler_for(train)
         self._skip = False
-        self.dataset = data.open_dataset(self.cfg.data, self.cfg.model) if self.first or self.last else None
+        self.dataset = self.val_dataset = None
+        if self.first or self.last:
+            self.dataset, self.val_dataset = data.open_datasets(self.cfg.data, self.cfg.model)
         if self.dataset is not None:
             self.sampler = data.GlobalSampler(
                 self.dataset.num_samples, self.cfg.train.global_batch, self.cfg.train.seed
             )
         mbs, seq = self.cfg.microbatch_size, self.cfg.model.seq_len
+        seq //= par.cp * (par.tp if par.sequence_parallel else 1)  # hops carry this rank's tokens
         self.act_like = torch.empty(mbs, seq, self.cfg.model.d_model, device=self.device, dtype=dtype)
         self.rebind(replicas, peers, epoch)
         return {"params": sum(p.numel() for p in self.model.parameters()), "peak_flops": self.peak_flops}
@@ -124,12 +170,16 @@ class Worker(GroupHost):
     def rebind(self, replicas: list[int], peers: dict[str, Any], epoch: int) -> None:
         """Use the groups formed for membership `epoch` (after any change of replicas), keeping the
         model and optimizer state. `replicas` lists the live replica ids in data-parallel rank order."""
-        d, p, t = self.coord
+        d, p, t, c = self.coord
         self.epoch = epoch
         par = self.cfg.parallel
         self.dp, self.dp_rank = len(replicas), replicas.index(d)
         self._bind_tp(self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None)
-        self.dp_group = self.group(Mesh.dp_group(self.coord)) if self.dp > 1 else None
+        self.model.cp_group = self.group(Mesh.cp_group(self.coord)) if par.cp > 1 else None
+        # Gradients of parameters replicated across cp are reduced over cp x dp.
+        self.dp_group = self.group(Mesh.dp_group(self.coord)) if self.dp * par.cp > 1 else None
+        tied = self.model.tied_weight() is not None
+        self.emb_group = self.group(Mesh.emb_group(d, t, self.coord.cp)) if tied else None
         self.ep_group = self._ep_group(self.dp_rank)
         self.model.bind_ep(self.ep_group)
         if par.ep == 1:  # every replica holds every expert
@@ -139,19 +189,20 @@ class Worker(GroupHost):
                 self.group(Mesh.edp_group(self.coord, self.dp_rank, par.ep)) if self.dp > par.ep else None
             )
         self._rebuild_strategies()
-        self.mp_group = self.group(Mesh.mp_group(self.coord)) if par.pp * par.tp > 1 else None
+        self.mp_group = self.group(Mesh.mp_group(self.coord)) if par.pp * par.tp * par.cp > 1 else None
         self.microbatches = self.cfg.microbatches_at(self.dp)
-        self.plan = schedules.build(par.schedule, par.pp, self.microbatches)[p]
-        self.last_backward = max(i for i, ins in enumerate(self.plan) if ins.op == "backward")
+        self.plan = schedules.build(par.schedule, par.pp, self.microbatches, par.virtual_stages)[p]
         if self.transport is not None:
             self.transport.close()
         if par.transport == "direct":
-            prev = self.group(Mesh.pipe_group(d, t, p - 1)) if not self.first else None
-            nxt = self.group(Mesh.pipe_group(d, t, p)) if not self.last else None
+            ring = par.virtual_stages > 1  # the last stage feeds rank 0's next chunk
+            prev = self.group(Mesh.pipe_group(d, t, p - 1, par.pp, c)) if not self.first or ring else None
+            nxt = self.group(Mesh.pipe_group(d, t, p, par.pp, c)) if not self.last or ring else None
             self.transport = DirectTransport(prev, nxt)
         else:
             self.transport = ObjectStoreTransport(
-                self.name, peers.get("prev"), peers.get("next"), self.mailbox, par.timeout_s, epoch
+                self.name, peers.get("prev"), peers.get("next"), self.mailbox, par.timeout_s, epoch,
+                p, self.topo,
             )
         self.mailbox.reset()
 
@@ -179,6 +230,9 @@ class Worker(GroupHost):
                 old.close()
         self.strategy = self._make_strategy(self.dp_group)
         self.expert_strategy = self._make_expert_strategy(self.edp_group)
+        tied = self.model.tied_weight()
+        if tied is not None:  # its bucket waits for `_sum_tied_grads`
+            self.strategy.hold({n for n, p in self.model.named_parameters() if p is tied})
         if state is not None:
             for strategy in self._strategies():
                 strategy.load_full_state(state, step_count)
@@ -228,12 +282,13 @@ class Worker(GroupHost):
             return device
         return torch.device("cpu")
 
-    def deliver(self, key: tuple[str, int, int, int], refs: list, dtype: str) -> None:
+    def deliver(self, key: tuple[str, int, int, int, int], refs: list, dtype: str) -> None:
         self.mailbox.put(tuple(key), (refs, dtype))
 
-    def abort(self) -> None:
-        """The step failed elsewhere: stop waiting for neighbours (collectives end by their timeout)."""
-        self.mailbox.abort()
+    def abort(self, epoch: int, step: int) -> None:
+        """Step `step` of membership `epoch` failed elsewhere: stop waiting for neighbours (collectives end
+        by their timeout). Later steps are not affected, however late this call arrives."""
+        self.mailbox.abort(epoch, step)
 
     # -- one step --------------------------------------------------------------------------------------
     def _batch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,63 +332,16 @@ class Worker(GroupHost):
         self.transport.step = step
         self.mailbox.clear_before(self.epoch, step)
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        grads: dict[int, torch.Tensor] = {}
-        losses: list[torch.Tensor] = []
-        auxes: dict[int, torch.Tensor] = {}
-        events: list[tuple[str, int, float, float]] = []
-        saved = memory.SavedActivations(exclude=[*self.model.parameters(), *self.model.buffers()])
-        live = memory.LiveActivations()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        for index, ins in enumerate(self.plan):
-            t0 = time.perf_counter()
-            op, mb = ins.op, ins.mb
-            if op == "recv_act":
-                # A leaf of its own: the received buffer is reused once this microbatch is done.
-                inputs[mb] = self.transport.recv_act(mb, self.act_like).detach().requires_grad_()
-            elif op == "forward":
-                targets = None
-                if self.first:
-                    inputs[mb], targets = self._batch(step, mb)
-                elif self.last:
-                    targets = self._batch(step, mb)[1]
-                if self.cfg.model.dropout > 0:  # the same masks on every tp rank, whatever recomputes
-                    global_mb = self.dp_rank * self.microbatches + mb
-                    torch.manual_seed(dropout_seed(self.cfg.train.seed, step, global_mb, self.coord.pp))
-                with saved:
-                    out = self.model(inputs[mb], targets if self.last else None)
-                live.forward(mb, saved.bytes)
-                aux = self.model.take_aux_loss()  # MoE load balancing: part of the training loss
-                if self.last:
-                    losses.append(out.detach())
-                    out = out if aux is None else out + aux
-                    # the replica's loss is the mean over its microbatches (fp16: times the loss scale)
-                    out = out / self.microbatches if scale == 1.0 else out * (scale / self.microbatches)
-                elif aux is not None:
-                    auxes[mb] = aux / self.microbatches if scale == 1.0 else aux * (scale / self.microbatches)
-                outputs[mb] = out
-            elif op == "send_act":
-                self.transport.send_act(mb, outputs[mb])
-            elif op == "recv_grad":
-                grads[mb] = self.transport.recv_grad(mb, self.act_like)
-            elif op == "backward":
-                if index == self.last_backward:
-                    for strategy in self._strategies():
-                        strategy.arm()
-                out = outputs.pop(mb)
-                if mb in auxes:  # a stage before the last: its aux loss joins the received gradient
-                    torch.autograd.backward([out, auxes.pop(mb)], [grads.pop(mb), None])
-                else:
-                    out.backward(None if self.last else grads.pop(mb))
-                live.backward(mb)
-                self.transport.release("grad", mb)
-            elif op == "send_grad":
-                self._send_grad(mb, inputs.pop(mb).grad)
-                self.transport.release("act", mb)
-            events.append((op, mb, t0 - start, time.perf_counter() - start))
+        backend = _ActorBackend(self, step, scale)
+        run = StepRun(
+            self.coord.pp, self.topo, self.plan, backend, self._strategies(), self.model.chunk_parameters
+        )
+        events = run.run(time.perf_counter, start)
+        losses, live = backend.losses, backend.live
         compute_end = time.perf_counter()
+        self._sum_tied_grads()  # before the strategies reduce the bucket they hold for it
         for strategy in self._strategies():
             strategy.finish()
         self.transport.finish_step()
@@ -342,7 +350,7 @@ class Worker(GroupHost):
         self._skip = self.scaler is not None and self._anywhere(any(found_inf))
         grad_norm = float("inf") if self._skip else self._clip_grad_norm()
         end = time.perf_counter()
-        busy = sum(t1 - t0 for op, _, t0, t1 in events if op in ("forward", "backward"))
+        busy = busy_seconds(events)
         result = {
             "coord": tuple(self.coord),
             "dp_rank": self.dp_rank,
@@ -366,10 +374,60 @@ class Worker(GroupHost):
                 for i, s in moe.items()
             }
         tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result["step_s"]
-        world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp
+        world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp * self.cfg.parallel.cp
         mfu = flops.mfu(tokens_per_s / world, self.cfg.model, self.peak_flops) if self.peak_flops else None
         self.metrics.record(result, tokens_per_s, mfu)
         return result
+
+    def _sum_tied_grads(self) -> None:
+        """The two copies of a tied embedding (first and last stage) take the same, summed gradient, so
+        their identical updates keep them equal. Summed before the DP reduction (the dense strategy holds
+        their bucket for it): the sum commutes with it, and the full gradient exists only until then."""
+        if self.emb_group is not None:
+            self.emb_group.all_reduce(self.model.tied_weight().grad, "sum")
+
+    @torch.no_grad()
+    def eval_step(self, step: int, commit: int | None = None) -> float | None:
+        """Validation loss after `step` (applying the update of step `commit` first): this replica's
+        microbatches of the fixed validation batches, forward only, through the pipeline; the last stage
+        returns their mean, the others None."""
+        if commit is not None:
+            self.apply_step(commit)
+        self.model.eval()  # no dropout
+        try:
+            return self._eval_step(step)
+        except Exception as err:
+            raise self._fail(f"validation after step {step}", err) from err
+        finally:
+            self.model.train()
+
+    def _eval_step(self, step: int) -> float | None:
+        # One model chunk per stage and whole sequences (config.validate refuses eval with interleaving or
+        # cp): the forward chain is stage to stage, chunk 0.
+        cfg, mbs = self.cfg, self.cfg.microbatch_size
+        self.transport.step = step
+        batch_size = cfg.train.global_batch
+        per_batch = batch_size // mbs
+        mine = data.replica_microbatch_ids(self.dp_rank, self.dp, batch_size, mbs)
+        losses = []
+        for batch in range(cfg.train.eval_batches):
+            for mb in mine:
+                key = EVAL_MB_BASE + batch * per_batch + mb  # apart from the step's own microbatches
+                if self.first or self.last:
+                    inputs, targets = data.eval_microbatch(self.val_dataset, batch, mb, mbs, batch_size)
+                    inputs, targets = inputs.to(self.device), targets.to(self.device)
+                if not self.first:
+                    inputs = self.transport.recv_act(0, key, self.act_like).to(self.device)
+                out = self.model(inputs, targets if self.last else None)
+                self.model.take_aux_loss()  # MoE load balancing: a training loss only
+                if self.last:
+                    losses.append(out.float())
+                else:
+                    self.transport.send_act(0, key, out)
+                if not self.first:
+                    self.transport.release("act", 0, key)
+        self.transport.finish_step()
+        return torch.stack(losses).mean().item() if losses else None
 
     def _memory(self, live: memory.LiveActivations) -> dict[str, int]:
         """Measured memory of this step: activations saved per microbatch and at most at once, microbatches
@@ -396,11 +454,13 @@ class Worker(GroupHost):
                 group.all_reduce(t, "max")
         return bool(t.item())
 
-    def _send_grad(self, mb: int, grad: torch.Tensor) -> None:
-        self.transport.send_grad(mb, grad)
+    def _send_grad(self, chunk: int, mb: int, grad: torch.Tensor) -> None:
+        self.transport.send_grad(chunk, mb, grad)
 
     def _clip_grad_norm(self) -> float:
-        dense, experts = (s.grad_sq_norm() for s in self._strategies())
+        dense, experts = (s.grad_sq_norm() for s in self._strategies())  # collectives when sharded
+        if self.coord.cp:  # cp ranks hold the same (reduced) gradients: only cp rank 0 counts them
+            dense, experts = torch.zeros_like(dense), torch.zeros_like(experts)
         norm = math.sqrt(ep_mod.grad_sq_norm(dense, experts, self.ep_group, self.mp_group))
         for strategy in self._strategies():
             strategy.clip_(norm, self.cfg.train.grad_clip)
@@ -424,6 +484,7 @@ class Worker(GroupHost):
         stash, self._stash = self._stash, None
         if self.dp_group is None:
             return
+        src_dp_rank *= self.cfg.parallel.cp  # the dp group lists each replica's cp ranks together
         scaler = self.scaler.state() if self.scaler is not None else {}
         count = stash[1] if stash is not None else self.strategy.step_count
         counts = [count, *scaler.values()]  # a float64 holds each of them exactly
@@ -452,8 +513,13 @@ class Worker(GroupHost):
         """Snapshot the slices this actor owns to host memory now (the stall), write them in a background
         thread. Without ZeRO one replica writes, and with expert parallelism the rest of its EP group writes
         their experts (rank 0 of each expert-dp group; experts are named by global expert id, so any ep reads
-        them back); tp-replicated tensors are written by tp rank 0 only."""
-        self.wait_shard()
+        them back); of each, cp rank 0; tp-replicated tensors are written by tp rank 0 only, a tied
+        embedding's copy on the last stage never."""
+        if self.coord.cp != 0:
+            return False
+        if self._writer is not None:  # an earlier write the driver collected or abandoned: only finish it
+            self._writer.join()
+            self._writer = None
         key = checkpoint.shard_key(self.dp_rank, self.coord.pp, self.coord.tp)
         parts = [  # one file per part: dense `<key>.<k>`, experts `<key>.e<k>`
             (f"{key}.{tag}{k}", part)
@@ -469,9 +535,7 @@ class Worker(GroupHost):
 
         def write() -> None:
             try:
-                self._written = [
-                    checkpoint.write_shard(staging, name, snap, specs) for name, snap, specs in snaps
-                ]
+                self._written = [self._write_shard(staging, name, snap, specs) for name, snap, specs in snaps]
             except BaseException as err:  # noqa: BLE001 - handed to the driver by wait_shard
                 self._written = err
 
@@ -479,6 +543,9 @@ class Worker(GroupHost):
         self._writer = threading.Thread(target=write, name="checkpoint-writer", daemon=True)
         self._writer.start()
         return True
+
+    def _write_shard(self, staging: str, key: str, snap: dict, specs: dict) -> dict[str, Any]:
+        return checkpoint.write_shard(staging, key, snap, specs)
 
     def wait_shard(self) -> list[dict[str, Any]] | None:
         """The manifest entries of the shard files written in the background (None if none)."""

@@ -43,6 +43,7 @@ from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport  # n
 from benchmarks import _common  # noqa: E402
 from collectives.host import GroupHost, create_groups  # noqa: E402
 from collectives.ray_store import RendezvousServer  # noqa: E402
+from raypar.schedules import Topology  # noqa: E402
 
 TRANSPORTS = ("object_store", "direct")
 GROUP = "pp.hop"
@@ -55,7 +56,7 @@ class _HopStage(GroupHost):
         self.mailbox = Mailbox()
         self.transports: dict[str, Any] = {}
 
-    def deliver(self, key: tuple[str, int, int, int], refs: list, dtype: str) -> None:
+    def deliver(self, key: tuple[str, int, int, int, int], refs: list, dtype: str) -> None:
         self.mailbox.put(tuple(key), (refs, dtype))
 
     def setup(self, role: str, peer: Any, timeout_s: float) -> None:
@@ -63,7 +64,9 @@ class _HopStage(GroupHost):
         group = self.group(GROUP)
         prev, nxt = (None, peer) if role == "send" else (peer, None)
         self.transports = {
-            "object_store": ObjectStoreTransport(self.name, prev, nxt, self.mailbox, timeout_s, epoch=0),
+            "object_store": ObjectStoreTransport(
+                self.name, prev, nxt, self.mailbox, timeout_s, 0, int(role == "recv"), Topology(2)
+            ),
             "direct": DirectTransport(group if role == "recv" else None, group if role == "send" else None),
         }
         self.round = 0
@@ -81,10 +84,10 @@ class _HopStage(GroupHost):
         rtts = []
         for mb in range(n):
             start = time.perf_counter()
-            t.send_act(mb, payload)
-            t.recv_grad(mb, like)
+            t.send_act(0, mb, payload)
+            t.recv_grad(0, mb, like)
             rtts.append(time.perf_counter() - start)
-            t.release("grad", mb)  # as a stage does after the backward: the buffer serves the next message
+            t.release("grad", 0, mb)  # as a stage does after the backward: the buffer serves the next message
         t.finish_step()
         return rtts
 
@@ -93,7 +96,7 @@ class _HopStage(GroupHost):
         payloads = [torch.randn(numel) for _ in range(n)]  # distinct tensors, made before the clock starts
         start = time.perf_counter()
         for mb in range(n):
-            t.send_act(mb, payloads[mb])
+            t.send_act(0, mb, payloads[mb])
         t.finish_step()
         return start
 
@@ -101,16 +104,16 @@ class _HopStage(GroupHost):
     def pong(self, transport: str, numel: int, n: int) -> None:
         t, like = self._begin(transport, numel)
         for mb in range(n):
-            t.send_grad(mb, t.recv_act(mb, like))
+            t.send_grad(0, mb, t.recv_act(0, mb, like))
         t.finish_step()
         for mb in range(n):
-            t.release("act", mb)
+            t.release("act", 0, mb)
 
     def stream_recv(self, transport: str, numel: int, n: int) -> float:
         t, like = self._begin(transport, numel)
         for mb in range(n):
-            t.recv_act(mb, like)
-            t.release("act", mb)
+            t.recv_act(0, mb, like)
+            t.release("act", 0, mb)
         return time.perf_counter()
 
 

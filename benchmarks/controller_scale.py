@@ -90,7 +90,7 @@ class _LightWorker:
     def apply_step(self, step: int) -> None:
         pass
 
-    def abort(self) -> None:
+    def abort(self, epoch: int, step: int) -> None:
         pass
 
     # -- the fan-out design: this actor leads its replica -------------------------------------------------

@@ -1,7 +1,8 @@
-"""Pipeline bubble: raypar's measured idle time per stage against the theoretical (p-1)/(m+p-1).
+"""Pipeline bubble: raypar's measured idle time per stage against each schedule's formula.
 
-    python benchmarks/pipeline_bubble.py                  # p = 2, 4; m = 1..16; gpipe and 1f1b; full
-    python benchmarks/pipeline_bubble.py --quick          # smoke run, < 1 min
+    python benchmarks/pipeline_bubble.py                  # p = 2, 4; m = 1..16; every schedule; full
+    python benchmarks/pipeline_bubble.py --quick          # smoke run: fixed model, 1f1b/interleaved/zb-h1
+    python benchmarks/pipeline_bubble.py --schedules 1f1b,interleaved,zb-h1 --models fixed --transports direct
     python benchmarks/pipeline_bubble.py --models fixed --transports object_store,direct --json out.json
 
 What is measured. raypar's `ActorMesh` runs real training steps (dp=1, tp=1, p stages); each worker reports
@@ -33,7 +34,13 @@ The two models, and why (this machine has 2 cores):
 
 Each configuration runs `--steps` (real model: `--real-steps`) timed steps after one untimed step; the
 table gives the median bubble.
-The ratio measured/theoretical is the target: within 1.2x (issue 3).
+The ratio measured/theoretical is the target: within 1.2x (issues 3 and 12).
+
+Schedules and their formulas (raypar.schedules.bubble_formula): gpipe and 1f1b (p-1)/(m+p-1); `interleaved`
+(1f1b with parallel.virtual_stages = 2; m must be a multiple of p) (p-1)/(v m); `zb-h1` (m >= p) (p-1)/(3m)
+with equal F, B and W: its rows use --fwd-ms for all three (B and W each run the backward's fixed cost).
+The fixed model has 8 layers so that p * v divides them. `ideal_ms` is the step the schedule would take
+with exactly those costs and free hops: raypar's executor simulated (schedules.simulate).
 """
 
 from __future__ import annotations
@@ -52,10 +59,11 @@ import ray  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
 from raypar.config import Config  # noqa: E402
-from raypar.schedules import theoretical_bubble  # noqa: E402
+from raypar.schedules import COMPUTE_OPS, bubble_formula, build, simulate  # noqa: E402
 
 TARGET = 1.2
-COMPUTE = ("forward", "backward")
+COMPUTE = COMPUTE_OPS
+CHUNKS = {"interleaved": 2}  # virtual stages per rank of each schedule (1 if not listed)
 
 
 def bubble_of(per_actor: dict[Any, dict[str, Any]]) -> dict[str, float]:
@@ -73,14 +81,23 @@ def bubble_of(per_actor: dict[Any, dict[str, Any]]) -> dict[str, float]:
 
 
 def model_config(model: str, p: int, m: int, schedule: str, transport: str, batch: int) -> Config:
+    v = CHUNKS.get(schedule, 1)
     common = [
-        "parallel.dp=1", f"parallel.pp={p}", f"parallel.microbatches={m}", f'parallel.schedule="{schedule}"',
+        "parallel.dp=1", f"parallel.pp={p}", f"parallel.microbatches={m}", f"parallel.virtual_stages={v}",
+        f'parallel.schedule="{"1f1b" if schedule == "interleaved" else schedule}"',
         f'parallel.transport="{transport}"', f"train.global_batch={batch}", "train.steps=1000",
         "parallel.timeout_s=120",
     ]
     if model == "real":
         return _common.make_config("small", ["model.seq_len=128", *common])
-    return _common.make_config("tiny", ["model.n_layers=4", *common])
+    return _common.make_config("tiny", ["model.n_layers=8", *common])
+
+
+def runs(schedule: str, p: int, m: int) -> bool:
+    """Whether the schedule takes m microbatches on p stages (interleaved: multiples of p; zb-h1: >= p)."""
+    if schedule == "interleaved":
+        return m % p == 0
+    return m >= p if schedule == "zb-h1" else True
 
 
 def configurations(args: argparse.Namespace, p: int) -> list[tuple[str, str, str, int]]:
@@ -88,8 +105,24 @@ def configurations(args: argparse.Namespace, p: int) -> list[tuple[str, str, str
     out = []
     for model in args.models:
         for transport in args.transports if model == "fixed" else args.transports[:1]:
-            out += [(model, transport, s, m) for s in args.schedules for m in args.microbatches]
+            out += [
+                (model, transport, s, m) for s in args.schedules for m in args.microbatches if runs(s, p, m)
+            ]
     return out
+
+
+def fixed_costs(args: argparse.Namespace, schedule: str) -> tuple[float, float]:
+    """Seconds of (forward, backward) per chunk and microbatch; zb-h1's B and W each pay the backward's."""
+    return (args.fwd_ms / 1e3, (args.fwd_ms if schedule == "zb-h1" else args.bwd_ms) / 1e3)
+
+
+def ideal_ms(schedule: str, p: int, m: int, fwd_s: float, bwd_s: float) -> float:
+    """The step of the fixed model with free hops: the schedule run on the executor's simulator."""
+    v = CHUNKS.get(schedule, 1)
+    plans = build("1f1b" if schedule == "interleaved" else schedule, p, m, v)
+    if schedule == "zb-h1":  # B and W each cost the backward's fixed cost
+        return simulate(plans, fwd_s, 2 * bwd_s, t_weight=bwd_s).makespan * 1e3
+    return simulate(plans, fwd_s, bwd_s).makespan * 1e3
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -103,21 +136,24 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if trainer is None:  # one set of actors per p; each configuration rebuilds their state
                     trainer = _common.BenchActorMesh(cfg, f"bench-bubble-p{p}", _common.TimedWorker)
                     trainer.start()
-                cost = (args.fwd_ms / 1e3, args.bwd_ms / 1e3) if model == "fixed" else (0.0, 0.0)
+                cost = fixed_costs(args, schedule) if model == "fixed" else (0.0, 0.0)
                 ray.get([a.set_fixed_cost.remote(*cost) for a in trainer.actors.values()])
                 trainer.reconfigure(cfg)
                 row = {"model": model, "transport": transport, "schedule": schedule, "p": p, "m": m}
                 row.update(measure(trainer, args.steps if model == "fixed" else args.real_steps))
-                row["theory"] = theoretical_bubble(p, m)
+                row["theory"] = bubble_formula(schedule, p, m, CHUNKS.get(schedule, 1))
                 row["ratio"] = row["bubble"] / row["theory"]
                 row["step_ratio"] = row["step_bubble"] / row["theory"]
                 if model == "fixed":
-                    row["ideal_ms"] = (m + p - 1) * (args.fwd_ms + args.bwd_ms)
-                row.update(stall_budget(row["bubble"], row.pop("window_s"), p, m))
+                    row["ideal_ms"] = ideal_ms(schedule, p, m, *cost)
+                window_s = row.pop("window_s")
+                row["window_ms"] = window_s * 1e3
+                if schedule in ("gpipe", "1f1b"):  # the stall budget is 1F1B's algebra
+                    row.update(stall_budget(row["bubble"], window_s, p, m))
                 row["load"] = _common.loadavg()
                 rows.append(row)
                 print(
-                    f"  {model:5} {transport:12} {schedule:5} p={p} m={m:2}: bubble {row['bubble']:.3f} vs "
+                    f"  {model:5} {transport:12} {schedule:11} p={p} m={m:2}: bubble {row['bubble']:.3f} vs "
                     f"{row['theory']:.3f} -> {row['ratio']:.2f}x (cpu/busy {row['cpu_per_busy']:.2f}, "
                     f"load {row['load']:.1f})",
                     flush=True,
@@ -162,7 +198,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run (< 1 min)")
     parser.add_argument("--stages", default="2,4")
     parser.add_argument("--microbatches", default="1,2,4,8,16")
-    parser.add_argument("--schedules", default="1f1b,gpipe")
+    parser.add_argument("--schedules", default="1f1b,gpipe,interleaved,zb-h1")
     parser.add_argument("--models", default="fixed,real", help="fixed (known cost per microbatch), real")
     parser.add_argument("--transports", default="object_store,direct",
                         help="for the fixed model; the real model uses the first")
@@ -175,14 +211,15 @@ def main() -> None:
     _common.add_ray_arguments(parser)
     args = parser.parse_args()
     if args.quick:
-        args.stages, args.microbatches, args.models, args.transports, args.steps = "2,4", "1,4", "fixed", \
-            "object_store", 1
+        args.stages, args.microbatches, args.models, args.transports, args.steps = "2,4", "4", "fixed", \
+            "direct", 1
+        args.schedules = "1f1b,interleaved,zb-h1"
     args.stages = [int(x) for x in str(args.stages).split(",")]
     args.microbatches = [int(x) for x in str(args.microbatches).split(",")]
     args.schedules, args.models = args.schedules.split(","), args.models.split(",")
     args.transports = args.transports.split(",")
 
-    print(_common.header("raypar pipeline bubble vs (p-1)/(m+p-1)"), flush=True)
+    print(_common.header("raypar pipeline bubble vs each schedule's formula"), flush=True)
     started = time.perf_counter()
     cpus = max(max(args.stages), os.cpu_count() or 1)
     _common.start_ray(num_cpus=cpus, worker_niceness=args.worker_niceness)

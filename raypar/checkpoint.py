@@ -182,6 +182,15 @@ def begin(root: str, step: int) -> str:
     return staging
 
 
+def discard(staging: str) -> None:
+    """Remove an abandoned staging directory (a save that failed); best effort, a later save prunes it too."""
+    fs, path = resolve_fs(staging)
+    try:
+        fs.delete_dir(path)
+    except _FS_ERRORS:
+        pass  # already gone, or the storage refuses: publish() prunes stale staging dirs later
+
+
 def write_shard(
     staging: str, key: str, tensors: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSpec]
 ) -> dict[str, Any]:
@@ -325,6 +334,8 @@ def load_manifest(ckpt_uri: str) -> dict[str, Any]:
         m = json.loads(_read_bytes(where))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{where}: not valid JSON (incomplete or corrupt manifest): {e}") from e
+    except RecursionError:
+        raise CheckpointError(f"{where}: nested too deeply to be a manifest") from None
     if not isinstance(m, dict):
         raise CheckpointError(f"{where}: not a JSON object")
     if missing := [k for k in ("format", "version", "step", "meta", "tensors", "shards") if k not in m]:
@@ -351,6 +362,58 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
             except CheckpointError:
                 pass  # incomplete (crashed mid-publish) or corrupt: not a checkpoint
     return sorted(found)
+
+
+def verify(ckpt_uri: str, hash_limit_bytes: int = 0) -> None:
+    """Check a checkpoint's shard files against its manifest without loading it: each file exists and has
+    the size the manifest records, and, if the checkpoint holds at most `hash_limit_bytes`, its sha256
+    (that reads every byte). CheckpointError naming the first bad file. What loading finds anyway (and
+    later: once the actors have started), found up front."""
+    m = load_manifest(ckpt_uri)
+    fs = resolve_fs(ckpt_uri)[0]
+    hashes = sum(shard["bytes"] for shard in m["shards"]) <= hash_limit_bytes
+    for shard in m["shards"]:
+        uri = _join(ckpt_uri, shard["file"])
+        try:
+            info = fs.get_file_info(resolve_fs(uri)[1])
+        except _FS_ERRORS as e:
+            raise CheckpointError(f"{uri}: cannot read: {e}") from e
+        if info.type != pafs.FileType.File:
+            raise CheckpointError(f"{uri}: shard file is missing")
+        if info.size != shard["bytes"]:
+            raise CheckpointError(f"{uri}: {info.size} bytes, manifest says {shard['bytes']} (truncated?)")
+        if hashes:
+            _ShardFile(uri, shard)
+
+
+def newest_intact(root: str, hash_limit_bytes: int = 0) -> tuple[str, list[str]]:
+    """The newest checkpoint under `root` that passes `verify`, and one line for each newer step
+    directory passed over and why (a deleted or corrupt manifest, a truncated shard, a stale `latest`).
+    CheckpointError when there is none."""
+    notes = []
+    try:
+        named = _read_bytes(_join(root, LATEST)).decode().strip()
+    except (CheckpointError, UnicodeDecodeError):
+        named = None
+    steps = sorted(
+        (int(m[1]), info.base_name) for info in _subdirs(root) if (m := _STEP_RE.fullmatch(info.base_name))
+    )
+    for step, name in reversed(steps):
+        uri = _join(root, name)
+        try:
+            if load_manifest(uri)["step"] != step:
+                raise CheckpointError(f"{_join(uri, MANIFEST)}: its step is not {step}")
+            verify(uri, hash_limit_bytes)
+        except CheckpointError as e:
+            notes.append(f"skipped {name}: {e}")
+            continue
+        if named and named not in {n for _, n in steps}:
+            notes.insert(0, f"{_join(root, LATEST)} names {named}, which does not exist")
+        return uri, notes
+    raise CheckpointError(
+        f"{root}: no intact checkpoint (no step_* dir with a valid manifest and complete shards)"
+        + (f"; {'; '.join(notes)}" if notes else "")
+    )
 
 
 def resolve(path_or_root: str, which: str | int = "latest") -> str:
@@ -517,6 +580,11 @@ def export(ckpt_uri: str, out_uri: str, prefix_filter: str | None = None) -> str
                                   metadata={"format": "pt", "step": str(reader.step)})
     fs, path = resolve_fs(out_uri)
     if isinstance(fs, pafs.LocalFileSystem):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if os.path.isdir(path):
+            raise CheckpointError(f"{out_uri}: is a directory; give a file name such as model.safetensors")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"{out_uri}: cannot create its directory: {e.strerror or e}") from None
     _write_bytes(out_uri, data)
     return out_uri

@@ -8,6 +8,7 @@ place and run in one pass.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -48,6 +49,8 @@ class ModelConfig:
     seq_len: int = 0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_from: str = ""  # a Hugging Face Llama directory: config.json sets the shape, its weights the start
     dropout: float = 0.0
     # Mixture of experts (raypar.moe): 0 experts = dense.
     moe_experts: int = 0
@@ -68,6 +71,10 @@ class ParallelConfig:
     tp: int = 1
     ep: int = 1
     schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    cp: int = 1
+    cp_style: str = "ring"
     microbatches: int = 1
     transport: str = "object_store"
     device: str = "auto"
@@ -95,6 +102,8 @@ class TrainConfig:
     seed: int = 0
     precision: str = "fp32"
     max_failures: int = 3
+    eval_every: int = 0  # validation loss every N steps (and after the last); 0: never
+    eval_batches: int = 4  # global batches of held-out samples, the same fixed ones every time
     recompute: str = "none"
     recompute_every: int = 1
     reduce_dtype: str = "fp32"
@@ -110,6 +119,8 @@ class TrainConfig:
 class DataConfig:
     source: str = "synthetic"
     cache_dir: str = "data"
+    val_fraction: float = 0.0  # the last samples of `source` (whole documents but one) held out
+    val_source: str = ""  # or a separate source, any kind `source` takes
 
 
 @dataclass
@@ -201,10 +212,37 @@ def from_dict(raw: dict[str, Any]) -> Config:
     preset = model.get("preset", ModelConfig.preset)
     if preset not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset {preset!r} (known: {', '.join(PRESETS)})")
-    sections["model"] = {**PRESETS[preset], **model}
+    sections["model"] = {**PRESETS[preset], **model, **_external_model_fields(model, sections)}
     cfg = Config(**{name: _SECTION_TYPES[name](**sections.get(name, {})) for name in _SECTION_TYPES})
     validate(cfg)
     return cfg
+
+
+def _external_model_fields(model: dict[str, Any], sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Model fields that come from files rather than the config: a Hugging Face config.json
+    (`model.init_from`), or the vocabulary of a tokenizer-prepared `data.source` when `model.vocab_size`
+    is not given (padded to a multiple of tp so the vocab-parallel layers split it). Keys the user set
+    must agree with config.json."""
+    if model.get("init_from"):
+        from raypar import hf  # imports this module: resolved at call time
+
+        fields = hf.model_fields(model["init_from"])
+        for key, value in fields.items():
+            if key in model and model[key] != value:
+                raise ConfigError(
+                    f"model.{key}: {model[key]!r} conflicts with {value!r} from {model['init_from']}/"
+                    f"config.json; leave it unset when model.init_from is set"
+                )
+        return fields
+    source = str(sections.get("data", {}).get("source", ""))
+    if "vocab_size" not in model and source not in ("", "synthetic", "stdlib"):
+        from raypar import data  # imports this module, and torch: only when a directory may be one
+
+        vocab = data.prepared_vocab_size(source)
+        if vocab is not None:
+            tp = int(sections.get("parallel", {}).get("tp", 1)) or 1
+            return {"vocab_size": -(-vocab // tp) * tp}
+    return {}
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -217,6 +255,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         value = tomllib.loads(f"v = {value_text}")["v"]
     except tomllib.TOMLDecodeError:
         value = value_text
+    except RecursionError:
+        raise ConfigError(f"--set {path.strip()}: value nested too deeply") from None
     return section, key.strip(), value
 
 
@@ -224,11 +264,19 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> Config:  # type:
     raw: dict[str, Any] = {}
     if path is not None:
         try:
-            raw = tomllib.loads(Path(path).read_text())
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{path}: config file not found") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{path}: is a directory, not a config file") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not a text file (not UTF-8), so not a TOML config") from None
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot read the config file: {err.strerror or err}") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML ({err})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: not a config (nested too deeply)") from None
     for text in overrides:
         section, key, value = parse_override(text)
         raw.setdefault(section, {})
@@ -263,20 +311,78 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _validate_pipeline(cfg: Config) -> None:
+    """Interleaved 1F1B (virtual_stages > 1) and zero-bubble need whole chunks and enough microbatches,
+    at every data-parallel degree the run may take (microbatches per replica change with dp)."""
+    m, p = cfg.model, cfg.parallel
+    v = p.virtual_stages
+    if v > 1:
+        _require(p.schedule == "1f1b", f'parallel.virtual_stages: needs parallel.schedule = "1f1b", got {v}')
+        _require(p.pp > 1, f"parallel.virtual_stages: needs parallel.pp > 1, got pp={p.pp}")
+        _require(not p.stage_layers, "parallel.stage_layers: must be empty when parallel.virtual_stages > 1")
+        _require(
+            m.n_layers % (p.pp * v) == 0,
+            f"parallel.virtual_stages: model.n_layers={m.n_layers} must be divisible by pp*virtual_stages="
+            f"{p.pp * v}",
+        )
+    if (v > 1 or p.schedule == "zb-h1") and p.pp > 1 and cfg.dp_fixed > 0:
+        top = max(p.max_dp, cfg.dp_fixed)
+        for dp in [cfg.dp_fixed] + list(range(p.min_dp, top + 1)) * (p.dp == "auto" or p.max_dp > 0):
+            if cfg.microbatch_size == 0 or cfg.train.global_batch % (dp * cfg.microbatch_size):
+                continue  # reported by the global_batch rules
+            n_mb = cfg.microbatches_at(dp)
+            _require(
+                n_mb % p.pp == 0 if v > 1 else n_mb >= p.pp,
+                f"parallel.microbatches: {n_mb} microbatches per replica (at dp={dp}) must be "
+                + (f"divisible by pp={p.pp} for interleaved 1F1B" if v > 1 else f">= pp={p.pp} for zb-h1"),
+            )
+
+
+def _validate_context_parallel(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    _require(
+        p.cp_style in ("ring", "ulysses"),
+        f'parallel.cp_style: must be "ring" or "ulysses", got {p.cp_style!r}',
+    )
+    if p.cp == 1:
+        return
+    _require(m.moe_experts == 0, "parallel.cp: not with model.moe_experts > 0 yet")
+    _require(p.zero == 0, f"parallel.cp: needs parallel.zero = 0 (not sharded over cp yet), got {p.zero}")
+    _require(m.dropout == 0, f"parallel.cp: needs model.dropout = 0 (cp attention has none), got {m.dropout}")
+    chunks = 2 * p.cp if p.cp_style == "ring" else p.cp  # ring: the zigzag cuts 2*cp chunks
+    _require(
+        m.seq_len % chunks == 0,
+        f"parallel.cp: model.seq_len={m.seq_len} must be divisible by {chunks} for cp_style={p.cp_style!r}",
+    )
+    if p.cp_style == "ulysses":
+        heads = m.n_heads // p.tp
+        _require(
+            heads % p.cp == 0,
+            f"parallel.cp: the {heads} query heads per tp rank must be divisible by cp={p.cp} for ulysses",
+        )
+
+
 def validate(cfg: Config) -> None:
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.checkpoint
+    for section in dataclasses.fields(cfg):  # nan and +-inf pass comparisons in surprising ways: none allowed
+        body = getattr(cfg, section.name)
+        for f in dataclasses.fields(body):
+            value = getattr(body, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name}: must be a finite number, got {value}")
     for key in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "seq_len"):
         _require(getattr(m, key) > 0, f"model.{key}: must be a positive size, got {getattr(m, key)}")
     _require(m.d_model % m.n_heads == 0, f"model.n_heads: must divide model.d_model={m.d_model}")
     _require(m.head_dim % 2 == 0, f"model.d_model: d_model/n_heads={m.head_dim} must be even for RoPE")
     _require(m.n_heads % m.n_kv_heads == 0, f"model.n_kv_heads: must divide model.n_heads={m.n_heads}")
-    _require(m.rope_theta > 0 and m.norm_eps > 0, "model.rope_theta/norm_eps: must be positive")
+    _require(m.rope_theta > 0, f"model.rope_theta: must be positive, got {m.rope_theta}")
+    _require(m.norm_eps > 0, f"model.norm_eps: must be positive, got {m.norm_eps}")
     _require(0 <= m.dropout < 1, f"model.dropout: must be in [0, 1), got {m.dropout}")
 
     if isinstance(p.dp, str):
         _require(p.dp == "auto", f'parallel.dp: expected a positive int or "auto", got {p.dp!r}')
         _require(p.max_dp >= p.min_dp, 'parallel.max_dp: must be set and >= parallel.min_dp when dp = "auto"')
-    for key in ("pp", "tp", "ep", "microbatches", "min_dp", "threads_per_actor"):
+    for key in ("pp", "tp", "ep", "cp", "microbatches", "min_dp", "threads_per_actor", "virtual_stages"):
         _require(getattr(p, key) > 0, f"parallel.{key}: must be a positive size, got {getattr(p, key)}")
     _require(p.max_dp >= 0, f"parallel.max_dp: must be >= 0 (0 means dp), got {p.max_dp}")
     _require(
@@ -300,8 +406,18 @@ def validate(cfg: Config) -> None:
             sum(p.stage_layers) == m.n_layers, f"parallel.stage_layers: must sum to n_layers={m.n_layers}"
         )
     _require(
-        p.schedule in ("1f1b", "gpipe"), f'parallel.schedule: must be "1f1b" or "gpipe", got {p.schedule!r}'
+        p.schedule in ("1f1b", "gpipe", "zb-h1"),
+        f'parallel.schedule: must be "1f1b", "gpipe" or "zb-h1", got {p.schedule!r}',
     )
+    _validate_pipeline(cfg)
+    if p.sequence_parallel:
+        _require(p.tp > 1, f"parallel.sequence_parallel: needs parallel.tp > 1, got tp={p.tp}")
+        _require(m.moe_experts == 0, "parallel.sequence_parallel: not with model.moe_experts > 0 yet")
+        _require(
+            m.seq_len % (p.tp * p.cp) == 0,
+            f"parallel.sequence_parallel: model.seq_len={m.seq_len} must be divisible by tp*cp={p.tp * p.cp}",
+        )
+    _validate_context_parallel(cfg)
     _require(
         p.transport in ("object_store", "direct"),
         f'parallel.transport: must be "object_store" or "direct", got {p.transport!r}',
@@ -311,6 +427,10 @@ def validate(cfg: Config) -> None:
         f'parallel.device: must be "auto", "cpu" or "gpu", got {p.device!r}',
     )
     _require(p.zero in (0, 1, 2, 3), f"parallel.zero: must be 0, 1, 2 or 3, got {p.zero}")
+    _require(
+        p.zero < 3 or (p.virtual_stages == 1 and p.schedule != "zb-h1"),
+        "parallel.zero: 3 needs one model chunk per stage and a schedule without split backward (not zb-h1)",
+    )
     _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be positive, got {p.bucket_mb}")
     _require(p.timeout_s > 0, f"parallel.timeout_s: must be positive, got {p.timeout_s}")
 
@@ -330,10 +450,14 @@ def validate(cfg: Config) -> None:
                 f"train.global_batch: must be divisible by dp*microbatch_size for every dp in "
                 f"[{p.min_dp}, {p.max_dp}]; fails at dp={dp} (microbatch_size={cfg.microbatch_size})",
             )
-    _require(t.lr > 0 and t.min_lr >= 0, "train.lr: must be positive (and train.min_lr >= 0)")
+    _require(t.lr > 0, f"train.lr: must be positive, got {t.lr}")
+    _require(t.min_lr >= 0, f"train.min_lr: must be >= 0, got {t.min_lr}")
     _require(t.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
-    _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2: must be in [0, 1)")
+    _require(0 <= t.beta1 < 1, f"train.beta1: must be in [0, 1), got {t.beta1}")
+    _require(0 <= t.beta2 < 1, f"train.beta2: must be in [0, 1), got {t.beta2}")
     _require(t.grad_clip >= 0, f"train.grad_clip: must be >= 0 (0 disables), got {t.grad_clip}")
+    _require(t.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {t.weight_decay}")
+    _require(t.seed >= 0, f"train.seed: must be >= 0 (it seeds numpy's PCG64), got {t.seed}")
     _require(
         t.precision in ("fp32", "bf16", "fp16"),
         f'train.precision: must be "fp32", "bf16" or "fp16", got {t.precision!r}',
@@ -360,6 +484,25 @@ def validate(cfg: Config) -> None:
     )
     _require(t.recompute_every > 0, f"train.recompute_every: must be positive, got {t.recompute_every}")
     _require(t.max_failures >= 0, f"train.max_failures: must be >= 0, got {t.max_failures}")
+    _require(
+        not (m.init_from and m.moe_experts),
+        "model.moe_experts: Hugging Face Llama weights (model.init_from) have no experts; leave it 0",
+    )
+    _require(t.eval_every >= 0, f"train.eval_every: must be >= 0 (0 disables), got {t.eval_every}")
+    _require(t.eval_batches > 0, f"train.eval_batches: must be positive, got {t.eval_batches}")
+    d = cfg.data
+    _require(0 <= d.val_fraction < 1, f"data.val_fraction: must be in [0, 1), got {d.val_fraction}")
+    _require(
+        not (d.val_fraction and d.val_source), "data.val_fraction: set it or data.val_source, not both"
+    )
+    _require(
+        not t.eval_every or (p.virtual_stages == 1 and p.cp == 1),
+        "train.eval_every: validation runs with one model chunk per stage and without cp for now",
+    )
+    _require(
+        not t.eval_every or bool(d.val_fraction or d.val_source),
+        "train.eval_every: needs held-out data: set data.val_fraction or data.val_source",
+    )
 
     _require(c.every >= 0, f"checkpoint.every: must be >= 0 (0 disables), got {c.every}")
     _require(c.keep > 0, f"checkpoint.keep: must be positive, got {c.keep}")

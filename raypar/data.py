@@ -3,11 +3,13 @@
 Cache layout (``prepare``)::
 
     <out_dir>/index.json           vocab, files, shard token counts, total tokens, sha256 of the tokens
-    <out_dir>/tokens-00000.arrow   Arrow IPC file, one uint16 column ``tokens`` (one record batch)
+    <out_dir>/tokens-00000.arrow   Arrow IPC file, one uint16 (uint32 past 65536 ids) column ``tokens``
+    <out_dir>/tokenizer.json       the tokenizer, when not byte-level (recorded again in checkpoints)
 
 A cache is built in a hidden sibling directory and renamed into place, so a directory at ``out_dir`` is
-always complete. Tokenization is byte-level (token = byte value, vocab 256); the token stream is the
-files' bytes joined by ``separator``. uint16 keeps the format valid for vocabularies up to 65536.
+always complete. Tokenization is byte-level (token = byte value, vocab 256; documents joined by
+``separator``) or a `tokenizers` tokenizer (documents joined by its EOS token); see raypar.tokenizer
+and, for where documents come from, raypar.corpus.
 
 Sampling (the numerics contract): sample ``i`` is the window ``tokens[i*T : i*T + T + 1]`` (inputs the
 first T, targets the last T). ``GlobalSampler`` maps a step to a fixed, ordered global batch of sample
@@ -23,13 +25,14 @@ step sees does not depend on dp or on the number of microbatches, and resuming n
 from __future__ import annotations
 
 import errno
-import glob
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
 import sysconfig
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,12 +42,12 @@ import pyarrow as pa
 import torch
 
 from raypar.config import ConfigError, DataConfig, ModelConfig
+from raypar.corpus import Corpus, expand_globs
+from raypar.tokenizer import ByteTokenizer, Tokenizer, from_record
 
-INDEX = "index.json"
+INDEX, TOKENIZER = "index.json", "tokenizer.json"
 FORMAT_VERSION = 1
-BYTE_VOCAB = 256
 DEFAULT_SHARD_TOKENS = 16 * 2**20
-_SCHEMA = pa.schema([("tokens", pa.uint16())])
 # Top-level stdlib directories left out of the stdlib corpus: installed packages are not the standard
 # library, and test/ is mostly fixtures (some deliberately malformed) that would double the corpus.
 _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "__pycache__"})
@@ -53,19 +56,10 @@ _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "__pycache__
 # ---------------------------------------------------------------------------------------------- prepare
 
 
-def expand_globs(globs: list[str]) -> list[str]:
-    """Files matching any glob (``**`` recursive, ``~`` expanded), absolute, deduplicated and sorted."""
-    found = set()
-    for pattern in globs:
-        for path in glob.glob(os.path.expanduser(pattern), recursive=True):
-            if os.path.isfile(path):
-                found.add(os.path.abspath(path))
-    return sorted(found)
-
-
 def _write_shard(path: Path, tokens: np.ndarray) -> None:
-    batch = pa.record_batch([pa.array(tokens, type=pa.uint16())], schema=_SCHEMA)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, _SCHEMA) as writer:
+    schema = pa.schema([("tokens", pa.from_numpy_dtype(tokens.dtype))])
+    batch = pa.record_batch([pa.array(tokens)], schema=schema)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
         writer.write_batch(batch)
 
 
@@ -76,11 +70,13 @@ class _ShardWriter:
         self.out_dir, self.shard_tokens = out_dir, shard_tokens
         self.pending: list[np.ndarray] = []
         self.pending_len = 0
+        self.total = 0
         self.shards: list[dict[str, Any]] = []
         self.sha256 = hashlib.sha256()
 
     def add(self, tokens: np.ndarray) -> None:
         self.sha256.update(tokens)
+        self.total += len(tokens)
         while len(tokens):
             take = min(len(tokens), self.shard_tokens - self.pending_len)
             self.pending.append(tokens[:take])
@@ -99,52 +95,75 @@ class _ShardWriter:
 
 
 def prepare(
-    globs: list[str],
+    sources: list[str],
     out_dir: str | os.PathLike[str],
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     separator: bytes = b"\n\n",
+    tokenizer: Tokenizer | None = None,
+    column: str = "text",
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """Tokenize the text files matching `globs` into Arrow shards under `out_dir`; return the index.
+    """Tokenize the documents of `sources` (text-file globs, Parquet / JSON-lines tables: see
+    raypar.corpus) into Arrow shards under `out_dir`; return the index.
 
-    If `out_dir` already holds a cache of the same tokens (a concurrent preparer won the race, or this
-    is a rerun) that cache is kept and its index returned; a cache of different tokens is never
-    overwritten (FileExistsError: remove it first).
+    Documents are joined by the tokenizer's EOS token (byte-level: by `separator`). Streaming: at most one
+    batch of documents and one shard of tokens are in memory. If `out_dir` already holds a cache of the
+    same tokens (a concurrent preparer won the race, or a rerun) that cache is kept and its index
+    returned; a cache of different tokens is never overwritten (FileExistsError: remove it first).
     """
+    from tqdm import tqdm
+
     if shard_tokens <= 0:
         raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
-    files = expand_globs(globs)
-    if not files:
-        raise ValueError(f"no files match {globs}")
+    tok = tokenizer or ByteTokenizer()
+    corpus = Corpus.open(sources, column)
+    dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
+    if tok.eos_id is None:
+        sep = np.frombuffer(separator, dtype=np.uint8).astype(dtype)
+    else:
+        sep = np.array([tok.eos_id], dtype=dtype)
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
+    bar = tqdm(unit="doc", disable=not progress, dynamic_ncols=True, desc="prepare")
     try:
         writer = _ShardWriter(staging, shard_tokens)
-        sep = np.frombuffer(separator, dtype=np.uint8).astype(np.uint16)
-        file_entries = []
-        for n, path in enumerate(files):
-            body = Path(path).read_bytes()
-            if n:
-                writer.add(sep)
-            writer.add(np.frombuffer(body, dtype=np.uint8).astype(np.uint16))
-            file_entries.append({"path": path, "bytes": len(body)})
+        docs, read_bytes, start = 0, 0, time.perf_counter()
+        for texts in corpus.batches():
+            for ids in tok.encode_batch(texts):
+                if docs:
+                    writer.add(sep)
+                writer.add(ids.astype(dtype, copy=False))
+                docs += 1
+            read_bytes += sum(len(t) if isinstance(t, bytes) else len(t.encode()) for t in texts)
+            mb_s = read_bytes / 2**20 / max(time.perf_counter() - start, 1e-9)
+            bar.update(len(texts))
+            bar.set_postfix(tokens=f"{writer.total:,}", MB_s=f"{mb_s:.1f}", refresh=False)
         writer.flush()
+        if not writer.total:
+            raise ConfigError(f"{', '.join(sources)}: the corpus is empty (no document has any text)")
+        record = tok.record()
         index = {
             "format_version": FORMAT_VERSION,
-            "vocab": "bytes",
-            "vocab_size": BYTE_VOCAB,
-            "dtype": "uint16",
-            "separator": list(separator),
-            "sources": list(globs),
-            "files": file_entries,
+            "vocab": "bytes" if record["kind"] == "bytes" else "tokenizer",
+            "vocab_size": tok.vocab_size,
+            "dtype": dtype.name,
+            "separator": list(separator) if tok.eos_id is None else None,
+            "eos_id": tok.eos_id,
+            **corpus.describe(),
+            "documents": docs,
             "shards": writer.shards,
-            "total_tokens": sum(s["tokens"] for s in writer.shards),
+            "total_tokens": writer.total,
             "sha256": writer.sha256.hexdigest(),
         }
+        if record["kind"] != "bytes":
+            (staging / TOKENIZER).write_text(record.pop("json"))
+            index["tokenizer"] = {**record, "file": TOKENIZER}
         (staging / INDEX).write_text(json.dumps(index, indent=1))
         return _publish(staging, out, index)
     finally:
+        bar.close()
         shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -163,14 +182,60 @@ def _publish(staging: Path, out: Path, index: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The index of a prepared directory, checked: ValueError (FileNotFoundError if absent) naming it."""
     index_path = Path(path) / INDEX
     try:
-        index = json.loads(index_path.read_text())
+        index = json.loads(index_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise FileNotFoundError(f"{index_path}: not found (not a prepared token directory)") from None
-    if index.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{index_path}: unsupported format_version {index.get('format_version')!r}")
+    except IsADirectoryError:
+        raise ValueError(f"{index_path}: is a directory, not an index") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise ValueError(f"{index_path}: not a valid index (broken JSON: {str(err)[:80]})") from None
+    if not isinstance(index, dict) or index.get("format_version") != FORMAT_VERSION:
+        version = index.get("format_version") if isinstance(index, dict) else None
+        raise ValueError(f"{index_path}: unsupported format_version {version!r}")
+    shards = index.get("shards")
+    if not (
+        isinstance(index.get("vocab_size"), int)
+        and isinstance(shards, list)
+        and all(
+            isinstance(s, dict)
+            and isinstance(s.get("file"), str)
+            and Path(s["file"]).name == s["file"]  # a file of this directory, nothing outside it
+            and isinstance(s.get("tokens"), int)
+            and s["tokens"] >= 0
+            for s in shards
+        )
+    ):
+        raise ValueError(f"{index_path}: incomplete index (needs vocab_size and shards [{{file, tokens}}])")
     return index
+
+
+def prepared_vocab_size(source: str) -> int | None:
+    """The tokenizer's vocabulary size if `source` is a directory prepared with a tokenizer, else None."""
+    path = Path(source.strip()) / INDEX if source.strip() else None
+    if path is None or not path.is_file():
+        return None
+    index = read_index(path.parent)
+    return int(index["vocab_size"]) if index.get("tokenizer") else None
+
+
+def tokenizer_record(data_cfg: DataConfig) -> dict[str, Any] | None:
+    """The tokenizer of `data.source`, as checkpoints record it (None for synthetic data)."""
+    source = data_cfg.source.strip()
+    if source == "synthetic":
+        return None
+    if source and (Path(source) / INDEX).is_file():
+        entry = read_index(source).get("tokenizer")
+        if entry:
+            return {**entry, "json": (Path(source) / entry["file"]).read_text()}
+    return ByteTokenizer().record()
+
+
+def open_tokenizer(source: str) -> Tokenizer:
+    """The tokenizer a prepared directory was made with."""
+    return from_record(tokenizer_record(DataConfig(source=source)))
 
 
 def stdlib_globs() -> list[str]:
@@ -210,17 +275,28 @@ class TokenDataset:
             )
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
-        self.shards = [self._map(Path(path) / s["file"]) for s in self.index["shards"]]
+        dtype = np.dtype(self.index.get("dtype", "uint16"))
+        self.shards = [self._map(Path(path) / s["file"], s["tokens"], dtype) for s in self.index["shards"]]
         # starts[k] = global position of shards[k][0]; windows that cross a boundary are stitched in sample().
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])
         self.total_tokens = int(self.starts[-1])
 
     @staticmethod
-    def _map(path: Path) -> np.ndarray:
-        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-        batches = (reader.get_batch(b) for b in range(reader.num_record_batches))
-        chunks = [batch.column(0).to_numpy(zero_copy_only=True) for batch in batches]
-        return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+    def _map(path: Path, tokens: int, dtype: np.dtype) -> np.ndarray:
+        """The shard's tokens, mapped; ValueError naming the file if it is missing, broken or incomplete."""
+        try:
+            reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+            schema = pa.schema([("tokens", pa.from_numpy_dtype(dtype))])
+            if reader.schema != schema:
+                raise ValueError(f"schema {reader.schema}, expected {schema}")
+            batches = (reader.get_batch(b) for b in range(reader.num_record_batches))
+            chunks = [batch.column(0).to_numpy(zero_copy_only=True) for batch in batches]
+        except (OSError, ValueError, pa.ArrowException) as err:
+            raise ValueError(f"{path}: not a readable token shard ({str(err)[:120]})") from None
+        array = chunks[0] if len(chunks) == 1 else np.concatenate([np.empty(0, dtype), *chunks])
+        if len(array) != tokens:
+            raise ValueError(f"{path}: {len(array)} tokens, its index says {tokens} (incomplete)")
+        return array
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Ship the path, not the mapped tokens: the receiving process maps the same files itself.
@@ -276,6 +352,57 @@ class SyntheticDataset:
         return window[:-1], window[1:]
 
 
+class SampleRange:
+    """Samples [start, stop) of another dataset, renumbered from 0: the train / validation split."""
+
+    def __init__(self, base: Dataset, start: int, stop: int):
+        if not 0 <= start <= stop <= base.num_samples:
+            raise ValueError(f"sample range [{start}, {stop}) is not inside [0, {base.num_samples})")
+        self.base, self.start, self.stop = base, start, stop
+
+    @property
+    def num_samples(self) -> int:
+        return self.stop - self.start
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_index(i, self.num_samples)
+        return self.base.sample(self.start + i)
+
+
+def open_datasets(data_cfg: DataConfig, model_cfg: ModelConfig) -> tuple[Dataset, Dataset | None]:
+    """(training, validation) data. `data.val_fraction` holds out the last samples of the source: a
+    contiguous tail of the token stream, so whole documents (all but the one cut at the boundary);
+    `data.val_source` is a separate dataset; else there is no validation data (None)."""
+    full = open_dataset(data_cfg, model_cfg)
+    if data_cfg.val_source:
+        val_cfg = DataConfig(source=data_cfg.val_source, cache_dir=data_cfg.cache_dir)
+        return full, open_dataset(val_cfg, model_cfg)
+    if not data_cfg.val_fraction:
+        return full, None
+    held = math.ceil(full.num_samples * data_cfg.val_fraction)
+    if held >= full.num_samples:
+        raise ConfigError(f"data.val_fraction: {data_cfg.val_fraction} leaves no training samples")
+    cut = full.num_samples - held
+    return SampleRange(full, 0, cut), SampleRange(full, cut, full.num_samples)
+
+
+def check_eval(val: Dataset | None, eval_batches: int, global_batch: int) -> None:
+    """ConfigError unless `val` holds `eval_batches` global batches."""
+    if val is not None and val.num_samples < eval_batches * global_batch:
+        raise ConfigError(
+            f"train.eval_batches: {eval_batches} batches of {global_batch} need "
+            f"{eval_batches * global_batch} validation samples, the held-out data has {val.num_samples}"
+        )
+
+
+def eval_microbatch(dataset: Dataset, batch: int, mb_index: int, mb_size: int, global_batch: int):
+    """Microbatch `mb_index` of validation batch `batch`: samples in order (no shuffling), so every
+    evaluation sees the same batches whatever the layout. Returns (inputs, targets) [mb_size, T]."""
+    first = batch * global_batch + mb_index * mb_size
+    inputs, targets = zip(*(dataset.sample(first + i) for i in range(mb_size)), strict=True)
+    return torch.stack(inputs), torch.stack(targets)
+
+
 def open_dataset(data_cfg: DataConfig, model_cfg: ModelConfig) -> Dataset:
     """The dataset `data.source` names: "synthetic", "stdlib", a prepared directory, or text-file globs.
 
@@ -310,7 +437,12 @@ def open_dataset(data_cfg: DataConfig, model_cfg: ModelConfig) -> Dataset:
 
 def _prepared(globs: list[str], out: Path, seq_len: int, vocab_size: int) -> TokenDataset:
     if not (out / INDEX).is_file():
-        prepare(globs, out)
+        try:
+            prepare(globs, out)
+        except OSError as err:  # the cache directory is a file, unwritable, or the disk is full
+            raise ConfigError(
+                f"data.cache_dir: cannot prepare the data in {out.parent}: {err.strerror or err}"
+            ) from None
     return TokenDataset(out, seq_len, vocab_size)
 
 

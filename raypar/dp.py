@@ -4,8 +4,11 @@
 
 - **Flat buffers.** Parameters and gradients live as views into per-bucket flat buffers
   (`raypar.flat`), so reducing a bucket reads and writes the gradients themselves: no copy in or out.
-- **Reduction** starts bucket by bucket during the last microbatch's backward (`arm()` before it,
-  `finish()` after): a post-accumulate-grad hook counts each bucket's final gradients.
+- **Reduction** starts bucket by bucket during the last op that accumulates each parameter's gradient
+  (`arm(params)` right before it: a model chunk's last backward or backward_weight; `disarm()` at the start
+  of a step; `finish()` after the last): a post-accumulate-grad hook collects each bucket's final gradients,
+  and a bucket spanning chunks launches once all of them are in. `hold(names)` keeps the buckets of some
+  parameters for `finish` (a tied embedding's copies are summed across stages first).
 - **ZeRO stage** (`zero`): 0 all-reduces gradients and updates everything on every replica; 1 shards the
   fp32 master weights and Adam moments over the DP group (each rank updates its piece of every bucket,
   then the buckets' parameters are all-gathered); 2 also reduce-scatters gradients straight into the
@@ -15,7 +18,9 @@
   the parameter buffer); otherwise a separate fp32 master holds the owned piece and the update is cast
   back. This is the one place master weights live.
 - **Grad norm** (`grad_sq_norm`): this (stage, tp rank) coordinate's part, summed over the DP group
-  when shards are split; tp-replicated parameters count on tp rank 0 only.
+  when shards are split; tp-replicated parameters count on tp rank 0 only, a tied embedding's copy on the
+  last stage (`model.tied_copy`) nowhere: the first stage's counts it. That copy is not checkpointed
+  either, and loads from the tensor it is a copy of (`model.init_source`).
 - **State.** `checkpoint_parts` names the rectangles this rank owns (each rank writes only those; at
   stage 0 replica 0 writes everything); `load` reads this rank's part of any checkpoint; `full_state` /
   `load_full_state` move the whole state across a change of dp (re-sharding) and heal new replicas.
@@ -97,6 +102,8 @@ class DPStrategy:
             n: (tuple(p.shape), (0,) * p.ndim) for n, p in named
         }
         self.replicated = getattr(model, "replicated", lambda name: False)
+        self.tied_copy = getattr(model, "tied_copy", lambda name: False)
+        self.source = getattr(model, "init_source", lambda name: name)
         self.layout = FlatLayout(
             named, self.size if zero >= 1 else 1, self.rank if zero >= 1 else 0, bucket_bytes,
             self._bucket_groups(model),
@@ -111,7 +118,8 @@ class DPStrategy:
         self.master_is_param = self.dtype == torch.float32 and zero < 3
         self.step_count = 0
         self.traffic = {"reduce_bytes": 0, "gather_bytes": 0}
-        self._armed = False
+        self._armed: set[int] = set()  # ids of the parameters whose next gradient is final
+        self._held: set[int] = set()  # buckets that only `finish` reduces
         owned = self.layout.owned_numel
         self.master_grads: torch.Tensor | None = None  # fp32 copies, when the reduced grads are 16-bit
         with torch.no_grad():
@@ -170,7 +178,8 @@ class DPStrategy:
         return self.moments[moment][piece.pos : piece.pos + piece.numel]
 
     def _counted(self, piece: Piece) -> bool:
-        return self.tp_rank == 0 or not self.replicated(piece.slot.name)
+        name = piece.slot.name
+        return (self.tp_rank == 0 or not self.replicated(name)) and not self.tied_copy(name)
 
     # -- gradients -----------------------------------------------------------------------------------
     def _allocate_grads(self) -> None:
@@ -195,23 +204,39 @@ class DPStrategy:
         out, self.traffic = self.traffic, dict.fromkeys(self.traffic, 0)
         return out
 
-    def arm(self) -> None:
-        """Right before the last microbatch's backward: a bucket whose gradients are final starts its
-        reduction."""
-        self._armed = True
+    def hold(self, names: set[str]) -> None:
+        """The buckets holding any of `names` are reduced by `finish` only, not as their gradients become
+        final: the caller changes those gradients in between (a tied embedding's, summed across stages)."""
+        self._held = {s.bucket for s in self.layout.slots.values() if s.name in names}
+
+    def disarm(self) -> None:
+        """At the start of a step: forget the previous (or a failed) step's readiness and reductions."""
+        self._armed.clear()
         for bucket in self.layout.buckets:
             bucket.ready, bucket.work = 0, None
+            bucket.final.clear()
+
+    def arm(self, params: list[nn.Parameter] | None = None) -> None:
+        """Right before the last op that accumulates gradients into `params` (default: all of this
+        strategy's): from then on their gradients are final, and a bucket whose gradients are all final
+        starts its reduction. Parameters of other strategies are ignored."""
+        slots = self.layout.slots.values()
+        self._armed |= {id(s.param) for s in slots} if params is None else {id(p) for p in params}
 
     def _on_grad(self, slot: Slot, param: nn.Parameter) -> None:
         bucket = self.layout.buckets[slot.bucket]
+        if id(param) in self._armed:
+            bucket.final.add(id(param))
+            complete = len(bucket.final) == len(bucket.slots)
+            if complete and bucket.work is None and slot.bucket not in self._held:
+                bucket.work = self._reduce(bucket)
         bucket.ready += 1
         if bucket.ready == len(bucket.slots):
             bucket.ready = 0
             self._bucket_done(bucket)
 
     def _bucket_done(self, bucket: Bucket) -> None:
-        if self._armed and bucket.work is None:
-            bucket.work = self._reduce(bucket)
+        """Every gradient of `bucket` accumulated once more (final or not): ZeRO-3 frees its parameters."""
 
     def _reduce(self, bucket: Bucket) -> Work | None:
         b = self.size
@@ -244,7 +269,9 @@ class DPStrategy:
         if self.divisor not in (None, 1):
             for piece in self.layout.pieces:
                 self._grad(piece).div_(self.divisor)
-        self._armed = False
+        self._armed.clear()
+        for bucket in self.layout.buckets:
+            bucket.final.clear()
         if self._free_after_reduce:
             self._free_grads()
 
@@ -288,7 +315,9 @@ class DPStrategy:
         """Discard gradients (after an update, or a failed step that must leave nothing behind)."""
         for bucket in self.layout.buckets:
             bucket.work, bucket.ready, bucket.reduced = None, 0, None
-        self._armed, self.master_grads = False, None
+            bucket.final.clear()
+        self._armed.clear()
+        self.master_grads = None
         if self._free_after_reduce:
             self._free_grads()
         else:
@@ -385,14 +414,16 @@ class DPStrategy:
             if self.zero < 3:
                 for slot in self.layout.slots.values():
                     shape, offsets = self.specs[slot.name]
-                    full = reader.read_slice(slot.name, tuple(shape), tuple(offsets), slot.shape, self.dtype)
+                    source = self.source(slot.name)  # a tied head is stored as the embedding
+                    full = reader.read_slice(source, tuple(shape), tuple(offsets), slot.shape, self.dtype)
                     slot.param.data.copy_(full)
             for piece in self.layout.pieces:
+                source = self.source(piece.slot.name)
                 if self.master is not None:
-                    self._read_piece(reader, piece.slot.name, piece, self._master(piece))
+                    self._read_piece(reader, source, piece, self._master(piece))
                 for m in MOMENTS:
                     if step_count:
-                        name = f"optim.{m}.{piece.slot.name}"
+                        name = f"optim.{m}.{source}"
                         self._read_piece(reader, name, piece, self._moment(m, piece))
                     else:
                         self._moment(m, piece).zero_()

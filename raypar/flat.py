@@ -56,7 +56,8 @@ class Bucket:
     params: torch.Tensor | None = None  # the full flat parameters (None or freed storage under ZeRO-3)
     grads: torch.Tensor | None = None  # the full flat gradients, alive from first backward to reduction
     reduced: torch.Tensor | None = None  # their cast copy, when reduced in another dtype (stages 0-1)
-    ready: int = 0
+    ready: int = 0  # gradients accumulated since the bucket last completed (ZeRO-3 frees it then)
+    final: set[int] = field(default_factory=set)  # ids of the parameters whose gradient is final
     work: object | None = None
     names: set[str] = field(default_factory=set)
 

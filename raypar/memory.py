@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from raypar.schedules import Instr
+from raypar.schedules import Instr, peak_in_flight
 
 
 class SavedActivations:
@@ -75,15 +75,9 @@ class LiveActivations:
 
 
 def max_in_flight(plan: Sequence[Instr]) -> int:
-    """The most microbatches with a forward done and their backward not yet, along one stage's plan."""
-    live = most = 0
-    for ins in plan:
-        if ins.op == "forward":
-            live += 1
-            most = max(most, live)
-        elif ins.op == "backward":
-            live -= 1
-    return most
+    """The most units (chunk, microbatch) with a forward done and their graph not freed yet (by backward or,
+    split, backward_weight), along one stage's plan."""
+    return peak_in_flight(list(plan))
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

@@ -1,4 +1,5 @@
-"""A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention, untied embeddings, no biases).
+"""A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases), embeddings untied or
+tied (`model.tie_embeddings`: the head is the embedding matrix).
 
 `LlamaStage` is the part of the model one pipeline stage holds on one tensor-parallel rank; the whole model
 is `LlamaStage(cfg, range(cfg.n_layers), first=True, last=True)`. Parameter names are global whatever the
@@ -30,8 +31,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from collectives import Group
+from raypar import cp
 from raypar.config import ModelConfig
 from raypar.moe import MoELayer, MoEStats, is_moe_layer
+from raypar.sp import gather_from_sp
 from raypar.tp import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -45,6 +48,7 @@ from raypar.tp import (
 )
 
 INIT_STD = 0.02
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None
 
 
 class RMSNorm(nn.Module):
@@ -56,10 +60,32 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._normalize(x, self.weight)
+
+    def _normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # fp32 even under autocast: the mean of squares loses too much in bf16.
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).type_as(x)
+        return (y * weight.float()).type_as(x)
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """RMSNorm over this rank's sequence shard (raypar.sp). Its weight sees only these tokens, so the weight
+    is used through Megatron's f: the backward all-reduces its gradient over `group` (tp), and every rank
+    holds the full gradient of the replicated weight. `group` is rebound like every tp layer's."""
+
+    def __init__(self, dim: int, eps: float, group: Group | None):
+        super().__init__(dim, eps)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._normalize(x, copy_to_tp(self.weight, self.group))
+
+
+def make_norm(cfg: ModelConfig, group: Group | None, sequence_parallel: bool) -> RMSNorm:
+    if sequence_parallel:
+        return SequenceParallelRMSNorm(cfg.d_model, cfg.norm_eps, group)
+    return RMSNorm(cfg.d_model, cfg.norm_eps)
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,9 +113,9 @@ def _recomputed(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: Group | None):
+    def __init__(self, cfg: ModelConfig, group: Group | None, sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.head_dim = group, cfg.head_dim
+        self.group, self.head_dim, self.sp = group, cfg.head_dim, sequence_parallel
         self.dropout, self.selective = cfg.dropout, False
         self.n_heads = cfg.n_heads // tp_size(group)
         self.n_kv_heads = cfg.n_kv_heads // tp_size(group)
@@ -97,22 +123,30 @@ class Attention(nn.Module):
         self.wq = ColumnParallelLinear(d, cfg.n_heads * hd, group, copy_input=False)
         self.wk = ColumnParallelLinear(d, cfg.n_kv_heads * hd, group, copy_input=False)
         self.wv = ColumnParallelLinear(d, cfg.n_kv_heads * hd, group, copy_input=False)
-        self.wo = RowParallelLinear(cfg.n_heads * hd, d, group)
+        self.wo = RowParallelLinear(cfg.n_heads * hd, d, group, sequence_parallel)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend = None
+    ) -> torch.Tensor:
+        """`attend(q, k, v)`: context-parallel causal attention (raypar.cp) when the sequence is split
+        across a cp group; None: all tokens are here, plain SDPA."""
+        # once for wq, wk and wv: this rank's whole sequence (all-gathered under SP) on every tp rank
+        x = gather_from_sp(x, self.group) if self.sp else copy_to_tp(x, self.group)
         batch, seq, _ = x.shape
-        x = copy_to_tp(x, self.group)  # once for wq, wk and wv
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         core = _recomputed if self.selective else _call
-        y = core(self._core, q, k, v, cos, sin)
+        y = core(self._core, q, k, v, cos, sin, attend)
         return self.wo(y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
 
     def _core(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        attend: Attend,
     ) -> torch.Tensor:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if attend is not None:  # context parallel (no attention dropout: config rejects it)
+            return attend(q, k, v)
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
 
@@ -122,15 +156,16 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: Group | None):
+    def __init__(self, cfg: ModelConfig, group: Group | None, sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.selective = group, False
+        self.group, self.sp, self.selective = group, sequence_parallel, False
         self.w_gate = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
         self.w_up = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
-        self.w_down = RowParallelLinear(cfg.d_ff, cfg.d_model, group)
+        self.w_down = RowParallelLinear(cfg.d_ff, cfg.d_model, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.group)  # once for w_gate and w_up
+        # once for w_gate and w_up
+        x = gather_from_sp(x, self.group) if self.sp else copy_to_tp(x, self.group)
         act = _recomputed if self.selective else _call
         return self.w_down(act(_swiglu, self.w_gate(x), self.w_up(x)))
 
@@ -139,25 +174,28 @@ class Block(nn.Module):
     """A transformer block; `set_recompute` picks what its backward recomputes (see the module docstring)."""
 
     def __init__(
-        self, cfg: ModelConfig, group: Group | None, moe: bool = False, ep_group: Group | None = None
+        self, cfg: ModelConfig, group: Group | None, moe: bool = False, ep_group: Group | None = None,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         self.full = False
         self.dropout = cfg.dropout
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, group)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MoELayer(cfg, group, ep_group) if moe else SwiGLU(cfg, group)
+        self.attn_norm = make_norm(cfg, group, sequence_parallel)
+        self.attn = Attention(cfg, group, sequence_parallel)
+        self.mlp_norm = make_norm(cfg, group, sequence_parallel)
+        self.mlp = MoELayer(cfg, group, ep_group) if moe else SwiGLU(cfg, group, sequence_parallel)
 
     def set_recompute(self, mode: str) -> None:
         self.full = mode == "full"
         self.attn.selective = self.mlp.selective = mode == "selective"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return (_recomputed if self.full else _call)(self._forward, x, cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend = None
+    ) -> torch.Tensor:
+        return (_recomputed if self.full else _call)(self._forward, x, cos, sin, attend)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.attn_norm(x), cos, sin))
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        x = x + self._drop(self.attn(self.attn_norm(x), cos, sin, attend))
         return x + self._drop(self.mlp(self.mlp_norm(x)))
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +207,19 @@ class Block(nn.Module):
 class LlamaStage(nn.Module):
     """Layers `layers` of the model, plus the embedding if `first` and the final norm and head if `last`,
     on one tensor-parallel rank of `tp_group` (None: no tensor parallelism), holding the experts of its
-    position in `ep_group` (None: every expert; see raypar.moe)."""
+    position in `ep_group` (None: every expert; see raypar.moe).
+
+    `chunks` (interleaved pipelines): the layer ranges of the model chunks this rank holds, in order, e.g.
+    [range(0, 2), range(4, 6)]; `layers` is then ignored. The embedding belongs to chunk 0 and the head
+    to the last chunk. Parameter names stay global, so checkpoints, DP and TP see one flat model.
+
+    `sequence_parallel` (Megatron-SP, raypar.sp, tp > 1): hidden states between blocks, and into and out of
+    the stage, hold this tp rank's T/tp tokens; the loss still covers every token.
+
+    `cp_group` (context parallelism, raypar.cp): this rank holds its T/cp tokens of every sequence
+    (contiguous for `cp_style` "ulysses", zigzag for "ring"); the first stage takes full token ids and
+    keeps its own, RoPE uses their global positions, attention spans the group, and the loss is the mean
+    over this rank's tokens (equal shares: the mean over the cp group is the sequence's mean)."""
 
     def __init__(
         self,
@@ -180,37 +230,83 @@ class LlamaStage(nn.Module):
         tp_group: Group | None = None,
         seed: int = 0,
         ep_group: Group | None = None,
+        chunks: list[range] | None = None,
+        sequence_parallel: bool = False,
+        cp_group: Group | None = None,
+        cp_style: str = "ring",
+        init: bool = True,
     ):
         super().__init__()
         self.cfg, self.first, self.last, self.tp_group = cfg, first, last, tp_group
+        self.sp, self.cp_group, self.cp_style = sequence_parallel, cp_group, cp_style
+        self.chunks = list(chunks) if chunks else [layers]
+        sp = sequence_parallel
         if first:
-            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group)
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group, sp)
         self.layers = nn.ModuleDict(
-            {str(i): Block(cfg, tp_group, is_moe_layer(cfg, i), ep_group) for i in layers}
+            {str(i): Block(cfg, tp_group, is_moe_layer(cfg, i), ep_group, sp) for c in self.chunks for i in c}
         )
         if last:
-            self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-            self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp_group)
+            self.norm = make_norm(cfg, tp_group, sp)
+            self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp_group, copy_input=not sp)
+            if first and cfg.tie_embeddings:
+                self.head.weight = self.embed.weight  # same shape and vocab-row sharding
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights(seed)
+        if init:  # False: the caller fills every parameter (from a checkpoint or Hugging Face files)
+            self.init_weights(seed)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """x: token ids [B, T] on the first stage, hidden states [B, T, d] elsewhere. Returns hidden states
-        [B, T, d] if not last; on the last stage the mean loss over all B*T tokens given `targets`, else this
-        rank's logits [B, T, vocab/tp]."""
-        seq = x.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        h = self.embed(x) if self.first else x
-        for block in self.layers.values():
-            h = block(h, cos, sin)
-        if not self.last:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        """Run model chunk `chunk`. x: token ids [B, T] into the first stage's chunk 0, hidden states
+        [B, T, d] elsewhere. Returns hidden states [B, T, d] except from the last stage's last chunk: there
+        the mean loss over all B*T tokens given `targets`, else this rank's logits [B, T, vocab/tp]."""
+        seq = x.shape[1]  # of the whole sequence: token ids are full, hidden states T/(cp tp) or T/cp
+        if x.dim() == 3:
+            seq *= tp_size(self.tp_group) if self.sp else 1
+            seq *= tp_size(self.cp_group)
+        cos, sin, attend = self._rope_and_attention(seq)
+        h = self.embed_tokens(x) if x.dim() == 2 else x
+        for i in self.chunks[chunk]:
+            h = self.layers[str(i)](h, cos, sin, attend)
+        if not (self.last and chunk == len(self.chunks) - 1):
             return h
-        logits = self.head(self.norm(h))
+        h = self.norm(h)
+        logits = self.head(gather_from_sp(h, self.tp_group) if self.sp else h)
         if targets is None:
             return logits
+        if self.cp_group is not None:
+            targets = cp.shard(targets, self.cp_group, self.cp_style)
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> this rank's hidden states: its cp share of the tokens, embedded (and under SP,
+        its tp share of those). `forward` on chunk 0 does this itself; the executor calls it apart so that a
+        split backward has the embedding's output to stop at (zero-bubble B on the first stage)."""
+        if self.cp_group is not None:
+            ids = cp.shard(ids, self.cp_group, self.cp_style)
+        return self.embed(ids)
+
+    def _rope_and_attention(self, seq: int) -> tuple[torch.Tensor, torch.Tensor, Attend]:
+        """RoPE tables for this rank's tokens of a `seq`-token sequence; its attention over the cp group."""
+        group = self.cp_group
+        if tp_size(group) == 1:
+            return self.rope_cos[:seq], self.rope_sin[:seq], None
+        pos = cp.positions(seq, group.size, group.rank, self.cp_style).to(self.rope_cos.device)
+        if self.cp_style == "ulysses":
+            attend: Attend = lambda q, k, v: cp.ulysses_attention(q, k, v, group)  # noqa: E731
+        else:
+            attend = cp.RingAttention(group, seq)
+        return self.rope_cos[pos], self.rope_sin[pos], attend
+
+    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        """The parameters model chunk `chunk` computes with (what its backward_weight differentiates)."""
+        modules: list[nn.Module] = [self.layers[str(i)] for i in self.chunks[chunk]]
+        if self.first and chunk == 0:
+            modules.insert(0, self.embed)
+        if self.last and chunk == len(self.chunks) - 1:
+            modules += [self.norm, self.head]
+        return [p for m in modules for p in m.parameters()]
 
     def set_recompute(self, mode: str, every: int = 1) -> None:
         """Recompute ("none", "full" or "selective") the blocks whose global index is a multiple of `every`;
@@ -259,11 +355,28 @@ class LlamaStage(nn.Module):
         """True if the parameter is the same full tensor on every tp rank (count it once, write it once)."""
         return self.get_submodule(name.rpartition(".")[0]).shard_dim is None
 
+    def init_source(self, name: str) -> str:
+        """The global tensor a parameter starts from: a tied head's is the embedding."""
+        return "embed.weight" if name == "head.weight" and self.cfg.tie_embeddings else name
+
+    def tied_copy(self, name: str) -> bool:
+        """True for the last stage's copy of a tied embedding split across stages: not counted in the
+        gradient norm, not saved (the first stage's `embed.weight` is the tensor)."""
+        return name == "head.weight" and self.cfg.tie_embeddings and not self.first
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """This stage's copy of a tied embedding that pp > 1 split over the first and last stage (whose
+        gradients must be summed across the two), else None."""
+        if not self.cfg.tie_embeddings or (self.first and self.last):
+            return None
+        return self.embed.weight if self.first else self.head.weight if self.last else None
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Fill each parameter with its shard of a global tensor drawn from (seed, name): layout-free."""
         for name, param, dim in self._placed_parameters():
-            full = init_tensor(self.cfg, name, global_shape(param.shape, dim, self.tp_group), seed)
+            shape = global_shape(param.shape, dim, self.tp_group)
+            full = init_tensor(self.cfg, self.init_source(name), shape, seed)
             param.copy_(shard_of(full, dim, self.tp_group))
             del full  # before the next one is drawn: at most one full tensor alive (embeddings are big)
 
@@ -289,10 +402,12 @@ def init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) 
 
 
 def count_params(cfg: ModelConfig) -> int:
-    """All parameters of the whole model: embedding, blocks (all experts of MoE ones), final norm, head."""
+    """All parameters of the whole model: embedding, blocks (all experts of MoE ones), final norm, and the
+    head (untied)."""
     d = cfg.d_model
     blocks = sum(2 * d + _matmul_params(cfg, i, cfg.moe_experts) for i in range(cfg.n_layers))
-    return cfg.vocab_size * d + blocks + d + cfg.vocab_size * d
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
+    return cfg.vocab_size * d + blocks + d + head
 
 
 def _matmul_params(cfg: ModelConfig, layer: int, experts: int) -> int:

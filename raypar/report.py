@@ -5,7 +5,7 @@ Reads a run directory (config.toml, metrics.jsonl, timeline.jsonl) and writes ne
 - timeline.json: one step as a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing);
   one process per data-parallel replica, one thread per (stage, tp rank) actor;
 - timeline.png: the same step as a Gantt chart, forward / backward / communication / idle per actor;
-- loss.png: loss and tokens/s against the step;
+- loss.png: loss (training, and validation where measured) and tokens/s against the step;
 - expert_load.png (MoE runs): a heat map per MoE layer of each expert's share of the routed tokens over the
   steps (1/E everywhere is perfect balance), with the aux loss and dropped tokens beneath.
 
@@ -30,9 +30,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from raypar.schedules import theoretical_bubble
+from raypar.mesh import Coord
+from raypar.schedules import COMPUTE_OPS, theoretical_bubble
 
-COMPUTE_OPS = ("forward", "backward")
 COMM_OPS = ("recv_act", "send_act", "recv_grad", "send_grad")
 TAIL = "reduce+optimizer"
 
@@ -40,6 +40,8 @@ TAIL = "reduce+optimizer"
 COLOURS = {
     "forward": "#3b75af",
     "backward": "#ef8636",
+    "backward_input": "#ef8636",
+    "backward_weight": "#2ca02c",
     "recv": "#c03d3e",
     "send": "#9467bd",
     TAIL: "#8c8c8c",
@@ -48,36 +50,61 @@ COLOURS = {
 LEGEND = {
     "forward": "forward (F)",
     "backward": "backward (B)",
+    "backward_input": "input gradient (zero-bubble B)",
+    "backward_weight": "weight gradient (zero-bubble W)",
     "recv": "receive (incl. waiting)",
     "send": "send",
     TAIL: "grad reduce + clip",
     "idle": "idle",
 }
 
-SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe"}
+SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe", "zb-h1": "ZB-H1"}
 
 Row = dict[str, Any]  # one line of timeline.jsonl: one actor's events of one step
 
 
-def timeline_rows(step: int, per_actor: Mapping[tuple[int, int, int], Mapping[str, Any]]) -> list[Row]:
-    """The timeline.jsonl lines of one step, from the driver's {(dp, pp, tp): train_step result}."""
+def timeline_rows(step: int, per_actor: Mapping[tuple[int, ...], Mapping[str, Any]]) -> list[Row]:
+    """The timeline.jsonl lines of one step, from the driver's {(dp, pp, tp[, cp]): train_step result}."""
     return [
         {
             "step": step,
-            "actor": f"dp{dp}.pp{pp}.tp{tp}",
-            "dp": dp,
-            "pp": pp,
-            "tp": tp,
+            "actor": Coord(*coord).key,
+            "dp": coord[0],
+            "pp": coord[1],
+            "tp": coord[2],
             "step_s": result["step_s"],
             "events": [list(event) for event in result["events"]],
         }
-        for (dp, pp, tp), result in sorted(per_actor.items())
+        for coord, result in sorted(per_actor.items())
     ]
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+# What each file's records must hold for the pictures (the rest is optional).
+METRICS_KEYS = ("step", "loss", "tokens_per_s", "dp", "pp", "tp")
+TIMELINE_KEYS = ("step", "dp", "pp", "tp", "step_s", "events")
+
+
+def read_jsonl(path: Path, keys: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file, each an object with `keys`; ValueError naming the file and line.
+    A last line cut short (a run killed while writing it) is left out."""
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file (not UTF-8)") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            if number == len(lines):  # no newline after it: the write was cut short
+                continue
+            raise ValueError(f"{path}:{number}: not a JSON record") from None
+        if not isinstance(record, dict) or any(k not in record for k in keys):
+            raise ValueError(f"{path}:{number}: a record needs {', '.join(keys)}")
+        records.append(record)
+    return records
 
 
 def _busy(row: Row) -> float:
@@ -245,6 +272,12 @@ def plot_metrics(metrics: list[dict[str, Any]], path: Path) -> None:
     top.plot(
         steps, [m["loss"] for m in metrics], color=COLOURS["forward"], linewidth=1.4, marker=marker, ms=3
     )
+    val = [(m["step"], m["val_loss"]) for m in metrics if m.get("val_loss") is not None]
+    if val:
+        top.plot(*zip(*val, strict=True), color=COLOURS["recv"], linewidth=1.4, marker="s", ms=4,
+                 label="validation")
+        top.lines[0].set_label("training")
+        top.legend(loc="upper right", fontsize=8)
     top.set_ylabel("loss")
     bottom.plot(
         steps,
@@ -335,12 +368,11 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
     run_dir = Path(run_dir)
     if not (run_dir / "config.toml").is_file():
         raise FileNotFoundError(f"{run_dir}: not a run directory (no config.toml)")
-    config = tomllib.loads((run_dir / "config.toml").read_text())
-    schedule = config["parallel"]["schedule"]
+    schedule, pp = _read_layout(run_dir / "config.toml")
     result: dict[str, Any] = {
         "schedule": schedule,
         "step": None,
-        "pp": config["parallel"]["pp"],
+        "pp": pp,
         "microbatches": None,
         "bubble_measured": None,
         "bubble_theoretical": None,
@@ -348,7 +380,7 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         "files": [],
     }
     timeline_path = run_dir / "timeline.jsonl"
-    all_rows = read_jsonl(timeline_path) if timeline_path.exists() else []
+    all_rows = read_jsonl(timeline_path, TIMELINE_KEYS) if timeline_path.exists() else []
     # Runs from before timelines were recorded, or that failed before their first step, have none.
     if all_rows:
         shown = pick_step(all_rows, step)
@@ -375,7 +407,7 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         plot_timeline(rows, run_dir / "timeline.png", title)
         result["files"] += [str(run_dir / "timeline.json"), str(run_dir / "timeline.png")]
     metrics_path = run_dir / "metrics.jsonl"
-    metrics = read_jsonl(metrics_path) if metrics_path.exists() else []
+    metrics = read_jsonl(metrics_path, METRICS_KEYS) if metrics_path.exists() else []
     if metrics:
         plot_metrics(metrics, run_dir / "loss.png")
         result["files"].append(str(run_dir / "loss.png"))
@@ -383,6 +415,24 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         plot_expert_load(metrics, run_dir / "expert_load.png")
         result["files"].append(str(run_dir / "expert_load.png"))
     return result
+
+
+def _read_layout(path: Path) -> tuple[str, int]:
+    """parallel.schedule and parallel.pp of a run's config.toml; ValueError naming it if they are missing."""
+    try:
+        config = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file (not UTF-8)") from None
+    except (tomllib.TOMLDecodeError, RecursionError) as err:
+        raise ValueError(f"{path}: not valid TOML ({str(err)[:80]})") from None
+    parallel = config.get("parallel")
+    if not (
+        isinstance(parallel, dict)
+        and isinstance(parallel.get("schedule"), str)
+        and isinstance(parallel.get("pp"), int)
+    ):
+        raise ValueError(f"{path}: needs parallel.schedule and parallel.pp (as `raypar train` writes it)")
+    return parallel["schedule"], parallel["pp"]
 
 
 def describe(result: dict[str, Any]) -> str:

@@ -1,31 +1,32 @@
-"""Pipeline schedules as data: per stage, the ordered instructions of one training step.
+"""Pipeline schedules as data: per pipeline rank, the ordered instructions of one training step.
 
-A plan is ``list[list[Instr]]``, one list per pipeline stage. Ops, and what the executor does for each:
+A plan is ``list[list[Instr]]``, one list per pipeline rank. With ``v`` virtual stages (model chunks) per
+rank, rank r holds chunks c = 0..v-1, chunk c being virtual stage ``c * p + r`` (Megatron's layout):
+activations go rank 0 -> 1 -> ... -> p-1 and, from the last rank, back to rank 0's next chunk. Ops on
+(chunk c, microbatch mb), and what the executor (raypar.executor) does for each:
 
-    recv_act(mb)   block until the activation of microbatch ``mb`` from stage s-1 has arrived
-    forward(mb)    run this stage's layers on it (first stage: on the token batch; last stage: down to
-                   the loss) and keep what backward needs
-    send_act(mb)   post forward(mb)'s output to stage s+1 and go on at once
-    recv_grad(mb)  block until the gradient of forward(mb)'s output has arrived from stage s+1
-    backward(mb)   backpropagate (last stage: from the loss), accumulate parameter gradients, free mb
-    send_grad(mb)  post the gradient of forward(mb)'s input to stage s-1 and go on at once
+    recv_act         block until the input activation of (c, mb) has arrived from the previous stage
+    forward          run chunk c's layers on it (first virtual stage: on the token batch; last: down to the
+                     loss) and keep what backward needs
+    send_act         post the output of forward(c, mb) to the next virtual stage and go on at once
+    recv_grad        block until the gradient of forward(c, mb)'s output has arrived
+    backward         backpropagate, accumulating parameter gradients, and free (c, mb)
+    backward_input   only the gradient of forward(c, mb)'s input (what the previous stage waits for)
+    backward_weight  the parameter gradients of (c, mb), deferrable past later work (zero-bubble), then free
+    send_grad        post the gradient of forward(c, mb)'s input to the previous virtual stage
 
-The first stage has no recv_act/send_grad, the last no send_act/recv_grad.
+Semantics the executor implements (``simulate`` runs the same executor with fixed costs, and the schedules
+here are deadlock-free only under them):
 
-Semantics the executor must implement (``simulate`` models exactly these, and the schedules here are
-deadlock-free only under them):
+- Instructions run in list order; at most one compute op runs at a time per rank.
+- Sends never block. A rendezvous send would deadlock 1F1B: in steady state stage s sends act(k) and then
+  receives grad(i), while stage s+1 sends grad(i) and then receives act(k).
+- A receive blocks until the message of its (kind, chunk, microbatch) is there. Each directed link is
+  received in the order it is sent (checked by ``simulate``), so a FIFO transport without tags also works.
 
-- Instructions run in list order; at most one forward/backward runs at a time per stage.
-- Sends never block: they post the tensor (object-store put, or an async ``isend`` whose handle is
-  waited on later) and return. A rendezvous send would deadlock 1F1B: in steady state stage s sends
-  act(k) and then receives grad(i), while stage s+1 sends grad(i) and then receives act(k); each would
-  wait for the other's receive (Megatron avoids this by fusing the pair into one batched send+recv).
-- A receive blocks until the message of its (kind, microbatch) is there. Each channel (stage s -> s+1
-  activations, s+1 -> s gradients) is received in the order it is sent, so a FIFO transport without
-  tags also works.
-
-Both schedules run the backwards of a stage in microbatch order, so parameter gradients are accumulated
-in the same order whichever schedule is picked: switching schedule does not change a single fp32 bit.
+GPipe and 1F1B run the backwards of a stage in microbatch order, so switching between them does not change a
+single fp32 bit. Interleaving and zero-bubble reorder accumulation only across chunks or into W, which also
+keeps each parameter's microbatch order.
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ from dataclasses import dataclass
 
 RECV_ACT, FORWARD, SEND_ACT = "recv_act", "forward", "send_act"
 RECV_GRAD, BACKWARD, SEND_GRAD = "recv_grad", "backward", "send_grad"
-OPS = (RECV_ACT, FORWARD, SEND_ACT, RECV_GRAD, BACKWARD, SEND_GRAD)
+BACKWARD_INPUT, BACKWARD_WEIGHT = "backward_input", "backward_weight"
+OPS = (RECV_ACT, FORWARD, SEND_ACT, RECV_GRAD, BACKWARD, SEND_GRAD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+COMPUTE_OPS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+# The ops after which a chunk's parameter gradients of a microbatch are final (a DP reduction waits for it).
+WEIGHT_GRAD_OPS = (BACKWARD, BACKWARD_WEIGHT)
 
 
 class ScheduleError(ValueError):
@@ -46,22 +51,60 @@ class ScheduleError(ValueError):
 class Instr:
     op: str
     mb: int
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.op}({self.mb})"
+        return f"{self.op}({self.mb})" if self.chunk == 0 else f"{self.op}({self.mb}, c{self.chunk})"
 
 
 Plan = list[list[Instr]]
 
 
-def _forward_step(stage: int, n_stages: int, mb: int) -> list[Instr]:
-    first, last = stage == 0, stage == n_stages - 1
-    return [Instr(RECV_ACT, mb)] * (not first) + [Instr(FORWARD, mb)] + [Instr(SEND_ACT, mb)] * (not last)
+@dataclass(frozen=True)
+class Topology:
+    """Where (rank, chunk) sits in the chain of p * v virtual stages, and who its neighbours are."""
+
+    n_ranks: int
+    n_chunks: int = 1
+
+    def virtual(self, rank: int, chunk: int) -> int:
+        return chunk * self.n_ranks + rank
+
+    def is_first(self, rank: int, chunk: int) -> bool:
+        return rank == 0 and chunk == 0
+
+    def is_last(self, rank: int, chunk: int) -> bool:
+        return rank == self.n_ranks - 1 and chunk == self.n_chunks - 1
+
+    def next(self, rank: int, chunk: int) -> tuple[int, int]:
+        """(rank, chunk) of the next virtual stage: the link from the last rank wraps to rank 0."""
+        return (rank + 1, chunk) if rank < self.n_ranks - 1 else (0, chunk + 1)
+
+    def prev(self, rank: int, chunk: int) -> tuple[int, int]:
+        return (rank - 1, chunk) if rank > 0 else (self.n_ranks - 1, chunk - 1)
 
 
-def _backward_step(stage: int, n_stages: int, mb: int) -> list[Instr]:
-    first, last = stage == 0, stage == n_stages - 1
-    return [Instr(RECV_GRAD, mb)] * (not last) + [Instr(BACKWARD, mb)] + [Instr(SEND_GRAD, mb)] * (not first)
+def _forward_step(stage: int, n_stages: int, mb: int, chunk: int = 0, n_chunks: int = 1) -> list[Instr]:
+    topo = Topology(n_stages, n_chunks)
+    first, last = topo.is_first(stage, chunk), topo.is_last(stage, chunk)
+    return (
+        [Instr(RECV_ACT, mb, chunk)] * (not first)
+        + [Instr(FORWARD, mb, chunk)]
+        + [Instr(SEND_ACT, mb, chunk)] * (not last)
+    )
+
+
+def _backward_step(
+    stage: int, n_stages: int, mb: int, chunk: int = 0, n_chunks: int = 1, op: str = BACKWARD
+) -> list[Instr]:
+    """recv_grad, `op` (backward or backward_input), send_grad; the first virtual stage sends nothing."""
+    topo = Topology(n_stages, n_chunks)
+    first, last = topo.is_first(stage, chunk), topo.is_last(stage, chunk)
+    return (
+        [Instr(RECV_GRAD, mb, chunk)] * (not last)
+        + [Instr(op, mb, chunk)]
+        + [Instr(SEND_GRAD, mb, chunk)] * (not first)
+    )
 
 
 def _check_args(stage: int, n_stages: int, n_mb: int) -> None:
@@ -96,13 +139,104 @@ def one_f_one_b(stage: int, n_stages: int, n_mb: int) -> list[Instr]:
     return plan
 
 
-SCHEDULES: dict[str, Callable[[int, int, int], list[Instr]]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def interleaved_1f1b(stage: int, n_stages: int, n_mb: int, n_chunks: int = 2) -> list[Instr]:
+    """Megatron's interleaved 1F1B: v chunks per rank, microbatches in groups of p, each group through chunk
+    0, then chunk 1, ...; backwards mirror it from the last chunk. The bubble shrinks v-fold to
+    (p - 1) / (v m) of the ideal step, for v-fold more activation hops. Needs m % p == 0."""
+    _check_args(stage, n_stages, n_mb)
+    p, v = n_stages, n_chunks
+    if n_mb % p:
+        raise ValueError(f"interleaved 1F1B needs microbatches % pipeline stages == 0, got {n_mb} and {p}")
+    total = n_mb * v
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        """(chunk, mb) of this rank's k-th forward (or backward)."""
+        chunk = (k // p) % v
+        return (chunk if forward else v - 1 - chunk), (k // (p * v)) * p + k % p
+
+    n_warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
+    plan: list[Instr] = []
+    for k in range(n_warmup):
+        chunk, mb = unit(k, True)
+        plan += _forward_step(stage, p, mb, chunk, v)
+    for k in range(total - n_warmup):
+        chunk, mb = unit(n_warmup + k, True)
+        plan += _forward_step(stage, p, mb, chunk, v)
+        chunk, mb = unit(k, False)
+        plan += _backward_step(stage, p, mb, chunk, v)
+    for k in range(total - n_warmup, total):
+        chunk, mb = unit(k, False)
+        plan += _backward_step(stage, p, mb, chunk, v)
+    return plan
 
 
-def build(name: str, n_stages: int, n_mb: int) -> Plan:
-    """The plan of every stage for schedule ``name`` ("gpipe" or "1f1b")."""
+def zb_h1(stage: int, n_stages: int, n_mb: int) -> list[Instr]:
+    """Zero-bubble ZB-H1 (Qi et al., 2023): backward split into B (input gradient, on the critical path)
+    and W (parameter gradients, deferrable). Built by list scheduling all stages with unit F, B, W costs:
+    an idle stage runs B if its gradient is there, else F, else a pending W, with 1F1B's bound of p - s
+    microbatches between F and B and at most p + 2 between F and W (two beyond 1F1B's p keep every W off
+    the critical path). The W's fill the cool-down: idle (p - 1) units of 3m + p - 1 per stage."""
+    _check_args(stage, n_stages, n_mb)
+    return _zb_h1_orders(n_stages, n_mb)[stage]
+
+
+def _zb_h1_orders(p: int, m: int) -> Plan:
+    clock = [0] * p
+    done = {op: [0] * p for op in "FBW"}
+    act_ready: dict[tuple[int, int], int] = {}  # (stage, mb) -> when its input activation is there
+    grad_ready: dict[tuple[int, int], int] = {}
+    plans: Plan = [[] for _ in range(p)]
+    while True:
+        options = []
+        for s in range(p):
+            nf, nb, nw = done["F"][s], done["B"][s], done["W"][s]
+            ready = []
+            if nb < nf:
+                at = 0 if s == p - 1 else grad_ready.get((s, nb))
+                if at is not None:
+                    ready.append((max(clock[s], at), 0, "B", nb))
+            if nf < m and nf - nb < p - s and nf - nw < p + 2:
+                at = 0 if s == 0 else act_ready.get((s, nf))
+                if at is not None:
+                    ready.append((max(clock[s], at), 1, "F", nf))
+            if nw < nb:
+                ready.append((clock[s], 2, "W", nw))
+            if ready:
+                options.append((min(ready), s))
+        if not options:
+            break
+        (start, _, op, mb), s = min(options)
+        clock[s] = start + 1
+        done[op][s] += 1
+        if op == "F":
+            plans[s] += _forward_step(s, p, mb)
+            act_ready[(s + 1, mb)] = clock[s]
+        elif op == "B":
+            plans[s] += _backward_step(s, p, mb, op=BACKWARD_INPUT)
+            grad_ready[(s - 1, mb)] = clock[s]
+        else:
+            plans[s].append(Instr(BACKWARD_WEIGHT, mb))
+    return plans
+
+
+SCHEDULES: dict[str, Callable[[int, int, int], list[Instr]]] = {
+    "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1,
+}
+
+
+def build(name: str, n_stages: int, n_mb: int, n_chunks: int = 1) -> Plan:
+    """The plan of every pipeline rank for schedule ``name``; "1f1b" with ``n_chunks`` > 1 is interleaved.
+    Interleaved and zero-bubble schedules need at least as many microbatches as stages."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r} (known: {', '.join(SCHEDULES)})")
+    if name == "1f1b" and n_chunks > 1:
+        if n_mb < n_stages:
+            raise ValueError(f"interleaved 1F1B needs microbatches >= stages, got {n_mb} < {n_stages}")
+        return [interleaved_1f1b(s, n_stages, n_mb, n_chunks) for s in range(n_stages)]
+    if n_chunks != 1:
+        raise ValueError(f"schedule {name!r} runs one chunk per rank, got {n_chunks}")
+    if name == "zb-h1" and n_mb < n_stages:
+        raise ValueError(f"zb-h1 needs microbatches >= stages, got {n_mb} < {n_stages}")
     return [SCHEDULES[name](stage, n_stages, n_mb) for stage in range(n_stages)]
 
 
@@ -111,13 +245,24 @@ def theoretical_bubble(n_stages: int, n_mb: int) -> float:
     return (n_stages - 1) / (n_mb + n_stages - 1)
 
 
-def peak_in_flight(plan: list[Instr]) -> int:
-    """Most microbatches whose forward is done and backward not yet, over one stage's list.
+def bubble_formula(name: str, n_stages: int, n_mb: int, n_chunks: int = 1) -> float:
+    """The bubble each schedule is measured against: (p-1)/(m+p-1) for GPipe and 1F1B, the papers'
+    (p-1)/(v m) for interleaved 1F1B (v > 1; Narayanan et al., 2021) and (p-1)/(3m) for ZB-H1 with
+    F = B = W."""
+    if name == "zb-h1":
+        return (n_stages - 1) / (3 * n_mb)
+    if n_chunks > 1:
+        return (n_stages - 1) / (n_chunks * n_mb)
+    return theoretical_bubble(n_stages, n_mb)
 
-    It bounds the activations a stage holds at once: m for GPipe, at most p - stage for 1F1B."""
+
+def peak_in_flight(plan: list[Instr]) -> int:
+    """Most (chunk, microbatch) units whose forward is done and whose parameter gradients are not yet, over
+    one rank's list: it bounds the autograd graphs a rank holds at once (m for GPipe, at most p - stage
+    for 1F1B)."""
     in_flight = peak = 0
     for instr in plan:
-        in_flight += (instr.op == FORWARD) - (instr.op == BACKWARD)
+        in_flight += (instr.op == FORWARD) - (instr.op in WEIGHT_GRAD_OPS)
         peak = max(peak, in_flight)
     return peak
 
@@ -128,11 +273,12 @@ class Span:
     mb: int
     start: float
     end: float
+    chunk: int = 0
 
 
 @dataclass(frozen=True)
 class Timeline:
-    spans: list[list[Span]]  # per stage, the forwards and backwards in execution order
+    spans: list[list[Span]]  # per rank, the compute ops in execution order
     makespan: float
 
 
@@ -144,94 +290,19 @@ def bubble_fraction(timeline: Timeline) -> list[float]:
     ]
 
 
-class _Stage:
-    """What one stage's executor knows while it runs its list: used to reject runs a real one could not do."""
+def simulate(
+    plans: Plan,
+    t_forward: float = 1.0,
+    t_backward: float = 2.0,
+    t_comm: float = 0.0,
+    t_weight: float | None = None,
+) -> Timeline:
+    """Run ``plans`` on raypar's executor (raypar.executor) with fixed op costs instead of a model.
 
-    def __init__(self, index: int, n_stages: int) -> None:
-        self.index, self.first, self.last = index, index == 0, index == n_stages - 1
-        self.pc, self.clock = 0, 0.0
-        self.got_act: set[int] = set()
-        self.got_grad: set[int] = set()
-        self.forwarded: set[int] = set()
-        self.backwarded: set[int] = set()
-        self.sent: set[tuple[str, int]] = set()
-        self.spans: list[Span] = []
+    Sends cost nothing and deliver ``t_comm`` later; a receive waits for its message. backward_input and
+    backward_weight cost ``t_backward / 2`` each unless ``t_weight`` is given (then B = t_backward -
+    t_weight). Raises ScheduleError on a deadlock, on a compute step missing its input, on duplicates, on
+    messages never received or received out of order on a link, and on work some rank skips."""
+    from raypar.executor import simulate_plans  # the executor imports this module
 
-    def fail(self, instr: Instr, why: str) -> ScheduleError:
-        return ScheduleError(f"stage {self.index}, instruction {self.pc} {instr}: {why}")
-
-
-def simulate(plans: Plan, t_forward: float = 1.0, t_backward: float = 2.0, t_comm: float = 0.0) -> Timeline:
-    """Run ``plans`` under the executor semantics of this module's docstring, with fixed op costs.
-
-    Sends cost nothing and deliver ``t_comm`` later; a receive waits for its message. Raises
-    ScheduleError on a deadlock (a receive whose send never comes before it), on a compute step missing
-    its input, on duplicates, on messages never received, and on a microbatch some stage skips.
-    """
-    n = len(plans)
-    stages = [_Stage(s, n) for s in range(n)]
-    mailbox: dict[tuple[str, int, int], float] = {}  # (kind, destination stage, mb) -> arrival time
-    progressed = True
-    while progressed:
-        progressed = False
-        for st, plan in zip(stages, plans, strict=True):
-            while st.pc < len(plan):
-                if not _execute(st, plan[st.pc], mailbox, t_forward, t_backward, t_comm):
-                    break
-                st.pc += 1
-                progressed = True
-    stuck = [f"stage {st.index} at {plans[st.index][st.pc]}" for st in stages if st.pc < len(plans[st.index])]
-    if stuck:
-        raise ScheduleError("deadlock: " + ", ".join(stuck) + " wait for messages that are never sent")
-    if mailbox:
-        raise ScheduleError(f"messages sent but never received: {sorted(mailbox)}")
-    all_mbs = set().union(*(st.forwarded | st.backwarded for st in stages))
-    for st in stages:
-        if st.forwarded != all_mbs or st.backwarded != all_mbs:
-            skipped = sorted(all_mbs - (st.forwarded & st.backwarded))
-            raise ScheduleError(f"stage {st.index} skips microbatches {skipped}")
-    return Timeline([st.spans for st in stages], max((st.clock for st in stages), default=0.0))
-
-
-def _execute(
-    st: _Stage, instr: Instr, mailbox: dict[tuple[str, int, int], float],
-    t_forward: float, t_backward: float, t_comm: float,
-) -> bool:
-    """Apply ``instr`` to stage ``st``; False when it is a receive whose message has not been sent yet."""
-    op, mb = instr.op, instr.mb
-    if op not in OPS:
-        raise st.fail(instr, f"unknown op (known: {', '.join(OPS)})")
-    if (op in (RECV_ACT, SEND_GRAD) and st.first) or (op in (SEND_ACT, RECV_GRAD) and st.last):
-        raise st.fail(instr, "no neighbour stage in that direction")
-    if op in (RECV_ACT, RECV_GRAD):
-        # A second receive of the same message finds the mailbox empty and is reported as a deadlock.
-        key = ("act" if op == RECV_ACT else "grad", st.index, mb)
-        if key not in mailbox:
-            return False
-        st.clock = max(st.clock, mailbox.pop(key))
-        (st.got_act if op == RECV_ACT else st.got_grad).add(mb)
-    elif op in (FORWARD, BACKWARD):
-        if op == FORWARD:
-            done, cost = st.forwarded, t_forward
-            if not st.first and mb not in st.got_act:
-                raise st.fail(instr, "its input activation was not received")
-        else:
-            done, cost = st.backwarded, t_backward
-            if mb not in st.forwarded:
-                raise st.fail(instr, "backward before its forward")
-            if not st.last and mb not in st.got_grad:
-                raise st.fail(instr, "its output gradient was not received")
-        if mb in done:
-            raise st.fail(instr, "computed twice")
-        st.spans.append(Span(op, mb, st.clock, st.clock + cost))
-        st.clock += cost
-        done.add(mb)
-    else:
-        if mb not in (st.forwarded if op == SEND_ACT else st.backwarded):
-            raise st.fail(instr, "sends a result not computed yet")
-        if (op, mb) in st.sent:
-            raise st.fail(instr, "sent twice")
-        st.sent.add((op, mb))
-        key = ("act", st.index + 1, mb) if op == SEND_ACT else ("grad", st.index - 1, mb)
-        mailbox[key] = st.clock + t_comm
-    return True
+    return simulate_plans(plans, t_forward, t_backward, t_comm, t_weight)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from collectives import Group
+from raypar.sp import reduce_scatter_to_sp
 
 
 def tp_size(group: Group | None) -> int:
@@ -119,28 +120,34 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_shard @ W_shard.T with W split by input columns; the input arrives sharded
-    on its last dim (a column-parallel output) and the output is full on every rank."""
+    on its last dim (a column-parallel output) and the output is full on every rank, or, under sequence
+    parallelism, this rank's tokens of it [B, T/tp, d] (a reduce-scatter instead of the all-reduce)."""
 
     shard_dim = 1
 
-    def __init__(self, in_features: int, out_features: int, group: Group | None):
+    def __init__(
+        self, in_features: int, out_features: int, group: Group | None, sequence_parallel: bool = False
+    ):
         super().__init__()
-        self.group = group
+        self.group, self.sp = group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features, _divide(in_features, group, "in_features")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sp:
+            return reduce_scatter_to_sp(F.linear(x, self.weight), self.group)
         return reduce_from_tp(F.linear(x, self.weight), self.group)
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding with the vocabulary split into contiguous row ranges; each rank looks up the ids it owns,
-    gives zeros for the rest, and the sum over ranks is the full lookup."""
+    gives zeros for the rest, and the sum over ranks is the full lookup (under sequence parallelism, this
+    rank's tokens of it: a reduce-scatter along the sequence)."""
 
     shard_dim = 0
 
-    def __init__(self, vocab_size: int, dim: int, group: Group | None):
+    def __init__(self, vocab_size: int, dim: int, group: Group | None, sequence_parallel: bool = False):
         super().__init__()
-        self.group = group
+        self.group, self.sp = group, sequence_parallel
         rows = _divide(vocab_size, group, "vocab_size")
         self.start = tp_rank(group) * rows
         self.weight = nn.Parameter(torch.empty(rows, dim))
@@ -150,8 +157,8 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_scatter_to_sp(out, self.group) if self.sp else reduce_from_tp(out, self.group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

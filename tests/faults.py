@@ -5,16 +5,25 @@ here, not in production code. Faults are strings per actor coordinate:
 - `dp_sum`: DP gradients summed instead of averaged;
 - `pp_zero_grad`: the stage sends zeros instead of its input gradient;
 - `tp_drop_allreduce`: row-parallel outputs left as partial sums (the TP all-reduce dropped);
+- `tie_no_sum`: the two copies of a tied embedding (pp > 1) keep their own gradients (not summed);
 - `ep_divisor_edp`: expert gradients divided by the expert-data-parallel group's size instead of dp;
 - `raise_at_step:N`: phase 1 of step N raises.
+- `exit_in:METHOD:N`: the process exits (as if killed) at the start of its N-th call of METHOD
+  (`train_step`, `apply_step`, `rebind`, `save_shard`, `sync_state`, `rng_state`); only the first actor
+  started at a coordinate carries it, so a replica rebuilt there runs clean;
+- `slow_ping:S`: once set up, `where` (the controller's ping) answers after S seconds: alive but busy;
+- `disk_full:N`: writing its N-th checkpoint shard fails with ENOSPC.
 `python -m tests.faults train ...` runs the real CLI with the faults of RAYPAR_INJECT_FAULT
 ("dp0.pp1.tp0=raise_at_step:2;...").
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
+import time
+from collections import Counter
 from typing import Any
 
 import ray
@@ -32,9 +41,51 @@ class _FaultyWorker(Worker):
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1, faults: tuple[str, ...] = ()):
         super().__init__(run, coord, threads)
         self.faults = set(faults)
+        self.calls: Counter[str] = Counter()
 
     def set_faults(self, faults: list[str]) -> None:
         self.faults = set(faults)
+
+    def _count(self, method: str) -> None:
+        self.calls[method] += 1
+        if f"exit_in:{method}:{self.calls[method]}" in self.faults:
+            os._exit(1)
+
+    def where(self) -> dict[str, Any]:
+        slow = [float(f.split(":")[1]) for f in self.faults if f.startswith("slow_ping:")]
+        if slow and hasattr(self, "cfg"):
+            time.sleep(slow[0])  # the fault itself: a busy actor that answers late
+        return super().where()
+
+    def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
+        self._count("train_step")
+        return super().train_step(step, commit)
+
+    def apply_step(self, step: int) -> None:
+        self._count("apply_step")
+        super().apply_step(step)
+
+    def rebind(self, replicas: list[int], peers: dict[str, Any], epoch: int) -> None:
+        self._count("rebind")
+        super().rebind(replicas, peers, epoch)
+
+    def save_shard(self, staging: str) -> bool:
+        self._count("save_shard")
+        return super().save_shard(staging)
+
+    def sync_state(self, src_dp_rank: int) -> None:
+        self._count("sync_state")
+        super().sync_state(src_dp_rank)
+
+    def rng_state(self) -> str:
+        self._count("rng_state")
+        return super().rng_state()
+
+    def _write_shard(self, staging: str, key: str, snap: dict, specs: dict) -> dict[str, Any]:
+        self.calls["write_shard"] += 1
+        if f"disk_full:{self.calls['write_shard']}" in self.faults:
+            raise OSError(errno.ENOSPC, "No space left on device (fault injected by the test suite)")
+        return super()._write_shard(staging, key, snap, specs)
 
     def draw(self, n: int) -> list[float]:
         """Numbers from the process's random state (what dropout would draw)."""
@@ -71,8 +122,12 @@ class _FaultyWorker(Worker):
                 out[piece.slot.name] = (grad, *specs[piece.slot.name])
         return out
 
-    def _send_grad(self, mb: int, grad: torch.Tensor) -> None:
-        super()._send_grad(mb, torch.zeros_like(grad) if "pp_zero_grad" in self.faults else grad)
+    def _sum_tied_grads(self) -> None:
+        if "tie_no_sum" not in self.faults:
+            super()._sum_tied_grads()
+
+    def _send_grad(self, chunk: int, mb: int, grad: torch.Tensor) -> None:
+        super()._send_grad(chunk, mb, torch.zeros_like(grad) if "pp_zero_grad" in self.faults else grad)
 
     def _train_step(self, step: int) -> dict[str, Any]:
         if f"raise_at_step:{step}" in self.faults:
@@ -92,9 +147,14 @@ class FaultyActorMesh(ActorMesh):
     def __init__(self, cfg: Config, run: str, faults: dict[Coord, list[str]] | None = None):
         super().__init__(cfg, run)
         self.faults = faults if faults is not None else faults_from_env()
+        self.started: set[Coord] = set()
 
     def _worker_args(self, coord: Coord) -> tuple:
-        return (*super()._worker_args(coord), tuple(self.faults.get(coord, ())))
+        faults = self.faults.get(coord, [])
+        if coord in self.started:  # a rebuilt actor: the process that was to die has died
+            faults = [f for f in faults if not f.startswith("exit_in:")]
+        self.started.add(coord)
+        return (*super()._worker_args(coord), tuple(faults))
 
     def set_faults(self, faults: dict[Coord, list[str]]) -> None:
         self.faults = faults
@@ -105,8 +165,7 @@ def faults_from_env() -> dict[Coord, list[str]]:
     faults: dict[Coord, list[str]] = {}
     for item in filter(None, os.environ.get("RAYPAR_INJECT_FAULT", "").split(";")):
         key, _, fault = item.partition("=")
-        d, p, t = (int(part[2:]) for part in key.split("."))
-        faults.setdefault(Coord(d, p, t), []).append(fault)
+        faults.setdefault(Coord(*(int(part[2:]) for part in key.split("."))), []).append(fault)
     return faults
 
 

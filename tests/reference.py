@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raypar import data
+from raypar import data, hf
 from raypar.config import Config
 from raypar.model import LlamaStage
 from raypar.optim import ADAM_EPS, lr_at
@@ -22,6 +22,7 @@ class Run:
     grad_norms: list[float]
     params: dict[str, torch.Tensor]
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per step, after clipping
+    val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss after it
 
 
 def reference_run(cfg: Config, steps: int, microbatch_size: int | None = None) -> Run:
@@ -30,15 +31,17 @@ def reference_run(cfg: Config, steps: int, microbatch_size: int | None = None) -
     torch.manual_seed(0)
     m, t = cfg.model, cfg.train
     model = LlamaStage(m, range(m.n_layers), first=True, last=True, tp_group=None, seed=t.seed)
+    if m.init_from:
+        hf.load_stage(model, m.init_from)
     params = [p for p in model.parameters()]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=ADAM_EPS)
-    dataset = data.open_dataset(cfg.data, m)
+    dataset, val = data.open_datasets(cfg.data, m)
     sampler = data.GlobalSampler(dataset.num_samples, t.global_batch, t.seed)
-    losses, norms = [], []
+    losses, norms, val_losses = [], [], {}
     mbs = microbatch_size or t.global_batch
     count = t.global_batch // mbs
     grads = []
@@ -57,4 +60,15 @@ def reference_run(cfg: Config, steps: int, microbatch_size: int | None = None) -
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return Run(losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}, grads)
+        if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+            model.eval()
+            with torch.no_grad():
+                batches = [
+                    data.eval_microbatch(val, k, 0, t.global_batch, t.global_batch)
+                    for k in range(t.eval_batches)
+                ]
+                val_losses[step] = sum(model(x, y).item() for x, y in batches) / len(batches)
+                model.take_aux_loss()
+            model.train()
+    params_out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return Run(losses, norms, params_out, grads, val_losses)

@@ -52,7 +52,7 @@ class _StubWorker(GroupHost):
     def applied_steps(self) -> list[int]:
         return self.applied
 
-    def abort(self) -> None:
+    def abort(self, epoch: int, step: int) -> None:
         pass
 
 

@@ -42,6 +42,8 @@ BAD = {
     "wrong type": (['train.steps="ten"'], "train.steps"),
     "negative size": (["model.d_model=-64"], "model.d_model"),
     "bad schedule": (['parallel.schedule="zigzag"'], "parallel.schedule"),
+    "zero with cp": (["parallel.cp=2", "parallel.zero=1"], "parallel.cp"),
+    "zero 3 with zb-h1": (['parallel.schedule="zb-h1"', "parallel.zero=3"], "parallel.zero"),
     "elastic range": (
         ["parallel.max_dp=3", "train.global_batch=8", "parallel.microbatches=1"],
         "train.global_batch",
@@ -138,7 +140,8 @@ def test_cli_name_control_a_good_name_passes_the_check(tmp_path, capsys):
 def test_core_and_collectives_import_without_ray():
     """The layering rule: the plain-PyTorch core and `collectives` never pull in Ray (the controller and
     the actors do). Checked in a fresh interpreter, so nothing this session imported counts."""
-    core = "config mesh model tp schedules dp optim data checkpoint flops report".split()
+    core = "config mesh model tp sp schedules executor local_transport dp optim data checkpoint flops report"
+    core = core.split()
     modules = [f"raypar.{m}" for m in core] + ["collectives"]
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)

@@ -133,7 +133,7 @@ def test_concurrent_preparers_do_not_corrupt_each_other(tmp_path: Path, monkeypa
 
 
 def test_prepare_rejects_globs_without_files(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="no files match"):
+    with pytest.raises(ConfigError, match="matches no file"):
         data.prepare([str(tmp_path / "*.txt")], tmp_path / "cache")
 
 

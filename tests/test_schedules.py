@@ -116,8 +116,8 @@ def test_one_f_one_b_shape() -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="unknown pipeline schedule 'interleaved'"):
-        build("interleaved", 2, 4)
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb-h2'"):
+        build("zb-h2", 2, 4)
     for args in [(0, 0, 1), (0, 2, 0), (2, 2, 1), (-1, 2, 1)]:
         with pytest.raises(ValueError):
             one_f_one_b(*args)

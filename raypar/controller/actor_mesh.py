@@ -35,17 +35,23 @@ from raypar.controller.placement import (
 )
 from raypar.mesh import Coord, Mesh, actor_name
 
-PING_TIMEOUT_S = 5.0
+PING_GRACE_S = 5.0  # pings answered within this are the common case: no need to ask Ray about anyone
+POLL_S = 1.0  # then, how often an unanswered ping is checked against Ray's record of the actor
 STARTUP_TIMEOUT_S = 300.0  # an actor process imports torch: seconds each, many at once on a small node
 
 
 class StepFailure(RunFailure):
-    """A step (or another all-actor call) failed. `dead`: actors found dead. The failed step itself was
-    applied nowhere; every step before it was applied by every intact replica."""
+    """A step (or another all-actor call) failed. `dead`: actors found dead. `step`: the step whose phase 1
+    failed (None for other calls). The failed step itself was applied nowhere; every step before it was
+    applied by every intact replica."""
 
-    def __init__(self, message: str, dead: set[Coord]):
+    def __init__(self, message: str, dead: set[Coord], step: int | None = None):
         super().__init__(message)
-        self.dead = dead
+        self.dead, self.step = dead, step
+
+
+class NoIntactReplica(RunFailure):
+    """Every replica lost an actor: only a checkpoint (or the initial state) can continue the run."""
 
 
 def _died(err: BaseException) -> bool:
@@ -101,7 +107,7 @@ class ActorMesh:
     def __init__(self, cfg: Config, run: str):
         self.cfg, self.run = cfg, run
         par = cfg.parallel
-        self.pp, self.tp = par.pp, par.tp
+        self.pp, self.tp, self.cp = par.pp, par.tp, par.cp
         self.replicas: list[int] = []
         self.actors: dict[Coord, Any] = {}
         self.pgs: dict[tuple[int, int], Any] = {}
@@ -111,6 +117,7 @@ class ActorMesh:
         self.server: RendezvousServer | None = None
         self.resources: ActorResources | None = None
         self.uncommitted: int | None = None  # a step whose phase 1 finished everywhere, not yet applied
+        self.ready: set[int] = set()  # replicas whose state is the run's (not half set up, healed, loaded)
 
     @property
     def dp(self) -> int:
@@ -118,7 +125,11 @@ class ActorMesh:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(max(self.dp, 1), self.pp, self.tp, self.cfg.parallel.ep)
+        par = self.cfg.parallel
+        return Mesh(
+            max(self.dp, 1), self.pp, self.tp, par.ep, ring=par.virtual_stages > 1, cp=self.cp,
+            tied_embeddings=self.cfg.model.tie_embeddings,
+        )
 
     @property
     def peak_flops(self) -> float | None:
@@ -137,29 +148,31 @@ class ActorMesh:
         for d in range(dp if dp is not None else self.cfg.dp_fixed):
             self._place_replica(d, self.cfg.parallel.timeout_s)
         self._regroup(new=set(self.replicas))
+        self.ready = set(self.replicas)
 
     def _place_replica(self, d: int, timeout_s: float) -> None:
-        """Reserve and start the pp x tp actors of replica `d` (all or none)."""
+        """Reserve and start the pp x cp x tp actors of replica `d` (all or none); a stage's cp x tp actors
+        share a node."""
         env = (
             {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}} if self.resources.gpus else {}
         )
         placed = []
         try:
             for p in range(self.pp):
-                placed.append(place_stage(self.run, d, p, self.tp, self.resources, timeout_s))
+                placed.append(place_stage(self.run, d, p, self.cp * self.tp, self.resources, timeout_s))
         except PlacementTimeout:
             release(placed)
             raise
         for p, pg in enumerate(placed):
             self.pgs[(d, p)] = pg
-            for t in range(self.tp):
-                coord = Coord(d, p, t)
+            for c, t in itertools.product(range(self.cp), range(self.tp)):
+                coord = Coord(d, p, t, c)
                 self.actors[coord] = self.worker_class.options(
                     name=self.name(coord),
                     namespace=NAMESPACE,
                     num_cpus=self.resources.cpus,
                     num_gpus=self.resources.gpus,
-                    scheduling_strategy=in_bundle(pg, t),
+                    scheduling_strategy=in_bundle(pg, c * self.tp + t),
                     runtime_env=env,
                 ).remote(*self._worker_args(coord))
         self.replicas.append(d)
@@ -168,6 +181,7 @@ class ActorMesh:
         return self.run, tuple(coord), self.cfg.parallel.threads_per_actor
 
     def _drop_replicas(self, ids: set[int]) -> None:
+        self.ready -= ids
         for coord in [c for c in self.actors if c.dp in ids]:
             ray.kill(self.actors.pop(coord))
             self.nodes.pop(coord, None)
@@ -186,9 +200,12 @@ class ActorMesh:
         return "nccl" if len(set(gpus)) == len(gpus) else "gloo"
 
     def _peers(self, coord: Coord) -> dict[str, Any]:
+        prev, nxt = coord.pp - 1, coord.pp + 1
+        if self.cfg.parallel.virtual_stages > 1:  # interleaved chunks: the last stage feeds the first
+            prev, nxt = prev % self.pp, nxt % self.pp
         return {
-            "prev": self.actors.get(Coord(coord.dp, coord.pp - 1, coord.tp)),
-            "next": self.actors.get(Coord(coord.dp, coord.pp + 1, coord.tp)),
+            "prev": self.actors.get(coord._replace(pp=prev)),
+            "next": self.actors.get(coord._replace(pp=nxt)),
         }
 
     def _regroup(self, new: set[int] = frozenset()) -> None:
@@ -235,16 +252,18 @@ class ActorMesh:
     def reconfigure(self, cfg: Config) -> None:
         """Rebuild every actor's state from the seed under `cfg` (same layout): a new schedule, transport
         or microbatch count without new processes."""
-        if (cfg.parallel.pp, cfg.parallel.tp, cfg.dp_fixed) != (self.pp, self.tp, self.dp):
+        par = cfg.parallel
+        if (par.pp, par.tp, par.cp, cfg.dp_fixed) != (self.pp, self.tp, self.cp, self.dp):
             raise ValueError("reconfigure keeps the layout; start a new ActorMesh to change it")
         self.cfg, self.uncommitted = cfg, None
         self._regroup(new=set(self.replicas))
+        self.ready = set(self.replicas)
 
     # -- calls to every actor, with failure containment ------------------------------------------------
-    def _gather(self, refs: dict[Any, Coord], what: str) -> dict[Coord, Any]:
+    def _gather(self, refs: dict[Any, Coord], what: str, step: int | None = None) -> dict[Coord, Any]:
         """Wait for every ref. On the first failure: find dead actors, end the broken replicas (their
-        peers then fail fast instead of waiting out a timeout), call off the others' waits, and raise
-        StepFailure with the root cause, not a symptom."""
+        peers then fail fast instead of waiting out a timeout), call off the others' waits for `step`, and
+        raise StepFailure with the root cause, not a symptom."""
         deadline = time.monotonic() + 2 * self.cfg.parallel.timeout_s + 30
         results: dict[Coord, Any] = {}
         errors: dict[Coord, BaseException] = {}
@@ -255,7 +274,7 @@ class ActorMesh:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
             if not done:
                 late = ", ".join(self.name(refs[r]) for r in pending)
-                raise StepFailure(f"{what}: no answer within the deadline from {late}", dead)
+                raise StepFailure(f"{what}: no answer within the deadline from {late}", dead, step)
             if pending:  # and every other answer already in: one wait per answer is O(actors²) a step
                 more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
                 done += more
@@ -270,27 +289,50 @@ class ActorMesh:
                 except Exception as err:  # noqa: BLE001 - every worker error is reported below
                     errors[refs[ref]] = err
                     if not contained:
-                        dead, contained = self._contain(refs[ref], err), True
+                        dead, contained = self._contain(refs[ref], err, step), True
         if errors:
-            raise StepFailure(self._describe_failure(errors, dead, what), dead)
+            raise StepFailure(self._describe_failure(errors, dead, what), dead, step)
         return results
 
-    def _contain(self, first: Coord, err: BaseException) -> set[Coord]:
+    def _contain(self, first: Coord, err: BaseException, step: int | None) -> set[Coord]:
         dead = {first} if _died(err) else set()
-        pings = {a.where.remote(): c for c, a in self.actors.items() if c != first}
-        ready, missing = ray.wait(list(pings), num_returns=len(pings), timeout=PING_TIMEOUT_S)
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except Exception:  # noqa: BLE001 - any failure to answer a ping means the actor is gone
-                dead.add(pings[ref])
-        dead |= {pings[r] for r in missing}
+        dead |= self.find_dead([c for c in self.actors if c != first])
         broken = {c.dp for c in dead}
         for coord, actor in self.actors.items():
             if coord.dp in broken and coord not in dead:
                 ray.kill(actor)  # its sockets close, so intact peers fail now instead of at their timeout
-            elif coord not in dead:
-                actor.abort.remote()
+            elif coord not in dead and step is not None:
+                actor.abort.remote(self.epoch, step)
+        return dead
+
+    def find_dead(self, coords: list[Coord] | None = None) -> set[Coord]:
+        """The actors among `coords` (default: all) that are gone. Dead is what Ray says: a ping that fails
+        with ActorDiedError, or an actor Ray's state lists as DEAD (a lost node's actors, whose pings hang
+        until the node is declared dead). A slow answer is not death: an actor that is busy (starting up,
+        in a long step on a loaded node) is waited for, up to parallel.timeout_s; only one that stays
+        silent that long while Ray still calls it alive is given up on as hung."""
+        coords = list(self.actors) if coords is None else coords
+        pings = {self.actors[c].where.remote(): c for c in coords if c in self.actors}
+        dead: set[Coord] = set()
+        deadline = time.monotonic() + self.cfg.parallel.timeout_s
+        pending, wait_s = list(pings), PING_GRACE_S
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+            wait_s = POLL_S
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as err:  # noqa: BLE001 - only a death counts; an answer of any kind is life
+                    if _died(err):
+                        dead.add(pings[ref])
+            if not pending:
+                break
+            states = {ref: _actor_state(self.actors[pings[ref]]) for ref in pending}
+            dead |= {pings[ref] for ref, state in states.items() if state == "DEAD"}
+            pending = [ref for ref, state in states.items() if state != "DEAD"]
+            if pending and time.monotonic() > deadline:
+                dead |= {pings[ref] for ref in pending}
+                break
         return dead
 
     def _describe_failure(self, errors: dict[Coord, BaseException], dead: set[Coord], what: str) -> str:
@@ -309,7 +351,7 @@ class ActorMesh:
             cause = _cause(err)
         return (
             f"{what}: worker {self.name(coord)} (run={self.run}, dp={coord.dp}, pp={coord.pp}, "
-            f"tp={coord.tp}) failed: {cause}"
+            f"tp={coord.tp}{f', cp={coord.cp}' if self.cp > 1 else ''}) failed: {cause}"
         )
 
     # -- running ---------------------------------------------------------------------------------------
@@ -319,7 +361,7 @@ class ActorMesh:
         start = time.perf_counter()
         commit, self.uncommitted = self.uncommitted, None  # whoever receives the call applies it
         refs = {a.train_step.remote(step, commit): c for c, a in self.actors.items()}
-        results = self._gather(refs, f"step {step}")
+        results = self._gather(refs, f"step {step}", step)
         self.uncommitted = step
         elapsed = time.perf_counter() - start
         last = self.pp - 1
@@ -337,6 +379,15 @@ class ActorMesh:
             moe_totals(results),
         )
 
+    def evaluate(self, step: int) -> float:
+        """The validation loss after `step` (whose update is applied): the mean over replicas (each the
+        mean of its equal share of the fixed validation microbatches)."""
+        commit, self.uncommitted = self.uncommitted, None  # applied first, as a step call would
+        refs = {a.eval_step.remote(step, commit): c for c, a in self.actors.items()}
+        results = self._gather(refs, f"validation after step {step}")
+        losses = [loss for c, loss in results.items() if c.pp == self.pp - 1 and c.tp == 0]
+        return sum(losses) / len(losses)
+
     def commit(self) -> None:
         """Apply the last completed step everywhere now (before reading or moving state)."""
         if self.uncommitted is None:
@@ -344,30 +395,32 @@ class ActorMesh:
         step, self.uncommitted = self.uncommitted, None
         self._gather({a.apply_step.remote(step): c for c, a in self.actors.items()}, f"applying step {step}")
 
-    def recover(self, failure: StepFailure) -> str:
-        """Drop the replicas that lost an actor and continue with the intact ones, at once and without
-        touching disk. Raises `failure` itself when nothing died (a bug, not a fault) and RunFailure
-        when no replica is intact (the caller restores a checkpoint)."""
-        if not failure.dead:
-            raise failure
-        if self.cfg.parallel.zero >= 1:
-            raise RunFailure(
-                f"parallel.zero={self.cfg.parallel.zero}: the optimizer slices of the lost replica exist "
-                f"nowhere else ({failure})"
+    def recover(self, failure: BaseException) -> str:
+        """Continue after `failure` (of a step, or of anything else between steps) with the intact
+        replicas, at once and without touching disk: drop every replica that lost an actor or was not
+        completely set up, apply the last completed step on the others, re-form the groups. Raises
+        NoIntactReplica when no replica is intact, or under ZeRO (the caller restores a checkpoint)."""
+        dead = set(getattr(failure, "dead", ())) or self.find_dead()
+        if self.cfg.parallel.zero >= 1:  # the slices are sharded over groups that cannot be trusted now
+            raise NoIntactReplica(
+                f"parallel.zero={self.cfg.parallel.zero}: the optimizer slices of every replica are sharded "
+                f"over the DP group and cannot be regrouped without a checkpoint ({failure})"
             )
-        broken = {c.dp for c in failure.dead}
+        broken = {c.dp for c in dead} | (set(self.replicas) - self.ready)
         before = list(self.replicas)
         self._drop_replicas(broken)
         if not self.replicas:
-            raise RunFailure(f"no intact replica left after {failure}")
+            raise NoIntactReplica(f"no intact replica left (lost {sorted(broken)})")
         self._keep_expert_slices(before)
+        self.commit()  # a completed step not yet applied (the failure came between steps) is applied now
         self._regroup()
-        return f"lost replica(s) {sorted(broken)} ({failure}); continuing at dp={self.dp}"
+        lost = f"dropped replica(s) {sorted(broken)}" if broken else "no actor lost; groups re-formed"
+        return f"{lost}; continuing at dp={self.dp}"
 
     def _keep_expert_slices(self, before: list[int]) -> None:
         """With expert parallelism a replica's position in its EP group (dp rank mod ep) says which experts it
         holds. Reorder the survivors so each keeps its position, keeping as many whole EP groups as survive;
-        if every holder of some experts is gone, only a checkpoint has them (RunFailure: restore)."""
+        if every holder of some experts is gone, only a checkpoint has them (NoIntactReplica: restore)."""
         ep = self.cfg.parallel.ep
         if ep == 1:
             return
@@ -375,7 +428,7 @@ class ActorMesh:
         whole = min(len(held) for held in slices)
         if not whole:
             lost = next(j for j, held in enumerate(slices) if not held)
-            raise RunFailure(f"every replica holding expert slice {lost} of ep={ep} is lost")
+            raise NoIntactReplica(f"every replica holding expert slice {lost} of ep={ep} is lost")
         keep = [held[i] for i in range(whole) for held in slices]
         self._drop_replicas(set(self.replicas) - set(keep))
         self.replicas = keep
@@ -411,17 +464,31 @@ class ActorMesh:
         self._regroup(new=new)
         if not fresh:  # the new replicas take their part of the state from replica rank 0
             self._gather({a.sync_state.remote(0): c for c, a in self.actors.items()}, "healing new replicas")
+        self.ready |= new
         return f"added replica(s) {sorted(new)}: dp={self.dp}"
 
-    def restart_all(self, dp: int, ckpt_uri: str | None) -> int:
-        """No intact replica: start every replica again and load `ckpt_uri` (or the seed's initial state
-        when there is no checkpoint yet). Returns the step to continue from."""
+    def restart_all(self, dps: list[int], ckpt_uri: str | None, heal_timeout_s: float) -> int:
+        """No intact replica: start replicas again and load `ckpt_uri` (or the seed's initial state when
+        there is no checkpoint yet); returns the step to continue from. Places the largest dp of `dps` (the
+        valid ones, up to the target) that the cluster holds now: a lost node may not be back yet, and the
+        run heals to the target later. The first replica may wait parallel.timeout_s, the others
+        `heal_timeout_s`."""
         self._drop_replicas(set(self.replicas))
         self.uncommitted = None
-        for d in range(dp):
-            self._place_replica(d, self.cfg.parallel.timeout_s)
+        try:
+            for d in range(max(dps)):
+                self._place_replica(d, self.cfg.parallel.timeout_s if d == 0 else heal_timeout_s)
+        except PlacementTimeout:
+            if not self.replicas:
+                raise
+        usable = max((d for d in dps if d <= self.dp), default=0)
+        if not usable:
+            raise PlacementTimeout(f"room for {self.dp} replica(s) only; the run needs dp in {dps}")
+        self._drop_replicas(set(self.replicas[usable:]))
         self._regroup(new=set(self.replicas))
-        return self.load(ckpt_uri) if ckpt_uri else 0
+        step = self.load(ckpt_uri) if ckpt_uri else 0
+        self.ready = set(self.replicas)
+        return step
 
     # -- state -----------------------------------------------------------------------------------------
     def load(self, ckpt_uri: str) -> int:
@@ -435,7 +502,12 @@ class ActorMesh:
         staging URI and the writers to pass to `checkpoint_writes`."""
         self.commit()
         staging = checkpoint.begin(root, step)
-        wrote = self._gather({a.save_shard.remote(staging): c for c, a in self.actors.items()}, "checkpoint")
+        try:
+            refs = {a.save_shard.remote(staging): c for c, a in self.actors.items()}
+            wrote = self._gather(refs, "checkpoint snapshot")
+        except BaseException:
+            checkpoint.discard(staging)
+            raise
         return staging, [c for c, w in wrote.items() if w]
 
     def checkpoint_writes(self, writers: list[Coord]) -> dict[Any, Coord]:
@@ -486,3 +558,14 @@ class ActorMesh:
         if self.server is not None:
             self.server.close()
             self.server = None
+
+
+def _actor_state(actor: Any) -> str | None:
+    """Ray's record of an actor (ALIVE, RESTARTING, DEAD, ...); None if the state API cannot say."""
+    from ray.util.state import get_actor
+
+    try:
+        state = get_actor(actor._actor_id.hex(), address=ray.get_runtime_context().gcs_address, timeout=10)
+    except Exception:  # noqa: BLE001 - no dashboard, or it is busy: then only the ping decides
+        return None
+    return state.state if state is not None else None

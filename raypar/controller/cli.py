@@ -2,6 +2,7 @@
 
 Usage and config errors: one line on stderr, exit 2, before any actor starts (Ray is imported only once the
 input is known good). Runtime failures: one line naming the actor (run, dp, pp, tp) and the cause, exit 1.
+Ctrl-C: exit 130; SIGTERM: exit 143; both release the run's actors and placement groups first.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import re
 import sys
 from pathlib import Path
 
 from raypar import config as config_mod
 from raypar.config import Config, ConfigError
+from raypar.controller import stopping
 
 
 class UsageError(Exception):
@@ -70,9 +73,17 @@ def _parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key"
     )
 
-    prepare = sub.add_parser("prepare", help="turn text files into byte-level token shards (Arrow IPC)")
-    prepare.add_argument("globs", nargs="+", help="text file globs (** allowed)")
+    prepare = sub.add_parser("prepare", help="tokenize documents into token shards (Arrow IPC)")
+    prepare.add_argument(
+        "sources", nargs="+",
+        help="text file globs (** allowed; one document per file), or .parquet / .jsonl files, globs or "
+        "pyarrow.fs URIs (one document per row of --column)",
+    )
     prepare.add_argument("--out", required=True, type=Path, help="output directory")
+    prepare.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json (default: byte-level)")
+    prepare.add_argument("--column", default="text", help="the text column of tables (default: text)")
+    prepare.add_argument("--eos", metavar="TOKEN", help="the token between documents (default: found)")
+    prepare.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     scale = sub.add_parser("scale", help="change a running run's number of data-parallel replicas")
     scale.add_argument("--run", required=True, help="the run's name")
@@ -87,13 +98,28 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("run_dir", type=Path)
     rep.add_argument("--step", type=int, help="the step to draw (default: the median one)")
 
+    gen = sub.add_parser("generate", help="sample text from a checkpoint (one process, KV cache)")
+    gen.add_argument("path", help="a step directory or a checkpoint root (its latest)")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-tokens", type=int, default=200, help="new tokens at most (default 200)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
+
     ckpt = sub.add_parser("checkpoint", help="inspect or export a checkpoint")
     ckpt_sub = ckpt.add_subparsers(dest="action", required=True, parser_class=_Parser)
     inspect = ckpt_sub.add_parser("inspect", help="summarise a checkpoint's manifest")
     inspect.add_argument("path", help="a step directory or a checkpoint root (its latest)")
-    export = ckpt_sub.add_parser("export", help="write one consolidated safetensors file")
+    export = ckpt_sub.add_parser(
+        "export", help="write one consolidated safetensors file, or a Hugging Face model directory"
+    )
     export.add_argument("path", help="a step directory or a checkpoint root (its latest)")
-    export.add_argument("out", help="output .safetensors path or URI")
+    export.add_argument("out", help="output .safetensors path or URI (--format hf: a new directory)")
+    export.add_argument(
+        "--format", choices=("safetensors", "hf"), default="safetensors",
+        help="hf: config.json + model*.safetensors for transformers' LlamaForCausalLM.from_pretrained",
+    )
     return parser
 
 
@@ -101,8 +127,47 @@ def _check_data(cfg: Config) -> None:
     """Open the dataset once here: its errors are config errors, and the stdlib corpus is prepared once."""
     from raypar import data
 
-    dataset = data.open_dataset(cfg.data, cfg.model)
-    data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
+    try:
+        dataset, val = data.open_datasets(cfg.data, cfg.model)
+        data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as err:  # a broken prepared directory or an unreadable source file
+        raise ConfigError(f"data.source: {err}") from None
+    if cfg.train.eval_every:
+        data.check_eval(val, cfg.train.eval_batches, cfg.train.global_batch)
+
+
+def _writable_dir(path: Path, what: str) -> None:
+    """`path` is, or can be made, a directory this process writes into; else a ConfigError naming `what`."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what}: {path} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"{what}: cannot create {path}: {err.strerror or err}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what}: {path} is not writable")
+
+
+def _check_outputs(cfg: Config, run_dir: Path) -> None:
+    """Where the run writes: its directory and a local checkpoint.dir (other URIs are checked on first
+    use). Checked before Ray starts, so a typo costs a second, not a cluster start-up."""
+    _writable_dir(run_dir, "--run-dir")
+    if cfg.checkpoint.dir:
+        from raypar import checkpoint
+
+        try:
+            fs, path = checkpoint.resolve_fs(cfg.checkpoint.dir)
+        except checkpoint.CheckpointError as err:
+            raise ConfigError(f"checkpoint.dir: {err}") from None
+        if isinstance(fs, checkpoint.pafs.LocalFileSystem):
+            _writable_dir(Path(path), "checkpoint.dir")
+
+
+# Resuming reads every shard's bytes up front (sha256) when the checkpoint is at most this big; above it
+# only sizes (the actors verify hashes as they load).
+VERIFY_HASHES_BYTES = 2**30
 
 
 def _check_fits(cfg: Config) -> None:
@@ -119,14 +184,27 @@ def _check_fits(cfg: Config) -> None:
 
 
 def _resolve_resume(cfg: Config, which: str) -> str:
+    """The checkpoint to resume from, checked before any actor starts: a step directory must be intact
+    (exit 2 naming the bad file); under a root (or `latest`), the newest intact one is taken, and every
+    newer one passed over is named with the reason."""
     from raypar import checkpoint
 
     if which == "latest" and not cfg.checkpoint.dir:
         raise ConfigError("--resume latest: checkpoint.dir is not set")
+    where = cfg.checkpoint.dir if which == "latest" else which
     try:
-        uri = checkpoint.resolve(cfg.checkpoint.dir if which == "latest" else which)
+        fs, path = checkpoint.resolve_fs(where)
+        if fs.get_file_info(f"{path}/{checkpoint.MANIFEST}").type == checkpoint.pafs.FileType.File:
+            uri = where
+            checkpoint.verify(uri, VERIFY_HASHES_BYTES)
+        else:
+            uri, notes = checkpoint.newest_intact(where, VERIFY_HASHES_BYTES)
+            for note in notes:
+                print(f"raypar: --resume: {note}", file=sys.stderr)
+            if notes:
+                print(f"raypar: --resume: using {uri}, the newest intact checkpoint", file=sys.stderr)
         saved = checkpoint.load_manifest(uri)["meta"].get("model", {})
-    except checkpoint.CheckpointError as err:
+    except (checkpoint.CheckpointError, OSError, checkpoint.pa.ArrowException) as err:
         raise ConfigError(f"--resume: {err}") from None
     mine = dataclasses.asdict(cfg.model)
     diff = [k for k in mine if k != "preset" and k in saved and saved[k] != mine[k]]
@@ -154,6 +232,7 @@ def _train(args: argparse.Namespace) -> int:
     resume = _resolve_resume(cfg, args.resume) if args.resume else None
     name = args.name or f"{Path(args.config).stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = args.run_dir or Path("runs") / name
+    _check_outputs(cfg, run_dir)
     from raypar.controller.connection import RunFailure  # imports Ray: only once the input is known good
     from raypar.controller.training import TrainingLoop
 
@@ -188,10 +267,14 @@ def _plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--device: must be one of {', '.join(plan.DEVICES)}, got {args.device!r}")
     if not 0 < args.mfu <= 1:
         raise UsageError(f"--mfu: must be in (0, 1], got {args.mfu}")
+    if args.top <= 0:
+        raise UsageError(f"--top: must be a positive number of rows, got {args.top}")
     try:
         memory = plan.parse_size(args.device_memory)
     except ValueError as err:
         raise UsageError(f"--device-memory: {err}") from None
+    if not (0 < memory < float("inf")):
+        raise UsageError(f"--device-memory: must be a positive, finite size, got {args.device_memory!r}")
     preds = plan.plan(cfg, args.devices, memory, plan.DEVICES[args.device], args.mfu)
     shown = preds if args.all else [p for p in preds if p.fits]
     if args.json:
@@ -208,9 +291,21 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace) -> int:
     from raypar import data
+    from raypar.tokenizer import load
 
-    index = data.prepare(args.globs, str(args.out))
-    print(f"raypar: {index['total_tokens']:,} tokens from {len(index['files'])} files -> {args.out}")
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out: {args.out} exists and is not a directory")
+    try:
+        index = data.prepare(args.sources, str(args.out), tokenizer=load(args.tokenizer, args.eos),
+                             column=args.column, progress=not args.no_progress)
+    except FileExistsError as err:
+        raise UsageError(f"--out: {err}") from None
+    except ValueError as err:  # a source file that cannot be read
+        raise UsageError(f"sources: {err}") from None
+    except OSError as err:
+        raise UsageError(f"--out: cannot write {args.out}: {err.strerror or err}") from None
+    print(f"raypar: {index['total_tokens']:,} tokens ({index['vocab']}, vocab {index['vocab_size']:,}) from "
+          f"{index['documents']:,} documents -> {args.out}")
     return 0
 
 
@@ -227,6 +322,8 @@ def _connect(address: str) -> None:
 def _scale(args: argparse.Namespace) -> int:
     from raypar.controller import connection as control
 
+    if args.dp <= 0:
+        raise UsageError(f"--dp: must be a positive number of replicas, got {args.dp}")
     _connect(args.address)
     try:
         print(f"raypar: {control.scale(args.run, args.dp)}")
@@ -265,9 +362,11 @@ def _status(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from raypar import report
 
+    if args.step is not None and args.step < 0:
+        raise UsageError(f"--step: must be a step number >= 0, got {args.step}")
     try:
         result = report.write_report(args.run_dir, args.step)
-    except (FileNotFoundError, ValueError) as err:
+    except (OSError, ValueError) as err:
         raise UsageError(str(err)) from None
     print(report.describe(result))
     return 0
@@ -280,15 +379,39 @@ def _checkpoint(args: argparse.Namespace) -> int:
         uri = checkpoint.resolve(args.path)
         if args.action == "inspect":
             print(checkpoint.inspect(uri))
+        elif args.format == "hf":
+            from raypar import hf
+
+            print(f"raypar: wrote {hf.export(uri, args.out)}")
         else:
             print(f"raypar: wrote {checkpoint.export(uri, args.out)}")
-    except checkpoint.CheckpointError as err:
-        print(f"raypar: {err}", file=sys.stderr)
-        return 1
+    except (checkpoint.CheckpointError, FileExistsError) as err:  # the checkpoint named, or the output
+        raise UsageError(str(err)) from None
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if args.max_tokens <= 0:
+        raise UsageError(f"--max-tokens: must be positive, got {args.max_tokens}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise UsageError("--temperature: must be >= 0, and --top-p in (0, 1]")
+    from raypar import checkpoint, generate
+
+    try:
+        model, tok = generate.load(checkpoint.resolve(args.path), args.device)
+        text = generate.sample(
+            model, tok, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed
+        )
+    except checkpoint.CheckpointError as err:  # the checkpoint named is bad: usage
+        raise UsageError(str(err)) from None
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    print(args.prompt + text)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    stopping.install()
     try:
         args = _parser().parse_args(argv)
         handler = {
@@ -299,14 +422,18 @@ def main(argv: list[str] | None = None) -> int:
             "status": _status,
             "report": _report,
             "checkpoint": _checkpoint,
+            "generate": _generate,
         }[args.command]
         return handler(args)
     except (ConfigError, UsageError) as err:
         print(f"raypar: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("raypar: interrupted", file=sys.stderr)
-        return 130
+        print("raypar: interrupted (Ctrl-C)", file=sys.stderr)
+        return stopping.EXIT_SIGINT
+    except stopping.Terminated:
+        print("raypar: terminated (SIGTERM)", file=sys.stderr)
+        return stopping.EXIT_SIGTERM
 
 
 if __name__ == "__main__":

@@ -13,9 +13,12 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raypar.config import ConfigError
+from raypar.controller.connection import RunFailure
 
-class PlacementTimeout(RuntimeError):
-    pass
+
+class PlacementTimeout(RunFailure):
+    """Resources for a placement group did not appear in time (a runtime failure, recovered like one)."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,42 @@ def resources_for(device: str, threads: int = 1, gpus: float = 1.0) -> ActorReso
     if device == "auto":
         device = "gpu" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
     return ActorResources(cpus=float(threads), gpus=gpus if device == "gpu" else 0.0)
+
+
+def check_device(device: str, gpus_per_actor: float) -> None:
+    """parallel.device = "gpu" on a cluster without GPUs: a ConfigError now, instead of a placement that
+    waits out its timeout. Unless an autoscaler runs (GPU nodes may come): then the placement waits."""
+    if device != "gpu" or ray.cluster_resources().get("GPU", 0) >= gpus_per_actor:
+        return
+    if not _autoscaler_running():
+        raise ConfigError(
+            'parallel.device: "gpu" needs GPUs, and this Ray cluster has none (and no autoscaler to add '
+            'them); use "cpu" or "auto"'
+        )
+
+
+def _autoscaler_running() -> bool:
+    """Whether the cluster has an autoscaler that can add nodes. Ray has no public call for it. The v1
+    monitor posts a status to the GCS key-value store (what `ray status` reads); on a cluster without an
+    autoscaling config (a local `ray.init`, a plain `ray start`) it runs with the read-only provider,
+    which names every node's type `node_<node id>`; a real autoscaler uses the config's type names. v2
+    marks itself in the store."""
+    import json
+
+    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    try:
+        if is_autoscaler_v2(fetch_from_server=True):
+            return True
+        status = _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
+        if not status:
+            return False
+        types = json.loads(status).get("autoscaler_report", {}).get("node_type_mapping") or {}
+        return any(t != f"node_{node}" for node, t in types.items())
+    except Exception:  # noqa: BLE001 - cannot tell: let the placement wait and say what it waited for
+        return True
 
 
 def place_stage(run: str, dp: int, pp: int, tp: int, res: ActorResources, timeout_s: float) -> PlacementGroup:

@@ -5,6 +5,13 @@ Per step: apply a pending scale request or heal toward the target dp, run the st
 that fails because actors died is redone: by the intact replicas at once, or after restarting every
 replica from the last checkpoint. Because the global batch and sample order do not depend on dp, none of
 this changes the loss curve.
+
+Anything that fails between steps (an actor lost during a scale, a heal or a checkpoint snapshot, a
+placement timeout, groups that do not form, storage errors) is recovered the same way and counts against
+train.max_failures the same way; so does a failure during a recovery. A step is complete once its phase 1
+finished everywhere: it is logged then, exactly once, and its update is applied by every intact replica
+whatever fails next. A checkpoint whose writing fails costs only itself (its staging directory is removed);
+one lost to a dead actor, or the run's last one, is written again.
 """
 
 from __future__ import annotations
@@ -21,15 +28,28 @@ from typing import Any, TextIO
 import ray
 
 from actors.control import RunControl, control_name
-from raypar import checkpoint, memory, report
+from collectives.group import GroupError
+from raypar import checkpoint, data, memory, report
 from raypar import config as config_mod
 from raypar.config import Config
-from raypar.controller.actor_mesh import ActorMesh, StepFailure
+from raypar.controller import stopping
+from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica, StepFailure
 from raypar.controller.connection import NAMESPACE, RunFailure, connect
+from raypar.controller.placement import check_device
 from raypar.flops import mfu
 from raypar.mesh import Coord
 
 HEAL_PLACEMENT_TIMEOUT_S = 10.0
+# What can fail while the run talks to its actors and its storage; all of it is recovered the same way.
+RECOVERABLE = (RunFailure, GroupError, checkpoint.CheckpointError, ray.exceptions.RayError)
+
+
+class CheckpointFailed(RunFailure):
+    """The checkpoint of `step` was not written; `dead`: actors found dead on the way (the mesh recovers)."""
+
+    def __init__(self, step: int, cause: BaseException):
+        super().__init__(f"checkpoint step {step} failed: {cause}")
+        self.step, self.dead = step, set(getattr(cause, "dead", ()))
 
 
 @dataclass
@@ -70,6 +90,8 @@ class TrainingLoop:
         self.last_checkpoint: str | None = None
         self.events: list[str] = []
         self.logs: dict[str, TextIO] = {}
+        self.tokenizer = data.tokenizer_record(cfg.data)  # in every checkpoint, for `raypar generate`
+        self.val_loss: float | None = None  # the latest, for the progress bar
 
     # -- log ---------------------------------------------------------------------------------------------
     def event(self, text: str) -> None:
@@ -101,11 +123,23 @@ class TrainingLoop:
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def _checkpoint(self, next_step: int) -> None:
-        root = self.cfg.checkpoint.dir
-        self._publish(wait=True)
-        start = time.perf_counter()
-        staging, writers = self.actor_mesh.begin_checkpoint(root, next_step)
-        meta = {
+        """Snapshot the state before `next_step` and write it in the background; CheckpointFailed (staging
+        removed) if that fails."""
+        staging = None
+        try:
+            start = time.perf_counter()
+            staging, writers = self.actor_mesh.begin_checkpoint(self.cfg.checkpoint.dir, next_step)
+            meta = self._meta(next_step)
+            stall = time.perf_counter() - start
+            writes = self.actor_mesh.checkpoint_writes(writers)
+        except RECOVERABLE as err:
+            if staging is not None:
+                checkpoint.discard(staging)
+            raise CheckpointFailed(next_step, err) from None
+        self.pending = PendingCheckpoint(staging, next_step, writes, meta, time.perf_counter(), stall)
+
+    def _meta(self, next_step: int) -> dict[str, Any]:
+        return {
             "tokens": next_step * self.tokens_per_step,
             "layout": {
                 "dp": self.actor_mesh.dp,
@@ -127,10 +161,8 @@ class TrainingLoop:
             "rng": self.actor_mesh.rng_states(),
             "precision": self.cfg.train.precision,
             "zero": self.cfg.parallel.zero,
+            "tokenizer": self.tokenizer,
         }
-        stall = time.perf_counter() - start
-        writes = self.actor_mesh.checkpoint_writes(writers)
-        self.pending = PendingCheckpoint(staging, next_step, writes, meta, time.perf_counter(), stall)
 
     def _publish(self, wait: bool) -> None:
         """Publish the checkpoint being written in the background once its shards are done (checked
@@ -145,17 +177,17 @@ class TrainingLoop:
         pending, self.pending = self.pending, None
         try:
             entries = self.actor_mesh.collect(pending.writes, "writing checkpoint shards")
-        except RunFailure as err:  # a writer died: its staging directory stays aside, pruned by a later save
-            self.event(f"checkpoint step {pending.step} abandoned: {err}")
-            return
-        uri = checkpoint.publish(
-            self.cfg.checkpoint.dir,
-            pending.staging,
-            pending.step,
-            entries,
-            pending.meta,
-            keep=self.cfg.checkpoint.keep,
-        )
+            uri = checkpoint.publish(
+                self.cfg.checkpoint.dir,
+                pending.staging,
+                pending.step,
+                entries,
+                pending.meta,
+                keep=self.cfg.checkpoint.keep,
+            )
+        except RECOVERABLE as err:
+            checkpoint.discard(pending.staging)
+            raise CheckpointFailed(pending.step, err) from None
         self.last_checkpoint = uri
         self.event(
             f"checkpoint step {pending.step} published: {uri} (training stalled "
@@ -182,30 +214,43 @@ class TrainingLoop:
         elif self.actor_mesh.dp < self.target_dp and _room_for_replica(self.actor_mesh):
             self.event("healing: " + self.actor_mesh.scale_to(self.target_dp, HEAL_PLACEMENT_TIMEOUT_S))
 
-    def _recover(self, failure: StepFailure, step: int) -> int:
-        """Continue after `failure` of `step`; returns the step to run next."""
-        self.restarts += 1
-        if self.restarts > self.cfg.train.max_failures:
-            raise RunFailure(
-                f"giving up after {self.restarts} failures (train.max_failures="
-                f"{self.cfg.train.max_failures}); last: {failure}"
-            )
-        try:
-            self.event(f"step {step} failed: " + self.actor_mesh.recover(failure))
-            usable = [d for d in self.dps if d <= self.actor_mesh.dp]
-            if self.actor_mesh.dp not in self.dps and usable:  # shrink further to a dp the batch splits into
-                self.event(self.actor_mesh.scale_to(max(usable), self.cfg.parallel.timeout_s))
+    def _recover(self, failure: BaseException, step: int) -> int:
+        """Continue after `failure` (before `step` ran, or of `step` itself); returns the step to run next.
+        Every failure counts against train.max_failures, including one during the recovery itself."""
+        if isinstance(failure, StepFailure) and failure.step is not None and not failure.dead:
+            raise failure  # a worker raised in its step, and nothing died: a bug, not a fault to recover
+        while True:
+            self.restarts += 1
+            if self.restarts > self.cfg.train.max_failures:
+                raise RunFailure(
+                    f"giving up after {self.restarts} failures (train.max_failures="
+                    f"{self.cfg.train.max_failures}); last: {failure}"
+                )
+            try:
+                return self._recover_once(failure, step)
+            except RECOVERABLE as again:
+                failure = again
+
+    def _recover_once(self, failure: BaseException, step: int) -> int:
+        if isinstance(failure, CheckpointFailed) and not failure.dead:
+            self.event(f"{failure}; abandoned, training goes on")
             return step
-        except StepFailure:
-            raise
-        except RunFailure as err:
-            self.pending = None  # its writers may be gone; the last published checkpoint stands
+        when = "" if getattr(failure, "step", None) == step else f" (before step {step})"
+        self.event(f"failure {self.restarts}{when}: {failure}; recovering")
+        try:
+            self.event(self.actor_mesh.recover(failure))
+        except NoIntactReplica as err:
+            if self.pending is not None:  # its writers are gone; the last published checkpoint stands
+                checkpoint.discard(self.pending.staging)
+                self.pending = None
             ckpt = self.last_checkpoint or _latest(self.cfg.checkpoint.dir)
-            self.event(
-                f"step {step} failed and {err}; restarting all replicas from "
-                f"{ckpt or 'the initial state (no checkpoint yet)'}"
-            )
-            return self.actor_mesh.restart_all(self.target_dp, ckpt)
+            self.event(f"{err}; restarting all replicas from {ckpt or 'the initial state (no checkpoint)'}")
+            dps = [d for d in self.dps if d <= self.target_dp]
+            return self.actor_mesh.restart_all(dps, ckpt, HEAL_PLACEMENT_TIMEOUT_S)
+        usable = [d for d in self.dps if d <= self.actor_mesh.dp]
+        if self.actor_mesh.dp not in self.dps and usable:  # shrink further to a dp the batch splits into
+            self.event(self.actor_mesh.scale_to(max(usable), self.cfg.parallel.timeout_s))
+        return step
 
     # -- the loop ----------------------------------------------------------------------------------------
     def execute(self) -> dict[str, Any]:
@@ -214,17 +259,22 @@ class TrainingLoop:
         par = self.cfg.parallel
         world = self.target_dp * par.pp * par.tp * par.threads_per_actor  # CPUs a local Ray must offer
         connect(self.address, num_cpus=max(os.cpu_count() or 1, world))
+        stopping.install()  # again: ray.init installs a SIGTERM handler of its own
+        check_device(par.device, par.gpus_per_actor)
         control = RunControl.options(name=control_name(self.name), namespace=NAMESPACE).remote(
             self.name, self.dps
         )
         wall = time.perf_counter()
         try:
-            self.actor_mesh.start(self.target_dp)
-            step = 0
-            if self.resume:
-                step = self.actor_mesh.load(self.resume)
-                self.last_checkpoint = self.resume
-                self.event(f"resumed from {self.resume} at step {step}")
+            try:
+                self.actor_mesh.start(self.target_dp)
+                step = 0
+                if self.resume:
+                    step = self.actor_mesh.load(self.resume)
+                    self.last_checkpoint = self.resume
+                    self.event(f"resumed from {self.resume} at step {step}")
+            except (GroupError, checkpoint.CheckpointError, ray.exceptions.RayError) as err:
+                raise RunFailure(f"starting the actors failed: {err}") from None
             return self._loop(control, step, wall)
         finally:
             self.actor_mesh.shutdown()
@@ -241,69 +291,43 @@ class TrainingLoop:
         with bar:
             recovered = False
             checkpointed = step  # the state before `step` is on disk already (resumed) or is the seed's
+            rewrite = False  # a checkpoint lost to dead actors (or the last one): write one at this boundary
             while True:
+                completed = None  # the step's result once it is done (its validation may still fail)
                 try:  # everything that talks to the actors fails the same way and recovers the same way
-                    if checkpointed != step and self._checkpoint_due(step, end):
+                    if rewrite or (checkpointed != step and self._checkpoint_due(step, end)):
+                        self._publish(wait=True)  # the one before, so that its failure cannot cost this one
+                        checkpointed, rewrite = step, False
                         self._checkpoint(step)
-                        checkpointed = step
                     if step >= end:
+                        actor_mesh.commit()  # the last update: the actors end holding the trained model
+                        self._publish(wait=True)
                         break
                     self._publish(wait=False)
                     if not recovered:  # the failed step is redone by the survivors first, then the mesh heals
                         self._membership(control, step)
                     result = actor_mesh.step(step)
-                    recovered = False
-                except StepFailure as failure:
+                    recovered, completed = False, result
+                    val_loss = actor_mesh.evaluate(step) if self._eval_due(step) else None
+                except RECOVERABLE as failure:
                     recovered = True
+                    if completed is not None:  # only the validation after it failed: the step stands
+                        last = self._log_step(step, completed, None, control, bar)
+                        first_loss = completed.loss if first_loss is None else first_loss
+                        step, completed = step + 1, None
+                    if isinstance(failure, CheckpointFailed) and (failure.dead or failure.step == end):
+                        rewrite = True
                     redo = self._recover(failure, step)
                     if redo < step:
                         self._open_logs(redo)
                         bar.reset(total=end)
                         bar.update(redo)
-                        checkpointed = redo
+                        checkpointed, rewrite = redo, False
                     step = redo
                     continue
-                rows = report.timeline_rows(step, result.per_actor)
-                record = {
-                    "step": step,
-                    "loss": result.loss,
-                    "grad_norm": result.grad_norm,
-                    "lr": result.lr,
-                    "tokens": self.tokens_per_step * (step + 1),
-                    "step_time_s": result.step_time_s,
-                    "tokens_per_s": self.tokens_per_step / result.step_time_s,
-                    "dp": actor_mesh.dp,
-                    "pp": actor_mesh.pp,
-                    "tp": actor_mesh.tp,
-                    "restarts": self.restarts,
-                    "model_state_bytes": max(r["model_state_bytes"] for r in result.per_actor.values()),
-                    "dp_bytes": sum(r["reduce_bytes"] + r["gather_bytes"] for r in result.per_actor.values()),
-                    "bubble_fraction": report.measured_bubble(rows),
-                    "mfu": mfu(self.tokens_per_step / result.step_time_s, cfg.model, actor_mesh.peak_flops)
-                    if actor_mesh.peak_flops
-                    else None,
-                    "loss_scale": result.loss_scale,
-                    "skipped": result.skipped,
-                    **memory.worst(result.per_actor.values()),
-                }
-                if result.moe is not None:  # aux_loss, dropped_tokens, expert_load (layer -> per expert)
-                    record.update(result.moe)
-                self.logs["metrics.jsonl"].write(json.dumps(record) + "\n")
-                self.logs["metrics.jsonl"].flush()
-                self.logs["timeline.jsonl"].writelines(json.dumps(r) + "\n" for r in rows)
-                control.update.remote(self._status(record))
-                bar.set_postfix(
-                    loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", dp=actor_mesh.dp
-                )
-                bar.update(1)
+                last = self._log_step(step, result, val_loss, control, bar)
                 first_loss = result.loss if first_loss is None else first_loss
-                last = record
                 step += 1
-            try:  # the last step's update, so that the actors hold the trained model
-                actor_mesh.commit()
-            except StepFailure as failure:  # every step is logged and its checkpoint (if due) written
-                self.event(f"applying the last step failed: {failure}")
-            self._publish(wait=True)
         self._close_logs()
         return {
             "run": self.name,
@@ -316,6 +340,52 @@ class TrainingLoop:
             "restarts": self.restarts,
             "checkpoint": self.last_checkpoint,
         }
+
+    def _log_step(
+        self, step: int, result: Any, val_loss: float | None, control: Any, bar: Any
+    ) -> dict[str, Any]:
+        """metrics.jsonl, timeline.jsonl, the control actor and the progress bar for a completed step."""
+        rows = report.timeline_rows(step, result.per_actor)
+        record = {
+            "step": step,
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
+            "tokens": self.tokens_per_step * (step + 1),
+            "step_time_s": result.step_time_s,
+            "tokens_per_s": self.tokens_per_step / result.step_time_s,
+            "dp": self.actor_mesh.dp,
+            "pp": self.actor_mesh.pp,
+            "tp": self.actor_mesh.tp,
+            "restarts": self.restarts,
+            "val_loss": val_loss,
+            "model_state_bytes": max(r["model_state_bytes"] for r in result.per_actor.values()),
+            "dp_bytes": sum(r["reduce_bytes"] + r["gather_bytes"] for r in result.per_actor.values()),
+            "bubble_fraction": report.measured_bubble(rows),
+            "mfu": mfu(self.tokens_per_step / result.step_time_s, self.cfg.model, self.actor_mesh.peak_flops)
+            if self.actor_mesh.peak_flops
+            else None,
+            "loss_scale": result.loss_scale,
+            "skipped": result.skipped,
+            **memory.worst(result.per_actor.values()),
+        }
+        if result.moe is not None:  # aux_loss, dropped_tokens, expert_load (layer -> per expert)
+            record.update(result.moe)
+        self.logs["metrics.jsonl"].write(json.dumps(record) + "\n")
+        self.logs["metrics.jsonl"].flush()
+        self.logs["timeline.jsonl"].writelines(json.dumps(r) + "\n" for r in rows)
+        control.update.remote(self._status(record))
+        if val_loss is not None:
+            self.val_loss = val_loss
+        shown = {} if self.val_loss is None else {"val": f"{self.val_loss:.4f}"}
+        tok_s = f"{record['tokens_per_s']:.0f}"
+        bar.set_postfix(loss=f"{result.loss:.4f}", **shown, tok_s=tok_s, dp=self.actor_mesh.dp)
+        bar.update(1)
+        return record
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.train.eval_every
+        return bool(every) and ((step + 1) % every == 0 or step + 1 == self.cfg.train.steps)
 
     def _checkpoint_due(self, step: int, end: int) -> bool:
         """Every `checkpoint.every` steps and after the last; also when `--stop-at` ends the run early, so
