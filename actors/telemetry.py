@@ -32,6 +32,10 @@ METRICS = {
     ),
     "raypar_comm_seconds": "Time of the last step spent in pipeline sends and receives (waits included)",
     "raypar_memory_bytes": "Peak memory: allocated by torch on the accelerator, else the process's peak RSS",
+    "raypar_model_state_bytes": (
+        "Unique storages of parameters, gradients, master weights and optimizer moments after the step's "
+        "reduction (device and host): what ZeRO shards"
+    ),
     "raypar_moe_aux_loss": "MoE load-balancing loss of this stage's MoE layers at the last step",
     "raypar_moe_dropped_tokens": "Expert assignments over capacity at the last step (this stage)",
 }
@@ -67,6 +71,7 @@ class ActorMetrics:
             "raypar_bubble_fraction": 1.0 - step_result["busy_s"] / step_s if step_s > 0 else 0.0,
             "raypar_comm_seconds": sum(t1 - t0 for op, _, t0, t1 in step_result["events"] if op in COMM_OPS),
             "raypar_memory_bytes": float(self._memory_bytes()),
+            "raypar_model_state_bytes": float(step_result["model_state_bytes"]),
         }
         # Only the last stage computes a loss, and only a device in the peak table has an MFU.
         if step_result.get("loss") is not None:

@@ -5,9 +5,10 @@ A training step on an actor, top to bottom (`train_step(step, commit)`):
      phase 1 (it says so by passing that step's number along with the next call: one round trip a step);
   2. phase 1 of `step`: walk this stage's schedule (raypar.schedules) on the core's executor
      (raypar.executor): receive activations, forward, send; receive gradients, backward, send — microbatch
-     by microbatch and chunk by chunk, data read locally from the global sampler; the DP reducer averages
-     gradients across replicas, each chunk's buckets overlapping its last weight-gradient op;
-     the global gradient norm is summed over this replica's stages and tp ranks, then clipped.
+     by microbatch and chunk by chunk, data read locally from the global sampler; the DP strategy
+     (raypar.dp: plain or ZeRO 1-3) reduces gradients across replicas, each chunk's buckets overlapping its
+     last weight-gradient op; the global gradient norm is summed over this replica's stages and tp ranks (and
+     over the DP group where ZeRO splits the gradients), then clipped.
 Nothing is applied before all gradients are reduced everywhere, so a failed step leaves every survivor
 at the previous step and can simply be redone. The driver sends only step numbers: data, activations
 and gradients never pass through it.
@@ -33,12 +34,13 @@ from collectives.host import GroupHost
 from raypar import checkpoint, data, flops, hf, memory, precision, schedules
 from raypar import config as config_mod
 from raypar import ep as ep_mod
-from raypar.dp import GradReducer
+from raypar.dp import DPStrategy
 from raypar.executor import ModelBackend, StepRun, busy_seconds
 from raypar.mesh import Coord, Mesh, actor_name, stage_layers
 from raypar.model import LlamaStage, dropout_seed
 from raypar.moe import is_expert_param
-from raypar.optim import Optimizer, lr_at
+from raypar.optim import lr_at
+from raypar.zero3 import Zero3Strategy
 
 EVAL_MB_BASE = 1 << 30  # validation microbatches' transport keys: never a training microbatch's
 
@@ -73,9 +75,12 @@ class _ActorBackend(ModelBackend):
         self.live.backward((chunk, mb))
 
 
-def _param_of(name: str) -> str:
-    """The parameter a checkpoint tensor belongs to: `optim.exp_avg.<param>` -> `<param>`."""
-    return name.removeprefix("optim.").partition(".")[2] if name.startswith("optim.") else name
+def _summed(counts: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 class WorkerFailure(RuntimeError):
@@ -84,8 +89,8 @@ class WorkerFailure(RuntimeError):
 
 class Worker(GroupHost):
     """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks) override
-    the seams `_make_reducer`, `_make_expert_reducer`, `_bind_tp`, `_send_grad`, `_train_step` and
-    `_write_shard` and wrap themselves the same way."""
+    the seams `_make_strategy`, `_make_expert_strategy`, `_bind_tp`, `_send_grad`, `_train_step`,
+    `_sum_tied_grads` and `_write_shard` and wrap themselves the same way."""
 
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         torch.set_num_threads(threads)
@@ -93,11 +98,14 @@ class Worker(GroupHost):
         self.name = actor_name(run, self.coord)
         self.mailbox = Mailbox()
         self.metrics = ActorMetrics(run, self.coord)
-        self.reducer: GradReducer | None = None
-        self.expert_reducer: ep_mod.ExpertGradReducer | None = None
         self.transport: ObjectStoreTransport | DirectTransport | None = None
         self._writer: threading.Thread | None = None
-        self._written: dict[str, Any] | BaseException | None = None
+        self._written: list[dict[str, Any]] | BaseException | None = None
+        self.strategy: DPStrategy | None = None  # dense parameters
+        self.expert_strategy: DPStrategy | None = None  # expert parameters (an empty one without MoE)
+        # The whole DP state, taken before a planned change of dp (ZeRO shards it over the old group):
+        # (state by checkpoint name, optimizer step count); consumed by rebind and sync_state.
+        self._stash: tuple[dict[str, torch.Tensor], int] | None = None
 
     def __repr__(self) -> str:
         return self.name
@@ -142,7 +150,8 @@ class Worker(GroupHost):
             hf.load_stage(self.model, init_from)
         self.model.set_recompute(train.recompute, train.recompute_every)
         self.model.to(self.device)
-        self.optimizer = Optimizer(self.model, train, dtype)  # holds the fp32 masters; params -> dtype
+        self.param_dtype = dtype  # the strategy keeps fp32 masters for 16-bit parameters
+        self.strategy, self.expert_strategy, self._stash = None, None, None
         self.scaler = precision.scaler_for(train)
         self._skip = False
         self.dataset = self.val_dataset = None
@@ -168,25 +177,18 @@ class Worker(GroupHost):
         self._bind_tp(self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None)
         self.model.cp_group = self.group(Mesh.cp_group(self.coord)) if par.cp > 1 else None
         # Gradients of parameters replicated across cp are reduced over cp x dp.
-        dp_group = self.group(Mesh.dp_group(self.coord)) if self.dp * par.cp > 1 else None
-        if self.reducer is not None:
-            self.reducer.close()  # its hooks and buckets belong to the old membership
-        self.reducer = self._make_reducer(dp_group)
-        self.dp_group = dp_group
+        self.dp_group = self.group(Mesh.dp_group(self.coord)) if self.dp * par.cp > 1 else None
         tied = self.model.tied_weight() is not None
         self.emb_group = self.group(Mesh.emb_group(d, t, self.coord.cp)) if tied else None
         self.ep_group = self._ep_group(self.dp_rank)
         self.model.bind_ep(self.ep_group)
         if par.ep == 1:  # every replica holds every expert
-            edp_group = dp_group
+            self.edp_group = self.dp_group
         else:
-            edp_group = (
+            self.edp_group = (
                 self.group(Mesh.edp_group(self.coord, self.dp_rank, par.ep)) if self.dp > par.ep else None
             )
-        if self.expert_reducer is not None:
-            self.expert_reducer.close()
-        self.expert_reducer = self._make_expert_reducer(edp_group)
-        self.edp_group = edp_group
+        self._rebuild_strategies()
         self.mp_group = self.group(Mesh.mp_group(self.coord)) if par.pp * par.tp * par.cp > 1 else None
         self.microbatches = self.cfg.microbatches_at(self.dp)
         self.plan = schedules.build(par.schedule, par.pp, self.microbatches, par.virtual_stages)[p]
@@ -202,8 +204,43 @@ class Worker(GroupHost):
                 self.name, peers.get("prev"), peers.get("next"), self.mailbox, par.timeout_s, epoch,
                 p, self.topo,
             )
-        self.optimizer.zero_grad()
         self.mailbox.reset()
+
+    def _strategies(self) -> tuple[DPStrategy, DPStrategy]:
+        return self.strategy, self.expert_strategy
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """Both strategies' whole state by checkpoint name (dense and expert names are disjoint)."""
+        return {**self.strategy.full_state(), **self.expert_strategy.full_state()}
+
+    def _rebuild_strategies(self) -> None:
+        """New DP strategies for the new groups; the old ones' hooks go with them. Their state carries
+        over: from the stash of a planned dp change, or read locally where nothing is sharded."""
+        par = self.cfg.parallel
+        state, step_count = self._stash if self._stash is not None else (None, 0)
+        if state is None and self.strategy is not None:
+            if self.strategy.sharded:
+                raise RuntimeError(
+                    f"parallel.zero={par.zero}: this replica's optimizer slices were sharded over a group "
+                    "that changed without a stash; restore from a checkpoint"
+                )
+            state, step_count = self._full_state(), self.strategy.step_count
+        if self.strategy is not None:
+            for old in self._strategies():
+                old.close()
+        self.strategy = self._make_strategy(self.dp_group)
+        self.expert_strategy = self._make_expert_strategy(self.edp_group)
+        tied = self.model.tied_weight()
+        if tied is not None:  # its bucket waits for `_sum_tied_grads`
+            self.strategy.hold({n for n, p in self.model.named_parameters() if p is tied})
+        if state is not None:
+            for strategy in self._strategies():
+                strategy.load_full_state(state, step_count)
+
+    def stash_state(self) -> None:
+        """Before a planned change of dp: keep the whole DP state (a collective over the old group under
+        ZeRO) so that the new layout can be carved out of it."""
+        self._stash = (self._full_state(), self.strategy.step_count)
 
     def _bind_tp(self, group: Any) -> None:
         self.model.tp_group = group
@@ -215,21 +252,24 @@ class Worker(GroupHost):
         ep = self.cfg.parallel.ep
         return self.group(Mesh.ep_group(self.coord, dp_rank, ep)) if ep > 1 else None
 
-    def _params(self, experts: bool) -> list[torch.nn.Parameter]:
-        return [p for n, p in self.model.named_parameters() if is_expert_param(n) == experts]
+    def _make_strategy(self, dp_group: Any) -> DPStrategy:
+        """Every non-expert parameter: averaged over the data-parallel group, ZeRO as configured."""
+        par, train = self.cfg.parallel, self.cfg.train
+        cls = Zero3Strategy if par.zero == 3 else DPStrategy
+        return cls(
+            self.model, train, dp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp,
+            dtype=self.param_dtype, reduce_dtype=precision.DTYPES[train.reduce_dtype],
+            select=lambda name: not is_expert_param(name),
+        )
 
-    def _make_reducer(self, dp_group: Any) -> GradReducer:
-        """Averages every non-expert gradient over the data-parallel group."""
-        bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
-        reduce_dtype = precision.DTYPES[self.cfg.train.reduce_dtype]
-        return GradReducer(self._params(experts=False), dp_group, bucket_bytes, "avg", reduce_dtype)
-
-    def _make_expert_reducer(self, edp_group: Any) -> ep_mod.ExpertGradReducer:
-        """Expert gradients: summed over the expert-dp group, divided by dp (raypar.ep says why)."""
-        bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
-        reduce_dtype = precision.DTYPES[self.cfg.train.reduce_dtype]
-        return ep_mod.ExpertGradReducer(
-            self._params(experts=True), edp_group, self.dp, bucket_bytes, reduce_dtype
+    def _make_expert_strategy(self, edp_group: Any) -> DPStrategy:
+        """Expert parameters: summed over the expert-dp group, divided by dp (raypar.ep says why); not
+        sharded (config validation rejects ZeRO with experts)."""
+        par, train = self.cfg.parallel, self.cfg.train
+        return DPStrategy(
+            self.model, train, edp_group, 0, int(par.bucket_mb * 2**20), self.coord.tp,
+            dtype=self.param_dtype, reduce_dtype=precision.DTYPES[train.reduce_dtype],
+            select=is_expert_param, divisor=self.dp,
         )
 
     def _device(self) -> torch.device:
@@ -265,7 +305,8 @@ class Worker(GroupHost):
         try:
             return self._train_step(step)
         except Exception as err:
-            self.optimizer.zero_grad()  # the step is discarded: nothing of it may leak into a redo
+            for strategy in self._strategies():  # the step is discarded: nothing of it may leak into a redo
+                strategy.zero_grad()
             raise self._fail(f"step {step}", err) from err
 
     def apply_step(self, step: int) -> None:
@@ -274,31 +315,39 @@ class Worker(GroupHost):
         with the next `train_step` call, or alone before anything that reads the state (checkpoint,
         scaling)."""
         if not self._skip:
-            self.optimizer.step(lr_at(self.optimizer.step_count, self.cfg.train))
+            lr = lr_at(self.strategy.step_count, self.cfg.train)
+            for strategy in self._strategies():
+                strategy.step(lr)
         if self.scaler is not None:
             self.scaler.update(self._skip)
         self._skip = False  # applied once: a second apply of the same step must not count it again
-        self.optimizer.zero_grad()
+        for strategy in self._strategies():
+            strategy.zero_grad()
 
     def _train_step(self, step: int) -> dict[str, Any]:
         start = time.perf_counter()
+        self._stash = None  # a dp change is complete once a step runs
+        for strategy in self._strategies():
+            strategy.begin_step()
         self.transport.step = step
         self.mailbox.clear_before(self.epoch, step)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         backend = _ActorBackend(self, step, scale)
-        reducers = [self.reducer, self.expert_reducer]
-        run = StepRun(self.coord.pp, self.topo, self.plan, backend, reducers, self.model.chunk_parameters)
+        run = StepRun(
+            self.coord.pp, self.topo, self.plan, backend, self._strategies(), self.model.chunk_parameters
+        )
         events = run.run(time.perf_counter, start)
         losses, live = backend.losses, backend.live
         compute_end = time.perf_counter()
-        self.reducer.finish()
-        self.expert_reducer.finish()
-        self._sum_tied_grads()
+        self._sum_tied_grads()  # before the strategies reduce the bucket they hold for it
+        for strategy in self._strategies():
+            strategy.finish()
         self.transport.finish_step()
-        found_inf = self.optimizer.unscale_(1.0 / scale, check=self.scaler is not None)
-        self._skip = self.scaler is not None and self._anywhere(found_inf)
+        check = self.scaler is not None
+        found_inf = [s.unscale_(1.0 / scale, check=check) for s in self._strategies()]  # both, always
+        self._skip = self.scaler is not None and self._anywhere(any(found_inf))
         grad_norm = float("inf") if self._skip else self._clip_grad_norm()
         end = time.perf_counter()
         busy = busy_seconds(events)
@@ -307,13 +356,15 @@ class Worker(GroupHost):
             "dp_rank": self.dp_rank,
             "loss": torch.stack(losses).float().mean().item() if losses else None,
             "grad_norm": grad_norm,
-            "lr": lr_at(self.optimizer.step_count, self.cfg.train),
+            "lr": lr_at(self.strategy.step_count, self.cfg.train),
             "loss_scale": scale,
             "skipped": self._skip,
             "step_s": end - start,
             "busy_s": busy,
             "reduce_s": end - compute_end,
             "events": events,
+            # bytes this actor sent for DP since the last step: reduction, parameter gathers (ZeRO)
+            **_summed(s.take_traffic() for s in self._strategies()),
             **self._memory(live),
         }
         moe = self.model.take_moe_stats()
@@ -330,7 +381,8 @@ class Worker(GroupHost):
 
     def _sum_tied_grads(self) -> None:
         """The two copies of a tied embedding (first and last stage) take the same, summed gradient, so
-        their identical updates keep them equal."""
+        their identical updates keep them equal. Summed before the DP reduction (the dense strategy holds
+        their bucket for it): the sum commutes with it, and the full gradient exists only until then."""
         if self.emb_group is not None:
             self.emb_group.all_reduce(self.model.tied_weight().grad, "sum")
 
@@ -380,8 +432,7 @@ class Worker(GroupHost):
     def _memory(self, live: memory.LiveActivations) -> dict[str, int]:
         """Measured memory of this step: activations saved per microbatch and at most at once, microbatches
         in flight, model states, and the peak (GPU: the allocator's; CPU: model states + activations)."""
-        params = list(self.model.parameters())
-        states = memory.tensor_bytes([*params, *(p.grad for p in params)]) + self.optimizer.state_bytes()
+        states = sum(sum(s.model_state_bytes().values()) for s in self._strategies())
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
@@ -407,96 +458,84 @@ class Worker(GroupHost):
         self.transport.send_grad(chunk, mb, grad)
 
     def _clip_grad_norm(self) -> float:
-        def part(experts: bool) -> torch.Tensor:
-            if self.coord.cp:  # cp ranks hold the same (reduced) gradients: only cp rank 0 counts them
-                return torch.zeros((), dtype=torch.float64, device=self.device)
-
-            # A tied head on the last stage is a copy of the first stage's embedding: counted there only.
-            def select(n: str) -> bool:
-                return is_expert_param(n) == experts and not self.model.tied_copy(n)
-
-            return self.optimizer.grad_sq_norm(self.model.replicated, self.coord.tp == 0, select)
-
-        norm = math.sqrt(ep_mod.grad_sq_norm(part(False), part(True), self.ep_group, self.mp_group))
-        if self.cfg.train.grad_clip > 0:
-            self.optimizer.clip_(norm, self.cfg.train.grad_clip)
+        dense, experts = (s.grad_sq_norm() for s in self._strategies())  # collectives when sharded
+        if self.coord.cp:  # cp ranks hold the same (reduced) gradients: only cp rank 0 counts them
+            dense, experts = torch.zeros_like(dense), torch.zeros_like(experts)
+        norm = math.sqrt(ep_mod.grad_sq_norm(dense, experts, self.ep_group, self.mp_group))
+        for strategy in self._strategies():
+            strategy.clip_(norm, self.cfg.train.grad_clip)
         return norm
 
     # -- state: inspection, healing a new replica, checkpoints ----------------------------------------
     def parameters(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
-        """name -> (local shard, global shape, offsets), on the CPU."""
+        """name -> (local shard, global shape, offsets), on the CPU. Under ZeRO-3 a collective over the DP
+        group: call it on every replica."""
         specs = self.model.shard_specs()
-        return {n: (p.detach().cpu(), *specs[n]) for n, p in self.optimizer.masters.items()}
-
-    def _state(self) -> dict[str, torch.Tensor]:
-        """Everything to continue: parameters (fp32 masters) and optimizer moments, by checkpoint name."""
-        return {**self.optimizer.masters, **self.optimizer.state_tensors()}
+        return {n: (t, *specs[n]) for s in self._strategies() for n, t in s.full_parameters().items()}
 
     def optimizer_state(self) -> dict[str, Any]:
         """What a checkpoint's JSON needs besides tensors: updates applied, and the loss scaler's state."""
         scaler = self.scaler.state() if self.scaler is not None else None
-        return {"optimizer_steps": self.optimizer.step_count, "loss_scaler": scaler}
-
-    def _spec(self, name: str) -> checkpoint.ShardSpec:
-        shape, offsets = self.model.shard_specs()[_param_of(name)]
-        return checkpoint.ShardSpec(tuple(shape), tuple(offsets))
+        return {"optimizer_steps": self.strategy.step_count, "loss_scaler": scaler}
 
     def sync_state(self, src_dp_rank: int) -> None:
-        """Copy parameters and optimizer state from the replica at `src_dp_rank` to every other replica
-        of this (stage, tp rank): how a new or rebuilt replica is healed from a live peer."""
+        """Heal new replicas: the replica at `src_dp_rank` broadcasts the whole DP state of this (stage, tp
+        rank) and every replica keeps its part of it (all of it without ZeRO)."""
+        stash, self._stash = self._stash, None
         if self.dp_group is None:
             return
         src_dp_rank *= self.cfg.parallel.cp  # the dp group lists each replica's cp ranks together
         scaler = self.scaler.state() if self.scaler is not None else {}
-        counts = [self.optimizer.step_count, *scaler.values()]  # a float64 holds each of them exactly
+        count = stash[1] if stash is not None else self.strategy.step_count
+        counts = [count, *scaler.values()]  # a float64 holds each of them exactly
         steps = torch.tensor([float(c) for c in counts], dtype=torch.float64)
         self.dp_group.broadcast(steps, src_dp_rank)
-        step_count = int(steps[0].item())
         if self.scaler is not None:
             self.scaler.load_state(dict(zip(scaler, steps[1:].tolist(), strict=True)))
-        if step_count and not self.optimizer.state_tensors():  # a fresh replica: give its moments a shape
-            zeros = {
-                f"optim.{m}.{n}": torch.zeros_like(p)
-                for n, p in self.model.named_parameters()
-                for m in ("exp_avg", "exp_avg_sq")
-            }
-            self.optimizer.load_state_tensors(zeros, step_count)
-        self.optimizer.step_count = step_count
         # Experts come from the replica holding the same ones in the source's EP group, over the EDP group.
-        ep = self.cfg.parallel.ep
-        with torch.no_grad():
-            for name, tensor in sorted(self._state().items()):
-                if not is_expert_param(_param_of(name)):
-                    self.dp_group.broadcast(tensor.data, src_dp_rank)
-                elif self.edp_group is not None:
-                    self.edp_group.broadcast(tensor.data, src_dp_rank // ep)
-        self.optimizer.refresh_params()
+        sources = [(self.strategy, self.dp_group, src_dp_rank)]
+        sources.append((self.expert_strategy, self.edp_group, src_dp_rank // self.cfg.parallel.ep))
+        for strategy, group, src in sources:
+            if stash is not None:
+                state = {name: stash[0][name] for name in strategy.state_shapes()}
+            elif strategy.sharded:  # a new replica under ZeRO: receives everything, keeps its piece
+                state = strategy.state_template()
+            else:  # live views: the broadcast writes straight into this replica's state
+                state = strategy.full_state()
+            with torch.no_grad():
+                for name in sorted(state):
+                    state[name] = state[name].to(self.device)
+                    if group is not None:
+                        group.broadcast(state[name], src)
+            strategy.load_full_state(state, int(steps[0].item()))
 
     def save_shard(self, staging: str) -> bool:
-        """Snapshot this shard to host memory now (the stall), write it in a background thread.
-
-        One replica writes, and with expert parallelism the rest of its EP group writes their experts (which
-        are named by global expert id, so any ep reads them back); of each, cp rank 0; tensors replicated
-        across tp ranks are written by tp rank 0 only."""
-        if self.dp_rank >= self.cfg.parallel.ep or self.coord.cp != 0:
+        """Snapshot the slices this actor owns to host memory now (the stall), write them in a background
+        thread. Without ZeRO one replica writes, and with expert parallelism the rest of its EP group writes
+        their experts (rank 0 of each expert-dp group; experts are named by global expert id, so any ep reads
+        them back); of each, cp rank 0; tp-replicated tensors are written by tp rank 0 only, a tied
+        embedding's copy on the last stage never."""
+        if self.coord.cp != 0:
             return False
         if self._writer is not None:  # an earlier write the driver collected or abandoned: only finish it
             self._writer.join()
             self._writer = None
-        tensors = {
-            n: t
-            for n, t in self._state().items()
-            if (self.coord.tp == 0 or not self._replicated(n))
-            and (self.dp_rank == 0 or is_expert_param(_param_of(n)))
-            and not self.model.tied_copy(_param_of(n))
-        }
-        snap = checkpoint.snapshot(tensors)
-        specs = {n: self._spec(n) for n in snap}
         key = checkpoint.shard_key(self.dp_rank, self.coord.pp, self.coord.tp)
+        parts = [  # one file per part: dense `<key>.<k>`, experts `<key>.e<k>`
+            (f"{key}.{tag}{k}", part)
+            for tag, strategy in zip(("", "e"), self._strategies(), strict=True)
+            for k, part in enumerate(strategy.checkpoint_parts())
+        ]
+        if not parts:
+            return False
+        snaps = [
+            (name, checkpoint.snapshot({n: t for n, (t, _) in p.items()}), {n: s for n, (_, s) in p.items()})
+            for name, p in parts
+        ]
 
         def write() -> None:
             try:
-                self._written = self._write_shard(staging, key, snap, specs)
+                self._written = [self._write_shard(staging, name, snap, specs) for name, snap, specs in snaps]
             except BaseException as err:  # noqa: BLE001 - handed to the driver by wait_shard
                 self._written = err
 
@@ -508,11 +547,8 @@ class Worker(GroupHost):
     def _write_shard(self, staging: str, key: str, snap: dict, specs: dict) -> dict[str, Any]:
         return checkpoint.write_shard(staging, key, snap, specs)
 
-    def _replicated(self, name: str) -> bool:
-        return self.model.replicated(_param_of(name))
-
-    def wait_shard(self) -> dict[str, Any] | None:
-        """The manifest entry of the shard written in the background (None if this actor wrote none)."""
+    def wait_shard(self) -> list[dict[str, Any]] | None:
+        """The manifest entries of the shard files written in the background (None if none)."""
         if self._writer is None:
             return None
         self._writer.join()
@@ -551,23 +587,8 @@ class Worker(GroupHost):
             step_count = int(reader.meta["optimizer_steps"])
             if self.scaler is not None and reader.meta.get("loss_scaler"):
                 self.scaler.load_state(reader.meta["loss_scaler"])
-            with torch.no_grad():
-                for name, p in self.optimizer.masters.items():  # fp32, whatever the run's precision
-                    shape, offsets = self.model.shard_specs()[name]
-                    source = self.model.init_source(name)  # a tied head is stored as the embedding
-                    p.copy_(reader.read_slice(source, tuple(shape), tuple(offsets), tuple(p.shape), p.dtype))
-            self.optimizer.refresh_params()
-            moments = {}
-            if step_count:
-                for name, p in self.model.named_parameters():
-                    shape, offsets = self.model.shard_specs()[name]
-                    source = self.model.init_source(name)
-                    for m in ("exp_avg", "exp_avg_sq"):
-                        saved = f"optim.{m}.{source}"
-                        moments[f"optim.{m}.{name}"] = reader.read_slice(
-                            saved, tuple(shape), tuple(offsets), tuple(p.shape)
-                        )
-            self.optimizer.load_state_tensors(moments, step_count)
+            for strategy in self._strategies():
+                strategy.load(reader, step_count)
             self._restore_rng(reader.meta.get("rng", {}).get(self.coord.key))
             return step_count
         except Exception as err:

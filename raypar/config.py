@@ -82,6 +82,7 @@ class ParallelConfig:
     gpus_per_actor: float = 1.0
     stage_layers: list[int] = field(default_factory=list)
     bucket_mb: float = 25.0
+    zero: int = 0
     min_dp: int = 1
     max_dp: int = 0
     timeout_s: float = 300.0
@@ -349,6 +350,7 @@ def _validate_context_parallel(cfg: Config) -> None:
     if p.cp == 1:
         return
     _require(m.moe_experts == 0, "parallel.cp: not with model.moe_experts > 0 yet")
+    _require(p.zero == 0, f"parallel.cp: needs parallel.zero = 0 (not sharded over cp yet), got {p.zero}")
     _require(m.dropout == 0, f"parallel.cp: needs model.dropout = 0 (cp attention has none), got {m.dropout}")
     chunks = 2 * p.cp if p.cp_style == "ring" else p.cp  # ring: the zigzag cuts 2*cp chunks
     _require(
@@ -426,6 +428,11 @@ def validate(cfg: Config) -> None:
     _require(
         p.device in ("auto", "cpu", "gpu"),
         f'parallel.device: must be "auto", "cpu" or "gpu", got {p.device!r}',
+    )
+    _require(p.zero in (0, 1, 2, 3), f"parallel.zero: must be 0, 1, 2 or 3, got {p.zero}")
+    _require(
+        p.zero < 3 or (p.virtual_stages == 1 and p.schedule != "zb-h1"),
+        "parallel.zero: 3 needs one model chunk per stage and a schedule without split backward (not zb-h1)",
     )
     _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be positive, got {p.bucket_mb}")
     _require(p.timeout_s > 0, f"parallel.timeout_s: must be positive, got {p.timeout_s}")
@@ -525,6 +532,11 @@ def _validate_moe(cfg: Config) -> None:
         f"model.moe_every: must be in [1, n_layers={m.n_layers}], got {m.moe_every}",
     )
     _require(p.ep >= 1, f"parallel.ep: must be a positive size, got {p.ep}")
+    # Expert parameters have a DP strategy of their own (expert-dp group, divisor dp) that is not sharded.
+    _require(
+        p.zero == 0,
+        f"parallel.zero: must be 0 with model.moe_experts > 0 (experts are not sharded yet), got {p.zero}",
+    )
     # A fully recomputed block would replay the MoE layer's bookkeeping (aux loss, load) in backward.
     _require(
         cfg.train.recompute != "full",

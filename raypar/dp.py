@@ -1,128 +1,526 @@
-"""Data parallelism: gradients averaged across a DP group in buckets, overlapped with the last backward.
+"""The data-parallel strategy: one object owns gradients, their reduction, optimizer state and the update.
 
-Like torch DDP, parameters are packed into buckets in reverse registration order (the order backward
-produces their gradients). Gradients accumulate locally over microbatches; during the backward of the
-last microbatch a hook counts each parameter whose gradient is final, and when a bucket is complete its
-all-reduce starts asynchronously while autograd moves on to earlier layers. `finish()` waits for every
-bucket and copies the averaged values back into `.grad`.
+`DPStrategy(model, train_cfg, group, zero, bucket_bytes)` takes over a stage shard's parameters:
 
-This object owns the gradients' reduction; a ZeRO strategy (reduce-scatter into owned shards, all-gather
-the updated parameters) replaces it behind the same `arm()` / `finish()` calls.
+- **Flat buffers.** Parameters and gradients live as views into per-bucket flat buffers
+  (`raypar.flat`), so reducing a bucket reads and writes the gradients themselves: no copy in or out.
+- **Reduction** starts bucket by bucket during the last op that accumulates each parameter's gradient
+  (`arm(params)` right before it: a model chunk's last backward or backward_weight; `disarm()` at the start
+  of a step; `finish()` after the last): a post-accumulate-grad hook collects each bucket's final gradients,
+  and a bucket spanning chunks launches once all of them are in. `hold(names)` keeps the buckets of some
+  parameters for `finish` (a tied embedding's copies are summed across stages first).
+- **ZeRO stage** (`zero`): 0 all-reduces gradients and updates everything on every replica; 1 shards the
+  fp32 master weights and Adam moments over the DP group (each rank updates its piece of every bucket,
+  then the buckets' parameters are all-gathered); 2 also reduce-scatters gradients straight into the
+  owned piece, freeing the full gradient buffers as soon as they are reduced; 3 (`raypar.zero3`) also
+  shards the parameters themselves.
+- **Master weights.** Parameters in fp32 below stage 3 are their own master (the owned piece is a view of
+  the parameter buffer); otherwise a separate fp32 master holds the owned piece and the update is cast
+  back. This is the one place master weights live.
+- **Grad norm** (`grad_sq_norm`): this (stage, tp rank) coordinate's part, summed over the DP group
+  when shards are split; tp-replicated parameters count on tp rank 0 only, a tied embedding's copy on the
+  last stage (`model.tied_copy`) nowhere: the first stage's counts it. That copy is not checkpointed
+  either, and loads from the tensor it is a copy of (`model.init_source`).
+- **State.** `checkpoint_parts` names the rectangles this rank owns (each rank writes only those; at
+  stage 0 replica 0 writes everything); `load` reads this rank's part of any checkpoint; `full_state` /
+  `load_full_state` move the whole state across a change of dp (re-sharding) and heal new replicas.
+- **Selection.** `select(name)` takes part of the parameters only: a stage's expert parameters and its
+  dense ones have different groups and divisors (raypar.ep), so each part gets a strategy of its own.
+  With `divisor`, gradients are summed over the group and divided by it (expert gradients are divided by
+  the full dp degree, not by their group's size) instead of averaged.
+- **`close()`** removes every hook, so a rebind leaves nothing of the old strategy attached.
+
+AdamW is torch's own functional implementation, applied to the owned pieces: elementwise, so sharding
+changes nothing of its arithmetic.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
+from torch import nn
+from torch.optim.adam import adam
 
 from collectives import Group, Work
+from raypar.checkpoint import CheckpointReader, ShardSpec
+from raypar.config import TrainConfig
+from raypar.flat import Bucket, FlatLayout, Piece, Slot, rectangles
+from raypar.optim import ADAM_EPS
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+ZERO_STAGES = (0, 1, 2, 3)
 
 
-@dataclass
-class _Bucket:
-    params: list[torch.nn.Parameter]
-    buffer: torch.Tensor | None = None
-    pending: int = 0
-    work: Work | None = None
-    ready: set[int] = field(default_factory=set)
+class StageModel(Protocol):
+    """What a strategy needs of the model: named parameters and where each sits in its global tensor."""
+
+    def named_parameters(self) -> Any: ...
+
+    def shard_specs(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]: ...
+
+    def replicated(self, name: str) -> bool: ...
 
 
-class GradReducer:
+class DPStrategy:
+    reduce_op = "avg"  # over the DP group; a test subclass sums instead (a negative control)
+
     def __init__(
         self,
-        params: list[torch.nn.Parameter],
+        model: StageModel,
+        cfg: TrainConfig,
         group: Group | None,
-        bucket_bytes: int,
-        op: str = "avg",
+        zero: int = 0,
+        bucket_bytes: int = 25 * 2**20,
+        tp_rank: int = 0,
+        dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
-    ):
-        """`reduce_dtype`: the dtype gradients are summed in (default: theirs); 16-bit gradients reduced in
-        fp32 are rounded once, when written back, instead of at every partial sum."""
-        self.group, self.op, self.reduce_dtype = group, op, reduce_dtype
-        self.buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, _Bucket] = {}
+        select: Callable[[str], bool] | None = None,
+        divisor: int | None = None,
+    ) -> None:
+        """`select`: the parameters this strategy owns (default: all). `divisor`: sum gradients over the
+        group and divide by this instead of averaging. `dtype`: the parameters' dtype from now on (default:
+        theirs; fp32 masters are taken from their values before any rounding). `reduce_dtype`: the dtype
+        gradients are summed in across the group (default: theirs); 16-bit gradients reduced in fp32 stay
+        fp32 up to the update."""
+        if zero not in ZERO_STAGES:
+            raise ValueError(f"zero stage must be one of {ZERO_STAGES}, got {zero}")
+        self.cfg, self.zero, self.tp_rank = cfg, zero, tp_rank
+        self.group = group if group is not None and group.size > 1 else None
+        self.size = self.group.size if self.group else 1
+        self.rank = self.group.rank if self.group else 0
+        self.sharded = zero >= 1 and self.size > 1
+        self.divisor = divisor
+        if divisor is not None:
+            self.reduce_op = "sum"
+        every = list(model.named_parameters())
+        named = [(n, p) for n, p in every if p.requires_grad and (select is None or select(n))]
+        # A plain module (no placement methods) holds every parameter whole, none tp-replicated.
+        self.specs = model.shard_specs() if hasattr(model, "shard_specs") else {
+            n: (tuple(p.shape), (0,) * p.ndim) for n, p in named
+        }
+        self.replicated = getattr(model, "replicated", lambda name: False)
+        self.tied_copy = getattr(model, "tied_copy", lambda name: False)
+        self.source = getattr(model, "init_source", lambda name: name)
+        self.layout = FlatLayout(
+            named, self.size if zero >= 1 else 1, self.rank if zero >= 1 else 0, bucket_bytes,
+            self._bucket_groups(model),
+        )
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) > 1:
+            raise ValueError(f"parameters of one stage must share a dtype, got {sorted(map(str, dtypes))}")
+        self.dtype = dtype or (dtypes.pop() if dtypes else torch.float32)
+        self.rdtype = reduce_dtype or self.dtype
+        # an empty selection (a stage without experts) still answers on the stage's device
+        self.device = every[0][1].device if every else torch.device("cpu")
+        self.master_is_param = self.dtype == torch.float32 and zero < 3
+        self.step_count = 0
+        self.traffic = {"reduce_bytes": 0, "gather_bytes": 0}
         self._armed: set[int] = set()  # ids of the parameters whose next gradient is final
-        self._hooks: list = []
-        self._params = [p for p in params if p.requires_grad]
-        if group is None or group.size == 1:
-            return
-        current: list[torch.nn.Parameter] = []
-        size = 0
-        for p in reversed(self._params):
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-        if current:
-            self.buckets.append(_Bucket(current))
-        for bucket in self.buckets:
-            for p in bucket.params:
-                self._bucket_of[id(p)] = bucket
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._held: set[int] = set()  # buckets that only `finish` reduces
+        owned = self.layout.owned_numel
+        self.master_grads: torch.Tensor | None = None  # fp32 copies, when the reduced grads are 16-bit
+        with torch.no_grad():
+            self.master = None if self.master_is_param else torch.zeros(owned, device=self.device)
+            if self.master is not None:  # from the values as they are, before the buckets round them
+                for piece in self.layout.pieces:
+                    if _materialized(piece.slot.param):
+                        flat = piece.slot.param.data.reshape(-1)[piece.lo : piece.hi]
+                        self._master(piece).copy_(flat)
+            for bucket in self.layout.buckets:
+                bucket.params = torch.zeros(bucket.padded, dtype=self.dtype, device=self.device)
+                for slot in bucket.slots:
+                    view = self.layout.view(bucket.params, slot)
+                    if _materialized(slot.param):  # else freed by a ZeRO-3 strategy: load_full_state fills it
+                        view.copy_(slot.param.data)
+                    slot.param.data = view
+        self.moments = {m: torch.zeros(owned, device=self.device) for m in MOMENTS}
+        self.owned_grads = torch.zeros(owned, dtype=self.rdtype, device=self.device) if zero >= 2 else None
+        # Gradients persist between steps (zeroed, not freed) unless a reduction leaves a copy of its own:
+        # the owned piece (stage >= 2) or a cast copy (another reduction dtype).
+        self._free_after_reduce = zero >= 2 or self.rdtype != self.dtype
+        if not self._free_after_reduce:
+            self._allocate_grads()
+        self._handles = [
+            slot.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, slot))
+            for slot in self.layout.slots.values()
+        ]
 
-    def close(self) -> None:
-        """Remove the gradient hooks and drop the buckets (a new membership builds a new reducer)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        self.buckets.clear()
-        self._bucket_of.clear()
+    def _bucket_groups(self, model: StageModel) -> list[list[str]] | None:
+        return None  # buckets by size; ZeRO-3 buckets by block
 
-    @property
-    def active(self) -> bool:
-        return bool(self.buckets)
+    # -- views -------------------------------------------------------------------------------------
+    def _bucket_piece(self, which: str, piece: Piece) -> torch.Tensor:
+        return self.layout.piece_of_bucket(getattr(self.layout.buckets[piece.slot.bucket], which), piece)
+
+    def _master(self, piece: Piece) -> torch.Tensor:
+        """The fp32 master values of `piece` (a view of the parameters themselves when they are fp32)."""
+        if self.master is None:
+            return self._bucket_piece("params", piece)
+        return self.master[piece.pos : piece.pos + piece.numel]
+
+    def _grad(self, piece: Piece) -> torch.Tensor:
+        """The reduced gradient of `piece`, in the reduction dtype."""
+        if self.owned_grads is not None:
+            return self.owned_grads[piece.pos : piece.pos + piece.numel]
+        bucket = self.layout.buckets[piece.slot.bucket]
+        return self.layout.piece_of_bucket(bucket.grads if bucket.reduced is None else bucket.reduced, piece)
+
+    def _mgrad(self, piece: Piece) -> torch.Tensor:
+        """The gradient the norm, clipping and the update read: fp32 after `unscale_`."""
+        if self.master_grads is not None:
+            return self.master_grads[piece.pos : piece.pos + piece.numel]
+        return self._grad(piece)
+
+    def _moment(self, moment: str, piece: Piece) -> torch.Tensor:
+        return self.moments[moment][piece.pos : piece.pos + piece.numel]
+
+    def _counted(self, piece: Piece) -> bool:
+        name = piece.slot.name
+        return (self.tp_rank == 0 or not self.replicated(name)) and not self.tied_copy(name)
+
+    # -- gradients -----------------------------------------------------------------------------------
+    def _allocate_grads(self) -> None:
+        for bucket in self.layout.buckets:
+            bucket.grads = torch.zeros(bucket.padded, dtype=self.dtype, device=self.device)
+            for slot in bucket.slots:
+                slot.param.grad = self.layout.view(bucket.grads, slot)
+
+    def _free_grads(self) -> None:
+        for bucket in self.layout.buckets:
+            bucket.grads = None
+            for slot in bucket.slots:
+                slot.param.grad = None
+
+    def begin_step(self) -> None:
+        """Before the first backward of a step: the gradient buffers exist."""
+        if self.layout.buckets and self.layout.buckets[0].grads is None:
+            self._allocate_grads()
+
+    def take_traffic(self) -> dict[str, int]:
+        """Bytes this rank sent for DP since the last call: gradient reduction, parameter gathers."""
+        out, self.traffic = self.traffic, dict.fromkeys(self.traffic, 0)
+        return out
+
+    def hold(self, names: set[str]) -> None:
+        """The buckets holding any of `names` are reduced by `finish` only, not as their gradients become
+        final: the caller changes those gradients in between (a tied embedding's, summed across stages)."""
+        self._held = {s.bucket for s in self.layout.slots.values() if s.name in names}
 
     def disarm(self) -> None:
-        """Call at the start of a step: forget the previous (or a failed) step's buckets and readiness."""
+        """At the start of a step: forget the previous (or a failed) step's readiness and reductions."""
         self._armed.clear()
-        for bucket in self.buckets:
-            bucket.ready.clear()
-            bucket.work = None
+        for bucket in self.layout.buckets:
+            bucket.ready, bucket.work = 0, None
+            bucket.final.clear()
 
-    def arm(self, params: list[torch.nn.Parameter] | None = None) -> None:
-        """Call right before the last op that accumulates gradients into `params` (default: all): from now
-        on, a gradient of theirs is final and completes its bucket. A model with several chunks arms each
-        chunk before its own last backward; a bucket may span chunks and launches once all are in."""
-        if self.active:
-            self._armed |= {id(p) for p in (self._params if params is None else params)}
+    def arm(self, params: list[nn.Parameter] | None = None) -> None:
+        """Right before the last op that accumulates gradients into `params` (default: all of this
+        strategy's): from then on their gradients are final, and a bucket whose gradients are all final
+        starts its reduction. Parameters of other strategies are ignored."""
+        slots = self.layout.slots.values()
+        self._armed |= {id(s.param) for s in slots} if params is None else {id(p) for p in params}
 
-    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if id(param) not in self._armed:
-            return
-        bucket = self._bucket_of[id(param)]
-        bucket.ready.add(id(param))
-        if len(bucket.ready) == len(bucket.params):
-            self._launch(bucket)
+    def _on_grad(self, slot: Slot, param: nn.Parameter) -> None:
+        bucket = self.layout.buckets[slot.bucket]
+        if id(param) in self._armed:
+            bucket.final.add(id(param))
+            complete = len(bucket.final) == len(bucket.slots)
+            if complete and bucket.work is None and slot.bucket not in self._held:
+                bucket.work = self._reduce(bucket)
+        bucket.ready += 1
+        if bucket.ready == len(bucket.slots):
+            bucket.ready = 0
+            self._bucket_done(bucket)
 
-    def _launch(self, bucket: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        if bucket.buffer is None:
-            bucket.buffer = torch.empty(
-                sum(g.numel() for g in grads),
-                dtype=self.reduce_dtype or grads[0].dtype,
-                device=grads[0].device,
-            )
-        torch.cat([g.reshape(-1) for g in grads], out=bucket.buffer)
-        bucket.work = self.group.all_reduce(bucket.buffer, self.op, async_op=True)
+    def _bucket_done(self, bucket: Bucket) -> None:
+        """Every gradient of `bucket` accumulated once more (final or not): ZeRO-3 frees its parameters."""
+
+    def _reduce(self, bucket: Bucket) -> Work | None:
+        b = self.size
+        # The gradients themselves, or (another reduction dtype) one cast copy of them.
+        src = bucket.grads if self.rdtype == self.dtype else bucket.grads.to(self.rdtype)
+        if self.owned_grads is None:
+            bucket.reduced = None if src is bucket.grads else src
+            if self.group is None:
+                return None
+            self.traffic["reduce_bytes"] += 2 * bucket.padded * (b - 1) // b * src.element_size()
+            return self.group.all_reduce(src, self.reduce_op, async_op=True)
+        out = self.owned_grads[bucket.own_offset : bucket.own_offset + bucket.piece]
+        if self.group is None:
+            out.copy_(src)
+            return None
+        self.traffic["reduce_bytes"] += bucket.piece * (b - 1) * src.element_size()
+        return self.group.reduce_scatter(src, self.reduce_op, async_op=True, out=out)
 
     def finish(self) -> None:
-        """Wait for every bucket (launching any whose parameters got no gradient) and write back `.grad`."""
-        if not self.active:
-            return
+        """After the last backward: every bucket reduced (launching any not yet started). From stage 2 on
+        (or when reduced in another dtype) the full gradients are freed here: only the reduction's result
+        outlives it."""
+        for bucket in self.layout.buckets:
+            if bucket.work is None:  # its hook never completed (a parameter without a gradient)
+                bucket.work = self._reduce(bucket)
+        for bucket in self.layout.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+        if self.divisor not in (None, 1):
+            for piece in self.layout.pieces:
+                self._grad(piece).div_(self.divisor)
         self._armed.clear()
-        for bucket in self.buckets:
-            if bucket.work is None:
-                self._launch(bucket)
-        for bucket in self.buckets:
-            bucket.work.wait()
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
-                flat = bucket.buffer[offset : offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = flat.to(p.dtype, copy=True)
-                else:
-                    p.grad.copy_(flat)
-                offset += n
+        for bucket in self.layout.buckets:
+            bucket.final.clear()
+        if self._free_after_reduce:
+            self._free_grads()
+
+    def unscale_(self, inv_scale: float = 1.0, check: bool = False) -> bool:
+        """Master gradients: the reduced ones in fp32 times `inv_scale` (fp16's loss scale divided out).
+        With `check`: True if any of this rank's is inf or nan (the caller MAX-reduces the verdict)."""
+        if self.rdtype == torch.float32:  # buffers of our own: scaled in place
+            if inv_scale != 1.0:
+                for piece in self.layout.pieces:
+                    self._grad(piece).mul_(inv_scale)
+        else:
+            self.master_grads = torch.empty(self.layout.owned_numel, device=self.device)
+            for piece in self.layout.pieces:
+                self._mgrad(piece).copy_(self._grad(piece)).mul_(inv_scale)
+        if not check or not self.layout.pieces:
+            return False
+        return not bool(torch.stack([torch.isfinite(self._mgrad(p)).all() for p in self.layout.pieces]).all())
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """This coordinate's part of the squared global gradient norm (float64): its pieces, summed over
+        the DP group when the pieces are split across it."""
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for piece in self.layout.pieces:
+            if self._counted(piece):
+                total += torch.linalg.vector_norm(self._mgrad(piece), dtype=torch.float32).double().square()
+        if self.sharded:
+            self.group.all_reduce(total, "sum")
+        return total
+
+    def clip_(self, total_norm: float, max_norm: float) -> float:
+        """Scale the gradients that the update reads by min(1, max_norm / (total_norm + 1e-6))."""
+        if max_norm <= 0:
+            return 1.0
+        scale = min(1.0, max_norm / (total_norm + 1e-6))
+        if scale < 1.0:
+            for piece in self.layout.pieces:
+                self._mgrad(piece).mul_(scale)
+        return scale
+
+    def zero_grad(self) -> None:
+        """Discard gradients (after an update, or a failed step that must leave nothing behind)."""
+        for bucket in self.layout.buckets:
+            bucket.work, bucket.ready, bucket.reduced = None, 0, None
+            bucket.final.clear()
+        self._armed.clear()
+        self.master_grads = None
+        if self._free_after_reduce:
+            self._free_grads()
+        else:
+            for bucket in self.layout.buckets:
+                bucket.grads.zero_()
+
+    # -- the update ----------------------------------------------------------------------------------
+    def step(self, lr: float) -> None:
+        """AdamW on the owned pieces (weight decay on matrices only), then publish the parameters."""
+        cfg = self.cfg
+        for decay in (True, False):
+            pieces = [p for p in self.layout.pieces if (len(p.slot.shape) >= 2) == decay]
+            if not pieces:
+                continue
+            adam(
+                [self._master(p) for p in pieces],
+                [self._mgrad(p).float() for p in pieces],  # a no-op for fp32 gradients
+                [self._moment("exp_avg", p) for p in pieces],
+                [self._moment("exp_avg_sq", p) for p in pieces],
+                [],
+                # torch's AdamW keeps the count as a float32 scalar: the same keeps bias correction bitwise
+                [torch.tensor(float(self.step_count), dtype=torch.float32) for _ in pieces],
+                decoupled_weight_decay=True,
+                amsgrad=False,
+                beta1=cfg.beta1,
+                beta2=cfg.beta2,
+                lr=lr,
+                weight_decay=cfg.weight_decay if decay else 0.0,
+                eps=ADAM_EPS,
+                maximize=False,
+            )
+        self.step_count += 1
+        self._publish()
+        self.zero_grad()
+
+    def _publish(self) -> None:
+        """Make every replica's full parameters the updated ones (stages 0-2; stage 3 gathers on use)."""
+        with torch.no_grad():
+            if self.master is not None:
+                for piece in self.layout.pieces:
+                    self._bucket_piece("params", piece).copy_(self._master(piece))
+            if not self.sharded:
+                return
+            works = []
+            for bucket in self.layout.buckets:
+                mine = bucket.params[self.rank * bucket.piece : (self.rank + 1) * bucket.piece].clone()
+                self.traffic["gather_bytes"] += bucket.piece * (self.size - 1) * mine.element_size()
+                works.append(self.group.all_gather(mine, async_op=True, out=bucket.params))
+            for work in works:
+                work.wait()
+
+    # -- state -------------------------------------------------------------------------------------
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every local parameter in full as its fp32 master, on the CPU (a collective when sharded)."""
+        return {n: t.to("cpu", copy=True) for n, t in self.full_state().items() if not n.startswith("optim.")}
+
+    def _writes(self) -> bool:
+        return self.zero >= 1 or self.rank == 0
+
+    def checkpoint_parts(self) -> list[dict[str, tuple[torch.Tensor, ShardSpec]]]:
+        """What this rank writes, as live views: name -> (rectangle, its place in the global tensor), split
+        into parts that each name a tensor at most once (a flat range is up to three rectangles)."""
+        parts: list[dict[str, tuple[torch.Tensor, ShardSpec]]] = []
+        if not self._writes():
+            return parts
+        for piece in self.layout.pieces:
+            if not self._counted(piece):
+                continue  # tp-replicated: tp rank 0 writes it
+            sources = {"": self._master(piece), **{f"optim.{m}.": self._moment(m, piece) for m in MOMENTS}}
+            for k, (_, shape, start, spec) in enumerate(self._rectangles(piece)):
+                while len(parts) <= k:
+                    parts.append({})
+                n = max(1, _prod(shape))
+                for prefix, flat in sources.items():
+                    parts[k][prefix + piece.slot.name] = (flat[start : start + n].view(shape), spec)
+        return parts
+
+    def _rectangles(self, piece: Piece) -> list[tuple[tuple[int, ...], tuple[int, ...], int, ShardSpec]]:
+        global_shape, tp_offsets = self.specs[piece.slot.name]
+        out = []
+        for offsets, shape, start in rectangles(piece.slot.shape, piece.lo, piece.hi):
+            placed = tuple(a + b for a, b in zip(tp_offsets, offsets, strict=True))
+            out.append((offsets, shape, start, ShardSpec(tuple(global_shape), placed)))
+        return out
+
+    def _read_piece(self, reader: CheckpointReader, name: str, piece: Piece, out: torch.Tensor) -> None:
+        for _, shape, start, spec in self._rectangles(piece):
+            part = reader.read_slice(name, spec.global_shape, spec.offsets, shape, torch.float32)
+            out[start : start + max(1, _prod(shape))].copy_(part.reshape(-1))
+
+    def load(self, reader: CheckpointReader, step_count: int) -> None:
+        """This rank's part of any checkpoint (any layout, any zero stage) after `step_count` updates."""
+        with torch.no_grad():
+            if self.zero < 3:
+                for slot in self.layout.slots.values():
+                    shape, offsets = self.specs[slot.name]
+                    source = self.source(slot.name)  # a tied head is stored as the embedding
+                    full = reader.read_slice(source, tuple(shape), tuple(offsets), slot.shape, self.dtype)
+                    slot.param.data.copy_(full)
+            for piece in self.layout.pieces:
+                source = self.source(piece.slot.name)
+                if self.master is not None:
+                    self._read_piece(reader, source, piece, self._master(piece))
+                for m in MOMENTS:
+                    if step_count:
+                        name = f"optim.{m}.{source}"
+                        self._read_piece(reader, name, piece, self._moment(m, piece))
+                    else:
+                        self._moment(m, piece).zero_()
+        self.step_count = int(step_count)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The whole state of this coordinate by checkpoint name (master values under the parameter's
+        name), local shapes, fp32. Unsharded: live views. Sharded: a collective over the DP group that
+        returns host copies (transiently the full state: dp changes are rare)."""
+        names = {"": None, **{f"optim.{m}.": m for m in MOMENTS}}
+        if not self.sharded:
+            def live(piece: Piece, moment: str | None) -> torch.Tensor:
+                flat = self._master(piece) if moment is None else self._moment(moment, piece)
+                return flat.view(piece.slot.shape)
+
+            return {
+                prefix + p.slot.name: live(p, m)
+                for p in self.layout.pieces
+                for prefix, m in names.items()
+            }
+        out: dict[str, torch.Tensor] = {}
+        for prefix, m in names.items():
+            if m is None:
+                mine = torch.cat(
+                    [self._master_owned(b) for b in self.layout.buckets]
+                ) if self.layout.buckets else torch.zeros(0)
+            else:
+                mine = self.moments[m]
+            gathered = self.group.all_gather(mine.contiguous()).view(self.size, -1)
+            for bucket in self.layout.buckets:
+                own = gathered[:, bucket.own_offset : bucket.own_offset + bucket.piece].reshape(-1)
+                for slot in bucket.slots:
+                    out[prefix + slot.name] = self.layout.view(own, slot).to("cpu", copy=True)
+        return out
+
+    def _master_owned(self, bucket: Bucket) -> torch.Tensor:
+        if self.master is not None:
+            return self.master[bucket.own_offset : bucket.own_offset + bucket.piece]
+        return bucket.params[self.rank * bucket.piece : (self.rank + 1) * bucket.piece].float()
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The names and local shapes of `full_state()`."""
+        return {
+            prefix + s.name: s.shape
+            for s in self.layout.slots.values() for prefix in ("", *(f"optim.{m}." for m in MOMENTS))
+        }
+
+    def state_template(self) -> dict[str, torch.Tensor]:
+        """Tensors shaped like `full_state()`'s, to receive a broadcast into."""
+        return {name: torch.empty(shape, device=self.device) for name, shape in self.state_shapes().items()}
+
+    def load_full_state(self, state: dict[str, torch.Tensor], step_count: int) -> None:
+        """Take this rank's part of a `full_state()` (from any dp and zero stage)."""
+        with torch.no_grad():
+            if self.zero < 3:
+                for slot in self.layout.slots.values():
+                    if slot.param.data.data_ptr() != state[slot.name].data_ptr():
+                        slot.param.data.copy_(state[slot.name])
+            for piece in self.layout.pieces:
+                lo, hi = piece.lo, piece.hi
+                if self.master is not None:
+                    self._master(piece).copy_(state[piece.slot.name].reshape(-1)[lo:hi])
+                for m in MOMENTS:
+                    self._moment(m, piece).copy_(state[f"optim.{m}.{piece.slot.name}"].reshape(-1)[lo:hi])
+        self.step_count = int(step_count)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of the unique storages of parameters, gradients, master weights and moments, by device
+        type (`cpu`, `cuda`), as allocated now."""
+        tensors = [self.master, self.owned_grads, self.master_grads, *self.moments.values()]
+        for bucket in self.layout.buckets:
+            tensors += [bucket.params, bucket.grads, bucket.reduced]
+        for slot in self.layout.slots.values():
+            tensors += [slot.param.data, slot.param.grad]
+        seen: dict[tuple[str, int], int] = {}
+        for t in tensors:
+            if t is not None and (storage := t.untyped_storage()).nbytes():
+                seen[(t.device.type, storage.data_ptr())] = storage.nbytes()
+        out: dict[str, int] = {}
+        for (device, _), n in seen.items():
+            out[device] = out.get(device, 0) + n
+        return out
+
+    def close(self) -> None:
+        """Remove every hook this strategy installed (a rebind builds a new one)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _materialized(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+

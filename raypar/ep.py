@@ -1,4 +1,4 @@
-"""Expert parallelism: the all-to-all that moves tokens to their experts, and the experts' gradient reduction.
+"""Expert parallelism: the all-to-all that moves tokens to their experts, and the experts' gradient norm.
 
 The expert-parallel (EP) group of a rank is `ep` consecutive data-parallel ranks at the same (stage, tp rank):
 dp ranks g*ep .. g*ep+ep-1 form EP group g, and the rank at position j of it holds experts j*E/ep ..
@@ -10,7 +10,8 @@ is the mean over the dp replicas: L = (1/dp) sum_r L_r. The all-to-all's backwar
 owner the gradients of every EP-group member's tokens, so the owner's local gradient is already the SUM
 over the ep replicas of its EP group. Summing that over the EDP group covers all dp replicas once, and the
 divisor is therefore dp, the full data-parallel degree, not the EDP group's size (that would be ep times
-too large; with ep = dp it would not divide at all). tests/test_moe_training.py checks this against one
+too large; with ep = dp it would not divide at all): the worker's expert `DPStrategy` (raypar.dp) sums over
+the EDP group with divisor dp. tests/test_moe_training.py checks this against one
 process and rejects the EDP-size divisor.
 """
 
@@ -21,7 +22,6 @@ from typing import Any
 import torch
 
 from collectives import Group
-from raypar.dp import GradReducer
 
 
 def ep_rank_of(dp_rank: int, ep: int) -> int:
@@ -50,40 +50,6 @@ def all_to_all(
     if group is None or group.size == 1:
         return x
     return _AllToAll.apply(x, group, list(in_splits), list(out_splits))
-
-
-class ExpertGradReducer:
-    """Sums expert gradients over the expert-data-parallel group, then divides by the full dp degree.
-
-    Kept apart from the dense reducer (its own group, its own divisor) so that a DP strategy object can
-    own it next to the dense one; it reuses GradReducer's buckets and overlap with the last backward."""
-
-    def __init__(
-        self,
-        params: list[torch.nn.Parameter],
-        edp_group: Group | None,
-        divisor: int,
-        bucket_bytes: int,
-        reduce_dtype: torch.dtype | None = None,
-    ):
-        self.params, self.divisor = params, divisor
-        self._sum = GradReducer(params, edp_group, bucket_bytes, "sum", reduce_dtype)
-
-    def disarm(self) -> None:
-        self._sum.disarm()
-
-    def arm(self, params: list[torch.nn.Parameter] | None = None) -> None:
-        self._sum.arm(params)
-
-    def finish(self) -> None:
-        self._sum.finish()
-        if self.divisor != 1:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.div_(self.divisor)
-
-    def close(self) -> None:
-        self._sum.close()
 
 
 def grad_sq_norm(

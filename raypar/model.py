@@ -333,6 +333,11 @@ class LlamaStage(nn.Module):
             layer.bind_ep(group)
 
     # -- layout ---------------------------------------------------------------------------------------
+    def units(self) -> list[nn.Module]:
+        """The modules forward runs, in order, each gathered as a whole under ZeRO-3."""
+        first = [self.embed] if self.first else []
+        return first + list(self.layers.values()) + ([self.norm, self.head] if self.last else [])
+
     def _placed_parameters(self):
         """(global name, parameter, shard_dim) for every local parameter."""
         for module_name, module in self.named_modules():

@@ -32,8 +32,7 @@ import torch
 from actors.worker import Worker
 from raypar.config import Config
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.dp import GradReducer
-from raypar.ep import ExpertGradReducer
+from raypar.dp import DPStrategy
 from raypar.mesh import Coord
 from raypar.tp import RowParallelLinear
 
@@ -99,24 +98,29 @@ class _FaultyWorker(Worker):
                 if isinstance(module, RowParallelLinear):
                     module.group = None
 
-    def _make_reducer(self, dp_group: Any) -> GradReducer:
-        if "dp_sum" not in self.faults:
-            return super()._make_reducer(dp_group)
-        bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
-        return GradReducer(self._params(experts=False), dp_group, bucket_bytes, "sum")
+    def _make_strategy(self, dp_group: Any) -> DPStrategy:
+        strategy = super()._make_strategy(dp_group)
+        if "dp_sum" in self.faults:
+            strategy.reduce_op = "sum"
+        return strategy
 
-    def _make_expert_reducer(self, edp_group: Any) -> ExpertGradReducer:
-        if "ep_divisor_edp" not in self.faults:
-            return super()._make_expert_reducer(edp_group)
-        bucket_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
-        size = 1 if edp_group is None else edp_group.size
-        return ExpertGradReducer(self._params(experts=True), edp_group, size, bucket_bytes)
+    def _make_expert_strategy(self, edp_group: Any) -> DPStrategy:
+        strategy = super()._make_expert_strategy(edp_group)
+        if "ep_divisor_edp" in self.faults:
+            strategy.divisor = 1 if edp_group is None else edp_group.size
+        return strategy
 
     def gradients(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
         """name -> (local gradient after reduction and clipping, global shape, offsets): read between a step's
-        phase 1 and its commit."""
+        phase 1 and its commit. Unsharded strategies only (each piece is a whole parameter)."""
         specs = self.model.shard_specs()
-        return {n: (p.grad.detach().cpu(), *specs[n]) for n, p in self.optimizer.masters.items()}
+        out = {}
+        for strategy in self._strategies():
+            assert not strategy.sharded, "gradients() reads whole parameters: zero=0 only"
+            for piece in strategy.layout.pieces:
+                grad = strategy._mgrad(piece).detach().view(piece.slot.shape).to("cpu", copy=True)
+                out[piece.slot.name] = (grad, *specs[piece.slot.name])
+        return out
 
     def _sum_tied_grads(self) -> None:
         if "tie_no_sum" not in self.faults:

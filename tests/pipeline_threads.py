@@ -3,7 +3,7 @@
 Each coordinate is a thread that builds its shard of the model the way the actor does (raypar.mesh,
 raypar.model chunks), joins its gloo groups (formed from `Mesh.groups`, in the global order), runs one step
 of its schedule on `raypar.executor` with an in-process transport (raypar.local_transport), and reduces
-gradients over dp with raypar.dp.GradReducer. The results are full (tp-assembled) gradients, the loss and
+gradients over dp with raypar.dp.DPStrategy. The results are full (tp-assembled) gradients, the loss and
 the bytes each pipeline hop carried: what the equivalence tests compare with one process.
 """
 
@@ -17,7 +17,7 @@ import torch
 
 from raypar import data, schedules
 from raypar.config import Config
-from raypar.dp import GradReducer
+from raypar.dp import DPStrategy
 from raypar.executor import ModelBackend, StepRun
 from raypar.local_transport import LocalPipe
 from raypar.mesh import Coord, Mesh, stage_layers
@@ -77,7 +77,7 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
         )
         if model_hook is not None:
             model_hook(model, coord, mine)
-        reducer = GradReducer(list(model.parameters()), mine.get(Mesh.dp_group(coord)), bucket_bytes)
+        strategy = DPStrategy(model, cfg.train, mine.get(Mesh.dp_group(coord)), bucket_bytes=bucket_bytes)
         transport = pipes[(d, t, c)].transport(p)
         seq = cfg.model.seq_len // cp // (tp if par.sequence_parallel else 1)  # this rank's tokens
         like = torch.empty(mbs, seq, cfg.model.d_model)
@@ -87,8 +87,8 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
 
         backend = ModelBackend(model, p, topo, transport, like, batch, n_mb)
         plan = schedules.build(par.schedule, pp, n_mb, v)[p]
-        run_class(p, topo, plan, backend, [reducer], model.chunk_parameters).run(time.perf_counter, 0.0)
-        reducer.finish()
+        run_class(p, topo, plan, backend, [strategy], model.chunk_parameters).run(time.perf_counter, 0.0)
+        strategy.finish()
         specs = model.shard_specs()
         results[coord] = {
             "losses": [x.item() for x in backend.losses],

@@ -245,13 +245,15 @@ def test_imported_model_trains_the_same_at_1_2_2(ray_session, untied):
         assert_matches(seeded, ref)
 
 
-def test_tied_pp2_copies_stay_equal(ray_session, tied):
-    """Tied embeddings split over 2 stages (x tp=2) train as the one-process tied model, the two copies
-    stay equal, and the norm counts them once; with the gradients not summed, both checks fail."""
+@pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.dp=2", "parallel.zero=2")])
+def test_tied_pp2_copies_stay_equal(ray_session, tied, layout):
+    """Tied embeddings split over 2 stages (x tp=2, or x dp=2 under ZeRO-2, whose full gradients live only
+    until the DP reduction) train as the one-process tied model, the two copies stay equal, and the norm
+    counts them once; with the gradients not summed, both checks fail."""
     path, _ = tied
     ref = reference_run(cfg_for(path), STEPS)
     assert "head.weight" not in ref.params  # one tensor at pp=1
-    cfg = cfg_for(path, "parallel.pp=2", "parallel.tp=2")
+    cfg = cfg_for(path, "parallel.pp=2", *layout)
     trainer = FaultyActorMesh(cfg, "hf-tied", faults={})
     try:
         trainer.start()

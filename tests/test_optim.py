@@ -1,4 +1,5 @@
-"""Learning-rate schedule and the AdamW wrapper: parity with torch, exact resume, norm parts, clipping."""
+"""Learning-rate schedule, and the DP strategy as an optimizer (one replica, no group): parity with torch's
+AdamW, exact resume, norm parts, clipping."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from torch import nn
 
 from raypar.config import TrainConfig
-from raypar.optim import ADAM_EPS, Optimizer, lr_at
+from raypar.dp import DPStrategy
+from raypar.optim import ADAM_EPS, lr_at
 
 CFG = TrainConfig(steps=100, lr=1e-2, min_lr=1e-3, warmup_steps=10, weight_decay=0.1, beta1=0.9, beta2=0.95)
 
@@ -44,6 +46,13 @@ def test_lr_edge_cases() -> None:
 def tiny_model(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 3))
+
+
+class Replicated(nn.Sequential):
+    """A stage of two tp ranks by hand: everything but the first Linear is replicated across them."""
+
+    def replicated(self, name: str) -> bool:
+        return not name.startswith("0.")
 
 
 def train(model: nn.Module, opt, steps: range, data_seed: int = 1, lr_fn=lambda s: lr_at(s, CFG)) -> None:
@@ -81,7 +90,7 @@ def params_equal(a: nn.Module, b: nn.Module) -> bool:
 
 def test_matches_plain_adamw_and_not_one_that_decays_norms() -> None:
     ours, ref, wrong = tiny_model(), tiny_model(), tiny_model()
-    train(ours, Optimizer(ours, CFG), range(5))
+    train(ours, DPStrategy(ours, CFG, None), range(5))
     train(ref, TorchAdamW(ref), range(5))
     train(wrong, TorchAdamW(wrong, decay_norms=True), range(5))
     assert params_equal(ours, ref)
@@ -91,33 +100,30 @@ def test_matches_plain_adamw_and_not_one_that_decays_norms() -> None:
     assert torch.equal(ours[0].weight, ref[0].weight)
 
 
-def test_state_tensor_names_and_dtypes() -> None:
+def test_state_names_and_dtypes() -> None:
     model = tiny_model()
-    opt = Optimizer(model, CFG)
-    assert opt.state_tensors() == {}
+    opt = DPStrategy(model, CFG, None)
     train(model, opt, range(2))
-    names = set(opt.state_tensors())
-    expected = {f"optim.{m}.{n}" for m in ("exp_avg", "exp_avg_sq") for n, _ in model.named_parameters()}
-    assert names == expected and "optim.exp_avg.1.weight" in names
-    assert all(t.dtype == torch.float32 for t in opt.state_tensors().values())
+    names = set(opt.full_state())
+    params = {n for n, _ in model.named_parameters()}
+    assert names == params | {f"optim.{m}.{n}" for m in ("exp_avg", "exp_avg_sq") for n in params}
+    assert all(t.dtype == torch.float32 for t in opt.full_state().values())
     assert opt.step_count == 2
 
 
 def test_restore_continues_bitwise() -> None:
     unbroken = tiny_model()
-    train(unbroken, Optimizer(unbroken, CFG), range(8))
+    train(unbroken, DPStrategy(unbroken, CFG, None), range(8))
 
     first = tiny_model()
-    opt = Optimizer(first, CFG)
+    opt = DPStrategy(first, CFG, None)
     train(first, opt, range(5))
-    params = {n: p.detach().clone() for n, p in first.named_parameters()}
-    saved = {n: t.clone() for n, t in opt.state_tensors().items()}
+    saved = {n: t.clone() for n, t in opt.full_state().items()}
 
     def resumed(step: int) -> nn.Module:
-        model = tiny_model(seed=99)  # different init: everything must come from the checkpoint
-        model.load_state_dict(params)
-        opt = Optimizer(model, CFG)
-        opt.load_state_tensors(saved, step=step)
+        model = tiny_model(seed=99)  # different init: everything must come from the saved state
+        opt = DPStrategy(model, CFG, None)
+        opt.load_full_state(saved, step)
         train(model, opt, range(5, 8))
         return model
 
@@ -126,27 +132,23 @@ def test_restore_continues_bitwise() -> None:
     assert not params_equal(resumed(4), unbroken)
 
 
-def test_restore_rejects_missing_or_misshapen_state() -> None:
-    model = tiny_model()
-    opt = Optimizer(model, CFG)
-    train(model, opt, range(1))
-    saved = dict(opt.state_tensors())
-    with pytest.raises(KeyError, match="optim.exp_avg_sq.3.bias"):
-        opt.load_state_tensors({k: v for k, v in saved.items() if k != "optim.exp_avg_sq.3.bias"}, step=1)
-    saved["optim.exp_avg.0.weight"] = torch.zeros(3)
-    with pytest.raises(ValueError, match="optim.exp_avg.0.weight"):
-        opt.load_state_tensors(saved, step=1)
+def test_select_takes_part_of_the_parameters() -> None:
+    """Two strategies over one module (dense and expert parameters in the worker) update it as one does."""
+    whole, split = tiny_model(), tiny_model()
+    train(whole, DPStrategy(whole, CFG, None), range(3))
+    first = DPStrategy(split, CFG, None, select=lambda n: n.startswith("0."))
+    rest = DPStrategy(split, CFG, None, select=lambda n: not n.startswith("0."))
+    assert set(first.full_state()).isdisjoint(rest.full_state())
 
+    class Both:
+        def zero_grad(self) -> None:
+            first.zero_grad(), rest.zero_grad()
 
-def test_step_requires_every_gradient() -> None:
-    model = tiny_model()
-    opt = Optimizer(model, CFG)
-    with pytest.raises(RuntimeError, match="without gradients for 0.weight"):
-        opt.step(1e-3)
+        def step(self, lr: float) -> None:
+            first.step(lr), rest.step(lr)
 
-
-def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad for n, p in model.named_parameters()}
+    train(split, Both(), range(3))
+    assert params_equal(split, whole)
 
 
 def test_grad_sq_norm_counts_replicated_params_once() -> None:
@@ -156,35 +158,37 @@ def test_grad_sq_norm_counts_replicated_params_once() -> None:
     full(x).square().sum().backward()
     true_sq = sum(p.grad.double().square().sum() for p in full.parameters())
 
-    rank_sq = []
-    for rank in range(2):
+    def rank_sq(rank: int, counted_on: int) -> torch.Tensor:
         # Rank `rank`'s shard: half the rows of the first Linear; the module only needs the right shapes.
-        shard = nn.Sequential(nn.Linear(6, 4), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 3))
-        opt = Optimizer(shard, CFG)
-        for name, p in shard.named_parameters():
-            g = full.get_parameter(name).grad
-            p.grad = g.chunk(2)[rank].clone() if name.startswith("0.") else g.clone()
-        replicated = lambda name: not name.startswith("0.")  # noqa: E731
-        rank_sq.append(opt.grad_sq_norm(replicated, is_tp_rank0=rank == 0))
-    assert all(t.dtype == torch.float64 and t.ndim == 0 for t in rank_sq)
-    assert float(sum(rank_sq)) == pytest.approx(float(true_sq), rel=1e-6)
-    # Negative control: counting replicated params on every rank overshoots.
-    everywhere = rank_sq[0] + opt.grad_sq_norm(lambda name: False, is_tp_rank0=False)
+        shard = Replicated(nn.Linear(6, 4), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 3))
+        opt = DPStrategy(shard, CFG, None, tp_rank=counted_on)
+        with torch.no_grad():
+            for name, p in shard.named_parameters():
+                g = full.get_parameter(name).grad
+                p.grad.copy_(g.chunk(2)[rank] if name.startswith("0.") else g)
+        return opt.grad_sq_norm()
+
+    parts = [rank_sq(rank, rank) for rank in range(2)]
+    assert all(t.dtype == torch.float64 for t in parts)
+    assert float(sum(parts)) == pytest.approx(float(true_sq), rel=1e-6)
+    # Negative control: counting replicated params on every rank (both as tp rank 0) overshoots.
+    everywhere = rank_sq(0, 0) + rank_sq(1, 0)
     assert float(everywhere) > float(true_sq) * 1.01
 
 
 def test_clip_scales_to_max_norm_only_when_above() -> None:
     model = tiny_model()
+    opt = DPStrategy(model, CFG, None)
     model(torch.ones(2, 6)).sum().backward()
-    opt = Optimizer(model, CFG)
-    before = {n: g.clone() for n, g in grads_of(model).items()}
-    norm = math.sqrt(float(opt.grad_sq_norm(lambda n: False, True)))
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    before = {n: g.clone() for n, g in grads.items()}
+    norm = math.sqrt(float(opt.grad_sq_norm()))
 
     assert opt.clip_(norm, max_norm=norm * 2) == 1.0
-    assert all(torch.equal(before[n], g) for n, g in grads_of(model).items())
+    assert all(torch.equal(before[n], g) for n, g in grads.items())
     assert opt.clip_(norm, max_norm=0.0) == 1.0  # grad_clip = 0 disables
 
     scale = opt.clip_(norm, max_norm=norm / 4)
     assert scale == pytest.approx(0.25, rel=1e-5)
-    assert math.sqrt(float(opt.grad_sq_norm(lambda n: False, True))) == pytest.approx(norm / 4, rel=1e-5)
-    assert all(torch.allclose(before[n] * scale, g) for n, g in grads_of(model).items())
+    assert math.sqrt(float(opt.grad_sq_norm())) == pytest.approx(norm / 4, rel=1e-5)
+    assert all(torch.allclose(before[n] * scale, g) for n, g in grads.items())

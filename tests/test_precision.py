@@ -14,8 +14,8 @@ from actors.worker import Worker
 from raypar import config
 from raypar.config import TrainConfig
 from raypar.controller.actor_mesh import ActorMesh, StepFailure
+from raypar.dp import DPStrategy
 from raypar.mesh import Coord
-from raypar.optim import Optimizer
 from raypar.precision import LossScaler, ScalerConfig
 
 TINY = "examples/configs/tiny.toml"
@@ -61,7 +61,7 @@ def test_injected_overflow_is_skipped_and_leaves_no_trace(bad: float) -> None:
     """A real fp16 module: overflowing steps are found, skipped (params, Adam's count unchanged)."""
     torch.manual_seed(0)
     module = torch.nn.Linear(8, 4)
-    opt = Optimizer(module, TrainConfig(lr=1e-2, weight_decay=0.0), torch.float16)
+    opt = DPStrategy(module, TrainConfig(lr=1e-2, weight_decay=0.0), None, dtype=torch.float16)
     scaler = LossScaler(ScalerConfig(initial=2.0**8, window=2, hysteresis=1))
     x = torch.randn(16, 8).half()
     scales, skips = [], []
@@ -69,14 +69,14 @@ def test_injected_overflow_is_skipped_and_leaves_no_trace(bad: float) -> None:
         (module(x).float().pow(2).mean() * scaler.scale).backward()
         if step in (1, 2):
             module.weight.grad[0, 0] = bad
-        before = {n: p.detach().clone() for n, p in opt.masters.items()}
+        before = opt.full_parameters()
         found = opt.unscale_(1.0 / scaler.scale, check=True)
         scales.append(scaler.scale)
         skips.append(found)
         if not found:
             opt.step(1e-2)
         else:
-            assert all(torch.equal(before[n], p) for n, p in opt.masters.items())
+            assert all(torch.equal(before[n], p) for n, p in opt.full_parameters().items())
         scaler.update(found)
         opt.zero_grad()
     assert skips == [False, True, True, False, False, False]
@@ -88,8 +88,8 @@ def test_masters_are_fp32_and_16bit_params_their_rounding() -> None:
     torch.manual_seed(0)
     module = torch.nn.Linear(8, 4, bias=False)
     initial = module.weight.detach().clone()
-    opt = Optimizer(module, TrainConfig(lr=1e-3, weight_decay=0.0), torch.bfloat16)
-    assert module.weight.dtype == torch.bfloat16 and torch.equal(opt.masters["weight"], initial)
+    opt = DPStrategy(module, TrainConfig(lr=1e-3, weight_decay=0.0), None, dtype=torch.bfloat16)
+    assert module.weight.dtype == torch.bfloat16 and torch.equal(opt.full_parameters()["weight"], initial)
     reference = torch.nn.Parameter(initial.clone())
     adam = torch.optim.AdamW([reference], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     for _ in range(3):
@@ -99,7 +99,7 @@ def test_masters_are_fp32_and_16bit_params_their_rounding() -> None:
         opt.step(1e-3)
         adam.step()
         opt.zero_grad()
-    assert torch.equal(opt.masters["weight"], reference.detach())  # updates far below a bf16 ulp kept
+    assert torch.equal(opt.full_parameters()["weight"], reference.detach())  # sub-ulp updates kept
     assert torch.equal(module.weight, reference.detach().bfloat16())
 
 
@@ -120,17 +120,17 @@ class _InfWorker(Worker):
         self.step_now = step
         return super().train_step(step, commit)
 
-    def setup(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - Worker's
-        out = super().setup(*args, **kwargs)
-        unscale = self.optimizer.unscale_
+    def _make_strategy(self, dp_group):  # noqa: ANN001, ANN202 - Worker's
+        strategy = super()._make_strategy(dp_group)
+        unscale = strategy.unscale_
 
         def unscale_with_inf(inv_scale: float, check: bool = False) -> bool:
             if self.step_now == INF_STEP and tuple(self.coord) == INF_ACTOR:
-                next(iter(self.optimizer.params.values())).grad.view(-1)[0] = math.inf
+                strategy._grad(strategy.layout.pieces[0]).view(-1)[0] = math.inf  # a reduced gradient
             return unscale(inv_scale, check)
 
-        self.optimizer.unscale_ = unscale_with_inf
-        return out
+        strategy.unscale_ = unscale_with_inf
+        return strategy
 
     def _anywhere(self, flag: bool) -> bool:
         return flag if self.local_only else super()._anywhere(flag)

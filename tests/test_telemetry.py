@@ -27,6 +27,7 @@ STEP = {
     "step_s": 0.5,
     "busy_s": 0.3,
     "loss": 4.25,
+    "model_state_bytes": 4096,
     "events": [
         ("recv_act", 0, 0.00, 0.05),
         ("forward", 0, 0.05, 0.20),
@@ -95,6 +96,7 @@ def test_actor_metrics_reach_prometheus(ray_session: Any) -> None:
     assert values["raypar_mfu"] == pytest.approx(0.125)
     assert values["raypar_bubble_fraction"] == pytest.approx(1 - 0.3 / 0.5)
     assert values["raypar_comm_seconds"] == pytest.approx(0.05 + 0.01 + 0.09 + 0.01)
+    assert values["raypar_model_state_bytes"] == 4096
     assert 10 * 2**20 < values["raypar_memory_bytes"] < 2**40  # a Python process with torch: tens of MiB up
 
     other = series[("0", "0", "1")]

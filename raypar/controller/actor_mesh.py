@@ -399,8 +399,13 @@ class ActorMesh:
         """Continue after `failure` (of a step, or of anything else between steps) with the intact
         replicas, at once and without touching disk: drop every replica that lost an actor or was not
         completely set up, apply the last completed step on the others, re-form the groups. Raises
-        NoIntactReplica when no replica is intact (the caller restores a checkpoint)."""
+        NoIntactReplica when no replica is intact, or under ZeRO (the caller restores a checkpoint)."""
         dead = set(getattr(failure, "dead", ())) or self.find_dead()
+        if self.cfg.parallel.zero >= 1:  # the slices are sharded over groups that cannot be trusted now
+            raise NoIntactReplica(
+                f"parallel.zero={self.cfg.parallel.zero}: the optimizer slices of every replica are sharded "
+                f"over the DP group and cannot be regrouped without a checkpoint ({failure})"
+            )
         broken = {c.dp for c in dead} | (set(self.replicas) - self.ready)
         before = list(self.replicas)
         self._drop_replicas(broken)
@@ -432,6 +437,8 @@ class ActorMesh:
         """Add or remove replicas between steps. New ones are placed, join the groups under a new epoch and
         receive parameters and optimizer state from replica rank 0. Returns what happened."""
         self.commit()
+        if dp != self.dp and self.cfg.parallel.zero >= 1:  # ZeRO: re-shard from the whole state
+            self._gather({a.stash_state.remote(): c for c, a in self.actors.items()}, "stashing state")
         if dp < self.dp:
             gone = set(self.replicas[dp:])
             self._drop_replicas(gone)
@@ -455,7 +462,7 @@ class ActorMesh:
             return f"dp={self.dp} already"
         fresh = not (set(self.replicas) - new)
         self._regroup(new=new)
-        if not fresh:
+        if not fresh:  # the new replicas take their part of the state from replica rank 0
             self._gather({a.sync_state.remote(0): c for c, a in self.actors.items()}, "healing new replicas")
         self.ready |= new
         return f"added replica(s) {sorted(new)}: dp={self.dp}"
@@ -509,8 +516,9 @@ class ActorMesh:
             raise RunFailure("a checkpoint writer died before finishing its shard")
         return {self.actors[c].wait_shard.remote(): c for c in writers}
 
-    def collect(self, refs: dict[Any, Coord], what: str) -> list[Any]:
-        return list(self._gather(refs, what).values())
+    def collect(self, refs: dict[Any, Coord], what: str) -> list[dict[str, Any]]:
+        """The manifest entries of `checkpoint_writes`' refs: every writer's files (one per part)."""
+        return [entry for files in self._gather(refs, what).values() for entry in files]
 
     def optimizer_state(self) -> dict[str, Any]:
         """Updates applied and the loss scaler's state: the same on every actor (they skip together)."""
@@ -530,12 +538,15 @@ class ActorMesh:
         """The full model of one replica, assembled from its shards (tests and export); with expert
         parallelism, the experts come from the replicas of its EP group."""
         self.commit()
+        replica = self.replicas[0] if replica is None else replica
         ep = self.cfg.parallel.ep
-        first = self.replicas.index(self.replicas[0] if replica is None else replica) // ep * ep
+        first = self.replicas.index(replica) // ep * ep
         group = set(self.replicas[first : first + ep])
-        refs = {a.parameters.remote(): c for c, a in self.actors.items() if c.dp in group}
+        every = self.cfg.parallel.zero >= 1  # sharded masters: gathered by every replica together
+        refs = {a.parameters.remote(): c for c, a in self.actors.items() if every or c.dp in group}
         full: dict[str, torch.Tensor] = {}
-        for shards in self._gather(refs, "reading parameters").values():
+        got = self._gather(refs, "reading parameters")
+        for shards in (s for c, s in got.items() if c.dp in group):
             for name, (local, shape, offsets) in shards.items():
                 target = full.setdefault(name, torch.empty(shape, dtype=local.dtype))
                 index = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))

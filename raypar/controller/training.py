@@ -160,6 +160,7 @@ class TrainingLoop:
             },
             "rng": self.actor_mesh.rng_states(),
             "precision": self.cfg.train.precision,
+            "zero": self.cfg.parallel.zero,
             "tokenizer": self.tokenizer,
         }
 
@@ -358,6 +359,8 @@ class TrainingLoop:
             "tp": self.actor_mesh.tp,
             "restarts": self.restarts,
             "val_loss": val_loss,
+            "model_state_bytes": max(r["model_state_bytes"] for r in result.per_actor.values()),
+            "dp_bytes": sum(r["reduce_bytes"] + r["gather_bytes"] for r in result.per_actor.values()),
             "bubble_fraction": report.measured_bubble(rows),
             "mfu": mfu(self.tokens_per_step / result.step_time_s, self.cfg.model, self.actor_mesh.peak_flops)
             if self.actor_mesh.peak_flops
