@@ -18,7 +18,7 @@ from pathlib import Path
 
 from raypar import config as config_mod
 from raypar.config import Config, ConfigError
-from raypar.controller import stopping
+from raypar.controller import ray_env, stopping
 
 
 class UsageError(Exception):
@@ -414,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     stopping.install()
     try:
         args = _parser().parse_args(argv)
+        if args.command in ("train", "scale", "status"):
+            ray_env.prepare(args.address)  # before anything imports Ray, which reads it then
         handler = {
             "train": _train,
             "plan": _plan,

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import ray
 from ray._private import ray_constants
 
 from actors.control import control_name
+from raypar.controller import ray_env
 
 NAMESPACE = "raypar"
 # Ray's switch for single-machine use: "0" makes the node address 127.0.0.1, so every server of a local Ray
@@ -31,12 +31,10 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
     """Join a running cluster (`auto` or HOST:PORT) or start a local Ray for this process."""
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS") or None  # set by `ray job submit`, or by hand
-    if address and address != "auto" and "RAY_AUTH_MODE" not in os.environ:
-        # Clusters started by `ray start` may use token auth; `address="auto"` finds the token by itself,
-        # an explicit HOST:PORT only with RAY_AUTH_MODE=token (measured on Ray 2.60).
-        if (Path.home() / ".ray" / "auth_token").exists() or os.environ.get("RAY_AUTH_TOKEN"):
-            os.environ["RAY_AUTH_MODE"] = "token"
+    address = ray_env.target(address)  # `ray job submit` sets RAY_ADDRESS
+    ray_env.prepare(address)  # too late if this process imported Ray already: the CLI calls it first
+    if ray_env.explicit(address) and (why := ray_env.probe(address)):
+        raise RunFailure(f"could not connect to Ray at {address}: {why}")
     try:
         if address:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)

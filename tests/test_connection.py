@@ -1,0 +1,112 @@
+"""Joining a cluster: token authentication set before Ray is imported, a dead address fails in bounded time.
+
+Ray reads RAY_AUTH_MODE once, when it is imported. `raypar train/status/scale --address HOST:PORT` must join a
+token-authenticated cluster without the user exporting it (the token alone is at hand), and so must
+`--address auto` while RAY_ADDRESS holds an explicit address.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from raypar.controller import ray_env
+from tests.fake_cluster import FakeCluster
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL_YAML = ROOT / "examples" / "cluster-local.yaml"
+# The CLI as a user runs it; the negative control imports Ray first, as connection.py did before the fix.
+CLI = "import sys; from raypar.controller.cli import main; sys.exit(main(sys.argv[1:]))"
+RAY_FIRST = "import ray; " + CLI
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    keys = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_BACKEND_LOG_LEVEL")
+    for key in keys:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token unless a test writes one
+    return tmp_path
+
+
+def test_target_reads_ray_address_for_auto_and_for_nothing(clean_env, monkeypatch):
+    assert ray_env.target(None) is None
+    assert ray_env.target("auto") == "auto"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    assert ray_env.target(None) == "10.0.0.5:6379"
+    assert ray_env.target("auto") == "10.0.0.5:6379"  # what `ray job submit` leaves for the driver
+    assert ray_env.target("10.0.0.9:6379") == "10.0.0.9:6379"
+
+
+def test_prepare_sets_token_mode_only_for_an_explicit_address_with_a_token(clean_env, monkeypatch):
+    ray_env.prepare("10.0.0.5:6379")
+    assert "RAY_AUTH_MODE" not in os.environ  # no token anywhere: Ray's own default
+    (clean_env / ".ray").mkdir()
+    (clean_env / ".ray" / "auth_token").write_text("secret")
+    ray_env.prepare("auto")
+    assert "RAY_AUTH_MODE" not in os.environ  # `auto` finds the token by itself
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    ray_env.prepare("auto")
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+    assert os.environ["RAY_BACKEND_LOG_LEVEL"] == "fatal"  # no screens of Ray's C++ errors
+
+
+def test_prepare_leaves_a_users_choice_and_a_local_run_alone(clean_env, monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
+    ray_env.prepare(None)  # a local Ray started by raypar
+    assert "RAY_AUTH_MODE" not in os.environ and "RAY_BACKEND_LOG_LEVEL" not in os.environ
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    ray_env.prepare("10.0.0.5:6379")
+    assert os.environ["RAY_AUTH_MODE"] == "disabled"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("command", [["status"], ["scale", "--run", "x", "--dp", "2"]])
+def test_a_dead_address_fails_at_once_with_one_line(command):
+    address = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", CLI, *command, "--address", address], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"raypar: could not connect to Ray at {address}: Connection refused"
+    ], proc.stderr[-2000:]
+    assert time.monotonic() - start < 60  # imports included; before: `status` waited for minutes
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="FakeCluster finds its processes in /proc")
+@pytest.mark.timeout(300)
+def test_status_joins_a_token_cluster_with_only_the_token_at_hand():
+    with FakeCluster(LOCAL_YAML) as cluster:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env["RAY_AUTH_TOKEN_PATH"] = cluster.env["RAY_AUTH_TOKEN_PATH"]  # the token, but no RAY_AUTH_MODE
+
+        def status(code: str, *address: str, extra: dict[str, str] | None = None):
+            return subprocess.run([sys.executable, "-c", code, "status", *address], capture_output=True,
+                                  text=True, timeout=120, cwd=ROOT, env={**env, **(extra or {})})
+
+        explicit = status(CLI, "--address", cluster.address)
+        assert explicit.returncode == 0, explicit.stderr[-2000:]
+        assert explicit.stdout.strip() == "raypar: no live runs"
+        assert "InvalidAuthToken" not in explicit.stderr, explicit.stderr[-2000:]
+        auto = status(CLI, "--address", "auto", extra={"RAY_ADDRESS": cluster.address})
+        assert auto.returncode == 0 and auto.stdout.strip() == "raypar: no live runs", auto.stderr[-2000:]
+        # Negative control: the same command in a process that imported Ray before raypar set the mode
+        # (where connect() used to set it) is refused by the cluster.
+        late = status(RAY_FIRST, "--address", cluster.address)
+        assert late.returncode == 1, late.stdout + late.stderr[-2000:]
+        assert late.stderr.strip().splitlines()[-1].startswith(
+            f"raypar: could not connect to Ray at {cluster.address}"
+        ), late.stderr[-2000:]
