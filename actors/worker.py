@@ -402,30 +402,35 @@ class Worker(GroupHost):
             self.model.train()
 
     def _eval_step(self, step: int) -> float | None:
-        # One model chunk per stage and whole sequences (config.validate refuses eval with interleaving or
-        # cp): the forward chain is stage to stage, chunk 0.
+        # Forward only, model chunk by model chunk (interleaved pipelines hold several per stage): every
+        # stage runs its chunks in order, each over all of this replica's microbatches, so a unit waits only
+        # for units of an earlier chunk or an earlier stage (sends do not wait for the receiver). Under cp
+        # the model takes its share of every sequence itself, and each cp rank's loss is its equal share's.
         cfg, mbs = self.cfg, self.cfg.microbatch_size
         self.transport.step = step
         batch_size = cfg.train.global_batch
         per_batch = batch_size // mbs
         mine = data.replica_microbatch_ids(self.dp_rank, self.dp, batch_size, mbs)
         losses = []
-        for batch in range(cfg.train.eval_batches):
-            for mb in mine:
-                key = EVAL_MB_BASE + batch * per_batch + mb  # apart from the step's own microbatches
-                if self.first or self.last:
-                    inputs, targets = data.eval_microbatch(self.val_dataset, batch, mb, mbs, batch_size)
-                    inputs, targets = inputs.to(self.device), targets.to(self.device)
-                if not self.first:
-                    inputs = self.transport.recv_act(0, key, self.act_like).to(self.device)
-                out = self.model(inputs, targets if self.last else None)
-                self.model.take_aux_loss()  # MoE load balancing: a training loss only
-                if self.last:
-                    losses.append(out.float())
-                else:
-                    self.transport.send_act(0, key, out)
-                if not self.first:
-                    self.transport.release("act", 0, key)
+        rank = self.coord.pp
+        for chunk in range(self.topo.n_chunks):
+            first, last = self.topo.is_first(rank, chunk), self.topo.is_last(rank, chunk)
+            for batch in range(cfg.train.eval_batches):
+                for mb in mine:
+                    key = EVAL_MB_BASE + batch * per_batch + mb  # apart from the step's own microbatches
+                    if first or last:
+                        inputs, targets = data.eval_microbatch(self.val_dataset, batch, mb, mbs, batch_size)
+                        inputs, targets = inputs.to(self.device), targets.to(self.device)
+                    if not first:
+                        inputs = self.transport.recv_act(chunk, key, self.act_like).to(self.device)
+                    out = self.model(inputs, targets if last else None, chunk=chunk)
+                    self.model.take_aux_loss()  # MoE load balancing: a training loss only
+                    if last:
+                        losses.append(out.float())
+                    else:
+                        self.transport.send_act(chunk, key, out)
+                    if not first:
+                        self.transport.release("act", chunk, key)
         self.transport.finish_step()
         return torch.stack(losses).mean().item() if losses else None
 

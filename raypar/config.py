@@ -499,10 +499,6 @@ def validate(cfg: Config) -> None:
         not (d.val_fraction and d.val_source), "data.val_fraction: set it or data.val_source, not both"
     )
     _require(
-        not t.eval_every or (p.virtual_stages == 1 and p.cp == 1),
-        "train.eval_every: validation runs with one model chunk per stage and without cp for now",
-    )
-    _require(
         not t.eval_every or bool(d.val_fraction or d.val_source),
         "train.eval_every: needs held-out data: set data.val_fraction or data.val_source",
     )

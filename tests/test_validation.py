@@ -46,6 +46,27 @@ def test_val_loss_matches_reference_at_2_2_1(ray_session, tmp_path):
     assert report.write_report(tmp_path)["files"]  # loss.png with the validation curve
 
 
+@pytest.mark.parametrize(
+    ("layout", "more"),
+    [
+        ((1, 2), ("parallel.virtual_stages=2",)),
+        ((2, 1), ("parallel.cp=2",)),
+    ],
+    ids=["interleaved", "cp"],
+)
+def test_val_loss_matches_reference_interleaved_and_cp(ray_session, tmp_path, layout, more):
+    """Validation walks the model chunk by chunk (interleaved: the last stage hands chunk 0's output back
+    to the first) and, under cp, each rank evaluates its share of every sequence."""
+    model = ("model.n_layers=4", "parallel.microbatches=2")
+    ref = reference_run(cfg_at(1, 1, *model), STEPS)
+    run(cfg_at(*layout, *model, *more), f"val-{layout[0]}{layout[1]}", tmp_path)
+    got = {m["step"]: m["val_loss"] for m in metrics(tmp_path) if m["val_loss"] is not None}
+    assert sorted(got) == sorted(ref.val_losses)
+    for step, want in ref.val_losses.items():
+        assert abs(got[step] - want) <= RTOL * want, (step, got[step], want)
+    assert abs(got[2] - ref.val_losses[1]) > RTOL * ref.val_losses[1]  # the control, as above
+
+
 def test_validation_config_errors():
     with pytest.raises(ConfigError, match="train.eval_every: needs held-out data"):
         tiny("train.eval_every=2")
