@@ -7,8 +7,10 @@ from (the same accounting as `DPStrategy`'s uncompressed reduction: an all-reduc
 2n(d-1)/d of them, a reduce-scatter or an all-gather n(d-1)/d).
 
 - **bf16**: a reduce-scatter done as an all-to-all of bf16 chunks summed locally in fp32 (then divided for
-  an average), and for an all-reduce an all-gather of the bf16 results. Bytes: exactly half of the fp32
-  ring's, for both collectives. Every replica receives the same bf16 values, so replicas stay identical.
+  an average), and for an all-reduce an all-gather of the bf16 results. Bytes: an all-to-all sends
+  n(d-1)/d elements, as a ring reduce-scatter does, so at 2 bytes instead of 4 both collectives send half
+  the fp32 ring's bytes (n padded to a multiple of d). Every replica receives the same bf16 values, so
+  replicas stay identical.
 - **topk** (error feedback): each parameter of a bucket sends its ceil(`topk_ratio` * numel) largest
   entries of gradient + residual; what is not sent is the residual, added to the next step's gradient.
   The sparse sum all-gathers indices (int32) and values (fp32) and scatter-adds them rank by rank (a fixed
