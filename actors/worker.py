@@ -31,7 +31,7 @@ import torch
 from actors.telemetry import ActorMetrics
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from collectives.host import GroupHost
-from raypar import checkpoint, data, flops, hf, memory, precision, schedules
+from raypar import checkpoint, compress, data, flops, hf, memory, precision, schedules
 from raypar import config as config_mod
 from raypar import ep as ep_mod
 from raypar.dp import DPStrategy
@@ -256,11 +256,16 @@ class Worker(GroupHost):
         """Every non-expert parameter: averaged over the data-parallel group, ZeRO as configured."""
         par, train = self.cfg.parallel, self.cfg.train
         cls = Zero3Strategy if par.zero == 3 else DPStrategy
-        return cls(
+        strategy = cls(
             self.model, train, dp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp,
             dtype=self.param_dtype, reduce_dtype=precision.DTYPES[train.reduce_dtype],
             select=lambda name: not is_expert_param(name),
         )
+        # dense gradients only: expert gradients are reduced over their own, smaller groups
+        strategy.compressor = compress.build(
+            par.grad_compression, par.topk_ratio, par.powersgd_rank, par.compression_start_step, train.seed
+        )
+        return strategy
 
     def _make_expert_strategy(self, edp_group: Any) -> DPStrategy:
         """Expert parameters: summed over the expert-dp group, divided by dp (raypar.ep says why); not

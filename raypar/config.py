@@ -19,6 +19,11 @@ from typing import Any
 RECOMPUTE = ("none", "full", "selective")
 
 
+# parallel.grad_compression (raypar.compress); the last two need an all-reduce, so not ZeRO >= 2
+COMPRESSORS = ("none", "bf16", "topk", "powersgd")
+NEEDS_ALL_REDUCE = ("topk", "powersgd")
+
+
 class ConfigError(ValueError):
     """A bad config value. `str(err)` is the one-line message shown to the user."""
 
@@ -83,6 +88,10 @@ class ParallelConfig:
     stage_layers: list[int] = field(default_factory=list)
     bucket_mb: float = 25.0
     zero: int = 0
+    grad_compression: str = "none"  # raypar.compress: "none", "bf16", "topk", "powersgd"
+    topk_ratio: float = 0.01
+    powersgd_rank: int = 4
+    compression_start_step: int = 0
     min_dp: int = 1
     max_dp: int = 0
     timeout_s: float = 300.0
@@ -365,6 +374,23 @@ def _validate_context_parallel(cfg: Config) -> None:
         )
 
 
+def _validate_compression(p: ParallelConfig) -> None:
+    names = ", ".join(f'"{c}"' for c in COMPRESSORS)
+    _require(p.grad_compression in COMPRESSORS, f"parallel.grad_compression: must be one of {names}, "
+             f"got {p.grad_compression!r}")
+    _require(
+        p.grad_compression not in NEEDS_ALL_REDUCE or p.zero <= 1,
+        f'parallel.grad_compression: "{p.grad_compression}" needs an all-reduce, so parallel.zero <= 1 '
+        f"(got zero={p.zero}; with zero >= 2 use \"bf16\" or \"none\")",
+    )
+    _require(0 < p.topk_ratio <= 1, f"parallel.topk_ratio: must be in (0, 1], got {p.topk_ratio}")
+    _require(p.powersgd_rank >= 1, f"parallel.powersgd_rank: must be >= 1, got {p.powersgd_rank}")
+    _require(
+        p.compression_start_step >= 0,
+        f"parallel.compression_start_step: must be >= 0, got {p.compression_start_step}",
+    )
+
+
 def validate(cfg: Config) -> None:
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.checkpoint
     for section in dataclasses.fields(cfg):  # nan and +-inf pass comparisons in surprising ways: none allowed
@@ -435,6 +461,7 @@ def validate(cfg: Config) -> None:
         "parallel.zero: 3 needs one model chunk per stage and a schedule without split backward (not zb-h1)",
     )
     _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be positive, got {p.bucket_mb}")
+    _validate_compression(p)
     _require(p.timeout_s > 0, f"parallel.timeout_s: must be positive, got {p.timeout_s}")
 
     _require(t.steps > 0, f"train.steps: must be positive, got {t.steps}")

@@ -28,6 +28,10 @@
   dense ones have different groups and divisors (raypar.ep), so each part gets a strategy of its own.
   With `divisor`, gradients are summed over the group and divided by it (expert gradients are divided by
   the full dp degree, not by their group's size) instead of averaged.
+- **Compression** (`compressor`, `raypar.compress`; set by the owner after construction): from its start
+  step, each bucket's reduction is compressed (bf16, top-k or PowerSGD), run synchronously in `finish`.
+  Its per-rank state (residuals, PowerSGD factors) is checkpointed by every rank with a leading dp
+  dimension, and reset by a load at another dp and by `load_full_state` (`raypar.compress` says why).
 - **`close()`** removes every hook, so a rebind leaves nothing of the old strategy attached.
 
 AdamW is torch's own functional implementation, applied to the owned pieces: elementwise, so sharding
@@ -36,6 +40,7 @@ changes nothing of its arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -45,7 +50,9 @@ from torch import nn
 from torch.optim.adam import adam
 
 from collectives import Group, Work
+from raypar import compress
 from raypar.checkpoint import CheckpointReader, ShardSpec
+from raypar.compress import Compressor, Deferred
 from raypar.config import TrainConfig
 from raypar.flat import Bucket, FlatLayout, Piece, Slot, rectangles
 from raypar.optim import ADAM_EPS
@@ -66,6 +73,7 @@ class StageModel(Protocol):
 
 class DPStrategy:
     reduce_op = "avg"  # over the DP group; a test subclass sums instead (a negative control)
+    compressor: Compressor | None = None  # set after construction to compress the reduction
 
     def __init__(
         self,
@@ -238,7 +246,9 @@ class DPStrategy:
     def _bucket_done(self, bucket: Bucket) -> None:
         """Every gradient of `bucket` accumulated once more (final or not): ZeRO-3 frees its parameters."""
 
-    def _reduce(self, bucket: Bucket) -> Work | None:
+    def _reduce(self, bucket: Bucket) -> Work | Deferred | None:
+        if self.group is not None and self.compressor is not None and self.compressor.active(self.step_count):
+            return Deferred(functools.partial(self._compressed_reduce, bucket))
         b = self.size
         # The gradients themselves, or (another reduction dtype) one cast copy of them.
         src = bucket.grads if self.rdtype == self.dtype else bucket.grads.to(self.rdtype)
@@ -254,6 +264,19 @@ class DPStrategy:
             return None
         self.traffic["reduce_bytes"] += bucket.piece * (b - 1) * src.element_size()
         return self.group.reduce_scatter(src, self.reduce_op, async_op=True, out=out)
+
+    def _compressed_reduce(self, bucket: Bucket) -> None:
+        """`_reduce` through the compressor, run when `finish` waits for it. State is keyed by source name,
+        so a tied copy compresses exactly as the tensor it copies."""
+        src = bucket.grads if self.rdtype == self.dtype else bucket.grads.to(self.rdtype)
+        if self.owned_grads is None:
+            bucket.reduced = None if src is bucket.grads else src
+            slots = [dataclasses.replace(s, name=self.source(s.name)) for s in bucket.slots]
+            sent = self.compressor.all_reduce(self.group, src, slots, self.reduce_op)
+        else:
+            out = self.owned_grads[bucket.own_offset : bucket.own_offset + bucket.piece]
+            sent = self.compressor.reduce_scatter(self.group, src, out, self.reduce_op)
+        self.traffic["reduce_bytes"] += sent
 
     def finish(self) -> None:
         """After the last backward: every bucket reduced (launching any not yet started). From stage 2 on
@@ -382,7 +405,7 @@ class DPStrategy:
         into parts that each name a tensor at most once (a flat range is up to three rectangles)."""
         parts: list[dict[str, tuple[torch.Tensor, ShardSpec]]] = []
         if not self._writes():
-            return parts
+            return compress.state_parts(self)
         for piece in self.layout.pieces:
             if not self._counted(piece):
                 continue  # tp-replicated: tp rank 0 writes it
@@ -393,7 +416,7 @@ class DPStrategy:
                 n = max(1, _prod(shape))
                 for prefix, flat in sources.items():
                     parts[k][prefix + piece.slot.name] = (flat[start : start + n].view(shape), spec)
-        return parts
+        return parts + compress.state_parts(self)
 
     def _rectangles(self, piece: Piece) -> list[tuple[tuple[int, ...], tuple[int, ...], int, ShardSpec]]:
         global_shape, tp_offsets = self.specs[piece.slot.name]
@@ -427,6 +450,7 @@ class DPStrategy:
                         self._read_piece(reader, name, piece, self._moment(m, piece))
                     else:
                         self._moment(m, piece).zero_()
+        compress.load_state(self, reader)
         self.step_count = int(step_count)
 
     def full_state(self) -> dict[str, torch.Tensor]:
@@ -488,6 +512,8 @@ class DPStrategy:
                     self._master(piece).copy_(state[piece.slot.name].reshape(-1)[lo:hi])
                 for m in MOMENTS:
                     self._moment(m, piece).copy_(state[f"optim.{m}.{piece.slot.name}"].reshape(-1)[lo:hi])
+        if self.compressor is not None:  # per-rank residuals do not survive a new DP group (raypar.compress)
+            self.compressor.reset()
         self.step_count = int(step_count)
 
     def model_state_bytes(self) -> dict[str, int]:

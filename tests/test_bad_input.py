@@ -33,6 +33,7 @@ ZERO_OK = {
     "model.dropout", "model.moe_experts", "model.moe_aux_loss_coef",
     "train.eval_every", "data.val_fraction",  # 0: no validation
     "parallel.zero",  # 0: no sharding
+    "parallel.compression_start_step",
 }  # fmt: skip
 
 
@@ -158,6 +159,19 @@ def _cases() -> list:
     case(
         "train-device-name", lambda f: train(f, "--set", "parallel.device='tpu'"), lambda f: "parallel.device"
     )
+    case(
+        "train-compression-name",
+        lambda f: train(f, "--set", "parallel.grad_compression='fp8'"),
+        lambda f: "parallel.grad_compression",
+    )
+    for name in ("topk", "powersgd"):  # need an all-reduce: not with ZeRO >= 2
+        case(
+            f"train-compression-{name}-zero2",
+            lambda f, n=name: train(
+                f, "--set", f"parallel.grad_compression='{n}'", "--set", "parallel.zero=2"
+            ),
+            lambda f, n=name: f'parallel.grad_compression: "{n}" needs an all-reduce, so parallel.zero <= 1',
+        )
     # -- train: data -------------------------------------------------------------------------------------
     case(
         "train-data-glob-nothing",

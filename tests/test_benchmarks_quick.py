@@ -113,6 +113,15 @@ def test_sequence_bytes_quick():
     assert "ulysses" in text and "ring" in text
 
 
+def test_compression_quick(tmp_path):
+    out = tmp_path / "compression.json"
+    text = ok(run("benchmarks/compression.py", "--quick", "--json", str(out)))
+    assert "| compressor | setting | reduce bytes/step (rank 0) | vs none |" in text
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"none", "bf16", "topk", "powersgd"}
+    assert results["bf16"]["bytes_per_step"] == results["none"]["bytes_per_step"] / 2  # exact, not timing
+
+
 def _read(path: str) -> str:
     with open(path) as f:
         return f.read()
