@@ -157,6 +157,12 @@ def _cases() -> list:
     case(
         "train-device-name", lambda f: train(f, "--set", "parallel.device='tpu'"), lambda f: "parallel.device"
     )
+    case("train-offload-name", lambda f: train(f, "--set", "train.offload='gpu'"), lambda f: "train.offload")
+    case(
+        "train-offload-without-zero",
+        lambda f: train(f, "--set", "train.offload='cpu'", "--set", "parallel.zero=0"),
+        lambda f: "parallel.zero >= 1",
+    )
     # -- train: data -------------------------------------------------------------------------------------
     case(
         "train-data-glob-nothing",
