@@ -15,10 +15,16 @@ import torch
 
 from raypar import checkpoint
 from raypar.dp import DPStrategy
+from raypar.mesh import Mesh
 from raypar.offload import Transfer
 from raypar.zero3 import Zero3Strategy
+from tests.faults import FaultyActorMesh
 from tests.reference import Run
+from tests.runs import metrics, run, tiny
 from tests.test_dp_strategy import BUCKET_BYTES, _checkpoint, assert_close, build, make_cfg, run_dp, train
+from tests.test_zero import assert_same
+from tests.test_zero import make_cfg as actors_cfg
+from tests.test_zero import train as train_actors
 from tests.threads import run_ranks
 
 MISMATCH = "loss at|grad norm at|parameter .* differs"
@@ -195,3 +201,33 @@ def test_full_state_reshards_offloaded():
     assert all(torch.equal(after[0][0][n], t) for n, t in first.items())
     want = sum(r[1] for r in before) / 2
     assert sum(r[1] for r in after) / 4 == pytest.approx(want, rel=1e-5)
+
+
+# -- on Ray actors ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", [(2, 1, 2), (2, 2, 2)], ids=lambda v: "dp{}-pp{}-tp{}".format(*v))
+def test_offload_on_actors_matches_zero0(ray_session, layout):
+    """zero=2 with offload against zero=0 on the same actors, 5 steps, tests/test_zero.py's tolerances;
+    at dp2-pp1-tp2 also the control that check rejects there (replicas' gradients summed, not averaged)."""
+    trainer = FaultyActorMesh(actors_cfg(*layout, 0), "offload-{}{}{}".format(*layout), faults={})
+    try:
+        trainer.start()
+        plain = train_actors(trainer)
+        trainer.reconfigure(actors_cfg(*layout, 2, "1f1b", *offload(2)))
+        assert_same(train_actors(trainer), plain)
+        if layout == (2, 1, 2):
+            trainer.set_faults({coord: ["dp_sum"] for coord in Mesh(*layout).coords()})
+            trainer.reconfigure(actors_cfg(*layout, 2, "1f1b", *offload(2)))
+            with pytest.raises(AssertionError, match=MISMATCH):
+                assert_same(train_actors(trainer), plain)
+    finally:
+        trainer.shutdown()
+
+
+def test_metrics_report_the_host_update_time(ray_session, tmp_path):
+    """metrics.jsonl's offload_update_s: the previous step's host update, so 0 at step 0 and positive
+    after; model states counted (host and device together on the CPU)."""
+    run(tiny("parallel.dp=2", "train.steps=3", *offload(1)), "offload-metrics", tmp_path)
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["offload_update_s"] == 0
+    assert all(r["offload_update_s"] > 0 and r["model_state_bytes"] > 0 for r in rows[1:])
