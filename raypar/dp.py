@@ -33,8 +33,8 @@
   the full dp degree, not by their group's size) instead of averaged.
 - **`close()`** removes every hook, so a rebind leaves nothing of the old strategy attached.
 
-AdamW is torch's own functional implementation, applied to the owned pieces: elementwise, so sharding
-changes nothing of its arithmetic.
+AdamW is torch's own functional implementation (`raypar.optim.adamw_`), applied to the owned pieces:
+elementwise, so sharding changes nothing of its arithmetic.
 """
 
 from __future__ import annotations
@@ -45,14 +45,13 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.optim.adam import adam
 
 from collectives import Group, Work
 from raypar.checkpoint import CheckpointReader, ShardSpec
 from raypar.config import TrainConfig
 from raypar.flat import Bucket, FlatLayout, Piece, Slot, rectangles
 from raypar.offload import HostUpdate, Transfer, host_zeros
-from raypar.optim import ADAM_EPS
+from raypar.optim import adamw_
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -354,28 +353,16 @@ class DPStrategy:
         self.zero_grad()
 
     def _adam(self, pieces: list[Piece], grad: Callable[[Piece], torch.Tensor], lr: float) -> None:
-        cfg = self.cfg
-        for decay in (True, False):
+        for decay in (True, False):  # weight decay on matrices only
             group = [p for p in pieces if (len(p.slot.shape) >= 2) == decay]
-            if not group:
-                continue
-            adam(
-                [self._master(p) for p in group],
-                [grad(p).float() for p in group],  # a no-op for fp32 gradients
-                [self._moment("exp_avg", p) for p in group],
-                [self._moment("exp_avg_sq", p) for p in group],
-                [],
-                # torch's AdamW keeps the count as a float32 scalar: the same keeps bias correction bitwise
-                [torch.tensor(float(self.step_count), dtype=torch.float32) for _ in group],
-                decoupled_weight_decay=True,
-                amsgrad=False,
-                beta1=cfg.beta1,
-                beta2=cfg.beta2,
-                lr=lr,
-                weight_decay=cfg.weight_decay if decay else 0.0,
-                eps=ADAM_EPS,
-                maximize=False,
-            )
+            if group:
+                adamw_(
+                    [self._master(p) for p in group],
+                    [grad(p).float() for p in group],  # a no-op for fp32 gradients
+                    [self._moment("exp_avg", p) for p in group],
+                    [self._moment("exp_avg_sq", p) for p in group],
+                    self.step_count, self.cfg, lr, self.cfg.weight_decay if decay else 0.0,
+                )
 
     # -- offload: one bucket's owned range on the device and on the host ---------------------------------
     def _host_grad(self, piece: Piece) -> torch.Tensor:
