@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from raypar import checkpoint
+from raypar.controller.actor_mesh import ActorMesh
 from raypar.dp import DPStrategy
 from raypar.mesh import Mesh
 from raypar.offload import Transfer
@@ -22,7 +23,7 @@ from tests.faults import FaultyActorMesh
 from tests.reference import Run
 from tests.runs import metrics, run, tiny
 from tests.test_dp_strategy import BUCKET_BYTES, _checkpoint, assert_close, build, make_cfg, run_dp, train
-from tests.test_zero import assert_same
+from tests.test_zero import assert_same, close, ops_cfg
 from tests.test_zero import make_cfg as actors_cfg
 from tests.test_zero import train as train_actors
 from tests.threads import run_ranks
@@ -231,3 +232,22 @@ def test_metrics_report_the_host_update_time(ray_session, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[0]["offload_update_s"] == 0
     assert all(r["offload_update_s"] > 0 and r["model_state_bytes"] > 0 for r in rows[1:])
+
+
+def test_elastic_dp_with_offload_matches_fixed_dp(ray_session):
+    """dp 2 -> 4 -> 2 under zero=2 with offload (the stash gathers the host state over the old group, the
+    new strategies take their pieces into host memory): the losses of a run at fixed dp."""
+    cfg = lambda: ops_cfg(2, 1, 1, 2, *offload(2)[:1])  # noqa: E731 - ops_cfg sets parallel.zero itself
+    trainer = ActorMesh(cfg(), "offload-elastic")
+    try:
+        trainer.start()
+        fixed = [trainer.step(s).loss for s in range(6)]
+        trainer.reconfigure(cfg())  # back to the seed's state, same actors
+        scaled = [trainer.step(s).loss for s in range(2)]
+        assert trainer.scale_to(4, 60).startswith("added")
+        scaled += [trainer.step(s).loss for s in range(2, 4)]
+        assert trainer.scale_to(2, 60).startswith("removed")
+        scaled += [trainer.step(s).loss for s in range(4, 6)]
+    finally:
+        trainer.shutdown()
+    assert close(scaled, fixed), (scaled, fixed)
