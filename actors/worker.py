@@ -259,7 +259,7 @@ class Worker(GroupHost):
         strategy = cls(
             self.model, train, dp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp,
             dtype=self.param_dtype, reduce_dtype=precision.DTYPES[train.reduce_dtype],
-            select=lambda name: not is_expert_param(name),
+            select=lambda name: not is_expert_param(name), host_threads=par.threads_per_actor,
         )
         # dense gradients only: expert gradients are reduced over their own, smaller groups
         strategy.compressor = compress.build(
@@ -370,6 +370,8 @@ class Worker(GroupHost):
             "events": events,
             # bytes this actor sent for DP since the last step: reduction, parameter gathers (ZeRO)
             **_summed(s.take_traffic() for s in self._strategies()),
+            # CPU offload: the host update applied at the start of this call (the previous step's)
+            "offload_update_s": sum(s.take_update_s() for s in self._strategies()),
             **self._memory(live),
         }
         moe = self.model.take_moe_stats()

@@ -9,6 +9,11 @@ parameters, gradients, master weights and moments of stage 0 on DP rank 0 after 
 (`DPStrategy.model_state_bytes`). Ψ = that stage's parameters. For fp32 parameters (their own master
 below stage 3) the formulas are 16Ψ, 8Ψ+8Ψ/d, 4Ψ+12Ψ/d and 16Ψ/d; the 16-bit-parameter formulas of the
 ZeRO paper (16Ψ, 4Ψ+12Ψ/d, 2Ψ+14Ψ/d, 16Ψ/d) apply once parameters are bf16 with fp32 masters.
+
+Offload rows (`train.offload = "cpu"`, stages 1-3): the host holds a separate master (4Ψ/d), the moments
+(8Ψ/d) and a gradient buffer (4Ψ/d); the device keeps parameters and gradients: 8Ψ at stage 1, 4Ψ+4Ψ/d at
+stage 2, and at stage 3 the owned gradient and a copy of the owned parameters (8Ψ/d). Totals 8Ψ+16Ψ/d,
+4Ψ+20Ψ/d and 24Ψ/d; here the device is the CPU too, so the column is their sum.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import dataclasses  # noqa: E402
+
 from raypar import config, data  # noqa: E402
 from raypar.dp import DPStrategy  # noqa: E402
 from raypar.mesh import stage_layers  # noqa: E402
@@ -30,17 +37,19 @@ from raypar.zero3 import Zero3Strategy  # noqa: E402
 from tests.threads import run_ranks  # noqa: E402
 
 FP32_FORMULA = {0: lambda d: 16.0, 1: lambda d: 8 + 8 / d, 2: lambda d: 4 + 12 / d, 3: lambda d: 16 / d}
+OFFLOAD_FORMULA = {1: lambda d: 8 + 16 / d, 2: lambda d: 4 + 20 / d, 3: lambda d: 24 / d}
 
 
-def measure(cfg: config.Config, dp: int, pp: int, zero: int, steps: int) -> dict[str, float]:
+def measure(cfg: config.Config, dp: int, pp: int, zero: int, steps: int, offload: str) -> dict[str, float]:
     m = cfg.model
+    train = dataclasses.replace(cfg.train, offload=offload)
     layers = stage_layers(m.n_layers, pp)[0]
 
     def rank(group):
         model = LlamaStage(m, layers, True, pp == 1, None, cfg.train.seed)
         psi = sum(p.numel() for p in model.parameters())
         cls = Zero3Strategy if zero == 3 else DPStrategy
-        strategy = cls(model, cfg.train, group, zero, int(cfg.parallel.bucket_mb * 2**20))
+        strategy = cls(model, train, group, zero, int(cfg.parallel.bucket_mb * 2**20))
         dataset = data.open_dataset(cfg.data, m)
         sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
         mbs, r = cfg.train.global_batch // dp, group.rank if group is not None else 0
@@ -63,8 +72,8 @@ def measure(cfg: config.Config, dp: int, pp: int, zero: int, steps: int) -> dict
         return psi, sum(strategy.model_state_bytes().values()), sum(times) / steps, traffic / steps
 
     psi, measured, step_s, moved = run_ranks(dp, rank)[0] if dp > 1 else rank(None)
-    return {"psi": psi, "bytes": measured, "formula": FP32_FORMULA[zero](dp) * psi, "step_s": step_s,
-            "moved": moved}
+    formula = (OFFLOAD_FORMULA if offload == "cpu" else FP32_FORMULA)[zero](dp)
+    return {"psi": psi, "bytes": measured, "formula": formula * psi, "step_s": step_s, "moved": moved}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,17 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(__file__).resolve().parents[1]
     overrides = [f'model.preset="{preset}"', "train.global_batch=8"]
     cfg = config.load(root / "examples/configs/tiny.toml", overrides)
-    print("| pp | dp | zero | Ψ (stage 0) | measured MiB | formula MiB | measured/formula | step s "
+    print("| pp | dp | zero | offload | Ψ (stage 0) | measured MiB | formula MiB | measured/formula | step s "
           "| DP MiB/step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     worst = 0.0
     for pp in pps:
         for dp in dps:
-            for zero in (0, 1, 2, 3):
-                r = measure(cfg, dp, pp, zero, steps)
+            for zero, offload in [(z, "none") for z in (0, 1, 2, 3)] + [(z, "cpu") for z in (1, 2, 3)]:
+                r = measure(cfg, dp, pp, zero, steps, offload)
                 ratio = r["bytes"] / r["formula"]
                 worst = max(worst, abs(ratio - 1))
-                print(f"| {pp} | {dp} | {zero} | {r['psi']:,} | {r['bytes'] / 2**20:.2f} | "
+                print(f"| {pp} | {dp} | {zero} | {offload} | {r['psi']:,} | {r['bytes'] / 2**20:.2f} | "
                       f"{r['formula'] / 2**20:.2f} | {ratio:.3f} | {r['step_s']:.3f} "
                       f"| {r['moved'] / 2**20:.2f} |")
     print(f"largest deviation from the formula: {100 * worst:.2f} %")

@@ -122,6 +122,7 @@ class TrainConfig:
     loss_scale_backoff: float = 0.5
     loss_scale_hysteresis: int = 2
     loss_scale_min: float = 1.0
+    offload: str = "none"  # "cpu": master weights, Adam moments and their update in host memory (ZeRO >= 1)
 
 
 @dataclass
@@ -495,6 +496,11 @@ def validate(cfg: Config) -> None:
     _require(
         t.reduce_dtype in ("fp32", "bf16"),
         f'train.reduce_dtype: must be "fp32" or "bf16", got {t.reduce_dtype!r}',
+    )
+    _require(t.offload in ("none", "cpu"), f'train.offload: must be "none" or "cpu", got {t.offload!r}')
+    _require(
+        t.offload == "none" or p.zero >= 1,
+        f"train.offload: cpu needs parallel.zero >= 1 (it offloads the sharded optimizer), got zero={p.zero}",
     )
     _require(t.loss_scale_min > 0, f"train.loss_scale_min: must be positive, got {t.loss_scale_min}")
     _require(t.loss_scale >= t.loss_scale_min, "train.loss_scale: must be >= train.loss_scale_min")

@@ -17,6 +17,9 @@
 - **Master weights.** Parameters in fp32 below stage 3 are their own master (the owned piece is a view of
   the parameter buffer); otherwise a separate fp32 master holds the owned piece and the update is cast
   back. This is the one place master weights live.
+- **CPU offload** (`train.offload = "cpu"`, stage >= 1): masters (always separate then) and moments live in
+  host memory and the update runs there (`raypar.offload`: gradients D2H, AdamW on the host, masters H2D
+  into the owned parameter range before the all-gather).
 - **Grad norm** (`grad_sq_norm`): this (stage, tp rank) coordinate's part, summed over the DP group
   when shards are split; tp-replicated parameters count on tp rank 0 only, a tied embedding's copy on the
   last stage (`model.tied_copy`) nowhere: the first stage's counts it. That copy is not checkpointed
@@ -34,8 +37,8 @@
   dimension, and reset by a load at another dp and by `load_full_state` (`raypar.compress` says why).
 - **`close()`** removes every hook, so a rebind leaves nothing of the old strategy attached.
 
-AdamW is torch's own functional implementation, applied to the owned pieces: elementwise, so sharding
-changes nothing of its arithmetic.
+AdamW is torch's own functional implementation (`raypar.optim.adamw_`), applied to the owned pieces:
+elementwise, so sharding changes nothing of its arithmetic.
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.optim.adam import adam
 
 from collectives import Group, Work
 from raypar import compress
@@ -55,7 +57,8 @@ from raypar.checkpoint import CheckpointReader, ShardSpec
 from raypar.compress import Compressor, Deferred
 from raypar.config import TrainConfig
 from raypar.flat import Bucket, FlatLayout, Piece, Slot, rectangles
-from raypar.optim import ADAM_EPS
+from raypar.offload import HostUpdate, Transfer, host_zeros
+from raypar.optim import adamw_
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -87,12 +90,13 @@ class DPStrategy:
         reduce_dtype: torch.dtype | None = None,
         select: Callable[[str], bool] | None = None,
         divisor: int | None = None,
+        host_threads: int = 1,
     ) -> None:
         """`select`: the parameters this strategy owns (default: all). `divisor`: sum gradients over the
         group and divide by this instead of averaging. `dtype`: the parameters' dtype from now on (default:
         theirs; fp32 masters are taken from their values before any rounding). `reduce_dtype`: the dtype
         gradients are summed in across the group (default: theirs); 16-bit gradients reduced in fp32 stay
-        fp32 up to the update."""
+        fp32 up to the update. `host_threads`: the threads of the host update under CPU offload."""
         if zero not in ZERO_STAGES:
             raise ValueError(f"zero stage must be one of {ZERO_STAGES}, got {zero}")
         self.cfg, self.zero, self.tp_rank = cfg, zero, tp_rank
@@ -123,15 +127,19 @@ class DPStrategy:
         self.rdtype = reduce_dtype or self.dtype
         # an empty selection (a stage without experts) still answers on the stage's device
         self.device = every[0][1].device if every else torch.device("cpu")
-        self.master_is_param = self.dtype == torch.float32 and zero < 3
+        owned = self.layout.owned_numel
+        offload = cfg.offload == "cpu" and zero >= 1
+        self.offload = HostUpdate(owned, self.device, host_threads) if offload else None
+        # offloaded, the master is a host tensor of its own even for fp32 parameters on the CPU
+        self.master_is_param = self.dtype == torch.float32 and zero < 3 and self.offload is None
+        self.owned_params: torch.Tensor | None = None  # ZeRO-3 offloaded: the device copy of the owned piece
         self.step_count = 0
         self.traffic = {"reduce_bytes": 0, "gather_bytes": 0}
         self._armed: set[int] = set()  # ids of the parameters whose next gradient is final
         self._held: set[int] = set()  # buckets that only `finish` reduces
-        owned = self.layout.owned_numel
         self.master_grads: torch.Tensor | None = None  # fp32 copies, when the reduced grads are 16-bit
         with torch.no_grad():
-            self.master = None if self.master_is_param else torch.zeros(owned, device=self.device)
+            self.master = None if self.master_is_param else self._optim_zeros(owned)
             if self.master is not None:  # from the values as they are, before the buckets round them
                 for piece in self.layout.pieces:
                     if _materialized(piece.slot.param):
@@ -144,7 +152,7 @@ class DPStrategy:
                     if _materialized(slot.param):  # else freed by a ZeRO-3 strategy: load_full_state fills it
                         view.copy_(slot.param.data)
                     slot.param.data = view
-        self.moments = {m: torch.zeros(owned, device=self.device) for m in MOMENTS}
+        self.moments = {m: self._optim_zeros(owned) for m in MOMENTS}
         self.owned_grads = torch.zeros(owned, dtype=self.rdtype, device=self.device) if zero >= 2 else None
         # Gradients persist between steps (zeroed, not freed) unless a reduction leaves a copy of its own:
         # the owned piece (stage >= 2) or a cast copy (another reduction dtype).
@@ -158,6 +166,10 @@ class DPStrategy:
 
     def _bucket_groups(self, model: StageModel) -> list[list[str]] | None:
         return None  # buckets by size; ZeRO-3 buckets by block
+
+    def _optim_zeros(self, numel: int) -> torch.Tensor:
+        """fp32 zeros for master weights or a moment: in host memory when offloaded."""
+        return host_zeros(numel, self.device) if self.offload else torch.zeros(numel, device=self.device)
 
     # -- views -------------------------------------------------------------------------------------
     def _bucket_piece(self, which: str, piece: Piece) -> torch.Tensor:
@@ -350,36 +362,58 @@ class DPStrategy:
     # -- the update ----------------------------------------------------------------------------------
     def step(self, lr: float) -> None:
         """AdamW on the owned pieces (weight decay on matrices only), then publish the parameters."""
-        cfg = self.cfg
-        for decay in (True, False):
-            pieces = [p for p in self.layout.pieces if (len(p.slot.shape) >= 2) == decay]
-            if not pieces:
-                continue
-            adam(
-                [self._master(p) for p in pieces],
-                [self._mgrad(p).float() for p in pieces],  # a no-op for fp32 gradients
-                [self._moment("exp_avg", p) for p in pieces],
-                [self._moment("exp_avg_sq", p) for p in pieces],
-                [],
-                # torch's AdamW keeps the count as a float32 scalar: the same keeps bias correction bitwise
-                [torch.tensor(float(self.step_count), dtype=torch.float32) for _ in pieces],
-                decoupled_weight_decay=True,
-                amsgrad=False,
-                beta1=cfg.beta1,
-                beta2=cfg.beta2,
-                lr=lr,
-                weight_decay=cfg.weight_decay if decay else 0.0,
-                eps=ADAM_EPS,
-                maximize=False,
+        if self.offload is None:
+            self._adam(self.layout.pieces, self._mgrad, lr)
+        else:
+            buckets = self.layout.buckets
+            pieces = [[p for p in self.layout.pieces if p.slot.bucket == b] for b in range(len(buckets))]
+            self.offload.run(
+                [self._transfer(bucket) for bucket in buckets],
+                lambda b: self._adam(pieces[b], self._host_grad, lr),
             )
         self.step_count += 1
         self._publish()
         self.zero_grad()
 
+    def _adam(self, pieces: list[Piece], grad: Callable[[Piece], torch.Tensor], lr: float) -> None:
+        for decay in (True, False):  # weight decay on matrices only
+            group = [p for p in pieces if (len(p.slot.shape) >= 2) == decay]
+            if group:
+                adamw_(
+                    [self._master(p) for p in group],
+                    [grad(p).float() for p in group],  # a no-op for fp32 gradients
+                    [self._moment("exp_avg", p) for p in group],
+                    [self._moment("exp_avg_sq", p) for p in group],
+                    self.step_count, self.cfg, lr, self.cfg.weight_decay if decay else 0.0,
+                )
+
+    # -- offload: one bucket's owned range on the device and on the host ---------------------------------
+    def _host_grad(self, piece: Piece) -> torch.Tensor:
+        return self.offload.grads[piece.pos : piece.pos + piece.numel]
+
+    def _transfer(self, bucket: Bucket) -> Transfer:
+        own = slice(bucket.own_offset, bucket.own_offset + bucket.piece)
+        if self.master_grads is not None:
+            grad = self.master_grads[own]
+        elif self.owned_grads is not None:
+            grad = self.owned_grads[own]
+        else:  # stage 1: the owned range of the all-reduced bucket
+            full = bucket.grads if bucket.reduced is None else bucket.reduced
+            grad = full[self.rank * bucket.piece : (self.rank + 1) * bucket.piece]
+        return Transfer(grad, self.offload.grads[own], self.master[own], self._owned_params(bucket))
+
+    def _owned_params(self, bucket: Bucket) -> torch.Tensor:
+        """The device parameters of this rank's piece of `bucket`: what the all-gather sends."""
+        return bucket.params[self.rank * bucket.piece : (self.rank + 1) * bucket.piece]
+
+    def take_update_s(self) -> float:
+        """Seconds the host update took since the last call (0 without offload)."""
+        return self.offload.take_update_s() if self.offload else 0.0
+
     def _publish(self) -> None:
         """Make every replica's full parameters the updated ones (stages 0-2; stage 3 gathers on use)."""
         with torch.no_grad():
-            if self.master is not None:
+            if self.master is not None and self.offload is None:  # offloaded: `step` copied it back
                 for piece in self.layout.pieces:
                     self._bucket_piece("params", piece).copy_(self._master(piece))
             if not self.sharded:
@@ -476,7 +510,7 @@ class DPStrategy:
                 ) if self.layout.buckets else torch.zeros(0)
             else:
                 mine = self.moments[m]
-            gathered = self.group.all_gather(mine.contiguous()).view(self.size, -1)
+            gathered = self.group.all_gather(mine.to(self.device).contiguous()).view(self.size, -1)
             for bucket in self.layout.buckets:
                 own = gathered[:, bucket.own_offset : bucket.own_offset + bucket.piece].reshape(-1)
                 for slot in bucket.slots:
@@ -518,8 +552,11 @@ class DPStrategy:
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of the unique storages of parameters, gradients, master weights and moments, by device
-        type (`cpu`, `cuda`), as allocated now."""
-        tensors = [self.master, self.owned_grads, self.master_grads, *self.moments.values()]
+        type (`cpu`, `cuda`), as allocated now. Offloaded, the host master, moments and gradient buffer
+        count under `cpu` (once each: storages are counted once)."""
+        host_grads = self.offload.grads if self.offload else None
+        tensors = [self.master, self.owned_grads, self.master_grads, self.owned_params, host_grads]
+        tensors += self.moments.values()
         for bucket in self.layout.buckets:
             tensors += [bucket.params, bucket.grads, bucket.reduced]
         for slot in self.layout.slots.values():

@@ -1,10 +1,14 @@
-"""The learning-rate schedule and AdamW's constant. The optimizer itself (AdamW on the owned pieces, master
-weights, moments, norm parts, clipping, their checkpoint names) is the DP strategy's: raypar.dp.
+"""The learning-rate schedule and AdamW's arithmetic (torch's functional AdamW). What it runs on (the owned
+pieces, master weights, moments, norm parts, clipping, their checkpoint names) is the DP strategy's:
+raypar.dp.
 """
 
 from __future__ import annotations
 
 import math
+
+import torch
+from torch.optim.adam import adam
 
 from raypar.config import TrainConfig
 
@@ -25,3 +29,34 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr
     progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def adamw_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    step_count: int,
+    cfg: TrainConfig,
+    lr: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW update in place, after `step_count` earlier ones; elementwise, so any split of the
+    tensors into pieces (sharding, buckets) changes nothing of its arithmetic."""
+    adam(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        # torch's AdamW keeps the count as a float32 scalar: the same keeps bias correction bitwise
+        [torch.tensor(float(step_count), dtype=torch.float32) for _ in params],
+        decoupled_weight_decay=True,
+        amsgrad=False,
+        beta1=cfg.beta1,
+        beta2=cfg.beta2,
+        lr=lr,
+        weight_decay=weight_decay,
+        eps=ADAM_EPS,
+        maximize=False,
+    )

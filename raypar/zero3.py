@@ -13,6 +13,9 @@ so gathering a bucket is gathering exactly what one unit needs. Per unit, around
 Freeing resizes the storage of the unit's flat buffer to zero; the parameters stay views of it, so
 gathering into the same storage brings back exactly what autograd saved. With pipeline parallelism each
 microbatch gathers every unit twice (forward and backward): `traffic["gather_bytes"]` counts it.
+
+With CPU offload the master lives on the host, so the owned piece is kept on the device as well
+(`owned_params`, the parameter dtype): the host update copies into it and gathers read from it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from raypar.flat import Bucket
 class Zero3Strategy(DPStrategy):
     def __init__(self, model: StageModel, *args: Any, **kwargs: Any) -> None:
         super().__init__(model, *args, **kwargs)
+        if self.offload is not None:
+            self.owned_params = self.master.to(self.device, self.dtype, copy=True)
         self._pending: dict[int, Work | None] = {}
         self._gathered: set[int] = set(range(len(self.layout.buckets)))
         for b in range(len(self.layout.buckets)):
@@ -57,7 +62,9 @@ class Zero3Strategy(DPStrategy):
         bucket = self.layout.buckets[b]
         storage = bucket.params.untyped_storage()
         storage.resize_(bucket.padded * bucket.params.element_size())
-        mine = self.master[bucket.own_offset : bucket.own_offset + bucket.piece].to(self.dtype)
+        mine = self._owned_params(bucket) if self.offload else self.master[
+            bucket.own_offset : bucket.own_offset + bucket.piece
+        ].to(self.dtype)
         self._gathered.add(b)
         if self.group is None:
             with torch.no_grad():
@@ -88,6 +95,22 @@ class Zero3Strategy(DPStrategy):
         if b in self._gathered:
             self._gathered.discard(b)
             self.layout.buckets[b].params.untyped_storage().resize_(0)
+
+    def _owned_params(self, bucket: Bucket) -> torch.Tensor:
+        return self.owned_params[bucket.own_offset : bucket.own_offset + bucket.piece]
+
+    def load(self, *args: Any, **kwargs: Any) -> None:
+        super().load(*args, **kwargs)
+        self._refresh_owned()
+
+    def load_full_state(self, *args: Any, **kwargs: Any) -> None:
+        super().load_full_state(*args, **kwargs)
+        self._refresh_owned()
+
+    def _refresh_owned(self) -> None:
+        """Offloaded: a load wrote the host master, and gathers read the device copy."""
+        if self.offload is not None:
+            self.owned_params.copy_(self.master)
 
     # -- hooks ---------------------------------------------------------------------------------------
     def _before_forward(self, i: int, module: nn.Module, args: Any) -> None:

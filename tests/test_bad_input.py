@@ -172,6 +172,12 @@ def _cases() -> list:
             ),
             lambda f, n=name: f'parallel.grad_compression: "{n}" needs an all-reduce, so parallel.zero <= 1',
         )
+    case("train-offload-name", lambda f: train(f, "--set", "train.offload='gpu'"), lambda f: "train.offload")
+    case(
+        "train-offload-without-zero",
+        lambda f: train(f, "--set", "train.offload='cpu'", "--set", "parallel.zero=0"),
+        lambda f: "parallel.zero >= 1",
+    )
     # -- train: data -------------------------------------------------------------------------------------
     case(
         "train-data-glob-nothing",

@@ -31,8 +31,9 @@ PARAM_ATOL = 1e-5
 BUCKET_BYTES = 40_000  # several buckets, some parameters split across owners
 
 
-def make_cfg(steps: int = STEPS) -> config.Config:
-    return config.load(TINY, ["parallel.microbatches=1", "train.global_batch=8", f"train.steps={steps}"])
+def make_cfg(steps: int = STEPS, *extra: str) -> config.Config:
+    overrides = ["parallel.microbatches=1", "train.global_batch=8", f"train.steps={steps}"]
+    return config.load(TINY, [*overrides, *extra])
 
 
 def strategy_class(zero: int) -> type[DPStrategy]:
@@ -92,8 +93,10 @@ def train(cfg, group, model, strategy, steps: range, microbatches: int = 2):
     return losses, norms
 
 
-def run_dp(dp: int, zero: int, cls: type[DPStrategy] | None = None, dtype=None) -> Run:
-    cfg = make_cfg()
+def run_dp(
+    dp: int, zero: int, cls: type[DPStrategy] | None = None, dtype=None, extra: tuple[str, ...] = ()
+) -> Run:
+    cfg = make_cfg(STEPS, *extra)
 
     def rank(group):
         model, strategy = build(cfg, group, zero, cls, dtype)
@@ -164,10 +167,12 @@ def test_rebind_removes_hooks():
     assert all(not p._post_accumulate_grad_hooks for p in params)
 
 
-def _checkpoint(tmp: Path, dp: int, zero: int, steps: int) -> tuple[str, list[dict]]:
+def _checkpoint(
+    tmp: Path, dp: int, zero: int, steps: int, extra: tuple[str, ...] = ()
+) -> tuple[str, list[dict]]:
     """Train `steps` at (dp, zero), save as the actors would; returns the URI and every rank's state."""
-    cfg = make_cfg(2 * steps)
-    root = str(tmp / f"ckpt-dp{dp}-z{zero}")
+    cfg = make_cfg(2 * steps, *extra)
+    root = str(tmp / f"ckpt-dp{dp}-z{zero}{'-'.join(('', *extra))}")
     staging = checkpoint.begin(root, steps)
 
     def rank(group):

@@ -27,12 +27,12 @@ STEPS = 5
 RTOL = ATOL = 1e-5
 
 
-def make_cfg(dp: int, pp: int, tp: int, zero: int, schedule: str = "1f1b") -> config.Config:
+def make_cfg(dp: int, pp: int, tp: int, zero: int, schedule: str = "1f1b", *extra: str) -> config.Config:
     return config.load(
         "examples/configs/tiny.toml",
         [f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.zero={zero}",
          f'parallel.schedule="{schedule}"', "parallel.microbatches=2", "train.global_batch=8",
-         f"train.steps={STEPS}", "parallel.bucket_mb=0.02"],  # several buckets, split across owners
+         f"train.steps={STEPS}", "parallel.bucket_mb=0.02", *extra],  # several buckets, split across owners
     )
 
 

@@ -361,6 +361,8 @@ class TrainingLoop:
             "val_loss": val_loss,
             "model_state_bytes": max(r["model_state_bytes"] for r in result.per_actor.values()),
             "dp_bytes": sum(r["reduce_bytes"] + r["gather_bytes"] for r in result.per_actor.values()),
+            # the slowest actor's host update (train.offload = "cpu"; 0 otherwise), the previous step's
+            "offload_update_s": max(r["offload_update_s"] for r in result.per_actor.values()),
             "bubble_fraction": report.measured_bubble(rows),
             "mfu": mfu(self.tokens_per_step / result.step_time_s, self.cfg.model, self.actor_mesh.peak_flops)
             if self.actor_mesh.peak_flops
