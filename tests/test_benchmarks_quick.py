@@ -122,6 +122,14 @@ def test_compression_quick(tmp_path):
     assert results["bf16"]["bytes_per_step"] == results["none"]["bytes_per_step"] / 2  # exact, not timing
 
 
+def test_recompute_quick(tmp_path):
+    out = tmp_path / "recompute.json"
+    ok(run("benchmarks/recompute.py", "--quick", "--json", str(out)))
+    rows = {row["mode"]: row for row in json.loads(out.read_text())}
+    # bytes, not timing: full keeps each block's input only, selective drops the attention core's tensors
+    assert rows["full"]["saved_mib"] < rows["selective"]["saved_mib"] < rows["none"]["saved_mib"]
+
+
 def _read(path: str) -> str:
     with open(path) as f:
         return f.read()

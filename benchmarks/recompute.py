@@ -1,0 +1,104 @@
+"""Activation recomputation: step time and saved activation bytes, none / selective / full, side by side.
+
+    python benchmarks/recompute.py            # `small` (12.8M), microbatch 8 x 128 tokens, 1 thread
+    python benchmarks/recompute.py --quick    # `tiny`, a few iterations (the test suite runs this)
+
+One process, raypar's `LlamaStage` (the whole model as one stage) with `set_recompute(mode)`; each
+iteration is one microbatch's forward and backward. The three modes run in alternating blocks of
+iterations (so load from other processes hits all alike); reported: the median iteration time, its ratio
+to `none`, and the bytes autograd saved for backward in the forward (`raypar.memory.SavedActivations`).
+The literature's expectation for `full` is about +1/3 compute (one more forward, with backward = 2
+forwards: 4/3); `selective` recomputes only the attention core and the SwiGLU activation (Korthikanti et
+al. 2022), a few percent of the FLOPs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from raypar import config  # noqa: E402
+from raypar.memory import SavedActivations  # noqa: E402
+from raypar.model import LlamaStage  # noqa: E402
+
+MODES = ("none", "selective", "full")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure(preset: str, batch: int, blocks: int, per_block: int) -> list[dict[str, float]]:
+    cfg = config.load(ROOT / "examples/configs/tiny.toml", [f'model.preset="{preset}"'])
+    m = cfg.model
+    torch.manual_seed(0)
+    stages = {mode: LlamaStage(m, range(m.n_layers), True, True, None, cfg.train.seed) for mode in MODES}
+    for mode, stage in stages.items():
+        stage.set_recompute(mode, 1)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, m.vocab_size, (batch, m.seq_len + 1), generator=gen)
+    ids, targets = tokens[:, :-1], tokens[:, 1:]
+    saved: dict[str, int] = {}
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for block in range(blocks + 1):  # block 0 warms up every mode
+        order = MODES if block % 2 == 0 else MODES[::-1]
+        for mode in order:
+            stage = stages[mode]
+            for _ in range(per_block):
+                meter = SavedActivations([*stage.parameters(), *stage.buffers()])
+                start = time.perf_counter()
+                with meter:
+                    loss = stage(ids, targets)
+                loss.backward()
+                elapsed = time.perf_counter() - start
+                stage.zero_grad(set_to_none=True)
+                saved[mode] = meter.bytes
+                if block:
+                    times[mode].append(elapsed)
+    base = statistics.median(times["none"])
+    return [
+        {
+            "mode": mode,
+            "median_ms": statistics.median(times[mode]) * 1e3,
+            "vs_none": statistics.median(times[mode]) / base,
+            "saved_mib": saved[mode] / 2**20,
+            "saved_vs_none": saved[mode] / saved["none"],
+            "iterations": len(times[mode]),
+        }
+        for mode in MODES
+    ]
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, float]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, few iterations: seconds")
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per microbatch")
+    parser.add_argument("--blocks", type=int, default=6, help="alternating blocks per mode")
+    parser.add_argument("--per-block", type=int, default=3, help="iterations per block")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    preset, blocks, per_block = ("tiny", 2, 2) if args.quick else (args.preset, args.blocks, args.per_block)
+    rows = measure(preset, args.batch, blocks, per_block)
+    print(f"preset {preset}, microbatch {args.batch}, {args.threads} thread(s), load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print("| recompute | ms per forward+backward | vs none | saved activations MiB | vs none |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        print(f"| {row['mode']} | {row['median_ms']:.1f} | {row['vs_none']:.3f} | {row['saved_mib']:.2f} | "
+              f"{row['saved_vs_none']:.3f} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
