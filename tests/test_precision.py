@@ -207,3 +207,25 @@ def test_bf16_and_fp16_curves_track_fp32(ray_session) -> None:
         assert max(diffs) <= CURVE_MAX_RTOL, f"{precision}: worst step off by {max(diffs):.2%}"
         mean = sum(diffs) / len(diffs)
         assert mean <= CURVE_MEAN_RTOL, f"{precision}: mean off by {mean:.2%}"
+
+
+def test_fp16_resume_restores_the_loss_scaler(ray_session, tmp_path) -> None:
+    """fp16 at (2,2,1), the scale growing every 2 clean steps: stopped at step 4 and resumed, the run's
+    losses and scales equal the straight run's bitwise (scale and hysteresis counter come from the
+    checkpoint). Control: the scale at step 4 is not the configured initial one, so a scaler restarted
+    from the config would be caught."""
+    from raypar import checkpoint
+    from tests.runs import metrics, run, tiny
+
+    ckpt = tmp_path / "ckpt"
+    layout = ["parallel.dp=2", "parallel.pp=2", 'train.precision="fp16"', "train.steps=8",
+              "train.loss_scale=1024.0", "train.loss_scale_window=2"]
+    run(tiny(*layout), "fp16-straight", tmp_path / "straight")
+    straight = metrics(tmp_path / "straight")
+    cfg = tiny(*layout, f"checkpoint.dir='{ckpt}'", "checkpoint.every=2")
+    run(cfg, "fp16-resume-a", tmp_path / "resumed", stop_at=4)
+    run(cfg, "fp16-resume-b", tmp_path / "resumed", resume=checkpoint.resolve(str(ckpt)))
+    resumed = metrics(tmp_path / "resumed")
+    assert [m["step"] for m in resumed] == list(range(8))
+    assert [(m["loss"], m["loss_scale"]) for m in resumed] == [(m["loss"], m["loss_scale"]) for m in straight]
+    assert straight[4]["loss_scale"] != 1024.0, [m["loss_scale"] for m in straight]
