@@ -35,11 +35,15 @@ LAYOUTS: dict[tuple[int, int, int], list[list[str]]] = {
         ["parallel.microbatches=2", 'train.recompute="selective"'],
         ["parallel.microbatches=4", 'train.recompute="full"'],
         ["parallel.microbatches=8", 'train.recompute="full"', "train.recompute_every=2"],
+        ["parallel.microbatches=4", 'train.precision="fp16"'],
     ],
     (2, 1, 1): [
         ["parallel.microbatches=2"],
         ["parallel.microbatches=1", 'train.recompute="selective"', "model.dropout=0.1"],
         ["parallel.microbatches=4", 'train.recompute="full"'],
+        ["parallel.microbatches=2", "parallel.zero=1"],
+        ["parallel.microbatches=2", "parallel.zero=3"],
+        ["parallel.microbatches=2", 'train.precision="bf16"', "parallel.zero=2"],
     ],
 }
 

@@ -54,7 +54,10 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    return (str(tensor.device), tensor.untyped_storage().data_ptr())
+    # The storage object itself (`_cdata`: its StorageImpl), not its data pointer: ZeRO-3 frees a block's
+    # parameters by resizing their storage to 0 and gathers them into the same storage, at a new address,
+    # before each use; keyed by address they would no longer be recognised as parameters when saved.
+    return (str(tensor.device), tensor.untyped_storage()._cdata)
 
 
 class LiveActivations:
