@@ -280,11 +280,11 @@ class Worker(GroupHost):
         return strategy
 
     def _make_expert_strategy(self, edp_group: Any) -> DPStrategy:
-        """Expert parameters: summed over the expert-dp group, divided by dp (raypar.ep says why); not
-        sharded (config validation rejects ZeRO with experts)."""
+        """Expert parameters: summed over the expert-dp group, divided by dp (raypar.ep says why); sharded
+        over that group at ZeRO 1 and 2 (config validation refuses ZeRO-3 with experts)."""
         par, train = self.cfg.parallel, self.cfg.train
         return DPStrategy(
-            self.model, train, edp_group, 0, int(par.bucket_mb * 2**20), self.coord.tp,
+            self.model, train, edp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp,
             dtype=self.param_dtype, reduce_dtype=precision.DTYPES[train.reduce_dtype],
             select=is_expert_param, divisor=self.dp,
         )
