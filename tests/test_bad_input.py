@@ -32,6 +32,7 @@ ZERO_OK = {
     "train.beta1", "train.beta2", "train.grad_clip", "checkpoint.every", "parallel.max_dp",
     "model.dropout", "model.moe_experts", "model.moe_aux_loss_coef",
     "train.eval_every", "data.val_fraction",  # 0: no validation
+    "parallel.zero",  # 0: plain data parallelism
 }  # fmt: skip
 
 
