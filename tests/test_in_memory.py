@@ -25,6 +25,7 @@ from raypar.controller.training import TrainingLoop
 from raypar.mesh import Coord
 from tests.faults import FaultyActorMesh
 from tests.runs import Background, losses, metrics, run, tiny
+from tests.test_failure_paths import _Loop
 from tests.test_resilience import _pid
 
 RTOL = 1e-5
@@ -162,3 +163,18 @@ def test_stale_buddy_copy_is_caught(ray_session, tmp_path, undisturbed):
     _kill_run("mem-stale", run_dir, _StaleLoop)
     with pytest.raises(AssertionError, match=r"loss at step \d+: "):
         assert_same_losses(losses(run_dir), undisturbed)
+
+
+def test_both_holders_lost_falls_back_to_the_checkpoint(ray_session, tmp_path, undisturbed):
+    """Both replicas exit at the start of step 3: replica 0's copies were on replica 1 and the other way
+    round, so the run says why memory cannot do it and restores the disk checkpoint of step 2."""
+    ckpt, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    cfg = run_cfg("checkpoint.in_memory=true", f"checkpoint.dir='{ckpt}'", "checkpoint.every=2")
+    _Loop.faults = {Coord(d, 0, 0): ["exit_in:train_step:4"] for d in range(2)}
+    result = _Loop(cfg, "mem-both", run_dir).execute()
+    events = (run_dir / "events.jsonl").read_text()
+    assert result["memory_recoveries"] == 0 and result["restarts"] >= 1, events
+    assert "the in-memory copies cannot restore the run: " in events, events
+    assert "restarting all replicas from " + str(ckpt) in events, events
+    assert [m["step"] for m in metrics(run_dir)] == list(range(8))
+    assert_same_losses(losses(run_dir), undisturbed)

@@ -427,7 +427,8 @@ class ActorMesh:
         newest step that all of them have in host memory: survivors from their own snapshots, replacements
         from the copies on their buddies. Returns the step to run next and what happened. NoIntactReplica
         when the copies cannot do it (both holders of a state lost, steps or layout disagree)."""
-        dead = set(getattr(failure, "dead", ())) or self.find_dead()
+        dead = set(getattr(failure, "dead", ()))  # and any found since: the whole mesh is rebuilt now
+        dead |= self.find_dead([c for c in self.actors if c not in dead])
         layout, coords = list(self.replicas), list(self.actors)
         broken = {c.dp for c in dead} | (set(layout) - self.ready)
         alive = {c for c in coords if c.dp not in broken}
