@@ -28,6 +28,7 @@ from typing import Any
 import ray
 import torch
 
+from actors.buddy import BuddyCopies, Snapshot
 from actors.telemetry import ActorMetrics
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from collectives.host import GroupHost
@@ -101,7 +102,7 @@ class WorkerFailure(RuntimeError):
 class Worker(GroupHost):
     """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks) override
     the seams `_make_strategy`, `_make_expert_strategy`, `_bind_tp`, `_send_grad`, `_train_step`,
-    `_sum_tied_grads` and `_write_shard` and wrap themselves the same way."""
+    `_sum_tied_grads`, `_write_shard` and `_buddy_copy` and wrap themselves the same way."""
 
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         torch.set_num_threads(threads)
@@ -117,6 +118,10 @@ class Worker(GroupHost):
         # The whole DP state, taken before a planned change of dp (ZeRO shards it over the old group):
         # (state by checkpoint name, optimizer step count); consumed by rebind and sync_state.
         self._stash: tuple[dict[str, torch.Tensor], int] | None = None
+        # checkpoint.in_memory: snapshots of this actor and copies held for another; kept across set-ups
+        self.copies = BuddyCopies()
+        self._buddy: Any = None  # the actor that holds this one's copies
+        self._layout: tuple[int, ...] = ()  # replica ids in dp-rank order: what a snapshot is valid for
 
     def __repr__(self) -> str:
         return self.name
@@ -138,9 +143,14 @@ class Worker(GroupHost):
         return WorkerFailure(f"{self.name} ({where}) {what}: {type(err).__name__}: {err}")
 
     # -- set-up ----------------------------------------------------------------------------------------
-    def setup(self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int) -> dict:
-        """Build model, optimizer and data for this coordinate from the seed alone, then bind groups."""
+    def setup(
+        self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int, keep_copies: bool = False
+    ) -> dict:
+        """Build model, optimizer and data for this coordinate from the seed alone, then bind groups.
+        In-memory copies of an earlier state are void then, unless `keep_copies` (to restore from them)."""
         self.cfg = config_mod.from_dict(cfg)
+        if not keep_copies:
+            self.copies = BuddyCopies()
         p, par = self.coord.pp, self.cfg.parallel
         self.device = self._device()
         dtype = precision.DTYPES[self.cfg.train.precision]
@@ -186,6 +196,7 @@ class Worker(GroupHost):
         self.saved_bytes: dict[tuple[int, int], int] = {}  # per unit; a new dp changes microbatch sizes
         par = self.cfg.parallel
         self.dp, self.dp_rank = len(replicas), replicas.index(d)
+        self._layout, self._buddy = tuple(replicas), peers.get("buddy")
         self._bind_tp(self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None)
         self.model.cp_group = self.group(Mesh.cp_group(self.coord)) if par.cp > 1 else None
         # Gradients of parameters replicated across cp are reduced over cp x dp.
@@ -320,11 +331,13 @@ class Worker(GroupHost):
         if commit is not None:
             self.apply_step(commit)
         try:
-            return self._train_step(step)
+            result = self._train_step(step)
         except Exception as err:
             for strategy in self._strategies():  # the step is discarded: nothing of it may leak into a redo
                 strategy.zero_grad()
             raise self._fail(f"step {step}", err) from err
+        self.copies.wait_shared()  # so a completed step means: the buddy holds the copy from before it
+        return result
 
     def apply_step(self, step: int) -> None:
         """Phase 2 of `step`: every actor finished phase 1, so the update is applied everywhere, or skipped
@@ -340,6 +353,8 @@ class Worker(GroupHost):
         self._skip = False  # applied once: a second apply of the same step must not count it again
         for strategy in self._strategies():
             strategy.zero_grad()
+        if self.cfg.checkpoint.in_memory:
+            self._snapshot(step + 1)
 
     def _train_step(self, step: int) -> dict[str, Any]:
         start = time.perf_counter()
@@ -455,18 +470,21 @@ class Worker(GroupHost):
 
     def _memory(self, live: memory.LiveActivations) -> dict[str, int]:
         """Measured memory of this step: activations saved per microbatch and at most at once, microbatches
-        in flight, model states, and the peak (GPU: the allocator's; CPU: model states + activations)."""
+        in flight, model states, in-memory checkpoint copies (host), and the peak (GPU: the allocator's;
+        CPU: model states + activations + copies)."""
         states = sum(sum(s.model_state_bytes().values()) for s in self._strategies())
+        snapshots = self.copies.nbytes()
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
-        else:
-            peak = states + live.peak_bytes
+        else:  # the in-memory copies share the host memory with everything else
+            peak = states + live.peak_bytes + snapshots
         return {
             "activation_bytes": live.per_microbatch,
             "activation_peak_bytes": live.peak_bytes,
             "in_flight": live.peak_count,
             "model_state_bytes": states,
             "peak_memory_bytes": peak,
+            "snapshot_bytes": snapshots,  # host memory of checkpoint.in_memory
         }
 
     def _anywhere(self, flag: bool) -> bool:
@@ -570,6 +588,61 @@ class Worker(GroupHost):
 
     def _write_shard(self, staging: str, key: str, snap: dict, specs: dict) -> dict[str, Any]:
         return checkpoint.write_shard(staging, key, snap, specs)
+
+    # -- in-memory copies (actors.buddy) ---------------------------------------------------------------
+    def _snapshot(self, next_step: int) -> None:
+        """Copy the state before `next_step` into host memory (the stall: a copy of what this actor owns)
+        and hand it to the buddy in the background."""
+        dense, experts = (s.owned_state() for s in self._strategies())
+        scaler = self.scaler.state() if self.scaler is not None else None
+        state = {"dense": dense, "experts": experts, "step_count": self.strategy.step_count,
+                 "loss_scaler": scaler, "rng": self.rng_state()}  # fmt: skip
+        snap = Snapshot(next_step, self._layout, state)
+        self.copies.keep(snap)
+        self._share(snap)
+
+    def _share(self, snap: Snapshot) -> None:
+        if self._buddy is not None:
+            timeout = self.cfg.parallel.timeout_s
+            self.copies.share(self.coord.key, self._buddy_copy(snap), self._buddy, timeout)
+
+    def _buddy_copy(self, snap: Snapshot) -> Snapshot:
+        """What the buddy receives of `snap`: all of it (a test subclass sends a stale one)."""
+        return snap
+
+    def hold_copy(self, owner: str, snap: Snapshot) -> None:
+        """Keep the copy of actor `owner`'s snapshot (this actor is its buddy)."""
+        self.copies.hold(owner, snap)
+
+    def copy_of(self, owner: str, step: int) -> Snapshot:
+        """The held copy of `owner`'s snapshot of `step`, for the actor that replaces it."""
+        return self.copies.held_at(owner, step)
+
+    def memory_inventory(self) -> dict[str, Any]:
+        return self.copies.inventory()
+
+    def restore_memory(self, step: int, source: Any = None) -> None:
+        """Continue from the snapshot of `step`: this actor's own, or (a replacement) the copy that its
+        buddy `source` holds of this coordinate. Every actor of the mesh calls it together, freshly set up:
+        the parameters are gathered from the owners' pieces. Then the buddy holds this copy again."""
+        try:
+            if source is None:
+                snap = self.copies.own_at(step)
+            else:
+                pulled = source.copy_of.remote(self.coord.key, step)
+                snap = ray.get(pulled, timeout=self.cfg.parallel.timeout_s)
+                self.copies.keep(snap)
+            self.copies.roll_back(step)
+            state = snap.state
+            for strategy, part in zip(self._strategies(), ("dense", "experts"), strict=True):
+                strategy.load_owned_state(state[part], state["step_count"])
+            if self.scaler is not None and state["loss_scaler"]:
+                self.scaler.load_state(state["loss_scaler"])
+            self._restore_rng(state["rng"])
+        except Exception as err:
+            raise self._fail(f"restoring step {step} from memory", err) from err
+        self._share(snap)
+        self.copies.wait_shared()
 
     def wait_shard(self) -> list[dict[str, Any]] | None:
         """The manifest entries of the shard files written in the background (None if none)."""

@@ -72,7 +72,9 @@ class _LightWorker:
     def join_groups(self, specs: Sequence[Any]) -> list[str]:
         return [spec.name for spec in specs]
 
-    def setup(self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int) -> dict:
+    def setup(
+        self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int, keep_copies: bool = False
+    ) -> dict:
         return {"params": 0, "peak_flops": None}
 
     def rebind(self, replicas: list[int], peers: dict[str, Any], epoch: int) -> None:

@@ -138,6 +138,7 @@ class CheckpointConfig:
     dir: str = ""
     every: int = 0
     keep: int = 3
+    in_memory: bool = False  # also keep every actor's state in a buddy replica's host memory, every step
 
 
 @dataclass
@@ -539,6 +540,12 @@ def validate(cfg: Config) -> None:
     _require(c.every >= 0, f"checkpoint.every: must be >= 0 (0 disables), got {c.every}")
     _require(c.keep > 0, f"checkpoint.keep: must be positive, got {c.keep}")
     _require(not c.every or bool(c.dir), "checkpoint.dir: must be set when checkpoint.every > 0")
+    # The copies of replica r live on replica r+1: a single replica has no buddy to hold them.
+    _require(
+        not c.in_memory or cfg.dp_fixed >= 2,
+        "checkpoint.in_memory: needs parallel.dp >= 2 (parallel.min_dp >= 2 with dp = \"auto\"): the copies "
+        f"live on a buddy replica, got dp={cfg.dp_fixed}",
+    )
     _validate_moe(cfg)
 
 

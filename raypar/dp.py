@@ -550,6 +550,28 @@ class DPStrategy:
             self.compressor.reset()
         self.step_count = int(step_count)
 
+    def owned_state(self) -> dict[str, torch.Tensor]:
+        """Host copies of exactly what this rank owns (fp32 master and Adam moments of its pieces, flat):
+        with the step count, all an in-memory copy needs, since the rest of the parameters is gathered
+        from the other owners (`load_owned_state`)."""
+        with torch.no_grad():
+            flat = {"master": [self._master(p).float() for p in self.layout.pieces]}
+            flat.update({m: [self._moment(m, p) for p in self.layout.pieces] for m in MOMENTS})
+            return {k: torch.cat(v).to("cpu", copy=True) if v else torch.zeros(0) for k, v in flat.items()}
+
+    def load_owned_state(self, state: dict[str, torch.Tensor], step_count: int) -> None:
+        """Take back an `owned_state()` taken at this rank of the same group, then rebuild the parameters
+        from the owners' pieces (a collective over the DP group when sharded: every rank calls it)."""
+        with torch.no_grad():
+            pos = 0
+            for piece in self.layout.pieces:
+                self._master(piece).copy_(state["master"][pos : pos + piece.numel])
+                for m in MOMENTS:
+                    self._moment(m, piece).copy_(state[m][pos : pos + piece.numel])
+                pos += piece.numel
+        self.step_count = int(step_count)
+        self._publish()
+
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of the unique storages of parameters, gradients, master weights and moments, by device
         type (`cpu`, `cuda`), as allocated now. Offloaded, the host master, moments and gradient buffer

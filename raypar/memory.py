@@ -93,6 +93,7 @@ MEASURED = (
     "in_flight",
     "model_state_bytes",
     "peak_memory_bytes",
+    "snapshot_bytes",  # checkpoint.in_memory: this actor's snapshots and the copies it holds, host memory
 )
 
 

@@ -12,7 +12,9 @@ here, not in production code. Faults are strings per actor coordinate:
   (`train_step`, `apply_step`, `rebind`, `save_shard`, `sync_state`, `rng_state`); only the first actor
   started at a coordinate carries it, so a replica rebuilt there runs clean;
 - `slow_ping:S`: once set up, `where` (the controller's ping) answers after S seconds: alive but busy;
-- `disk_full:N`: writing its N-th checkpoint shard fails with ENOSPC.
+- `disk_full:N`: writing its N-th checkpoint shard fails with ENOSPC;
+- `stale_buddy`: (checkpoint.in_memory) the buddy receives each snapshot under its step but with the
+  contents of the one before: a copy one step old.
 `python -m tests.faults train ...` runs the real CLI with the faults of RAYPAR_INJECT_FAULT
 ("dp0.pp1.tp0=raise_at_step:2;...").
 """
@@ -29,6 +31,7 @@ from typing import Any
 import ray
 import torch
 
+from actors.buddy import Snapshot
 from actors.worker import Worker
 from raypar.config import Config
 from raypar.controller.actor_mesh import ActorMesh
@@ -86,6 +89,12 @@ class _FaultyWorker(Worker):
         if f"disk_full:{self.calls['write_shard']}" in self.faults:
             raise OSError(errno.ENOSPC, "No space left on device (fault injected by the test suite)")
         return super()._write_shard(staging, key, snap, specs)
+
+    def _buddy_copy(self, snap: Snapshot) -> Snapshot:
+        older = [s for s in self.copies.own if s.step < snap.step]
+        if "stale_buddy" in self.faults and older:
+            return Snapshot(snap.step, snap.layout, older[-1].state)
+        return super()._buddy_copy(snap)
 
     def draw(self, n: int) -> list[float]:
         """Numbers from the process's random state (what dropout would draw)."""

@@ -27,23 +27,25 @@ def losses(run_dir: Path) -> list[float]:
     return [m["loss"] for m in metrics(run_dir)]
 
 
-def run(cfg: config.Config, name: str, run_dir: Path, **kwargs: Any) -> dict[str, Any]:
-    return TrainingLoop(cfg, name, run_dir, progress=False, **kwargs).execute()
+def run(
+    cfg: config.Config, name: str, run_dir: Path, loop: type = TrainingLoop, **kwargs: Any
+) -> dict[str, Any]:
+    return loop(cfg, name, run_dir, progress=False, **kwargs).execute()
 
 
 class Background:
     """A run in a thread, so the test can act on it (kill actors, scale) while it trains."""
 
-    def __init__(self, cfg: config.Config, name: str, run_dir: Path):
+    def __init__(self, cfg: config.Config, name: str, run_dir: Path, loop: type = TrainingLoop):
         self.run_dir = run_dir
         self.result: dict[str, Any] | None = None
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, args=(cfg, name, run_dir), daemon=True)
+        self._thread = threading.Thread(target=self._main, args=(cfg, name, run_dir, loop), daemon=True)
         self._thread.start()
 
-    def _main(self, cfg: config.Config, name: str, run_dir: Path) -> None:
+    def _main(self, cfg: config.Config, name: str, run_dir: Path, loop: type) -> None:
         try:
-            self.result = run(cfg, name, run_dir)
+            self.result = run(cfg, name, run_dir, loop)
         except BaseException as err:  # noqa: BLE001 - re-raised in join()
             self.error = err
 

@@ -27,7 +27,9 @@ class _StubWorker(GroupHost):
             "gpu_ids": [int(i) for i in ray.get_gpu_ids()],
         }
 
-    def setup(self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int) -> dict:
+    def setup(
+        self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int, keep_copies: bool = False
+    ) -> dict:
         return {"params": 0, "peak_flops": None}
 
     def rebind(self, replicas: list[int], peers: dict[str, Any], epoch: int) -> None:

@@ -234,6 +234,18 @@ def _cases() -> list:
         lambda f: train(f, "--set", "checkpoint.every=2"),
         lambda f: "checkpoint.dir",
     )
+    # in-memory copies live on a buddy replica: none at dp=1, nor when dp = "auto" may start at 1
+    for name, extra in (
+        ("dp1", []),
+        ("auto-min1", ["--set", "parallel.dp='auto'", "--set", "parallel.max_dp=2"]),
+        ("not-bool", ["--set", "parallel.dp=2"]),
+    ):
+        value = "2" if name == "not-bool" else "true"
+        case(
+            f"train-ckpt-in-memory-{name}",
+            lambda f, e=extra, v=value: train(f, *e, "--set", f"checkpoint.in_memory={v}"),
+            lambda f: "checkpoint.in_memory",
+        )
     case(
         "train-ckpt-dir-bad-uri",
         lambda f: train(f, "--set", "checkpoint.dir='nosuchfs://x/y'"),

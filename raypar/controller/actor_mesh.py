@@ -24,6 +24,7 @@ from collectives.host import create_groups
 from collectives.ray_store import RendezvousServer
 from raypar import checkpoint
 from raypar.config import Config
+from raypar.controller import buddy
 from raypar.controller.connection import NAMESPACE, RunFailure
 from raypar.controller.placement import (
     ActorResources,
@@ -203,14 +204,17 @@ class ActorMesh:
         prev, nxt = coord.pp - 1, coord.pp + 1
         if self.cfg.parallel.virtual_stages > 1:  # interleaved chunks: the last stage feeds the first
             prev, nxt = prev % self.pp, nxt % self.pp
+        holder = buddy.buddy_of(coord, self.replicas) if self.cfg.checkpoint.in_memory else coord
         return {
             "prev": self.actors.get(coord._replace(pp=prev)),
             "next": self.actors.get(coord._replace(pp=nxt)),
+            "buddy": self.actors.get(holder) if holder != coord else None,  # holds its in-memory copies
         }
 
-    def _regroup(self, new: set[int] = frozenset()) -> None:
+    def _regroup(self, new: set[int] = frozenset(), keep_copies: bool = False) -> None:
         """Form every group for the current replicas under a new epoch; build the actors of the `new`
-        replicas from the seed, rebind the others (keeping their state)."""
+        replicas from the seed (keeping their in-memory copies if `keep_copies`), rebind the others
+        (keeping their state)."""
         self.epoch += 1
         timeout = self.cfg.parallel.timeout_s
         self._await_started()
@@ -223,7 +227,7 @@ class ActorMesh:
         refs = {}
         for coord, actor in self.actors.items():
             if coord.dp in new:
-                ref = actor.setup.remote(cfg, self.replicas, self._peers(coord), self.epoch)
+                ref = actor.setup.remote(cfg, self.replicas, self._peers(coord), self.epoch, keep_copies)
             else:
                 ref = actor.rebind.remote(self.replicas, self._peers(coord), self.epoch)
             refs[ref] = coord
@@ -416,6 +420,42 @@ class ActorMesh:
         self._regroup()
         lost = f"dropped replica(s) {sorted(broken)}" if broken else "no actor lost; groups re-formed"
         return f"{lost}; continuing at dp={self.dp}"
+
+    def restore_from_memory(self, failure: BaseException) -> tuple[int, str]:
+        """checkpoint.in_memory: continue after `failure` at the same layout, without disk. Replace every
+        replica that lost an actor (same ids, same dp ranks), set every actor up afresh, and restore the
+        newest step that all of them have in host memory: survivors from their own snapshots, replacements
+        from the copies on their buddies. Returns the step to run next and what happened. NoIntactReplica
+        when the copies cannot do it (both holders of a state lost, steps or layout disagree)."""
+        dead = set(getattr(failure, "dead", ()))  # and any found since: the whole mesh is rebuilt now
+        dead |= self.find_dead([c for c in self.actors if c not in dead])
+        layout, coords = list(self.replicas), list(self.actors)
+        broken = {c.dp for c in dead} | (set(layout) - self.ready)
+        alive = {c for c in coords if c.dp not in broken}
+        listed = {self.actors[c].memory_inventory.remote(): c for c in alive}
+        inventories = self._gather(listed, "listing in-memory copies")
+        try:
+            step, sources = buddy.plan(layout, coords, alive, inventories)
+        except buddy.NoCopies as err:
+            raise NoIntactReplica(f"the in-memory copies cannot restore the run: {err}") from None
+        self._drop_replicas(broken)
+        self.uncommitted = None
+        try:
+            for d in sorted(broken):
+                self._place_replica(d, self.cfg.parallel.timeout_s)
+        except PlacementTimeout as err:
+            raise NoIntactReplica(f"no room to replace replica(s) {sorted(broken)}: {err}") from None
+        self.replicas = layout  # the same dp ranks: ZeRO's pieces (and so the snapshots) are per rank
+        self._regroup(new=set(layout), keep_copies=True)
+        refs = {
+            self.actors[c].restore_memory.remote(step, self.actors[src] if src else None): c
+            for c, src in sources.items()
+        }
+        self._gather(refs, f"restoring step {step} from memory")
+        self.ready = set(layout)
+        pulled = sum(src is not None for src in sources.values())
+        lost = f"replaced replica(s) {sorted(broken)}" if broken else "no actor lost"
+        return step, f"{lost}; resumed at step {step} ({pulled} actor(s) from buddies' copies), dp={self.dp}"
 
     def _keep_expert_slices(self, before: list[int]) -> None:
         """With expert parallelism a replica's position in its EP group (dp rank mod ep) says which experts it

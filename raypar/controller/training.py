@@ -3,8 +3,10 @@
 Per step: apply a pending scale request or heal toward the target dp, run the step, log it
 (metrics.jsonl, timeline.jsonl, progress bar, the run's control actor), and checkpoint on schedule. A step
 that fails because actors died is redone: by the intact replicas at once, or after restarting every
-replica from the last checkpoint. Because the global batch and sample order do not depend on dp, none of
-this changes the loss curve.
+replica from the last checkpoint; with checkpoint.in_memory, after replacing the lost replica and
+restoring every actor from host memory (its own snapshot, or its buddy's copy), falling back to the
+checkpoint when the copies cannot do it. Because the global batch and sample order do not depend on dp,
+none of this changes the loss curve.
 
 Anything that fails between steps (an actor lost during a scale, a heal or a checkpoint snapshot, a
 placement timeout, groups that do not form, storage errors) is recovered the same way and counts against
@@ -86,6 +88,7 @@ class TrainingLoop:
         self.target_dp = cfg.dp_fixed
         self.dps = cfg.valid_dps()
         self.restarts = 0
+        self.memory_recoveries = 0  # of the restarts, those restored from in-memory copies (no disk)
         self.pending: PendingCheckpoint | None = None
         self.last_checkpoint: str | None = None
         self.events: list[str] = []
@@ -238,11 +241,15 @@ class TrainingLoop:
         when = "" if getattr(failure, "step", None) == step else f" (before step {step})"
         self.event(f"failure {self.restarts}{when}: {failure}; recovering")
         try:
+            if self.cfg.checkpoint.in_memory:  # every replica rebuilt, its state from host memory
+                resumed, what = self.actor_mesh.restore_from_memory(failure)
+                self._drop_pending()
+                self.memory_recoveries += 1
+                self.event(f"recovered from memory: {what}")
+                return resumed
             self.event(self.actor_mesh.recover(failure))
         except NoIntactReplica as err:
-            if self.pending is not None:  # its writers are gone; the last published checkpoint stands
-                checkpoint.discard(self.pending.staging)
-                self.pending = None
+            self._drop_pending()
             ckpt = self.last_checkpoint or _latest(self.cfg.checkpoint.dir)
             self.event(f"{err}; restarting all replicas from {ckpt or 'the initial state (no checkpoint)'}")
             dps = [d for d in self.dps if d <= self.target_dp]
@@ -251,6 +258,13 @@ class TrainingLoop:
         if self.actor_mesh.dp not in self.dps and usable:  # shrink further to a dp the batch splits into
             self.event(self.actor_mesh.scale_to(max(usable), self.cfg.parallel.timeout_s))
         return step
+
+    def _drop_pending(self) -> None:
+        """The checkpoint being written is abandoned: the actors that write it are gone or set up afresh;
+        the last published checkpoint stands."""
+        if self.pending is not None:
+            checkpoint.discard(self.pending.staging)
+            self.pending = None
 
     # -- the loop ----------------------------------------------------------------------------------------
     def execute(self) -> dict[str, Any]:
@@ -338,6 +352,7 @@ class TrainingLoop:
             "wall_s": time.perf_counter() - wall,
             "run_dir": str(self.run_dir),
             "restarts": self.restarts,
+            "memory_recoveries": self.memory_recoveries,
             "checkpoint": self.last_checkpoint,
         }
 
@@ -358,6 +373,7 @@ class TrainingLoop:
             "pp": self.actor_mesh.pp,
             "tp": self.actor_mesh.tp,
             "restarts": self.restarts,
+            "memory_recoveries": self.memory_recoveries,
             "val_loss": val_loss,
             "model_state_bytes": max(r["model_state_bytes"] for r in result.per_actor.values()),
             "dp_bytes": sum(r["reduce_bytes"] + r["gather_bytes"] for r in result.per_actor.values()),

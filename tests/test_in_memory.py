@@ -1,0 +1,180 @@
+"""In-memory checkpoint copies (checkpoint.in_memory, issue 10): losing a replica recovers from host memory.
+
+Each actor keeps snapshots of what it owns and hands a copy to its buddy (same coordinate, next dp rank);
+a lost replica is replaced at the same dp ranks and every actor restores the newest step all of them have.
+The state comes back bit for bit (same layout, same ranks), so the run continues the undisturbed curve.
+Without the copies, the same kill under ZeRO restores the disk checkpoint:
+tests/test_zero.py::test_zero2_replica_killed_restarts_from_checkpoint.
+
+Negative control: a buddy that receives, under each step, the contents of the snapshot before it (a copy one
+step old). The replacement then resumes one update behind its peers, and the same loss check rejects it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from raypar import config
+from raypar.controller.actor_mesh import StepFailure
+from raypar.controller.buddy import NoCopies, plan
+from raypar.controller.training import TrainingLoop
+from raypar.mesh import Coord
+from tests.faults import FaultyActorMesh
+from tests.runs import Background, losses, metrics, run, tiny
+from tests.test_failure_paths import _Loop
+from tests.test_resilience import _pid
+
+RTOL = 1e-5
+STEPS = 6
+
+
+def assert_same_losses(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want), f"{len(got)} losses, want {len(want)}"
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert abs(a - b) <= RTOL * abs(b), f"loss at step {step}: {a} vs {b}"
+
+
+# -- where each actor's state comes from (no Ray) ------------------------------------------------------
+A, B, C = Coord(0, 0, 0), Coord(1, 0, 0), Coord(2, 0, 0)
+
+
+def _inv(own: list[int], held: dict[Coord, list[int]] | None = None, layout=(0, 1)) -> dict:
+    return {
+        "own": [(s, layout) for s in own],
+        "held": {c.key: [(s, layout) for s in steps] for c, steps in (held or {}).items()},
+    }
+
+
+def test_plan_takes_the_newest_common_step_and_the_buddys_copy():
+    # B died before its copy of step 3 reached A: everyone goes back to step 2
+    step, sources = plan([0, 1], [A, B], {A}, {A: _inv([2, 3], {B: [1, 2]})})
+    assert (step, sources) == (2, {A: None, B: A})
+    step, sources = plan([0, 1], [A, B], {A, B}, {A: _inv([2, 3]), B: _inv([2, 3])})
+    assert (step, sources) == (3, {A: None, B: None})
+
+
+def test_plan_refuses_what_memory_cannot_restore():
+    layout = (0, 1, 2)
+    everyone = {c: _inv([3], layout=layout) for c in (A, B, C)}
+    with pytest.raises(NoCopies, match=r"dp1.pp0.tp0 and the buddy holding its copies \(dp2.pp0.tp0\)"):
+        plan(list(layout), [A, B, C], {A}, everyone)  # B's copies were on C, lost with it
+    with pytest.raises(NoCopies, match="no snapshot of dp1.pp0.tp0 at the layout"):
+        stale = {"own": [(3, (0, 1))], "held": {B.key: [(3, (1, 0))]}}  # taken before the ranks changed
+        plan([0, 1], [A, B], {A}, {A: stale})
+    with pytest.raises(NoCopies, match=r"steps disagree \(dp0.pp0.tp0: \[4, 5\], dp1.pp0.tp0: \[2, 3\]\)"):
+        plan([0, 1], [A, B], {A}, {A: _inv([4, 5], {B: [2, 3]})})
+
+
+# -- the mesh: restore at every ZeRO stage -------------------------------------------------------------
+def mesh_cfg(zero: int, pp: int) -> config.Config:
+    return tiny("parallel.dp=2", f"parallel.pp={pp}", f"parallel.zero={zero}", f"train.steps={STEPS}",
+                "parallel.timeout_s=10", "checkpoint.in_memory=true")  # fmt: skip
+
+
+def _killed(trainer: FaultyActorMesh, cfg: config.Config) -> tuple[int, str, list[float]]:
+    """From the seed: 3 steps, then replica 1's first actor killed before step 3; restored from memory."""
+    trainer.reconfigure(cfg)
+    got = [trainer.step(s).loss for s in range(3)]
+    os.kill(trainer.nodes[Coord(1, 0, 0)]["pid"], signal.SIGKILL)  # idle between calls: before step 3's
+    try:
+        trainer.step(3)
+    except StepFailure as failure:
+        step, what = trainer.restore_from_memory(failure)
+    else:
+        raise AssertionError("step 3 succeeded without replica 1")
+    return step, what, got[:step] + [trainer.step(s).loss for s in range(step, STEPS)]
+
+
+@pytest.mark.parametrize("zero, pp", [(0, 1), (1, 2), (3, 1)], ids=["zero0", "zero1-pp2", "zero3"])
+def test_restore_from_memory_continues_exactly(ray_session, zero, pp):
+    cfg = mesh_cfg(zero, pp)
+    trainer = FaultyActorMesh(cfg, f"mem-z{zero}", faults={})
+    try:
+        trainer.start()
+        straight = [trainer.step(s).loss for s in range(STEPS)]
+        step, what, got = _killed(trainer, cfg)
+        # The victim never applied step 2 (it died before the call that commits it); its copy from before
+        # step 2 is on its buddy. Replica 1 loses every actor (the rest of it is ended on purpose).
+        assert step == 2 and what.startswith("replaced replica(s) [1]"), what
+        assert f"({pp} actor(s) from buddies' copies)" in what, what
+        assert got == straight  # bit for bit: the same state at the same ranks
+        if zero == 1:
+            trainer.set_faults({c: ["stale_buddy"] for c in trainer.actors})
+            step, _, stale = _killed(trainer, cfg)
+            with pytest.raises(AssertionError, match=rf"loss at step {step}: "):
+                assert_same_losses(stale, straight)
+    finally:
+        trainer.shutdown()
+
+
+# -- whole runs: kill -9 under ZeRO-2 ------------------------------------------------------------------
+def run_cfg(*extra: str) -> config.Config:
+    return tiny("parallel.dp=2", "parallel.zero=2", "train.steps=8", "parallel.timeout_s=10", *extra)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(ray_session, tmp_path_factory) -> list[float]:
+    run_dir = tmp_path_factory.mktemp("undisturbed")
+    run(run_cfg(), "mem-undisturbed", run_dir)  # without copies: they must not change the math
+    return losses(run_dir)
+
+
+class _StaleLoop(TrainingLoop):
+    """Every actor hands its buddy a copy one step old."""
+
+    def __init__(self, *args, **kwargs):
+        self.mesh_class = lambda cfg, name: FaultyActorMesh(
+            cfg, name, {Coord(d, 0, 0): ["stale_buddy"] for d in range(2)}
+        )
+        super().__init__(*args, **kwargs)
+
+
+def _kill_run(name: str, run_dir: Path, loop: type = TrainingLoop) -> dict:
+    """No checkpoint directory at all: a recovery that is not from memory restarts from step 0."""
+    bg = Background(run_cfg("checkpoint.in_memory=true"), name, run_dir, loop)
+    bg.wait_for_step(2)
+    os.kill(_pid(f"raypar:{name}:dp1.pp0.tp0"), signal.SIGKILL)
+    result = bg.join()
+    events = (run_dir / "events.jsonl").read_text()
+    assert result["restarts"] == 1 and result["memory_recoveries"] == 1, events
+    assert "recovered from memory: replaced replica(s) [1]; resumed at step" in events, events
+    assert "restarting all replicas" not in events, events
+    assert [m["step"] for m in metrics(run_dir)] == list(range(8)), "a step was skipped or logged twice"
+    return result
+
+
+def test_zero2_kill_recovers_from_memory(ray_session, tmp_path, undisturbed):
+    run_dir = tmp_path / "killed"
+    _kill_run("mem-killed", run_dir)
+    assert_same_losses(losses(run_dir), undisturbed)
+    records = metrics(run_dir)
+    assert records[-1]["memory_recoveries"] == 1
+    # Each actor holds two generations of its own owned state and two of its buddy's: with zero=2 at dp=2,
+    # about half the fp32 master and moments each, i.e. 4 x 3 x half the parameters' fp32 bytes.
+    assert all(m["snapshot_bytes"] > 0 for m in records[1:]), [m["snapshot_bytes"] for m in records]
+
+
+def test_stale_buddy_copy_is_caught(ray_session, tmp_path, undisturbed):
+    run_dir = tmp_path / "stale"
+    _kill_run("mem-stale", run_dir, _StaleLoop)
+    with pytest.raises(AssertionError, match=r"loss at step \d+: "):
+        assert_same_losses(losses(run_dir), undisturbed)
+
+
+def test_both_holders_lost_falls_back_to_the_checkpoint(ray_session, tmp_path, undisturbed):
+    """Both replicas exit at the start of step 3: replica 0's copies were on replica 1 and the other way
+    round, so the run says why memory cannot do it and restores the disk checkpoint of step 2."""
+    ckpt, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    cfg = run_cfg("checkpoint.in_memory=true", f"checkpoint.dir='{ckpt}'", "checkpoint.every=2")
+    _Loop.faults = {Coord(d, 0, 0): ["exit_in:train_step:4"] for d in range(2)}
+    result = _Loop(cfg, "mem-both", run_dir).execute()
+    events = (run_dir / "events.jsonl").read_text()
+    assert result["memory_recoveries"] == 0 and result["restarts"] >= 1, events
+    assert "the in-memory copies cannot restore the run: " in events, events
+    assert "restarting all replicas from " + str(ckpt) in events, events
+    assert [m["step"] for m in metrics(run_dir)] == list(range(8))
+    assert_same_losses(losses(run_dir), undisturbed)
