@@ -162,13 +162,23 @@ class RayStoreRef:
         return RayStore(self.actor, timeout_s)
 
 
+def _home_node() -> str:
+    """The head node: it lives as long as the cluster, where any worker node may be lost with the actors the
+    store serves (their survivors must then re-form groups through it). A driver that shares a machine with
+    several nodes (`ray.cluster_utils.Cluster`) may be attached to a worker node's raylet, so its own node
+    is only the fallback."""
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return node["NodeID"]
+    return ray.get_runtime_context().get_node_id()
+
+
 class RendezvousServer:
-    """The run's store: a StoreActor on the driver's node, alive while this object (and the driver) is."""
+    """The run's store: a StoreActor on the head node (else the driver's), alive while this object is."""
 
     def __init__(self, timeout_s: float = 300.0):
-        here = ray.get_runtime_context().get_node_id()
         self._actor = StoreActor.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)
+            scheduling_strategy=NodeAffinitySchedulingStrategy(_home_node(), soft=True)
         ).remote()
         self.address = RayStoreRef(self._actor)
         self.timeout_s = timeout_s

@@ -37,7 +37,10 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
         raise RunFailure(f"could not connect to Ray at {address}: {why}")
     try:
         if address:
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
+            with ray_env.quiet_stderr():
+                ray.init(
+                    address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR
+                )
         else:
             # Ray starts workers at nice 15; the actors are the training, not background work.
             os.environ.setdefault("RAY_worker_niceness", "0")

@@ -1,14 +1,17 @@
 """The environment Ray reads when it is imported, set before the first `import ray` of a raypar command.
 
-Ray reads `RAY_AUTH_MODE` (token authentication) and its C++ log level once, when it is imported: setting
-them in `connect()`, after `import ray`, has no effect. The CLI therefore calls `prepare(address)` first,
+Ray reads `RAY_AUTH_MODE` (token authentication) once, when it is imported: setting it in `connect()`,
+after `import ray`, has no effect. The CLI therefore calls `prepare(address)` first,
 and imports Ray only afterwards. Imports nothing from Ray.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 # Joining takes seconds; an address where nothing listens answers "refused" at once, a dead host not at all.
@@ -42,14 +45,27 @@ def _has_token() -> bool:
 def prepare(address: str | None) -> None:
     """Before `import ray`: token authentication for an explicit address when a token is at hand (Ray's
     `address="auto"` finds the token by itself, an explicit HOST:PORT only with RAY_AUTH_MODE=token; measured
-    on Ray 2.60), and Ray's own C++ logging kept off the user's terminal when joining a cluster (a wrong
-    token otherwise prints screens of `InvalidAuthToken`; raypar reports the failure in one line)."""
+    on Ray 2.60)."""
     joined = target(address)
-    if not joined:
-        return
     if explicit(joined) and "RAY_AUTH_MODE" not in os.environ and _has_token():
         os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Ray's C++ core writes its own log lines to file descriptor 2 while it joins a cluster (a wrong token:
+    screens of `InvalidAuthToken`); raypar reports a failure in one line of its own. Setting
+    RAY_BACKEND_LOG_LEVEL would not do: Ray announces that setting on stderr too."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "wb") as sink:
+        os.dup2(sink.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def probe(address: str) -> str | None:
