@@ -162,24 +162,23 @@ class RayStoreRef:
         return RayStore(self.actor, timeout_s)
 
 
-def _home_node() -> str:
-    """The head node: it lives as long as the cluster, where any worker node may be lost with the actors the
-    store serves (their survivors must then re-form groups through it). A driver that shares a machine with
-    several nodes (`ray.cluster_utils.Cluster`) may be attached to a worker node's raylet, so its own node
-    is only the fallback."""
+def home_node_strategy() -> NodeAffinitySchedulingStrategy:
+    """Where a run's own service actors go (this store, the control actor): the head node, which lives as long
+    as the cluster, where any worker node may be lost with the training actors it holds (and the survivors
+    then re-form groups through the store). A driver that shares a machine with several nodes
+    (`ray.cluster_utils.Cluster`) may be attached to a worker node's raylet, so the driver's node is only
+    the fallback, and a soft one."""
     for node in ray.nodes():
         if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
-            return node["NodeID"]
-    return ray.get_runtime_context().get_node_id()
+            return NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
 
 
 class RendezvousServer:
     """The run's store: a StoreActor on the head node (else the driver's), alive while this object is."""
 
     def __init__(self, timeout_s: float = 300.0):
-        self._actor = StoreActor.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(_home_node(), soft=True)
-        ).remote()
+        self._actor = StoreActor.options(scheduling_strategy=home_node_strategy()).remote()
         self.address = RayStoreRef(self._actor)
         self.timeout_s = timeout_s
 

@@ -198,17 +198,20 @@ def _checkpoint(
 @pytest.mark.parametrize("src, dst", [((2, 3), (1, 0)), ((4, 2), (2, 1)), ((2, 0), (4, 3))])
 def test_checkpoint_loads_at_any_dp_and_zero(tmp_path, src, dst):
     uri, saved = _checkpoint(tmp_path, *src, steps=2)
-    cfg = make_cfg(4)
+    assert_loads_exactly(uri, saved[0], make_cfg(4), *dst)
+
+
+def assert_loads_exactly(uri: str, saved: dict[str, torch.Tensor], cfg, dp: int, zero: int) -> None:
+    """Every rank of a strategy at (dp, zero) that loads `uri` holds the saved state exactly."""
 
     def rank(group):
-        model, strategy = build(cfg, group, dst[1])
+        model, strategy = build(cfg, group, zero)
         strategy.load(checkpoint.CheckpointReader(uri), 2)
         return strategy.full_state()
 
-    dp = dst[0]
     for state in run_ranks(dp, rank) if dp > 1 else [rank(None)]:
-        assert state.keys() == saved[0].keys()
-        assert all(torch.equal(state[n], t) for n, t in saved[0].items())
+        assert state.keys() == saved.keys()
+        assert all(torch.equal(state[n], t) for n, t in saved.items())
 
 
 def test_resume_is_bitwise(tmp_path):

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from raypar import checkpoint, compress
-from raypar.controller.actor_mesh import ActorMesh
 from raypar.dp import DPStrategy
 from raypar.mesh import Mesh
 from raypar.offload import Transfer
@@ -22,8 +21,17 @@ from raypar.zero3 import Zero3Strategy
 from tests.faults import FaultyActorMesh
 from tests.reference import Run
 from tests.runs import metrics, run, tiny
-from tests.test_dp_strategy import BUCKET_BYTES, _checkpoint, assert_close, build, make_cfg, run_dp, train
-from tests.test_zero import assert_same, close, ops_cfg
+from tests.test_dp_strategy import (
+    BUCKET_BYTES,
+    _checkpoint,
+    assert_close,
+    assert_loads_exactly,
+    build,
+    make_cfg,
+    run_dp,
+    train,
+)
+from tests.test_zero import assert_elastic_matches_fixed, assert_same, ops_cfg
 from tests.test_zero import make_cfg as actors_cfg
 from tests.test_zero import train as train_actors
 from tests.threads import run_ranks
@@ -144,16 +152,7 @@ def test_checkpoint_loads_with_and_without_offload(tmp_path, src, dst):
     src_extra = offload(src[1]) if src[2] == "cpu" else ()
     uri, saved = _checkpoint(tmp_path, src[0], src[1], steps=2, extra=src_extra)
     cfg = make_cfg(4, *(offload(dst[1]) if dst[2] == "cpu" else ()))
-
-    def rank(group):
-        model, strategy = build(cfg, group, dst[1])
-        strategy.load(checkpoint.CheckpointReader(uri), 2)
-        return strategy.full_state()
-
-    dp = dst[0]
-    for state in run_ranks(dp, rank) if dp > 1 else [rank(None)]:
-        assert state.keys() == saved[0].keys()
-        assert all(torch.equal(state[n], t) for n, t in saved[0].items())
+    assert_loads_exactly(uri, saved[0], cfg, dst[0], dst[1])
 
 
 @pytest.mark.parametrize("zero", [2, 3])
@@ -237,20 +236,8 @@ def test_metrics_report_the_host_update_time(ray_session, tmp_path):
 def test_elastic_dp_with_offload_matches_fixed_dp(ray_session):
     """dp 2 -> 4 -> 2 under zero=2 with offload (the stash gathers the host state over the old group, the
     new strategies take their pieces into host memory): the losses of a run at fixed dp."""
-    cfg = lambda: ops_cfg(2, 1, 1, 2, *offload(2)[:1])  # noqa: E731 - ops_cfg sets parallel.zero itself
-    trainer = ActorMesh(cfg(), "offload-elastic")
-    try:
-        trainer.start()
-        fixed = [trainer.step(s).loss for s in range(6)]
-        trainer.reconfigure(cfg())  # back to the seed's state, same actors
-        scaled = [trainer.step(s).loss for s in range(2)]
-        assert trainer.scale_to(4, 60).startswith("added")
-        scaled += [trainer.step(s).loss for s in range(2, 4)]
-        assert trainer.scale_to(2, 60).startswith("removed")
-        scaled += [trainer.step(s).loss for s in range(4, 6)]
-    finally:
-        trainer.shutdown()
-    assert close(scaled, fixed), (scaled, fixed)
+    # ops_cfg sets parallel.zero itself
+    assert_elastic_matches_fixed(ops_cfg(2, 1, 1, 2, *offload(2)[:1]), "offload-elastic")
 
 
 def compressed(name: str, base: type[DPStrategy] = DPStrategy) -> type[DPStrategy]:

@@ -31,6 +31,7 @@ import ray
 
 from actors.control import RunControl, control_name
 from collectives.group import GroupError
+from collectives.ray_store import home_node_strategy
 from raypar import checkpoint, data, memory, report
 from raypar import config as config_mod
 from raypar.config import Config
@@ -275,9 +276,9 @@ class TrainingLoop:
         connect(self.address, num_cpus=max(os.cpu_count() or 1, world))
         stopping.install()  # again: ray.init installs a SIGTERM handler of its own
         check_device(par.device, par.gpus_per_actor)
-        control = RunControl.options(name=control_name(self.name), namespace=NAMESPACE).remote(
-            self.name, self.dps
-        )
+        control = RunControl.options(
+            name=control_name(self.name), namespace=NAMESPACE, scheduling_strategy=home_node_strategy()
+        ).remote(self.name, self.dps)
         wall = time.perf_counter()
         try:
             try:
