@@ -8,6 +8,8 @@ The Ray actors run the same executor: tests/test_equivalence.py covers them end 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from raypar import config
@@ -62,9 +64,30 @@ class ReduceOnB(StepRun):
     """The ZB-H1 bug: a chunk's DP reduction armed at its last B instead of its last W, so the buckets go
     out with the first W that follows, before the later microbatches' weight gradients are in."""
 
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - StepRun's
+        super().__init__(*args, **kwargs)
+        for reducer in self.reducers:  # each reduction completes when launched: with the W gradients in by
+            reducer._reduce = functools.partial(_reduce_now, reducer._reduce)  # then, whatever the timing
+
     def arm_points(self, plan: list[Instr]) -> dict[int, int]:
         return {max(i for i, ins in enumerate(plan) if ins.op == BACKWARD_INPUT and ins.chunk == c): c
                 for c in {ins.chunk for ins in plan}}
+
+
+class _Done:
+    """A reduction that has completed (what `finish` waits for)."""
+
+    def wait(self) -> None:
+        pass
+
+
+def _reduce_now(launch, bucket):  # noqa: ANN001, ANN202 - DPStrategy._reduce's
+    """Without this the control was timing-dependent: an asynchronous all-reduce launched too early could
+    still read a bucket after a fast later W had added to it (it missed once in three full runs)."""
+    work = launch(bucket)
+    if work is not None:
+        work.wait()
+    return _Done()
 
 
 def test_dp_reduction_on_b_is_rejected():
