@@ -88,8 +88,9 @@ class FakeCluster:
         self.env: dict[str, str] = {}
         self.seen_pids: set[int] = set()
         self._head: subprocess.Popen[bytes] | None = None
-        self._session = -1
-        self._head_start_ticks = 0
+        # (session id, start time in clock ticks) of the head's session and of each node added by hand.
+        self._sessions: list[tuple[int, int]] = []
+        self._nodes: list[subprocess.Popen[bytes]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -148,9 +149,7 @@ class FakeCluster:
             self._head = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=head_env, start_new_session=True
             )
-        self._session = self._head.pid
-        stat = _proc_stat(self._head.pid)
-        self._head_start_ticks = stat[2] if stat else 0
+        self._track(self._head)
         try:
             self._wait_started()
         except BaseException:
@@ -171,20 +170,48 @@ class FakeCluster:
             time.sleep(0.2)
         raise TimeoutError(f"fake cluster not up after {self.start_timeout_s:.0f} s:\n{text[-3000:]}")
 
+    def _track(self, proc: subprocess.Popen[bytes]) -> None:
+        stat = _proc_stat(proc.pid)
+        self._sessions.append((proc.pid, stat[2] if stat else 0))
+
     def pids(self) -> set[int]:
-        """Live processes of this cluster (head services, fake nodes, workers); remembered in seen_pids."""
-        if self._session < 0:
-            return set()
+        """Live processes of this cluster (head services, nodes, workers); remembered in seen_pids."""
         found = set()
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit():
                 continue
             stat = _proc_stat(int(entry.name))
-            # Start time guards against a foreign process that reuses the session id after we are gone.
-            if stat and stat[1] == self._session and stat[2] >= self._head_start_ticks:
+            # Start time guards against a foreign process that reuses a session id after we are gone.
+            if stat and any(stat[1] == sid and stat[2] >= ticks for sid, ticks in self._sessions):
                 found.add(int(entry.name))
         self.seen_pids |= found
         return found
+
+    def add_node(self, num_cpus: int, wrap: list[str] | None = None, cwd: Path | None = None) -> None:
+        """Start one more node (`ray start --address`) in a session of its own, its command run through
+        `wrap` (e.g. `unshare -m ...`, which must end by executing its last arguments); wait until up."""
+        assert self.temp_dir is not None
+        log_path = self.temp_dir / f"node{len(self._nodes)}.log"
+        env = {**os.environ, **self.env, "RAY_USAGE_STATS_ENABLED": "0"}
+        env.pop("RAY_ADDRESS")
+        cmd = [
+            sys.executable, "-m", "ray.scripts.scripts", "start", "--block", f"--address={self.address}",
+            f"--num-cpus={num_cpus}", "--num-gpus=0", "--disable-usage-stats",
+        ]  # fmt: skip
+        with open(log_path, "wb") as log:
+            node = subprocess.Popen(
+                [*(wrap or []), *cmd], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                start_new_session=True,
+            )  # fmt: skip
+        self._nodes.append(node)
+        self._track(node)
+        deadline = time.monotonic() + self.start_timeout_s
+        while _STARTED_LINE not in (text := log_path.read_text(errors="replace")):
+            if node.poll() is not None:
+                raise RuntimeError(f"node exited with {node.returncode}:\n{text[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node not up after {self.start_timeout_s:.0f} s:\n{text[-3000:]}")
+            time.sleep(0.2)
 
     def stop(self, grace_s: float = 3.0) -> None:
         """End every process of this cluster by pid: SIGTERM, then SIGKILL after `grace_s`."""
@@ -201,14 +228,16 @@ class FakeCluster:
                     pass
             deadline = time.monotonic() + wait_s
             while self.pids() and time.monotonic() < deadline:
-                self._head.poll()  # reap our direct child so it does not linger as a zombie
+                for child in (self._head, *self._nodes):
+                    child.poll()  # reap our direct children so they do not linger as zombies
                 time.sleep(0.1)
-        try:
-            self._head.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+        for child in (self._head, *self._nodes):
+            try:
+                child.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
         left = self.pids()
-        self._head = None
+        self._head, self._nodes = None, []
         if self.temp_dir is not None and not self.keep_temp_dir and not left:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
         if left:

@@ -225,11 +225,12 @@ def _train(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config, args.set)
     if args.stop_at is not None and args.stop_at <= 0:
         raise UsageError(f"--stop-at: must be a positive step, got {args.stop_at}")
-    if cfg.data.cache_dir:
-        cfg.data.cache_dir = str(Path(cfg.data.cache_dir).resolve())  # actors may run in another directory
+    from raypar.controller import shared_paths
+
+    shared_paths.make_absolute(cfg)  # actors run in other directories, and on other nodes
     _check_data(cfg)
     _check_fits(cfg)
-    resume = _resolve_resume(cfg, args.resume) if args.resume else None
+    resume = shared_paths.absolute(_resolve_resume(cfg, args.resume)) if args.resume else None
     name = args.name or f"{Path(args.config).stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = args.run_dir or Path("runs") / name
     _check_outputs(cfg, run_dir)

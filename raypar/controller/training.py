@@ -35,7 +35,7 @@ from collectives.ray_store import home_node_strategy
 from raypar import checkpoint, data, memory, report
 from raypar import config as config_mod
 from raypar.config import Config
-from raypar.controller import stopping
+from raypar.controller import shared_paths, stopping
 from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica, StepFailure
 from raypar.controller.connection import NAMESPACE, RunFailure, connect
 from raypar.controller.placement import check_device
@@ -276,6 +276,7 @@ class TrainingLoop:
         connect(self.address, num_cpus=max(os.cpu_count() or 1, world))
         stopping.install()  # again: ray.init installs a SIGTERM handler of its own
         check_device(par.device, par.gpus_per_actor)
+        shared_paths.check_nodes(self.cfg)  # before any actor: a node-local checkpoint.dir is refused
         control = RunControl.options(
             name=control_name(self.name), namespace=NAMESPACE, scheduling_strategy=home_node_strategy()
         ).remote(self.name, self.dps)
