@@ -40,8 +40,10 @@ from raypar import plan  # noqa: E402
 from raypar.config import Config  # noqa: E402
 from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
 
-# A 4-layer model (the smallest that interleaves 2 chunks over pp = 2), about a second a step on one core.
-MODEL = ["model.n_layers=4", "model.d_model=192", "model.d_ff=512", "model.seq_len=128"]
+# (preset, overrides): a 4-layer model (the fewest layers that interleave 2 chunks over pp = 2), well under
+# a second a step on one core; --quick: the test suite's tiny one (also 4 layers).
+MODEL = ("small", ["model.n_layers=4", "model.d_model=192", "model.d_ff=512", "model.seq_len=128"])
+QUICK_MODEL = ("tiny", [])
 BASE = ["train.global_batch=8", 'train.precision="fp32"', "train.steps=1000", "train.warmup_steps=2"]
 
 # (dp, pp, tp, overrides); the first is the calibration layout. At most 4 actors (2 cores here).
@@ -70,10 +72,11 @@ class Row:
         return self.measured_s / self.predicted.step_time_s
 
 
-def layout_cfg(layout: tuple[int, int, int, list[str]], model: list[str]) -> Config:
+def layout_cfg(layout: tuple[int, int, int, list[str]], model: tuple[str, list[str]]) -> Config:
     dp, pp, tp, overrides = layout
     mesh = [f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}"]
-    return _common.make_config("small" if model else "tiny", [*BASE, *model, *mesh, *overrides])
+    preset, shape = model
+    return _common.make_config(preset, [*BASE, *shape, *mesh, *overrides])
 
 
 def median_step_s(cfg: Config, run: str, warmup: int, steps: int) -> float:
@@ -93,7 +96,7 @@ def name_of(layout: tuple[int, int, int, list[str]]) -> str:
 
 
 def measure(
-    layouts: list[tuple[int, int, int, list[str]]], model: list[str], warmup: int, steps: int
+    layouts: list[tuple[int, int, int, list[str]]], model: tuple[str, list[str]], warmup: int, steps: int
 ) -> tuple[float, list[Row]]:
     """The calibrated MFU and a row per layout; layouts[0] must be (1, 1, 1), the calibration."""
     if layouts[0][:3] != (1, 1, 1):
@@ -139,7 +142,7 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     _common.add_ray_arguments(parser)
     args = parser.parse_args()
-    layouts, model = (QUICK, []) if args.quick else (LAYOUTS, MODEL)
+    layouts, model = (QUICK, QUICK_MODEL) if args.quick else (LAYOUTS, MODEL)
     if args.quick:
         args.warmup, args.steps = 1, 2
     cores = os.cpu_count() or 1
