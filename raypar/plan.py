@@ -3,14 +3,15 @@
 Memory per actor: raypar.plan_memory (model states, activations in flight under the configured schedule
 and virtual stages, buffers).
 
-Step time = compute at an assumed MFU (recomputation adds its extra forward FLOPs) + the pipeline bubble
-+ exposed communication. The bubble, as a fraction of compute, is the schedules' own formula: (pp - 1)/m for
-GPipe and 1F1B alike, (pp - 1)/(v m) for interleaved 1F1B with v virtual stages, (pp - 1)/(3m) for ZB-H1
-(F = B = W: the deferred W's fill all but one unit per stage of 1F1B's bubble). Tensor-parallel all-reduces
-are on the critical path; the DP gradient all-reduce overlaps the last microbatch's backward; pipeline sends
-are exposed only while the pipeline fills and drains, v times as many hops under interleaving. Layouts are
-the config with (dp, pp, tp, zero, recompute, microbatches, virtual_stages) replaced, kept only if
-`config.validate` accepts them, so the planner never lists what `raypar train` would refuse.
+Step time = compute at an assumed MFU (recomputation adds its extra forward FLOPs), plus the pipeline
+bubble, plus exposed communication. The bubble, as a fraction of compute, is the schedules' own formula:
+(pp - 1)/m for GPipe and 1F1B alike, (pp - 1)/(v m) for interleaved 1F1B with v virtual stages, (pp - 1)/(3m)
+for ZB-H1 (F = B = W: the deferred W's fill all but one unit per stage of 1F1B's bubble). Tensor-parallel
+all-reduces are on the critical path; the DP gradient all-reduce overlaps the last microbatch's backward;
+pipeline sends are exposed only while the pipeline fills and drains, v times as many hops under
+interleaving. Layouts are the config with (dp, pp, tp, zero, recompute, microbatches, virtual_stages)
+replaced, kept only if `config.validate` accepts them, so the planner never lists what `raypar train` would
+refuse.
 """
 
 from __future__ import annotations
