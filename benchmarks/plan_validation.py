@@ -6,7 +6,7 @@
 
 For each layout the tiny model trains two steps on real actors; the second step's per-actor measurements
 (model states: parameters + gradients + optimizer state; activations: bytes saved for backward through
-saved-tensor hooks, summed over the microbatches alive at once) are set against `raypar.plan`'s
+saved-tensor hooks, summed over the (chunk, microbatch) units alive at once) are set against `raypar.plan`'s
 predictions for that actor's pipeline stage. Memory does not depend on load, so these numbers stand on a
 busy machine; layouts sharing (dp, pp, tp) reuse one set of actors.
 """
@@ -36,6 +36,8 @@ LAYOUTS: dict[tuple[int, int, int], list[list[str]]] = {
         ["parallel.microbatches=4", 'train.recompute="full"'],
         ["parallel.microbatches=8", 'train.recompute="full"', "train.recompute_every=2"],
         ["parallel.microbatches=4", 'train.precision="fp16"'],
+        ["parallel.microbatches=4", "parallel.virtual_stages=2"],  # interleaved: 2 chunks per actor
+        ["parallel.microbatches=4", 'parallel.schedule="zb-h1"'],  # graphs freed at W, not at B
     ],
     (2, 1, 1): [
         ["parallel.microbatches=2"],

@@ -1,40 +1,32 @@
 """The planner: which layouts of a config fit a device's memory, and how fast each would run.
 
-Memory per actor = model states + activations in flight + buffers, for the tightest pipeline stage:
+Memory per actor: raypar.plan_memory (model states, activations in flight under the configured schedule
+and virtual stages, buffers).
 
-- Model states (ZeRO paper, Ψ = parameters on this actor): bytes per parameter of parameter + gradient +
-  optimizer state, sharded over dp by the ZeRO stage. fp32 Adam: 4 + 4 + 8; 16-bit: 2 + 4 + 12 (fp32 master
-  gradients, as Megatron's main grads, where the ZeRO paper counts 2; fp32 master weights and both
-  moments). zero 0: (p+g+K)Ψ; 1: (p+g)Ψ + KΨ/dp; 2: pΨ + (g+K)Ψ/dp; 3: (p+g+K)Ψ/dp.
-- Activations: what autograd saves for backward per microbatch, counted per op of this model's block the
-  way Korthikanti et al. (2022) count theirs (their 34·sbh + 5·as²b for a GPT layer becomes the sums below
-  for RMSNorm, RoPE, grouped-query SDPA and SwiGLU), times the stage's layers, times the most microbatches
-  in flight under the schedule (read off the schedule itself).
-- Buffers: DP reduction buckets, the stage's outgoing activations kept until their gradient returns, and
-  the transient logits of the loss. Not validated (they are not measured separately).
-
-Step time = compute at an assumed MFU (recomputation adds its extra forward FLOPs) + the pipeline bubble
-((pp - 1)/m of compute for GPipe and 1F1B alike) + exposed communication (tensor-parallel all-reduces are
-on the critical path; the DP gradient all-reduce overlaps the last microbatch's backward; pipeline sends
-are exposed only while the pipeline fills and drains). Layouts are the config with (dp, pp, tp, zero,
-recompute, microbatches) replaced, kept only if `config.validate` accepts them, so the planner never lists
-what `raypar train` would refuse.
+Step time = compute at an assumed MFU (recomputation adds its extra forward FLOPs), plus the pipeline
+bubble, plus exposed communication. The bubble, as a fraction of compute, is the schedules' own formula:
+(pp - 1)/m for GPipe and 1F1B alike, (pp - 1)/(v m) for interleaved 1F1B with v virtual stages, (pp - 1)/(3m)
+for ZB-H1 (F = B = W: the deferred W's fill all but one unit per stage of 1F1B's bubble). Tensor-parallel
+all-reduces are on the critical path; the DP gradient all-reduce overlaps the last microbatch's backward;
+pipeline sends are exposed only while the pipeline fills and drains, v times as many hops under
+interleaving. Layouts are the config with (dp, pp, tp, zero, recompute, microbatches, virtual_stages)
+replaced, kept only if `config.validate` accepts them, so the planner never lists what `raypar train` would
+refuse.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from raypar import config, schedules
-from raypar.config import Config, ConfigError, ModelConfig
-from raypar.memory import max_in_flight
-from raypar.mesh import stage_layers
+from raypar.config import Config, ConfigError
 from raypar.model import flops_per_token
+from raypar.plan_memory import PRECISION_BYTES, Layout, StageMemory, predict_memory, rank_chunks, stage_params
 
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -57,38 +49,6 @@ DEVICES = {
     "a100": Device("a100", "cuda", 312e12, 19.5e12, 300e9, 25e9),
     "cpu": Device("cpu", "cpu", 210e9, 90e9, 1e9, 1e9, per_node=1024),
 }
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp: int
-    pp: int
-    tp: int
-    zero: int
-    recompute: str
-    microbatches: int
-
-    def overrides(self) -> dict[str, dict[str, Any]]:
-        return {
-            "parallel": {"dp": self.dp, "pp": self.pp, "tp": self.tp, "microbatches": self.microbatches},
-            "train": {"recompute": self.recompute},
-        }
-
-
-@dataclass
-class StageMemory:
-    model_states: float
-    activations_per_mb: int
-    in_flight: int
-    buffers: float
-
-    @property
-    def activations(self) -> int:
-        return self.activations_per_mb * self.in_flight
-
-    @property
-    def total(self) -> float:
-        return self.model_states + self.activations + self.buffers
 
 
 @dataclass
@@ -131,105 +91,18 @@ class Prediction:
         }
 
 
-# -- memory -----------------------------------------------------------------------------------------------
-def stage_params(m: ModelConfig, layers: range, first: bool, last: bool, tp: int) -> int:
-    """Parameters one tp rank of a stage holds (norm gains are replicated, everything else split by tp)."""
-    d, hd = m.d_model, m.head_dim
-    matmuls = 2 * d * m.n_heads * hd + 2 * d * m.n_kv_heads * hd + 3 * d * m.d_ff
-    total = len(layers) * (2 * d + matmuls // tp)
-    if first:
-        total += m.vocab_size // tp * d
-    if last:
-        total += d + m.vocab_size // tp * d
-    return total
-
-
-def model_state_bytes(params: int, precision: str, zero: int, dp: int) -> float:
-    p = PRECISION_BYTES[precision]
-    # The optimizer's gradients are fp32 in every precision: 16-bit ones are converted one by one into
-    # fp32 master gradients (unscaled) and freed, so they hold 4 bytes, not 2, once backward is done.
-    g = 4
-    k = 12 if p == 2 else 8  # 16-bit: fp32 master + two fp32 moments; fp32: the moments only
-    full, sharded = [(p + g + k, 0), (p + g, k), (p, g + k), (0, p + g + k)][zero]
-    return params * (full + sharded / dp)
-
-
-def block_activation_bytes(
-    m: ModelConfig, tp: int, mbs: int, precision: str, device_kind: str, recompute: str
-) -> int:
-    """Bytes one block saves for backward per microbatch of `mbs` sequences, on one tp rank."""
-    e = PRECISION_BYTES[precision]
-    bs, d = mbs * m.seq_len, m.d_model
-    if recompute == "full":
-        return e * bs * d  # the block's input, which checkpoint keeps
-    heads, hq, hkv, f = m.n_heads // tp, m.d_model // tp, m.n_kv_heads * m.head_dim // tp, m.d_ff // tp
-    # RMSNorm keeps its fp32 input (a copy under 16 bits), its normalised output and 1/rms; the linears
-    # after it keep its output cast back; 16 bits also keep the gain's fp32 copy.
-    norm = 8 * bs * d + 4 * bs + e * bs * d + (4 * d if e != 4 else 0)
-    mask = e if device_kind == "cpu" else 1  # CPU dropout saves its scaled noise, CUDA a bool mask
-    drop = 2 * mask * bs * d if m.dropout > 0 else 0  # after attention and after the MLP
-    wo_input = e * bs * hq
-    if recompute == "selective":
-        core = e * bs * (hq + 2 * hkv)  # its inputs q, k, v; RoPE, scores and dropout are recomputed
-        mlp = 3 * e * bs * f  # gate and up (the activation's inputs) and its product, for w_down
-    else:
-        if m.dropout > 0 and device_kind == "cpu":
-            # The math kernel (CPU's fused one has no dropout): scaled q, expanded k and v, and three
-            # [heads, s, s] tensors: probabilities, dropout noise, dropped probabilities.
-            core = 3 * e * bs * hq + 3 * e * mbs * heads * m.seq_len**2
-        else:
-            # A fused kernel: q and k after RoPE, v, the output, and the softmax's log-sum-exp (fp32).
-            core = e * bs * (2 * hq + 2 * hkv) + 4 * mbs * heads * m.seq_len
-        mlp = 4 * e * bs * f  # gate, silu(gate), up, and the product
-    return 2 * norm + core + wo_input + drop + mlp
-
-
-def stage_activation_bytes(
-    cfg: Config, layers: range, first: bool, last: bool, tp: int, mbs: int, device_kind: str, recompute: str
-) -> int:
-    m, t = cfg.model, cfg.train
-    e = PRECISION_BYTES[t.precision]
-    bs = mbs * m.seq_len
-    total = 0
-    for index in layers:
-        mode = recompute if index % t.recompute_every == 0 else "none"
-        total += block_activation_bytes(m, tp, mbs, t.precision, device_kind, mode)
-    if first:
-        total += 8 * bs + (bs if tp > 1 else 0)  # token ids (int64); tp > 1: shifted ids and their mask
-    if last:
-        d = m.d_model
-        total += 8 * bs * d + 4 * bs + e * bs * d + (4 * d if e != 4 else 0)  # the final RMSNorm
-        total += 4 * bs * (m.vocab_size // tp) + 9 * bs  # fp32 softmax, target index, ownership mask
-    return total
-
-
-def predict_memory(
-    cfg: Config, layout: Layout, device_kind: str, wrong_in_flight: bool = False
-) -> list[StageMemory]:
-    """Per pipeline stage: model states, activations, in-flight microbatches and buffers of one actor.
-    `wrong_in_flight` drops the in-flight factor: a deliberately broken formula for negative controls."""
-    m, t = cfg.model, cfg.train
-    mbs = t.global_batch // (layout.dp * layout.microbatches)
-    e = PRECISION_BYTES[t.precision]
-    split = stage_layers(m.n_layers, layout.pp, cfg.parallel.stage_layers or None)
-    plan = schedules.build(cfg.parallel.schedule, layout.pp, layout.microbatches)
-    out = []
-    for p, layers in enumerate(split):
-        first, last = p == 0, p == layout.pp - 1
-        params = stage_params(m, layers, first, last, layout.tp)
-        acts = stage_activation_bytes(cfg, layers, first, last, layout.tp, mbs, device_kind, layout.recompute)
-        in_flight = 1 if wrong_in_flight else max_in_flight(plan[p])
-        reduce = 0 if layout.dp == 1 else params * 4 / (layout.dp if layout.zero else 1)
-        sends = 0 if last else in_flight * e * mbs * m.seq_len * m.d_model
-        logits = 8 * mbs * m.seq_len * m.vocab_size // layout.tp if last else 0
-        states = model_state_bytes(params, t.precision, layout.zero, layout.dp)
-        out.append(StageMemory(states, acts, in_flight, reduce + sends + logits))
-    return out
-
-
 # -- time -------------------------------------------------------------------------------------------------
 def _all_reduce_s(nbytes: float, ranks: int, bw: float) -> float:
     return 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * nbytes / bw
+
+
+def bubble_ratio(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle time of a stage over its compute: (pp-1)/m for GPipe and 1F1B, the papers' (pp-1)/(v m) for
+    interleaved 1F1B and (pp-1)/(3m) for ZB-H1 (raypar.schedules.bubble_formula, which gives the first as a
+    share of the whole step instead)."""
+    if schedule == "zb-h1" or virtual_stages > 1:
+        return schedules.bubble_formula(schedule, pp, microbatches, virtual_stages)
+    return (pp - 1) / microbatches
 
 
 def predict(
@@ -247,20 +120,21 @@ def predict(
     flops = tokens * (flops_per_token(m) + recomputed * extra)
     peak = device.peak_flops_16 if e == 2 else device.peak_flops_32
     compute = flops / world / (peak * mfu)
-    bubble = compute * (layout.pp - 1) / layout.microbatches
+    ratio = bubble_ratio(cfg.parallel.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
+    bubble = compute * ratio
     mbs = t.global_batch // (layout.dp * layout.microbatches)
-    layers = max(len(r) for r in stage_layers(m.n_layers, layout.pp, cfg.parallel.stage_layers or None))
+    per_rank = [sum(map(len, chunks)) for chunks in rank_chunks(cfg, layout)]
+    layers = max(per_rank)
     intra = layout.tp * layout.pp * layout.dp <= device.per_node
     tp_bw = device.intra_bw if layout.tp <= device.per_node else device.inter_bw
     reductions = 4 + (2 if layout.recompute == "full" else 0)  # 2 forward, 2 backward, replayed forwards
     activation = e * mbs * s * d
     tp_comm = layout.microbatches * layers * reductions * _all_reduce_s(activation, layout.tp, tp_bw)
     bw = device.intra_bw if intra else device.inter_bw
-    pp_comm = 2 * (layout.pp - 1) * activation / bw
-    params = max(
-        stage_params(m, r, i == 0, i == layout.pp - 1, layout.tp)
-        for i, r in enumerate(stage_layers(m.n_layers, layout.pp, cfg.parallel.stage_layers or None))
-    )
+    # Fill and drain: pp - 1 hops each way, and v times as many with v chunks per rank (each microbatch
+    # goes round the ranks v times, and every chunk boundary is a hop).
+    pp_comm = 2 * layout.virtual_stages * (layout.pp - 1) * activation / bw
+    params = max(stage_params(m, n, i == 0, i == layout.pp - 1, layout.tp) for i, n in enumerate(per_rank))
     dp_bytes = params * 4  # reduced in fp32
     dp_comm = _all_reduce_s(dp_bytes, layout.dp, bw)
     if layout.zero == 3:  # parameters gathered for every forward and backward
@@ -294,19 +168,25 @@ def layout_config(cfg: Config, layout: Layout) -> Config:
 
 def candidates(cfg: Config, devices: int) -> list[tuple[Layout, Config]]:
     out = []
+    n_layers = cfg.model.n_layers
     for tp in _divisors(devices):
         for pp in _divisors(devices // tp):
             dp = devices // (tp * pp)
             if cfg.train.global_batch % dp:
                 continue
-            for m in _divisors(cfg.train.global_batch // dp):
-                for zero in zero_stages(cfg) if dp > 1 else (0,):
-                    for recompute in config.RECOMPUTE:
-                        layout = Layout(dp, pp, tp, zero, recompute, m)
-                        try:
-                            out.append((layout, layout_config(cfg, layout)))
-                        except ConfigError:
-                            continue  # a layout `raypar train` would refuse is never listed
+            # Only chunkings that split the layers evenly are tried (config.validate's rule, which still
+            # decides, together with its schedule and microbatch rules).
+            chunkings = [v for v in _divisors(n_layers) if v == 1 or n_layers % (pp * v) == 0]
+            knobs = itertools.product(
+                _divisors(cfg.train.global_batch // dp), zero_stages(cfg) if dp > 1 else (0,),
+                config.RECOMPUTE, chunkings,
+            )
+            for m, zero, recompute, v in knobs:
+                layout = Layout(dp, pp, tp, zero, recompute, m, v)
+                try:
+                    out.append((layout, layout_config(cfg, layout)))
+                except ConfigError:
+                    continue  # a layout `raypar train` would refuse is never listed
     return out
 
 
@@ -328,6 +208,7 @@ def current_layout(cfg: Config) -> Layout:
         getattr(cfg.parallel, "zero", 0),
         cfg.train.recompute,
         cfg.parallel.microbatches,
+        cfg.parallel.virtual_stages,
     )
 
 
@@ -383,14 +264,15 @@ def parse_size(text: str) -> float:
 
 
 def table(preds: list[Prediction], top: int) -> str:
-    head = f"{'dp':>3} {'pp':>3} {'tp':>3} {'zero':>4} {'recompute':>9} {'mb':>4} {'memory':>12} "
+    head = f"{'dp':>3} {'pp':>3} {'tp':>3} {'zero':>4} {'recompute':>9} {'mb':>4} {'v':>2} {'memory':>12} "
     head += f"{'states':>11} {'activ.':>11} {'step s':>9} {'tokens/s':>11}"
     rows = [head]
     for p in preds[:top]:
         j = p.to_json()
         rows.append(
             f"{j['dp']:>3} {j['pp']:>3} {j['tp']:>3} {j['zero']:>4} {j['recompute']:>9} "
-            f"{j['microbatches']:>4} {gib(j['memory_bytes']):>12} {gib(j['model_state_bytes']):>11} "
-            f"{gib(j['activation_bytes']):>11} {j['step_time_s']:>9.3g} {j['tokens_per_s']:>11,.0f}"
+            f"{j['microbatches']:>4} {j['virtual_stages']:>2} {gib(j['memory_bytes']):>12} "
+            f"{gib(j['model_state_bytes']):>11} {gib(j['activation_bytes']):>11} "
+            f"{j['step_time_s']:>9.3g} {j['tokens_per_s']:>11,.0f}"
         )
     return "\n".join(rows)

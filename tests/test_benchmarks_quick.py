@@ -101,6 +101,13 @@ def test_plan_validation_quick():
     assert "| (2, 1, 1) microbatches=2 | dp0.pp0.tp0 |" in text
 
 
+def test_plan_step_time_quick():
+    text = ok(run("benchmarks/plan_step_time.py", "--quick"))
+    rows = [ln for ln in text.splitlines() if ln.startswith("| (")]
+    assert [r.split(" |")[0] for r in rows] == ["| (1, 1, 1) microbatches=1", "| (1, 2, 1) microbatches=2"]
+    assert rows[0].endswith("| 1.00 |")  # the calibration layout: predicted = measured by construction
+
+
 def test_gpu_check_quick():
     lines = [json.loads(ln) for ln in ok(run("benchmarks/gpu_check.py", "--quick")).splitlines()
              if ln.startswith("{")]

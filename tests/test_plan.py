@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.plan_validation import measure
 from collectives import Group
-from raypar import config, plan
+from raypar import config, plan, plan_memory, schedules
 from raypar.config import ConfigError
 from raypar.controller import cli
 from raypar.memory import SavedActivations
@@ -31,13 +31,13 @@ STATES_RTOL, ACTIVATIONS_RTOL = 0.05, 0.15
 def test_model_state_formulas_by_zero_stage() -> None:
     """The ZeRO paper's, with fp32 optimizer-side gradients under 16 bits (2 + 4 + 12 bytes, not 2+2+12)."""
     psi, d = 1000, 4
-    assert [plan.model_state_bytes(psi, "bf16", z, d) for z in range(4)] == [
+    assert [plan_memory.model_state_bytes(psi, "bf16", z, d) for z in range(4)] == [
         18 * psi,
         6 * psi + 12 * psi / d,
         2 * psi + 16 * psi / d,
         18 * psi / d,
     ]
-    assert [plan.model_state_bytes(psi, "fp32", z, d) for z in range(4)] == [
+    assert [plan_memory.model_state_bytes(psi, "fp32", z, d) for z in range(4)] == [
         16 * psi,
         8 * psi + 8 * psi / d,
         4 * psi + 12 * psi / d,
@@ -55,6 +55,65 @@ def test_layouts_breaking_config_rules_are_never_listed() -> None:
         plan.layout_config(cfg, plan.Layout(2, 1, 3, 0, "none", 1))
 
 
+def test_layouts_with_chunks_config_would_refuse_are_never_listed() -> None:
+    cfg = config.load(TINY, ["train.global_batch=12"])  # 4 layers, 1f1b; 1, 3 microbatches possible
+    chunked = [layout for layout, _ in plan.candidates(cfg, 4) if layout.virtual_stages > 1]
+    assert {(layout.pp, layout.virtual_stages) for layout in chunked} == {(2, 2)}  # 4 % (4 * 2) != 0
+    assert all(layout.microbatches % layout.pp == 0 for layout in chunked)
+    for schedule in ("gpipe", "zb-h1"):  # one chunk per rank only
+        other = config.load(TINY, [f'parallel.schedule="{schedule}"'])
+        assert {layout.virtual_stages for layout, _ in plan.candidates(other, 4)} == {1}
+    with pytest.raises(ConfigError, match="parallel.virtual_stages: model.n_layers=4"):
+        plan.layout_config(cfg, plan.Layout(1, 2, 1, 0, "none", 4, 4))
+    with pytest.raises(ConfigError, match="parallel.microbatches: 3 microbatches"):
+        plan.layout_config(cfg, plan.Layout(1, 2, 1, 0, "none", 3, 2))
+    with pytest.raises(ConfigError, match="parallel.virtual_stages: needs parallel.pp > 1"):
+        plan.layout_config(cfg, plan.Layout(4, 1, 1, 0, "none", 2, 2))
+
+
+@pytest.mark.parametrize(
+    "overrides, ratio",
+    [
+        (["parallel.virtual_stages=2"], 1 / (2 * 4)),  # interleaved: (pp - 1) / (v m)
+        (['parallel.schedule="zb-h1"'], 1 / (3 * 4)),  # (pp - 1) / (3 m)
+        ([], 1 / 4),  # 1F1B: (pp - 1) / m
+    ],
+)
+def test_predicted_bubble_follows_the_schedules_formula(overrides: list[str], ratio: float) -> None:
+    cfg = config.load(TINY, ["parallel.pp=2", "parallel.microbatches=4", *overrides])
+    pred = plan.predict(cfg, plan.current_layout(cfg), plan.DEVICES["cpu"], 0.4)
+    assert pred.bubble_s == pytest.approx(pred.compute_s * ratio, rel=1e-12)
+
+
+def check_in_flight(cfg: config.Config) -> None:
+    """The planner's in-flight units per rank against the schedule raypar.schedules builds for the config."""
+    par = cfg.parallel
+    built = schedules.build(par.schedule, par.pp, par.microbatches, par.virtual_stages)
+    predicted = [s.in_flight for s in plan.predict_memory(cfg, plan.current_layout(cfg), "cpu")]
+    expected = [schedules.peak_in_flight(instrs) for instrs in built]
+    assert predicted == expected, f"in flight per rank: predicted {predicted}, the schedule {expected}"
+
+
+def _ignoring_chunks(cfg: config.Config, layout: plan.Layout) -> schedules.Plan:
+    """The classic mistake: the schedule of one chunk per rank whatever virtual_stages says."""
+    return schedules.build(cfg.parallel.schedule, layout.pp, layout.microbatches)
+
+
+@pytest.mark.parametrize("microbatches", [2, 4, 8])
+def test_predicted_in_flight_of_interleaved_is_the_schedules(
+    microbatches: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chunks = ["parallel.pp=2", "parallel.virtual_stages=2", f"parallel.microbatches={microbatches}"]
+    cfg = config.load(TINY, chunks)
+    check_in_flight(cfg)
+    # Interleaving keeps more units alive than 1F1B on rank 0 (warm-up of (pp - 1) * 2 + (v - 1) * pp).
+    assert plan.predict_memory(cfg, plan.current_layout(cfg), "cpu")[0].in_flight > cfg.parallel.pp
+    # Negative control: a planner that ignores the chunks fails the same check.
+    monkeypatch.setattr(plan_memory, "layout_schedule", _ignoring_chunks)
+    with pytest.raises(AssertionError, match="in flight per rank: predicted"):
+        check_in_flight(cfg)
+
+
 @pytest.mark.parametrize("mode", config.RECOMPUTE)
 def test_activation_formula_counts_what_autograd_saves_at_tp2(mode: str) -> None:
     cfg = config.load(TINY, [f'train.recompute="{mode}"'])
@@ -69,7 +128,7 @@ def test_activation_formula_counts_what_autograd_saves_at_tp2(mode: str) -> None
             x = ids if first else torch.randn(2, m.seq_len, m.d_model, requires_grad=True)
             with SavedActivations([*stage.parameters(), *stage.buffers()]) as meter:
                 stage(x, ids if last else None)
-            predicted = plan.stage_activation_bytes(cfg, layers, first, last, 2, 2, "cpu", mode)
+            predicted = plan_memory.stage_activation_bytes(cfg, layers, first, last, 2, 2, "cpu", mode)
             out.append((meter.bytes, predicted))
         return out
 
