@@ -1,5 +1,6 @@
 """16-bit training: the fp16 loss scaler's state machine, fp32 master weights, every actor skipping an
-overflowing step together, and bf16/fp16 loss curves tracking fp32.
+overflowing step together, bf16/fp16 loss curves tracking fp32, and bf16 agreeing across layouts (fp16
+across an elastic dp change: tests/test_precision_elastic.py).
 """
 
 from __future__ import annotations
