@@ -1,5 +1,6 @@
 """16-bit training: the fp16 loss scaler's state machine, fp32 master weights, every actor skipping an
-overflowing step together, and bf16/fp16 loss curves tracking fp32.
+overflowing step together, bf16/fp16 loss curves tracking fp32, and bf16 agreeing across layouts (fp16
+across an elastic dp change: tests/test_precision_elastic.py).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from raypar import config
 from raypar.config import TrainConfig
 from raypar.controller.actor_mesh import ActorMesh, StepFailure
 from raypar.dp import DPStrategy
-from raypar.mesh import Coord
+from raypar.mesh import Coord, Mesh
 from raypar.precision import LossScaler, ScalerConfig
+from tests.faults import FaultyActorMesh
+from tests.runs import tiny
 
 TINY = "examples/configs/tiny.toml"
 
@@ -208,6 +211,81 @@ def test_bf16_and_fp16_curves_track_fp32(ray_session) -> None:
         mean = sum(diffs) / len(diffs)
         assert mean <= CURVE_MEAN_RTOL, f"{precision}: mean off by {mean:.2%}"
 
+
+
+# -- bf16 across layouts ----------------------------------------------------------------------------------
+# bf16 at the one-process layout (1,1,1) and at (2,1,2), against each other. The layouts differ only in the
+# order of sums: the tp all-reduce adds two bf16 partial outputs (one extra rounding), microbatches are
+# smaller, the dp average of the gradients (in fp32) adds in another order. Bound, from bf16's relative
+# precision 2^-8 (one rounding of a value): at step 0 the parameters are bitwise the same and one pass
+# differs by about one rounding, so the loss and the grad norm agree to 2^-8. Each later step can add a
+# rounding's worth through the update; those differences come from other data and other sums each step,
+# uncorrelated, so they add up like a random walk (the sqrt(n) rule for rounding errors), not linearly:
+# the loss at step s within sqrt(s + 1) * 2^-8 (0.39 % at step 0, 0.96 % at step 5). The grad norm is
+# checked at step 0 only: once the trajectories part, a norm near the clip threshold amplifies the gap
+# (bf16: 2.2 % at step 3, ~100x the loss gap; fp32 too, 1.1e-5 at step 4). Measured, bf16: loss 9.6e-6 at
+# step 0, 1.6e-4 at worst (20x under its bound); grad norm 8.2e-6 at step 0. The same pair in fp32: loss
+# 3.2e-7 at worst. So the bf16 gap is bf16's rounding, not the layouts' (the test asserts it is over 10x
+# the fp32 one: a run not really in bf16 fails). Negative controls on the same actors, caught by the same
+# check: the tp all-reduces dropped (loss off 1.06 % at step 4, bound 0.87 %; 2.5 % at step 5, bound
+# 0.96 %), the dp gradients summed instead of averaged (grad norm doubled at step 0; the losses move by
+# 5e-4 at most, within their bounds: Adam is scale-invariant and the norm clipped).
+LAYOUT_STEPS = 6
+BF16_EPS = 2.0**-8
+FP32_LAYOUT_RTOL = 1e-5  # tests/test_equivalence.py's
+
+
+def layout_cfg(layout: tuple[int, int, int], precision: str) -> config.Config:
+    dp, pp, tp = layout
+    return tiny(f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}",
+                f'train.precision="{precision}"', f"train.steps={LAYOUT_STEPS}")
+
+
+def train_curve(trainer: ActorMesh, cfg: config.Config) -> tuple[list[float], list[float]]:
+    """(losses, grad norms) from the seed under `cfg`, on the trainer's actors."""
+    trainer.reconfigure(cfg)
+    results = [trainer.step(s) for s in range(LAYOUT_STEPS)]
+    return [r.loss for r in results], [r.grad_norm for r in results]
+
+
+def rel_gaps(got: list[float], want: list[float]) -> list[float]:
+    return [abs(a - b) / abs(b) for a, b in zip(got, want, strict=True)]
+
+
+def assert_bf16_close(run: tuple[list[float], list[float]], ref: tuple[list[float], list[float]]) -> None:
+    for step, gap in enumerate(rel_gaps(run[0], ref[0])):
+        bound = math.sqrt(step + 1) * BF16_EPS
+        got, want = run[0][step], ref[0][step]
+        assert gap <= bound, f"loss at step {step}: {got} vs {want} ({gap:.2e} > {bound:.2e})"
+    gap = rel_gaps(run[1][:1], ref[1][:1])[0]
+    assert gap <= BF16_EPS, f"grad norm at step 0: {run[1][0]} vs {ref[1][0]} ({gap:.2e} > {BF16_EPS:.2e})"
+
+
+def test_bf16_matches_across_layouts(ray_session) -> None:
+    one, par = (1, 1, 1), (2, 1, 2)
+    trainer = ActorMesh(layout_cfg(one, "fp32"), "bf16-one")
+    try:
+        trainer.start()
+        ref = {p: train_curve(trainer, layout_cfg(one, p)) for p in ("fp32", "bf16")}
+    finally:
+        trainer.shutdown()
+    trainer = FaultyActorMesh(layout_cfg(par, "fp32"), "bf16-par", faults={})
+    try:
+        trainer.start()
+        fp32, bf16 = (train_curve(trainer, layout_cfg(par, p)) for p in ("fp32", "bf16"))
+        fp32_gap = max(rel_gaps(fp32[0], ref["fp32"][0]))
+        assert fp32_gap <= FP32_LAYOUT_RTOL, fp32_gap
+        assert max(rel_gaps(bf16[0], ref["bf16"][0])) > 10 * fp32_gap  # bf16's rounding, not the layout's
+        assert_bf16_close(bf16, ref["bf16"])
+        # every member of a collective must take the same broken path, else it hangs instead of computing
+        controls = (("tp_drop_allreduce", r"loss at step [45]"), ("dp_sum", "grad norm at step 0"))
+        for fault, failure in controls:
+            trainer.set_faults({coord: [fault] for coord in Mesh(*par).coords()})
+            broken = train_curve(trainer, layout_cfg(par, "bf16"))
+            with pytest.raises(AssertionError, match=failure):
+                assert_bf16_close(broken, ref["bf16"])
+    finally:
+        trainer.shutdown()
 
 def test_fp16_resume_restores_the_loss_scaler(ray_session, tmp_path) -> None:
     """fp16 at (2,2,1), the scale growing every 2 clean steps: stopped at step 4 and resumed, the run's
