@@ -2,7 +2,8 @@
 
 Ray's metrics agent on each node serves them at `http://<node>:<MetricsExportPort>/metrics` (see
 `ray.nodes()`), with Ray's `ray_` prefix: `raypar_loss` is scraped as `ray_raypar_loss`. Every series is
-tagged with run, dp, pp and tp, so a dashboard can show one actor, a stage, a replica or the whole run.
+tagged with run, dp, pp, tp and cp, so a dashboard can show one actor, a stage, a replica or the whole
+run.
 
 All metrics are gauges holding the latest step's value: a histogram would lose them, as Ray exports a
 histogram's sum from bucket midpoints. A gauge that is not set again ages out of the agent after two
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from ray.util.metrics import Gauge
 
-TAG_KEYS = ("run", "dp", "pp", "tp")
+TAG_KEYS = ("run", "dp", "pp", "tp", "cp")
 COMM_OPS = ("recv_act", "send_act", "recv_grad", "send_grad")
 METRICS = {
     "raypar_step_seconds": "Wall time of the last training step on this actor",
@@ -47,9 +48,9 @@ class ActorMetrics:
     metrics register with the process that creates them, so a copy pickled from the driver would report
     from the wrong process, or not at all."""
 
-    def __init__(self, run: str, coord: tuple[int, int, int]):
-        dp, pp, tp = coord[:3]
-        tags = {"run": run, "dp": str(dp), "pp": str(pp), "tp": str(tp)}
+    def __init__(self, run: str, coord: tuple[int, ...]):
+        dp, pp, tp, cp = (*coord, 0)[:4]  # (dp, pp, tp, cp); cp ranks share (dp, pp, tp), so it is a tag too
+        tags = {"run": run, "dp": str(dp), "pp": str(pp), "tp": str(tp), "cp": str(cp)}
         self.gauges = {name: Gauge(name, text, tag_keys=TAG_KEYS) for name, text in METRICS.items()}
         self.gauges[LOAD_METRIC] = Gauge(
             LOAD_METRIC,

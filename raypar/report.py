@@ -72,6 +72,7 @@ def timeline_rows(step: int, per_actor: Mapping[tuple[int, ...], Mapping[str, An
             "dp": coord[0],
             "pp": coord[1],
             "tp": coord[2],
+            "cp": coord[3] if len(coord) > 3 else 0,
             "step_s": result["step_s"],
             "events": [list(event) for event in result["events"]],
         }
@@ -173,13 +174,14 @@ def _label(op: str, mb: int) -> str:
 def chrome_trace(rows: list[Row]) -> dict[str, Any]:
     """One step as Chrome trace events ("X" complete events, microseconds): pid = replica, tid = actor."""
     n_tp = 1 + max(row["tp"] for row in rows)
+    n_cp = 1 + max(row.get("cp", 0) for row in rows)  # timelines written before cp have none
     phase = _pipeline_phases(rows)
     events: list[dict[str, Any]] = []
     for dp in sorted({row["dp"] for row in rows}):
         events.append({"ph": "M", "name": "process_name", "pid": dp, "args": {"name": f"replica dp{dp}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": dp, "args": {"sort_index": dp}})
     for row in rows:
-        pid, tid = row["dp"], row["pp"] * n_tp + row["tp"]
+        pid, tid = row["dp"], (row["pp"] * n_cp + row.get("cp", 0)) * n_tp + row["tp"]
         events.append(
             {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": row["actor"]}}
         )
@@ -219,7 +221,7 @@ def plot_timeline(rows: list[Row], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    rows = sorted(rows, key=lambda r: (r["dp"], r["pp"], r["tp"]))
+    rows = sorted(rows, key=lambda r: (r["dp"], r["pp"], r.get("cp", 0), r["tp"]))
     end_ms = 1e3 * max(row["step_s"] for row in rows)
     fig_w = 14.0
     fig, ax = plt.subplots(figsize=(fig_w, 1.8 + 0.42 * len(rows)), dpi=110)
@@ -243,7 +245,9 @@ def plot_timeline(rows: list[Row], path: Path, title: str) -> None:
                 text = str(mb)
                 if w > char_ms * (len(text) + 0.6):
                     ax.text(x + w / 2, y, text, ha="center", va="center", fontsize=8, color="white")
-    ax.set_yticks(range(len(rows)), [f"dp{r['dp']} · pp{r['pp']} · tp{r['tp']}" for r in rows], fontsize=9)
+    cp = any(r.get("cp", 0) for r in rows)
+    labels = [f"dp{r['dp']} · pp{r['pp']} · tp{r['tp']}" + (f" · cp{r['cp']}" if cp else "") for r in rows]
+    ax.set_yticks(range(len(rows)), labels, fontsize=9)
     for y in range(1, len(rows)):
         if rows[y]["dp"] != rows[y - 1]["dp"]:
             ax.axhline(y - 0.5, color="black", linewidth=1.2)

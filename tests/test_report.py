@@ -285,3 +285,14 @@ def test_cpu_peak_is_measured_once() -> None:
     assert time.perf_counter() - start < 0.01 < first < 1.0
     # One core does ~1e10..1e12 fp32 FLOP/s (DESIGN: ~9e10 here); a broken timer would be far off.
     assert 1e9 < peak < 1e13 and math.isfinite(peak)
+
+
+def test_cp_ranks_are_separate_actors_in_the_trace() -> None:
+    # The cp ranks of one (dp, pp, tp) place are different actors: each gets its own trace thread.
+    result = {"step_s": 0.01, "events": [("forward", 0, 0.0, 0.004), ("backward", 0, 0.004, 0.01)]}
+    per_actor = {(0, p, t, c): result for p in range(2) for t in range(2) for c in range(2)}
+    rows = report.timeline_rows(3, per_actor)
+    assert {row["cp"] for row in rows} == {0, 1}
+    events = report.chrome_trace(rows)["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert len(names) == 8 and sorted(names.values()) == sorted(row["actor"] for row in rows), names

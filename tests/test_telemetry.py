@@ -39,9 +39,9 @@ STEP = {
 }
 
 
-def scrape(ray: Any, run: str) -> dict[tuple[str, str, str, str], dict[str, float]]:
-    """(dp, pp, tp, ...) series of `run` on every live node: {(dp, pp, tp): {metric: value}}."""
-    found: dict[tuple[str, str, str, str], dict[str, float]] = {}
+def scrape(ray: Any, run: str) -> dict[tuple[str, ...], dict[str, float]]:
+    """The series of `run` on every live node: {(dp, pp, tp, cp): {metric: value}}."""
+    found: dict[tuple[str, ...], dict[str, float]] = {}
     for node in ray.nodes():
         if not node["Alive"]:
             continue
@@ -54,9 +54,8 @@ def scrape(ray: Any, run: str) -> dict[tuple[str, str, str, str], dict[str, floa
                 continue
             labels = dict(LABEL.findall(match.group(2)))
             if labels.get("run") == run:
-                found.setdefault((labels["dp"], labels["pp"], labels["tp"]), {})[match.group(1)] = float(
-                    match.group(3)
-                )
+                key = (labels["dp"], labels["pp"], labels["tp"], labels["cp"])
+                found.setdefault(key, {})[match.group(1)] = float(match.group(3))
     return found
 
 
@@ -65,30 +64,38 @@ def test_actor_metrics_reach_prometheus(ray_session: Any) -> None:
 
     @ray.remote(num_cpus=0)
     class Recorder:
-        def __init__(self, run: str, coord: tuple[int, int, int]):
+        def __init__(self, run: str, coord: tuple[int, ...]):
             self.metrics = ActorMetrics(run, coord)  # created here, in the actor's process
 
         def record(self, result: dict[str, Any], tokens_per_s: float, mfu: float | None) -> None:
             self.metrics.record(result, tokens_per_s, mfu)
 
     run = f"telemetry-{uuid.uuid4().hex[:8]}"
-    middle = Recorder.remote(run, (1, 2, 0))
-    first = Recorder.remote(run, (0, 0, 1))  # no loss on this stage, no MFU for this device
+    middle = Recorder.remote(run, (1, 2, 0, 0))
+    twin = Recorder.remote(run, (1, 2, 0, 1))  # the same place in the mesh but for its cp rank
+    first = Recorder.remote(run, (0, 0, 1, 0))  # no loss on this stage, no MFU for this device
     first_step = {**STEP, "loss": None}
     deadline = time.monotonic() + 60
     series: dict = {}
     while time.monotonic() < deadline:
-        ray.get([middle.record.remote(STEP, 1234.5, 0.125), first.record.remote(first_step, 1200.0, None)])
+        ray.get([
+            middle.record.remote(STEP, 1234.5, 0.125),
+            twin.record.remote(STEP, 1000.0, 0.125),
+            first.record.remote(first_step, 1200.0, None),
+        ])  # fmt: skip
         series = scrape(ray, run)
         if (
-            len(series.get(("1", "2", "0"), {})) == len(DENSE)
-            and len(series.get(("0", "0", "1"), {})) == len(DENSE) - 2
+            len(series.get(("1", "2", "0", "0"), {})) == len(DENSE)
+            and len(series.get(("1", "2", "0", "1"), {})) == len(DENSE)
+            and len(series.get(("0", "0", "1", "0"), {})) == len(DENSE) - 2
         ):
             break
         time.sleep(0.3)
-    assert set(series) == {("1", "2", "0"), ("0", "0", "1")}, f"series of run {run} seen: {series}"
+    expected = {("1", "2", "0", "0"), ("1", "2", "0", "1"), ("0", "0", "1", "0")}
+    assert set(series) == expected, f"series of run {run} seen: {series}"
+    assert series[("1", "2", "0", "1")]["raypar_tokens_per_second"] == pytest.approx(1000.0)
 
-    values = series[("1", "2", "0")]
+    values = series[("1", "2", "0", "0")]
     assert set(values) == DENSE
     assert values["raypar_step_seconds"] == pytest.approx(0.5)
     assert values["raypar_tokens_per_second"] == pytest.approx(1234.5)
@@ -99,10 +106,10 @@ def test_actor_metrics_reach_prometheus(ray_session: Any) -> None:
     assert values["raypar_model_state_bytes"] == 4096
     assert 10 * 2**20 < values["raypar_memory_bytes"] < 2**40  # a Python process with torch: tens of MiB up
 
-    other = series[("0", "0", "1")]
+    other = series[("0", "0", "1", "0")]
     assert "raypar_loss" not in other and "raypar_mfu" not in other
     assert other["raypar_tokens_per_second"] == pytest.approx(1200.0)
-    for actor in (middle, first):
+    for actor in (middle, twin, first):
         ray.kill(actor)
 
 
