@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from raypar import zb
 from raypar.schedules import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -219,10 +220,12 @@ class ModelBackend:
 
     The loss of a microbatch is divided by `n_mb` (the replica's loss is the mean over its microbatches)
     and multiplied by the loss `scale` (fp16).
-    backward_input takes the input gradient with `torch.autograd.grad` (parameter gradients are not
-    computed: autograd prunes them), keeping the graph; backward_weight walks it again for the parameters
-    only, accumulating into `.grad` (where the DP reducer's hooks fire). Received buffers go back to the
-    transport once nothing reads them: the act after both send_grad and W, the grad after W."""
+    A schedule that splits backward (`split_backward`) defers weight GEMMs to a `raypar.zb` store:
+    backward_input takes the input gradient and the other parameters' with one `torch.autograd.grad`, the
+    linears leaving their weight GEMMs in the store; backward_weight runs those and accumulates every
+    parameter gradient into `.grad` (where the DP reducer's hooks fire) without walking the graph again.
+    Received buffers go back to the transport once nothing reads them: the act after both send_grad and W,
+    the grad after W."""
 
     def __init__(
         self, model: Any, rank: int, topo: Topology, transport: Transport, act_like: torch.Tensor,
@@ -240,6 +243,14 @@ class ModelBackend:
         self.aux: dict[Unit, torch.Tensor] = {}  # MoE load-balancing loss of a unit before the last stage
         self.pending: dict[Unit, int] = {}  # readers left of a received act buffer (send_grad, W)
         self.losses: list[torch.Tensor] = []
+        self.wgrad: zb.WeightGradStore | None = None  # set by split_backward
+
+    def split_backward(self) -> None:
+        """The plan has backward_input and backward_weight: route the model's linears through a store
+        from the next forward on."""
+        if self.wgrad is None:
+            self.wgrad = zb.WeightGradStore()
+            zb.attach(self.model, self.wgrad)
 
     def recv(self, kind: str, chunk: int, mb: int) -> bool:
         unit = (chunk, mb)
@@ -291,13 +302,20 @@ class ModelBackend:
             self.transport.release("grad", chunk, mb)
             self._read_act(unit)
         elif op == BACKWARD_INPUT:
+            assert self.wgrad is not None, "backward_input without split_backward"
             roots, grads = self._roots(unit, pop=False)
-            (grad,) = torch.autograd.grad(roots, self.inputs[unit], grads, retain_graph=True)
+            params = self.wgrad.others(self.model.chunk_parameters(chunk))
+            with self.wgrad.capture(unit):
+                got = torch.autograd.grad(
+                    roots, [self.inputs[unit], *params], grads, retain_graph=True, allow_unused=True
+                )
+            self.wgrad.stash(unit, params, got[1:])
             if not first:  # the first stage's stops at the embedding: nothing to send
-                self.input_grads[unit] = grad
+                self.input_grads[unit] = got[0]
         else:
-            params = self.model.chunk_parameters(chunk)
-            torch.autograd.backward(*self._roots(unit, pop=True), inputs=params)
+            assert self.wgrad is not None, "backward_weight without split_backward"
+            self.wgrad.flush(unit)
+            self._roots(unit, pop=True)  # the graph kept since B goes now
             self.freed(chunk, mb)
             self.transport.release("grad", chunk, mb)
             self._read_act(unit)
@@ -345,6 +363,8 @@ class StepRun:
         self.walker = StageWalker(rank, topo, plan, backend)
         self.reducers, self.chunk_params = list(reducers), chunk_params
         self.arm_at = self.arm_points(plan)
+        if any(ins.op == BACKWARD_INPUT for ins in plan):
+            backend.split_backward()
 
     def arm_points(self, plan: list[Instr]) -> dict[int, int]:
         return arm_points(plan)

@@ -72,7 +72,7 @@ class Expert(nn.Module):
         self.w_down = RowParallelLinear(cfg.d_ff, cfg.d_model, group)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(self.w_gate(x)) * self.w_up(x), self.w_down.weight)
+        return self.w_down.local(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
 class MoEStats:

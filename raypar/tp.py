@@ -21,6 +21,7 @@ from torch import nn
 
 from collectives import Group
 from raypar.sp import reduce_scatter_to_sp
+from raypar.zb import WeightGradStore, linear
 
 
 def tp_size(group: Group | None) -> int:
@@ -111,11 +112,12 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.group, self.copy_input = group, copy_input
         self.weight = nn.Parameter(torch.empty(_divide(out_features, group, "out_features"), in_features))
+        self.wgrad_store: WeightGradStore | None = None  # zero-bubble: weight GEMMs deferred (raypar.zb)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
             x = copy_to_tp(x, self.group)
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, self.wgrad_store)
 
 
 class RowParallelLinear(nn.Module):
@@ -131,11 +133,16 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group, self.sp = group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features, _divide(in_features, group, "in_features")))
+        self.wgrad_store: WeightGradStore | None = None  # zero-bubble: weight GEMMs deferred (raypar.zb)
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product, before the reduction over tp."""
+        return linear(x, self.weight, self.wgrad_store)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sp:
-            return reduce_scatter_to_sp(F.linear(x, self.weight), self.group)
-        return reduce_from_tp(F.linear(x, self.weight), self.group)
+            return reduce_scatter_to_sp(self.local(x), self.group)
+        return reduce_from_tp(self.local(x), self.group)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -163,3 +163,10 @@ def test_every_benchmark_has_a_quick_run_in_the_tests(script):
         if '"--quick"' in t and (f'"benchmarks/{script}"' in t or f"from benchmarks import {name}" in t)
     ]
     assert runs, f"no test runs benchmarks/{script} --quick"
+
+
+def test_zero_bubble_split_quick():
+    text = ok(run("benchmarks/zero_bubble_split.py", "--quick"))
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("|")}
+    assert {"plain", "split", "rewalk"} <= set(rows)
+    assert "1.000" in rows["split"].split("|")[3]  # the same FLOPs as one backward
