@@ -265,13 +265,13 @@ def bubble_formula(name: str, n_stages: int, n_mb: int, n_chunks: int = 1) -> fl
     return (n_stages - 1) / (n_chunks * n_mb + n_stages - 1)
 
 
-def idealized_bubble(name: str, n_stages: int, n_mb: int, n_chunks: int = 1, t_comm: float = 0.0) -> float:
-    """Mean idle share over stages of the schedule run on the executor's simulator with the costs its
-    formula assumes (zb-h1: F = B = W; the others: B = 2F, which their formulas do not depend on) and
-    hops of `t_comm` forward times: at t_comm = 0 it must equal `bubble_formula`."""
+def idealized_bubble(name: str, n_stages: int, n_mb: int, n_chunks: int = 1) -> float:
+    """Mean idle share over stages of the schedule run on the executor's simulator with free hops and the
+    costs its formula assumes (zb-h1: F = B = W; the others: B = 2F, which their formulas do not depend
+    on): it must equal `bubble_formula`."""
     plans = build(name, n_stages, n_mb, n_chunks)
     weight = 1.0 if name == "zb-h1" else None
-    shares = bubble_fraction(simulate(plans, 1.0, 2.0, t_comm=t_comm, t_weight=weight))
+    shares = bubble_fraction(simulate(plans, 1.0, 2.0, t_weight=weight))
     return sum(shares) / len(shares)
 
 
