@@ -188,7 +188,7 @@ def zb_h1(stage: int, n_stages: int, n_mb: int) -> list[Instr]:
 ZB_H1_EXTRA_FORWARDS = 2
 
 
-def _zb_h1_orders(p: int, m: int, extra_forwards: int = ZB_H1_EXTRA_FORWARDS) -> Plan:
+def _zb_h1_orders(p: int, m: int) -> Plan:
     clock = [0] * p
     done = {op: [0] * p for op in "FBW"}
     act_ready: dict[tuple[int, int], int] = {}  # (stage, mb) -> when its input activation is there
@@ -203,7 +203,7 @@ def _zb_h1_orders(p: int, m: int, extra_forwards: int = ZB_H1_EXTRA_FORWARDS) ->
                 at = 0 if s == p - 1 else grad_ready.get((s, nb))
                 if at is not None:
                     ready.append((max(clock[s], at), 0, "B", nb))
-            if nf < m and nf - nb < p - s + extra_forwards and nf - nw < p + 2:
+            if nf < m and nf - nb < p - s + ZB_H1_EXTRA_FORWARDS and nf - nw < p + 2:
                 at = 0 if s == 0 else act_ready.get((s, nf))
                 if at is not None:
                     ready.append((max(clock[s], at), 1, "F", nf))
