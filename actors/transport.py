@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 import warnings
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -209,13 +210,22 @@ class DirectTransport:
     """send/recv on the pair groups; gloo and NCCL both match messages between two ranks in order, and
     every schedule receives each directed link in send order (checked by raypar.schedules.simulate), so
     no tags are needed. In `prev_group` this rank is member 1, in `next_group` member 0 (the ring group
-    of interleaved pipelines lists the last stage first)."""
+    of interleaved pipelines lists the last stage first).
+
+    Gloo moves a message only once its receive is posted: a send that comes first only announces itself,
+    and the data follows the receiver's notification, one round trip after the receiver gets to its recv.
+    So a training step announces its receives (`expect`, in plan order) and each link keeps its next
+    receive posted: the data moves while this rank computes. Without `expect` (evaluation) a receive is
+    posted when it is called."""
 
     def __init__(self, prev_group: Group | None, next_group: Group | None):
         self.prev_group, self.next_group = prev_group, next_group
         self.step = 0
         self._sends: list[Work] = []
         self._pool = BufferPool()
+        self._expected: dict[str, deque[tuple[int, int]]] = {"act": deque(), "grad": deque()}
+        self._posted: dict[str, tuple[tuple[int, int], Work] | None] = {"act": None, "grad": None}
+        self._like: torch.Tensor | None = None
 
     def send_act(self, chunk: int, mb: int, tensor: torch.Tensor) -> None:
         self._sends.append(self.next_group.send(tensor.detach().contiguous(), dst=1, async_op=True))
@@ -223,11 +233,44 @@ class DirectTransport:
     def send_grad(self, chunk: int, mb: int, tensor: torch.Tensor) -> None:
         self._sends.append(self.prev_group.send(tensor.detach().contiguous(), dst=0, async_op=True))
 
+    def expect(self, receives: list[tuple[str, int, int]], like: torch.Tensor) -> None:
+        """This step's receives, (kind, chunk, mb) in the order the plan takes them; posts each link's
+        first."""
+        self._like = like
+        for kind, chunk, mb in receives:
+            self._expected[kind].append((chunk, mb))
+        for kind in self._expected:
+            self._post_next(kind)
+
+    def _link(self, kind: str) -> tuple[Group, int]:
+        return (self.prev_group, 0) if kind == "act" else (self.next_group, 1)
+
+    def _post_next(self, kind: str) -> None:
+        if self._expected[kind]:
+            chunk, mb = self._expected[kind].popleft()
+            group, src = self._link(kind)
+            buffer = self._pool.take(kind, chunk, mb, self._like)
+            self._posted[kind] = ((chunk, mb), group.recv(buffer, src=src, async_op=True))
+
+    def _recv(self, kind: str, chunk: int, mb: int, like: torch.Tensor) -> torch.Tensor:
+        posted = self._posted[kind]
+        if posted is None:  # not announced: post it now
+            group, src = self._link(kind)
+            return group.recv(self._pool.take(kind, chunk, mb, like), src=src)
+        unit, work = posted
+        if unit != (chunk, mb):
+            raise RuntimeError(f"{kind} receive of (chunk {chunk}, mb {mb}) out of the announced order: "
+                               f"(chunk {unit[0]}, mb {unit[1]}) is next")
+        self._posted[kind] = None
+        tensor = work.wait()
+        self._post_next(kind)
+        return tensor
+
     def recv_act(self, chunk: int, mb: int, like: torch.Tensor) -> torch.Tensor:
-        return self.prev_group.recv(self._pool.take("act", chunk, mb, like), src=0)
+        return self._recv("act", chunk, mb, like)
 
     def recv_grad(self, chunk: int, mb: int, like: torch.Tensor) -> torch.Tensor:
-        return self.next_group.recv(self._pool.take("grad", chunk, mb, like), src=1)
+        return self._recv("grad", chunk, mb, like)
 
     def release(self, kind: str, chunk: int, mb: int) -> None:
         self._pool.give(kind, chunk, mb)

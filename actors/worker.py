@@ -367,6 +367,10 @@ class Worker(GroupHost):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         backend = _ActorBackend(self, step, scale)
+        if isinstance(self.transport, DirectTransport):  # its receives get posted ahead of need
+            receives = [("act" if i.op == schedules.RECV_ACT else "grad", i.chunk, i.mb) for i in self.plan
+                        if i.op in (schedules.RECV_ACT, schedules.RECV_GRAD)]
+            self.transport.expect(receives, self.act_like)
         run = StepRun(
             self.coord.pp, self.topo, self.plan, backend, self._strategies(), self.model.chunk_parameters
         )

@@ -36,11 +36,16 @@ Each configuration runs `--steps` (real model: `--real-steps`) timed steps after
 table gives the median bubble.
 The ratio measured/theoretical is the target: within 1.2x (issues 3 and 12).
 
-Schedules and their formulas (raypar.schedules.bubble_formula): gpipe and 1f1b (p-1)/(m+p-1); `interleaved`
-(1f1b with parallel.virtual_stages = 2; m must be a multiple of p) (p-1)/(v m); `zb-h1` (m >= p) (p-1)/(3m)
-with equal F, B and W: its rows use --fwd-ms for all three (B and W each run the backward's fixed cost).
-The fixed model has 8 layers so that p * v divides them. `ideal_ms` is the step the schedule would take
-with exactly those costs and free hops: raypar's executor simulated (schedules.simulate).
+Schedules and their formulas (raypar.schedules.bubble_formula, the idle share of the window, as measured):
+gpipe and 1f1b (p-1)/(m+p-1); `interleaved` (1f1b with parallel.virtual_stages = 2; m must be a multiple of
+p) (p-1)/(vm+p-1); `zb-h1` (m >= p) (p-1)/(3m+p-1) with equal F, B and W: its rows use --fwd-ms for all
+three (B and W each run the backward's fixed cost). The papers' (p-1)/(vm) and (p-1)/(3m) are idle over
+compute time, the same idle time on a different denominator. The fixed model has 8 layers so that p * v
+divides them. `ideal_ms` is the step the schedule would take with exactly those costs and free hops:
+raypar's executor simulated (schedules.simulate). `hops`: how many hop latencies that simulated step
+grows by per unit of latency (the hops on its critical path); `ms_per_hop`: the idle time per stage beyond
+the formula's (`excess_idle_ms`) over `hops`, the per-hop latency that would explain all of it (when it
+is far above the transport's hop, the excess is elsewhere: Python between instructions, late starts).
 """
 
 from __future__ import annotations
@@ -116,13 +121,28 @@ def fixed_costs(args: argparse.Namespace, schedule: str) -> tuple[float, float]:
     return (args.fwd_ms / 1e3, (args.fwd_ms if schedule == "zb-h1" else args.bwd_ms) / 1e3)
 
 
-def ideal_ms(schedule: str, p: int, m: int, fwd_s: float, bwd_s: float) -> float:
-    """The step of the fixed model with free hops: the schedule run on the executor's simulator."""
+def ideal_ms(schedule: str, p: int, m: int, fwd_s: float, bwd_s: float) -> tuple[float, float]:
+    """The step of the fixed model with free hops (the schedule run on the executor's simulator), and how
+    many hops its critical path holds: the step's growth per unit of hop latency."""
     v = CHUNKS.get(schedule, 1)
     plans = build("1f1b" if schedule == "interleaved" else schedule, p, m, v)
-    if schedule == "zb-h1":  # B and W each cost the backward's fixed cost
-        return simulate(plans, fwd_s, 2 * bwd_s, t_weight=bwd_s).makespan * 1e3
-    return simulate(plans, fwd_s, bwd_s).makespan * 1e3
+
+    def step_ms(t_comm: float) -> float:
+        if schedule == "zb-h1":  # B and W each cost the backward's fixed cost
+            return simulate(plans, fwd_s, 2 * bwd_s, t_comm, t_weight=bwd_s).makespan * 1e3
+        return simulate(plans, fwd_s, bwd_s, t_comm).makespan * 1e3
+
+    # A hop a hundredth of a forward: small enough that the critical path does not change.
+    probe_ms = fwd_s * 1e3 / 100
+    return step_ms(0.0), (step_ms(probe_ms / 1e3) - step_ms(0.0)) / probe_ms
+
+
+def excess_idle_ms(row: dict[str, Any]) -> float:
+    """Idle time per stage beyond what the formula leaves for the measured busy time: busy * b / (1 - b)
+    with b the formula's share. Measured busy, not the fixed cost: a sleep that oversleeps and the model's
+    own compute lengthen the step without being stall."""
+    busy_ms = (1 - row["bubble"]) * row["window_ms"]
+    return row["bubble"] * row["window_ms"] - busy_ms * row["theory"] / (1 - row["theory"])
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -144,10 +164,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 row["theory"] = bubble_formula(schedule, p, m, CHUNKS.get(schedule, 1))
                 row["ratio"] = row["bubble"] / row["theory"]
                 row["step_ratio"] = row["step_bubble"] / row["theory"]
-                if model == "fixed":
-                    row["ideal_ms"] = ideal_ms(schedule, p, m, *cost)
                 window_s = row.pop("window_s")
                 row["window_ms"] = window_s * 1e3
+                if model == "fixed":
+                    row["ideal_ms"], row["hops"] = ideal_ms(schedule, p, m, *cost)
+                    row["ms_per_hop"] = excess_idle_ms(row) / row["hops"]
                 if schedule in ("gpipe", "1f1b"):  # the stall budget is 1F1B's algebra
                     row.update(stall_budget(row["bubble"], window_s, p, m))
                 row["load"] = _common.loadavg()
@@ -189,7 +210,8 @@ def measure(trainer: _common.BenchActorMesh, steps: int) -> dict[str, float]:
 
 COLUMNS = [
     "model", "transport", "schedule", "p", "m", "theory", "bubble", "ratio", "step_bubble", "step_ratio",
-    "window_ms", "ideal_ms", "mb_ms", "stall_ms_per_mb", "budget_ms_per_mb", "cpu_per_busy", "load",
+    "window_ms", "ideal_ms", "hops", "ms_per_hop", "mb_ms", "stall_ms_per_mb", "budget_ms_per_mb",
+    "cpu_per_busy", "load",
 ]
 
 

@@ -120,6 +120,16 @@ def test_sequence_bytes_quick():
     assert "ulysses" in text and "ring" in text
 
 
+def test_sequence_step_quick(tmp_path):
+    out = tmp_path / "sequence_step.json"
+    text = ok(run("benchmarks/sequence_step.py", "--quick", "--json", str(out)))
+    assert "| layout " in text and "| ratio |" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["layout"] for r in rows] == ["(1,1,1)", "tp=2", "tp=2 + SP", "cp=2 ulysses", "cp=2 ring"]
+    assert rows[0]["ratio"] == 1.0 and all(r["step_ms"] > 0 for r in rows)
+    assert all(r["loss_diff"] < 1e-4 for r in rows)  # the same model and batches in every layout
+
+
 def test_compression_quick(tmp_path):
     out = tmp_path / "compression.json"
     text = ok(run("benchmarks/compression.py", "--quick", "--json", str(out)))

@@ -15,10 +15,11 @@ def run_ranks(size: int, fn: Callable[[Group], Any]) -> list[Any]:
 
 
 def run_groups(
-    size: int, groups: dict[str, list[int]], fn: Callable[[int, dict[str, Group]], Any]
+    size: int, groups: dict[str, list[int]], fn: Callable[[int, dict[str, Group]], Any], timeout_s: float = 20
 ) -> list[Any]:
     """fn(rank, {name: group}) on `size` threads, each a member of the named gloo groups listing its rank
-    (members in group-rank order); returns the per-rank results in rank order."""
+    (members in group-rank order), whose ops time out after `timeout_s`; returns the per-rank results in
+    rank order."""
     ref = LocalStoreRef()
     results: list[Any] = [None] * size
     errors: list[BaseException] = []
@@ -29,7 +30,7 @@ def run_groups(
             for name, ranks in sorted(groups.items()):  # every member creates its groups in one order
                 if rank in ranks:
                     members = tuple(f"m{r}" for r in ranks)
-                    spec = GroupSpec(name, members, ranks.index(rank), ref, timeout_s=20)
+                    spec = GroupSpec(name, members, ranks.index(rank), ref, timeout_s=timeout_s)
                     mine[name] = create_group(spec, ref.store)
             results[rank] = fn(rank, mine)
         except BaseException as err:  # re-raised in the test thread below
