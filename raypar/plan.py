@@ -98,11 +98,10 @@ def _all_reduce_s(nbytes: float, ranks: int, bw: float) -> float:
 
 def bubble_ratio(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
     """Idle time of a stage over its compute: (pp-1)/m for GPipe and 1F1B, the papers' (pp-1)/(v m) for
-    interleaved 1F1B and (pp-1)/(3m) for ZB-H1 (raypar.schedules.bubble_formula, which gives the first as a
-    share of the whole step instead)."""
-    if schedule == "zb-h1" or virtual_stages > 1:
-        return schedules.bubble_formula(schedule, pp, microbatches, virtual_stages)
-    return (pp - 1) / microbatches
+    interleaved 1F1B and (pp-1)/(3m) for ZB-H1 (raypar.schedules.bubble_formula gives each as a share of
+    the whole step instead: r / (1 + r))."""
+    share = schedules.bubble_formula(schedule, pp, microbatches, virtual_stages)
+    return share / (1.0 - share)
 
 
 def predict(
