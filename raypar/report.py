@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from raypar.mesh import Coord
-from raypar.schedules import COMPUTE_OPS, theoretical_bubble
+from raypar.schedules import COMPUTE_OPS, bubble_formula
 
 COMM_OPS = ("recv_act", "send_act", "recv_grad", "send_grad")
 TAIL = "reduce+optimizer"
@@ -372,11 +372,12 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
     run_dir = Path(run_dir)
     if not (run_dir / "config.toml").is_file():
         raise FileNotFoundError(f"{run_dir}: not a run directory (no config.toml)")
-    schedule, pp = _read_layout(run_dir / "config.toml")
+    schedule, pp, v = _read_layout(run_dir / "config.toml")
     result: dict[str, Any] = {
         "schedule": schedule,
         "step": None,
         "pp": pp,
+        "virtual_stages": v,
         "microbatches": None,
         "bubble_measured": None,
         "bubble_theoretical": None,
@@ -390,9 +391,10 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         shown = pick_step(all_rows, step)
         rows = [row for row in all_rows if row["step"] == shown]
         p = len({row["pp"] for row in rows})
-        # Microbatches per replica as executed: with elastic dp it differs from the config's.
-        m = sum(op == "forward" for op, *_ in rows[0]["events"])
-        measured, theory = measured_bubble(rows), theoretical_bubble(p, m)
+        # Microbatches per replica as executed (with elastic dp it differs from the config's): a stage
+        # runs one forward per microbatch and model chunk.
+        m = sum(op == "forward" for op, *_ in rows[0]["events"]) // v
+        measured, theory = measured_bubble(rows), bubble_formula(schedule, p, m, v)
         result.update(
             step=shown,
             pp=p,
@@ -406,7 +408,7 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         title = (
             f"{SCHEDULE_NAMES.get(schedule, schedule)} pipeline, p={p} stages × m={m} microbatches "
             f"(dp={dp}, tp={tp}), step {shown}   —   "
-            f"bubble measured {measured:.1%}, theory (p−1)/(m+p−1) = {theory:.1%}"
+            f"bubble measured {measured:.1%}, theory {FORMULA_TEXT[_kind_of(schedule, v)]} = {theory:.1%}"
         )
         plot_timeline(rows, run_dir / "timeline.png", title)
         result["files"] += [str(run_dir / "timeline.json"), str(run_dir / "timeline.png")]
@@ -421,8 +423,17 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
     return result
 
 
-def _read_layout(path: Path) -> tuple[str, int]:
-    """parallel.schedule and parallel.pp of a run's config.toml; ValueError naming it if they are missing."""
+# The idle share of the step each schedule's formula gives (raypar.schedules.bubble_formula).
+FORMULA_TEXT = {"1f1b": "(p−1)/(m+p−1)", "interleaved": "(p−1)/(vm+p−1)", "zb-h1": "(p−1)/(3m+p−1)"}
+
+
+def _kind_of(schedule: str, virtual_stages: int) -> str:
+    return "interleaved" if virtual_stages > 1 else "zb-h1" if schedule == "zb-h1" else "1f1b"
+
+
+def _read_layout(path: Path) -> tuple[str, int, int]:
+    """parallel.schedule, pp and virtual_stages (1 if absent) of a run's config.toml; ValueError naming it if
+    the first two are missing."""
     try:
         config = tomllib.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
@@ -436,7 +447,8 @@ def _read_layout(path: Path) -> tuple[str, int]:
         and isinstance(parallel.get("pp"), int)
     ):
         raise ValueError(f"{path}: needs parallel.schedule and parallel.pp (as `raypar train` writes it)")
-    return parallel["schedule"], parallel["pp"]
+    v = parallel.get("virtual_stages", 1)
+    return parallel["schedule"], parallel["pp"], v if isinstance(v, int) and v > 0 else 1
 
 
 def describe(result: dict[str, Any]) -> str:
@@ -446,7 +458,8 @@ def describe(result: dict[str, Any]) -> str:
         lines.append(
             f"step {result['step']}, {result['schedule']}, p={result['pp']}, m={result['microbatches']}: "
             f"bubble measured {result['bubble_measured']:.1%}, "
-            f"theoretical (p-1)/(m+p-1) {result['bubble_theoretical']:.1%}; "
+            f"theoretical {FORMULA_TEXT[_kind_of(result['schedule'], result['virtual_stages'])]} "
+            f"{result['bubble_theoretical']:.1%}; "
             f"gradient reduce + clip {result['tail_fraction']:.1%} of the step"
         )
     lines += [f"wrote {path}" for path in result["files"]]
