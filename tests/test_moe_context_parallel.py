@@ -6,16 +6,18 @@ gradients over cp x dp and expert gradients over the expert-dp group (its replic
 dp x cp: the worker's groups and strategies (actors/worker.py), here without Ray. The reference forwards the
 global batch in the run's microbatches (the aux loss is per microbatch) in one process holding every expert.
 
-Compared: the mean cross-entropy, the global gradient norm and every gradient (1e-5 ulysses, 1e-4 ring, as
+Compared: the mean cross-entropy, every gradient and the global gradient norm (1e-5 ulysses, 1e-4 ring, as
 tests/test_context_parallel.py), and the step's MoE figures through raypar.controller.actor_mesh.moe_totals
 (the aux loss within the same tolerance, expert load and dropped assignments exactly: each cp rank counts its
 own tokens). Capacity follows the reference's dispatch exactly (raypar.moe), so besides a capacity factor
-of E / k (nothing dropped, asserted) a small one that drops assignments must match too.
+of E / k (nothing dropped, asserted) a small one that drops assignments must match too: against one process
+at ep=1, and at ep=2 (where capacity spans the EP group's microbatches) against the same layout at cp=1.
 
 Negative controls, each a real bug the same check rejects: the aux loss from the local cp shard's statistics
-only (no reduction over cp), and the reduced aux whose gradient is not scaled to the cp copies (its value is
-right, the router's gradient is cp times too small). The aux coefficient is raised to 0.1 so that the aux
-loss's share of the router gradient is far above the tolerance.
+only (no reduction over cp); the reduced aux whose gradient is not scaled to the cp copies (its value is
+right, the router's gradient too small); the priority in cp-rank order instead of sequence order (other
+assignments dropped). The aux coefficient is raised to 0.1 so that the aux loss's share of the gradients is
+far above the tolerance. Last, the worker on 4 Ray actors, with the pre-cp expert divisor as its control.
 """
 
 from __future__ import annotations
@@ -203,3 +205,44 @@ def test_ep_and_edp_groups_with_cp():
     # dp == ep: without cp no expert-dp group; with cp the cp ranks of one replica form it
     assert not any(n.startswith("edp.") for n in Mesh(2, 1, 1, ep=2).groups())
     assert Mesh(2, 1, 1, ep=2, cp=2).groups()["edp.pp0.tp0.e0"] == [Coord(0, 0, 0, 0), Coord(0, 0, 0, 1)]
+
+
+class _CpRankOrder(MoELayer):
+    """The bug: one block per cp rank, so the priority runs over cp ranks (all of cp rank 0's tokens first)
+    instead of the reference's (sequence, position) order; capacity is still the global one."""
+
+    def _blocks(self, shape):
+        return 1, None
+
+
+@pytest.mark.parametrize("style", ["ulysses", "ring"])
+def test_priority_in_cp_rank_order_is_rejected(style):
+    want = parallel(make_cfg(style, DROPPING, EP, 1))
+    with pytest.raises(AssertionError, match=r"^gradient of "):
+        assert_matches(parallel(make_cfg(style, DROPPING), _CpRankOrder), want, 1e-4)
+
+
+def test_actors_dp2_ep2_cp2_match_one_process(ray_session):
+    """The worker itself (actors/worker.py: its per-cp-rank EP groups, the expert-dp group spanning cp and
+    the dp x cp divisor, the grad norm's expert part) on 4 Ray actors, two steps with their updates, through
+    tests/test_moe_training.py's checks (loss, nothing dropped, router and expert gradients, grad norm)."""
+    from tests.faults import FaultyActorMesh
+    from tests.reference import reference_run
+    from tests.test_moe_training import assert_params, train
+    from tests.test_moe_training import make_cfg as moe_cfg
+
+    ref = reference_run(moe_cfg(1, 1, 1, 8), 2, microbatch_size=1)
+    cfg = moe_cfg(2, 1, 2, 4, "parallel.cp=2", 'parallel.cp_style="ulysses"')
+    mesh = FaultyActorMesh(cfg, "moe-cp", {})
+    try:
+        mesh.start()
+        train(mesh, range(2), ref)
+        assert_params(mesh, ref)
+        # Negative control: expert gradients divided by the expert-dp group's size, here 2 = dp (the divisor
+        # before cp composed with MoE), not dp x cp = 4: twice too large, and the expert check says so.
+        mesh.set_faults({c: ["ep_divisor_edp"] for c in Mesh(2, 1, 1, cp=2).coords()})
+        mesh.reconfigure(cfg)
+        with pytest.raises(AssertionError, match=r"gradient of layers\.\d\.mlp\.experts"):
+            train(mesh, range(1), ref)
+    finally:
+        mesh.shutdown()
