@@ -222,21 +222,31 @@ def test_priority_in_cp_rank_order_is_rejected(style):
         assert_matches(parallel(make_cfg(style, DROPPING), _CpRankOrder), want, 1e-4)
 
 
-def test_actors_dp2_ep2_cp2_match_one_process(ray_session):
+def test_actors_dp2_ep2_cp2_match_one_process(ray_session, tmp_path):
     """The worker itself (actors/worker.py: its per-cp-rank EP groups, the expert-dp group spanning cp and
     the dp x cp divisor, the grad norm's expert part) on 4 Ray actors, two steps with their updates, through
-    tests/test_moe_training.py's checks (loss, nothing dropped, router and expert gradients, grad norm)."""
+    tests/test_moe_training.py's checks (loss, nothing dropped, router and expert gradients, grad norm).
+    A checkpoint written there (cp rank 0 of each replica writes: each holds the EP group's other experts)
+    resumes at ep=1 (every replica reads every expert) on the reference curve."""
+    from raypar import checkpoint
     from tests.faults import FaultyActorMesh
     from tests.reference import reference_run
     from tests.test_moe_training import assert_params, train
     from tests.test_moe_training import make_cfg as moe_cfg
 
-    ref = reference_run(moe_cfg(1, 1, 1, 8), 2, microbatch_size=1)
+    ref = reference_run(moe_cfg(1, 1, 1, 8), 3, microbatch_size=1)
     cfg = moe_cfg(2, 1, 2, 4, "parallel.cp=2", 'parallel.cp_style="ulysses"')
     mesh = FaultyActorMesh(cfg, "moe-cp", {})
     try:
         mesh.start()
         train(mesh, range(2), ref)
+        staging, writers = mesh.begin_checkpoint(str(tmp_path), 2)
+        assert sorted(writers) == [Coord(0, 0, 0), Coord(1, 0, 0)]
+        entries = mesh.collect(mesh.checkpoint_writes(writers), "writing")
+        uri = checkpoint.publish(str(tmp_path), staging, 2, entries, {"optimizer_steps": 2})
+        mesh.reconfigure(moe_cfg(2, 1, 1, 4, "parallel.cp=2", 'parallel.cp_style="ulysses"'))
+        assert mesh.load(uri) == 2
+        train(mesh, range(2, 3), ref)
         assert_params(mesh, ref)
         # Negative control: expert gradients divided by the expert-dp group's size, here 2 = dp (the divisor
         # before cp composed with MoE), not dp x cp = 4: twice too large, and the expert check says so.
