@@ -207,10 +207,10 @@ class Worker(GroupHost):
         self.model.bind_ep(self.ep_group)
         if par.ep == 1:  # every replica holds every expert
             self.edp_group = self.dp_group
-        else:
-            self.edp_group = (
-                self.group(Mesh.edp_group(self.coord, self.dp_rank, par.ep)) if self.dp > par.ep else None
-            )
+        else:  # the replicas holding these experts, and their cp ranks (raypar.mesh)
+            holders = self.dp // par.ep * par.cp
+            edp = Mesh.edp_group(self.coord, self.dp_rank, par.ep)
+            self.edp_group = self.group(edp) if holders > 1 else None
         self._rebuild_strategies()
         self.mp_group = self.group(Mesh.mp_group(self.coord)) if par.pp * par.tp * par.cp > 1 else None
         self.microbatches = self.cfg.microbatches_at(self.dp)
@@ -291,13 +291,13 @@ class Worker(GroupHost):
         return strategy
 
     def _make_expert_strategy(self, edp_group: Any) -> DPStrategy:
-        """Expert parameters: summed over the expert-dp group, divided by dp (raypar.ep says why); sharded
-        over that group at ZeRO 1 and 2 (config validation refuses ZeRO-3 with experts)."""
+        """Expert parameters: summed over the expert-dp group, divided by dp x cp (raypar.ep says why);
+        sharded over that group at ZeRO 1 and 2 (config validation refuses ZeRO-3 with experts)."""
         par, train = self.cfg.parallel, self.cfg.train
         return DPStrategy(
             self.model, train, edp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp,
             dtype=self.param_dtype, reduce_dtype=precision.DTYPES[train.reduce_dtype],
-            select=is_expert_param, divisor=self.dp,
+            select=is_expert_param, divisor=self.dp * par.cp,
         )
 
     def _device(self) -> torch.device:
@@ -530,17 +530,19 @@ class Worker(GroupHost):
         stash, self._stash = self._stash, None
         if self.dp_group is None:
             return
-        src_dp_rank *= self.cfg.parallel.cp  # the dp group lists each replica's cp ranks together
+        cp, ep = self.cfg.parallel.cp, self.cfg.parallel.ep
+        # The dp and edp groups list each replica's cp ranks together: the source's cp rank 0 sends.
+        dense_src = src_dp_rank * cp
         scaler = self.scaler.state() if self.scaler is not None else {}
         count = stash[1] if stash is not None else self.strategy.step_count
         counts = [count, *scaler.values()]  # a float64 holds each of them exactly
         steps = torch.tensor([float(c) for c in counts], dtype=torch.float64)
-        self.dp_group.broadcast(steps, src_dp_rank)
+        self.dp_group.broadcast(steps, dense_src)
         if self.scaler is not None:
             self.scaler.load_state(dict(zip(scaler, steps[1:].tolist(), strict=True)))
         # Experts come from the replica holding the same ones in the source's EP group, over the EDP group.
-        sources = [(self.strategy, self.dp_group, src_dp_rank)]
-        sources.append((self.expert_strategy, self.edp_group, src_dp_rank // self.cfg.parallel.ep))
+        sources = [(self.strategy, self.dp_group, dense_src)]
+        sources.append((self.expert_strategy, self.edp_group, src_dp_rank // ep * cp))
         for strategy, group, src in sources:
             if stash is not None:
                 state = {name: stash[0][name] for name in strategy.state_shapes()}

@@ -1,9 +1,9 @@
 """Expert parallelism: the all-to-all that moves tokens to their experts, and the experts' gradient norm.
 
-The expert-parallel (EP) group of a rank is `ep` consecutive data-parallel ranks at the same (stage, tp rank):
-dp ranks g*ep .. g*ep+ep-1 form EP group g, and the rank at position j of it holds experts j*E/ep ..
+The expert-parallel (EP) group of a rank is `ep` consecutive data-parallel ranks at the same (stage, tp rank,
+cp rank): dp ranks g*ep .. g*ep+ep-1 form EP group g, and the rank at position j of it holds experts j*E/ep ..
 (j+1)*E/ep - 1 of every MoE layer. The expert-data-parallel (EDP) group is the dp ranks holding the same
-experts (dp rank = j mod ep): dp/ep members.
+experts (dp rank = j mod ep) with all their cp ranks: dp/ep x cp members.
 
 Gradient of an expert parameter. Each replica's loss is the mean over its own tokens and the step's loss
 is the mean over the dp replicas: L = (1/dp) sum_r L_r. The all-to-all's backward returns to the expert's
@@ -12,7 +12,10 @@ over the ep replicas of its EP group. Summing that over the EDP group covers all
 divisor is therefore dp, the full data-parallel degree, not the EDP group's size (that would be ep times
 too large; with ep = dp it would not divide at all): the worker's expert `DPStrategy` (raypar.dp) sums over
 the EDP group with divisor dp. tests/test_moe_training.py checks this against one
-process and rejects the EDP-size divisor.
+process and rejects the EDP-size divisor. With context parallelism each cp rank's loss is the mean over
+its T/cp tokens, cp times the weight the replica's mean gives them (as for every parameter replicated
+over cp, raypar.mesh): the EDP group spans the cp ranks and the divisor is dp x cp
+(tests/test_moe_context_parallel.py).
 """
 
 from __future__ import annotations

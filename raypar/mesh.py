@@ -14,6 +14,7 @@ ranks (see raypar.ep), so it changes which groups exist, not where actors are.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -90,8 +91,10 @@ class Mesh:
             also the last stage and the first (members in that order).
         emb: the first and last stage at the same (tp, cp) rank, when embeddings are tied and pp > 1: the
             gradients of the two copies of the embedding are summed here (Megatron's embedding group).
-        ep: (ep > 1) `ep` consecutive dp ranks at one (stage, tp rank): tokens travel to their experts here.
-        edp: (ep > 1 and dp > ep) the dp ranks holding the same experts: expert gradients are summed here.
+        ep: (ep > 1) `ep` consecutive dp ranks at one (stage, tp rank, cp rank): tokens travel to their
+            experts here; each cp rank's tokens among the same cp rank of the other replicas.
+        edp: (ep > 1 and dp x cp > ep) the dp ranks holding the same experts, with their cp ranks (which
+            hold the same experts too): expert gradients are summed here.
         """
         replicas = list(range(self.dp)) if replicas is None else list(replicas)
         out: dict[str, list[Coord]] = {}
@@ -119,12 +122,12 @@ class Mesh:
             for t in range(self.tp):
                 out[self.dp_group(Coord(0, p, t))] = [Coord(d, p, t, c) for d in replicas for c in cps]
                 if self.ep > 1:
-                    for rank in range(0, len(replicas), self.ep):
-                        members = [Coord(d, p, t) for d in replicas[rank : rank + self.ep]]
+                    for rank, c in itertools.product(range(0, len(replicas), self.ep), cps):
+                        members = [Coord(d, p, t, c) for d in replicas[rank : rank + self.ep]]
                         out[self.ep_group(members[0], rank, self.ep)] = members
-                if len(replicas) > self.ep > 1:
+                if self.ep > 1 and len(replicas) * self.cp > self.ep:
                     for j in range(self.ep):
-                        members = [Coord(d, p, t) for d in replicas[j :: self.ep]]
+                        members = [Coord(d, p, t, c) for d in replicas[j :: self.ep] for c in cps]
                         out[self.edp_group(members[0], j, self.ep)] = members
         return out
 
@@ -152,7 +155,7 @@ class Mesh:
     @staticmethod
     def ep_group(coord: Coord, dp_rank: int, ep: int) -> str:
         """The expert-parallel group of the actor at `coord` with data-parallel rank `dp_rank`."""
-        return f"ep.pp{coord.pp}.tp{coord.tp}.g{dp_rank // ep}"
+        return f"ep.pp{coord.pp}.tp{coord.tp}.g{dp_rank // ep}" + _cp(coord.cp)
 
     @staticmethod
     def edp_group(coord: Coord, dp_rank: int, ep: int) -> str:

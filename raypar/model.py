@@ -238,7 +238,7 @@ class LlamaStage(nn.Module):
     ):
         super().__init__()
         self.cfg, self.first, self.last, self.tp_group = cfg, first, last, tp_group
-        self.sp, self.cp_group, self.cp_style = sequence_parallel, cp_group, cp_style
+        self.sp, self.cp_style = sequence_parallel, cp_style
         self.chunks = list(chunks) if chunks else [layers]
         sp = sequence_parallel
         if first:
@@ -246,6 +246,7 @@ class LlamaStage(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): Block(cfg, tp_group, is_moe_layer(cfg, i), ep_group, sp) for c in self.chunks for i in c}
         )
+        self.cp_group = cp_group  # after the layers: the MoE layers take it too
         if last:
             self.norm = make_norm(cfg, tp_group, sp)
             self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp_group, copy_input=not sp)
@@ -313,6 +314,17 @@ class LlamaStage(nn.Module):
         global, so which blocks recompute does not depend on the pipeline split."""
         for index, block in self.layers.items():
             block.set_recompute(mode if int(index) % every == 0 else "none")
+
+    @property
+    def cp_group(self) -> Group | None:
+        return self._cp_group
+
+    @cp_group.setter
+    def cp_group(self, group: Group | None) -> None:
+        """Also the MoE layers' (re-bound with the stage's): capacity and the aux loss span the cp group."""
+        self._cp_group = group
+        for layer in self.moe_layers().values():
+            layer.cp_group, layer.cp_style = group, self.cp_style
 
     # -- mixture of experts -----------------------------------------------------------------------------
     def moe_layers(self) -> dict[str, MoELayer]:

@@ -13,9 +13,24 @@ by (EP rank, token index) -- the order one process holding all experts sees for 
 A dropped assignment contributes nothing; the block's residual carries the token on. With
 capacity_factor >= E / k nothing can be dropped (C >= tokens) and the layer's math does not depend on ep.
 
+Context parallelism (raypar.cp). A cp rank holds T/cp tokens of each sequence (ulysses: one contiguous
+block per sequence; ring: the zigzag's two chunks), and the dispatch of cp rank c is over the EP group of
+cp rank c (the same cp rank of the other replicas). Routing and experts are token-local, so only the
+token-counting parts change, and both are kept exact rather than per rank (Megatron routes per rank):
+capacity and priority are those of the reference's dispatch over whole microbatches, so a layout with cp
+drops exactly the assignments one process would. For that the counts are per (slot, block, expert),
+a block being a run of tokens contiguous in the reference's (sequence, position) order; they are
+gathered over cp and then over ep, put into the reference's order, and every rank derives the same kept
+counts per block, of which it uses its own. Cost: one extra all-gather of k * blocks * E integers.
+
 Load-balancing loss (Switch, eq. 4; GShard): aux = coef * E * sum_e f_e * P_e over the rank's own tokens of
 the microbatch, f_e the share of the k*T assignments routed to e (before capacity), P_e the mean router
-probability of e. It depends only on the microbatch, so it is the same at any layout.
+probability of e. It depends only on the microbatch, so it is the same at any layout. Under cp the
+microbatch is spread over the cp group: the per-expert assignment counts and probability sums are summed
+over it before the shares and means are formed (sums, not means: a mean of per-shard products is not the
+product of the means), so every cp rank holds the replica's aux. The probability sum is differentiable:
+every cp rank's loss contains that same aux, so the adjoint of the sum (a sum over ranks of identical
+gradients) is cp times the local one, and the gradient reduction over cp x dp divides the cp copies out.
 
 Expert parallelism: this rank holds experts [ep_rank * E/ep, (ep_rank+1) * E/ep) under their global ids
 (`layers.3.mlp.experts.5.w_up.weight`), initialised from (seed, that name) like every parameter, so an expert
@@ -28,12 +43,14 @@ every tp rank routes the same tokens and exchanges them with the same tp rank of
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from collectives import Group
+from raypar import cp
 from raypar.config import ModelConfig
 from raypar.ep import all_to_all
 from raypar.tp import ColumnParallelLinear, RowParallelLinear, copy_to_tp, reduce_from_tp
@@ -75,9 +92,25 @@ class Expert(nn.Module):
         return self.w_down.local(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
+class _SumOverCp(torch.autograd.Function):
+    """Sum of a tensor over the cp group, of which every cp rank's loss uses the result identically (the aux
+    loss of the replica): the adjoint, a sum over ranks of equal gradients, is cp times the local one, with
+    no collective in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.size = group.size
+        return group.all_reduce(x.detach().clone(), "sum")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.size, None
+
+
 class MoEStats:
     """What one layer did over the microbatches since the last `take`: assignments per expert (this rank's
-    tokens, before capacity), assignments dropped, and the mean aux loss."""
+    tokens, before capacity), assignments dropped (this rank's), and the mean aux loss (the replica's:
+    under cp the same on every cp rank, while the counts are each cp rank's own, so sums count each once)."""
 
     def __init__(self, n_experts: int):
         self.load = torch.zeros(n_experts, dtype=torch.int64)
@@ -106,11 +139,14 @@ class MoELayer(nn.Module):
         self.per_rank = self.n_experts // ep
         self.first_expert = rank * self.per_rank
         self.ep_group = ep_group
+        self.cp_group: Group | None = None  # set with the stage's (raypar.model.LlamaStage.cp_group)
+        self.cp_style = "ring"
         ids = range(self.first_expert, self.first_expert + self.per_rank)
         self.experts = nn.ModuleDict({str(e): Expert(cfg, tp_group) for e in ids})
         self.stats = MoEStats(self.n_experts)
         self.aux_losses: list[torch.Tensor] = []
-        self.last_kept: torch.Tensor | None = None  # [ep, k, E] of the last dispatch: what every rank agreed
+        # [ep, cp, k, blocks, E] of the last dispatch: what every rank agreed
+        self.last_kept: torch.Tensor | None = None
 
     def bind_ep(self, group: Group | None) -> None:
         """Use a re-formed EP group (same size and position: the experts held here do not change)."""
@@ -123,6 +159,15 @@ class MoELayer(nn.Module):
     def capacity(self, local_tokens: int, global_tokens: int) -> int:
         return math.ceil(self.capacity_factor * global_tokens * self.top_k / self.n_experts)
 
+    def balance_sums(
+        self, load: torch.Tensor, prob_sum: torch.Tensor, tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The aux loss's sums over the replica's microbatch: this rank's, summed over the cp group."""
+        group = self.cp_group
+        if group is None or group.size == 1:
+            return load, prob_sum, tokens
+        return group.all_reduce(load.clone(), "sum"), _SumOverCp.apply(prob_sum, group), tokens * group.size
+
     def combine(
         self, out: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, tokens: int
     ) -> torch.Tensor:
@@ -133,52 +178,83 @@ class MoELayer(nn.Module):
     # -- forward -----------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        blocks, rank_of_block = self._blocks(shape)
         x = x.reshape(-1, shape[-1])
         tokens, k, n_exp = x.shape[0], self.top_k, self.n_experts
         probs = self.router(x)
         gate, idx = probs.topk(k, dim=-1)  # [T, k]
 
-        # Switch/GShard load balancing over this rank's tokens of the microbatch.
+        # Switch/GShard load balancing over the replica's tokens of the microbatch (all its cp ranks).
         load = torch.bincount(idx.reshape(-1), minlength=n_exp)
-        aux = self.aux_coef * n_exp * (load.to(probs.dtype) / (tokens * k) * probs.mean(dim=0)).sum()
+        total_load, prob_sum, total = self.balance_sums(load, probs.sum(dim=0), tokens)
+        aux = self.aux_coef * n_exp * (total_load.to(probs.dtype) / (total * k) * (prob_sum / total)).sum()
         self.aux_losses.append(aux)
 
         # Assignments in priority order: slot-major (every first choice before any second), then token.
         expert = idx.t().reshape(-1)
         token = torch.arange(tokens, device=x.device).repeat(k)
         weight = gate.t().reshape(-1)
-        onehot = F.one_hot(expert, n_exp).view(k, tokens, n_exp)
-        position = (onehot.cumsum(dim=1) - 1).gather(2, idx.t().unsqueeze(-1)).reshape(-1)  # within (slot, e)
-        counts = onehot.sum(dim=1)  # [k, E] this rank's assignments per (slot, expert)
+        onehot = F.one_hot(expert, n_exp).view(k, blocks, tokens // blocks, n_exp)
+        # Position of each assignment within its (slot, block, expert).
+        position = (onehot.cumsum(dim=2) - 1).view(k, tokens, n_exp).gather(2, idx.t().unsqueeze(-1))
+        counts = onehot.sum(dim=2)  # [k, blocks, E] this rank's assignments per (slot, block, expert)
 
-        kept = self._kept_counts(counts, tokens)  # [ep, k, E], identical on every rank
-        rank = 0 if self.ep_group is None else self.ep_group.rank
+        kept = self._kept_counts(counts, tokens, rank_of_block)  # [ep, cp, k, blocks, E], the same everywhere
+        ep_rank = 0 if self.ep_group is None else self.ep_group.rank
+        cp_rank = 0 if self.cp_group is None else self.cp_group.rank
         slot = torch.arange(k, device=x.device).repeat_interleave(tokens)
-        keep = position < kept[rank][slot, expert]
+        block = token // (tokens // blocks)
+        keep = position.reshape(-1) < kept[ep_rank, cp_rank][slot, block, expert]
         self.stats.add(load, int((~keep).sum()), float(aux.detach()))
 
         expert, token, weight = expert[keep], token[keep], weight[keep]
         order = torch.argsort(expert, stable=True)  # grouped by expert, hence by destination rank
         expert, token, weight = expert[order], token[order], weight[order]
-        out = self._experts(x[token], kept)
+        out = self._experts(x[token], kept[:, cp_rank].sum(dim=2))  # this cp rank's dispatch
         return self.combine(out, token, weight, tokens).view(shape)
 
-    def _kept_counts(self, counts: torch.Tensor, local_tokens: int) -> torch.Tensor:
-        """Every EP rank's kept assignments per (slot, expert), from everyone's counts and one capacity."""
+    def _blocks(self, shape: torch.Size) -> tuple[int, torch.Tensor | None]:
+        """This rank's tokens as blocks contiguous in the reference's (sequence, position) order: their
+        number, and with cp the place of every cp rank's blocks in that order ([cp, blocks]; the same
+        for every rank of the EP group, whose microbatches have one size). Without cp: one block."""
+        group = self.cp_group
+        if group is None or group.size == 1:
+            return 1, None
+        size, batch = group.size, shape[0]
+        chunks = 2 * size if self.cp_style == "ring" else size  # the sequence's cut, as raypar.cp cuts it
+        # cp.positions over a sequence of `chunks` one-token chunks: which chunks a cp rank holds, in order.
+        held = torch.stack([cp.positions(chunks, size, r, self.cp_style) for r in range(size)])
+        place = torch.arange(batch).view(1, batch, 1) * chunks + held.unsqueeze(1)  # [cp, batch, chunks/cp]
+        return place[0].numel(), place.reshape(-1).argsort().argsort().view(size, -1)
+
+    def _kept_counts(
+        self, counts: torch.Tensor, local_tokens: int, rank_of_block: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Every (EP rank, cp rank)'s kept assignments per (slot, block, expert), from everyone's counts and
+        one capacity, in the reference's priority: slot, then EP rank, then its tokens in sequence order."""
+        every = counts.unsqueeze(0)
+        if self.cp_group is not None and self.cp_group.size > 1:
+            every = self.cp_group.all_gather(every.contiguous())  # [cp, k, blocks, E]
+        every = every.unsqueeze(0)
         if self.ep_group is not None and self.ep_group.size > 1:
-            every = self.ep_group.all_gather(counts.unsqueeze(0).contiguous())  # [ep, k, E]
-        else:
-            every = counts.unsqueeze(0)
-        global_tokens = int(every[:, 0, :].sum())  # every token has exactly one first choice
+            every = self.ep_group.all_gather(every.contiguous())  # [ep, cp, k, blocks, E]
+        ep, n_cp, k, blocks, n_exp = every.shape
+        global_tokens = int(every[:, :, 0].sum())  # every token has exactly one first choice
         cap = self.capacity(local_tokens, global_tokens)
-        per_slot = every.sum(dim=0)
-        start = (per_slot.cumsum(0) - per_slot).unsqueeze(0) + (every.cumsum(0) - every)
-        kept = (cap - start).clamp(min=0).minimum(every)
+        ranked = every.permute(2, 0, 1, 3, 4).reshape(k, ep, n_cp * blocks, n_exp)
+        if rank_of_block is not None:  # blocks into the reference's order
+            ranked = ranked[:, :, rank_of_block.reshape(-1).argsort().to(ranked.device)]
+        flat = ranked.reshape(-1, n_exp)
+        kept = (cap - (flat.cumsum(0) - flat)).clamp(min=0).minimum(flat).view_as(ranked)
+        if rank_of_block is not None:  # and back
+            kept = kept[:, :, rank_of_block.reshape(-1).to(kept.device)]
+        kept = kept.view(k, ep, n_cp, blocks, n_exp).permute(1, 2, 0, 3, 4)
         self.last_kept = kept.detach().cpu()
         return kept
 
     def _experts(self, rows: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-        """Send `rows` (sorted by expert) to their experts' ranks, run the local experts, return results."""
+        """Send `rows` (sorted by expert) to their experts' ranks, run the local experts, return results.
+        `kept`: [ep, k, E], every EP rank's kept assignments of this dispatch."""
         per_expert = kept.sum(dim=1)  # [ep, E] rows from each rank to each expert
         ep = per_expert.shape[0]
         rank = 0 if self.ep_group is None else self.ep_group.rank

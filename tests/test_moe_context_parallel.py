@@ -1,0 +1,258 @@
+"""MoE under context parallelism: dp=2 x ep=2 x cp=2 on thread ranks against one process, one step.
+
+Each of the 4 ranks holds T/cp tokens of each sequence of its replica's microbatches (ulysses: contiguous,
+ring: zigzag), dispatches them to the experts over the EP group of its cp rank, and reduces dense
+gradients over cp x dp and expert gradients over the expert-dp group (its replicas' cp ranks), divided by
+dp x cp: the worker's groups and strategies (actors/worker.py), here without Ray. The reference forwards the
+global batch in the run's microbatches (the aux loss is per microbatch) in one process holding every expert.
+
+Compared: the mean cross-entropy, every gradient and the global gradient norm (1e-5 ulysses, 1e-4 ring, as
+tests/test_context_parallel.py), and the step's MoE figures through raypar.controller.actor_mesh.moe_totals
+(the aux loss within the same tolerance, expert load and dropped assignments exactly: each cp rank counts its
+own tokens). Capacity follows the reference's dispatch exactly (raypar.moe), so besides a capacity factor
+of E / k (nothing dropped, asserted) a small one that drops assignments must match too: against one process
+at ep=1, and at ep=2 (where capacity spans the EP group's microbatches) against the same layout at cp=1.
+
+Negative controls, each a real bug the same check rejects: the aux loss from the local cp shard's statistics
+only (no reduction over cp); the reduced aux whose gradient is not scaled to the cp copies (its value is
+right, the router's gradient too small); the priority in cp-rank order instead of sequence order (other
+assignments dropped). The aux coefficient is raised to 0.1 so that the aux loss's share of the gradients is
+far above the tolerance. Last, the worker on 4 Ray actors, with the pre-cp expert divisor as its control.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from raypar import config, data, schedules
+from raypar.controller.actor_mesh import moe_totals
+from raypar.dp import DPStrategy
+from raypar.executor import ModelBackend, StepRun
+from raypar.local_transport import LocalPipe
+from raypar.mesh import Coord, Mesh
+from raypar.model import LlamaStage
+from raypar.moe import MoELayer, is_expert_param
+from tests.threads import run_groups
+
+DP, EP, CP, E, K = 2, 2, 2, 4, 2
+NO_DROP, DROPPING = E / K, 0.75
+
+
+def make_cfg(style: str, capacity_factor: float, ep: int = EP, cp: int = CP) -> config.Config:
+    return config.load("examples/configs/tiny.toml", [
+        f"parallel.dp={DP}", f"parallel.ep={ep}", f"parallel.cp={cp}", f'parallel.cp_style="{style}"',
+        "parallel.microbatches=2", "train.global_batch=8", f"model.moe_experts={E}", f"model.moe_top_k={K}",
+        f"model.moe_capacity_factor={capacity_factor}", "model.moe_every=2", "model.moe_aux_loss_coef=0.1",
+    ])
+
+
+def moe_figures(model: LlamaStage) -> dict[str, dict[str, Any]]:
+    """What the worker reports per layer (actors/worker.py train_step)."""
+    return {
+        i: {"load": s.load.tolist(), "dropped": s.dropped, "aux": s.aux_sum / max(s.microbatches, 1)}
+        for i, s in model.take_moe_stats().items()
+    }
+
+
+def reference(cfg: config.Config) -> dict[str, Any]:
+    m, t = cfg.model, cfg.train
+    model = LlamaStage(m, range(m.n_layers), True, True, seed=t.seed)
+    dataset = data.open_dataset(cfg.data, m)
+    sampler = data.GlobalSampler(dataset.num_samples, t.global_batch, t.seed)
+    count, loss = t.global_batch // cfg.microbatch_size, 0.0
+    for mb in range(count):
+        inputs, targets = data.microbatch(dataset, sampler, 0, mb, cfg.microbatch_size)
+        ce = model(inputs, targets)
+        ((ce + model.take_aux_loss()) / count).backward()
+        loss += ce.item() / count
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {"loss": loss, "grads": grads, "moe": moe_totals({Coord(0, 0, 0): {"moe": moe_figures(model)}})}
+
+
+def parallel(cfg: config.Config, moe_class: type[MoELayer] = MoELayer) -> dict[str, Any]:
+    """One step on dp x cp threads; `moe_class` replaces the MoE layers' class (negative controls)."""
+    par, m = cfg.parallel, cfg.model
+    mesh = Mesh(DP, 1, 1, ep=par.ep, cp=par.cp)
+    groups = {n: mm for n, mm in mesh.groups().items() if n.startswith(("dp.", "cp.", "ep.", "edp."))}
+    topo = schedules.Topology(1, 1)
+    dataset = data.open_dataset(cfg.data, m)
+    sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
+    n_mb, mbs = cfg.microbatches_at(DP), cfg.microbatch_size
+
+    def member(rank: int, mine: dict[str, Any]) -> dict[str, Any]:
+        coord = mesh.coord(rank)
+        ep_group = mine.get(Mesh.ep_group(coord, coord.dp, par.ep))
+        model = LlamaStage(m, range(m.n_layers), True, True, None, cfg.train.seed, ep_group,
+                           cp_group=mine.get(Mesh.cp_group(coord)), cp_style=par.cp_style)
+        for layer in model.moe_layers().values():
+            layer.__class__ = moe_class
+        dense = DPStrategy(model, cfg.train, mine[Mesh.dp_group(coord)], bucket_bytes=4096,
+                           select=lambda name: not is_expert_param(name))
+        # the worker's expert-dp group: the dp group without ep; none where dp == ep and cp == 1
+        edp = mine.get(Mesh.edp_group(coord, coord.dp, par.ep) if par.ep > 1 else Mesh.dp_group(coord))
+        experts = DPStrategy(model, cfg.train, edp, bucket_bytes=4096, select=is_expert_param,
+                             divisor=DP * par.cp)
+        like = torch.empty(mbs, m.seq_len // par.cp, m.d_model)
+
+        def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return data.microbatch(dataset, sampler, 0, coord.dp * n_mb + mb, mbs)
+
+        backend = ModelBackend(model, 0, topo, LocalPipe(topo, 60).transport(0), like, batch, n_mb)
+        plan = schedules.build(par.schedule, 1, n_mb, 1)[0]
+        StepRun(0, topo, plan, backend, [dense, experts], model.chunk_parameters).run(time.perf_counter, 0.0)
+        for strategy in (dense, experts):
+            strategy.finish()
+        return {"coord": coord, "losses": [x.item() for x in backend.losses], "moe": moe_figures(model),
+                "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+    ranks = run_groups(mesh.world_size, {n: [mesh.rank(c) for c in mm] for n, mm in groups.items()}, member)
+    losses = [x for r in ranks for x in r["losses"]]
+    grads: dict[str, torch.Tensor] = {}
+    for r in ranks:  # dense gradients from every rank (identical after the reduction), experts from owners
+        grads.update(r["grads"])
+    return {"loss": sum(losses) / len(losses), "grads": grads,
+            "moe": moe_totals({r["coord"]: {"moe": r["moe"]} for r in ranks})}
+
+
+def assert_matches(got: dict[str, Any], want: dict[str, Any], rtol: float) -> dict[str, float]:
+    """Raise on the first figure out of tolerance; return the largest differences seen."""
+    loss, want_loss = got["loss"], want["loss"]
+    assert abs(loss - want_loss) <= rtol * abs(want_loss), f"loss {loss} vs {want_loss}"
+    assert got["grads"].keys() == want["grads"].keys()
+    worst = 0.0
+    for name, g in want["grads"].items():
+        err = (got["grads"][name] - g).abs().max().item()
+        assert err <= rtol * g.abs().max().item() + 1e-9, f"gradient of {name} differs by {err:.3g}"
+        worst = max(worst, err / g.abs().max().item())
+    norm = torch.sqrt(sum(g.double().pow(2).sum() for g in want["grads"].values()))
+    got_norm = torch.sqrt(sum(g.double().pow(2).sum() for g in got["grads"].values()))
+    assert abs(got_norm - norm) <= rtol * norm, f"grad norm {got_norm.item()} vs {norm.item()}"
+    moe, ref = got["moe"], want["moe"]
+    assert abs(moe["aux_loss"] - ref["aux_loss"]) <= rtol * ref["aux_loss"], f"aux {moe['aux_loss']} vs {ref}"
+    assert moe["expert_load"] == ref["expert_load"] and moe["dropped_tokens"] == ref["dropped_tokens"], moe
+    return {"loss": abs(loss - want_loss) / want_loss, "grad_norm": float(abs(got_norm - norm) / norm),
+            "grad": worst, "aux": abs(moe["aux_loss"] - ref["aux_loss"]) / ref["aux_loss"]}
+
+
+@pytest.mark.parametrize("style, rtol", [("ulysses", 1e-5), ("ring", 1e-4)])
+@pytest.mark.parametrize("ep, capacity_factor", [(EP, NO_DROP), (1, DROPPING)])
+def test_moe_with_context_parallelism_matches_one_process(style, rtol, ep, capacity_factor):
+    """ep=2 with nothing dropped; ep=1 with drops (one process's dispatch is one replica's microbatch,
+    which an EP group of 2 replicas is not: there capacity spans both, see the next test)."""
+    cfg = make_cfg(style, capacity_factor, ep)
+    want = reference(cfg)
+    if capacity_factor == NO_DROP:
+        assert want["moe"]["dropped_tokens"] == 0
+    else:
+        assert want["moe"]["dropped_tokens"] > 0, "the capacity factor must drop assignments here"
+    diffs = assert_matches(parallel(cfg), want, rtol)
+    print(f"{style} ep={ep} cf={capacity_factor}: max relative differences {diffs}")
+
+
+@pytest.mark.parametrize("style, rtol", [("ulysses", 1e-5), ("ring", 1e-4)])
+def test_dropping_under_ep_and_cp_matches_the_layout_without_cp(style, rtol):
+    """dp=2 x ep=2 with drops: the dispatch spans the EP group's microbatches, so the reference is the same
+    layout at cp=1 (itself checked against one process by tests/test_moe.py's dispatch over the ranks'
+    tokens concatenated). cp=2 must keep and drop the same assignments: counts gathered over cp x ep and
+    put in the (rank, sequence, position) order."""
+    want = parallel(make_cfg(style, DROPPING, EP, 1))
+    assert want["moe"]["dropped_tokens"] > 0
+    diffs = assert_matches(parallel(make_cfg(style, DROPPING)), want, rtol)
+    print(f"{style} ep={EP} cf={DROPPING} vs cp=1: max relative differences {diffs}")
+
+
+class _LocalAux(MoELayer):
+    """The bug: the aux loss from this cp shard's counts and probabilities only."""
+
+    def balance_sums(self, load, prob_sum, tokens):
+        return load, prob_sum, tokens
+
+
+class _UnscaledAuxGradient(MoELayer):
+    """The bug: the right (reduced) aux value, but its gradient is only the local one, not the cp copies'."""
+
+    def balance_sums(self, load, prob_sum, tokens):
+        load, total, tokens = super().balance_sums(load, prob_sum, tokens)
+        return load, prob_sum + (total - prob_sum).detach(), tokens
+
+
+@pytest.mark.parametrize("moe_class", [_LocalAux, _UnscaledAuxGradient])
+def test_aux_loss_without_the_cp_reduction_is_rejected(moe_class):
+    cfg = make_cfg("ulysses", NO_DROP)
+    got, want = parallel(cfg, moe_class), reference(cfg)
+    # The aux gradient reaches every parameter below the first MoE router: the first gradient checked fails.
+    with pytest.raises(AssertionError, match=r"^gradient of embed\.weight differs"):
+        assert_matches(got, want, 1e-5)
+    routers = [n for n in want["grads"] if ".mlp.router." in n]
+    worst = max((got["grads"][n] - want["grads"][n]).abs().max() / want["grads"][n].abs().max()
+                for n in routers)
+    print(f"{moe_class.__name__}: router gradients off by up to {worst.item():.3g} of their largest entry")
+    assert worst > 100 * 1e-5  # and the routers themselves, far outside the tolerance
+
+
+def test_ep_and_edp_groups_with_cp():
+    groups = Mesh(4, 1, 1, ep=2, cp=2).groups()
+    # each cp rank dispatches among the same cp rank of the other replicas of its EP group
+    assert groups["ep.pp0.tp0.g1.cp1"] == [Coord(2, 0, 0, 1), Coord(3, 0, 0, 1)]
+    # expert gradients meet over the replicas holding the same experts and all their cp ranks
+    assert groups[Mesh.edp_group(Coord(1, 0, 0), 1, 2)] == [
+        Coord(1, 0, 0, 0), Coord(1, 0, 0, 1), Coord(3, 0, 0, 0), Coord(3, 0, 0, 1)
+    ]
+    # dp == ep: without cp no expert-dp group; with cp the cp ranks of one replica form it
+    assert not any(n.startswith("edp.") for n in Mesh(2, 1, 1, ep=2).groups())
+    assert Mesh(2, 1, 1, ep=2, cp=2).groups()["edp.pp0.tp0.e0"] == [Coord(0, 0, 0, 0), Coord(0, 0, 0, 1)]
+
+
+class _CpRankOrder(MoELayer):
+    """The bug: one block per cp rank, so the priority runs over cp ranks (all of cp rank 0's tokens first)
+    instead of the reference's (sequence, position) order; capacity is still the global one."""
+
+    def _blocks(self, shape):
+        return 1, None
+
+
+@pytest.mark.parametrize("style", ["ulysses", "ring"])
+def test_priority_in_cp_rank_order_is_rejected(style):
+    want = parallel(make_cfg(style, DROPPING, EP, 1))
+    with pytest.raises(AssertionError, match=r"^gradient of "):
+        assert_matches(parallel(make_cfg(style, DROPPING), _CpRankOrder), want, 1e-4)
+
+
+def test_actors_dp2_ep2_cp2_match_one_process(ray_session, tmp_path):
+    """The worker itself (actors/worker.py: its per-cp-rank EP groups, the expert-dp group spanning cp and
+    the dp x cp divisor, the grad norm's expert part) on 4 Ray actors, two steps with their updates, through
+    tests/test_moe_training.py's checks (loss, nothing dropped, router and expert gradients, grad norm).
+    A checkpoint written there (cp rank 0 of each replica writes: each holds the EP group's other experts)
+    resumes at ep=1 (every replica reads every expert) on the reference curve."""
+    from raypar import checkpoint
+    from tests.faults import FaultyActorMesh
+    from tests.reference import reference_run
+    from tests.test_moe_training import assert_params, train
+    from tests.test_moe_training import make_cfg as moe_cfg
+
+    ref = reference_run(moe_cfg(1, 1, 1, 8), 3, microbatch_size=1)
+    cfg = moe_cfg(2, 1, 2, 4, "parallel.cp=2", 'parallel.cp_style="ulysses"')
+    mesh = FaultyActorMesh(cfg, "moe-cp", {})
+    try:
+        mesh.start()
+        train(mesh, range(2), ref)
+        staging, writers = mesh.begin_checkpoint(str(tmp_path), 2)
+        assert sorted(writers) == [Coord(0, 0, 0), Coord(1, 0, 0)]
+        entries = mesh.collect(mesh.checkpoint_writes(writers), "writing")
+        uri = checkpoint.publish(str(tmp_path), staging, 2, entries, {"optimizer_steps": 2})
+        mesh.reconfigure(moe_cfg(2, 1, 1, 4, "parallel.cp=2", 'parallel.cp_style="ulysses"'))
+        assert mesh.load(uri) == 2
+        train(mesh, range(2, 3), ref)
+        assert_params(mesh, ref)
+        # Negative control: expert gradients divided by the expert-dp group's size, here 2 = dp (the divisor
+        # before cp composed with MoE), not dp x cp = 4: twice too large, and the expert check says so.
+        mesh.set_faults({c: ["ep_divisor_edp"] for c in Mesh(2, 1, 1, cp=2).coords()})
+        mesh.reconfigure(cfg)
+        with pytest.raises(AssertionError, match=r"gradient of layers\.\d\.mlp\.experts"):
+            train(mesh, range(1), ref)
+    finally:
+        mesh.shutdown()
