@@ -555,14 +555,13 @@ class Worker(GroupHost):
         """Snapshot the slices this actor owns to host memory now (the stall), write them in a background
         thread. Without ZeRO one replica writes, and with expert parallelism the rest of its EP group writes
         their experts (rank 0 of each expert-dp group; experts are named by global expert id, so any ep reads
-        them back); of each, cp rank 0; tp-replicated tensors are written by tp rank 0 only, a tied
-        embedding's copy on the last stage never."""
-        if self.coord.cp != 0:
-            return False
+        them back); of each, cp rank 0 (the DP group's rank 0). Under ZeRO every rank of the cp x dp group
+        writes what it owns (keys name the cp rank). tp-replicated tensors are written by tp rank 0 only, a
+        tied embedding's copy on the last stage never."""
         if self._writer is not None:  # an earlier write the driver collected or abandoned: only finish it
             self._writer.join()
             self._writer = None
-        key = checkpoint.shard_key(self.dp_rank, self.coord.pp, self.coord.tp)
+        key = checkpoint.shard_key(self.dp_rank, self.coord.pp, self.coord.tp, self.coord.cp)
         parts = [  # one file per part: dense `<key>.<k>`, experts `<key>.e<k>`
             (f"{key}.{tag}{k}", part)
             for tag, strategy in zip(("", "e"), self._strategies(), strict=True)

@@ -53,7 +53,6 @@ def _validate_context_parallel(cfg: Config) -> None:
     if p.cp == 1:
         return
     _require(m.moe_experts == 0, "parallel.cp: not with model.moe_experts > 0 yet")
-    _require(p.zero == 0, f"parallel.cp: needs parallel.zero = 0 (not sharded over cp yet), got {p.zero}")
     _require(m.dropout == 0, f"parallel.cp: needs model.dropout = 0 (cp attention has none), got {m.dropout}")
     chunks = 2 * p.cp if p.cp_style == "ring" else p.cp  # ring: the zigzag cuts 2*cp chunks
     _require(
