@@ -292,13 +292,17 @@ class Worker(GroupHost):
 
     def _make_expert_strategy(self, edp_group: Any) -> DPStrategy:
         """Expert parameters: summed over the expert-dp group, divided by dp (raypar.ep says why); sharded
-        over that group at ZeRO 1 and 2 (config validation refuses ZeRO-3 with experts)."""
+        over that group under ZeRO, at stage 3 the experts themselves too (gathered around their block)."""
         par, train = self.cfg.parallel, self.cfg.train
-        return DPStrategy(
+        return self._expert_strategy_class()(
             self.model, train, edp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp,
             dtype=self.param_dtype, reduce_dtype=precision.DTYPES[train.reduce_dtype],
             select=is_expert_param, divisor=self.dp,
         )
+
+    def _expert_strategy_class(self) -> type[DPStrategy]:
+        """The experts' strategy class (a seam: a test swaps in a broken ZeRO-3 one)."""
+        return Zero3Strategy if self.cfg.parallel.zero == 3 else DPStrategy
 
     def _device(self) -> torch.device:
         gpu_ids = ray.get_gpu_ids()

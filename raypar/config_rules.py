@@ -259,13 +259,6 @@ def _validate_moe(cfg: Config) -> None:
         f"model.moe_every: must be in [1, n_layers={m.n_layers}], got {m.moe_every}",
     )
     _require(p.ep >= 1, f"parallel.ep: must be a positive size, got {p.ep}")
-    # Expert parameters have a DP strategy of their own (expert-dp group, divisor dp), sharded over that
-    # group at ZeRO 1 and 2; ZeRO-3's per-block parameter gathers do not cover experts yet.
-    _require(
-        p.zero <= 2,
-        f"parallel.zero: must be at most 2 with model.moe_experts > 0 (ZeRO-3 does not gather experts), "
-        f"got {p.zero}",
-    )
     # A fully recomputed block would replay the MoE layer's bookkeeping (aux loss, load) in backward.
     _require(
         cfg.train.recompute != "full",

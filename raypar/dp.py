@@ -119,7 +119,7 @@ class DPStrategy:
         self.source = getattr(model, "init_source", lambda name: name)
         self.layout = FlatLayout(
             named, self.size if zero >= 1 else 1, self.rank if zero >= 1 else 0, bucket_bytes,
-            self._bucket_groups(model),
+            self._bucket_groups(model, {n for n, _ in named}),
         )
         dtypes = {p.dtype for _, p in named}
         if len(dtypes) > 1:
@@ -165,7 +165,7 @@ class DPStrategy:
             for slot in self.layout.slots.values()
         ]
 
-    def _bucket_groups(self, model: StageModel) -> list[list[str]] | None:
+    def _bucket_groups(self, model: StageModel, selected: set[str]) -> list[list[str]] | None:
         return None  # buckets by size; ZeRO-3 buckets by block
 
     def _optim_zeros(self, numel: int) -> torch.Tensor:
