@@ -167,12 +167,13 @@ def assert_state_bytes(results: list[StepResult], ref: Run, zero: int, dp: int, 
             assert got == want, f"{coord.key}: model-state bytes {got} vs formula {want} at zero {zero}"
 
 
-def test_zero_shards_dense_and_expert_state(ray_session, reference):
+def test_zero_shards_dense_and_expert_state(ray_session, reference, tmp_path):
     """ZeRO 1, 2 and 3 with experts: dense state sharded over dp=4, expert state over its expert-dp group
     (dp=4, ep=2: two ranks per group); at stage 3 each block's experts are gathered over that group around
     the block's forward and again before its backward, like its dense parameters over dp. Whole gradients
     exist nowhere under ZeRO, so each step checks loss and grad norm (the norm sums every shard's part), the
-    end every parameter, and every actor's model-state bytes the ZeRO formula. Negative controls: the
+    end every parameter, and every actor's model-state bytes the ZeRO formula; a zero-3 checkpoint resumes
+    at ep=4, zero 1 on the reference curve. Negative controls: the
     divisor control above, applied to the sharded reduction, and (zero 3) experts not gathered again for
     backward: both caught by the grad norm."""
     mesh = FaultyActorMesh(make_cfg(4, 1, 2, 2, "parallel.zero=1"), "moe-zero", faults={})
@@ -183,6 +184,17 @@ def test_zero_shards_dense_and_expert_state(ray_session, reference):
             results = train(mesh, range(STEPS), reference, grads=False)
             assert_params(mesh, reference)
             assert_state_bytes(results, reference, zero, 4, 2)
+        # A zero-3 checkpoint (every rank writes the pieces it owns) resumes at ep=4, zero 1.
+        mesh.reconfigure(make_cfg(4, 1, 2, 2, "parallel.zero=3"))
+        train(mesh, range(3), reference, grads=False)
+        staging, writers = mesh.begin_checkpoint(str(tmp_path), 3)
+        assert len(writers) == 4
+        entries = mesh.collect(mesh.checkpoint_writes(writers), "writing")
+        uri = checkpoint.publish(str(tmp_path), staging, 3, entries, {"optimizer_steps": 3})
+        mesh.reconfigure(make_cfg(4, 1, 4, 2, "parallel.zero=1"))
+        assert mesh.load(uri) == 3
+        train(mesh, range(3, STEPS), reference, grads=False)
+        assert_params(mesh, reference)
         for zero, fault in ((2, "ep_divisor_edp"), (3, "expert_no_regather")):
             mesh.set_faults({c: [fault] for c in Mesh(4, 1, 1).coords()})
             mesh.reconfigure(make_cfg(4, 1, 2, 2, f"parallel.zero={zero}"))
