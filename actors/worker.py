@@ -292,13 +292,18 @@ class Worker(GroupHost):
 
     def _make_expert_strategy(self, edp_group: Any) -> DPStrategy:
         """Expert parameters: summed over the expert-dp group, divided by dp x cp (raypar.ep says why);
-        sharded over that group at ZeRO 1 and 2 (config validation refuses ZeRO-3 with experts)."""
+        sharded over that group under ZeRO, at stage 3 the experts themselves too (gathered around their
+        block)."""
         par, train = self.cfg.parallel, self.cfg.train
-        return DPStrategy(
+        return self._expert_strategy_class()(
             self.model, train, edp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp,
             dtype=self.param_dtype, reduce_dtype=precision.DTYPES[train.reduce_dtype],
             select=is_expert_param, divisor=self.dp * par.cp,
         )
+
+    def _expert_strategy_class(self) -> type[DPStrategy]:
+        """The experts' strategy class (a seam: a test swaps in a broken ZeRO-3 one)."""
+        return Zero3Strategy if self.cfg.parallel.zero == 3 else DPStrategy
 
     def _device(self) -> torch.device:
         gpu_ids = ray.get_gpu_ids()
@@ -561,14 +566,13 @@ class Worker(GroupHost):
         """Snapshot the slices this actor owns to host memory now (the stall), write them in a background
         thread. Without ZeRO one replica writes, and with expert parallelism the rest of its EP group writes
         their experts (rank 0 of each expert-dp group; experts are named by global expert id, so any ep reads
-        them back); of each, cp rank 0; tp-replicated tensors are written by tp rank 0 only, a tied
-        embedding's copy on the last stage never."""
-        if self.coord.cp != 0:
-            return False
+        them back); of each, cp rank 0 (the DP group's rank 0). Under ZeRO every rank of the cp x dp group
+        writes what it owns (keys name the cp rank). tp-replicated tensors are written by tp rank 0 only, a
+        tied embedding's copy on the last stage never."""
         if self._writer is not None:  # an earlier write the driver collected or abandoned: only finish it
             self._writer.join()
             self._writer = None
-        key = checkpoint.shard_key(self.dp_rank, self.coord.pp, self.coord.tp)
+        key = checkpoint.shard_key(self.dp_rank, self.coord.pp, self.coord.tp, self.coord.cp)
         parts = [  # one file per part: dense `<key>.<k>`, experts `<key>.e<k>`
             (f"{key}.{tag}{k}", part)
             for tag, strategy in zip(("", "e"), self._strategies(), strict=True)

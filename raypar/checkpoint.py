@@ -82,9 +82,10 @@ class ShardSpec:
                              f"does not fit global shape {self.global_shape}")
 
 
-def shard_key(dp: int, pp: int, tp: int) -> str:
-    """The shard key of the actor at mesh coordinates (dp, pp, tp), e.g. ``dp0.pp1.tp0``."""
-    return f"dp{dp}.pp{pp}.tp{tp}"
+def shard_key(dp: int, pp: int, tp: int, cp: int = 0) -> str:
+    """The shard key of the actor at mesh coordinates (dp, pp, tp, cp), e.g. ``dp0.pp1.tp0`` (``.cp1`` for
+    cp rank 1: under ZeRO the cp ranks own state of their own)."""
+    return f"dp{dp}.pp{pp}.tp{tp}" + (f".cp{cp}" if cp else "")
 
 
 def step_name(step: int) -> str:

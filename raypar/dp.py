@@ -13,7 +13,8 @@
   fp32 master weights and Adam moments over the DP group (each rank updates its piece of every bucket,
   then the buckets' parameters are all-gathered); 2 also reduce-scatters gradients straight into the
   owned piece, freeing the full gradient buffers as soon as they are reduced; 3 (`raypar.zero3`) also
-  shards the parameters themselves.
+  shards the parameters themselves. With context parallelism the DP group is the cp x dp ranks of a
+  (stage, tp rank) (raypar.mesh): parameters are replicated there too, so every stage shards over it.
 - **Master weights.** Parameters in fp32 below stage 3 are their own master (the owned piece is a view of
   the parameter buffer); otherwise a separate fp32 master holds the owned piece and the update is cast
   back. This is the one place master weights live.
@@ -118,7 +119,7 @@ class DPStrategy:
         self.source = getattr(model, "init_source", lambda name: name)
         self.layout = FlatLayout(
             named, self.size if zero >= 1 else 1, self.rank if zero >= 1 else 0, bucket_bytes,
-            self._bucket_groups(model),
+            self._bucket_groups(model, {n for n, _ in named}),
         )
         dtypes = {p.dtype for _, p in named}
         if len(dtypes) > 1:
@@ -164,7 +165,7 @@ class DPStrategy:
             for slot in self.layout.slots.values()
         ]
 
-    def _bucket_groups(self, model: StageModel) -> list[list[str]] | None:
+    def _bucket_groups(self, model: StageModel, selected: set[str]) -> list[list[str]] | None:
         return None  # buckets by size; ZeRO-3 buckets by block
 
     def _optim_zeros(self, numel: int) -> torch.Tensor:

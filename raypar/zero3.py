@@ -1,7 +1,10 @@
 """ZeRO-3: parameters sharded too, each block's gathered just before it runs and freed right after.
 
 A bucket is one unit of the model (`model.units()`: the embedding, each block, the final norm, the head),
-so gathering a bucket is gathering exactly what one unit needs. Per unit, around every pass:
+so gathering a bucket is gathering exactly what one unit needs. A strategy of part of the parameters
+(`select`) buckets only its part of each unit: the expert strategy (MoE) gathers a block's experts over the
+expert-dp group while the dense one gathers the rest of the block over the dp group, both around the same
+block, and units without experts have no expert bucket. Per unit, around every pass:
 
 - forward: a pre-hook makes sure the unit is gathered and starts gathering the next one (prefetch, async,
   overlapping this unit's compute); a post-hook frees it and hooks the unit's output;
@@ -46,13 +49,18 @@ class Zero3Strategy(DPStrategy):
             self._handles.append(module.register_forward_hook(functools.partial(self._after_forward, i)))
         self._n = n
 
-    def _bucket_groups(self, model: StageModel) -> list[list[str]]:
+    def _bucket_groups(self, model: StageModel, selected: set[str]) -> list[list[str]]:
+        """One bucket per unit holding parameters of this strategy (`selected`), in backward order. A
+        strategy of part of the parameters (the experts) skips the units without any: nothing to gather."""
         prefixes = {id(m): name for name, m in model.named_modules()}
-        self._units: list[nn.Module] = list(model.units())
-        return [
-            [f"{prefixes[id(unit)]}.{n}" for n, p in unit.named_parameters() if p.requires_grad]
-            for unit in reversed(self._units)  # buckets in backward order
-        ]
+        self._units: list[nn.Module] = []  # forward order; unit i is bucket n - 1 - i
+        groups = []
+        for unit in model.units():
+            names = [f"{prefixes[id(unit)]}.{n}" for n, _ in unit.named_parameters()]
+            if names := [n for n in names if n in selected]:
+                self._units.append(unit)
+                groups.append(names)
+        return groups[::-1]
 
     def _bucket_of_unit(self, i: int) -> int:
         return self._n - 1 - i

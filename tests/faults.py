@@ -7,6 +7,7 @@ here, not in production code. Faults are strings per actor coordinate:
 - `tp_drop_allreduce`: row-parallel outputs left as partial sums (the TP all-reduce dropped);
 - `tie_no_sum`: the two copies of a tied embedding (pp > 1) keep their own gradients (not summed);
 - `ep_divisor_edp`: expert gradients divided by the expert-data-parallel group's size instead of dp;
+- `expert_no_regather`: (zero 3) a block's experts are not gathered again before its backward (zeros);
 - `raise_at_step:N`: phase 1 of step N raises.
 - `exit_in:METHOD:N`: the process exits (as if killed) at the start of its N-th call of METHOD
   (`train_step`, `apply_step`, `rebind`, `save_shard`, `sync_state`, `rng_state`); only the first actor
@@ -38,6 +39,20 @@ from raypar.controller.actor_mesh import ActorMesh
 from raypar.dp import DPStrategy
 from raypar.mesh import Coord
 from raypar.tp import RowParallelLinear
+from raypar.zero3 import Zero3Strategy
+
+
+class ExpertsNotRegathered(Zero3Strategy):
+    """`expert_no_regather`: before a block's backward its experts' storage comes back zeroed, not gathered
+    (autograd's saved views of the expert weights then read zeros)."""
+
+    def _gather_for_backward(self, b: int) -> None:
+        bucket = self.layout.buckets[b]
+        if b not in self._gathered:
+            bucket.params.untyped_storage().resize_(bucket.padded * bucket.params.element_size())
+            self._gathered.add(b)
+            with torch.no_grad():
+                bucket.params.zero_()
 
 
 class _FaultyWorker(Worker):
@@ -112,6 +127,11 @@ class _FaultyWorker(Worker):
         if "dp_sum" in self.faults:
             strategy.reduce_op = "sum"
         return strategy
+
+    def _expert_strategy_class(self) -> type[DPStrategy]:
+        if "expert_no_regather" in self.faults:
+            return ExpertsNotRegathered
+        return super()._expert_strategy_class()
 
     def _make_expert_strategy(self, edp_group: Any) -> DPStrategy:
         strategy = super()._make_expert_strategy(edp_group)

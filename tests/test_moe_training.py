@@ -10,6 +10,9 @@ and expert (absolute 1e-5, gradients are ~1e-3); at the end every parameter (abs
 order of float sums differs between layouts. The negative control divides expert gradients by the
 expert-data-parallel group's size instead of dp: at dp=4, ep=2 that doubles them, and the expert-gradient
 check rejects it. A checkpoint written at ep=2 resumes at ep=4 and at ep=1 on the reference curve.
+ZeRO 1-3 at dp=4, ep=2 (experts sharded over their expert-dp group, gathered there around each block at
+stage 3): the same checks where whole gradients exist nowhere (loss, grad norm, parameters), model-state
+bytes per actor equal to the formula, and two controls (the divisor; experts not gathered for backward).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import pytest
 import torch
 
 from raypar import checkpoint, config
+from raypar.controller.actor_mesh import StepResult
 from raypar.mesh import Coord, Mesh
 from tests.faults import FaultyActorMesh
 from tests.reference import Run, reference_run
@@ -71,10 +75,10 @@ def gather(mesh: FaultyActorMesh, method: str) -> dict[str, torch.Tensor]:
     return full
 
 
-def train(mesh: FaultyActorMesh, steps: range, ref: Run, grads: bool = True) -> list[float]:
+def train(mesh: FaultyActorMesh, steps: range, ref: Run, grads: bool = True) -> list[StepResult]:
     """Run `steps`, checking loss, grad norm and (`grads`: whole gradients exist, zero=0) the router and
-    expert gradients of each against `ref`."""
-    losses = []
+    expert gradients of each against `ref`; returns the steps' results."""
+    results = []
     for step in steps:
         result = mesh.step(step)
         want = ref.losses[step]
@@ -87,8 +91,8 @@ def train(mesh: FaultyActorMesh, steps: range, ref: Run, grads: bool = True) -> 
                 assert err <= TOL, f"gradient of {name} at step {step} differs by {err:.3g}"
         want = ref.grad_norms[step]
         assert abs(result.grad_norm - want) <= TOL * want, f"grad norm at step {step}: {result.grad_norm}"
-        losses.append(result.loss)
-    return losses
+        results.append(result)
+    return results
 
 
 def assert_params(mesh: FaultyActorMesh, ref: Run) -> None:
@@ -145,21 +149,56 @@ def test_dp2_pp2_ep2(ray_session, reference):
         mesh.shutdown()
 
 
-def test_zero_shards_dense_and_expert_state(ray_session, reference):
-    """ZeRO 1 and 2 with experts: dense state sharded over dp=4, expert state over its expert-dp group
-    (dp=4, ep=2: two ranks per group). Whole gradients exist nowhere under ZeRO, so each step checks loss
-    and grad norm (the norm sums every shard's part), and the end every parameter. The divisor control
-    above, applied to the sharded reduction, is caught by the grad norm."""
+# fp32 parameters are their own master below stage 3: bytes per parameter, held whole and sharded (dp.py)
+FP32_STATE = {1: (8, 8), 2: (4, 12), 3: (0, 16)}
+
+
+def assert_state_bytes(results: list[StepResult], ref: Run, zero: int, dp: int, ep: int) -> None:
+    """Every actor's model-state bytes = the fp32 ZeRO formula, dense parameters over dp ranks and its
+    experts (1/ep of them) over the dp/ep ranks of its expert-dp group. (The tiny model's buckets divide
+    evenly among their owners: no padding; any would show as a mismatch.)"""
+    full, sharded = FP32_STATE[zero]
+    experts = sum(p.numel() for n, p in ref.params.items() if ".mlp.experts." in n) // ep
+    dense = sum(p.numel() for p in ref.params.values()) - experts * ep
+    want = full * (dense + experts) + sharded * dense // dp + sharded * experts // (dp // ep)
+    for result in results:
+        for coord, r in result.per_actor.items():
+            got = r["model_state_bytes"]
+            assert got == want, f"{coord.key}: model-state bytes {got} vs formula {want} at zero {zero}"
+
+
+def test_zero_shards_dense_and_expert_state(ray_session, reference, tmp_path):
+    """ZeRO 1, 2 and 3 with experts: dense state sharded over dp=4, expert state over its expert-dp group
+    (dp=4, ep=2: two ranks per group); at stage 3 each block's experts are gathered over that group around
+    the block's forward and again before its backward, like its dense parameters over dp. Whole gradients
+    exist nowhere under ZeRO, so each step checks loss and grad norm (the norm sums every shard's part), the
+    end every parameter, and every actor's model-state bytes the ZeRO formula; a zero-3 checkpoint resumes
+    at ep=4, zero 1 on the reference curve. Negative controls: the
+    divisor control above, applied to the sharded reduction, and (zero 3) experts not gathered again for
+    backward: both caught by the grad norm."""
     mesh = FaultyActorMesh(make_cfg(4, 1, 2, 2, "parallel.zero=1"), "moe-zero", faults={})
     try:
         mesh.start()
-        for zero in (1, 2):
+        for zero in (1, 2, 3):
             mesh.reconfigure(make_cfg(4, 1, 2, 2, f"parallel.zero={zero}"))
-            train(mesh, range(STEPS), reference, grads=False)
+            results = train(mesh, range(STEPS), reference, grads=False)
             assert_params(mesh, reference)
-        mesh.set_faults({c: ["ep_divisor_edp"] for c in Mesh(4, 1, 1).coords()})
-        mesh.reconfigure(make_cfg(4, 1, 2, 2, "parallel.zero=2"))
-        with pytest.raises(AssertionError, match=r"grad norm at step 0"):
-            train(mesh, range(1), reference, grads=False)
+            assert_state_bytes(results, reference, zero, 4, 2)
+        # A zero-3 checkpoint (every rank writes the pieces it owns) resumes at ep=4, zero 1.
+        mesh.reconfigure(make_cfg(4, 1, 2, 2, "parallel.zero=3"))
+        train(mesh, range(3), reference, grads=False)
+        staging, writers = mesh.begin_checkpoint(str(tmp_path), 3)
+        assert len(writers) == 4
+        entries = mesh.collect(mesh.checkpoint_writes(writers), "writing")
+        uri = checkpoint.publish(str(tmp_path), staging, 3, entries, {"optimizer_steps": 3})
+        mesh.reconfigure(make_cfg(4, 1, 4, 2, "parallel.zero=1"))
+        assert mesh.load(uri) == 3
+        train(mesh, range(3, STEPS), reference, grads=False)
+        assert_params(mesh, reference)
+        for zero, fault in ((2, "ep_divisor_edp"), (3, "expert_no_regather")):
+            mesh.set_faults({c: [fault] for c in Mesh(4, 1, 1).coords()})
+            mesh.reconfigure(make_cfg(4, 1, 2, 2, f"parallel.zero={zero}"))
+            with pytest.raises(AssertionError, match=r"grad norm at step 0"):
+                train(mesh, range(1), reference, grads=False)
     finally:
         mesh.shutdown()
