@@ -15,6 +15,7 @@ Ray pickles by value), so the actors never need to import this module.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from typing import Any
 
 import ray
 import torch
+from torch import nn
 
 from actors.worker import Worker
 from raypar import config as config_mod
@@ -86,18 +88,30 @@ class BenchActorMesh(ActorMesh):
 
 
 class _FixedCost(torch.autograd.Function):
-    """Identity whose forward sleeps `fwd_s` and backward `bwd_s`: a known cost that needs no core."""
+    """Identity whose forward sleeps `fwd_s` and backward `bwd_s`: a known cost that needs no core. Under a
+    split backward (zero-bubble) B sleeps `bwd_s` and leaves another `bwd_s` for W in the model's
+    weight-gradient store (raypar.zb), accumulated into `w_param`: W's share of a real backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, fwd_s: float, bwd_s: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, fwd_s: float, bwd_s: float, model: nn.Module, w_param: nn.Parameter
+    ) -> torch.Tensor:
         time.sleep(fwd_s)
-        ctx.bwd_s = bwd_s
+        ctx.bwd_s, ctx.model, ctx.w_param = bwd_s, model, w_param
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         time.sleep(ctx.bwd_s)
-        return grad, None, None
+        store = next((m.wgrad_store for m in ctx.model.modules() if hasattr(m, "wgrad_store")), None)
+        if store is not None and store.capturing is not None:
+            store.defer(ctx.w_param, functools.partial(_sleep_then_zero, ctx.bwd_s))
+        return grad, None, None, None, None
+
+
+def _sleep_then_zero(seconds: float) -> torch.Tensor:
+    time.sleep(seconds)
+    return torch.zeros(())
 
 
 class _TimedWorker(Worker):
@@ -121,7 +135,10 @@ class _TimedWorker(Worker):
         out = super().setup(*args, **kwargs)
         fwd_s, bwd_s = self._cost
         if fwd_s or bwd_s:
-            self.model.register_forward_hook(lambda module, inp, out: _FixedCost.apply(out, fwd_s, bwd_s))
+            model, w_param = self.model, nn.Parameter(torch.zeros(()))
+            model.register_forward_hook(
+                lambda module, inp, out: _FixedCost.apply(out, fwd_s, bwd_s, model, w_param)
+            )
         return out
 
     def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:

@@ -6,13 +6,14 @@
 
 Each layout trains on real actors (`ActorMesh`, as `raypar train` drives it: one driver-timed call per
 step, the previous step's update included); after `--warmup` untimed steps, the median of `--steps` step
-times is set against `raypar.plan.predict(...)` on the "cpu" device. The planner's MFU is calibrated once,
-from the (1, 1, 1) layout: the MFU at which its prediction (compute only there: no bubble, no
-communication) equals its measured time. Every other row uses that MFU unchanged, so its ratio (measured /
-predicted) tests the terms the planner adds on top of compute: the pipeline bubble by schedule (1F1B,
-interleaved, ZB-H1), tensor-parallel all-reduces, the exposed DP reduction and pipeline hops. The
-calibrated MFU also absorbs what the planner does not model but scales with compute (the optimizer step,
-raypar's per-step calls) as a proportional cost.
+times is set against `raypar.plan.predict(...)` on the "cpu" device. Two numbers are calibrated, once,
+from two (1, 1, 1) layouts at 1 and 4 microbatches, where the prediction is compute only (no bubble, no
+communication): the MFU, and the fixed cost per layer and microbatch pass (`Device.layer_pass_s`: launches,
+Python, the lower efficiency of smaller GEMMs; it is what makes more microbatches cost time). Every other
+row uses both unchanged, so its ratio (measured / predicted) tests the terms the planner adds on top: the
+pipeline bubble by schedule (1F1B, interleaved, ZB-H1), tensor-parallel all-reduces, the exposed DP
+reduction and pipeline hops. The calibration also absorbs what the planner does not model but scales with
+compute (the optimizer step, raypar's per-step calls).
 
 The planner assumes one device per actor. A layout with more actors than the machine has cores
 (`actors` > `cores` in the table) shares cores between actors whenever they compute at once, which the
@@ -23,6 +24,7 @@ the numbers on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -49,15 +51,17 @@ BASE = ["train.global_batch=8", 'train.precision="fp32"', "train.steps=1000", "t
 # (dp, pp, tp, overrides); the first is the calibration layout. At most 4 actors (2 cores here).
 LAYOUTS: list[tuple[int, int, int, list[str]]] = [
     (1, 1, 1, ["parallel.microbatches=1"]),
+    (1, 1, 1, ["parallel.microbatches=4"]),  # with the first: the fixed cost per layer and microbatch pass
     (2, 1, 1, ["parallel.microbatches=1"]),  # the DP gradient all-reduce
     (1, 1, 2, ["parallel.microbatches=1"]),  # tensor-parallel all-reduces
-    (1, 2, 1, ["parallel.microbatches=2"]),  # 1F1B bubble (pp - 1)/m at m = 2 ...
+    (1, 2, 1, ["parallel.microbatches=2"]),  # 1F1B bubble (pp - 1)/m and pipeline messages at m = 2 ...
     (1, 2, 1, ["parallel.microbatches=4"]),  # ... and at m = 4
     (1, 2, 1, ["parallel.microbatches=4", "parallel.virtual_stages=2"]),  # interleaved: (pp - 1)/(v m)
     (1, 2, 1, ["parallel.microbatches=4", 'parallel.schedule="zb-h1"']),  # ZB-H1: (pp - 1)/(3 m)
     (2, 2, 1, ["parallel.microbatches=2"]),  # 4 actors: dp and pp together
 ]
-QUICK = [LAYOUTS[0], (1, 2, 1, ["parallel.microbatches=2"])]
+QUICK = [LAYOUTS[0], (1, 1, 1, ["parallel.microbatches=2"]), (1, 2, 1, ["parallel.microbatches=2"])]
+
 
 
 @dataclass
@@ -97,26 +101,35 @@ def name_of(layout: tuple[int, int, int, list[str]]) -> str:
 
 def measure(
     layouts: list[tuple[int, int, int, list[str]]], model: tuple[str, list[str]], warmup: int, steps: int
-) -> tuple[float, list[Row]]:
-    """The calibrated MFU and a row per layout; layouts[0] must be (1, 1, 1), the calibration."""
-    if layouts[0][:3] != (1, 1, 1):
-        raise ValueError(f"the first layout calibrates the MFU and must be (1, 1, 1), got {layouts[0][:3]}")
-    device = plan.DEVICES["cpu"]
+) -> tuple[plan.Device, float, list[Row]]:
+    """The calibrated device and MFU, and a row per layout; the first two layouts calibrate.
+
+    Both are (1, 1, 1), at m1 < m2 microbatches, where the prediction is compute alone,
+    t(m) = C / mfu + m * 2 * L * c (C the planner's compute at MFU 1, L the layers): their times give the
+    fixed cost c per layer and microbatch pass (`Device.layer_pass_s`) and the MFU. Every other row uses both
+    unchanged, and the device's link latency and pipeline-message cost as `raypar.plan` states them
+    (measured by benchmarks/collectives.py and activation_hop.py)."""
+    if any(layout[:3] != (1, 1, 1) for layout in layouts[:2]):
+        raise ValueError("the first two layouts calibrate and must be (1, 1, 1)")
     measured = []
     for i, layout in enumerate(layouts):
         cfg = layout_cfg(layout, model)
         seconds = median_step_s(cfg, f"plantime-{i}", warmup, steps)
         measured.append((layout, cfg, seconds))
         print(f"  {name_of(layout)}: {seconds:.4f} s/step (load {_common.loadavg():.1f})", flush=True)
-    _, cfg0, seconds0 = measured[0]
-    # At (1, 1, 1) the prediction is compute alone, inversely proportional to the MFU.
-    mfu = plan.predict(cfg0, plan.current_layout(cfg0), device, 1.0).step_time_s / seconds0
+    (_, cfg1, t1), (_, cfg2, t2) = measured[:2]
+    m1, m2, layers = cfg1.parallel.microbatches, cfg2.parallel.microbatches, cfg1.model.n_layers
+    per_pass = max(0.0, (t2 - t1) / ((m2 - m1) * 2 * layers))
+    device = dataclasses.replace(plan.DEVICES["cpu"], layer_pass_s=0.0)
+    flops_s = plan.predict(cfg1, plan.current_layout(cfg1), device, 1.0).step_time_s  # C: compute at MFU 1
+    mfu = flops_s / (t1 - m1 * 2 * layers * per_pass)
+    device = dataclasses.replace(device, layer_pass_s=per_pass)
     rows = [
         Row(name_of(layout), cfg.dp_fixed * cfg.parallel.pp * cfg.parallel.tp, seconds,
             plan.predict(cfg, plan.current_layout(cfg), device, mfu))
         for layout, cfg, seconds in measured
     ]
-    return mfu, rows
+    return device, mfu, rows
 
 
 def markdown(rows: list[Row], cores: int) -> str:
@@ -150,14 +163,20 @@ def main() -> None:
     started = time.perf_counter()
     _common.start_ray(num_cpus=max(4, cores), worker_niceness=args.worker_niceness)
     try:
-        mfu, rows = measure(layouts, model, args.warmup, args.steps)
+        device, mfu, rows = measure(layouts, model, args.warmup, args.steps)
     finally:
         ray.shutdown()
-    print(f"\nMFU calibrated on (1, 1, 1): {mfu:.3f} of the planner's cpu peak; {cores} cores\n")
+    print(
+        f"\ncalibrated: MFU {mfu:.3f} of the planner's cpu peak, "
+        f"{1e3 * device.layer_pass_s:.2f} ms per layer and microbatch pass, "
+        + ", ".join(f"{1e3 * seconds:.2f} ms per pipeline message ({name})" for name, seconds in device.hop_s)
+        + f" (given); {cores} cores\n"
+    )
     print(markdown(rows, cores))
     print(f"\nwall time {time.perf_counter() - started:.0f} s")
     if args.json:
-        payload: dict[str, Any] = {"mfu": mfu, "cores": cores, "args": vars(args), "rows": [
+        payload: dict[str, Any] = {
+            "mfu": mfu, "layer_pass_s": device.layer_pass_s, "cores": cores, "args": vars(args), "rows": [
             {"layout": r.layout, "actors": r.actors, "measured_s": r.measured_s, "ratio": r.ratio,
              **{k: v for k, v in r.predicted.to_json().items() if k.endswith("_s")}}
             for r in rows

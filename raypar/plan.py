@@ -3,8 +3,10 @@
 Memory per actor: raypar.plan_memory (model states, activations in flight under the configured schedule
 and virtual stages, buffers).
 
-Step time = compute at an assumed MFU (recomputation adds its extra forward FLOPs), plus the pipeline
-bubble, plus exposed communication. The bubble, as a fraction of compute, is the schedules' own formula:
+Step time = compute at an assumed MFU (recomputation adds its extra forward FLOPs) plus the device's fixed
+cost per layer and microbatch pass, plus the pipeline bubble, plus exposed communication (with a latency per
+collective and hop, and the transport's cost per pipeline message). The bubble, as a fraction of compute,
+is the schedules' own formula:
 (pp - 1)/m for GPipe and 1F1B alike, (pp - 1)/(v m) for interleaved 1F1B with v virtual stages, (pp - 1)/(3m)
 for ZB-H1 (F = B = W: the deferred W's fill all but one unit per stage of 1F1B's bubble). Tensor-parallel
 all-reduces are on the critical path; the DP gradient all-reduce overlaps the last microbatch's backward;
@@ -39,15 +41,28 @@ class Device:
     intra_bw: float  # bytes/s per direction inside a node (tensor parallelism)
     inter_bw: float  # bytes/s per device between nodes
     per_node: int = 8
+    # Costs that do not scale with FLOPs or bytes: per layer and microbatch pass (forward, backward, W) the
+    # launches, Python and small-GEMM inefficiency; per collective or pipeline hop its latency.
+    layer_pass_s: float = 0.0
+    latency_s: float = 0.0
+    # Time a pipeline message costs the rank that sends or receives it, on its critical path (on CPU the
+    # transport shares the compute's cores), by parallel.transport.
+    hop_s: tuple[tuple[str, float], ...] = ()
 
 
 # Datasheet peaks (dense) and per-direction link bandwidths; CPU numbers are this project's 2-core
-# machine (DESIGN.md: ~90 GFLOP/s fp32 and ~210 bf16 per core, gloo over loopback ~1 GB/s).
+# machine (DESIGN.md: ~90 GFLOP/s fp32 and ~210 bf16 per core, gloo over loopback ~1 GB/s; a 4-KiB gloo
+# all-reduce at 2 ranks takes 0.54 ms, and a 256 KiB-1 MiB activation hop 3.5 ms through the object store,
+# 0.2-0.6 ms direct, benchmarks/README.md; layer_pass_s as benchmarks/plan_step_time.py calibrates it on
+# `small` shapes). On GPUs the fixed costs are left out: not measured (no GPU here).
 DEVICES = {
     "h200": Device("h200", "cuda", 989e12, 67e12, 450e9, 50e9),
     "h100": Device("h100", "cuda", 989e12, 67e12, 450e9, 50e9),
     "a100": Device("a100", "cuda", 312e12, 19.5e12, 300e9, 25e9),
-    "cpu": Device("cpu", "cpu", 210e9, 90e9, 1e9, 1e9, per_node=1024),
+    "cpu": Device(
+        "cpu", "cpu", 210e9, 90e9, 1e9, 1e9, per_node=1024, layer_pass_s=0.65e-3, latency_s=0.54e-3,
+        hop_s=(("object_store", 3.5e-3), ("direct", 0.4e-3)),
+    ),
 }
 
 
@@ -118,21 +133,28 @@ def predict(
     extra = {"none": 0.0, "selective": 4.0 * d * s, "full": 2.0 * block + 4.0 * d * s}[layout.recompute]
     flops = tokens * (flops_per_token(m) + recomputed * extra)
     peak = device.peak_flops_16 if e == 2 else device.peak_flops_32
-    compute = flops / world / (peak * mfu)
+    per_rank = [sum(map(len, chunks)) for chunks in rank_chunks(cfg, layout)]
+    layers = max(per_rank)
+    passes = 3 if cfg.parallel.schedule == "zb-h1" and layout.pp > 1 else 2  # F, B (and W)
+    # Every rank runs all its layers' passes for every microbatch of its replica, whatever tp divides.
+    compute = flops / world / (peak * mfu) + layout.microbatches * passes * layers * device.layer_pass_s
     ratio = bubble_ratio(cfg.parallel.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
     bubble = compute * ratio
     mbs = t.global_batch // (layout.dp * layout.microbatches)
-    per_rank = [sum(map(len, chunks)) for chunks in rank_chunks(cfg, layout)]
-    layers = max(per_rank)
     intra = layout.tp * layout.pp * layout.dp <= device.per_node
     tp_bw = device.intra_bw if layout.tp <= device.per_node else device.inter_bw
     reductions = 4 + (2 if layout.recompute == "full" else 0)  # 2 forward, 2 backward, replayed forwards
     activation = e * mbs * s * d
-    tp_comm = layout.microbatches * layers * reductions * _all_reduce_s(activation, layout.tp, tp_bw)
+    one_reduction = _all_reduce_s(activation, layout.tp, tp_bw) + (device.latency_s if layout.tp > 1 else 0.0)
+    tp_comm = layout.microbatches * layers * reductions * one_reduction
     bw = device.intra_bw if intra else device.inter_bw
     # Fill and drain: pp - 1 hops each way, and v times as many with v chunks per rank (each microbatch
     # goes round the ranks v times, and every chunk boundary is a hop).
-    pp_comm = 2 * layout.virtual_stages * (layout.pp - 1) * activation / bw
+    pp_comm = 2 * layout.virtual_stages * (layout.pp - 1) * (activation / bw + device.latency_s)
+    if layout.pp > 1:  # every microbatch's activation and gradient, into and out of each chunk
+        pp_comm += 2 * layout.microbatches * layout.virtual_stages * dict(device.hop_s).get(
+            cfg.parallel.transport, 0.0
+        )
     params = max(stage_params(m, n, i == 0, i == layout.pp - 1, layout.tp) for i, n in enumerate(per_rank))
     dp_bytes = params * 4  # reduced in fp32
     dp_comm = _all_reduce_s(dp_bytes, layout.dp, bw)

@@ -12,7 +12,8 @@ the input gradient and leaves (input, output gradient) in the store instead of d
 takes the gradients of every other parameter (norm weights, embeddings, the router: no GEMMs) from the
 same walk and stashes them. W (`flush`) then hands all of it to the parameters through one small autograd
 graph of `_Deferred` nodes, so the GEMMs run in W and each parameter's AccumulateGrad, with the DP
-reducer's post-accumulate hooks, fires exactly as in a plain backward.
+reducer's post-accumulate hooks, fires exactly as in a plain backward. Any other op can leave work for W
+the same way, from its backward while the store captures (`defer`).
 
 The unit's graph is still kept from B to W (`retain_graph`): its memory is what the planner and the
 meter count for ZB-H1 today. Freeing it at B would keep only the linears' inputs and the output gradients.
@@ -20,7 +21,8 @@ meter count for ZB-H1 today. Freeing it at B would keep only the linears' inputs
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,7 +43,8 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self.capturing: Unit | None = None
-        self.deferred: dict[Unit, list[tuple[nn.Parameter, torch.Tensor | None, torch.Tensor]]] = {}
+        # per unit: (parameter, what computes its gradient at W)
+        self.deferred: dict[Unit, list[tuple[nn.Parameter, Callable[[], torch.Tensor]]]] = {}
         self.weights: set[int] = set()  # ids of the parameters whose gradient GEMM is deferred
 
     @contextmanager
@@ -53,9 +56,10 @@ class WeightGradStore:
         finally:
             self.capturing = None
 
-    def add_gemm(self, weight: nn.Parameter, x: torch.Tensor, grad_out: torch.Tensor) -> None:
-        assert self.capturing is not None
-        self.deferred[self.capturing].append((weight, x, grad_out))
+    def defer(self, param: nn.Parameter, grad: Callable[[], torch.Tensor]) -> None:
+        """During B: leave `grad()`, the gradient of `param` this unit contributes, to be computed at W."""
+        assert self.capturing is not None, "deferring outside a backward_input"
+        self.deferred[self.capturing].append((param, grad))
 
     def others(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
         """Of `params`, those whose gradient B computes (no deferred GEMM)."""
@@ -63,29 +67,33 @@ class WeightGradStore:
 
     def stash(self, unit: Unit, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
         """Gradients B computed for `params` (None: unused by this unit), handed over at W."""
-        self.deferred[unit] += [(p, None, g) for p, g in zip(params, grads, strict=True) if g is not None]
+        self.deferred[unit] += [
+            (p, functools.partial(_given, g)) for p, g in zip(params, grads, strict=True) if g is not None
+        ]
 
     def flush(self, unit: Unit) -> None:
-        """W of `unit`: accumulate its deferred gradients into `.grad`, running the GEMMs now."""
-        nodes = [_Deferred.apply(p, x, g) for p, x, g in self.deferred.pop(unit)]
+        """W of `unit`: compute its deferred gradients (the GEMMs run now), accumulate them into `.grad`."""
+        nodes = [_Deferred.apply(p, grad) for p, grad in self.deferred.pop(unit)]
         if nodes:
             torch.autograd.backward(torch.stack([n.float() for n in nodes]).sum())
 
 
+def _given(grad: torch.Tensor) -> torch.Tensor:
+    return grad
+
+
 class _Deferred(torch.autograd.Function):
-    """A zero standing for one deferred gradient of `param`: its backward hands the gradient over (the
-    weight GEMM when `x` is given, else the stashed gradient `grad`)."""
+    """A zero standing for one deferred gradient of `param`: its backward computes and hands it over."""
 
     @staticmethod
-    def forward(ctx: Any, param: nn.Parameter, x: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
-        ctx.x, ctx.grad = x, grad  # held until W only; neither is an input autograd tracks
+    def forward(ctx: Any, param: nn.Parameter, grad: Callable[[], torch.Tensor]) -> torch.Tensor:
+        ctx.grad = grad  # held until W only
         return param.new_zeros(())
 
     @staticmethod
-    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        grad = ctx.grad if ctx.x is None else _weight_grad(ctx.x, ctx.grad)
-        ctx.x = ctx.grad = None
-        return grad, None, None
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad, ctx.grad = ctx.grad(), None
+        return grad, None
 
 
 class _Linear(torch.autograd.Function):
@@ -105,7 +113,7 @@ class _Linear(torch.autograd.Function):
         # needs_input_grad says what required grad at forward, not what this backward asks for, so the
         # store says whether this is a B.
         if ctx.store.capturing is not None:
-            ctx.store.add_gemm(weight, x.detach(), grad_out.detach())
+            ctx.store.defer(weight, functools.partial(_weight_grad, x.detach(), grad_out.detach()))
         elif ctx.needs_input_grad[1]:  # a plain backward: both now
             grad_w = _weight_grad(x, grad_out)
         return grad_x, grad_w, None

@@ -10,6 +10,7 @@ pp of them, GPipe: all): the same check must reject it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -83,6 +84,26 @@ def test_predicted_bubble_follows_the_schedules_formula(overrides: list[str], ra
     cfg = config.load(TINY, ["parallel.pp=2", "parallel.microbatches=4", *overrides])
     pred = plan.predict(cfg, plan.current_layout(cfg), plan.DEVICES["cpu"], 0.4)
     assert pred.bubble_s == pytest.approx(pred.compute_s * ratio, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "overrides, passes, messages",
+    [
+        ([], 2, 2 * 4),  # 1F1B: forward and backward; 4 microbatches in and out
+        (["parallel.virtual_stages=2"], 2, 2 * 4 * 2),  # each microbatch visits both chunks
+        (['parallel.schedule="zb-h1"'], 3, 2 * 4),  # W is a pass of its own
+    ],
+)
+def test_fixed_costs_per_pass_and_per_message(overrides: list[str], passes: int, messages: int) -> None:
+    """Each rank pays the device's fixed cost for every layer's pass (F, B, and W under ZB-H1) of every
+    microbatch, and its transport's cost for every activation and gradient into and out of each chunk."""
+    cfg = config.load(TINY, ["parallel.pp=2", "parallel.microbatches=4", *overrides])
+    free = dataclasses.replace(plan.DEVICES["cpu"], layer_pass_s=0.0, hop_s=())
+    costly = dataclasses.replace(free, layer_pass_s=1e-3, hop_s=((cfg.parallel.transport, 5e-3),))
+    base, paid = (plan.predict(cfg, plan.current_layout(cfg), d, 0.4) for d in (free, costly))
+    layers = cfg.model.n_layers // 2  # per rank
+    assert paid.compute_s - base.compute_s == pytest.approx(4 * passes * layers * 1e-3)
+    assert paid.comm_s - base.comm_s == pytest.approx(messages * 5e-3)
 
 
 def check_in_flight(cfg: config.Config) -> None:
