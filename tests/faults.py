@@ -15,7 +15,8 @@ here, not in production code. Faults are strings per actor coordinate:
 - `slow_ping:S`: once set up, `where` (the controller's ping) answers after S seconds: alive but busy;
 - `disk_full:N`: writing its N-th checkpoint shard fails with ENOSPC;
 - `stale_buddy`: (checkpoint.in_memory) the buddy receives each snapshot under its step but with the
-  contents of the one before: a copy one step old.
+  contents of the one before: a copy one step old. `stale_buddy:PART`: only that part of the snapshot's
+  state (`experts`, `loss_scaler`, ...) is the one before's.
 `python -m tests.faults train ...` runs the real CLI with the faults of RAYPAR_INJECT_FAULT
 ("dp0.pp1.tp0=raise_at_step:2;...").
 """
@@ -107,8 +108,11 @@ class _FaultyWorker(Worker):
 
     def _buddy_copy(self, snap: Snapshot) -> Snapshot:
         older = [s for s in self.copies.own if s.step < snap.step]
-        if "stale_buddy" in self.faults and older:
-            return Snapshot(snap.step, snap.layout, older[-1].state)
+        stale = [f.partition(":")[2] for f in self.faults if f.partition(":")[0] == "stale_buddy"]
+        if stale and older:
+            part = stale[0]  # one part of the state one step old, the rest current; "": all of it
+            state = {**snap.state, part: older[-1].state[part]} if part else older[-1].state
+            return Snapshot(snap.step, snap.layout, state)
         return super()._buddy_copy(snap)
 
     def draw(self, n: int) -> list[float]:

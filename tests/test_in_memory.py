@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from raypar import config
-from raypar.controller.actor_mesh import StepFailure
+from raypar.controller.actor_mesh import StepFailure, StepResult
 from raypar.controller.buddy import NoCopies, plan
 from raypar.controller.training import TrainingLoop
 from raypar.mesh import Coord
@@ -75,10 +75,10 @@ def mesh_cfg(zero: int, pp: int) -> config.Config:
                 "parallel.timeout_s=10", "checkpoint.in_memory=true")  # fmt: skip
 
 
-def _killed(trainer: FaultyActorMesh, cfg: config.Config) -> tuple[int, str, list[float]]:
+def _killed_results(trainer: FaultyActorMesh, cfg: config.Config) -> tuple[int, str, list[StepResult]]:
     """From the seed: 3 steps, then replica 1's first actor killed before step 3; restored from memory."""
     trainer.reconfigure(cfg)
-    got = [trainer.step(s).loss for s in range(3)]
+    got = [trainer.step(s) for s in range(3)]
     os.kill(trainer.nodes[Coord(1, 0, 0)]["pid"], signal.SIGKILL)  # idle between calls: before step 3's
     try:
         trainer.step(3)
@@ -86,7 +86,12 @@ def _killed(trainer: FaultyActorMesh, cfg: config.Config) -> tuple[int, str, lis
         step, what = trainer.restore_from_memory(failure)
     else:
         raise AssertionError("step 3 succeeded without replica 1")
-    return step, what, got[:step] + [trainer.step(s).loss for s in range(step, STEPS)]
+    return step, what, got[:step] + [trainer.step(s) for s in range(step, STEPS)]
+
+
+def _killed(trainer: FaultyActorMesh, cfg: config.Config) -> tuple[int, str, list[float]]:
+    step, what, results = _killed_results(trainer, cfg)
+    return step, what, [r.loss for r in results]
 
 
 @pytest.mark.parametrize("zero, pp", [(0, 1), (1, 2), (3, 1)], ids=["zero0", "zero1-pp2", "zero3"])
@@ -109,6 +114,66 @@ def test_restore_from_memory_continues_exactly(ray_session, zero, pp):
                 assert_same_losses(stale, straight)
     finally:
         trainer.shutdown()
+
+
+# -- the layouts that change what an actor's state is ----------------------------------------------------
+MOE = ("parallel.ep=2", "model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=2.0",
+       "model.moe_every=2")  # fmt: skip
+# fp16 from a scale that overflows at once: the scaler backs off, skips steps, and grows again around the
+# kill (window 2), so a replacement that restored any other scaler state scales step 3 differently.
+FP16 = ('train.precision="fp16"', f"train.loss_scale={2.0**24}", f"train.loss_scale_backoff={2.0**-12}",
+        "train.loss_scale_window=2")  # fmt: skip
+CP = ("parallel.cp=2", 'parallel.cp_style="ulysses"', "parallel.zero=2", "parallel.microbatches=1",
+      "parallel.bucket_mb=0.02")  # fmt: skip
+LAYOUTS = {  # name -> (actors per replica, overrides, the state part a negative control makes stale)
+    # experts and their Adam state live in a second strategy over the expert-dp group (size 1 here: each
+    # replica holds different experts, so only the buddy's copy has replica 1's)
+    "moe-ep2": (1, (*MOE, "parallel.zero=1"), "experts"),
+    # two actors per stage, each cp rank owning its ZeRO shard of the state sharded over cp x dp
+    "cp2-zero2": (2, CP, None),
+    "bf16-zero1": (1, ('train.precision="bf16"', "parallel.zero=1"), None),
+    "fp16-scaler": (1, FP16, "loss_scaler"),
+    # two model chunks per actor: one strategy over both
+    "interleaved": (2, ("parallel.pp=2", "parallel.virtual_stages=2", "parallel.microbatches=4"), None),
+}
+
+
+def assert_same_run(got: list[StepResult], want: list[StepResult]) -> None:
+    """Bit for bit (same state at the same ranks): every step's loss and every actor's loss scale."""
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.loss == b.loss, f"loss at step {step}: {a.loss} vs {b.loss}"
+        scales = [{c.key: r["loss_scale"] for c, r in res.per_actor.items()} for res in (a, b)]
+        assert scales[0] == scales[1], f"loss scales at step {step}: {scales[0]} vs {scales[1]}"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_restore_from_memory_at_each_layout(ray_session, name):
+    """Each layout's state comes back from memory: the run after the kill is the undisturbed one. The
+    stale-buddy control above covers what every layout shares (the dense state); where a layout adds a
+    part of the state (the experts' strategy, the loss scaler), a copy with only that part one step old
+    shows the same check depends on it."""
+    actors, extra, stale_part = LAYOUTS[name]
+    cfg = tiny("parallel.dp=2", f"train.steps={STEPS}", "parallel.timeout_s=10", "checkpoint.in_memory=true",
+               *extra)  # fmt: skip
+    trainer = FaultyActorMesh(cfg, f"mem-{name}", faults={})
+    try:
+        trainer.start()
+        straight = [trainer.step(s) for s in range(STEPS)]
+        step, what, got = _killed_results(trainer, cfg)
+        # no checkpoint.dir: memory is the only place the state can come from
+        assert step == 2 and what.startswith("replaced replica(s) [1]"), what
+        assert f"({actors} actor(s) from buddies' copies)" in what, what
+        assert_same_run(got, straight)
+        if stale_part:
+            trainer.set_faults({c: [f"stale_buddy:{stale_part}"] for c in trainer.actors})
+            _, _, stale = _killed_results(trainer, cfg)
+            with pytest.raises(AssertionError, match=r"(loss|loss scales) at step 2: "):
+                assert_same_run(stale, straight)
+    finally:
+        trainer.shutdown()
+    if name == "fp16-scaler":  # the scaler did change around the kill: overflows skipped, then growth
+        assert [r.skipped for r in straight[:2]] == [True, True], [r.skipped for r in straight]
+        assert straight[2].loss_scale < straight[-1].loss_scale, [r.loss_scale for r in straight]
 
 
 # -- whole runs: kill -9 under ZeRO-2 ------------------------------------------------------------------
