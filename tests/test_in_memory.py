@@ -120,21 +120,24 @@ def test_restore_from_memory_continues_exactly(ray_session, zero, pp):
 MOE = ("parallel.ep=2", "model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=2.0",
        "model.moe_every=2")  # fmt: skip
 # fp16 from a scale that overflows at once: the scaler backs off, skips steps, and grows again around the
-# kill (window 2), so a replacement that restored any other scaler state scales step 3 differently.
+# kill (window 2), so a replacement with any other scaler state scales the steps it redoes differently.
 FP16 = ('train.precision="fp16"', f"train.loss_scale={2.0**24}", f"train.loss_scale_backoff={2.0**-12}",
         "train.loss_scale_window=2")  # fmt: skip
 CP = ("parallel.cp=2", 'parallel.cp_style="ulysses"', "parallel.zero=2", "parallel.microbatches=1",
       "parallel.bucket_mb=0.02")  # fmt: skip
+INTERLEAVED = ("parallel.pp=2", "parallel.virtual_stages=2", "parallel.microbatches=4", "parallel.zero=1")
 LAYOUTS = {  # name -> (actors per replica, overrides, the state part a negative control makes stale)
-    # experts and their Adam state live in a second strategy over the expert-dp group (size 1 here: each
-    # replica holds different experts, so only the buddy's copy has replica 1's)
-    "moe-ep2": (1, (*MOE, "parallel.zero=1"), "experts"),
+    # experts and their Adam state live in a second strategy over the expert-dp group: at dp=4, ep=2 the
+    # replicas {0, 2} and {1, 3} each share experts, ZeRO-1 shards them over the pair, and replica 1's
+    # buddy (replica 2) holds other experts than its own
+    "moe-dp4-ep2": (1, (*MOE, "parallel.dp=4", "parallel.zero=1"), "experts"),
+    "moe-zero3": (1, (*MOE, "parallel.zero=3"), None),  # ZeRO-3's expert strategy gathers per block
     # two actors per stage, each cp rank owning its ZeRO shard of the state sharded over cp x dp
     "cp2-zero2": (2, CP, None),
     "bf16-zero1": (1, ('train.precision="bf16"', "parallel.zero=1"), None),
     "fp16-scaler": (1, FP16, "loss_scaler"),
-    # two model chunks per actor: one strategy over both
-    "interleaved": (2, ("parallel.pp=2", "parallel.virtual_stages=2", "parallel.microbatches=4"), None),
+    # two model chunks per actor, the pieces of both in one ZeRO-1 strategy
+    "interleaved": (2, INTERLEAVED, None),
 }
 
 
