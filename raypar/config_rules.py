@@ -138,7 +138,6 @@ def validate(cfg: Config) -> None:
     _validate_pipeline(cfg)
     if p.sequence_parallel:
         _require(p.tp > 1, f"parallel.sequence_parallel: needs parallel.tp > 1, got tp={p.tp}")
-        _require(m.moe_experts == 0, "parallel.sequence_parallel: not with model.moe_experts > 0 yet")
         _require(
             m.seq_len % (p.tp * p.cp) == 0,
             f"parallel.sequence_parallel: model.seq_len={m.seq_len} must be divisible by tp*cp={p.tp * p.cp}",
