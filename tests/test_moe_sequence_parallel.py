@@ -1,4 +1,4 @@
-"""MoE under Megatron sequence parallelism: tp=2 with SP, alone and with dp=2 x ep=2, on thread ranks.
+"""MoE under Megatron sequence parallelism: tp=2 with SP, alone, with dp=2 x ep=2 and with cp=2, on threads.
 
 Between blocks each tp rank holds T/tp tokens; the MoE layer gathers the sequence over tp, routes it like
 the tp layer without SP and keeps this rank's tokens of the result (raypar.moe). Capacity, priority and the
@@ -39,9 +39,10 @@ NO_DROP, DROPPING = E / K, 0.75
 TOL = 1e-5
 
 
-def make_cfg(capacity_factor: float, tp: int = 2, dp: int = 1, ep: int = 1) -> config.Config:
+def make_cfg(capacity_factor: float, tp: int = 2, dp: int = 1, ep: int = 1, cp: int = 1) -> config.Config:
     return config.load("examples/configs/tiny.toml", [
-        f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.ep={ep}",
+        f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.cp={cp}",
+        'parallel.cp_style="ulysses"',
         f"parallel.sequence_parallel={str(tp > 1).lower()}", "parallel.microbatches=2",
         "train.global_batch=8",
         f"model.moe_experts={E}", f"model.moe_top_k={K}", f"model.moe_capacity_factor={capacity_factor}",
@@ -50,12 +51,12 @@ def make_cfg(capacity_factor: float, tp: int = 2, dp: int = 1, ep: int = 1) -> c
 
 
 def parallel(cfg: config.Config, moe_class: type[MoELayer] = MoELayer) -> dict[str, Any]:
-    """One step of dp x tp (SP) x ep on threads, with the worker's groups and gradient strategies
+    """One step of dp x cp x tp (SP) x ep on threads, with the worker's groups and gradient strategies
     (actors/worker.py) without Ray; `moe_class` replaces the MoE layers' class (negative controls)."""
     par, m = cfg.parallel, cfg.model
     dp = cfg.dp_fixed
-    mesh = Mesh(dp, 1, par.tp, ep=par.ep)
-    groups = {n: mm for n, mm in mesh.groups().items() if n.startswith(("tp.", "dp.", "ep.", "edp."))}
+    mesh = Mesh(dp, 1, par.tp, ep=par.ep, cp=par.cp)
+    groups = {n: mm for n, mm in mesh.groups().items() if n.startswith(("tp.", "cp.", "dp.", "ep.", "edp."))}
     topo = schedules.Topology(1, 1)
     dataset = data.open_dataset(cfg.data, m)
     sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
@@ -65,15 +66,17 @@ def parallel(cfg: config.Config, moe_class: type[MoELayer] = MoELayer) -> dict[s
         coord = mesh.coord(rank)
         model = LlamaStage(m, range(m.n_layers), True, True, mine.get(Mesh.tp_group(coord)), cfg.train.seed,
                            mine.get(Mesh.ep_group(coord, coord.dp, par.ep)),
-                           sequence_parallel=par.sequence_parallel)
+                           sequence_parallel=par.sequence_parallel, cp_group=mine.get(Mesh.cp_group(coord)),
+                           cp_style=par.cp_style)
         for layer in model.moe_layers().values():
             layer.__class__ = moe_class
         dense = DPStrategy(model, cfg.train, mine.get(Mesh.dp_group(coord)), bucket_bytes=4096,
                            select=lambda name: not is_expert_param(name))
-        # the worker's expert-dp group: the dp group without ep (none where dp == ep), divisor dp
+        # the worker's expert-dp group: the dp group without ep (with its cp ranks), divisor dp x cp
         edp = mine.get(Mesh.edp_group(coord, coord.dp, par.ep) if par.ep > 1 else Mesh.dp_group(coord))
-        experts = DPStrategy(model, cfg.train, edp, bucket_bytes=4096, select=is_expert_param, divisor=dp)
-        seq = m.seq_len // (par.tp if par.sequence_parallel else 1)  # this rank's tokens between blocks
+        experts = DPStrategy(model, cfg.train, edp, bucket_bytes=4096, select=is_expert_param,
+                             divisor=dp * par.cp)
+        seq = m.seq_len // par.cp // (par.tp if par.sequence_parallel else 1)  # this rank's tokens
         like = torch.empty(mbs, seq, m.d_model)
 
         def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +92,7 @@ def parallel(cfg: config.Config, moe_class: type[MoELayer] = MoELayer) -> dict[s
                 "grads": {n: (p.grad.clone(), *specs[n]) for n, p in model.named_parameters()}}
 
     ranks = run_groups(mesh.world_size, {n: [mesh.rank(c) for c in mm] for n, mm in groups.items()}, member)
-    losses = [x for r in ranks if r["coord"].tp == 0 for x in r["losses"]]
+    losses = [x for r in ranks if r["coord"].tp == 0 for x in r["losses"]]  # cp ranks: equal shares
     grads: dict[str, torch.Tensor] = {}
     for r in ranks:  # tp shards into place; dense gradients from every replica (equal), experts from owners
         for name, (local, shape, offsets) in r["grads"].items():
@@ -123,6 +126,16 @@ def test_sequence_parallel_with_ep_and_dp():
     assert want["moe"]["dropped_tokens"] > 0
     diffs = assert_matches(parallel(make_cfg(DROPPING, dp=2, ep=2)), want, TOL)
     print(f"dp=2 ep=2 tp=2 SP cf={DROPPING} vs tp=1: max relative differences {diffs}")
+
+
+def test_sequence_parallel_with_context_parallelism():
+    """cp=2 (ulysses) x tp=2 (SP): each rank holds T/(cp tp) tokens; the MoE layer gathers its cp rank's
+    T/cp over tp, and the cp counting of raypar.moe takes it from there. Drops against one process."""
+    cfg = make_cfg(DROPPING, cp=2)
+    want = reference(cfg)
+    assert want["moe"]["dropped_tokens"] > 0
+    diffs = assert_matches(parallel(cfg), want, TOL)
+    print(f"cp=2 tp=2 SP cf={DROPPING}: max relative differences {diffs}")
 
 
 class _PartialSumGather(MoELayer):
