@@ -52,11 +52,6 @@ def _validate_context_parallel(cfg: Config) -> None:
     )
     if p.cp == 1:
         return
-    # Each composition below is tested on its own (cp x MoE, cp x ZeRO); all three at once is not yet.
-    _require(
-        m.moe_experts == 0 or p.zero == 0,
-        f"parallel.zero: must be 0 with parallel.cp > 1 and MoE experts together (untested), got {p.zero}",
-    )
     _require(m.dropout == 0, f"parallel.cp: needs model.dropout = 0 (cp attention has none), got {m.dropout}")
     chunks = 2 * p.cp if p.cp_style == "ring" else p.cp  # ring: the zigzag cuts 2*cp chunks
     _require(
