@@ -12,6 +12,7 @@ microbatches, which one process's is not: with drops the reference is the same l
 Negative control: the MoE input gathered with the dense MLP's gather (raypar.sp.gather_from_sp), whose
 backward reduce-scatters -- right for partial sums, but the MoE layer's input gradient is already whole on
 every tp rank, so everything below the first MoE layer gets tp times its gradient; the same check fails.
+Last, the worker on 4 Ray actors (dp=2 x ep=2 x tp=2 with SP), with that control injected into it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from raypar.local_transport import LocalPipe
 from raypar.mesh import Mesh
 from raypar.model import LlamaStage
 from raypar.moe import MoELayer, is_expert_param
-from raypar.sp import gather_from_sp
+from tests.faults import MoEGatherSummed
 from tests.test_moe_context_parallel import assert_matches, moe_figures, reference
 from tests.threads import run_groups
 
@@ -138,14 +139,51 @@ def test_sequence_parallel_with_context_parallelism():
     print(f"cp=2 tp=2 SP cf={DROPPING}: max relative differences {diffs}")
 
 
-class _PartialSumGather(MoELayer):
-    """The bug: the dense MLP's gather, whose backward sums the tp ranks' (here already whole) gradients."""
-
-    def to_whole(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_from_sp(x, self.group)
-
-
 def test_moe_input_gathered_like_the_dense_mlp_is_rejected():
     cfg = make_cfg(DROPPING)
     with pytest.raises(AssertionError, match=r"^gradient of embed\.weight differs"):
-        assert_matches(parallel(cfg, _PartialSumGather), reference(cfg), TOL)
+        assert_matches(parallel(cfg, MoEGatherSummed), reference(cfg), TOL)
+
+
+def test_actors_dp2_ep2_tp2_sp_match_one_process(ray_session):
+    """The worker itself (actors/worker.py: its tp, ep and expert-dp groups, the tp rebinding of the MoE
+    layers, T/tp tokens per rank) on 4 Ray actors, two steps with their updates, through
+    tests/test_moe_training.py's per-step checks (loss, nothing dropped, router and expert gradients, grad
+    norm). Parameters: within 1e-4 of one process (AdamW's first steps move an entry by ~lr whatever its
+    gradient's size, so tiny gradients summed in another order at tp=2 move some by ~2e-5 with or without
+    SP: measured 1.8e-5 in layers.1.attn.wo) and within 1e-5 of the same layout without SP (measured 0).
+    Its control is the summed gather above, injected into the workers."""
+    from tests.faults import FaultyActorMesh
+    from tests.reference import reference_run
+    from tests.test_moe_training import gather, train
+    from tests.test_moe_training import make_cfg as moe_cfg
+
+    steps = 2
+    ref = reference_run(moe_cfg(1, 1, 1, 8), steps, microbatch_size=1)
+
+    def cfg(sp: bool) -> config.Config:
+        return moe_cfg(2, 1, 2, 4, "parallel.tp=2", f"parallel.sequence_parallel={str(sp).lower()}")
+
+    mesh = FaultyActorMesh(cfg(True), "moe-sp", {})
+    try:
+        mesh.start()
+        params = {}
+        for sp in (True, False):
+            if sp != mesh.cfg.parallel.sequence_parallel:  # rebuilt from the seed
+                mesh.reconfigure(cfg(sp))
+            train(mesh, range(steps), ref)
+            mesh.commit()
+            params[sp] = gather(mesh, "parameters")
+        for name, want in ref.params.items():
+            err = (params[True][name] - want).abs().max().item()
+            assert err <= 1e-4, f"parameter {name} differs by {err:.3g}"
+            err = (params[True][name] - params[False][name]).abs().max().item()
+            assert err <= TOL, f"parameter {name} differs from the layout without SP by {err:.3g}"
+        mesh.set_faults({c: ["moe_sp_summed_gather"] for c in Mesh(2, 1, 2).coords()})
+        mesh.reconfigure(cfg(True))
+        # layer 3's MoE sends tp times its input gradient down: the first gradient checked below it fails
+        symptom = r"^gradient of layers\.1\.mlp\.experts\.\d\.w_\w+\.weight at step 0"
+        with pytest.raises(AssertionError, match=symptom):
+            train(mesh, range(1), ref)
+    finally:
+        mesh.shutdown()
