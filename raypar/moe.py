@@ -45,10 +45,10 @@ tp layer above (every tp rank routes the same tokens, the experts' tp shards mee
 keeps this rank's tokens of the result. Routing on the local shard instead would need the tp ranks'
 dispatched rows gathered anyway (every tp rank holds a slice of every local expert, so it needs every
 row), and its capacity, priority and aux loss would span T/tp tokens unless counts were also gathered
-over tp; routing the gathered tokens keeps all three those of the reference's dispatch with no new
-counting. The gather's backward keeps this rank's tokens without a sum and the split's backward
-all-gathers (raypar.sp.gather_whole / split_whole): the computation between them is replicated over tp,
-its gradients whole on every rank, unlike the dense MLP's partial sums (whose gather reduce-scatters in
+over tp; on the gathered tokens all three are the reference dispatch's with no new counting. The
+gather's backward keeps this rank's tokens without a sum and the split's backward all-gathers
+(raypar.sp.gather_whole / split_whole): the computation between them is replicated over tp, its
+gradients whole on every rank, unlike the dense MLP's partial sums (whose gather reduce-scatters in
 backward, which here would count every gradient tp times). The cost over Megatron's reduce-scatter at the
 output: one all-gather more each way, since the all-reduce inside already sums the experts' shards.
 """

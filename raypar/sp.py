@@ -65,15 +65,16 @@ class _GatherWhole(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         # The consumer computes on the gathered tokens as a whole, the same on every rank, so every rank's
-        # gradient is already the full one: keep this rank's tokens, with no sum.
-        return sequence_shard(grad, ctx.group), None
+        # gradient is already the full one: keep this rank's tokens, with no sum (a copy, not a view that
+        # would keep the whole gradient alive).
+        return sequence_shard(grad, ctx.group).contiguous(), None
 
 
 class _SplitWhole(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
-        return sequence_shard(x, group)
+        return sequence_shard(x, group).contiguous()  # a view would keep all T tokens in the residual
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
