@@ -52,11 +52,6 @@ def _validate_context_parallel(cfg: Config) -> None:
     )
     if p.cp == 1:
         return
-    # Each composition below is tested on its own (cp x MoE, cp x ZeRO); all three at once is not yet.
-    _require(
-        m.moe_experts == 0 or p.zero == 0,
-        f"parallel.zero: must be 0 with parallel.cp > 1 and MoE experts together (untested), got {p.zero}",
-    )
     _require(m.dropout == 0, f"parallel.cp: needs model.dropout = 0 (cp attention has none), got {m.dropout}")
     chunks = 2 * p.cp if p.cp_style == "ring" else p.cp  # ring: the zigzag cuts 2*cp chunks
     _require(
@@ -138,7 +133,6 @@ def validate(cfg: Config) -> None:
     _validate_pipeline(cfg)
     if p.sequence_parallel:
         _require(p.tp > 1, f"parallel.sequence_parallel: needs parallel.tp > 1, got tp={p.tp}")
-        _require(m.moe_experts == 0, "parallel.sequence_parallel: not with model.moe_experts > 0 yet")
         _require(
             m.seq_len % (p.tp * p.cp) == 0,
             f"parallel.sequence_parallel: model.seq_len={m.seq_len} must be divisible by tp*cp={p.tp * p.cp}",

@@ -183,7 +183,8 @@ class Block(nn.Module):
         self.attn_norm = make_norm(cfg, group, sequence_parallel)
         self.attn = Attention(cfg, group, sequence_parallel)
         self.mlp_norm = make_norm(cfg, group, sequence_parallel)
-        self.mlp = MoELayer(cfg, group, ep_group) if moe else SwiGLU(cfg, group, sequence_parallel)
+        sp = sequence_parallel
+        self.mlp = MoELayer(cfg, group, ep_group, sp) if moe else SwiGLU(cfg, group, sp)
 
     def set_recompute(self, mode: str) -> None:
         self.full = mode == "full"

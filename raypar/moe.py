@@ -38,6 +38,19 @@ is the same tensor wherever it lives and checkpoints reshard across ep by name. 
 ranks and come back by the differentiable uneven all-to-all of raypar.ep. With tensor parallelism the experts
 are split across tp exactly like the dense MLP (gate/up by rows, down by columns); the router is replicated;
 every tp rank routes the same tokens and exchanges them with the same tp rank of the other EP ranks.
+
+Sequence parallelism (raypar.sp). Between blocks a tp rank holds T/tp tokens of the residual stream. The
+layer routes on the whole sequence, as Megatron does: it all-gathers the tokens over tp, runs exactly the
+tp layer above (every tp rank routes the same tokens, the experts' tp shards meet in one all-reduce) and
+keeps this rank's tokens of the result. Routing on the local shard instead would need the tp ranks'
+dispatched rows gathered anyway (every tp rank holds a slice of every local expert, so it needs every
+row), and its capacity, priority and aux loss would span T/tp tokens unless counts were also gathered
+over tp; on the gathered tokens all three are the reference dispatch's with no new counting. The
+gather's backward keeps this rank's tokens without a sum and the split's backward all-gathers
+(raypar.sp.gather_whole / split_whole): the computation between them is replicated over tp, its
+gradients whole on every rank, unlike the dense MLP's partial sums (whose gather reduce-scatters in
+backward, which here would count every gradient tp times). The cost over Megatron's reduce-scatter at the
+output: one all-gather more each way, since the all-reduce inside already sums the experts' shards.
 """
 
 from __future__ import annotations
@@ -53,6 +66,7 @@ from collectives import Group
 from raypar import cp
 from raypar.config import ModelConfig
 from raypar.ep import all_to_all
+from raypar.sp import gather_whole, split_whole
 from raypar.tp import ColumnParallelLinear, RowParallelLinear, copy_to_tp, reduce_from_tp
 
 
@@ -126,8 +140,12 @@ class MoEStats:
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp_group: Group | None, ep_group: Group | None = None):
+    def __init__(
+        self, cfg: ModelConfig, tp_group: Group | None, ep_group: Group | None = None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
+        self.sp = sequence_parallel
         self.n_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.capacity_factor, self.aux_coef = cfg.moe_capacity_factor, cfg.moe_aux_loss_coef
         self.group = tp_group  # named like the tp layers' so that rebinding tp reaches it
@@ -175,8 +193,18 @@ class MoELayer(nn.Module):
         y = out.new_zeros(tokens, out.shape[-1])
         return y.index_add(0, token, out * weight.to(out.dtype).unsqueeze(-1))
 
+    def to_whole(self, x: torch.Tensor) -> torch.Tensor:
+        """Under SP: this tp rank's tokens [B, T/tp, d] -> the whole sequence, routed alike on every rank."""
+        return gather_whole(x, self.group) if self.sp else x
+
+    def from_whole(self, y: torch.Tensor) -> torch.Tensor:
+        return split_whole(y, self.group) if self.sp else y
+
     # -- forward -----------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.from_whole(self._route(self.to_whole(x)))
+
+    def _route(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         blocks, rank_of_block = self._blocks(shape)
         x = x.reshape(-1, shape[-1])

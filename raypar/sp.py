@@ -56,6 +56,31 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return _gather_seq(grad, ctx.group), None
 
 
+class _GatherWhole(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # The consumer computes on the gathered tokens as a whole, the same on every rank, so every rank's
+        # gradient is already the full one: keep this rank's tokens, with no sum (a copy, not a view that
+        # would keep the whole gradient alive).
+        return sequence_shard(grad, ctx.group).contiguous(), None
+
+
+class _SplitWhole(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return sequence_shard(x, group).contiguous()  # a view would keep all T tokens in the residual
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_seq(grad, ctx.group), None
+
+
 def gather_from_sp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     """[B, T/tp, d] -> [B, T, d] before a column-parallel block; backward reduce-scatters."""
     return _GatherFromSP.apply(x, group) if _parallel(group) else x
@@ -65,6 +90,19 @@ def reduce_scatter_to_sp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     """Partial sums [B, T, d] -> this rank's tokens of the sum [B, T/tp, d] after a row-parallel block
     (or the vocabulary-parallel embedding); backward all-gathers."""
     return _ReduceScatterToSP.apply(x, group) if _parallel(group) else x
+
+
+def gather_whole(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """[B, T/tp, d] -> [B, T, d] for a layer that computes on the whole sequence identically on every tp
+    rank (the MoE layer, raypar.moe), so that its input gradient is whole, not a partial sum: backward
+    keeps this rank's tokens."""
+    return _GatherWhole.apply(x, group) if _parallel(group) else x
+
+
+def split_whole(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """The conjugate: [B, T, d], the same on every tp rank -> this rank's [B, T/tp, d]; backward
+    all-gathers, so every rank gets the whole gradient its identical computation needs."""
+    return _SplitWhole.apply(x, group) if _parallel(group) else x
 
 
 def sequence_shard(x: torch.Tensor, group: Group | None) -> torch.Tensor:

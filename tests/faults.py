@@ -8,6 +8,8 @@ here, not in production code. Faults are strings per actor coordinate:
 - `tie_no_sum`: the two copies of a tied embedding (pp > 1) keep their own gradients (not summed);
 - `ep_divisor_edp`: expert gradients divided by the expert-data-parallel group's size instead of dp;
 - `expert_no_regather`: (zero 3) a block's experts are not gathered again before its backward (zeros);
+- `moe_sp_summed_gather`: (sequence parallelism) MoE layers gather their input with the dense MLP's gather,
+  whose backward sums the tp ranks' gradients (already whole in an MoE layer: tp times too large);
 - `raise_at_step:N`: phase 1 of step N raises.
 - `exit_in:METHOD:N`: the process exits (as if killed) at the start of its N-th call of METHOD
   (`train_step`, `apply_step`, `rebind`, `save_shard`, `sync_state`, `rng_state`); only the first actor
@@ -39,6 +41,8 @@ from raypar.config import Config
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.dp import DPStrategy
 from raypar.mesh import Coord
+from raypar.moe import MoELayer
+from raypar.sp import gather_from_sp
 from raypar.tp import RowParallelLinear
 from raypar.zero3 import Zero3Strategy
 
@@ -54,6 +58,14 @@ class ExpertsNotRegathered(Zero3Strategy):
             self._gathered.add(b)
             with torch.no_grad():
                 bucket.params.zero_()
+
+
+class MoEGatherSummed(MoELayer):
+    """`moe_sp_summed_gather`: the dense MLP's gather (raypar.sp.gather_from_sp), whose backward
+    reduce-scatters: right for partial sums, but an MoE layer's input gradient is whole on every tp rank."""
+
+    def to_whole(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_from_sp(x, self.group)
 
 
 class _FaultyWorker(Worker):
@@ -125,6 +137,9 @@ class _FaultyWorker(Worker):
             for module in self.model.modules():
                 if isinstance(module, RowParallelLinear):
                     module.group = None
+        if "moe_sp_summed_gather" in self.faults:
+            for layer in self.model.moe_layers().values():
+                layer.__class__ = MoEGatherSummed
 
     def _make_strategy(self, dp_group: Any) -> DPStrategy:
         strategy = super()._make_strategy(dp_group)

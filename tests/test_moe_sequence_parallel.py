@@ -1,0 +1,189 @@
+"""MoE under Megatron sequence parallelism: tp=2 with SP, alone, with dp=2 x ep=2 and with cp=2, on threads.
+
+Between blocks each tp rank holds T/tp tokens; the MoE layer gathers the sequence over tp, routes it like
+the tp layer without SP and keeps this rank's tokens of the result (raypar.moe). Capacity, priority and the
+aux loss are therefore those of one process's dispatch of the microbatch. Compared with the one-process
+reference of tests/test_moe_context_parallel (every microbatch forwarded with its aux loss): the loss,
+every gradient (tp shards assembled), the global gradient norm, the aux loss (1e-5 relative) and the
+expert load and dropped assignments exactly -- with a capacity factor of E / k (nothing dropped, asserted)
+and a small one that drops assignments (asserted). At dp=2 x ep=2 the dispatch spans the EP group's
+microbatches, which one process's is not: with drops the reference is the same layout without tp.
+
+Negative control: the MoE input gathered with the dense MLP's gather (raypar.sp.gather_from_sp), whose
+backward reduce-scatters -- right for partial sums, but the MoE layer's input gradient is already whole on
+every tp rank, so everything below the first MoE layer gets tp times its gradient; the same check fails.
+Last, the worker on 4 Ray actors (dp=2 x ep=2 x tp=2 with SP), with that control injected into it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from raypar import config, data, schedules
+from raypar.controller.actor_mesh import moe_totals
+from raypar.dp import DPStrategy
+from raypar.executor import ModelBackend, StepRun
+from raypar.local_transport import LocalPipe
+from raypar.mesh import Mesh
+from raypar.model import LlamaStage
+from raypar.moe import MoELayer, is_expert_param
+from tests.faults import MoEGatherSummed
+from tests.test_moe_context_parallel import assert_matches, moe_figures, reference
+from tests.threads import run_groups
+
+E, K = 4, 2
+NO_DROP, DROPPING = E / K, 0.75
+TOL = 1e-5
+
+
+def make_cfg(capacity_factor: float, tp: int = 2, dp: int = 1, ep: int = 1, cp: int = 1) -> config.Config:
+    return config.load("examples/configs/tiny.toml", [
+        f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.cp={cp}",
+        'parallel.cp_style="ulysses"',
+        f"parallel.sequence_parallel={str(tp > 1).lower()}", "parallel.microbatches=2",
+        "train.global_batch=8",
+        f"model.moe_experts={E}", f"model.moe_top_k={K}", f"model.moe_capacity_factor={capacity_factor}",
+        "model.moe_every=2", "model.moe_aux_loss_coef=0.1",
+    ])
+
+
+def parallel(cfg: config.Config, moe_class: type[MoELayer] = MoELayer) -> dict[str, Any]:
+    """One step of dp x cp x tp (SP) x ep on threads, with the worker's groups and gradient strategies
+    (actors/worker.py) without Ray; `moe_class` replaces the MoE layers' class (negative controls)."""
+    par, m = cfg.parallel, cfg.model
+    dp = cfg.dp_fixed
+    mesh = Mesh(dp, 1, par.tp, ep=par.ep, cp=par.cp)
+    groups = {n: mm for n, mm in mesh.groups().items() if n.startswith(("tp.", "cp.", "dp.", "ep.", "edp."))}
+    topo = schedules.Topology(1, 1)
+    dataset = data.open_dataset(cfg.data, m)
+    sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
+    n_mb, mbs = cfg.microbatches_at(dp), cfg.microbatch_size
+
+    def member(rank: int, mine: dict[str, Any]) -> dict[str, Any]:
+        coord = mesh.coord(rank)
+        model = LlamaStage(m, range(m.n_layers), True, True, mine.get(Mesh.tp_group(coord)), cfg.train.seed,
+                           mine.get(Mesh.ep_group(coord, coord.dp, par.ep)),
+                           sequence_parallel=par.sequence_parallel, cp_group=mine.get(Mesh.cp_group(coord)),
+                           cp_style=par.cp_style)
+        for layer in model.moe_layers().values():
+            layer.__class__ = moe_class
+        dense = DPStrategy(model, cfg.train, mine.get(Mesh.dp_group(coord)), bucket_bytes=4096,
+                           select=lambda name: not is_expert_param(name))
+        # the worker's expert-dp group: the dp group without ep (with its cp ranks), divisor dp x cp
+        edp = mine.get(Mesh.edp_group(coord, coord.dp, par.ep) if par.ep > 1 else Mesh.dp_group(coord))
+        experts = DPStrategy(model, cfg.train, edp, bucket_bytes=4096, select=is_expert_param,
+                             divisor=dp * par.cp)
+        seq = m.seq_len // par.cp // (par.tp if par.sequence_parallel else 1)  # this rank's tokens
+        like = torch.empty(mbs, seq, m.d_model)
+
+        def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return data.microbatch(dataset, sampler, 0, coord.dp * n_mb + mb, mbs)
+
+        backend = ModelBackend(model, 0, topo, LocalPipe(topo, 60).transport(0), like, batch, n_mb)
+        plan = schedules.build(par.schedule, 1, n_mb, 1)[0]
+        StepRun(0, topo, plan, backend, [dense, experts], model.chunk_parameters).run(time.perf_counter, 0.0)
+        for strategy in (dense, experts):
+            strategy.finish()
+        specs = model.shard_specs()
+        return {"coord": coord, "losses": [x.item() for x in backend.losses], "moe": moe_figures(model),
+                "grads": {n: (p.grad.clone(), *specs[n]) for n, p in model.named_parameters()}}
+
+    ranks = run_groups(mesh.world_size, {n: [mesh.rank(c) for c in mm] for n, mm in groups.items()}, member)
+    losses = [x for r in ranks if r["coord"].tp == 0 for x in r["losses"]]  # cp ranks: equal shares
+    grads: dict[str, torch.Tensor] = {}
+    for r in ranks:  # tp shards into place; dense gradients from every replica (equal), experts from owners
+        for name, (local, shape, offsets) in r["grads"].items():
+            full = grads.setdefault(name, torch.empty(shape))
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))] = local
+    return {"loss": sum(losses) / len(losses), "grads": grads,
+            "moe": moe_totals({r["coord"]: {"moe": r["moe"]} for r in ranks})}
+
+
+@pytest.mark.parametrize("capacity_factor", [NO_DROP, DROPPING])
+def test_moe_with_sequence_parallelism_matches_one_process(capacity_factor):
+    cfg = make_cfg(capacity_factor)
+    want = reference(cfg)
+    if capacity_factor == NO_DROP:
+        assert want["moe"]["dropped_tokens"] == 0
+    else:
+        assert want["moe"]["dropped_tokens"] > 0, "the capacity factor must drop assignments here"
+    diffs = assert_matches(parallel(cfg), want, TOL)
+    print(f"tp=2 SP cf={capacity_factor}: max relative differences {diffs}")
+
+
+def test_sequence_parallel_with_ep_and_dp():
+    """dp=2 x ep=2 x tp=2 (SP) on 8 threads: nothing dropped against one process; with drops against the
+    same dp x ep layout at tp=1 (no SP), whose dispatch tests/test_moe.py checks against one process."""
+    no_drop = make_cfg(NO_DROP, dp=2, ep=2)
+    want = reference(no_drop)
+    assert want["moe"]["dropped_tokens"] == 0
+    diffs = assert_matches(parallel(no_drop), want, TOL)
+    print(f"dp=2 ep=2 tp=2 SP cf={NO_DROP}: max relative differences {diffs}")
+    want = parallel(make_cfg(DROPPING, tp=1, dp=2, ep=2))
+    assert want["moe"]["dropped_tokens"] > 0
+    diffs = assert_matches(parallel(make_cfg(DROPPING, dp=2, ep=2)), want, TOL)
+    print(f"dp=2 ep=2 tp=2 SP cf={DROPPING} vs tp=1: max relative differences {diffs}")
+
+
+def test_sequence_parallel_with_context_parallelism():
+    """cp=2 (ulysses) x tp=2 (SP): each rank holds T/(cp tp) tokens; the MoE layer gathers its cp rank's
+    T/cp over tp, and the cp counting of raypar.moe takes it from there. Drops against one process."""
+    cfg = make_cfg(DROPPING, cp=2)
+    want = reference(cfg)
+    assert want["moe"]["dropped_tokens"] > 0
+    diffs = assert_matches(parallel(cfg), want, TOL)
+    print(f"cp=2 tp=2 SP cf={DROPPING}: max relative differences {diffs}")
+
+
+def test_moe_input_gathered_like_the_dense_mlp_is_rejected():
+    cfg = make_cfg(DROPPING)
+    with pytest.raises(AssertionError, match=r"^gradient of embed\.weight differs"):
+        assert_matches(parallel(cfg, MoEGatherSummed), reference(cfg), TOL)
+
+
+def test_actors_dp2_ep2_tp2_sp_match_one_process(ray_session):
+    """The worker itself (actors/worker.py: its tp, ep and expert-dp groups, the tp rebinding of the MoE
+    layers, T/tp tokens per rank) on 4 Ray actors, two steps with their updates, through
+    tests/test_moe_training.py's per-step checks (loss, nothing dropped, router and expert gradients, grad
+    norm). Parameters: within 1e-4 of one process (AdamW's first steps move an entry by ~lr whatever its
+    gradient's size, so tiny gradients summed in another order at tp=2 move some by ~2e-5 with or without
+    SP: measured 1.8e-5 in layers.1.attn.wo) and within 1e-5 of the same layout without SP (measured 0).
+    Its control is the summed gather above, injected into the workers."""
+    from tests.faults import FaultyActorMesh
+    from tests.reference import reference_run
+    from tests.test_moe_training import gather, train
+    from tests.test_moe_training import make_cfg as moe_cfg
+
+    steps = 2
+    ref = reference_run(moe_cfg(1, 1, 1, 8), steps, microbatch_size=1)
+
+    def cfg(sp: bool) -> config.Config:
+        return moe_cfg(2, 1, 2, 4, "parallel.tp=2", f"parallel.sequence_parallel={str(sp).lower()}")
+
+    mesh = FaultyActorMesh(cfg(True), "moe-sp", {})
+    try:
+        mesh.start()
+        params = {}
+        for sp in (True, False):
+            if sp != mesh.cfg.parallel.sequence_parallel:  # rebuilt from the seed
+                mesh.reconfigure(cfg(sp))
+            train(mesh, range(steps), ref)
+            mesh.commit()
+            params[sp] = gather(mesh, "parameters")
+        for name, want in ref.params.items():
+            err = (params[True][name] - want).abs().max().item()
+            assert err <= 1e-4, f"parameter {name} differs by {err:.3g}"
+            err = (params[True][name] - params[False][name]).abs().max().item()
+            assert err <= TOL, f"parameter {name} differs from the layout without SP by {err:.3g}"
+        mesh.set_faults({c: ["moe_sp_summed_gather"] for c in Mesh(2, 1, 2).coords()})
+        mesh.reconfigure(cfg(True))
+        # layer 3's MoE sends tp times its input gradient down: the first gradient checked below it fails
+        symptom = r"^gradient of layers\.1\.mlp\.experts\.\d\.w_\w+\.weight at step 0"
+        with pytest.raises(AssertionError, match=symptom):
+            train(mesh, range(1), ref)
+    finally:
+        mesh.shutdown()
