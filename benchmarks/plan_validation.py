@@ -100,7 +100,9 @@ def measure(layouts: dict[tuple[int, int, int, int], list[list[str]]] = LAYOUTS)
                 layout = plan.current_layout(cfg)
                 right = plan.predict_memory(cfg, layout, "cpu")
                 wrong = plan.predict_memory(cfg, layout, "cpu", wrong_in_flight=True)
-                name = f"{mesh} " + " ".join(o.split(".", 1)[1] for o in overrides if o not in MOE)
+                # (dp, pp, tp) as the rows measured before cp existed are named, then cp if any
+                knobs = [o.split(".", 1)[1] for o in overrides if o not in MOE]
+                name = " ".join([str(mesh[:3]), *([f"cp={mesh[3]}"] if mesh[3] > 1 else []), *knobs])
                 name += " moe" if MOE[0] in overrides else ""
                 for coord, result in sorted(measured.items()):
                     stage, bad = right[coord.pp], wrong[coord.pp]
