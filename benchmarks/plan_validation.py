@@ -129,8 +129,10 @@ def markdown(rows: list[Row]) -> str:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        if not r.actor.endswith(".tp0") or not r.actor.startswith("dp0."):
-            continue  # the other replicas and tp ranks of a stage measure the same (tests check all)
+        if not r.actor.endswith(".tp0") or not r.actor.startswith("dp0.") and "moe" not in r.layout:
+            # The other replicas, cp and tp ranks of a stage measure the same (tests check all); MoE
+            # replicas do not (each receives the rows its routing sends it), so all are shown.
+            continue
         lines.append(
             f"| {r.layout} | {r.actor} | {r.states_measured:,} | {r.states_predicted:,.0f} | "
             f"{r.states_error:+.1%} | {r.activations_measured:,} | {r.activations_predicted:,} | "
