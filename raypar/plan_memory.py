@@ -25,6 +25,7 @@ Memory per actor = model states + activations in flight + buffers, for the tight
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -225,9 +226,16 @@ def rank_chunks(cfg: Config, layout: Layout) -> list[list[range]]:
     return [[virtual[c * pp + r] for c in range(v)] for r in range(pp)]
 
 
+@functools.lru_cache(maxsize=256)
+def _built(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> schedules.Plan:
+    """Built once per shape: the planner asks for the same one under every zero, recompute and cp/tp/ep
+    split (only read, never changed)."""
+    return schedules.build(schedule, pp, microbatches, virtual_stages)
+
+
 def layout_schedule(cfg: Config, layout: Layout) -> schedules.Plan:
     """The plan every rank runs: the config's schedule with the layout's stages, microbatches and chunks."""
-    return schedules.build(cfg.parallel.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
+    return _built(cfg.parallel.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
 
 
 def peak_bytes(plan: list[schedules.Instr], unit_bytes: list[int]) -> int:
