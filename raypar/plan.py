@@ -269,7 +269,6 @@ def check_fits(cfg: Config, memory: float, device: Device, where: str) -> None:
     tries = [dataclasses.replace(layout, recompute=r) for r in ("selective", "full")]
     tries += [dataclasses.replace(layout, zero=z) for z in zero_stages(cfg) if z > layout.zero]
     tries += [dataclasses.replace(layout, microbatches=layout.microbatches * 2)]
-    tries += [dataclasses.replace(layout, sequence_parallel=True)] if not layout.sequence_parallel else []
     for knob in tries:
         try:
             knob_cfg = layout_config(cfg, knob)
@@ -278,13 +277,13 @@ def check_fits(cfg: Config, memory: float, device: Device, where: str) -> None:
         if predict(knob_cfg, knob, device, 0.4).memory_bytes <= memory:
             changed = next(
                 f"{key}={getattr(knob, key)}"
-                for key in ("recompute", "zero", "microbatches", "sequence_parallel")
+                for key in ("recompute", "zero", "microbatches")
                 if getattr(knob, key) != getattr(layout, key)
             )
             section = "train" if changed.startswith("recompute") else "parallel"
             raise ConfigError(
                 f"{section}.{changed.split('=')[0]}: the plan predicts {gib(need)} per actor > {gib(memory)} "
-                f"on {where}; set {section}.{changed.lower()} (see `raypar plan`)"
+                f"on {where}; set {section}.{changed} (see `raypar plan`)"
             )
     raise ConfigError(
         f"parallel.tp/pp: the plan predicts {gib(need)} per actor > {gib(memory)} on {where}, and no "

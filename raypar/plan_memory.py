@@ -7,7 +7,8 @@ Memory per actor = model states + activations in flight + buffers, for the tight
   hold the same parameters); with experts, an actor holds 1/ep of each MoE layer's experts, whose states
   shard over its expert-dp group (cp x dp / ep ranks). fp32 Adam: 4 + 4 + 8; 16-bit: 2 + 4 + 12 (fp32 master
   gradients, as Megatron's main grads, where the ZeRO paper counts 2; fp32 master weights and both
-  moments). zero 0: (p+g+K)Ψ; 1: (p+g)Ψ + KΨ/dp; 2: pΨ + (g+K)Ψ/dp; 3: (p+g+K)Ψ/dp.
+  moments). zero 0: (p+g+K)Ψ; 1: (p+g)Ψ + KΨ/dp; 2: pΨ + (g+K)Ψ/dp; 3: (p+g+K)Ψ/dp, dp being the
+  sharding group's size.
 - Activations: what autograd saves for backward per microbatch, counted per op of this model's block the
   way Korthikanti et al. (2022) count theirs (their 34·sbh + 5·as²b for a GPT layer becomes the sums below
   for RMSNorm, RoPE, grouped-query SDPA and SwiGLU), per model chunk (a rank holds `virtual_stages` of
@@ -16,9 +17,9 @@ Memory per actor = model states + activations in flight + buffers, for the tight
   T/tp of them (Korthikanti et al.), while each linear after a norm saves its own copy of the gathered,
   whole-sequence input (the gathered tensor is not contiguous, so every matmul copies it). An MoE layer's
   expert part counts its dispatched rows: k per token, as many received as sent under balanced routing.
-  The peak is
-  read off the configured schedule itself, instruction by instruction: a (chunk, microbatch) unit's bytes
-  count from its forward until its graph is freed (backward, or backward_weight under zero-bubble).
+  The peak is read off the configured schedule itself, instruction by instruction: a (chunk, microbatch)
+  unit's bytes count from its forward until its graph is freed (backward, or backward_weight under
+  zero-bubble).
 - Buffers: DP reduction buckets, the rank's outgoing activations kept until their gradient returns, and
   the transient logits of the loss. Not validated (they are not measured separately).
 """

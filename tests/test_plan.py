@@ -4,9 +4,9 @@ actors measure.
 Tolerances (issue 11): model states within 5 %, activations within 15 %. Both are counted per op, so on
 this CPU the predictions are exact (0 bytes off, see benchmarks/README.md) except an MoE rank's
 activations, which follow its routing (the planner counts balanced rows: -1 to -3 % here); the tolerances
-leave room for that and for allocator and kernel differences on other devices. The negative control is the classic mistake of
-forgetting that a pipeline stage holds several microbatches' activations at once (1F1B's first stage:
-pp of them, GPipe: all): the same check must reject it.
+leave room for that and for allocator and kernel differences on other devices. The negative control is
+the classic mistake of forgetting that a pipeline stage holds several microbatches' activations at once
+(1F1B's first stage: pp of them, GPipe: all): the same check must reject it.
 """
 
 from __future__ import annotations
