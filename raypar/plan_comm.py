@@ -8,7 +8,7 @@ per tp rank, e bytes per element and P ranks in the group,
   recomputation); Megatron-SP turns each into an all-gather plus a reduce-scatter: the same bytes, twice
   the collectives, so twice the latency.
 - cp, Ulysses: all-to-alls of q, k, v and the output, e·(2h + 2h_kv)·N/P·(P-1)/P, forward and again
-  backward (4 collectives each way).
+  backward (4 collectives each way); recomputation (selective or full) replays the forward's.
 - cp, ring: P-1 key/value blocks of 2·e·N/P·h_kv forward; backward P transfers carrying keys, values and
   their gradients (twice a block) but the last, gradients only: (2P-1) blocks. Counted as exposed: on CPU
   the transfers share the compute's cores, and on GPUs their overlap is not measured here.
@@ -48,7 +48,9 @@ def cp_s(cfg: Config, layout: Layout, layers: int, bw: float, latency: float) ->
     e = PRECISION_BYTES[cfg.train.precision]
     n = cfg.train.global_batch // (layout.dp * layout.microbatches) * m.seq_len
     h, h_kv = m.d_model // layout.tp, m.n_kv_heads * m.head_dim // layout.tp
-    forwards = 2 if layout.recompute == "full" else 1  # full recomputation replays the attention forward
+    # Selective and full recomputation both replay the attention core, cp's transfers with it, in backward
+    # (every layer counted, as tp_s counts full recomputation's replays, whatever recompute_every says).
+    forwards = 1 if layout.recompute == "none" else 2
     if layout.cp_style == "ulysses":
         if (m.n_kv_heads // layout.tp) % p:
             h_kv = h  # kv heads repeated up to the query heads
