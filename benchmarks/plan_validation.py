@@ -8,7 +8,7 @@ For each layout the tiny model trains two steps on real actors; the second step'
 (model states: parameters + gradients + optimizer state; activations: bytes saved for backward through
 saved-tensor hooks, summed over the (chunk, microbatch) units alive at once) are set against `raypar.plan`'s
 predictions for that actor's pipeline stage. Memory does not depend on load, so these numbers stand on a
-busy machine; layouts sharing (dp, pp, tp) reuse one set of actors.
+busy machine; layouts sharing (dp, pp, tp, cp) reuse one set of actors.
 """
 
 from __future__ import annotations
@@ -27,9 +27,13 @@ from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
 
 TINY = os.path.join(os.path.dirname(_HERE), "examples", "configs", "tiny.toml")
 
-# (dp, pp, tp) -> config overrides of each layout measured on that mesh.
-LAYOUTS: dict[tuple[int, int, int], list[list[str]]] = {
-    (1, 2, 2): [
+# MoE: 4 experts, top 2, every second block; capacity_factor E/k drops nothing, so a rank receives as many
+# rows as it sends on average (the planner's balanced count; a rank's own share depends on routing).
+MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=2.0", "model.moe_every=2"]
+
+# (dp, pp, tp, cp) -> config overrides of each layout measured on that mesh.
+LAYOUTS: dict[tuple[int, int, int, int], list[list[str]]] = {
+    (1, 2, 2, 1): [
         ["parallel.microbatches=4"],
         ["parallel.microbatches=4", 'parallel.schedule="gpipe"'],
         ["parallel.microbatches=2", 'train.recompute="selective"'],
@@ -38,14 +42,20 @@ LAYOUTS: dict[tuple[int, int, int], list[list[str]]] = {
         ["parallel.microbatches=4", 'train.precision="fp16"'],
         ["parallel.microbatches=4", "parallel.virtual_stages=2"],  # interleaved: 2 chunks per actor
         ["parallel.microbatches=4", 'parallel.schedule="zb-h1"'],  # graphs freed at W, not at B
+        ["parallel.microbatches=4", "parallel.sequence_parallel=true"],  # norms at T/tp
     ],
-    (2, 1, 1): [
+    (1, 1, 1, 2): [
+        ["parallel.microbatches=2", 'parallel.cp_style="ulysses"', "parallel.zero=2"],  # states over cp x dp
+        ["parallel.microbatches=2", 'parallel.cp_style="ring"', 'train.recompute="selective"'],
+    ],
+    (2, 1, 1, 1): [
         ["parallel.microbatches=2"],
         ["parallel.microbatches=1", 'train.recompute="selective"', "model.dropout=0.1"],
         ["parallel.microbatches=4", 'train.recompute="full"'],
         ["parallel.microbatches=2", "parallel.zero=1"],
         ["parallel.microbatches=2", "parallel.zero=3"],
         ["parallel.microbatches=2", 'train.precision="bf16"', "parallel.zero=2"],
+        ["parallel.microbatches=2", "parallel.ep=2", "parallel.zero=1", *MOE],  # experts over ep, states
     ],
 }
 
@@ -69,12 +79,13 @@ class Row:
         return self.activations_predicted / self.activations_measured - 1
 
 
-def layout_cfg(mesh: tuple[int, int, int], overrides: list[str]) -> config.Config:
-    dp, pp, tp = mesh
-    return config.load(TINY, [f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}", *overrides])
+def layout_cfg(mesh: tuple[int, int, int, int], overrides: list[str]) -> config.Config:
+    dp, pp, tp, cp = mesh
+    sizes = [f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.cp={cp}"]
+    return config.load(TINY, [*sizes, *overrides])
 
 
-def measure(layouts: dict[tuple[int, int, int], list[list[str]]] = LAYOUTS) -> list[Row]:
+def measure(layouts: dict[tuple[int, int, int, int], list[list[str]]] = LAYOUTS) -> list[Row]:
     """Train each layout two steps (inside an initialised Ray) and compare measured with predicted."""
     rows = []
     for mesh, variants in layouts.items():
@@ -89,7 +100,10 @@ def measure(layouts: dict[tuple[int, int, int], list[list[str]]] = LAYOUTS) -> l
                 layout = plan.current_layout(cfg)
                 right = plan.predict_memory(cfg, layout, "cpu")
                 wrong = plan.predict_memory(cfg, layout, "cpu", wrong_in_flight=True)
-                name = f"{mesh} " + " ".join(o.split(".", 1)[1] for o in overrides)
+                # (dp, pp, tp) as the rows measured before cp existed are named, then cp if any
+                knobs = [o.split(".", 1)[1] for o in overrides if o not in MOE]
+                name = " ".join([str(mesh[:3]), *([f"cp={mesh[3]}"] if mesh[3] > 1 else []), *knobs])
+                name += " moe" if MOE[0] in overrides else ""
                 for coord, result in sorted(measured.items()):
                     stage, bad = right[coord.pp], wrong[coord.pp]
                     rows.append(
@@ -115,8 +129,10 @@ def markdown(rows: list[Row]) -> str:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        if not r.actor.endswith(".tp0") or not r.actor.startswith("dp0."):
-            continue  # the other replicas and tp ranks of a stage measure the same (tests check all)
+        if not r.actor.endswith(".tp0") or not r.actor.startswith("dp0.") and "moe" not in r.layout:
+            # The other replicas, cp and tp ranks of a stage measure the same (tests check all); MoE
+            # replicas do not (each receives the rows its routing sends it), so all are shown.
+            continue
         lines.append(
             f"| {r.layout} | {r.actor} | {r.states_measured:,} | {r.states_predicted:,.0f} | "
             f"{r.states_error:+.1%} | {r.activations_measured:,} | {r.activations_predicted:,} | "
@@ -127,7 +143,7 @@ def markdown(rows: list[Row]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: one layout, (2, 1, 1)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: one layout, (2, 1, 1, 1)")
     args = parser.parse_args()
     import ray
 
@@ -135,7 +151,7 @@ def main() -> None:
 
     _common.start_ray(num_cpus=16)
     try:
-        print(markdown(measure({(2, 1, 1): LAYOUTS[(2, 1, 1)][:1]} if args.quick else LAYOUTS)))
+        print(markdown(measure({(2, 1, 1, 1): LAYOUTS[(2, 1, 1, 1)][:1]} if args.quick else LAYOUTS)))
     finally:
         ray.shutdown()
 

@@ -8,28 +8,33 @@ cost per layer and microbatch pass, plus the pipeline bubble, plus exposed commu
 collective and hop, and the transport's cost per pipeline message). The bubble, as a fraction of compute,
 is the schedules' own formula:
 (pp - 1)/m for GPipe and 1F1B alike, (pp - 1)/(v m) for interleaved 1F1B with v virtual stages, (pp - 1)/(3m)
-for ZB-H1 (F = B = W: the deferred W's fill all but one unit per stage of 1F1B's bubble). Tensor-parallel
-all-reduces are on the critical path; the DP gradient all-reduce overlaps the last microbatch's backward;
-pipeline sends are exposed only while the pipeline fills and drains, v times as many hops under
-interleaving. Layouts are the config with (dp, pp, tp, zero, recompute, microbatches, virtual_stages)
-replaced, kept only if `config.validate` accepts them, so the planner never lists what `raypar train` would
-refuse.
+for ZB-H1 (F = B = W: the deferred W's fill all but one unit per stage of 1F1B's bubble). Compute divides
+over dp x cp x pp x tp actors. Tensor-parallel (or SP), context-parallel and expert collectives are on the
+critical path (raypar.plan_comm); the DP gradient all-reduce (over cp x dp, experts' over the expert-dp
+group) overlaps the last microbatch's backward; pipeline sends are exposed only while the pipeline fills
+and drains, v times as many hops under interleaving. Layouts are the config with (dp, pp, tp, zero,
+recompute, microbatches, virtual_stages, cp, cp_style, sequence_parallel, ep) replaced, kept only if
+`config.validate` accepts them, so the planner never lists what `raypar train` would refuse. Both cp
+styles are listed: they send different bytes and accept different shapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from raypar import config, schedules
+from raypar import config, plan_comm, schedules
 from raypar.config import Config, ConfigError
 from raypar.model import flops_per_token
+from raypar.moe import is_moe_layer
 from raypar.plan_memory import PRECISION_BYTES, Layout, StageMemory, predict_memory, rank_chunks, stage_params
 
 ZERO_STAGES = (0, 1, 2, 3)
+CP_STYLES = ("ulysses", "ring")
 
 
 @dataclass(frozen=True)
@@ -107,10 +112,6 @@ class Prediction:
 
 
 # -- time -------------------------------------------------------------------------------------------------
-def _all_reduce_s(nbytes: float, ranks: int, bw: float) -> float:
-    return 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * nbytes / bw
-
-
 def bubble_ratio(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
     """Idle time of a stage over its compute: (pp-1)/m for GPipe and 1F1B, the papers' (pp-1)/(v m) for
     interleaved 1F1B and (pp-1)/(3m) for ZB-H1 (raypar.schedules.bubble_formula gives each as a share of
@@ -126,42 +127,52 @@ def predict(
     e = PRECISION_BYTES[t.precision]
     stages = predict_memory(cfg, layout, device.kind, wrong_in_flight)
     tokens = t.global_batch * m.seq_len
-    world = layout.dp * layout.pp * layout.tp
     recomputed = sum(1 for i in range(m.n_layers) if i % t.recompute_every == 0)
     d, s = m.d_model, m.seq_len
     block = 2 * d * d + 2 * d * m.n_kv_heads * m.head_dim + 3 * d * m.d_ff
     extra = {"none": 0.0, "selective": 4.0 * d * s, "full": 2.0 * block + 4.0 * d * s}[layout.recompute]
     flops = tokens * (flops_per_token(m) + recomputed * extra)
     peak = device.peak_flops_16 if e == 2 else device.peak_flops_32
-    per_rank = [sum(map(len, chunks)) for chunks in rank_chunks(cfg, layout)]
-    layers = max(per_rank)
+    held = [[i for chunk in chunks for i in chunk] for chunks in rank_chunks(cfg, layout)]
+    layers = max(map(len, held))
+    moe_layers = max(sum(map(functools.partial(is_moe_layer, m), rank)) for rank in held)
     passes = 3 if cfg.parallel.schedule == "zb-h1" and layout.pp > 1 else 2  # F, B (and W)
-    # Every rank runs all its layers' passes for every microbatch of its replica, whatever tp divides.
-    compute = flops / world / (peak * mfu) + layout.microbatches * passes * layers * device.layer_pass_s
+    # Every rank runs all its layers' passes for every microbatch of its replica, whatever tp and cp divide.
+    fixed = layout.microbatches * passes * layers * device.layer_pass_s
+    compute = flops / layout.world / (peak * mfu) + fixed
     ratio = bubble_ratio(cfg.parallel.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
     bubble = compute * ratio
     mbs = t.global_batch // (layout.dp * layout.microbatches)
-    intra = layout.tp * layout.pp * layout.dp <= device.per_node
+    bw = device.intra_bw if layout.world <= device.per_node else device.inter_bw
     tp_bw = device.intra_bw if layout.tp <= device.per_node else device.inter_bw
-    reductions = 4 + (2 if layout.recompute == "full" else 0)  # 2 forward, 2 backward, replayed forwards
-    activation = e * mbs * s * d
-    one_reduction = _all_reduce_s(activation, layout.tp, tp_bw) + (device.latency_s if layout.tp > 1 else 0.0)
-    tp_comm = layout.microbatches * layers * reductions * one_reduction
-    bw = device.intra_bw if intra else device.inter_bw
-    # Fill and drain: pp - 1 hops each way, and v times as many with v chunks per rank (each microbatch
-    # goes round the ranks v times, and every chunk boundary is a hop).
-    pp_comm = 2 * layout.virtual_stages * (layout.pp - 1) * (activation / bw + device.latency_s)
+    cp_bw = device.intra_bw if layout.tp * layout.cp <= device.per_node else device.inter_bw
+    comm = plan_comm.tp_s(cfg, layout, layers, tp_bw, device.latency_s)
+    comm += plan_comm.cp_s(cfg, layout, layers, cp_bw, device.latency_s)
+    comm += plan_comm.ep_s(cfg, layout, moe_layers, bw, device.latency_s)
+    # A pipeline hop carries the rank's T/cp tokens (T/(cp tp) under SP). Fill and drain: pp - 1 hops each
+    # way, and v times as many with v chunks per rank (each microbatch goes round the ranks v times, and
+    # every chunk boundary is a hop).
+    hop = e * mbs * s // layout.cp * d // (layout.tp if layout.sequence_parallel else 1)
+    comm += 2 * layout.virtual_stages * (layout.pp - 1) * (hop / bw + device.latency_s)
     if layout.pp > 1:  # every microbatch's activation and gradient, into and out of each chunk
-        pp_comm += 2 * layout.microbatches * layout.virtual_stages * dict(device.hop_s).get(
+        comm += 2 * layout.microbatches * layout.virtual_stages * dict(device.hop_s).get(
             cfg.parallel.transport, 0.0
         )
-    params = max(stage_params(m, n, i == 0, i == layout.pp - 1, layout.tp) for i, n in enumerate(per_rank))
-    dp_bytes = params * 4  # reduced in fp32
-    dp_comm = _all_reduce_s(dp_bytes, layout.dp, bw)
+    last = layout.pp - 1
+    params = max(
+        (stage_params(m, rank, i == 0, i == last, layout.tp, layout.ep) for i, rank in enumerate(held)),
+        key=lambda p: p.total,
+    )
+    group = layout.dp * layout.cp  # cp ranks reduce the same gradients as dp ones
+    # Reduced in fp32: dense gradients over cp x dp, expert ones over the expert-dp group.
+    dp_comm = plan_comm.all_reduce_s(params.dense * 4, group, bw)
+    dp_comm += plan_comm.all_reduce_s(params.expert * 4, group // layout.ep, bw)
     if layout.zero == 3:  # parameters gathered for every forward and backward
-        dp_comm += 2 * layout.microbatches * _all_reduce_s(params * e, layout.dp, bw) / 2
+        gathered = plan_comm.all_reduce_s(params.dense * e, group, bw)
+        gathered += plan_comm.all_reduce_s(params.expert * e, group // layout.ep, bw)
+        dp_comm += layout.microbatches * gathered
     dp_exposed = max(0.0, dp_comm - compute / layout.microbatches * 2 / 3)
-    return Prediction(layout, stages, compute, bubble, tp_comm + pp_comm + dp_exposed, tokens)
+    return Prediction(layout, stages, compute, bubble, comm + dp_exposed, tokens)
 
 
 # -- enumeration ------------------------------------------------------------------------------------------
@@ -187,23 +198,35 @@ def layout_config(cfg: Config, layout: Layout) -> Config:
     return config.from_dict(raw)
 
 
+def sequence_axes(cfg: Config, devices: int) -> list[tuple[int, str, int]]:
+    """(cp, cp_style, tp) splits of `devices`: both cp styles (they differ in what they send and in what
+    they require: ring 2·cp chunks of the sequence, Ulysses heads divisible by cp)."""
+    out = []
+    for cp in _divisors(devices):
+        for tp in _divisors(devices // cp):
+            out += [(cp, style, tp) for style in (CP_STYLES if cp > 1 else (cfg.parallel.cp_style,))]
+    return out
+
+
 def candidates(cfg: Config, devices: int) -> list[tuple[Layout, Config]]:
     out = []
     n_layers = cfg.model.n_layers
-    for tp in _divisors(devices):
-        for pp in _divisors(devices // tp):
-            dp = devices // (tp * pp)
+    experts = cfg.model.moe_experts
+    for cp, cp_style, tp in sequence_axes(cfg, devices):
+        for pp in _divisors(devices // (tp * cp)):
+            dp = devices // (tp * cp * pp)
             if cfg.train.global_batch % dp:
                 continue
             # Only chunkings that split the layers evenly are tried (config.validate's rule, which still
             # decides, together with its schedule and microbatch rules).
             chunkings = [v for v in _divisors(n_layers) if v == 1 or n_layers % (pp * v) == 0]
             knobs = itertools.product(
-                _divisors(cfg.train.global_batch // dp), zero_stages(cfg) if dp > 1 else (0,),
-                config.RECOMPUTE, chunkings,
+                _divisors(cfg.train.global_batch // dp), zero_stages(cfg) if dp * cp > 1 else (0,),
+                config.RECOMPUTE, chunkings, (False, True) if tp > 1 else (False,),
+                [ep for ep in _divisors(dp) if experts % ep == 0] if experts else (1,),
             )
-            for m, zero, recompute, v in knobs:
-                layout = Layout(dp, pp, tp, zero, recompute, m, v)
+            for m, zero, recompute, v, sp, ep in knobs:
+                layout = Layout(dp, pp, tp, zero, recompute, m, v, cp, cp_style, sp, ep)
                 try:
                     out.append((layout, layout_config(cfg, layout)))
                 except ConfigError:
@@ -230,6 +253,10 @@ def current_layout(cfg: Config) -> Layout:
         cfg.train.recompute,
         cfg.parallel.microbatches,
         cfg.parallel.virtual_stages,
+        cfg.parallel.cp,
+        cfg.parallel.cp_style,
+        cfg.parallel.sequence_parallel,
+        cfg.parallel.ep,
     )
 
 
@@ -285,13 +312,15 @@ def parse_size(text: str) -> float:
 
 
 def table(preds: list[Prediction], top: int) -> str:
-    head = f"{'dp':>3} {'pp':>3} {'tp':>3} {'zero':>4} {'recompute':>9} {'mb':>4} {'v':>2} {'memory':>12} "
-    head += f"{'states':>11} {'activ.':>11} {'step s':>9} {'tokens/s':>11}"
+    head = f"{'dp':>3} {'pp':>3} {'tp':>3} {'sp':>2} {'cp':>9} {'ep':>3} {'zero':>4} {'recompute':>9} "
+    head += f"{'mb':>4} {'v':>2} {'memory':>12} {'states':>11} {'activ.':>11} {'step s':>9} {'tokens/s':>11}"
     rows = [head]
     for p in preds[:top]:
         j = p.to_json()
+        cp = f"{j['cp']} {j['cp_style']}" if j["cp"] > 1 else "1"
         rows.append(
-            f"{j['dp']:>3} {j['pp']:>3} {j['tp']:>3} {j['zero']:>4} {j['recompute']:>9} "
+            f"{j['dp']:>3} {j['pp']:>3} {j['tp']:>3} {'y' if j['sequence_parallel'] else '-':>2} {cp:>9} "
+            f"{j['ep']:>3} {j['zero']:>4} {j['recompute']:>9} "
             f"{j['microbatches']:>4} {j['virtual_stages']:>2} {gib(j['memory_bytes']):>12} "
             f"{gib(j['model_state_bytes']):>11} {gib(j['activation_bytes']):>11} "
             f"{j['step_time_s']:>9.3g} {j['tokens_per_s']:>11,.0f}"
