@@ -92,8 +92,9 @@ def test_sequence_and_expert_layouts_config_would_refuse_are_never_listed() -> N
     expert = [layout for layout, _ in plan.candidates(moe, 4)]
     assert {layout.ep for layout in expert} == {1, 2, 4}
     assert all(layout.dp % layout.ep == 0 for layout in expert)
-    assert all(layout.recompute != "full" and not layout.sequence_parallel for layout in expert)
-    assert all(layout.zero == 0 for layout in expert if layout.cp > 1)  # cp x MoE x ZeRO: untested, refused
+    assert all(layout.recompute != "full" for layout in expert)  # full recompute with MoE: refused
+    assert any(layout.sequence_parallel for layout in expert)  # MoE with SP and with cp x ZeRO: allowed
+    assert any(layout.zero > 0 for layout in expert if layout.cp > 1)
     with pytest.raises(ConfigError, match="parallel.ep: must divide parallel.dp=2"):
         plan.layout_config(moe, plan.Layout(2, 1, 2, 0, "none", 1, ep=4))
 
