@@ -137,15 +137,15 @@ class TokenSplit:
         return cls(layout.tp, layout.cp, layout.cp_style, layout.sequence_parallel)
 
 
-def _norm_bytes(e: int, n: int, d: int, split: TokenSplit, readers: int) -> int:
-    """An RMSNorm over n tokens and what the `readers` linears after it save of its output."""
+def _norm_bytes(e: int, n: int, d: int, split: TokenSplit) -> int:
+    """An RMSNorm over n tokens and what the linears after it save of its output."""
     gain = 4 * d if e != 4 else 0  # 16 bits: the gain's fp32 copy
     if not split.sp:
         # Its fp32 input (a copy under 16 bits), the normalised output and 1/rms; the linears share the
         # output cast back.
         return 8 * n * d + 4 * n + e * n * d + gain
-    # SP: the norm runs on T/tp tokens; each reader copies the gathered (transposed, not contiguous) input.
-    return (8 * n * d + 4 * n) // split.tp + gain + readers * e * n * d
+    # SP: the norm runs on T/tp tokens; its readers share the gathered input (made contiguous once).
+    return (8 * n * d + 4 * n) // split.tp + gain + e * n * d
 
 
 def moe_activation_bytes(m: ModelConfig, tp: int, n: int, precision: str) -> int:
@@ -173,7 +173,7 @@ def block_activation_bytes(
     heads, hq, hkv, f = m.n_heads // tp, m.d_model // tp, m.n_kv_heads * m.head_dim // tp, m.d_ff // tp
     if split.cp > 1 and split.cp_style == "ulysses" and (m.n_kv_heads // tp) % split.cp:
         hkv = hq  # Ulysses repeats kv heads that do not split over cp up to the query heads
-    norms = _norm_bytes(e, bs, d, split, 3) + _norm_bytes(e, bs, d, split, 1 if moe else 2)
+    norms = 2 * _norm_bytes(e, bs, d, split)
     mask = e if device_kind == "cpu" else 1  # CPU dropout saves its scaled noise, CUDA a bool mask
     # After attention and after the MLP, on T/tp tokens under SP.
     drop = 2 * mask * bs * d // (tp if split.sp else 1) if m.dropout > 0 else 0
@@ -214,7 +214,7 @@ def stage_activation_bytes(
     if first:
         total += 8 * bs + (bs if tp > 1 else 0)  # token ids (int64); tp > 1: shifted ids and their mask
     if last:
-        total += _norm_bytes(e, bs, m.d_model, split, 1)  # the final RMSNorm
+        total += _norm_bytes(e, bs, m.d_model, split)  # the final RMSNorm
         total += 4 * bs * (m.vocab_size // tp) + 9 * bs  # fp32 softmax, target index, ownership mask
     return total
 

@@ -37,7 +37,9 @@ class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
-        return _gather_seq(x, group)
+        # Contiguous once here: several column-parallel linears read it (q, k, v; gate, up), and each would
+        # otherwise copy the transposed gather for its matmul and save its own copy for backward.
+        return _gather_seq(x, group).contiguous()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

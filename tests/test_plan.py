@@ -239,14 +239,14 @@ def test_cp_halves_activations_and_sp_divides_the_norms() -> None:
             for cp in (1, 2)
         )
         assert two * 2 == one, mode
-    # SP: the two norms' 2 x (8 N d + 4 N) at N/tp, the five linears after them each saving the gathered
-    # input (e N d) where they shared one cast output per norm.
+    # SP: the two norms' 2 x (8 N d + 4 N) at N/tp; the linears after each norm share its gathered output
+    # (e N d) as they shared its cast output without SP.
     n, d = 2 * m.seq_len, m.d_model
     tp2, sp2 = (
         plan_memory.block_activation_bytes(m, 2, 2, "fp32", "cpu", "none", plan_memory.TokenSplit(2, sp=sp))
         for sp in (False, True)
     )
-    assert tp2 - sp2 == 2 * (8 * n * d + 4 * n) // 2 + 2 * 4 * n * d - 5 * 4 * n * d
+    assert tp2 - sp2 == 2 * (8 * n * d + 4 * n) // 2
 
 
 def test_moe_formula_counts_what_autograd_saves_on_average_over_ep() -> None:
