@@ -32,7 +32,7 @@ from actors.buddy import BuddyCopies, Snapshot
 from actors.telemetry import ActorMetrics
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from collectives.host import GroupHost
-from raypar import checkpoint, compress, data, flops, hf, memory, precision, schedules
+from raypar import checkpoint, checkpoint_read, compress, data, flops, hf, memory, precision, schedules
 from raypar import config as config_mod
 from raypar import ep as ep_mod
 from raypar.dp import DPStrategy
@@ -690,7 +690,7 @@ class Worker(GroupHost):
         """Load this shard's parameters and optimizer state from any checkpoint, at any layout; returns the
         optimizer's step count."""
         try:
-            reader = checkpoint.CheckpointReader(ckpt_uri)
+            reader = checkpoint_read.CheckpointReader(ckpt_uri)
             step_count = int(reader.meta["optimizer_steps"])
             if self.scaler is not None and reader.meta.get("loss_scaler"):
                 self.scaler.load_state(reader.meta["loss_scaler"])

@@ -54,7 +54,8 @@ from torch import nn
 
 from collectives import Group, Work
 from raypar import compress
-from raypar.checkpoint import CheckpointReader, ShardSpec
+from raypar.checkpoint import ShardSpec
+from raypar.checkpoint_read import CheckpointReader
 from raypar.compress import Compressor, Deferred
 from raypar.config import TrainConfig
 from raypar.flat import Bucket, FlatLayout, Piece, Slot, rectangles
