@@ -46,7 +46,8 @@ import ray  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
 from raypar import config as config_mod  # noqa: E402
-from raypar.controller.actor_mesh import ActorMesh, StepFailure, StepResult  # noqa: E402
+from raypar.controller.actor_calls import StepFailure  # noqa: E402
+from raypar.controller.actor_mesh import ActorMesh, StepResult  # noqa: E402
 from raypar.mesh import Coord  # noqa: E402
 
 PP, TP = 4, 2

@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import ray  # noqa: E402
 
 from raypar import checkpoint, config  # noqa: E402
-from raypar.controller.actor_mesh import ActorMesh, StepFailure  # noqa: E402
+from raypar.controller.actor_calls import StepFailure  # noqa: E402
+from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
 
 
 def timed(fn, *args):

@@ -17,11 +17,12 @@ commit marker. Tensors have layout-independent names (``layers.3.attn.wq.weight`
     entry = write_shard(staging, "dp0.pp1.tp0", snapshot(t), specs)  # each actor (its own thread, maybe)
     uri = publish(root, staging, step, [entry, ...], meta, keep=3)  # driver: manifest, rename, latest, prune
     uri = save(root, step, {key: (tensors, specs)}, meta, keep=3)   # the three in one process
-    reader = CheckpointReader(resolve(root))                        # or resolve(root, 12), resolve(step_dir)
-    local = reader.read_slice(name, global_shape, offsets, shape)   # any region, at any layout; reader.meta
-    list_checkpoints(root); load_manifest(ckpt); inspect(ckpt) -> str; export(ckpt, out_uri, prefix_filter)
+    ckpt = resolve(root)                                            # or resolve(root, 12), resolve(step_dir)
+    list_checkpoints(root); load_manifest(ckpt)
 
-Every failure is a ``CheckpointError`` whose message names the file involved and what is wrong.
+Reading tensors back (``CheckpointReader``), verifying, inspecting and exporting a checkpoint are in
+``raypar.checkpoint_read``. Every failure is a ``CheckpointError`` whose message names the file
+involved and what is wrong.
 """
 
 from __future__ import annotations
@@ -41,14 +42,13 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import safetensors.torch
 import torch
-from safetensors import safe_open
 
 FORMAT, VERSION, MANIFEST, LATEST, OPTIM_PREFIX = "raypar-checkpoint", 1, "manifest.json", "latest", "optim."
 _ATOMIC_RENAME_FS = frozenset({"local", "hdfs"})  # filesystems where moving a directory is one rename
-_STEP_RE = re.compile(r"step_(\d{8,})")
+STEP_RE = re.compile(r"step_(\d{8,})")
 _TMP_RE = re.compile(r"\.tmp-step_(\d{8,})-[0-9a-f]+")
 _KEY_RE = re.compile(r"[A-Za-z0-9._-]+")
-_FS_ERRORS = (OSError, pa.ArrowException)
+FS_ERRORS = (OSError, pa.ArrowException)
 
 
 class CheckpointError(Exception):
@@ -103,11 +103,11 @@ def resolve_fs(uri: str) -> tuple[pafs.FileSystem, str]:
         return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
     try:
         return pafs.FileSystem.from_uri(uri)
-    except (*_FS_ERRORS, ValueError) as e:
+    except (*FS_ERRORS, ValueError) as e:
         raise CheckpointError(f"{uri}: cannot open storage: {e}") from e
 
 
-def _join(uri: str, *parts: str) -> str:
+def join_uri(uri: str, *parts: str) -> str:
     base, sep, query = uri.partition("?")  # keep options like s3://b/p?region=... at the end
     return "/".join([base.rstrip("/"), *parts]) + sep + query
 
@@ -120,33 +120,33 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _write_bytes(uri: str, data: bytes) -> None:
+def write_bytes(uri: str, data: bytes) -> None:
     fs, path = resolve_fs(uri)
     try:
         with fs.open_output_stream(path) as out:
             out.write(data)
         if isinstance(fs, pafs.LocalFileSystem):
             _fsync(path)
-    except _FS_ERRORS as e:
+    except FS_ERRORS as e:
         raise CheckpointError(f"{uri}: write failed: {e}") from e
 
 
-def _read_bytes(uri: str) -> bytes:
+def read_bytes(uri: str) -> bytes:
     fs, path = resolve_fs(uri)
     try:
         with fs.open_input_stream(path) as f:
             return f.read()
     except FileNotFoundError as e:
         raise CheckpointError(f"{uri}: not found") from e
-    except _FS_ERRORS as e:
+    except FS_ERRORS as e:
         raise CheckpointError(f"{uri}: read failed: {e}") from e
 
 
-def _subdirs(root: str) -> list[pafs.FileInfo]:
+def subdirs(root: str) -> list[pafs.FileInfo]:
     fs, path = resolve_fs(root)
     try:
         infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-    except _FS_ERRORS as e:
+    except FS_ERRORS as e:
         raise CheckpointError(f"{root}: cannot list: {e}") from e
     return [i for i in infos if i.type == pafs.FileType.Directory]
 
@@ -168,17 +168,17 @@ def _move_dir(src: str, dst: str) -> None:
         for info in sorted(files, key=lambda i: i.base_name == MANIFEST):
             fs.move(info.path, f"{dst_path}/{info.base_name}")
         fs.delete_dir(src_path)
-    except _FS_ERRORS as e:
+    except FS_ERRORS as e:
         raise CheckpointError(f"{src}: cannot move to {dst}: {e}") from e
 
 
 def begin(root: str, step: int) -> str:
     """Create a fresh staging directory under ``root`` for the checkpoint of ``step``; returns its URI."""
-    staging = _join(root, f".tmp-{step_name(step)}-{uuid.uuid4().hex}")
+    staging = join_uri(root, f".tmp-{step_name(step)}-{uuid.uuid4().hex}")
     fs, path = resolve_fs(staging)
     try:
         fs.create_dir(path, recursive=True)
-    except _FS_ERRORS as e:
+    except FS_ERRORS as e:
         raise CheckpointError(f"{staging}: cannot create staging directory: {e}") from e
     return staging
 
@@ -188,7 +188,7 @@ def discard(staging: str) -> None:
     fs, path = resolve_fs(staging)
     try:
         fs.delete_dir(path)
-    except _FS_ERRORS:
+    except FS_ERRORS:
         pass  # already gone, or the storage refuses: publish() prunes stale staging dirs later
 
 
@@ -218,7 +218,7 @@ def write_shard(
                          "offsets": list(specs[name].offsets), "global_shape": list(specs[name].global_shape)}
     data = safetensors.torch.save(clean, metadata={"format": "pt", "raypar_shard": key})
     file = f"shard-{key}.safetensors"
-    _write_bytes(_join(staging, file), data)
+    write_bytes(join_uri(staging, file), data)
     return {"file": file, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "tensors": entries}
 
 
@@ -236,13 +236,13 @@ def publish(
     """
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1 or None, not {keep}")
-    shards, where = [dict(e) for e in shard_entries], _join(staging, MANIFEST)
+    shards, where = [dict(e) for e in shard_entries], join_uri(staging, MANIFEST)
     _validate_shards(shards, where)
     if len({s["file"] for s in shards}) != len(shards):
         raise CheckpointError(f"{where}: two shard entries name the same file")
     fs = resolve_fs(staging)[0]
     for s in shards:
-        uri = _join(staging, s["file"])
+        uri = join_uri(staging, s["file"])
         if (size := fs.get_file_info(resolve_fs(uri)[1]).size) != s["bytes"]:
             raise CheckpointError(f"{uri}: {size} bytes on storage, its shard entry says {s['bytes']}")
     manifest = {"format": FORMAT, "version": VERSION, "step": int(step), "meta": dict(meta),
@@ -251,26 +251,26 @@ def publish(
         text = json.dumps(manifest, indent=1, sort_keys=True)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: meta is not JSON-serialisable: {e}") from e
-    _write_bytes(where, text.encode())  # the last write into staging: the commit marker
-    final = _join(root, step_name(step))
+    write_bytes(where, text.encode())  # the last write into staging: the commit marker
+    final = join_uri(root, step_name(step))
     _move_dir(staging, final)
-    tmp, latest = _join(root, f".latest.tmp-{uuid.uuid4().hex}"), _join(root, LATEST)
-    _write_bytes(tmp, (step_name(step) + "\n").encode())
+    tmp, latest = join_uri(root, f".latest.tmp-{uuid.uuid4().hex}"), join_uri(root, LATEST)
+    write_bytes(tmp, (step_name(step) + "\n").encode())
     try:
         fs.move(resolve_fs(tmp)[1], resolve_fs(latest)[1])
-    except _FS_ERRORS as e:
+    except FS_ERRORS as e:
         raise CheckpointError(f"{latest}: cannot update: {e}") from e
     if keep is not None:
         older = [s for s, _ in list_checkpoints(root) if s < step]
         kept = set(older[-(keep - 1):]) if keep > 1 else set()
-        for info in _subdirs(root):
-            done, tmp_dir = _STEP_RE.fullmatch(info.base_name), _TMP_RE.fullmatch(info.base_name)
+        for info in subdirs(root):
+            done, tmp_dir = STEP_RE.fullmatch(info.base_name), _TMP_RE.fullmatch(info.base_name)
             old = done and int(done[1]) < step and int(done[1]) not in kept
             if old or (tmp_dir and int(tmp_dir[1]) <= step):
                 try:
                     fs.delete_dir(info.path)
-                except _FS_ERRORS as e:  # the checkpoint is published: a failed clean-up must not undo that
-                    warnings.warn(f"{_join(root, info.base_name)}: cannot prune: {e}", stacklevel=2)
+                except FS_ERRORS as e:  # the checkpoint is published: a failed clean-up must not undo that
+                    warnings.warn(f"{join_uri(root, info.base_name)}: cannot prune: {e}", stacklevel=2)
     return final
 
 
@@ -330,9 +330,9 @@ def _tensor_index(shards: list[dict[str, Any]], where: str) -> dict[str, dict[st
 
 def load_manifest(ckpt_uri: str) -> dict[str, Any]:
     """Read and validate ``<ckpt_uri>/manifest.json``; CheckpointError naming it if absent or malformed."""
-    where = _join(ckpt_uri, MANIFEST)
+    where = join_uri(ckpt_uri, MANIFEST)
     try:
-        m = json.loads(_read_bytes(where))
+        m = json.loads(read_bytes(where))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{where}: not valid JSON (incomplete or corrupt manifest): {e}") from e
     except RecursionError:
@@ -354,67 +354,15 @@ def load_manifest(ckpt_uri: str) -> dict[str, Any]:
 def list_checkpoints(root: str) -> list[tuple[int, str]]:
     """``(step, uri)`` of every complete checkpoint (valid manifest) under ``root``, oldest first."""
     found = []
-    for info in _subdirs(root):
-        if match := _STEP_RE.fullmatch(info.base_name):
-            uri = _join(root, info.base_name)
+    for info in subdirs(root):
+        if match := STEP_RE.fullmatch(info.base_name):
+            uri = join_uri(root, info.base_name)
             try:
                 if load_manifest(uri)["step"] == int(match[1]):
                     found.append((int(match[1]), uri))
             except CheckpointError:
                 pass  # incomplete (crashed mid-publish) or corrupt: not a checkpoint
     return sorted(found)
-
-
-def verify(ckpt_uri: str, hash_limit_bytes: int = 0) -> None:
-    """Check a checkpoint's shard files against its manifest without loading it: each file exists and has
-    the size the manifest records, and, if the checkpoint holds at most `hash_limit_bytes`, its sha256
-    (that reads every byte). CheckpointError naming the first bad file. What loading finds anyway (and
-    later: once the actors have started), found up front."""
-    m = load_manifest(ckpt_uri)
-    fs = resolve_fs(ckpt_uri)[0]
-    hashes = sum(shard["bytes"] for shard in m["shards"]) <= hash_limit_bytes
-    for shard in m["shards"]:
-        uri = _join(ckpt_uri, shard["file"])
-        try:
-            info = fs.get_file_info(resolve_fs(uri)[1])
-        except _FS_ERRORS as e:
-            raise CheckpointError(f"{uri}: cannot read: {e}") from e
-        if info.type != pafs.FileType.File:
-            raise CheckpointError(f"{uri}: shard file is missing")
-        if info.size != shard["bytes"]:
-            raise CheckpointError(f"{uri}: {info.size} bytes, manifest says {shard['bytes']} (truncated?)")
-        if hashes:
-            _ShardFile(uri, shard)
-
-
-def newest_intact(root: str, hash_limit_bytes: int = 0) -> tuple[str, list[str]]:
-    """The newest checkpoint under `root` that passes `verify`, and one line for each newer step
-    directory passed over and why (a deleted or corrupt manifest, a truncated shard, a stale `latest`).
-    CheckpointError when there is none."""
-    notes = []
-    try:
-        named = _read_bytes(_join(root, LATEST)).decode().strip()
-    except (CheckpointError, UnicodeDecodeError):
-        named = None
-    steps = sorted(
-        (int(m[1]), info.base_name) for info in _subdirs(root) if (m := _STEP_RE.fullmatch(info.base_name))
-    )
-    for step, name in reversed(steps):
-        uri = _join(root, name)
-        try:
-            if load_manifest(uri)["step"] != step:
-                raise CheckpointError(f"{_join(uri, MANIFEST)}: its step is not {step}")
-            verify(uri, hash_limit_bytes)
-        except CheckpointError as e:
-            notes.append(f"skipped {name}: {e}")
-            continue
-        if named and named not in {n for _, n in steps}:
-            notes.insert(0, f"{_join(root, LATEST)} names {named}, which does not exist")
-        return uri, notes
-    raise CheckpointError(
-        f"{root}: no intact checkpoint (no step_* dir with a valid manifest and complete shards)"
-        + (f"; {'; '.join(notes)}" if notes else "")
-    )
 
 
 def resolve(path_or_root: str, which: str | int = "latest") -> str:
@@ -428,164 +376,16 @@ def resolve(path_or_root: str, which: str | int = "latest") -> str:
         load_manifest(path_or_root)
         return path_or_root
     if which != "latest":
-        uri = _join(path_or_root, step_name(int(str(which).removeprefix("step_"))))
+        uri = join_uri(path_or_root, step_name(int(str(which).removeprefix("step_"))))
         load_manifest(uri)
         return uri
     try:
-        name = _read_bytes(_join(path_or_root, LATEST)).decode().strip()
-        if _STEP_RE.fullmatch(name):
-            load_manifest(_join(path_or_root, name))
-            return _join(path_or_root, name)
+        name = read_bytes(join_uri(path_or_root, LATEST)).decode().strip()
+        if STEP_RE.fullmatch(name):
+            load_manifest(join_uri(path_or_root, name))
+            return join_uri(path_or_root, name)
     except (CheckpointError, UnicodeDecodeError):
         pass  # fall back to the listing
     if not (found := list_checkpoints(path_or_root)):
         raise CheckpointError(f"{path_or_root}: no complete checkpoint (no step_* dir with a valid manifest)")
     return found[-1][1]
-
-
-class _ShardFile:
-    """One shard file, verified against its manifest entry: memory-mapped if local, else read into memory."""
-
-    def __init__(self, uri: str, entry: dict[str, Any]) -> None:
-        fs, path = resolve_fs(uri)
-        local, digest, chunks = isinstance(fs, pafs.LocalFileSystem), hashlib.sha256(), []
-        try:
-            if (size := fs.get_file_info(path).size) is None:
-                raise CheckpointError(f"{uri}: shard file is missing")
-            if size != entry["bytes"]:
-                raise CheckpointError(f"{uri}: {size} bytes, manifest says {entry['bytes']} (truncated?)")
-            with fs.open_input_stream(path) as f:
-                while chunk := f.read(1 << 24):
-                    digest.update(chunk)
-                    chunks.extend([] if local else [chunk])
-        except _FS_ERRORS as e:
-            raise CheckpointError(f"{uri}: cannot read: {e}") from e
-        if digest.hexdigest() != entry["sha256"]:
-            raise CheckpointError(f"{uri}: sha256 {digest.hexdigest()} does not match the manifest (corrupt)")
-        try:  # safetensors parse errors share no public base class
-            self._mmap: Any = safe_open(path, framework="pt") if local else None
-            self._loaded = {} if local else safetensors.torch.load(b"".join(chunks))
-            shapes = {n: self._mmap.get_slice(n).get_shape() for n in self._mmap.keys()} if local else {
-                n: list(t.shape) for n, t in self._loaded.items()}
-        except Exception as e:
-            raise CheckpointError(f"{uri}: not a valid safetensors file: {e}") from e
-        for name, t in entry["tensors"].items():
-            if shapes.get(name) != t["shape"]:
-                raise CheckpointError(f"{uri}: tensor {name!r} is {shapes.get(name)}, manifest {t['shape']}")
-
-    def get(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
-        """The whole tensor (``index`` None) or a rectangular part of it."""
-        if self._mmap is None:
-            return self._loaded[name] if index is None else self._loaded[name][index]
-        return self._mmap.get_tensor(name) if index is None else self._mmap.get_slice(name)[index]
-
-
-class CheckpointReader:
-    """Reads any rectangular region of any tensor of one checkpoint from whichever shards hold it."""
-
-    def __init__(self, ckpt_uri: str) -> None:
-        self.uri, self.manifest = ckpt_uri, load_manifest(ckpt_uri)
-        self.meta: dict[str, Any] = self.manifest["meta"]
-        self.step: int = self.manifest["step"]
-        self._where = _join(ckpt_uri, MANIFEST)
-        self._pieces: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
-        for shard in self.manifest["shards"]:
-            for name, t in shard["tensors"].items():
-                self._pieces.setdefault(name, []).append((shard, t))
-        self._files: dict[str, _ShardFile] = {}  # each shard file is verified and opened once
-
-    def names(self) -> list[str]:
-        return sorted(self.manifest["tensors"])
-
-    def global_shape(self, name: str) -> tuple[int, ...]:
-        if name not in self.manifest["tensors"]:
-            raise CheckpointError(f"{self._where}: no tensor {name!r}: checkpoint does not match the model")
-        return tuple(self.manifest["tensors"][name]["global_shape"])
-
-    def dtype(self, name: str) -> torch.dtype:
-        self.global_shape(name)
-        return getattr(torch, self.manifest["tensors"][name]["dtype"])
-
-    def read_full(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        shape = self.global_shape(name)
-        return self.read_slice(name, shape, (0,) * len(shape), shape, dtype)
-
-    def read_slice(
-        self, name: str, global_shape: Sequence[int], offsets: Sequence[int], shape: Sequence[int],
-        dtype: torch.dtype | None = None,
-    ) -> torch.Tensor:
-        """``global[offsets : offsets + shape]`` of tensor ``name`` (stored dtype, or cast to ``dtype``)."""
-        if tuple(global_shape) != (have := self.global_shape(name)):
-            raise CheckpointError(f"{self._where}: tensor {name!r} has global shape {list(have)}, the model "
-                                  f"expects {list(global_shape)}: checkpoint does not match the model")
-        ShardSpec(have, tuple(offsets)).check(shape, f"read_slice({name!r})")
-        out = torch.empty(tuple(shape), dtype=self.dtype(name))
-        covered = torch.zeros(tuple(shape), dtype=torch.bool)
-        for shard, t in self._pieces[name]:
-            ends = [o + s for o, s in zip(t["offsets"], t["shape"], strict=True)]
-            lo = [max(a, b) for a, b in zip(offsets, t["offsets"], strict=True)]
-            hi = [min(o + s, e) for o, s, e in zip(offsets, shape, ends, strict=True)]
-            if any(a >= b for a, b in zip(lo, hi, strict=True)):
-                continue
-            dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))
-            if bool(covered[dst].all()):
-                continue  # a replica of a region already read
-            src_index = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, t["offsets"], strict=True))
-            if shard["file"] not in self._files:
-                self._files[shard["file"]] = _ShardFile(_join(self.uri, shard["file"]), shard)
-            whole = (lo, hi) == (t["offsets"], ends)
-            src = self._files[shard["file"]].get(name, None if whole else src_index)
-            if src.dtype != out.dtype:
-                raise CheckpointError(f"{_join(self.uri, shard['file'])}: {name!r} is {src.dtype}, "
-                                      f"manifest says {out.dtype}")
-            out[dst] = src
-            covered[dst] = True
-        if not bool(covered.all()):
-            raise CheckpointError(f"{self._where}: tensor {name!r}: no shard holds part of the region at "
-                                  f"offsets {list(offsets)} shape {list(shape)}")
-        return out if dtype is None else out.to(dtype)
-
-
-def inspect(ckpt_uri: str) -> str:
-    """A human summary of a checkpoint (``raypar checkpoint inspect``)."""
-    m = load_manifest(ckpt_uri)
-    meta, tensors, shards = m["meta"], m["tensors"], m["shards"]
-    model = [n for n in tensors if not n.startswith(OPTIM_PREFIX)]
-    layout = meta.get("layout") if isinstance(meta.get("layout"), dict) else {}
-    mib = sum(s["bytes"] for s in shards) / 2**20
-    return "\n".join([
-        f"checkpoint {ckpt_uri}",
-        f"step {m['step']}, tokens {meta.get('tokens', '?')}",
-        "layout " + (" ".join(f"{k}={v}" for k, v in layout.items()) or "?"),
-        f"tensors {len(tensors)} ({len(model)} model, {len(tensors) - len(model)} optimizer), "
-        f"params {sum(math.prod(tensors[n]['global_shape']) for n in model):,}",
-        f"dtypes {', '.join(sorted({t['dtype'] for t in tensors.values()}))}",
-        f"bytes {mib:.2f} MiB in {len(shards)} shards",
-        *(f"  {s['file']}  {s['bytes'] / 2**20:.2f} MiB  {len(s['tensors'])} tensors" for s in shards),
-        f"meta keys {', '.join(sorted(meta))}",
-    ])
-
-
-def export(ckpt_uri: str, out_uri: str, prefix_filter: str | None = None) -> str:
-    """Write full global tensors into one safetensors file at ``out_uri``; returns ``out_uri``.
-
-    Model parameters only (names not starting with ``optim.``), unless ``prefix_filter`` is given:
-    then exactly the tensors whose names start with it.
-    """
-    reader = CheckpointReader(ckpt_uri)
-    names = [n for n in reader.names() if (
-        n.startswith(prefix_filter) if prefix_filter is not None else not n.startswith(OPTIM_PREFIX))]
-    if not names:
-        raise CheckpointError(f"{reader._where}: no tensor name starts with {prefix_filter!r}")
-    data = safetensors.torch.save({n: reader.read_full(n) for n in names},
-                                  metadata={"format": "pt", "step": str(reader.step)})
-    fs, path = resolve_fs(out_uri)
-    if isinstance(fs, pafs.LocalFileSystem):
-        if os.path.isdir(path):
-            raise CheckpointError(f"{out_uri}: is a directory; give a file name such as model.safetensors")
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"{out_uri}: cannot create its directory: {e.strerror or e}") from None
-    _write_bytes(out_uri, data)
-    return out_uri

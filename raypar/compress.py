@@ -45,7 +45,8 @@ from typing import Any, Protocol
 import torch
 
 from collectives import Group
-from raypar.checkpoint import CheckpointReader, ShardSpec
+from raypar.checkpoint import ShardSpec
+from raypar.checkpoint_read import CheckpointReader
 from raypar.config import COMPRESSORS
 
 Shape = tuple[int, ...]

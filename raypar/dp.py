@@ -27,7 +27,8 @@
   either, and loads from the tensor it is a copy of (`model.init_source`).
 - **State.** `checkpoint_parts` names the rectangles this rank owns (each rank writes only those; at
   stage 0 replica 0 writes everything); `load` reads this rank's part of any checkpoint; `full_state` /
-  `load_full_state` move the whole state across a change of dp (re-sharding) and heal new replicas.
+  `load_full_state` move the whole state across a change of dp (re-sharding) and heal new replicas
+  (all in the `DPState` mixin, raypar.dp_state).
 - **Selection.** `select(name)` takes part of the parameters only: a stage's expert parameters and its
   dense ones have different groups and divisors (raypar.ep), so each part gets a strategy of its own.
   With `divisor`, gradients are summed over the group and divided by it (expert gradients are divided by
@@ -53,15 +54,13 @@ import torch
 from torch import nn
 
 from collectives import Group, Work
-from raypar import compress
-from raypar.checkpoint import CheckpointReader, ShardSpec
 from raypar.compress import Compressor, Deferred
 from raypar.config import TrainConfig
-from raypar.flat import Bucket, FlatLayout, Piece, Slot, rectangles
+from raypar.dp_state import MOMENTS, DPState
+from raypar.flat import Bucket, FlatLayout, Piece, Slot
 from raypar.offload import HostUpdate, Transfer, host_zeros
 from raypar.optim import adamw_
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -75,7 +74,7 @@ class StageModel(Protocol):
     def replicated(self, name: str) -> bool: ...
 
 
-class DPStrategy:
+class DPStrategy(DPState):
     reduce_op = "avg"  # over the DP group; a test subclass sums instead (a negative control)
     compressor: Compressor | None = None  # set after construction to compress the reduction
 
@@ -427,152 +426,6 @@ class DPStrategy:
             for work in works:
                 work.wait()
 
-    # -- state -------------------------------------------------------------------------------------
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every local parameter in full as its fp32 master, on the CPU (a collective when sharded)."""
-        return {n: t.to("cpu", copy=True) for n, t in self.full_state().items() if not n.startswith("optim.")}
-
-    def _writes(self) -> bool:
-        return self.zero >= 1 or self.rank == 0
-
-    def checkpoint_parts(self) -> list[dict[str, tuple[torch.Tensor, ShardSpec]]]:
-        """What this rank writes, as live views: name -> (rectangle, its place in the global tensor), split
-        into parts that each name a tensor at most once (a flat range is up to three rectangles)."""
-        parts: list[dict[str, tuple[torch.Tensor, ShardSpec]]] = []
-        if not self._writes():
-            return compress.state_parts(self)
-        for piece in self.layout.pieces:
-            if not self._counted(piece):
-                continue  # tp-replicated: tp rank 0 writes it
-            sources = {"": self._master(piece), **{f"optim.{m}.": self._moment(m, piece) for m in MOMENTS}}
-            for k, (_, shape, start, spec) in enumerate(self._rectangles(piece)):
-                while len(parts) <= k:
-                    parts.append({})
-                n = max(1, _prod(shape))
-                for prefix, flat in sources.items():
-                    parts[k][prefix + piece.slot.name] = (flat[start : start + n].view(shape), spec)
-        return parts + compress.state_parts(self)
-
-    def _rectangles(self, piece: Piece) -> list[tuple[tuple[int, ...], tuple[int, ...], int, ShardSpec]]:
-        global_shape, tp_offsets = self.specs[piece.slot.name]
-        out = []
-        for offsets, shape, start in rectangles(piece.slot.shape, piece.lo, piece.hi):
-            placed = tuple(a + b for a, b in zip(tp_offsets, offsets, strict=True))
-            out.append((offsets, shape, start, ShardSpec(tuple(global_shape), placed)))
-        return out
-
-    def _read_piece(self, reader: CheckpointReader, name: str, piece: Piece, out: torch.Tensor) -> None:
-        for _, shape, start, spec in self._rectangles(piece):
-            part = reader.read_slice(name, spec.global_shape, spec.offsets, shape, torch.float32)
-            out[start : start + max(1, _prod(shape))].copy_(part.reshape(-1))
-
-    def load(self, reader: CheckpointReader, step_count: int) -> None:
-        """This rank's part of any checkpoint (any layout, any zero stage) after `step_count` updates."""
-        with torch.no_grad():
-            if self.zero < 3:
-                for slot in self.layout.slots.values():
-                    shape, offsets = self.specs[slot.name]
-                    source = self.source(slot.name)  # a tied head is stored as the embedding
-                    full = reader.read_slice(source, tuple(shape), tuple(offsets), slot.shape, self.dtype)
-                    slot.param.data.copy_(full)
-            for piece in self.layout.pieces:
-                source = self.source(piece.slot.name)
-                if self.master is not None:
-                    self._read_piece(reader, source, piece, self._master(piece))
-                for m in MOMENTS:
-                    if step_count:
-                        name = f"optim.{m}.{source}"
-                        self._read_piece(reader, name, piece, self._moment(m, piece))
-                    else:
-                        self._moment(m, piece).zero_()
-        compress.load_state(self, reader)
-        self.step_count = int(step_count)
-
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """The whole state of this coordinate by checkpoint name (master values under the parameter's
-        name), local shapes, fp32. Unsharded: live views. Sharded: a collective over the DP group that
-        returns host copies (transiently the full state: dp changes are rare)."""
-        names = {"": None, **{f"optim.{m}.": m for m in MOMENTS}}
-        if not self.sharded:
-            def live(piece: Piece, moment: str | None) -> torch.Tensor:
-                flat = self._master(piece) if moment is None else self._moment(moment, piece)
-                return flat.view(piece.slot.shape)
-
-            return {
-                prefix + p.slot.name: live(p, m)
-                for p in self.layout.pieces
-                for prefix, m in names.items()
-            }
-        out: dict[str, torch.Tensor] = {}
-        for prefix, m in names.items():
-            if m is None:
-                mine = torch.cat(
-                    [self._master_owned(b) for b in self.layout.buckets]
-                ) if self.layout.buckets else torch.zeros(0)
-            else:
-                mine = self.moments[m]
-            gathered = self.group.all_gather(mine.to(self.device).contiguous()).view(self.size, -1)
-            for bucket in self.layout.buckets:
-                own = gathered[:, bucket.own_offset : bucket.own_offset + bucket.piece].reshape(-1)
-                for slot in bucket.slots:
-                    out[prefix + slot.name] = self.layout.view(own, slot).to("cpu", copy=True)
-        return out
-
-    def _master_owned(self, bucket: Bucket) -> torch.Tensor:
-        if self.master is not None:
-            return self.master[bucket.own_offset : bucket.own_offset + bucket.piece]
-        return bucket.params[self.rank * bucket.piece : (self.rank + 1) * bucket.piece].float()
-
-    def state_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The names and local shapes of `full_state()`."""
-        return {
-            prefix + s.name: s.shape
-            for s in self.layout.slots.values() for prefix in ("", *(f"optim.{m}." for m in MOMENTS))
-        }
-
-    def state_template(self) -> dict[str, torch.Tensor]:
-        """Tensors shaped like `full_state()`'s, to receive a broadcast into."""
-        return {name: torch.empty(shape, device=self.device) for name, shape in self.state_shapes().items()}
-
-    def load_full_state(self, state: dict[str, torch.Tensor], step_count: int) -> None:
-        """Take this rank's part of a `full_state()` (from any dp and zero stage)."""
-        with torch.no_grad():
-            if self.zero < 3:
-                for slot in self.layout.slots.values():
-                    if slot.param.data.data_ptr() != state[slot.name].data_ptr():
-                        slot.param.data.copy_(state[slot.name])
-            for piece in self.layout.pieces:
-                lo, hi = piece.lo, piece.hi
-                if self.master is not None:
-                    self._master(piece).copy_(state[piece.slot.name].reshape(-1)[lo:hi])
-                for m in MOMENTS:
-                    self._moment(m, piece).copy_(state[f"optim.{m}.{piece.slot.name}"].reshape(-1)[lo:hi])
-        if self.compressor is not None:  # per-rank residuals do not survive a new DP group (raypar.compress)
-            self.compressor.reset()
-        self.step_count = int(step_count)
-
-    def owned_state(self) -> dict[str, torch.Tensor]:
-        """Host copies of exactly what this rank owns (fp32 master and Adam moments of its pieces, flat):
-        with the step count, all an in-memory copy needs, since the rest of the parameters is gathered
-        from the other owners (`load_owned_state`)."""
-        with torch.no_grad():
-            flat = {"master": [self._master(p).float() for p in self.layout.pieces]}
-            flat.update({m: [self._moment(m, p) for p in self.layout.pieces] for m in MOMENTS})
-            return {k: torch.cat(v).to("cpu", copy=True) if v else torch.zeros(0) for k, v in flat.items()}
-
-    def load_owned_state(self, state: dict[str, torch.Tensor], step_count: int) -> None:
-        """Take back an `owned_state()` taken at this rank of the same group, then rebuild the parameters
-        from the owners' pieces (a collective over the DP group when sharded: every rank calls it)."""
-        with torch.no_grad():
-            pos = 0
-            for piece in self.layout.pieces:
-                self._master(piece).copy_(state["master"][pos : pos + piece.numel])
-                for m in MOMENTS:
-                    self._moment(m, piece).copy_(state[m][pos : pos + piece.numel])
-                pos += piece.numel
-        self.step_count = int(step_count)
-        self._publish()
-
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of the unique storages of parameters, gradients, master weights and moments, by device
         type (`cpu`, `cuda`), as allocated now. Offloaded, the host master, moments and gradient buffer
@@ -602,11 +455,3 @@ class DPStrategy:
 
 def _materialized(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-

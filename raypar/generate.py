@@ -18,14 +18,14 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from raypar import checkpoint
+from raypar import checkpoint_read
 from raypar.config import ModelConfig
 from raypar.model import LlamaStage, apply_rope, rope_tables
 from raypar.tokenizer import Tokenizer, from_record
 
 
 def load(ckpt_uri: str, device: str = "cpu") -> tuple[LlamaStage, Tokenizer]:
-    reader = checkpoint.CheckpointReader(ckpt_uri)
+    reader = checkpoint_read.CheckpointReader(ckpt_uri)
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = ModelConfig(**{k: v for k, v in reader.meta["model"].items() if k in fields})
     model = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, init=False)

@@ -209,9 +209,9 @@ def export(ckpt_uri: str, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES) 
     """Write `out_dir`/config.json and model.safetensors (or model-0000k-of-0000n.safetensors with an
     index when larger than `max_shard_bytes`) that `LlamaForCausalLM.from_pretrained` loads. Tensors are
     read one at a time; the directory is built aside and renamed into place."""
-    from raypar import checkpoint  # checkpoint is heavier; only the export needs it
+    from raypar import checkpoint, checkpoint_read  # heavier; only the export needs them
 
-    reader = checkpoint.CheckpointReader(ckpt_uri)
+    reader = checkpoint_read.CheckpointReader(ckpt_uri)
     model = reader.meta.get("model")
     if not isinstance(model, dict):
         raise checkpoint.CheckpointError(f"{ckpt_uri}/manifest.json: meta has no model config")

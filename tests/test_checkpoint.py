@@ -10,7 +10,9 @@ import safetensors.torch
 import torch
 
 from raypar import checkpoint as ck
-from raypar.checkpoint import CheckpointError, CheckpointReader, ShardSpec
+from raypar import checkpoint_read as ckr
+from raypar.checkpoint import CheckpointError, ShardSpec
+from raypar.checkpoint_read import CheckpointReader
 
 H, F, V, LAYERS = 8, 12, 16, 4  # hidden, mlp, vocab; layers 0-1 on stage 0, 2-3 on stage 1
 SPLIT = {"attn.wq.weight": 0, "attn.wo.weight": 1, "mlp.w1.weight": 0, "mlp.w2.weight": 1,
@@ -337,17 +339,17 @@ def test_file_uri(tmp_path, state):
 
 
 def test_inspect_and_export(saved, state, tmp_path):
-    text = ck.inspect(saved[1])
+    text = ckr.inspect(saved[1])
     n_model = 3 + 5 * LAYERS
     params = sum(t.numel() for n, t in state.items() if not n.startswith("optim."))
     for part in ("step 12", "tokens 4096", "layout dp=1 pp=2 tp=2", f"params {params:,}", "in 4 shards",
                  f"({n_model} model, {2 * n_model} optimizer)", "shard-dp0.pp1.tp0.safetensors"):
         assert part in text, (part, text)
-    out = ck.export(saved[1], str(tmp_path / "out" / "model.safetensors"))
+    out = ckr.export(saved[1], str(tmp_path / "out" / "model.safetensors"))
     exported = safetensors.torch.load_file(out)
     assert sorted(exported) == sorted(n for n in state if not n.startswith("optim."))
     assert all(torch.equal(exported[n], state[n]) for n in exported)
-    out = ck.export(saved[1], str(tmp_path / "m.safetensors"), prefix_filter="optim.exp_avg.")
+    out = ckr.export(saved[1], str(tmp_path / "m.safetensors"), prefix_filter="optim.exp_avg.")
     moments = safetensors.torch.load_file(out)
     assert len(moments) == n_model and torch.equal(moments["optim.exp_avg.norm.weight"],
                                                    state["optim.exp_avg.norm.weight"])
@@ -362,13 +364,13 @@ def test_snapshot_copies(state):
 
 def test_reads_each_shard_once(saved, monkeypatch):
     opened = []
-    real = ck._ShardFile.__init__
+    real = ckr._ShardFile.__init__
 
     def counting(self, uri, entry):
         opened.append(uri)
         real(self, uri, entry)
 
-    monkeypatch.setattr(ck._ShardFile, "__init__", counting)
+    monkeypatch.setattr(ckr._ShardFile, "__init__", counting)
     reader = CheckpointReader(saved[1])
     for name in reader.names():
         reader.read_full(name)
@@ -376,7 +378,7 @@ def test_reads_each_shard_once(saved, monkeypatch):
 
 
 def test_no_pickle_or_ray_imports():
-    src = open(ck.__file__).read()
+    src = open(ck.__file__).read() + open(ckr.__file__).read()
     for banned in ("import pickle", "import ray", "raypar.driver", "from actors", "import actors"):
         assert banned not in src
     assert "torch.load(" not in src.replace("safetensors.torch.load(", "")

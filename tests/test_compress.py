@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raypar import checkpoint, compress, config
+from raypar import checkpoint, checkpoint_read, compress, config
 from raypar.config import TrainConfig
 from raypar.dp import DPStrategy
 from raypar.flat import Slot
@@ -260,7 +260,7 @@ def test_checkpoint_round_trip_and_bitwise_resume(tmp_path, name):
         model = make_model()
         strategy = DPStrategy(model, TrainConfig(weight_decay=0.0), group, 0, bucket_bytes=1024)
         strategy.compressor = make()
-        strategy.load(checkpoint.CheckpointReader(uri), 3)
+        strategy.load(checkpoint_read.CheckpointReader(uri), 3)
         state = copy_state(strategy.compressor)
         if reset:  # the comparison below must notice state that did not come back
             strategy.compressor.reset()
@@ -281,7 +281,7 @@ def test_state_resets_on_another_dp_and_on_load_full_state(tmp_path):
 
     def rank(group):
         _, _, strategy, _ = regression(group, compress.TopK(0.1), 1)
-        strategy.load(checkpoint.CheckpointReader(uri), 2)
+        strategy.load(checkpoint_read.CheckpointReader(uri), 2)
         after_load = dict(strategy.compressor.state)
         strategy.load_full_state(strategy.full_state(), 2)
         return after_load, strategy.compressor.state

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raypar import checkpoint, config, data
+from raypar import checkpoint, checkpoint_read, config, data
 from raypar.dp import DPStrategy
 from raypar.model import LlamaStage
 from raypar.optim import lr_at
@@ -206,7 +206,7 @@ def assert_loads_exactly(uri: str, saved: dict[str, torch.Tensor], cfg, dp: int,
 
     def rank(group):
         model, strategy = build(cfg, group, zero)
-        strategy.load(checkpoint.CheckpointReader(uri), 2)
+        strategy.load(checkpoint_read.CheckpointReader(uri), 2)
         return strategy.full_state()
 
     for state in run_ranks(dp, rank) if dp > 1 else [rank(None)]:
@@ -225,7 +225,7 @@ def test_resume_is_bitwise(tmp_path):
 
     def resumed(group):
         model, strategy = build(cfg, group, 2)
-        strategy.load(checkpoint.CheckpointReader(uri), 2)
+        strategy.load(checkpoint_read.CheckpointReader(uri), 2)
         return train(cfg, group, model, strategy, range(2, 4))[0], strategy.full_parameters()
 
     want, got = run_ranks(2, straight), run_ranks(2, resumed)

@@ -24,8 +24,7 @@ import torch
 from collectives.group import GroupError
 from raypar import checkpoint
 from raypar.config import ConfigError
-from raypar.controller import actor_mesh as actor_mesh_mod
-from raypar.controller import cli
+from raypar.controller import actor_calls, cli
 from raypar.controller.placement import PlacementTimeout
 from raypar.controller.training import TrainingLoop
 from raypar.mesh import Coord
@@ -132,7 +131,7 @@ def test_errors_between_steps_are_recovered_and_counted(ray_session, tmp_path, m
     calls.clear()
     _FlakyMesh.raised = set()
     cfg = tiny("train.steps=4", f"checkpoint.dir='{ckpt}2'", "checkpoint.every=2", "train.max_failures=2")
-    with pytest.raises(actor_mesh_mod.RunFailure, match="giving up after 3 failures.*injected before step 2"):
+    with pytest.raises(actor_calls.RunFailure, match="giving up after 3 failures.*injected before step 2"):
         _run(cfg, "flaky2", tmp_path / "run2", {}, Loop)
 
 
@@ -144,7 +143,7 @@ def test_busy_actor_is_not_declared_dead(ray_session):
         mesh.start()
         mesh.step(0)
         mesh.set_faults({Coord(0, 0, 0): ["slow_ping:6"], Coord(1, 0, 0): ["exit_in:train_step:2"]})
-        with pytest.raises(actor_mesh_mod.StepFailure) as failure:
+        with pytest.raises(actor_calls.StepFailure) as failure:
             mesh.step(1)
         assert failure.value.dead == {Coord(1, 0, 0)}, failure.value
         mesh.recover(failure.value)

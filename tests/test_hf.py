@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from raypar import checkpoint, config, hf
+from raypar import checkpoint, checkpoint_read, config, hf
 from raypar.config import ConfigError
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.model import LlamaStage
@@ -288,7 +288,7 @@ def test_round_trip_export_loads_in_transformers(ray_session, untied, tmp_path):
     out = hf.export(ckpt, str(tmp_path / "exported"))
     loaded = LlamaForCausalLM.from_pretrained(out).float().eval()
     trained = LlamaStage(cfg.model, range(cfg.model.n_layers), first=True, last=True)
-    reader = checkpoint.CheckpointReader(ckpt)
+    reader = checkpoint_read.CheckpointReader(ckpt)
     with torch.no_grad():
         for name, p in trained.named_parameters():
             p.copy_(reader.read_full(name))

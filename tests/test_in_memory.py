@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from raypar import config
-from raypar.controller.actor_mesh import StepFailure, StepResult
+from raypar.controller.actor_calls import StepFailure
+from raypar.controller.actor_mesh import StepResult
 from raypar.controller.buddy import NoCopies, plan
 from raypar.controller.training import TrainingLoop
 from raypar.mesh import Coord

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raypar import checkpoint, compress
+from raypar import checkpoint_read, compress
 from raypar.dp import DPStrategy
 from raypar.mesh import Mesh
 from raypar.offload import Transfer
@@ -168,7 +168,7 @@ def test_resume_without_offload_into_offload_continues_the_run(tmp_path, zero):
 
     def resumed(group):
         model, strategy = build(offloaded, group, zero)
-        strategy.load(checkpoint.CheckpointReader(uri), 2)
+        strategy.load(checkpoint_read.CheckpointReader(uri), 2)
         return train(offloaded, group, model, strategy, range(2, 4))[0], strategy.full_parameters()
 
     want, got = run_ranks(2, straight), run_ranks(2, resumed)

@@ -14,7 +14,8 @@ import torch
 from actors.worker import Worker
 from raypar import config
 from raypar.config import TrainConfig
-from raypar.controller.actor_mesh import ActorMesh, StepFailure
+from raypar.controller.actor_calls import StepFailure
+from raypar.controller.actor_mesh import ActorMesh
 from raypar.dp import DPStrategy
 from raypar.mesh import Coord, Mesh
 from raypar.precision import LossScaler, ScalerConfig

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 
-from raypar import checkpoint, config, data
+from raypar import checkpoint, checkpoint_read, config, data
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.dp import DPStrategy
 from raypar.mesh import Coord, Mesh
@@ -218,7 +218,7 @@ def test_checkpoint_at_cp_loads_at_other_layouts(tmp_path):
     want = saved[0]["after"][1]
     for dp, cp, zero in ((1, 2, 0), (4, 1, 2)):
         def load(strategy: DPStrategy) -> None:
-            strategy.load(checkpoint.CheckpointReader(uri), 2)
+            strategy.load(checkpoint_read.CheckpointReader(uri), 2)
 
         loaded = run_mesh(dp, cp, zero, "ulysses", range(2, 2), before=load,
                           after=lambda coord, strategy: strategy.full_state())

@@ -187,7 +187,7 @@ def _resolve_resume(cfg: Config, which: str) -> str:
     """The checkpoint to resume from, checked before any actor starts: a step directory must be intact
     (exit 2 naming the bad file); under a root (or `latest`), the newest intact one is taken, and every
     newer one passed over is named with the reason."""
-    from raypar import checkpoint
+    from raypar import checkpoint, checkpoint_read
 
     if which == "latest" and not cfg.checkpoint.dir:
         raise ConfigError("--resume latest: checkpoint.dir is not set")
@@ -196,9 +196,9 @@ def _resolve_resume(cfg: Config, which: str) -> str:
         fs, path = checkpoint.resolve_fs(where)
         if fs.get_file_info(f"{path}/{checkpoint.MANIFEST}").type == checkpoint.pafs.FileType.File:
             uri = where
-            checkpoint.verify(uri, VERIFY_HASHES_BYTES)
+            checkpoint_read.verify(uri, VERIFY_HASHES_BYTES)
         else:
-            uri, notes = checkpoint.newest_intact(where, VERIFY_HASHES_BYTES)
+            uri, notes = checkpoint_read.newest_intact(where, VERIFY_HASHES_BYTES)
             for note in notes:
                 print(f"raypar: --resume: {note}", file=sys.stderr)
             if notes:
@@ -374,18 +374,18 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    from raypar import checkpoint
+    from raypar import checkpoint, checkpoint_read
 
     try:
         uri = checkpoint.resolve(args.path)
         if args.action == "inspect":
-            print(checkpoint.inspect(uri))
+            print(checkpoint_read.inspect(uri))
         elif args.format == "hf":
             from raypar import hf
 
             print(f"raypar: wrote {hf.export(uri, args.out)}")
         else:
-            print(f"raypar: wrote {checkpoint.export(uri, args.out)}")
+            print(f"raypar: wrote {checkpoint_read.export(uri, args.out)}")
     except (checkpoint.CheckpointError, FileExistsError) as err:  # the checkpoint named, or the output
         raise UsageError(str(err)) from None
     return 0

@@ -36,7 +36,8 @@ from raypar import checkpoint, data, memory, report
 from raypar import config as config_mod
 from raypar.config import Config
 from raypar.controller import shared_paths, stopping
-from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica, StepFailure
+from raypar.controller.actor_calls import StepFailure
+from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica
 from raypar.controller.connection import NAMESPACE, RunFailure, connect
 from raypar.controller.placement import check_device
 from raypar.flops import mfu

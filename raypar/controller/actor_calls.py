@@ -1,0 +1,161 @@
+"""Calling every actor of a run and containing failures: the answers of one all-actor call, the dead
+found when one fails, and the one cause reported (the actor that failed, not the peers that then timed
+out waiting for it).
+
+`ActorCalls` is a mixin of `raypar.controller.actor_mesh.ActorMesh`, kept apart so that the mesh module
+reads as building, running and resizing the mesh. It uses the mesh's actors, config, epoch and `name`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+from raypar.config import Config
+from raypar.controller.connection import RunFailure
+from raypar.mesh import Coord
+
+PING_GRACE_S = 5.0  # pings answered within this are the common case: no need to ask Ray about anyone
+POLL_S = 1.0  # then, how often an unanswered ping is checked against Ray's record of the actor
+
+
+class StepFailure(RunFailure):
+    """A step (or another all-actor call) failed. `dead`: actors found dead. `step`: the step whose phase 1
+    failed (None for other calls). The failed step itself was applied nowhere; every step before it was
+    applied by every intact replica."""
+
+    def __init__(self, message: str, dead: set[Coord], step: int | None = None):
+        super().__init__(message)
+        self.dead, self.step = dead, step
+
+
+def _died(err: BaseException) -> bool:
+    return isinstance(err, ray.exceptions.ActorDiedError | ray.exceptions.ActorUnavailableError)
+
+
+def cause_of(err: BaseException) -> str:
+    """One line saying why an actor call failed: the worker's own exception, not Ray's wrapper of it."""
+    if _died(err):
+        return "the actor died (" + " ".join(str(err).split())[:160] + ")"
+    if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None:
+        err = err.cause
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def _actor_state(actor: Any) -> str | None:
+    """Ray's record of an actor (ALIVE, RESTARTING, DEAD, ...); None if the state API cannot say."""
+    from ray.util.state import get_actor
+
+    try:
+        state = get_actor(actor._actor_id.hex(), address=ray.get_runtime_context().gcs_address, timeout=10)
+    except Exception:  # noqa: BLE001 - no dashboard, or it is busy: then only the ping decides
+        return None
+    return state.state if state is not None else None
+
+
+class ActorCalls:
+    """All-actor calls with failure containment (`_gather`), and finding the dead (`find_dead`)."""
+
+    # What the mesh provides (raypar.controller.actor_mesh).
+    cfg: Config
+    run: str
+    cp: int
+    epoch: int
+    actors: dict[Coord, Any]
+
+    def _gather(self, refs: dict[Any, Coord], what: str, step: int | None = None) -> dict[Coord, Any]:
+        """Wait for every ref. On the first failure: find dead actors, end the broken replicas (their
+        peers then fail fast instead of waiting out a timeout), call off the others' waits for `step`, and
+        raise StepFailure with the root cause, not a symptom."""
+        deadline = time.monotonic() + 2 * self.cfg.parallel.timeout_s + 30
+        results: dict[Coord, Any] = {}
+        errors: dict[Coord, BaseException] = {}
+        dead: set[Coord] = set()
+        contained = False
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+            if not done:
+                late = ", ".join(self.name(refs[r]) for r in pending)
+                raise StepFailure(f"{what}: no answer within the deadline from {late}", dead, step)
+            if pending:  # and every other answer already in: one wait per answer is O(actors²) a step
+                more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+                done += more
+            try:
+                results.update(zip((refs[r] for r in done), ray.get(done), strict=True))
+                continue
+            except Exception:  # noqa: BLE001 - one of them failed: sorted out one by one below
+                pass
+            for ref in done:
+                try:
+                    results[refs[ref]] = ray.get(ref)
+                except Exception as err:  # noqa: BLE001 - every worker error is reported below
+                    errors[refs[ref]] = err
+                    if not contained:
+                        dead, contained = self._contain(refs[ref], err, step), True
+        if errors:
+            raise StepFailure(self._describe_failure(errors, dead, what), dead, step)
+        return results
+
+    def _contain(self, first: Coord, err: BaseException, step: int | None) -> set[Coord]:
+        dead = {first} if _died(err) else set()
+        dead |= self.find_dead([c for c in self.actors if c != first])
+        broken = {c.dp for c in dead}
+        for coord, actor in self.actors.items():
+            if coord.dp in broken and coord not in dead:
+                ray.kill(actor)  # its sockets close, so intact peers fail now instead of at their timeout
+            elif coord not in dead and step is not None:
+                actor.abort.remote(self.epoch, step)
+        return dead
+
+    def find_dead(self, coords: list[Coord] | None = None) -> set[Coord]:
+        """The actors among `coords` (default: all) that are gone. Dead is what Ray says: a ping that fails
+        with ActorDiedError, or an actor Ray's state lists as DEAD (a lost node's actors, whose pings hang
+        until the node is declared dead). A slow answer is not death: an actor that is busy (starting up,
+        in a long step on a loaded node) is waited for, up to parallel.timeout_s; only one that stays
+        silent that long while Ray still calls it alive is given up on as hung."""
+        coords = list(self.actors) if coords is None else coords
+        pings = {self.actors[c].where.remote(): c for c in coords if c in self.actors}
+        dead: set[Coord] = set()
+        deadline = time.monotonic() + self.cfg.parallel.timeout_s
+        pending, wait_s = list(pings), PING_GRACE_S
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+            wait_s = POLL_S
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as err:  # noqa: BLE001 - only a death counts; an answer of any kind is life
+                    if _died(err):
+                        dead.add(pings[ref])
+            if not pending:
+                break
+            states = {ref: _actor_state(self.actors[pings[ref]]) for ref in pending}
+            dead |= {pings[ref] for ref, state in states.items() if state == "DEAD"}
+            pending = [ref for ref, state in states.items() if state != "DEAD"]
+            if pending and time.monotonic() > deadline:
+                dead |= {pings[ref] for ref in pending}
+                break
+        return dead
+
+    def _describe_failure(self, errors: dict[Coord, BaseException], dead: set[Coord], what: str) -> str:
+        def rank(item: tuple[Coord, BaseException]) -> int:
+            cause = cause_of(item[1])
+            if item[0] in dead or "actor died" in cause:
+                return 0
+            if "GroupError" in cause or "Timeout" in cause or "StepAborted" in cause or "group '" in cause:
+                return 2  # a symptom: a peer of the actor that really failed
+            return 1
+
+        coord, err = min(errors.items(), key=rank)
+        if coord in dead and not _died(err):
+            cause = "the actor died"
+        else:
+            cause = cause_of(err)
+        return (
+            f"{what}: worker {self.name(coord)} (run={self.run}, dp={coord.dp}, pp={coord.pp}, "
+            f"tp={coord.tp}{f', cp={coord.cp}' if self.cp > 1 else ''}) failed: {cause}"
+        )
