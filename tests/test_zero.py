@@ -115,18 +115,18 @@ def test_zero3_checkpoint_resumes_at_other_layouts_and_stages(ray_session, tmp_p
     assert not close(straight[:3], straight[3:])  # the comparison rejects a run that did not resume
 
 
-def assert_elastic_matches_fixed(cfg: config.Config, name: str) -> None:
-    """6 steps at dp=2, then the same 6 from the seed on the same actors with dp 2 -> 4 -> 2 after steps 2
-    and 4: the same losses (only the order of float sums differs)."""
+def assert_elastic_matches_fixed(cfg: config.Config, name: str, peak_dp: int = 4) -> None:
+    """6 steps at cfg's dp, then the same 6 from the seed on the same actors with dp going to `peak_dp` and
+    back after steps 2 and 4: the same losses (only the order of float sums differs)."""
     trainer = ActorMesh(cfg, name)
     try:
         trainer.start()
         fixed = [trainer.step(s).loss for s in range(6)]
         trainer.reconfigure(cfg)  # back to the seed's state, same actors
         scaled = [trainer.step(s).loss for s in range(2)]
-        assert trainer.scale_to(4, 60).startswith("added")
+        assert trainer.scale_to(peak_dp, 60).startswith("added")
         scaled += [trainer.step(s).loss for s in range(2, 4)]
-        assert trainer.scale_to(2, 60).startswith("removed")
+        assert trainer.scale_to(cfg.dp_fixed, 60).startswith("removed")
         scaled += [trainer.step(s).loss for s in range(4, 6)]
     finally:
         trainer.shutdown()

@@ -39,7 +39,7 @@ from raypar.model import LlamaStage
 from raypar.optim import lr_at
 from raypar.zero3 import Zero3Strategy
 from tests.reference import Run, reference_run
-from tests.test_zero import close, save
+from tests.test_zero import assert_elastic_matches_fixed, close, save
 from tests.threads import run_groups
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.toml"
@@ -270,16 +270,4 @@ def test_elastic_dp_with_cp_under_zero2(ray_session):
     """cp=2, zero 2: dp 1 -> 2 -> 1 after steps 2 and 4 (the state re-sharded over 2, 4, 2 ranks) on the
     losses of a fixed dp=1 run."""
     cfg = actor_cfg(1, 2, 2, "parallel.microbatches=2")  # microbatches of 4: one per replica at dp=2
-    trainer = ActorMesh(cfg, "zcp-elastic")
-    try:
-        trainer.start()
-        fixed = [trainer.step(s).loss for s in range(6)]
-        trainer.reconfigure(cfg)  # back to the seed's state, same actors
-        scaled = [trainer.step(s).loss for s in range(2)]
-        assert trainer.scale_to(2, 60).startswith("added")
-        scaled += [trainer.step(s).loss for s in range(2, 4)]
-        assert trainer.scale_to(1, 60).startswith("removed")
-        scaled += [trainer.step(s).loss for s in range(4, 6)]
-    finally:
-        trainer.shutdown()
-    assert close(scaled, fixed), (scaled, fixed)
+    assert_elastic_matches_fixed(cfg, "zcp-elastic", peak_dp=2)
