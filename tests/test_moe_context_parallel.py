@@ -3,8 +3,9 @@
 Each of the 4 ranks holds T/cp tokens of each sequence of its replica's microbatches (ulysses: contiguous,
 ring: zigzag), dispatches them to the experts over the EP group of its cp rank, and reduces dense
 gradients over cp x dp and expert gradients over the expert-dp group (its replicas' cp ranks), divided by
-dp x cp: the worker's groups and strategies (actors/worker.py), here without Ray. The reference forwards the
-global batch in the run's microbatches (the aux loss is per microbatch) in one process holding every expert.
+dp x cp: the worker's groups and strategies (actors/worker.py), here without Ray (tests/moe_threads.py). The
+reference forwards the global batch in the run's microbatches (the aux loss is per microbatch) in one process
+holding every expert.
 
 Compared: the mean cross-entropy, every gradient and the global gradient norm (1e-5 ulysses, 1e-4 ring, as
 tests/test_context_parallel.py), and the step's MoE figures through raypar.controller.actor_mesh.moe_totals
@@ -22,21 +23,12 @@ far above the tolerance. Last, the worker on 4 Ray actors, with the pre-cp exper
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 import pytest
-import torch
 
-from raypar import config, data, schedules
-from raypar.controller.actor_mesh import moe_totals
-from raypar.dp import DPStrategy
-from raypar.executor import ModelBackend, StepRun
-from raypar.local_transport import LocalPipe
+from raypar import config
 from raypar.mesh import Coord, Mesh
-from raypar.model import LlamaStage
-from raypar.moe import MoELayer, is_expert_param
-from tests.threads import run_groups
+from raypar.moe import MoELayer
+from tests.moe_threads import assert_matches, parallel, reference
 
 DP, EP, CP, E, K = 2, 2, 2, 4, 2
 NO_DROP, DROPPING = E / K, 0.75
@@ -48,94 +40,6 @@ def make_cfg(style: str, capacity_factor: float, ep: int = EP, cp: int = CP) -> 
         "parallel.microbatches=2", "train.global_batch=8", f"model.moe_experts={E}", f"model.moe_top_k={K}",
         f"model.moe_capacity_factor={capacity_factor}", "model.moe_every=2", "model.moe_aux_loss_coef=0.1",
     ])
-
-
-def moe_figures(model: LlamaStage) -> dict[str, dict[str, Any]]:
-    """What the worker reports per layer (actors/worker.py train_step)."""
-    return {
-        i: {"load": s.load.tolist(), "dropped": s.dropped, "aux": s.aux_sum / max(s.microbatches, 1)}
-        for i, s in model.take_moe_stats().items()
-    }
-
-
-def reference(cfg: config.Config) -> dict[str, Any]:
-    m, t = cfg.model, cfg.train
-    model = LlamaStage(m, range(m.n_layers), True, True, seed=t.seed)
-    dataset = data.open_dataset(cfg.data, m)
-    sampler = data.GlobalSampler(dataset.num_samples, t.global_batch, t.seed)
-    count, loss = t.global_batch // cfg.microbatch_size, 0.0
-    for mb in range(count):
-        inputs, targets = data.microbatch(dataset, sampler, 0, mb, cfg.microbatch_size)
-        ce = model(inputs, targets)
-        ((ce + model.take_aux_loss()) / count).backward()
-        loss += ce.item() / count
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return {"loss": loss, "grads": grads, "moe": moe_totals({Coord(0, 0, 0): {"moe": moe_figures(model)}})}
-
-
-def parallel(cfg: config.Config, moe_class: type[MoELayer] = MoELayer) -> dict[str, Any]:
-    """One step on dp x cp threads; `moe_class` replaces the MoE layers' class (negative controls)."""
-    par, m = cfg.parallel, cfg.model
-    mesh = Mesh(DP, 1, 1, ep=par.ep, cp=par.cp)
-    groups = {n: mm for n, mm in mesh.groups().items() if n.startswith(("dp.", "cp.", "ep.", "edp."))}
-    topo = schedules.Topology(1, 1)
-    dataset = data.open_dataset(cfg.data, m)
-    sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
-    n_mb, mbs = cfg.microbatches_at(DP), cfg.microbatch_size
-
-    def member(rank: int, mine: dict[str, Any]) -> dict[str, Any]:
-        coord = mesh.coord(rank)
-        ep_group = mine.get(Mesh.ep_group(coord, coord.dp, par.ep))
-        model = LlamaStage(m, range(m.n_layers), True, True, None, cfg.train.seed, ep_group,
-                           cp_group=mine.get(Mesh.cp_group(coord)), cp_style=par.cp_style)
-        for layer in model.moe_layers().values():
-            layer.__class__ = moe_class
-        dense = DPStrategy(model, cfg.train, mine[Mesh.dp_group(coord)], bucket_bytes=4096,
-                           select=lambda name: not is_expert_param(name))
-        # the worker's expert-dp group: the dp group without ep; none where dp == ep and cp == 1
-        edp = mine.get(Mesh.edp_group(coord, coord.dp, par.ep) if par.ep > 1 else Mesh.dp_group(coord))
-        experts = DPStrategy(model, cfg.train, edp, bucket_bytes=4096, select=is_expert_param,
-                             divisor=DP * par.cp)
-        like = torch.empty(mbs, m.seq_len // par.cp, m.d_model)
-
-        def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return data.microbatch(dataset, sampler, 0, coord.dp * n_mb + mb, mbs)
-
-        backend = ModelBackend(model, 0, topo, LocalPipe(topo, 60).transport(0), like, batch, n_mb)
-        plan = schedules.build(par.schedule, 1, n_mb, 1)[0]
-        StepRun(0, topo, plan, backend, [dense, experts], model.chunk_parameters).run(time.perf_counter, 0.0)
-        for strategy in (dense, experts):
-            strategy.finish()
-        return {"coord": coord, "losses": [x.item() for x in backend.losses], "moe": moe_figures(model),
-                "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
-
-    ranks = run_groups(mesh.world_size, {n: [mesh.rank(c) for c in mm] for n, mm in groups.items()}, member)
-    losses = [x for r in ranks for x in r["losses"]]
-    grads: dict[str, torch.Tensor] = {}
-    for r in ranks:  # dense gradients from every rank (identical after the reduction), experts from owners
-        grads.update(r["grads"])
-    return {"loss": sum(losses) / len(losses), "grads": grads,
-            "moe": moe_totals({r["coord"]: {"moe": r["moe"]} for r in ranks})}
-
-
-def assert_matches(got: dict[str, Any], want: dict[str, Any], rtol: float) -> dict[str, float]:
-    """Raise on the first figure out of tolerance; return the largest differences seen."""
-    loss, want_loss = got["loss"], want["loss"]
-    assert abs(loss - want_loss) <= rtol * abs(want_loss), f"loss {loss} vs {want_loss}"
-    assert got["grads"].keys() == want["grads"].keys()
-    worst = 0.0
-    for name, g in want["grads"].items():
-        err = (got["grads"][name] - g).abs().max().item()
-        assert err <= rtol * g.abs().max().item() + 1e-9, f"gradient of {name} differs by {err:.3g}"
-        worst = max(worst, err / g.abs().max().item())
-    norm = torch.sqrt(sum(g.double().pow(2).sum() for g in want["grads"].values()))
-    got_norm = torch.sqrt(sum(g.double().pow(2).sum() for g in got["grads"].values()))
-    assert abs(got_norm - norm) <= rtol * norm, f"grad norm {got_norm.item()} vs {norm.item()}"
-    moe, ref = got["moe"], want["moe"]
-    assert abs(moe["aux_loss"] - ref["aux_loss"]) <= rtol * ref["aux_loss"], f"aux {moe['aux_loss']} vs {ref}"
-    assert moe["expert_load"] == ref["expert_load"] and moe["dropped_tokens"] == ref["dropped_tokens"], moe
-    return {"loss": abs(loss - want_loss) / want_loss, "grad_norm": float(abs(got_norm - norm) / norm),
-            "grad": worst, "aux": abs(moe["aux_loss"] - ref["aux_loss"]) / ref["aux_loss"]}
 
 
 @pytest.mark.parametrize("style, rtol", [("ulysses", 1e-5), ("ring", 1e-4)])

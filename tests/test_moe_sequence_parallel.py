@@ -3,7 +3,7 @@
 Between blocks each tp rank holds T/tp tokens; the MoE layer gathers the sequence over tp, routes it like
 the tp layer without SP and keeps this rank's tokens of the result (raypar.moe). Capacity, priority and the
 aux loss are therefore those of one process's dispatch of the microbatch. Compared with the one-process
-reference of tests/test_moe_context_parallel (every microbatch forwarded with its aux loss): the loss,
+reference of tests/moe_threads.py (every microbatch forwarded with its aux loss): the loss,
 every gradient (tp shards assembled), the global gradient norm, the aux loss (1e-5 relative) and the
 expert load and dropped assignments exactly -- with a capacity factor of E / k (nothing dropped, asserted)
 and a small one that drops assignments (asserted). At dp=2 x ep=2 the dispatch spans the EP group's
@@ -17,23 +17,12 @@ Last, the worker on 4 Ray actors (dp=2 x ep=2 x tp=2 with SP), with that control
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 import pytest
-import torch
 
-from raypar import config, data, schedules
-from raypar.controller.actor_mesh import moe_totals
-from raypar.dp import DPStrategy
-from raypar.executor import ModelBackend, StepRun
-from raypar.local_transport import LocalPipe
+from raypar import config
 from raypar.mesh import Mesh
-from raypar.model import LlamaStage
-from raypar.moe import MoELayer, is_expert_param
 from tests.faults import MoEGatherSummed
-from tests.test_moe_context_parallel import assert_matches, moe_figures, reference
-from tests.threads import run_groups
+from tests.moe_threads import assert_matches, parallel, reference
 
 E, K = 4, 2
 NO_DROP, DROPPING = E / K, 0.75
@@ -49,58 +38,6 @@ def make_cfg(capacity_factor: float, tp: int = 2, dp: int = 1, ep: int = 1, cp: 
         f"model.moe_experts={E}", f"model.moe_top_k={K}", f"model.moe_capacity_factor={capacity_factor}",
         "model.moe_every=2", "model.moe_aux_loss_coef=0.1",
     ])
-
-
-def parallel(cfg: config.Config, moe_class: type[MoELayer] = MoELayer) -> dict[str, Any]:
-    """One step of dp x cp x tp (SP) x ep on threads, with the worker's groups and gradient strategies
-    (actors/worker.py) without Ray; `moe_class` replaces the MoE layers' class (negative controls)."""
-    par, m = cfg.parallel, cfg.model
-    dp = cfg.dp_fixed
-    mesh = Mesh(dp, 1, par.tp, ep=par.ep, cp=par.cp)
-    groups = {n: mm for n, mm in mesh.groups().items() if n.startswith(("tp.", "cp.", "dp.", "ep.", "edp."))}
-    topo = schedules.Topology(1, 1)
-    dataset = data.open_dataset(cfg.data, m)
-    sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
-    n_mb, mbs = cfg.microbatches_at(dp), cfg.microbatch_size
-
-    def member(rank: int, mine: dict[str, Any]) -> dict[str, Any]:
-        coord = mesh.coord(rank)
-        model = LlamaStage(m, range(m.n_layers), True, True, mine.get(Mesh.tp_group(coord)), cfg.train.seed,
-                           mine.get(Mesh.ep_group(coord, coord.dp, par.ep)),
-                           sequence_parallel=par.sequence_parallel, cp_group=mine.get(Mesh.cp_group(coord)),
-                           cp_style=par.cp_style)
-        for layer in model.moe_layers().values():
-            layer.__class__ = moe_class
-        dense = DPStrategy(model, cfg.train, mine.get(Mesh.dp_group(coord)), bucket_bytes=4096,
-                           select=lambda name: not is_expert_param(name))
-        # the worker's expert-dp group: the dp group without ep (with its cp ranks), divisor dp x cp
-        edp = mine.get(Mesh.edp_group(coord, coord.dp, par.ep) if par.ep > 1 else Mesh.dp_group(coord))
-        experts = DPStrategy(model, cfg.train, edp, bucket_bytes=4096, select=is_expert_param,
-                             divisor=dp * par.cp)
-        seq = m.seq_len // par.cp // (par.tp if par.sequence_parallel else 1)  # this rank's tokens
-        like = torch.empty(mbs, seq, m.d_model)
-
-        def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return data.microbatch(dataset, sampler, 0, coord.dp * n_mb + mb, mbs)
-
-        backend = ModelBackend(model, 0, topo, LocalPipe(topo, 60).transport(0), like, batch, n_mb)
-        plan = schedules.build(par.schedule, 1, n_mb, 1)[0]
-        StepRun(0, topo, plan, backend, [dense, experts], model.chunk_parameters).run(time.perf_counter, 0.0)
-        for strategy in (dense, experts):
-            strategy.finish()
-        specs = model.shard_specs()
-        return {"coord": coord, "losses": [x.item() for x in backend.losses], "moe": moe_figures(model),
-                "grads": {n: (p.grad.clone(), *specs[n]) for n, p in model.named_parameters()}}
-
-    ranks = run_groups(mesh.world_size, {n: [mesh.rank(c) for c in mm] for n, mm in groups.items()}, member)
-    losses = [x for r in ranks if r["coord"].tp == 0 for x in r["losses"]]  # cp ranks: equal shares
-    grads: dict[str, torch.Tensor] = {}
-    for r in ranks:  # tp shards into place; dense gradients from every replica (equal), experts from owners
-        for name, (local, shape, offsets) in r["grads"].items():
-            full = grads.setdefault(name, torch.empty(shape))
-            full[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))] = local
-    return {"loss": sum(losses) / len(losses), "grads": grads,
-            "moe": moe_totals({r["coord"]: {"moe": r["moe"]} for r in ranks})}
 
 
 @pytest.mark.parametrize("capacity_factor", [NO_DROP, DROPPING])
