@@ -19,7 +19,7 @@ import yaml
 
 from raypar import checkpoint, checkpoint_read, config
 from raypar.config import ConfigError
-from raypar.controller import shared_paths
+from raypar.controller import cli, shared_paths
 from tests.fake_cluster import FakeCluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +57,18 @@ def test_a_checkpoint_dir_inside_the_jobs_working_dir_copy_is_refused(tmp_path, 
         shared_paths.make_absolute(cfg)
     cfg.checkpoint.dir = str(tmp_path / "shared" / "ckpt")  # the same run with a path outside the copy
     shared_paths.make_absolute(cfg)
+
+
+def test_the_probe_checks_the_counts_the_cli_opened_the_datasets_for():
+    # The driver opens its datasets once, in the CLI's input check, and hands their counts to the node probe:
+    # a node that sees the same data agrees with them, one that counts other training samples is named.
+    cfg = config.load(TINY, ["data.val_fraction=0.25"])
+    samples = cli._check_data(cfg)
+    assert samples[1] > 0 and samples[0] + samples[1] == 2**20  # the synthetic set, a quarter held out
+    assert shared_paths._probe(cfg, "", samples) is None
+    other = (samples[0] + 1, samples[1])
+    want = f"data.source: {samples[0]} training samples here, {other[0]} on the driver (different files)"
+    assert shared_paths._probe(cfg, "", other) == want
 
 
 def _can_unshare() -> bool:

@@ -123,9 +123,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_data(cfg: Config) -> None:
-    """Open the dataset once here: its errors are config errors, and the stdlib corpus is prepared once."""
+def _check_data(cfg: Config) -> tuple[int, int]:
+    """Open the dataset once here: its errors are config errors, and the stdlib corpus is prepared once.
+    Returns its sample counts, which the other nodes' shared-path probe compares with theirs."""
     from raypar import data
+    from raypar.controller import shared_paths
 
     try:
         dataset, val = data.open_datasets(cfg.data, cfg.model)
@@ -136,6 +138,7 @@ def _check_data(cfg: Config) -> None:
         raise ConfigError(f"data.source: {err}") from None
     if cfg.train.eval_every:
         data.check_eval(val, cfg.train.eval_batches, cfg.train.global_batch)
+    return shared_paths.sample_counts(dataset, val)
 
 
 def _writable_dir(path: Path, what: str) -> None:
@@ -228,7 +231,7 @@ def _train(args: argparse.Namespace) -> int:
     from raypar.controller import shared_paths
 
     shared_paths.make_absolute(cfg)  # actors run in other directories, and on other nodes
-    _check_data(cfg)
+    samples = _check_data(cfg)
     _check_fits(cfg)
     resume = shared_paths.absolute(_resolve_resume(cfg, args.resume)) if args.resume else None
     name = args.name or f"{Path(args.config).stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
@@ -238,7 +241,9 @@ def _train(args: argparse.Namespace) -> int:
     from raypar.controller.training import TrainingLoop
 
     try:
-        loop = TrainingLoop(cfg, name, run_dir, args.address, resume, args.stop_at, not args.no_progress)
+        loop = TrainingLoop(
+            cfg, name, run_dir, args.address, resume, args.stop_at, not args.no_progress, samples=samples
+        )
         summary = loop.execute()
     except RunFailure as err:
         print(f"raypar: run {name} failed: {err}", file=sys.stderr)

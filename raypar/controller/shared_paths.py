@@ -60,9 +60,13 @@ def make_absolute(cfg: Config) -> None:
         )
 
 
-def _samples(cfg: Config) -> tuple[int, int]:
-    train, val = data.open_datasets(cfg.data, cfg.model)
+def sample_counts(train: data.Dataset, val: data.Dataset | None) -> tuple[int, int]:
+    """What the probe compares: the training and validation samples (0 without a validation set)."""
     return train.num_samples, val.num_samples if val is not None else 0
+
+
+def _samples(cfg: Config) -> tuple[int, int]:
+    return sample_counts(*data.open_datasets(cfg.data, cfg.model))
 
 
 def _probe(cfg: Config, marker: str, samples: tuple[int, int]) -> str | None:
@@ -93,10 +97,14 @@ def _probe(cfg: Config, marker: str, samples: tuple[int, int]) -> str | None:
     return None
 
 
-def check_nodes(cfg: Config, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+def check_nodes(
+    cfg: Config, samples: tuple[int, int] | None = None, timeout_s: float = PROBE_TIMEOUT_S
+) -> None:
     """Ask every other alive node that can host an actor whether it sees the config's inputs and
     checkpoint.dir as the driver does; a ConfigError naming the key and the node if one does not.
-    The driver's own node sees what the driver sees, so a one-node cluster costs nothing."""
+    `samples` are the driver's `sample_counts`, where it has opened the datasets already (the CLI's
+    input check); else they are counted here. The driver's own node sees what the driver sees, so a
+    one-node cluster costs nothing."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -123,7 +131,8 @@ def check_nodes(cfg: Config, timeout_s: float = PROBE_TIMEOUT_S) -> None:
             raise ConfigError(f"checkpoint.dir: cannot write {cfg.checkpoint.dir}: {err}") from None
     try:
         probe = ray.remote(num_cpus=0, max_retries=0)(_probe)
-        samples = _samples(cfg)
+        if samples is None:
+            samples = _samples(cfg)
         refs = {
             probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
                 cfg, marker, samples

@@ -80,9 +80,12 @@ class TrainingLoop:
         resume: str | None = None,
         stop_at: int | None = None,
         progress: bool = True,
+        samples: tuple[int, int] | None = None,
     ):
         self.cfg, self.name, self.run_dir, self.address = cfg, name, run_dir, address
         self.resume, self.stop_at, self.progress = resume, stop_at, progress
+        # the driver's dataset sizes where the CLI has counted them (None: the node check opens the data)
+        self.samples = samples
         self.actor_mesh = self.mesh_class(cfg, name)
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         par = cfg.parallel
@@ -278,7 +281,8 @@ class TrainingLoop:
         connect(self.address, num_cpus=max(os.cpu_count() or 1, world))
         stopping.install()  # again: ray.init installs a SIGTERM handler of its own
         check_device(par.device, par.gpus_per_actor)
-        shared_paths.check_nodes(self.cfg)  # before any actor: a node-local checkpoint.dir is refused
+        # before any actor: a node-local checkpoint.dir is refused
+        shared_paths.check_nodes(self.cfg, self.samples)
         control = RunControl.options(
             name=control_name(self.name), namespace=NAMESPACE, scheduling_strategy=home_node_strategy()
         ).remote(self.name, self.dps)
