@@ -246,11 +246,10 @@ class ModelBackend:
         self.wgrad: zb.WeightGradStore | None = None  # set by split_backward
 
     def split_backward(self) -> None:
-        """The plan has backward_input and backward_weight: route the model's linears through a store
-        from the next forward on."""
+        """The plan has backward_input and backward_weight: route the model's linears through its store
+        from the next forward on (attached on the model's first such step, reused by the later ones)."""
         if self.wgrad is None:
-            self.wgrad = zb.WeightGradStore()
-            zb.attach(self.model, self.wgrad)
+            self.wgrad = zb.store_of(self.model)
 
     def recv(self, kind: str, chunk: int, mb: int) -> bool:
         unit = (chunk, mb)

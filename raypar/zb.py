@@ -130,3 +130,17 @@ def attach(model: nn.Module, store: WeightGradStore) -> None:
         if hasattr(module, "wgrad_store"):
             module.wgrad_store = store
             store.weights.add(id(module.weight))
+
+
+def store_of(model: nn.Module) -> WeightGradStore:
+    """The store `model`'s linears defer to, attached on the first call for this model and reused by every
+    later step: a model's linears and their weights are fixed when it is built (a new layout builds a new
+    model, which gets a store of its own), so walking its modules once is enough. What a step that did not
+    finish left deferred is dropped, as a new store would have it."""
+    store = model.__dict__.get("_zb_store")
+    if store is None:
+        store = WeightGradStore()
+        attach(model, store)
+        model._zb_store = store  # not a module, parameter or buffer: a plain attribute of the model
+    store.deferred.clear()
+    return store
