@@ -28,6 +28,7 @@ import ray
 import torch
 
 from actors.buddy import BuddyCopies
+from actors.replica_lead import ReplicaLead
 from actors.telemetry import ActorMetrics
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from actors.worker_state import WorkerState
@@ -99,7 +100,7 @@ class WorkerFailure(RuntimeError):
     """Raised inside an actor; the message is prefixed with the actor's coordinates."""
 
 
-class Worker(WorkerState, GroupHost):
+class Worker(WorkerState, GroupHost, ReplicaLead):
     """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks) override
     the seams `_make_strategy`, `_make_expert_strategy`, `_bind_tp`, `_send_grad`, `_train_step`,
     `_sum_tied_grads`, `_write_shard` and `_buddy_copy` and wrap themselves the same way. Checkpoints,
@@ -510,5 +511,7 @@ class Worker(WorkerState, GroupHost):
         return norm
 
 
-# One thread runs the step; the others take `deliver`, `abort` and `where` while it does.
-RemoteWorker = ray.remote(max_concurrency=4)(Worker)
+# One thread runs the step; on a replica's leader one more waits for its members (`fan_out`); the others
+# take `deliver` (from both neighbours at once), `abort` and `where` while they do.
+WORKER_THREADS = 6
+RemoteWorker = ray.remote(max_concurrency=WORKER_THREADS)(Worker)

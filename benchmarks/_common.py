@@ -30,7 +30,7 @@ import ray
 import torch
 from torch import nn
 
-from actors.worker import Worker
+from actors.worker import WORKER_THREADS, Worker
 from raypar import config as config_mod
 from raypar import data
 from raypar.config import Config
@@ -155,7 +155,7 @@ class _TimedWorker(Worker):
         self._apply = (time.perf_counter() - start, time.process_time() - cpu)
 
 
-TimedWorker = ray.remote(max_concurrency=4)(_TimedWorker)  # as raypar's RemoteWorker
+TimedWorker = ray.remote(max_concurrency=WORKER_THREADS)(_TimedWorker)  # as raypar's RemoteWorker
 
 
 def register_for_actors() -> None:

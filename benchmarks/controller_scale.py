@@ -9,15 +9,16 @@ groups; every call the mesh makes answered at once), so what is timed is the con
 the calls, gathering the results, placing and starting actors, and recovering. The mesh is (dp, pp, tp) =
 (n / 8, 4, 2): n actors in n / 8 replicas, like a real run that scales by replicas.
 
-1. **Step**: `ActorMesh.step` (one call per actor, the commit of the step before piggybacked), timed at
-   the driver: wall time per step (median over `--steps`) and the driver process's CPU time per step
-   (all its threads, Ray's included). Fitted by least squares to a + b·n and projected to 1,024 actors,
-   against the goal: under 1 % of a 1-second step (10 ms).
-2. **Fan-out** (`--designs`): the same steps with one call per replica. The driver calls each replica's
-   leader (its (pp, tp) = (0, 0) actor) once; the leader submits its replica's other calls, runs its
-   own, gathers, and returns every result of its replica. The driver's work becomes O(replicas); each
-   leader does O(actors per replica) of it, in parallel with the other leaders. Fitted and projected the
-   same way (against n, with 8 actors per replica).
+1. **Step**, two designs on the same actors (`--designs`), timed at the driver: wall time per step
+   (median over `--steps`) and the driver process's CPU time per step (all its threads, Ray's included).
+   Fitted by least squares to a + b·n and projected to 1,024 actors, against the goal: under 1 % of a
+   1-second step (10 ms).
+   - `fanout`: raypar's `ActorMesh.step`. The driver calls each replica's leader (its first actor) once;
+     the leader calls every actor of its replica, itself included, and answers for all of them
+     (actors.replica_lead). The driver's calls grow with the replicas; each leader's with its replica's
+     actors, in parallel with the other leaders.
+   - `per_actor`: the design it replaced, one driver call per actor (the commit of the step before
+     piggybacked), kept here as the alternative.
 3. **Scale and recovery**: from `scale_to(dp + 1)` to the end of the first step with the new replica
    (placement groups, actor processes, groups, heal); from a `kill -9` of one actor to the end of the
    redone step at dp - 1 (failure detected by the step, `recover`, the step again).
@@ -44,6 +45,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import ray  # noqa: E402
 
+from actors.replica_lead import ReplicaLead  # noqa: E402
 from benchmarks import _common  # noqa: E402
 from raypar import config as config_mod  # noqa: E402
 from raypar.controller.actor_calls import StepFailure  # noqa: E402
@@ -57,14 +59,13 @@ STEP_S = 1.0
 GOAL_S = 0.01 * STEP_S  # 1 % of a 1-second step
 
 
-class _LightWorker:
+class _LightWorker(ReplicaLead):
     """Answers every call an ActorMesh makes, at no cost and without torch (a light process: ~1/3 of the
     memory of a torch actor, so a 2-core machine holds well over a hundred). Groups are not formed: this
     measures the controller, not gloo."""
 
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         self.coord = tuple(coord)
-        self.members: list[Any] = []
 
     def where(self) -> dict[str, Any]:
         ctx = ray.get_runtime_context()
@@ -96,49 +97,27 @@ class _LightWorker:
     def abort(self, epoch: int, step: int) -> None:
         pass
 
-    # -- the fan-out design: this actor leads its replica -------------------------------------------------
-    def lead(self, members: list[Any]) -> None:
-        """The other actors of this replica (sent once per membership, not per step)."""
-        self.members = members
-
-    def replica_step(self, step: int, commit: int | None = None) -> list[dict[str, Any]]:
-        refs = [m.train_step.remote(step, commit) for m in self.members]
-        own = self.train_step(step, commit)  # a real leader computes here while the others run
-        return [own, *ray.get(refs)]
-
 
 LightWorker = ray.remote(num_cpus=0, max_concurrency=4)(_LightWorker)
 
 
 class LightMesh(ActorMesh):
-    """raypar's ActorMesh, unchanged, with light actors; plus `step_fanout`, the fan-out design: one call
-    per replica, to its leader, which calls the others. Both designs run on the same actors."""
+    """raypar's ActorMesh, unchanged, with light actors (`step` is raypar's: one call per replica, fanned out
+    by its leader); plus `step_per_actor`, the design it replaced: one driver call per actor. Both run on
+    the same actors."""
 
     worker_class = LightWorker
 
-    def _regroup(self, new: set[int] = frozenset()) -> None:
-        super()._regroup(new)
-        leads = []
-        for d in self.replicas:
-            members = [a for c, a in self.actors.items() if c.dp == d and (c.pp, c.tp) != (0, 0)]
-            leads.append(self.actors[Coord(d, 0, 0)].lead.remote(members))
-        ray.get(leads)
-
-    def step_fanout(self, step: int) -> StepResult:
+    def step_per_actor(self, step: int) -> StepResult:
         start = time.perf_counter()
         commit, self.uncommitted = self.uncommitted, None
-        refs = {
-            self.actors[Coord(d, 0, 0)].replica_step.remote(step, commit): Coord(d, 0, 0)
-            for d in self.replicas
-        }
-        results = {
-            Coord(*r["coord"]): r for rows in self._gather(refs, f"step {step}").values() for r in rows
-        }
+        refs = {a.train_step.remote(step, commit): c for c, a in self.actors.items()}
+        results = self._gather(refs, f"step {step}", step)
         self.uncommitted = step
         return StepResult(step, 1.0, 1.0, 0.0, time.perf_counter() - start, results)
 
 
-DESIGNS = {"per_actor": LightMesh.step, "fanout": LightMesh.step_fanout}
+DESIGNS = {"per_actor": LightMesh.step_per_actor, "fanout": LightMesh.step}
 
 
 def make_config(dp: int, max_dp: int) -> Any:
@@ -300,7 +279,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: 8 and 16 actors, few steps")
     parser.add_argument("--actors", default="8,16,32,64,128",
                         help=f"actor counts, increasing multiples of {PER_REPLICA}")
-    parser.add_argument("--designs", default="per_actor,fanout", help="per_actor (raypar today), fanout")
+    parser.add_argument("--designs", default="per_actor,fanout", help="per_actor (old), fanout (raypar)")
     parser.add_argument("--gather", default="128,512,1024", help="answer counts for the gather check")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per actor count")
     parser.add_argument("--no-paths", dest="paths", action="store_false",

@@ -36,7 +36,7 @@ import ray
 import torch
 
 from actors.buddy import Snapshot
-from actors.worker import Worker
+from actors.worker import WORKER_THREADS, Worker
 from raypar.config import Config
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.dp import DPStrategy
@@ -183,7 +183,7 @@ class _FaultyWorker(Worker):
         return super()._train_step(step)
 
 
-FaultyWorker = ray.remote(max_concurrency=4)(_FaultyWorker)
+FaultyWorker = ray.remote(max_concurrency=WORKER_THREADS)(_FaultyWorker)
 
 
 class FaultyActorMesh(ActorMesh):

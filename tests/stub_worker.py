@@ -9,12 +9,14 @@ from typing import Any
 
 import ray
 
+from actors.replica_lead import ReplicaLead
+from actors.worker import WORKER_THREADS
 from collectives.host import GroupHost
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.mesh import Coord
 
 
-class _StubWorker(GroupHost):
+class _StubWorker(GroupHost, ReplicaLead):
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         self.coord = Coord(*coord)
         self.applied: list[int] = []
@@ -58,7 +60,7 @@ class _StubWorker(GroupHost):
         pass
 
 
-StubWorker = ray.remote(num_cpus=0, max_concurrency=4)(_StubWorker)
+StubWorker = ray.remote(num_cpus=0, max_concurrency=WORKER_THREADS)(_StubWorker)
 
 
 class StubActorMesh(ActorMesh):

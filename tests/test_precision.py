@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from actors.worker import Worker
+from actors.worker import WORKER_THREADS, Worker
 from raypar import config
 from raypar.config import TrainConfig
 from raypar.controller.actor_calls import StepFailure
@@ -141,7 +141,7 @@ class _InfWorker(Worker):
 
 
 class InfMesh(ActorMesh):
-    worker_class = ray.remote(max_concurrency=4)(_InfWorker)
+    worker_class = ray.remote(max_concurrency=WORKER_THREADS)(_InfWorker)
 
 
 def fp16_cfg(*extra: str) -> config.Config:

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import ray
 
-from actors.worker import Worker
+from actors.worker import WORKER_THREADS, Worker
 from raypar import config
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.mesh import Coord
@@ -54,7 +54,7 @@ class _NoScalerHeal(Worker):
         self.scaler.load_state(own)
 
 
-NoScalerHeal = ray.remote(max_concurrency=4)(_NoScalerHeal)
+NoScalerHeal = ray.remote(max_concurrency=WORKER_THREADS)(_NoScalerHeal)
 
 
 @dataclass

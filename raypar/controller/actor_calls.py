@@ -13,6 +13,7 @@ from typing import Any
 
 import ray
 
+from actors.replica_lead import ReplicaAnswer
 from raypar.config import Config
 from raypar.controller.connection import RunFailure
 from raypar.mesh import Coord
@@ -65,16 +66,32 @@ class ActorCalls:
     cp: int
     epoch: int
     actors: dict[Coord, Any]
+    leads: dict[Coord, bool]  # the actors the driver calls: True where they fan out
 
     def _gather(self, refs: dict[Any, Coord], what: str, step: int | None = None) -> dict[Coord, Any]:
-        """Wait for every ref. On the first failure: find dead actors, end the broken replicas (their
+        """Wait for every ref. A ref may be a replica leader's `fan_out`, answering for its replica's actors
+        (actors.replica_lead). On the first failure: find dead actors, end the broken replicas (their
         peers then fail fast instead of waiting out a timeout), call off the others' waits for `step`, and
         raise StepFailure with the root cause, not a symptom."""
         deadline = time.monotonic() + 2 * self.cfg.parallel.timeout_s + 30
         results: dict[Coord, Any] = {}
         errors: dict[Coord, BaseException] = {}
         dead: set[Coord] = set()
-        contained = False
+
+        def failed(coord: Coord, err: BaseException) -> None:
+            nonlocal dead
+            if not errors:
+                dead = self._contain(coord, err, step)
+            errors[coord] = err
+
+        def take(coord: Coord, value: Any) -> None:
+            if not isinstance(value, ReplicaAnswer):
+                results[coord] = value
+                return
+            results.update(value.results)
+            for member, err in value.errors.items():
+                failed(member, err)
+
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
@@ -85,20 +102,33 @@ class ActorCalls:
                 more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
                 done += more
             try:
-                results.update(zip((refs[r] for r in done), ray.get(done), strict=True))
-                continue
+                values = ray.get(done)
             except Exception:  # noqa: BLE001 - one of them failed: sorted out one by one below
-                pass
-            for ref in done:
+                values = None
+            for i, ref in enumerate(done):
+                if values is not None:
+                    take(refs[ref], values[i])
+                    continue
                 try:
-                    results[refs[ref]] = ray.get(ref)
+                    take(refs[ref], ray.get(ref))
                 except Exception as err:  # noqa: BLE001 - every worker error is reported below
-                    errors[refs[ref]] = err
-                    if not contained:
-                        dead, contained = self._contain(refs[ref], err, step), True
+                    failed(refs[ref], err)
         if errors:
             raise StepFailure(self._describe_failure(errors, dead, what), dead, step)
         return results
+
+    def _fan_out(self, method: str, args: tuple, what: str, step: int | None = None) -> dict[Coord, Any]:
+        """`method(*args)` on every actor, the driver calling only the top of the mesh's call tree (leaders
+        that fan out: actors.replica_lead; or every actor, in a small mesh)."""
+        timeout_s = 2 * self.cfg.parallel.timeout_s + 20  # under _gather's: the leader names the late
+        refs = {}
+        for coord, fans_out in self.leads.items():
+            actor = self.actors[coord]
+            if fans_out:
+                refs[actor.fan_out.remote(method, args, timeout_s)] = coord
+            else:
+                refs[getattr(actor, method).remote(*args)] = coord
+        return self._gather(refs, what, step)
 
     def _contain(self, first: Coord, err: BaseException, step: int | None) -> set[Coord]:
         dead = {first} if _died(err) else set()

@@ -1,6 +1,7 @@
 """The controller's mesh: placement groups, actors and groups in; steps, recovery and scaling out.
 
-`ActorMesh` owns one run's actors. A step is one call per actor: `train_step(step, commit)` computes and
+`ActorMesh` owns one run's actors. A step is one call per actor, `train_step(step, commit)`, made by each
+replica's leader for its replica (the driver calls only the leaders: actors.replica_lead). It computes and
 reduces step `step` without applying it; its update is applied at the start of the next call (`commit`),
 once every actor has finished phase 1, or by `commit()` alone before anything that reads the state
 (checkpoints, scaling, reading parameters). A failure anywhere surfaces as `StepFailure` naming the actor
@@ -12,6 +13,7 @@ come and go between steps (`scale_to`); each membership change re-forms every gr
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +82,10 @@ def moe_totals(per_actor: dict[Coord, dict[str, Any]]) -> dict[str, Any] | None:
 
 class ActorMesh(ActorCalls):
     worker_class: Any = RemoteWorker  # tests and benchmarks swap in instrumented subclasses
+    # The most calls the driver makes for one all-actor call of a step (_lead). Each costs it ~0.2-0.8 ms of
+    # CPU (benchmarks/README.md); 16 keeps it near 1 % of a 1-second step while a flat call is still the
+    # lowest latency for small meshes (every actor called directly up to 16).
+    driver_calls = 16
 
     def __init__(self, cfg: Config, run: str):
         self.cfg, self.run = cfg, run
@@ -87,6 +93,7 @@ class ActorMesh(ActorCalls):
         self.pp, self.tp, self.cp = par.pp, par.tp, par.cp
         self.replicas: list[int] = []
         self.actors: dict[Coord, Any] = {}
+        self.leads: dict[Coord, bool] = {}  # the actors the driver calls: True where they fan out (_lead)
         self.pgs: dict[tuple[int, int], Any] = {}
         self.nodes: dict[Coord, dict[str, Any]] = {}
         self.peaks: dict[Coord, float | None] = {}
@@ -163,6 +170,7 @@ class ActorMesh(ActorCalls):
             ray.kill(self.actors.pop(coord))
             self.nodes.pop(coord, None)
             self.peaks.pop(coord, None)
+        self.leads = dict.fromkeys(self.actors, False)  # direct calls, until _regroup builds the tree again
         release([self.pgs.pop(key) for key in list(self.pgs) if key[0] in ids])
         self.replicas = [d for d in self.replicas if d not in ids]
 
@@ -210,6 +218,28 @@ class ActorMesh(ActorCalls):
         for coord, info in self._gather(refs, "setting up" if new else "re-forming groups").items():
             if info is not None:
                 self.peaks[coord] = info["peak_flops"]
+        self._lead()
+
+    def _lead(self) -> None:
+        """Build the tree the all-actor calls of a step go down (actors.replica_lead): up to `driver_calls`
+        actors are called directly; beyond, each replica's first actor leads it, and the first leader of each
+        of at most `driver_calls` groups of replicas relays to the others of its group."""
+        if len(self.actors) <= self.driver_calls:
+            self.leads = dict.fromkeys(self.actors, False)
+            return
+        members: dict[int, dict[tuple[int, ...], Any]] = {d: {} for d in self.replicas}
+        for coord, actor in sorted(self.actors.items()):
+            members[coord.dp][tuple(coord)] = actor
+        first = {d: Coord(*next(iter(m))) for d, m in members.items()}
+        size = math.ceil(len(self.replicas) / self.driver_calls)
+        groups = [self.replicas[i : i + size] for i in range(0, len(self.replicas), size)]
+        refs = {}
+        for top, *rest in groups:
+            relays = {tuple(first[d]): self.actors[first[d]] for d in rest}
+            refs[self.actors[first[top]].lead.remote(members[top], relays)] = first[top]
+            refs.update({self.actors[first[d]].lead.remote(members[d], {}): first[d] for d in rest})
+        self._gather(refs, "handing replicas to their leaders")
+        self.leads = {first[group[0]]: True for group in groups}
 
     def devices(self) -> dict[str, int]:
         """Each actor's GPU (the id Ray assigned it) by member label: where its NCCL communicators live.
@@ -245,8 +275,7 @@ class ActorMesh(ActorCalls):
         is complete: every intact replica applies it, with the next call or with `commit()`."""
         start = time.perf_counter()
         commit, self.uncommitted = self.uncommitted, None  # whoever receives the call applies it
-        refs = {a.train_step.remote(step, commit): c for c, a in self.actors.items()}
-        results = self._gather(refs, f"step {step}", step)
+        results = self._fan_out("train_step", (step, commit), f"step {step}", step)
         self.uncommitted = step
         elapsed = time.perf_counter() - start
         last = self.pp - 1
@@ -268,8 +297,7 @@ class ActorMesh(ActorCalls):
         """The validation loss after `step` (whose update is applied): the mean over replicas (each the
         mean of its equal share of the fixed validation microbatches)."""
         commit, self.uncommitted = self.uncommitted, None  # applied first, as a step call would
-        refs = {a.eval_step.remote(step, commit): c for c, a in self.actors.items()}
-        results = self._gather(refs, f"validation after step {step}")
+        results = self._fan_out("eval_step", (step, commit), f"validation after step {step}")
         losses = [loss for c, loss in results.items() if c.pp == self.pp - 1 and c.tp == 0]
         return sum(losses) / len(losses)
 
@@ -278,7 +306,7 @@ class ActorMesh(ActorCalls):
         if self.uncommitted is None:
             return
         step, self.uncommitted = self.uncommitted, None
-        self._gather({a.apply_step.remote(step): c for c, a in self.actors.items()}, f"applying step {step}")
+        self._fan_out("apply_step", (step,), f"applying step {step}")
 
     def recover(self, failure: BaseException) -> str:
         """Continue after `failure` (of a step, or of anything else between steps) with the intact
