@@ -34,12 +34,12 @@ def test_controller_scale_quick(tmp_path):
     text = ok(run("benchmarks/controller_scale.py", "--quick", "--json", str(out)))
     assert "projected to 1024 actors" in text
     result = json.loads(out.read_text())
-    assert {(r["design"], r["actors"]) for r in result["steps"]} == {
-        (d, n) for d in ("per_actor", "fanout") for n in (8, 16)
+    assert {(r["design"], r["actors"], r["calls"]) for r in result["steps"]} == {
+        ("per_actor", 8, 8), ("per_actor", 16, 16), ("tree", 8, 1), ("tree", 16, 2)  # replica leaders
     }
     measures = {(f["design"], f["measure"]) for f in result["fits"]}
-    assert measures >= {(d, m) for d in ("per_actor", "fanout") for m in ("step_ms", "driver_cpu_ms")}
-    assert ("per_actor", "scale_up_s") not in measures  # one point (16 actors) is not fitted
+    assert measures >= {(d, m) for d in ("per_actor", "tree") for m in ("step_ms", "driver_cpu_ms")}
+    assert ("tree", "scale_up_s") not in measures  # one point (16 actors) is not fitted
     paths = {p["actors"]: p for p in result["paths"]}
     assert "start_s" in paths[8] and {"scale_up_s", "recover_s"} <= set(paths[16])
 
