@@ -62,8 +62,7 @@ class _ActorBackend(ModelBackend):
             lambda mb: worker._batch(step, mb), worker.microbatches, worker._send_grad, scale,
         )
         self.worker, self.step = worker, step
-        model = worker.model
-        self.saved = memory.SavedActivations(exclude=[*model.parameters(), *model.buffers()])
+        self.saved: memory.SavedActivations | None = None  # made on a metering step only (a module walk)
         self.live = memory.LiveActivations()
 
     def run_forward(self, chunk: int, mb: int, forward: Any) -> torch.Tensor:
@@ -76,6 +75,9 @@ class _ActorBackend(ModelBackend):
         if known is not None and self.step % METER_EVERY:
             out = forward()
         else:
+            if self.saved is None:
+                model = w.model
+                self.saved = memory.SavedActivations(exclude=[*model.parameters(), *model.buffers()])
             with self.saved:
                 out = forward()
             known = self.saved.bytes

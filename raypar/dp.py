@@ -328,10 +328,11 @@ class DPStrategy(DPState):
     def grad_sq_norm(self) -> torch.Tensor:
         """This coordinate's part of the squared global gradient norm (float64): its pieces, summed over
         the DP group when the pieces are split across it."""
+        grads = [self._mgrad(piece) for piece in self.layout.pieces if self._counted(piece)]
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for piece in self.layout.pieces:
-            if self._counted(piece):
-                total += torch.linalg.vector_norm(self._mgrad(piece), dtype=torch.float32).double().square()
+        if grads:  # one fused call for all pieces: a norm per piece costs a dispatch each
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            total += torch.stack(norms).double().square().sum()
         if self.sharded:
             self.group.all_reduce(total, "sum")
         return total
@@ -341,9 +342,8 @@ class DPStrategy(DPState):
         if max_norm <= 0:
             return 1.0
         scale = min(1.0, max_norm / (total_norm + 1e-6))
-        if scale < 1.0:
-            for piece in self.layout.pieces:
-                self._mgrad(piece).mul_(scale)
+        if scale < 1.0 and self.layout.pieces:
+            torch._foreach_mul_([self._mgrad(piece) for piece in self.layout.pieces], scale)
         return scale
 
     def zero_grad(self) -> None:

@@ -241,6 +241,7 @@ class LlamaStage(nn.Module):
         self.cfg, self.first, self.last, self.tp_group = cfg, first, last, tp_group
         self.sp, self.cp_style = sequence_parallel, cp_style
         self.chunks = list(chunks) if chunks else [layers]
+        self._chunk_parameters: dict[int, list[nn.Parameter]] = {}
         sp = sequence_parallel
         if first:
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group, sp)
@@ -302,13 +303,16 @@ class LlamaStage(nn.Module):
         return self.rope_cos[pos], self.rope_sin[pos], attend
 
     def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
-        """The parameters model chunk `chunk` computes with (what its backward_weight differentiates)."""
-        modules: list[nn.Module] = [self.layers[str(i)] for i in self.chunks[chunk]]
-        if self.first and chunk == 0:
-            modules.insert(0, self.embed)
-        if self.last and chunk == len(self.chunks) - 1:
-            modules += [self.norm, self.head]
-        return [p for m in modules for p in m.parameters()]
+        """The parameters model chunk `chunk` computes with (what its backward_weight differentiates).
+        Asked every step; the parameters are made once, in the constructors, so the walk is done once."""
+        if chunk not in self._chunk_parameters:
+            modules: list[nn.Module] = [self.layers[str(i)] for i in self.chunks[chunk]]
+            if self.first and chunk == 0:
+                modules.insert(0, self.embed)
+            if self.last and chunk == len(self.chunks) - 1:
+                modules += [self.norm, self.head]
+            self._chunk_parameters[chunk] = [p for m in modules for p in m.parameters()]
+        return self._chunk_parameters[chunk]
 
     def set_recompute(self, mode: str, every: int = 1) -> None:
         """Recompute ("none", "full" or "selective") the blocks whose global index is a multiple of `every`;
