@@ -106,7 +106,8 @@ def run_dp(
     results = run_ranks(dp, rank)
     losses = [sum(r[0][s] for r in results) / dp for s in range(STEPS)]
     for r in results[1:]:  # every replica ends with the same parameters
-        assert all(torch.equal(r[2][n], p) for n, p in results[0][2].items())
+        same = all(torch.equal(r[2][n], p) for n, p in results[0][2].items())
+        assert same, "replicas end with different parameters"
     return Run(losses, results[0][1], results[0][2])
 
 
@@ -149,9 +150,10 @@ def test_zero3_at_dp4_matches():
 
 @pytest.mark.parametrize("zero, cls", [(2, SumNotAverage), (3, NoRegather)], ids=["sum", "no-regather"])
 def test_negative_controls_are_caught(zero0_dp2, zero, cls):
-    broken = run_dp(2, zero, cls)
-    with pytest.raises(AssertionError, match="loss at|grad norm at|parameter .* differs"):
-        assert_close(broken, zero0_dp2)
+    # NoRegather's backward computes with parameters not gathered again; its replicas may also drift apart
+    # from each other (it fails the replica check first): caught either way
+    with pytest.raises(AssertionError, match="loss at|grad norm at|parameter .* differs|replicas end with"):
+        assert_close(run_dp(2, zero, cls), zero0_dp2)
 
 
 def test_rebind_removes_hooks():
