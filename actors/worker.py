@@ -104,7 +104,7 @@ class WorkerFailure(RuntimeError):
 
 class Worker(WorkerState, GroupHost, ReplicaLead):
     """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks) override
-    the seams `_make_strategy`, `_make_expert_strategy`, `_bind_tp`, `_send_grad`, `_train_step`,
+    the seams `_make_strategy`, `_make_expert_strategy`, `_bind_tp`, `_backend`, `_send_grad`, `_train_step`,
     `_sum_tied_grads`, `_write_shard` and `_buddy_copy` and wrap themselves the same way. Checkpoints,
     healing and in-memory snapshots are in `WorkerState` (actors.worker_state)."""
 
@@ -366,7 +366,7 @@ class Worker(WorkerState, GroupHost, ReplicaLead):
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        backend = _ActorBackend(self, step, scale)
+        backend = self._backend(step, scale)
         if isinstance(self.transport, DirectTransport):  # its receives get posted ahead of need
             receives = [("act" if i.op == schedules.RECV_ACT else "grad", i.chunk, i.mb) for i in self.plan
                         if i.op in (schedules.RECV_ACT, schedules.RECV_GRAD)]
@@ -499,6 +499,9 @@ class Worker(WorkerState, GroupHost, ReplicaLead):
             if group is not None:
                 group.all_reduce(t, "max")
         return bool(t.item())
+
+    def _backend(self, step: int, scale: float) -> _ActorBackend:
+        return _ActorBackend(self, step, scale)
 
     def _send_grad(self, chunk: int, mb: int, grad: torch.Tensor) -> None:
         self.transport.send_grad(chunk, mb, grad)

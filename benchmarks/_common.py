@@ -15,7 +15,6 @@ Ray pickles by value), so the actors never need to import this module.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -28,9 +27,8 @@ from typing import Any
 
 import ray
 import torch
-from torch import nn
 
-from actors.worker import WORKER_THREADS, Worker
+from actors.worker import WORKER_THREADS, Worker, _ActorBackend
 from raypar import config as config_mod
 from raypar import data
 from raypar.config import Config
@@ -38,6 +36,7 @@ from raypar.controller.actor_mesh import ActorMesh
 from raypar.controller.connection import NAMESPACE
 from raypar.model import LlamaStage
 from raypar.optim import ADAM_EPS, lr_at
+from raypar.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,41 +86,30 @@ class BenchActorMesh(ActorMesh):
         return self.run, tuple(coord), self.threads
 
 
-class _FixedCost(torch.autograd.Function):
-    """Identity whose forward sleeps `fwd_s` and backward `bwd_s`: a known cost that needs no core. Under a
-    split backward (zero-bubble) B sleeps `bwd_s` and leaves another `bwd_s` for W in the model's
-    weight-gradient store (raypar.zb), accumulated into `w_param`: W's share of a real backward."""
+class _PaddedBackend(_ActorBackend):
+    """raypar's actor backend, each compute instruction padded to a fixed duration (`costs`: op ->
+    seconds): a known cost per unit that needs no core, as a device kernel would, and the same on every
+    stage, whatever the real model's own compute there (the last stage's head and loss, the first's
+    embedding). A unit whose real compute takes longer is not padded."""
 
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, fwd_s: float, bwd_s: float, model: nn.Module, w_param: nn.Parameter
-    ) -> torch.Tensor:
-        time.sleep(fwd_s)
-        ctx.bwd_s, ctx.model, ctx.w_param = bwd_s, model, w_param
-        return x.view_as(x)
+    costs: dict[str, float] = {}
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        time.sleep(ctx.bwd_s)
-        store = next((m.wgrad_store for m in ctx.model.modules() if hasattr(m, "wgrad_store")), None)
-        if store is not None and store.capturing is not None:
-            store.defer(ctx.w_param, functools.partial(_sleep_then_zero, ctx.bwd_s))
-        return grad, None, None, None, None
-
-
-def _sleep_then_zero(seconds: float) -> torch.Tensor:
-    time.sleep(seconds)
-    return torch.zeros(())
+    def compute(self, op: str, chunk: int, mb: int) -> None:
+        start = time.perf_counter()
+        super().compute(op, chunk, mb)
+        time.sleep(max(0.0, self.costs.get(op, 0.0) - (time.perf_counter() - start)))
 
 
 class _TimedWorker(Worker):
     """raypar's Worker, instrumented, behaviour unchanged: each `train_step` result also holds
     - `t_start`: the absolute `time.perf_counter()` at its start (system-wide on Linux, so the events of
       all actors can be put on one clock),
+    - `t_phase`: the same at the start of its phase 1 (after the previous step's update): the zero of the
+      step's `events`,
     - `cpu_s` / `thread_cpu_s`: CPU time of the process (all threads) / of the step's thread in it,
     - `prev_apply_s` / `prev_apply_cpu_s`: wall and process CPU time of the last `apply_step` (the previous
       step's update, which runs at the start of this call when it was piggybacked on it).
-    Optionally (`set_fixed_cost`, before `setup`) a fixed cost per microbatch on the stage's output."""
+    Optionally (`set_fixed_cost`) each compute instruction padded to a fixed duration (`_PaddedBackend`)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -129,17 +117,16 @@ class _TimedWorker(Worker):
         self._apply = (float("nan"), float("nan"))
 
     def set_fixed_cost(self, fwd_s: float, bwd_s: float) -> None:
+        """Forward units last `fwd_s`; backward units, and under a split backward B and W each, `bwd_s`."""
         self._cost = (fwd_s, bwd_s)
 
-    def setup(self, *args: Any, **kwargs: Any) -> dict:
-        out = super().setup(*args, **kwargs)
+    def _backend(self, step: int, scale: float) -> _ActorBackend:
         fwd_s, bwd_s = self._cost
-        if fwd_s or bwd_s:
-            model, w_param = self.model, nn.Parameter(torch.zeros(()))
-            model.register_forward_hook(
-                lambda module, inp, out: _FixedCost.apply(out, fwd_s, bwd_s, model, w_param)
-            )
-        return out
+        if not (fwd_s or bwd_s):
+            return super()._backend(step, scale)
+        backend = _PaddedBackend(self, step, scale)
+        backend.costs = {FORWARD: fwd_s, BACKWARD: bwd_s, BACKWARD_INPUT: bwd_s, BACKWARD_WEIGHT: bwd_s}
+        return backend
 
     def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
         start, cpu, thread_cpu = time.perf_counter(), time.process_time(), time.thread_time()
@@ -147,6 +134,12 @@ class _TimedWorker(Worker):
         result["t_start"], result["cpu_s"] = start, time.process_time() - cpu
         result["thread_cpu_s"] = time.thread_time() - thread_cpu
         result["prev_apply_s"], result["prev_apply_cpu_s"] = self._apply
+        return result
+
+    def _train_step(self, step: int) -> dict[str, Any]:
+        phase = time.perf_counter()  # a few µs before the worker's own zero of `events`
+        result = super()._train_step(step)
+        result["t_phase"] = phase
         return result
 
     def apply_step(self, step: int) -> None:

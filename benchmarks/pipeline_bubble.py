@@ -9,13 +9,17 @@ What is measured. raypar's `ActorMesh` runs real training steps (dp=1, tp=1, p s
 the time spans of its schedule's instructions (`events`: forward, backward, sends, receives). A stage's busy
 time is the sum of its forward and backward spans. The bubble of a step is the mean over stages of
 1 - busy / W, where W is the pipeline phase of the step, common to all stages: from the first stage's start
-of `train_step` to the end of the last schedule instruction anywhere. This is the quantity the formula
+of phase 1 (after the update of the step before, which the formulas do not model and which comes with the
+same call) to the end of the last schedule instruction anywhere. This is the quantity the formula
 describes (each stage is idle for p-1 of the m+p-1 slots of that window). The workers are raypar's own
-`Worker`, subclassed (`_common.TimedWorker`) only to add to its result the absolute start time of
-`train_step` (so the spans of all stages go on one clock: `time.perf_counter` is system-wide on Linux) and
-the CPU time of the step's thread, and to add an optional fixed per-microbatch cost. The table also shows
-`step_bubble`: 1 - busy_s / step_s as the workers themselves report it (raypar_bubble_fraction), whose
-window also holds each stage's gradient-norm all-reduce and clipping, on that stage's own clock.
+`Worker`, subclassed (`_common.TimedWorker`) only to add to its result the absolute start time of its
+phase 1, the zero of its `events` (so the spans of all stages go on one clock: `time.perf_counter` is
+system-wide on Linux), and the CPU time of the step's thread, and to add an optional fixed per-microbatch
+cost. (Until 2026-12-01 the events were put on the clock of the call's start, before the update: each
+stage's events landed early by its update's time, and the window began before the updates.) The table
+also shows `step_bubble`: 1 - busy_s / step_s as the workers themselves report it
+(raypar_bubble_fraction), whose window also holds each stage's gradient-norm all-reduce and clipping, on
+that stage's own clock.
 
 The two models, and why (this machine has 2 cores):
 
@@ -25,12 +29,15 @@ The two models, and why (this machine has 2 cores):
   busy time of the steady state is inflated, so the measured bubble comes out *below* the formula, and no
   honest number can come from it. The `cpu/busy` column (CPU seconds of the step's thread over its busy
   wall time) shows this: about 1 when a stage has a core to itself, about 0.5 when it shares one.
-- `fixed`: a deliberately tiny model (the `tiny` preset, 4 layers, seq_len 32) whose forward and backward
-  per microbatch are dominated by a fixed, known cost: an autograd function on the stage's output sleeps
-  `--fwd-ms` in forward and `--bwd-ms` in backward (a device kernel that does not need a core, as on a GPU).
-  Stages then do not compete for the cores, so p=4 is measured as honestly as p=2, and everything that is
-  not the schedule itself -- actor calls, object-store or gloo hops, Python between instructions -- shows
-  up as bubble on top of the formula. Here the ideal step is (m+p-1)(F+B), printed as `ideal_ms`.
+- `fixed`: a deliberately tiny model (the `tiny` preset, 8 layers, seq_len 32) whose every compute
+  instruction is padded to a fixed, known duration (`_common._PaddedBackend`: it sleeps out the rest of
+  `--fwd-ms` after a forward and of `--bwd-ms` after a backward, a device kernel that does not need a
+  core, as on a GPU). The units then cost the same on every stage, as the formulas assume (before
+  2026-12-01 a fixed sleep was added to the model's own compute instead, so the last stage, with the head
+  and the loss, ran each unit ~1 ms longer than the first, and that imbalance counted as bubble). Stages
+  do not compete for the cores, so p=4 is measured as honestly as p=2, and everything that is not the
+  schedule itself -- actor calls, object-store or gloo hops, Python between instructions -- shows up as
+  bubble on top of the formula. Here the ideal step is (m+p-1)(F+B), printed as `ideal_ms`.
 
 Each configuration runs `--steps` (real model: `--real-steps`) timed steps after one untimed step; the
 table gives the median bubble.
@@ -73,8 +80,8 @@ CHUNKS = {"interleaved": 2}  # virtual stages per rank of each schedule (1 if no
 
 def bubble_of(per_actor: dict[Any, dict[str, Any]]) -> dict[str, float]:
     """Bubble of one step from every stage's events, on the common clock (see the module docstring)."""
-    start = min(r["t_start"] for r in per_actor.values())
-    end = max(r["t_start"] + r["events"][-1][3] for r in per_actor.values())
+    start = min(r["t_phase"] for r in per_actor.values())
+    end = max(r["t_phase"] + r["events"][-1][3] for r in per_actor.values())
     window = end - start
     busy = {c: sum(t1 - t0 for op, _, t0, t1 in r["events"] if op in COMPUTE) for c, r in per_actor.items()}
     return {
