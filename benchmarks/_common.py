@@ -92,7 +92,9 @@ class _PaddedBackend(_ActorBackend):
     stage, whatever the real model's own compute there (the last stage's head and loss, the first's
     embedding). A unit whose real compute takes longer is not padded."""
 
-    costs: dict[str, float] = {}
+    def __init__(self, worker: Worker, step: int, scale: float, costs: dict[str, float]):
+        super().__init__(worker, step, scale)
+        self.costs = costs
 
     def compute(self, op: str, chunk: int, mb: int) -> None:
         start = time.perf_counter()
@@ -124,9 +126,8 @@ class _TimedWorker(Worker):
         fwd_s, bwd_s = self._cost
         if not (fwd_s or bwd_s):
             return super()._backend(step, scale)
-        backend = _PaddedBackend(self, step, scale)
-        backend.costs = {FORWARD: fwd_s, BACKWARD: bwd_s, BACKWARD_INPUT: bwd_s, BACKWARD_WEIGHT: bwd_s}
-        return backend
+        costs = {FORWARD: fwd_s, BACKWARD: bwd_s, BACKWARD_INPUT: bwd_s, BACKWARD_WEIGHT: bwd_s}
+        return _PaddedBackend(self, step, scale, costs)
 
     def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
         start, cpu, thread_cpu = time.perf_counter(), time.process_time(), time.thread_time()

@@ -1,7 +1,8 @@
 """The controller's mesh: placement groups, actors and groups in; steps, recovery and scaling out.
 
-`ActorMesh` owns one run's actors. A step is one call per actor, `train_step(step, commit)`, made by each
-replica's leader for its replica (the driver calls only the leaders: actors.replica_lead). It computes and
+`ActorMesh` owns one run's actors. A step is one call per actor, `train_step(step, commit)`: the driver makes
+them itself in a mesh of up to `driver_calls` actors, else through a tree of replica leaders (`_lead`,
+actors.replica_lead), so that it makes at most `driver_calls` calls. It computes and
 reduces step `step` without applying it; its update is applied at the start of the next call (`commit`),
 once every actor has finished phase 1, or by `commit()` alone before anything that reads the state
 (checkpoints, scaling, reading parameters). A failure anywhere surfaces as `StepFailure` naming the actor
