@@ -57,7 +57,7 @@ from collectives import Group, Work
 from raypar.compress import Compressor, Deferred
 from raypar.config import TrainConfig
 from raypar.dp_state import MOMENTS, DPState
-from raypar.flat import Bucket, FlatLayout, Piece, Slot
+from raypar.flat import Bucket, FlatLayout, Piece, Run, Slot
 from raypar.offload import HostUpdate, Transfer, host_zeros
 from raypar.optim import adamw_
 
@@ -172,29 +172,29 @@ class DPStrategy(DPState):
         return host_zeros(numel, self.device) if self.offload else torch.zeros(numel, device=self.device)
 
     # -- views -------------------------------------------------------------------------------------
-    def _bucket_piece(self, which: str, piece: Piece) -> torch.Tensor:
-        return self.layout.piece_of_bucket(getattr(self.layout.buckets[piece.slot.bucket], which), piece)
+    def _bucket_piece(self, which: str, piece: Piece | Run) -> torch.Tensor:
+        return self.layout.piece_of_bucket(getattr(self.layout.buckets[piece.bucket], which), piece)
 
-    def _master(self, piece: Piece) -> torch.Tensor:
+    def _master(self, piece: Piece | Run) -> torch.Tensor:
         """The fp32 master values of `piece` (a view of the parameters themselves when they are fp32)."""
         if self.master is None:
             return self._bucket_piece("params", piece)
         return self.master[piece.pos : piece.pos + piece.numel]
 
-    def _grad(self, piece: Piece) -> torch.Tensor:
+    def _grad(self, piece: Piece | Run) -> torch.Tensor:
         """The reduced gradient of `piece`, in the reduction dtype."""
         if self.owned_grads is not None:
             return self.owned_grads[piece.pos : piece.pos + piece.numel]
-        bucket = self.layout.buckets[piece.slot.bucket]
+        bucket = self.layout.buckets[piece.bucket]
         return self.layout.piece_of_bucket(bucket.grads if bucket.reduced is None else bucket.reduced, piece)
 
-    def _mgrad(self, piece: Piece) -> torch.Tensor:
+    def _mgrad(self, piece: Piece | Run) -> torch.Tensor:
         """The gradient the norm, clipping and the update read: fp32 after `unscale_`."""
         if self.master_grads is not None:
             return self.master_grads[piece.pos : piece.pos + piece.numel]
         return self._grad(piece)
 
-    def _moment(self, moment: str, piece: Piece) -> torch.Tensor:
+    def _moment(self, moment: str, piece: Piece | Run) -> torch.Tensor:
         return self.moments[moment][piece.pos : piece.pos + piece.numel]
 
     def _counted(self, piece: Piece) -> bool:
@@ -302,8 +302,8 @@ class DPStrategy(DPState):
                 bucket.work.wait()
                 bucket.work = None
         if self.divisor not in (None, 1):
-            for piece in self.layout.pieces:
-                self._grad(piece).div_(self.divisor)
+            for run in self.layout.runs:
+                self._grad(run).div_(self.divisor)
         self._armed.clear()
         for bucket in self.layout.buckets:
             bucket.final.clear()
@@ -315,15 +315,15 @@ class DPStrategy(DPState):
         With `check`: True if any of this rank's is inf or nan (the caller MAX-reduces the verdict)."""
         if self.rdtype == torch.float32:  # buffers of our own: scaled in place
             if inv_scale != 1.0:
-                for piece in self.layout.pieces:
-                    self._grad(piece).mul_(inv_scale)
+                for run in self.layout.runs:
+                    self._grad(run).mul_(inv_scale)
         else:
             self.master_grads = torch.empty(self.layout.owned_numel, device=self.device)
-            for piece in self.layout.pieces:
-                self._mgrad(piece).copy_(self._grad(piece)).mul_(inv_scale)
-        if not check or not self.layout.pieces:
+            for run in self.layout.runs:
+                self._mgrad(run).copy_(self._grad(run)).mul_(inv_scale)
+        if not check or not self.layout.runs:
             return False
-        return not bool(torch.stack([torch.isfinite(self._mgrad(p)).all() for p in self.layout.pieces]).all())
+        return not bool(torch.stack([torch.isfinite(self._mgrad(r)).all() for r in self.layout.runs]).all())
 
     def grad_sq_norm(self) -> torch.Tensor:
         """This coordinate's part of the squared global gradient norm (float64): its pieces, summed over
@@ -342,8 +342,8 @@ class DPStrategy(DPState):
         if max_norm <= 0:
             return 1.0
         scale = min(1.0, max_norm / (total_norm + 1e-6))
-        if scale < 1.0 and self.layout.pieces:
-            torch._foreach_mul_([self._mgrad(piece) for piece in self.layout.pieces], scale)
+        if scale < 1.0 and self.layout.runs:
+            torch._foreach_mul_([self._mgrad(run) for run in self.layout.runs], scale)
         return scale
 
     def zero_grad(self) -> None:
@@ -363,32 +363,34 @@ class DPStrategy(DPState):
     def step(self, lr: float) -> None:
         """AdamW on the owned pieces (weight decay on matrices only), then publish the parameters."""
         if self.offload is None:
-            self._adam(self.layout.pieces, self._mgrad, lr)
+            self._adam(self.layout.runs, self.layout.pieces, self._mgrad, lr)
         else:
             buckets = self.layout.buckets
-            pieces = [[p for p in self.layout.pieces if p.slot.bucket == b] for b in range(len(buckets))]
+            runs = [[r for r in self.layout.runs if r.bucket == b] for b in range(len(buckets))]
+            pieces = [[p for p in self.layout.pieces if p.bucket == b] for b in range(len(buckets))]
             self.offload.run(
                 [self._transfer(bucket) for bucket in buckets],
-                lambda b: self._adam(pieces[b], self._host_grad, lr),
+                lambda b: self._adam(runs[b], pieces[b], self._host_grad, lr),
             )
         self.step_count += 1
         self._publish()
         self.zero_grad()
 
-    def _adam(self, pieces: list[Piece], grad: Callable[[Piece], torch.Tensor], lr: float) -> None:
-        for decay in (True, False):  # weight decay on matrices only
-            group = [p for p in pieces if (len(p.slot.shape) >= 2) == decay]
-            if group:
-                adamw_(
-                    [self._master(p) for p in group],
-                    [grad(p).float() for p in group],  # a no-op for fp32 gradients
-                    [self._moment("exp_avg", p) for p in group],
-                    [self._moment("exp_avg_sq", p) for p in group],
-                    self.step_count, self.cfg, lr, self.cfg.weight_decay if decay else 0.0,
-                )
+    def _adam(
+        self, runs: list[Run], pieces: list[Piece], grad: Callable[[Run], torch.Tensor], lr: float
+    ) -> None:
+        """AdamW on `runs`, weight decay on the matrices among their `pieces` only."""
+        if runs:
+            adamw_(
+                [self._master(r) for r in runs],
+                [grad(r).float() for r in runs],  # a no-op for fp32 gradients
+                [self._moment("exp_avg", r) for r in runs],
+                [self._moment("exp_avg_sq", r) for r in runs],
+                self.step_count, self.cfg, lr, [self._master(p) for p in pieces if len(p.slot.shape) >= 2],
+            )
 
     # -- offload: one bucket's owned range on the device and on the host ---------------------------------
-    def _host_grad(self, piece: Piece) -> torch.Tensor:
+    def _host_grad(self, piece: Piece | Run) -> torch.Tensor:
         return self.offload.grads[piece.pos : piece.pos + piece.numel]
 
     def _transfer(self, bucket: Bucket) -> Transfer:
@@ -414,8 +416,8 @@ class DPStrategy(DPState):
         """Make every replica's full parameters the updated ones (stages 0-2; stage 3 gathers on use)."""
         with torch.no_grad():
             if self.master is not None and self.offload is None:  # offloaded: `step` copied it back
-                for piece in self.layout.pieces:
-                    self._bucket_piece("params", piece).copy_(self._master(piece))
+                for run in self.layout.runs:
+                    self._bucket_piece("params", run).copy_(self._master(run))
             if not self.sharded:
                 return
             works = []

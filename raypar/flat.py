@@ -45,6 +45,28 @@ class Piece:
     def numel(self) -> int:
         return self.hi - self.lo
 
+    @property
+    def bucket(self) -> int:
+        return self.slot.bucket
+
+    @property
+    def start(self) -> int:
+        """Where the piece starts in its bucket's flat tensors."""
+        return self.slot.offset + self.lo
+
+
+@dataclass
+class Run:
+    """Everything this rank owns of one bucket: elements [start, start + numel) of the bucket's flat
+    tensors, held at [pos, pos + numel) of the owned buffer. Its pieces, one after the other: an elementwise
+    update (AdamW, clipping, unscaling) runs on it as one tensor, one kernel per bucket instead of one per
+    parameter (a dispatch each: 12 % of a `tiny` step went to per-parameter AdamW)."""
+
+    bucket: int
+    start: int
+    numel: int
+    pos: int
+
 
 @dataclass
 class Bucket:
@@ -114,15 +136,19 @@ class FlatLayout:
                 if lo < hi:
                     pos = bucket.own_offset + lo - start
                     self.pieces.append(Piece(slot, lo - slot.offset, hi - slot.offset, pos))
+        self.runs = [  # the padding at a bucket's end is no one's
+            Run(b, start, min(bucket.size - start, bucket.piece), bucket.own_offset)
+            for b, bucket in enumerate(self.buckets)
+            if bucket.size > (start := bucket.piece * rank)
+        ]
 
     def view(self, flat: torch.Tensor, slot: Slot) -> torch.Tensor:
         """Slot `slot` of a bucket-sized flat tensor, shaped like the parameter."""
         return flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
-    def piece_of_bucket(self, flat: torch.Tensor, piece: Piece) -> torch.Tensor:
-        """The flat elements of `piece` inside its bucket-sized tensor `flat`."""
-        start = piece.slot.offset + piece.lo
-        return flat[start : start + piece.numel]
+    def piece_of_bucket(self, flat: torch.Tensor, piece: Piece | Run) -> torch.Tensor:
+        """The flat elements of `piece` (or run) inside its bucket-sized tensor `flat`."""
+        return flat[piece.start : piece.start + piece.numel]
 
 
 Rectangle = tuple[tuple[int, ...], tuple[int, ...], int]

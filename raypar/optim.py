@@ -39,10 +39,15 @@ def adamw_(
     step_count: int,
     cfg: TrainConfig,
     lr: float,
-    weight_decay: float,
+    decayed: list[torch.Tensor],
 ) -> None:
-    """One AdamW update in place, after `step_count` earlier ones; elementwise, so any split of the
-    tensors into pieces (sharding, buckets) changes nothing of its arithmetic."""
+    """One AdamW update in place, after `step_count` earlier ones, with weight decay on `decayed` (views of
+    some of `params`). Elementwise, so any split of the tensors into pieces (sharding, buckets) changes
+    nothing of its arithmetic: the decay is torch's own first op (decoupled: p *= 1 - lr * wd), applied to
+    `decayed` alone, and the rest runs on `params` as a whole, one kernel each however many parameters they
+    hold."""
+    if decayed and cfg.weight_decay:
+        torch._foreach_mul_(decayed, 1 - lr * cfg.weight_decay)
     adam(
         params,
         grads,
@@ -56,7 +61,7 @@ def adamw_(
         beta1=cfg.beta1,
         beta2=cfg.beta2,
         lr=lr,
-        weight_decay=weight_decay,
+        weight_decay=0.0,
         eps=ADAM_EPS,
         maximize=False,
     )
