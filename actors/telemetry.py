@@ -13,8 +13,10 @@ as a gap, not a stale value.
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
+import time
 from typing import Any
 
 import torch
@@ -41,6 +43,10 @@ METRICS = {
     "raypar_moe_dropped_tokens": "Expert assignments over capacity at the last step (this stage)",
 }
 LOAD_METRIC = "raypar_moe_expert_load"  # tagged also by layer and expert
+# Ray exports gauges every report interval (10 s by default): setting seven of them after every 15 ms step
+# (0.4 ms each time, 2.6 % of a `tiny` step) would only overwrite values nobody sees. Steps closer than this
+# to the last recorded one are not recorded; slower steps always are.
+MIN_INTERVAL_S = 0.25
 
 
 class ActorMetrics:
@@ -59,12 +65,18 @@ class ActorMetrics:
         )
         for gauge in self.gauges.values():
             gauge.set_default_tags(tags)
+        self._recorded_at = -math.inf
 
     def __reduce__(self) -> Any:
         raise TypeError("ActorMetrics must be created inside the actor that records them, not passed to it")
 
     def record(self, step_result: dict[str, Any], tokens_per_s: float, mfu: float | None = None) -> None:
-        """Set every gauge from one `Worker.train_step` result (step_s, busy_s, events, loss)."""
+        """Set every gauge from one `Worker.train_step` result (step_s, busy_s, events, loss), unless the
+        last recorded step is less than MIN_INTERVAL_S ago."""
+        now = time.monotonic()
+        if now - self._recorded_at < MIN_INTERVAL_S:
+            return
+        self._recorded_at = now
         step_s = step_result["step_s"]
         values = {
             "raypar_step_seconds": step_s,
