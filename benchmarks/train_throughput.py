@@ -29,7 +29,10 @@ max shown). Ray's workers run at the baselines' priority (see `_common.start_ray
 >= 0.95 for both parts.
 
 Also shown, to tell raypar's costs from the machine's: `calls_ms`, the driver's step time minus the time the
-slowest worker spent inside `train_step` + `apply_step` (actor calls, results, driver); and CPU time per step
+slowest worker spent inside `train_step` + `apply_step` (actor calls, results, driver); `floor_ms`, Ray's own
+cost of one actor call around a method as long as raypar's in-actor step (a bare actor that only spins,
+`ray_floor_ms`), and `ceiling` = base / (base + floor), the best ratio any design with one actor call per
+step reaches on this machine; and CPU time per step
 (`raypar_cpu_ms`: the workers' processes, all threads, plus the driver; `base_cpu_ms`: the baseline's
 processes), with `cpu_ratio` = base / raypar. On a loaded machine the wall-clock ratio mostly measures who
 got a core when; CPU time is what each side actually spent. The workers are `_common.TimedWorker`: raypar's
@@ -54,6 +57,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from actors.worker import WORKER_THREADS  # noqa: E402
 from benchmarks import _common  # noqa: E402
 from raypar.config import Config  # noqa: E402
 from raypar.mesh import Coord  # noqa: E402
@@ -190,9 +194,32 @@ def summarize(raypar: list[dict], base: list[dict], tokens: int) -> dict[str, fl
     }
 
 
+class _Spinner:
+    """Ray's own floor: an actor like raypar's workers (same concurrency) whose one method only spins."""
+
+    def spin(self, seconds: float) -> float:
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            pass
+        return time.perf_counter() - start
+
+
+def ray_floor_ms(spinner: Any, seconds: float, calls: int) -> float:
+    """Median driver round trip of one call of `spinner.spin(seconds)` minus the spin itself: what any
+    design with one actor call per step pays, whatever the actor does. On this 2-vCPU VM it grows with
+    the call's length (1.0 ms around an empty method, 2.2-2.5 ms around a 16-ms one)."""
+    over = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        inner = ray.get(spinner.spin.remote(seconds))
+        over.append(time.perf_counter() - start - inner)
+    return 1e3 * _common.median(over)
+
+
 # -- part 1: (1,1,1) vs a plain loop -------------------------------------------------------------------
 def part_single(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
+    spinner = ray.remote(max_concurrency=WORKER_THREADS)(_Spinner).remote()
     for threads in args.threads:
         side = None
         try:
@@ -205,11 +232,16 @@ def part_single(args: argparse.Namespace) -> list[dict[str, Any]]:
                 plain = PlainSide(cfg, threads)
                 steps = args.steps if size == "small" else args.steps * args.small_factor
                 ray_blocks, base_blocks = alternate(side, plain, args.repeats, steps, warmup=2)
+                summary = summarize(ray_blocks, base_blocks, tokens_per_step(cfg))
+                in_actor_s = _common.median([x["actor_s"] for x in ray_blocks])
+                floor = ray_floor_ms(spinner, in_actor_s, max(5, steps * args.repeats // 2))
                 row = {
                     "size": size,
                     "params_M": params_of(cfg) / 1e6,
                     "threads": threads,
-                    **summarize(ray_blocks, base_blocks, tokens_per_step(cfg)),
+                    **summary,
+                    "floor_ms": floor,
+                    "ceiling": summary["base_ms"] / (summary["base_ms"] + floor),
                     "loss_diff": abs(side.first_loss - plain.first_loss),
                     "load": _common.loadavg(),
                 }
@@ -290,12 +322,14 @@ def _line(row: dict[str, Any], base: str) -> str:
         f"{base} {row['base_ms']:8.1f} ms/step -> ratio {row['ratio']:.3f}; CPU per step "
         f"{row['raypar_cpu_ms']:.0f} vs {row['base_cpu_ms']:.0f} ms -> {row['cpu_ratio']:.3f} "
         f"(load {row['load']:.1f})"
+        + (f"; Ray floor {row['floor_ms']:.2f} ms, ceiling {row['ceiling']:.3f}" if "ceiling" in row else "")
     )
 
 
 COLUMNS = [
     "size", "params_M", "threads", "raypar_ms", "base_ms", "raypar_tok_s", "base_tok_s", "ratio",
-    "ratio_min", "ratio_max", "calls_ms", "raypar_cpu_ms", "base_cpu_ms", "cpu_ratio", "loss_diff", "load",
+    "ratio_min", "ratio_max", "calls_ms", "floor_ms", "ceiling", "raypar_cpu_ms", "base_cpu_ms", "cpu_ratio",
+    "loss_diff", "load",
 ]
 
 

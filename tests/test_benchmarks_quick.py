@@ -72,6 +72,7 @@ def test_pipeline_bubble_quick():
 def test_train_throughput_quick():
     text = ok(run("benchmarks/train_throughput.py", "--quick"))
     assert "(1,1,1) vs plain PyTorch" in text and "dp=2 vs DDP" in text
+    assert "Ray floor" in text  # the one-call-per-step ceiling is measured next to the ratio
 
 
 def test_ddp_baseline_quick(tmp_path):
