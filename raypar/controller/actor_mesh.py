@@ -22,7 +22,7 @@ from typing import Any
 import ray
 import torch
 
-from actors.worker import RemoteWorker
+from actors.worker import WORKER_ENV, RemoteWorker
 from collectives.host import create_groups
 from collectives.ray_store import RendezvousServer
 from raypar import checkpoint
@@ -138,9 +138,8 @@ class ActorMesh(ActorCalls):
     def _place_replica(self, d: int, timeout_s: float) -> None:
         """Reserve and start the pp x cp x tp actors of replica `d` (all or none); a stage's cp x tp actors
         share a node."""
-        env = (
-            {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}} if self.resources.gpus else {}
-        )
+        gpu = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if self.resources.gpus else {}
+        env = {"env_vars": {**WORKER_ENV, **gpu}}
         placed = []
         try:
             for p in range(self.pp):
