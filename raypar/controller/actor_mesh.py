@@ -83,6 +83,7 @@ def moe_totals(per_actor: dict[Coord, dict[str, Any]]) -> dict[str, Any] | None:
 
 class ActorMesh(ActorCalls):
     worker_class: Any = RemoteWorker  # tests and benchmarks swap in instrumented subclasses
+    worker_env: dict[str, str] = WORKER_ENV  # environment variables of every worker process
     # The most calls the driver makes for one all-actor call of a step (_lead). Each costs it ~0.2-0.8 ms of
     # CPU (benchmarks/README.md); 16 keeps it near 1 % of a 1-second step while a flat call is still the
     # lowest latency for small meshes (every actor called directly up to 16).
@@ -139,7 +140,7 @@ class ActorMesh(ActorCalls):
         """Reserve and start the pp x cp x tp actors of replica `d` (all or none); a stage's cp x tp actors
         share a node."""
         gpu = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if self.resources.gpus else {}
-        env = {"env_vars": {**WORKER_ENV, **gpu}}
+        env = {"env_vars": {**self.worker_env, **gpu}}
         placed = []
         try:
             for p in range(self.pp):
