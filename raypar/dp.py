@@ -120,6 +120,7 @@ class DPStrategy(DPState):
             named, self.size if zero >= 1 else 1, self.rank if zero >= 1 else 0, bucket_bytes,
             self._bucket_groups(model, {n for n, _ in named}),
         )
+        self._decayed = [p for p in self.layout.pieces if len(p.slot.shape) >= 2]  # AdamW decays matrices
         dtypes = {p.dtype for _, p in named}
         if len(dtypes) > 1:
             raise ValueError(f"parameters of one stage must share a dtype, got {sorted(map(str, dtypes))}")
@@ -130,6 +131,10 @@ class DPStrategy(DPState):
         owned = self.layout.owned_numel
         offload = cfg.offload == "cpu" and zero >= 1
         self.offload = HostUpdate(owned, self.device, host_threads) if offload else None
+        self._bucket_updates = [  # offloaded: each bucket's run (one at most) and decayed pieces
+            ([r for r in self.layout.runs if r.bucket == b], [p for p in self._decayed if p.bucket == b])
+            for b in range(len(self.layout.buckets) if offload else 0)
+        ]
         # offloaded, the master is a host tensor of its own even for fp32 parameters on the CPU
         self.master_is_param = self.dtype == torch.float32 and zero < 3 and self.offload is None
         self.owned_params: torch.Tensor | None = None  # ZeRO-3 offloaded: the device copy of the owned piece
@@ -363,30 +368,27 @@ class DPStrategy(DPState):
     def step(self, lr: float) -> None:
         """AdamW on the owned pieces (weight decay on matrices only), then publish the parameters."""
         if self.offload is None:
-            self._adam(self.layout.runs, self.layout.pieces, self._mgrad, lr)
-        else:
-            buckets = self.layout.buckets
-            runs = [[r for r in self.layout.runs if r.bucket == b] for b in range(len(buckets))]
-            pieces = [[p for p in self.layout.pieces if p.bucket == b] for b in range(len(buckets))]
+            self._adam(self.layout.runs, self._decayed, self._mgrad, lr)
+        else:  # bucket by bucket, as each one's gradients reach the host
             self.offload.run(
-                [self._transfer(bucket) for bucket in buckets],
-                lambda b: self._adam(runs[b], pieces[b], self._host_grad, lr),
+                [self._transfer(bucket) for bucket in self.layout.buckets],
+                lambda b: self._adam(*self._bucket_updates[b], self._host_grad, lr),
             )
         self.step_count += 1
         self._publish()
         self.zero_grad()
 
     def _adam(
-        self, runs: list[Run], pieces: list[Piece], grad: Callable[[Run], torch.Tensor], lr: float
+        self, runs: list[Run], decayed: list[Piece], grad: Callable[[Run], torch.Tensor], lr: float
     ) -> None:
-        """AdamW on `runs`, weight decay on the matrices among their `pieces` only."""
+        """AdamW on `runs`, with weight decay on the pieces `decayed` (the matrices among them)."""
         if runs:
             adamw_(
                 [self._master(r) for r in runs],
                 [grad(r).float() for r in runs],  # a no-op for fp32 gradients
                 [self._moment("exp_avg", r) for r in runs],
                 [self._moment("exp_avg_sq", r) for r in runs],
-                self.step_count, self.cfg, lr, [self._master(p) for p in pieces if len(p.slot.shape) >= 2],
+                self.step_count, self.cfg, lr, [self._master(p) for p in decayed],
             )
 
     # -- offload: one bucket's owned range on the device and on the host ---------------------------------
