@@ -7,6 +7,9 @@ replicas are independent placement groups, so adding or removing a replica never
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
@@ -38,40 +41,84 @@ def resources_for(device: str, threads: int = 1, gpus: float = 1.0) -> ActorReso
     return ActorResources(cpus=float(threads), gpus=gpus if device == "gpu" else 0.0)
 
 
+# How long `check_device` waits for the autoscaler monitor's first report. The monitor reports every 5 s
+# (AUTOSCALER_UPDATE_INTERVAL_S) and only once the raylets have sent it load metrics, so right after
+# `ray up` / `ray start` the first report can take a few intervals.
+AUTOSCALER_REPORT_WAIT_S = 30.0
+AUTOSCALER_POLL_S = 0.5
+
+
 def check_device(device: str, gpus_per_actor: float) -> None:
     """parallel.device = "gpu" on a cluster without GPUs: a ConfigError now, instead of a placement that
     waits out its timeout. Unless an autoscaler runs (GPU nodes may come): then the placement waits."""
     if device != "gpu" or ray.cluster_resources().get("GPU", 0) >= gpus_per_actor:
         return
-    if not _autoscaler_running():
+    running = _autoscaler_running()
+    if running is None:
+        raise ConfigError(
+            'parallel.device: "gpu" needs GPUs, and this Ray cluster has none; its autoscaler monitor posted '
+            f"no node report within {AUTOSCALER_REPORT_WAIT_S:g}s (GCS key {_status_key()}), so none is "
+            'assumed to add them; use "cpu" or "auto"'
+        )
+    if not running:
         raise ConfigError(
             'parallel.device: "gpu" needs GPUs, and this Ray cluster has none (and no autoscaler to add '
             'them); use "cpu" or "auto"'
         )
 
 
-def _autoscaler_running() -> bool:
-    """Whether the cluster has an autoscaler that can add nodes. Ray has no public call for it. The v1
-    monitor posts a status to the GCS key-value store (what `ray status` reads); on a cluster without an
-    autoscaling config (a local `ray.init`, a plain `ray start`) it runs with the read-only provider,
-    which names every node's type `node_<node id>`; a real autoscaler uses the config's type names. v2
-    marks itself in the store."""
-    import json
-
+def _status_key() -> str:
     from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
-    from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+    return DEBUG_AUTOSCALING_STATUS
+
+
+def _read_status() -> bytes | None:
     from ray.experimental.internal_kv import _internal_kv_get
 
+    return _internal_kv_get(_status_key())
+
+
+def _is_v2() -> bool:
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+    return is_autoscaler_v2(fetch_from_server=True)
+
+
+def _autoscaler_running(
+    is_v2: Callable[[], bool] = _is_v2,
+    read_status: Callable[[], bytes | None] = _read_status,
+    wait_s: float = AUTOSCALER_REPORT_WAIT_S,
+) -> bool | None:
+    """Whether the cluster has an autoscaler that can add nodes; None if its monitor has not reported
+    within `wait_s`. Ray has no public call for it. v2 marks itself in the store. The v1 monitor posts a
+    status to the GCS key-value store (what `ray status` reads) on every head node, with or without an
+    autoscaling config; without one (a local `ray.init`, a plain `ray start`) it runs with the read-only
+    provider, which names every node's type `node_<node id>`, while a real autoscaler uses the config's type
+    names. The monitor's first statuses carry no node types yet (none until the raylets' load metrics
+    arrive), and reading those as "no autoscaler" refused GPU runs submitted right after `ray up`: so
+    decide only on a status that names node types, polling until one appears or `wait_s` passes."""
+    deadline = time.monotonic() + wait_s
     try:
-        if is_autoscaler_v2(fetch_from_server=True):
+        if is_v2():
             return True
-        status = _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
-        if not status:
-            return False
-        types = json.loads(status).get("autoscaler_report", {}).get("node_type_mapping") or {}
-        return any(t != f"node_{node}" for node, t in types.items())
+        while True:
+            types = _node_types(read_status())
+            if types:
+                return any(t != f"node_{node}" for node, t in types.items())
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(AUTOSCALER_POLL_S)  # nothing to wait on but the key: the monitor posts every 5 s
     except Exception:  # noqa: BLE001 - cannot tell: let the placement wait and say what it waited for
         return True
+
+
+def _node_types(status: bytes | None) -> dict[str, str]:
+    """Node (its address, or id under the read-only provider) -> type, from a monitor status; empty before
+    the monitor has seen the nodes."""
+    if not status:
+        return {}
+    return (json.loads(status).get("autoscaler_report") or {}).get("node_type_mapping") or {}
 
 
 def place_stage(run: str, dp: int, pp: int, tp: int, res: ActorResources, timeout_s: float) -> PlacementGroup:
