@@ -36,6 +36,20 @@ def expand_globs(globs: list[str]) -> list[str]:
     return sorted(found)
 
 
+def file_inside(directory: str | os.PathLike[str], name: object, where: str) -> Path:
+    """`directory`/`name` for a file name read out of a file a user was handed (a prepared dataset's
+    index, a Hugging Face weight index), refused unless it names a file inside `directory`: an absolute
+    path or one climbing out with `..` would let such a file read anything this process can (and copy it
+    into checkpoints and exports). Checked on the text, not through symlinks: a Hugging Face cache links
+    its files out of the snapshot directory on purpose. ConfigError naming `where` (file and key)."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}: expected a file name, got {name!r}")
+    norm = os.path.normpath(name)
+    if os.path.isabs(name) or norm == "." or norm == ".." or norm.startswith(".." + os.sep):
+        raise ConfigError(f"{where}: {name!r} is not inside {directory} (absolute, or leads out with '..')")
+    return Path(directory) / norm
+
+
 def table_format(source: str) -> str | None:
     """"parquet" or "json" for a table source (by extension), None for text."""
     return TABLE_FORMATS.get(Path(source.split("?")[0].rstrip("/")).suffix.lower())

@@ -42,10 +42,11 @@ import pyarrow as pa
 import torch
 
 from raypar.config import ConfigError, DataConfig, ModelConfig
-from raypar.corpus import Corpus, expand_globs
+from raypar.corpus import Corpus, expand_globs, file_inside
 from raypar.tokenizer import ByteTokenizer, Tokenizer, from_record
 
 INDEX, TOKENIZER = "index.json", "tokenizer.json"
+TOKEN_DTYPES = ("uint16", "uint32")  # what prepare writes: uint32 only past 65,536 token ids
 FORMAT_VERSION = 1
 DEFAULT_SHARD_TOKENS = 16 * 2**20
 # Top-level stdlib directories left out of the stdlib corpus: installed packages are not the standard
@@ -209,6 +210,15 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
         )
     ):
         raise ValueError(f"{index_path}: incomplete index (needs vocab_size and shards [{{file, tokens}}])")
+    if index.get("dtype", "uint16") not in TOKEN_DTYPES:
+        raise ValueError(f"{index_path}: dtype {index['dtype']!r} is not one of {', '.join(TOKEN_DTYPES)}")
+    tokenizer = index.get("tokenizer")
+    if tokenizer is not None:
+        if not isinstance(tokenizer, dict):
+            raise ValueError(f"{index_path}: tokenizer must be an object with a file, got {tokenizer!r:.80}")
+        file = file_inside(path, tokenizer.get("file"), f"{index_path}: tokenizer.file")
+        if not file.is_file():
+            raise ValueError(f"{index_path}: tokenizer.file {tokenizer['file']!r}: {file} is not a file")
     return index
 
 
@@ -228,8 +238,12 @@ def tokenizer_record(data_cfg: DataConfig) -> dict[str, Any] | None:
         return None
     if source and (Path(source) / INDEX).is_file():
         entry = read_index(source).get("tokenizer")
-        if entry:
-            return {**entry, "json": (Path(source) / entry["file"]).read_text()}
+        if entry:  # read_index checked that its file lies inside the directory
+            file = Path(source) / entry["file"]
+            try:
+                return {**entry, "json": file.read_text(encoding="utf-8")}
+            except (OSError, UnicodeDecodeError) as err:
+                raise ValueError(f"{file}: cannot read the dataset's tokenizer: {err}") from None
     return ByteTokenizer().record()
 
 
