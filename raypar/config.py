@@ -225,6 +225,11 @@ def from_dict(raw: dict[str, Any]) -> Config:
     sections["model"] = {**PRESETS[preset], **model, **_external_model_fields(model, sections)}
     cfg = Config(**{name: _SECTION_TYPES[name](**sections.get(name, {})) for name in _SECTION_TYPES})
     validate(cfg)
+    if cfg.model.init_from:
+        from raypar import hf  # imports this module: resolved at call time
+
+        # Missing, truncated or mis-shaped weights would otherwise surface on every actor after start-up.
+        hf.check_weights(cfg.model)
     return cfg
 
 

@@ -26,9 +26,10 @@ from typing import Any
 
 import safetensors.torch
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from raypar.config import ConfigError
+from raypar.config import ConfigError, ModelConfig
+from raypar.corpus import file_inside
 
 CONFIG, INDEX = "config.json", "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 2**30  # per exported file; a larger model is split into files with an index
@@ -69,11 +70,14 @@ def hf_name(name: str) -> str:
 def _read_config(path: str) -> dict[str, Any]:
     file = Path(path) / CONFIG
     try:
-        return json.loads(file.read_text())
+        hf = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"model.init_from: {file} not found (a Hugging Face model directory)") from None
-    except (OSError, json.JSONDecodeError) as err:
-        raise ConfigError(f"model.init_from: {file}: cannot read: {err}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise ConfigError(f"model.init_from: {file}: cannot read: {str(err)[:120]}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"model.init_from: {file}: must be a JSON object, got {type(hf).__name__}")
+    return hf
 
 
 def model_fields(path: str) -> dict[str, Any]:
@@ -101,21 +105,35 @@ def model_fields(path: str) -> dict[str, Any]:
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling")
     for field, params in (("rope_scaling", scaling), ("rope_parameters", rope)):
+        if not isinstance(params or {}, dict):
+            raise refuse(field, "must be an object")
         kind = (params or {}).get("rope_type", (params or {}).get("type", "default"))
         if kind != "default":
             raise ConfigError(f"{where}: {field} type {kind!r} is not supported (only default RoPE)")
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+
+    def size(field: str) -> int:
+        value = hf[field]
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise refuse(field, "must be a positive integer")
+        return value
+
+    def number(field: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+            raise ConfigError(f"{where}: {field}={value!r} is not supported (must be a positive number)")
+        return float(value)
+
     try:
-        d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        d, heads = size("hidden_size"), size("num_attention_heads")
         fields = {
-            "n_layers": int(hf["num_hidden_layers"]),
+            "n_layers": size("num_hidden_layers"),
             "d_model": d,
             "n_heads": heads,
-            "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
-            "d_ff": int(hf["intermediate_size"]),
-            "vocab_size": int(hf["vocab_size"]),
-            "rope_theta": float(theta),
-            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+            "n_kv_heads": size("num_key_value_heads") if hf.get("num_key_value_heads") else heads,
+            "d_ff": size("intermediate_size"),
+            "vocab_size": size("vocab_size"),
+            "rope_theta": number("rope_theta", theta),
+            "norm_eps": number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         }
     except KeyError as err:
@@ -161,16 +179,30 @@ class HFWeights:
         self.path = Path(path)
         index = self.path / INDEX
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.file_of = {name: self.path / file for name, file in weight_map.items()}
+            self.file_of = {
+                name: file_inside(self.path, file, f"model.init_from: {index}: weight_map[{name!r}]")
+                for name, file in _weight_map(index).items()
+            }
         else:
             self.file_of = {}
             for file in sorted(self.path.glob("*.safetensors")):
-                with safe_open(file, "pt") as f:  # reads the header only
-                    self.file_of.update(dict.fromkeys(f.keys(), file))
+                self.file_of.update(dict.fromkeys(_header(file), file))
         if not self.file_of:
             raise ConfigError(f"model.init_from: {self.path} holds no *.safetensors weights")
         self._open: dict[Path, Any] = {}
+
+    def shapes(self) -> dict[str, list[int]]:
+        """Every tensor's shape, from the files' headers (no tensor is read); ConfigError naming a file
+        that is missing, truncated or not safetensors, or a tensor the index puts in a file without it."""
+        found: dict[Path, dict[str, list[int]]] = {}
+        for file in sorted(set(self.file_of.values())):
+            found[file] = _header(file)
+        shapes = {}
+        for name, file in self.file_of.items():
+            if name not in found[file]:
+                raise ConfigError(f"model.init_from: {file} has no tensor {name} (its index says it has)")
+            shapes[name] = found[file][name]
+        return shapes
 
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
@@ -189,6 +221,49 @@ class HFWeights:
                 f"{file}: {name} has shape {view.get_shape()}, the model expects {list(global_shape)}"
             )
         return view[tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))]
+
+
+def _weight_map(index: Path) -> dict[str, Any]:
+    """The weight_map of a model.safetensors.index.json; ConfigError naming the file if it has none."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, AttributeError) as err:
+        raise ConfigError(f"model.init_from: {index}: not a weight index: {str(err)[:80]}") from None
+    if not isinstance(weight_map, dict):
+        raise ConfigError(f"model.init_from: {index}: weight_map must map tensor names to files")
+    return weight_map
+
+
+def _header(file: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape from a safetensors file's header (also checks that the file holds every byte
+    the header promises); ConfigError naming the file."""
+    try:
+        with safe_open(file, "pt") as f:
+            return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    except FileNotFoundError:
+        raise ConfigError(f"model.init_from: {file}: not found") from None
+    except (OSError, SafetensorError) as err:
+        raise ConfigError(f"model.init_from: {file}: not a readable safetensors file ({err})") from None
+
+
+def check_weights(cfg: ModelConfig) -> None:
+    """Check `cfg.init_from`'s files before any actor starts: every tensor the model needs (a `LlamaStage`
+    holding every layer) is there with the shape it needs, read from the headers alone. What `load_stage`
+    would find on every actor after start-up, found once, up front; ConfigError naming file and tensor."""
+    from raypar.model import LlamaStage  # heavier; only this check and the actors need it
+
+    shapes = HFWeights(cfg.init_from).shapes()
+    with torch.device("meta"):  # shapes without memory: the model may not fit this machine
+        model = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, init=False)
+    for name, (global_shape, _) in model.shard_specs().items():
+        source = hf_name(model.init_source(name))
+        if source not in shapes:
+            raise ConfigError(f"model.init_from: {cfg.init_from} has no tensor {source}")
+        if tuple(shapes[source]) != tuple(global_shape):
+            raise ConfigError(
+                f"model.init_from: {cfg.init_from}: {source} has shape {shapes[source]}, config.json "
+                f"implies {list(global_shape)}"
+            )
 
 
 @torch.no_grad()

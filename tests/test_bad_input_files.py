@@ -79,3 +79,113 @@ def test_dataset_dtype_not_a_token_type_is_refused(prepared, tmp_path, capsys, n
     _edit_index(prepared, lambda i: i.update(dtype=dtype))
     argv = train(tmp_path, "--set", f"data.source='{prepared}'")
     refused(capsys, argv, str(prepared / data.INDEX), "dtype")
+
+
+# -- model.init_from: a Hugging Face directory, checked whole before any actor starts --------------------
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory) -> Path:
+    from tests.hf_models import make_hf_llama
+
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    make_hf_llama(path, shard_size="20KB")  # several files and model.safetensors.index.json
+    return path
+
+
+def _hf_copy(src: Path, dst: Path, change) -> Path:
+    """A copy of `src` at `dst`, then broken by change(dst)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    change(dst)
+    return dst
+
+
+def _config(change):
+    def edit(d: Path) -> None:
+        body = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps(change(body)))
+
+    return edit
+
+
+def _weight_map(change):
+    def edit(d: Path) -> None:
+        index = json.loads((d / "model.safetensors.index.json").read_text())
+        change(index["weight_map"], d)
+        (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    return edit
+
+
+def _move_out(weight_map: dict, d: Path, how: str) -> None:
+    """Point the index's first tensor at a copy of its file outside the model directory (a valid file, so
+    only the path rule can stop it)."""
+    name, file = next(iter(weight_map.items()))
+    outside = d.parent / f"outside-{how}.safetensors"
+    outside.write_bytes((d / file).read_bytes())
+    weight_map[name] = str(outside) if how == "absolute" else f"../{outside.name}"
+
+
+def _first_file(d: Path) -> Path:
+    return sorted(d.glob("*.safetensors"))[0]
+
+
+def _retensor(d: Path) -> None:
+    """The first file's first tensor saved with one row too many."""
+    from safetensors.torch import load_file, save_file
+
+    file = _first_file(d)
+    tensors = load_file(file)
+    name = sorted(tensors)[0]
+    t = tensors[name]
+    tensors[name] = t.new_zeros((t.shape[0] + 1, *t.shape[1:]))
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+HF_BREAKAGES = {
+    # what: (breakage, text the line must hold)
+    "weight-map-dotdot": (_weight_map(lambda m, d: _move_out(m, d, "dotdot")), "weight_map"),
+    "weight-map-absolute": (_weight_map(lambda m, d: _move_out(m, d, "absolute")), "weight_map"),
+    "config-list": (lambda d: (d / "config.json").write_text("[1, 2]"), "config.json"),
+    "config-not-utf8": (lambda d: (d / "config.json").write_bytes(b'{"a": "\xff\xfe"}'), "config.json"),
+    "config-heads-0": (_config(lambda c: {**c, "num_attention_heads": 0}), "num_attention_heads"),
+    "config-hidden-abc": (_config(lambda c: {**c, "hidden_size": "abc"}), "hidden_size"),
+    "config-eps-nan": (_config(lambda c: {**c, "rms_norm_eps": float("nan")}), "rms_norm_eps"),
+    "config-rope-list": (_config(lambda c: {**c, "rope_parameters": [1]}), "rope_parameters"),
+    "no-weights": (lambda d: [f.unlink() for f in d.glob("*.safetensors*")], "no *.safetensors"),
+    "index-garbage": (lambda d: (d / "model.safetensors.index.json").write_text("{nope"), "index.json"),
+    "index-list": (lambda d: (d / "model.safetensors.index.json").write_text("[]"), "index.json"),
+    "weight-map-list": (
+        lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": []}'), "weight_map"
+    ),
+    "file-missing": (lambda d: _first_file(d).unlink(), "not found"),
+    "file-truncated": (
+        lambda d: _first_file(d).write_bytes(_first_file(d).read_bytes()[:-100]), "safetensors"
+    ),
+    "file-bad-header": (
+        lambda d: _first_file(d).write_bytes((16).to_bytes(8, "little") + b"{not json at all"), "safetensors"
+    ),
+    "shape-mismatch": (_retensor, "config.json implies"),
+    "tensor-missing": (
+        _weight_map(lambda m, d: m.pop("model.norm.weight")), "no tensor model.norm.weight"
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(HF_BREAKAGES))
+def test_init_from_broken_is_refused_up_front(hf_model, tmp_path, capsys, no_ray, kind):
+    breakage, expect = HF_BREAKAGES[kind]
+    bad = _hf_copy(hf_model, tmp_path / "bad", breakage)
+    argv = train(tmp_path, "--set", f"model.init_from='{bad}'", "--set", "model.seq_len=16")
+    line = refused(capsys, argv, "model.init_from", expect)
+    assert str(bad) in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_init_from_intact_passes_the_check(hf_model):
+    from raypar import config
+
+    cfg = config.load(str(TINY), [f"model.init_from='{hf_model}'", "model.seq_len=16"])
+    assert cfg.model.d_model == 32
