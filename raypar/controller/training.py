@@ -18,11 +18,15 @@ one lost to a dead actor, or the run's last one, is written again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
+import socket
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -34,7 +38,7 @@ from collectives.group import GroupError
 from collectives.ray_store import home_node_strategy
 from raypar import checkpoint, data, memory, report
 from raypar import config as config_mod
-from raypar.config import Config
+from raypar.config import Config, ConfigError
 from raypar.controller import shared_paths, stopping
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica
@@ -275,32 +279,45 @@ class TrainingLoop:
     # -- the loop ----------------------------------------------------------------------------------------
     def execute(self) -> dict[str, Any]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(config_mod.to_toml(self.cfg))
-        par = self.cfg.parallel
-        world = self.target_dp * par.pp * par.tp * par.threads_per_actor  # CPUs a local Ray must offer
-        connect(self.address, num_cpus=max(os.cpu_count() or 1, world))
-        stopping.install()  # again: ray.init installs a SIGTERM handler of its own
-        check_device(par.device, par.gpus_per_actor)
-        # before any actor: a node-local checkpoint.dir is refused
-        shared_paths.check_nodes(self.cfg, self.samples)
-        control = RunControl.options(
-            name=control_name(self.name), namespace=NAMESPACE, scheduling_strategy=home_node_strategy()
-        ).remote(self.name, self.dps)
-        wall = time.perf_counter()
-        try:
+        with hold_run_dir(self.run_dir):  # before anything is written there: a live run's files stay its own
+            par = self.cfg.parallel
+            world = self.target_dp * par.pp * par.tp * par.threads_per_actor  # CPUs a local Ray must offer
+            connect(self.address, num_cpus=max(os.cpu_count() or 1, world))
+            stopping.install()  # again: ray.init installs a SIGTERM handler of its own
+            check_device(par.device, par.gpus_per_actor)
+            # before any actor: a node-local checkpoint.dir is refused
+            shared_paths.check_nodes(self.cfg, self.samples)
+            control = self._claim_name()
             try:
-                self.actor_mesh.start(self.target_dp)
-                step = 0
-                if self.resume:
-                    step = self.actor_mesh.load(self.resume)
-                    self.last_checkpoint = self.resume
-                    self.event(f"resumed from {self.resume} at step {step}")
-            except (GroupError, checkpoint.CheckpointError, ray.exceptions.RayError) as err:
-                raise RunFailure(f"starting the actors failed: {err}") from None
-            return self._loop(control, step, wall)
-        finally:
-            self.actor_mesh.shutdown()
-            ray.kill(control)
+                (self.run_dir / "config.toml").write_text(config_mod.to_toml(self.cfg))
+                wall = time.perf_counter()
+                try:
+                    self.actor_mesh.start(self.target_dp)
+                    step = 0
+                    if self.resume:
+                        step = self.actor_mesh.load(self.resume)
+                        self.last_checkpoint = self.resume
+                        self.event(f"resumed from {self.resume} at step {step}")
+                except (GroupError, checkpoint.CheckpointError, ray.exceptions.RayError) as err:
+                    raise RunFailure(f"starting the actors failed: {err}") from None
+                return self._loop(control, step, wall)
+            finally:
+                self.actor_mesh.shutdown()
+                ray.kill(control)
+
+    def _claim_name(self) -> Any:
+        """Create the run's control actor, whose name the cluster holds once: a live run of the same name
+        (another run directory, another driver) is refused here, before any of this run's actors starts
+        and before their names (`raypar:<run>:dp0.pp0.tp0`, ...) collide in the middle of the start-up."""
+        try:
+            return RunControl.options(
+                name=control_name(self.name), namespace=NAMESPACE, scheduling_strategy=home_node_strategy()
+            ).remote(self.name, self.dps)
+        except ray.exceptions.ActorAlreadyExistsError:
+            raise ConfigError(
+                f"--name: a run named {self.name} is live on this cluster (its actor "
+                f"{control_name(self.name)} exists); wait for it to end or choose another name"
+            ) from None
 
     def _loop(self, control: Any, step: int, wall: float) -> dict[str, Any]:
         from tqdm import tqdm
@@ -436,6 +453,33 @@ class TrainingLoop:
             "run_dir": str(self.run_dir),
             "actors": {self.actor_mesh.name(c): w for c, w in sorted(self.actor_mesh.nodes.items())},
         }
+
+
+RUN_LOCK = ".lock"  # in the run directory
+
+
+@contextlib.contextmanager
+def hold_run_dir(run_dir: Path) -> Iterator[None]:
+    """Hold `run_dir` for one run: an exclusive flock on its lock file while the block runs, so a second run
+    there (the same --name or --run-dir, from any process on this machine or one sharing the directory) is
+    refused with ConfigError instead of overwriting config.toml and truncating or interleaving
+    metrics.jsonl. The kernel drops the lock when its holder exits, even by kill -9: a finished or killed
+    run's directory is free again (to --resume into, or to reuse)."""
+    path = run_dir / RUN_LOCK
+    with open(path, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            raise ConfigError(
+                f"--run-dir: {run_dir} is in use by another run ({holder} holds {path}); wait for it to end "
+                "or choose another --name or --run-dir"
+            ) from None
+        lock.truncate(0)  # who holds it, for the message above
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        lock.flush()
+        yield
 
 
 def _lines(path: Path) -> list[str]:
