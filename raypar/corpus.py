@@ -17,11 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from raypar.config import ConfigError
 
 TABLE_FORMATS = {
     ".parquet": "parquet", ".pq": "parquet", ".jsonl": "json", ".json": "json", ".ndjson": "json"
 }
+# Column types that hold documents (a column of nulls only holds none): a tokenizer reads strings.
+_TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view, pa.types.is_null)
 BATCH_ROWS = 1024  # documents per record batch read (and per tokenizer call)
 TEXT_BATCH_BYTES = 8 * 2**20  # text files per tokenizer call, by size
 
@@ -53,6 +57,16 @@ def file_inside(directory: str | os.PathLike[str], name: object, where: str) -> 
 def table_format(source: str) -> str | None:
     """"parquet" or "json" for a table source (by extension), None for text."""
     return TABLE_FORMATS.get(Path(source.split("?")[0].rstrip("/")).suffix.lower())
+
+
+def _decode(path: str, body: bytes) -> str:
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte {err.start} is 0x{body[err.start]:02x}); convert it "
+            "(iconv -t UTF-8) or prepare it byte-level (without --tokenizer)"
+        ) from None
 
 
 @dataclass
@@ -89,14 +103,21 @@ class Corpus:
             if column not in table.schema.names:
                 names = ", ".join(table.schema.names) or "none"
                 raise ConfigError(f"--column: {column!r} is not a column of {source} (columns: {names})")
+            kind = table.schema.field(column).type
+            if not any(is_kind(kind) for is_kind in _TEXT_TYPES):
+                raise ConfigError(f"--column: {column!r} of {source} holds {kind}, not text (strings)")
             tables.append(table)
         files = expand_globs(text_globs) if text_globs else []
         if text_globs and not files:
             raise ConfigError(f"{', '.join(text_globs)}: matches no file")
         return cls(files, tables, list(sources), column)
 
-    def batches(self) -> Iterator[list[str | bytes]]:
-        """Documents in a fixed order (text files sorted by path, then each table's rows), in batches."""
+    def batches(self, text: bool = False) -> Iterator[list[str | bytes]]:
+        """Documents in a fixed order (text files sorted by path, then each table's rows), in batches.
+
+        Text files come as their bytes, or with `text` (for a tokenizer that reads Unicode) decoded as
+        UTF-8: a file that is not UTF-8 is refused, naming it and the first bad byte, rather than decoded
+        with replacement characters that would silently become training data (ValueError)."""
         batch: list[str | bytes] = []
         size = 0
         for path in self.text_files:
@@ -104,7 +125,7 @@ class Corpus:
                 body = Path(path).read_bytes()
             except OSError as err:  # a ValueError: the input is bad, not the output directory
                 raise ValueError(f"{path}: cannot read: {err.strerror or err}") from None
-            batch.append(body)
+            batch.append(_decode(path, body) if text else body)
             size += len(body)
             if size >= TEXT_BATCH_BYTES:
                 yield batch
@@ -112,10 +133,13 @@ class Corpus:
         if batch:
             yield batch
         for table in self.tables:
-            for record_batch in table.to_batches(columns=[self.column], batch_size=BATCH_ROWS):
-                texts = [t for t in record_batch.column(0).to_pylist() if t]  # null or "" is no document
-                if texts:
-                    yield texts
+            try:
+                for record_batch in table.to_batches(columns=[self.column], batch_size=BATCH_ROWS):
+                    texts = [t for t in record_batch.column(0).to_pylist() if t]  # null or "" is no document
+                    if texts:
+                        yield texts
+            except (OSError, pa.ArrowException) as err:  # a row that breaks the schema, a broken file
+                raise ValueError(f"{', '.join(table.files)}: cannot read: {str(err)[:200]}") from None
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -131,7 +131,7 @@ def prepare(
     try:
         writer = _ShardWriter(staging, shard_tokens)
         docs, read_bytes, start = 0, 0, time.perf_counter()
-        for texts in corpus.batches():
+        for texts in corpus.batches(text=not isinstance(tok, ByteTokenizer)):
             for ids in tok.encode_batch(texts):
                 if docs:
                     writer.add(sep)
