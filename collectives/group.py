@@ -51,9 +51,13 @@ class Backend(Protocol):
 
     def recv(self, tensor: torch.Tensor, src: int) -> BackendWork: ...
 
+    def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> BackendWork: ...
+
     def barrier(self) -> BackendWork: ...
 
-    def abort(self) -> None: ...
+    def check(self, what: str = "") -> None: ...
+
+    def abort(self, reason: str = "aborted by its owner") -> None: ...
 
 
 @dataclass(frozen=True)
@@ -288,8 +292,8 @@ class Group:
             raise ValueError(
                 f"{self.info.describe('all_to_all')}: input_splits {input_splits} do not cover dim 0"
             )
-        if output_splits is None:
-            counts = torch.tensor(input_splits, dtype=torch.int64)
+        if output_splits is None:  # on the data's device: NCCL reads device memory only
+            counts = torch.tensor(input_splits, dtype=torch.int64, device=tensor.device)
             output_splits = self.all_to_all(counts, [1] * self.size, [1] * self.size).tolist()
         output_splits = list(output_splits)
         result = self._output("all_to_all", out, tensor, (sum(output_splits), *tensor.shape[1:]))
@@ -323,11 +327,37 @@ class Group:
             f"recv from {src}", [lambda: self._backend.recv(tensor, src)], lambda: tensor, async_op
         )
 
+    def send_recv(
+        self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, async_op: bool = False
+    ):
+        """Send `send` to `dst` and receive into `recv` from `src` as one exchange that every member may
+        start at once (a ring shift): NCCL matches the pair as a unit, where a plain send followed by a recv
+        on every rank would deadlock. Returns `recv`."""
+        op = f"send to {dst} / recv from {src}"
+        if send.numel() == 0 and recv.numel() == 0:
+            return self._run(op, [], lambda: recv, async_op)
+        inp = send.contiguous()
+        return self._run(op, [lambda: self._backend.send_recv(inp, dst, recv, src)], lambda: recv, async_op)
+
     def barrier(self, async_op: bool = False):
         if self.size == 1:
             return self._run("barrier", [], lambda: None, async_op)
         return self._run("barrier", [self._backend.barrier], lambda: None, async_op)
 
+    def check(self) -> None:
+        """Raise GroupError if the communicator failed since it was formed. NCCL ops return before they run,
+        and an aborted communicator's kernels end as if they had succeeded: check before trusting results."""
+        try:
+            self._backend.check()
+        except Exception as err:  # noqa: BLE001 - named and shortened like every other failure
+            cause = " ".join(str(err).split())[:300]
+            raise GroupError(f"{self.info.describe('check')} failed: {cause}") from None
+
+    def abort(self, reason: str) -> None:
+        """Abort the communicator: pending ops end and fail, later ones raise naming `reason`. The group
+        cannot be used afterwards; it is re-formed under a new epoch."""
+        self._backend.abort(reason)
+
     def destroy(self) -> None:
-        """Abort the communicator (pending ops on it fail); the group cannot be used afterwards."""
-        self._backend.abort()
+        """Release the communicator (pending ops on it fail); the group cannot be used afterwards."""
+        self._backend.abort("the group was destroyed")

@@ -1,32 +1,61 @@
-"""NCCL backend through CuPy: one NcclCommunicator per group, ops on a side stream.
+"""NCCL backend through CuPy: NcclCommunicators on side streams, guarded by a watchdog.
 
-torch tensors cross to CuPy by DLPack (`cupy.from_dlpack`), which shares the device memory: no copy. Each op
-waits on an event of the caller's current stream, runs on the group's own stream so it overlaps the next
-kernels of the caller, and `wait()` makes the caller's stream wait on the op's completion event. The host
-polls that event against the group timeout, since NCCL itself never times out; on timeout the communicator
-is aborted so no kernel is left spinning.
+What NCCL does not do for us, and this module does:
+
+- **Ordering.** NCCL runs a communicator's kernels in the order they were enqueued on its stream, and a
+  receive kernel spins until the matching send runs on the peer. A pipeline link that sends activations one
+  way and gradients the other on one communicator deadlocks as soon as both ends queue a receive ahead of a
+  send (1F1B's steady state does exactly that). A *duplex* group (the pipeline pair groups) therefore has
+  one communicator and stream per direction: each directed link is a FIFO of its own, which is the rule the
+  schedule simulator already checks (every link is received in send order), and receives can be posted
+  ahead so the data moves while the stage computes. The alternative, fusing each send with the schedule's
+  next receive in one `groupStart`/`groupEnd` (torch's `batch_isend_irecv`), would make every send wait
+  for a receive that 1F1B, interleaving and ZB-H1 issue at different points; it costs one communicator
+  less per link. Exchanges where every rank sends and receives at once (the cp ring, all-to-all) are one
+  grouped call instead (`send_recv`).
+- **Handoff.** Tensors go to NCCL by `data_ptr()` after checking device, dtype and contiguity (CuPy's DLPack
+  import of bf16 fails or needs `ml_dtypes`; a CPU tensor's pointer would be read as device memory).
+- **Failure.** NCCL never times out and, once aborted, completes its pending kernels as if they had
+  succeeded. A process-wide watchdog polls every live communicator's asynchronous error
+  (`ncclCommGetAsyncError`: a peer that died or aborted) and the deadline of its oldest pending op; on
+  either it aborts the backend, after which every pending and later op raises. `abort()` is how a caller
+  (the actor, when the driver calls a step off) stops a step at once instead of waiting out the timeout.
+- **Host.** Waiting for an op makes the caller's current stream wait on the op's event: the host goes on
+  launching kernels (as torch's ProcessGroupNCCL does); the watchdog enforces the timeout. `check()` tells
+  whether everything up to now ran on a healthy communicator: call it before trusting a step's results.
 
 CuPy is optional: importing this module never imports it; creating a backend without CuPy or a GPU raises
-`BackendUnavailable` at once.
+`BackendUnavailable` at once. Streams and events come from a `DeviceRuntime` (CUDA through torch here): the
+seam through which tests run this very backend over a stand-in that keeps NCCL's stream semantics on the CPU.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+# How often the watchdog looks at each communicator: a dead peer is noticed within this, not the timeout.
+WATCHDOG_PERIOD_S = 0.02
+
 
 class BackendUnavailable(RuntimeError):
     pass
 
 
-def _cupy() -> tuple[Any, Any]:
+class NcclAborted(RuntimeError):
+    """An op on a communicator that was aborted (by the watchdog, a timeout or the caller)."""
+
+
+def _cupy_nccl() -> Any:
     try:
-        import cupy
         from cupy.cuda import nccl
     except ImportError as err:
         raise BackendUnavailable(
@@ -34,128 +63,345 @@ def _cupy() -> tuple[Any, Any]:
         ) from None
     if not torch.cuda.is_available():
         raise BackendUnavailable("backend 'nccl' needs a CUDA GPU, and torch sees none (use backend 'gloo')")
-    return cupy, nccl
+    return nccl
 
 
-def _nccl_dtype(nccl: Any, dtype: torch.dtype) -> int:
-    table = {
-        torch.float32: "NCCL_FLOAT32",
-        torch.float16: "NCCL_FLOAT16",
-        torch.bfloat16: "NCCL_BFLOAT16",
-        torch.float64: "NCCL_FLOAT64",
-        torch.int64: "NCCL_INT64",
-        torch.int32: "NCCL_INT32",
-        torch.uint8: "NCCL_UINT8",
-        torch.int8: "NCCL_INT8",
-    }
-    if dtype not in table or not hasattr(nccl, table[dtype]):
-        raise TypeError(f"nccl backend does not support dtype {dtype}")
-    return getattr(nccl, table[dtype])
+class CudaRuntime:
+    """Streams and events of one CUDA device, through torch (so torch's allocator knows what NCCL uses)."""
+
+    def device(self, index: int) -> torch.device:
+        return torch.device("cuda", index)
+
+    @contextmanager
+    def guard(self, device: torch.device) -> Iterator[None]:
+        # Set for this thread only, and restored after: a threaded actor's calls run on any of its threads.
+        with torch.cuda.device(device):
+            yield
+
+    def new_stream(self, device: torch.device) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device=device)
+
+    def current_stream(self, device: torch.device) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(device)
+
+    def handle(self, stream: torch.cuda.Stream) -> int:
+        return stream.cuda_stream
+
+    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
+
+    def keep(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        # The caller's allocator must not hand this memory out again before the op on `stream` is done.
+        tensor.record_stream(stream)
+
+    def release(self, stream: torch.cuda.Stream) -> None:
+        pass  # torch pools its streams
+
+
+_DTYPES = {
+    torch.float32: "NCCL_FLOAT32",
+    torch.float16: "NCCL_FLOAT16",
+    torch.bfloat16: "NCCL_BFLOAT16",
+    torch.float64: "NCCL_FLOAT64",
+    torch.int64: "NCCL_INT64",
+    torch.int32: "NCCL_INT32",
+    torch.uint8: "NCCL_UINT8",
+    torch.int8: "NCCL_INT8",
+}
 
 
 class _NcclWork:
-    def __init__(self, backend: NcclBackend, event: torch.cuda.Event):
-        self._backend, self._event = backend, event
+    def __init__(self, backend: NcclBackend, event: Any, what: str):
+        self._backend, self.event, self.what = backend, event, what
+        self.deadline = time.monotonic() + backend.timeout_s
 
     def is_completed(self) -> bool:
-        return self._event.query()
+        """Done and valid; raises if the communicator failed (its kernels 'complete' after an abort)."""
+        done = self.event.query()
+        self._backend.check(self.what)
+        return done
 
     def wait(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self._event.query():
-            if time.monotonic() > deadline:
-                self._backend.abort()
-                raise TimeoutError(f"nccl op timed out after {timeout_s:g}s; communicator aborted")
-            time.sleep(50e-6)
-        torch.cuda.current_stream(self._backend.device).wait_event(self._event)
+        """Make the caller's current stream wait for the op; the host does not block. The watchdog enforces
+        the timeout (the backend's own, which is the group's), so `timeout_s` needs no host wait here."""
+        backend = self._backend
+        backend.check(self.what)
+        rt = backend.runtime
+        rt.wait(rt.current_stream(backend.device), self.event)
+        backend.check(self.what)  # aborted meanwhile: what the stream waits for is garbage
 
 
 class NcclBackend:
-    def __init__(self, store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float, device: int):
-        cupy, self._nccl = _cupy()
-        self.device = torch.device("cuda", device)
-        key = f"{prefix}nccl_unique_id"
-        if rank == 0:
-            store.set(key, bytes(bytearray(b % 256 for b in self._nccl.get_unique_id())))
-        store.wait([key], timedelta(seconds=timeout_s))
+    """One group's communicator(s) on `device`. `duplex` (two members only): one communicator and stream per
+    direction for send/recv (see the module docstring); collectives use the first."""
+
+    def __init__(
+        self, store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float, device: int,
+        duplex: bool = False,
+    ):
+        if duplex and size != 2:
+            raise ValueError(f"a duplex NCCL group has two members, not {size}")
+        self.nccl = self._nccl_module()
+        self.runtime = self._runtime()
+        self.device = self.runtime.device(device)
+        self.rank, self.size, self.timeout_s, self.duplex = rank, size, timeout_s, duplex
+        self.error: str | None = None
+        # A communicator is not thread-safe: one host thread enqueues on it at a time.
+        self._enqueue = threading.Lock()
+        self._pending_lock = threading.Lock()  # never held across an NCCL call: the watchdog takes it
+        self._pending: list[_NcclWork] = []
+        # (what, deadline) while a host thread is inside an NCCL call: a first send can block the host until
+        # the peer connects, and the watchdog must see that too
+        self._in_call: tuple[str, float] | None = None
+        self._comms: list[Any] = []
+        self._streams: list[Any] = []
+        for i in range(2 if duplex else 1):
+            self._comms.append(self._join(store, f"{prefix}nccl_unique_id/{i}"))
+            self._streams.append(self.runtime.new_stream(self.device))
+        watchdog().watch(self)
+
+    # -- seams: where NCCL and the device come from ---------------------------------------------------------
+    def _nccl_module(self) -> Any:
+        return _cupy_nccl()
+
+    def _runtime(self) -> Any:
+        return CudaRuntime()
+
+    # -- set-up ---------------------------------------------------------------------------------------------
+    def _join(self, store: dist.Store, key: str) -> Any:
+        """ncclCommInitRank, bounded: it blocks until every member calls it and has no timeout of its own. It
+        runs on a helper thread; a member that never comes leaves that thread blocked (NCCL offers no way to
+        cancel a blocking init), and this member gets a clear error after the group's timeout."""
+        nccl = self.nccl
+        if self.rank == 0:
+            store.set(key, bytes(bytearray(b % 256 for b in nccl.get_unique_id())))
+        store.wait([key], timedelta(seconds=self.timeout_s))
         uid = tuple(int(b) if b < 128 else int(b) - 256 for b in store.get(key))
-        with cupy.cuda.Device(device):
-            self._comm = self._nccl.NcclCommunicator(size, uid, rank)
-        self._stream = torch.cuda.Stream(device=self.device)
-        self._cupy = cupy
+        made: list[Any] = []
+        failed: list[BaseException] = []
 
-    def _launch(self, tensors: list[torch.Tensor], body) -> _NcclWork:
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        self._stream.wait_event(ready)
-        with torch.cuda.stream(self._stream):
-            for t in tensors:  # the caller's allocator must not reuse this memory before the op is done
-                t.record_stream(self._stream)
-            body(self._stream.cuda_stream)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        return _NcclWork(self, done)
+        def init() -> None:
+            try:
+                with self.runtime.guard(self.device):
+                    made.append(nccl.NcclCommunicator(self.size, uid, self.rank))
+            except BaseException as err:  # noqa: BLE001 - reported on the caller's thread below
+                failed.append(err)
 
+        thread = threading.Thread(target=init, name=f"nccl-init-{key}", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if failed:
+            raise failed[0]
+        if not made:
+            raise TimeoutError(
+                f"ncclCommInitRank timed out after {self.timeout_s:g}s waiting for the members"
+            )
+        return made[0]
+
+    # -- state ----------------------------------------------------------------------------------------------
+    def check(self, what: str = "") -> None:
+        """Raise NcclAborted if this communicator failed: everything enqueued on it may hold garbage."""
+        if self.error is not None:
+            raise NcclAborted(f"{what + ': ' if what else ''}communicator aborted: {self.error}")
+
+    def abort(self, reason: str = "aborted by its owner") -> None:
+        """Abort the communicators: their pending kernels end (with garbage) and every op raises from now on.
+        Safe from any thread, also while another thread is blocked enqueueing on them."""
+        if self.error is not None:
+            return
+        self.error = reason
+        for comm in self._comms:  # kept in the list: a racing enqueue then fails in NCCL, not in Python
+            comm.abort()
+        for stream in self._streams:
+            self.runtime.release(stream)
+
+    def poll(self) -> None:
+        """The watchdog's look: a peer's failure (async error) or an op past its deadline aborts."""
+        if self.error is not None:
+            return
+        for comm in list(self._comms):
+            try:
+                comm.check_async_error()
+            except Exception as err:  # noqa: BLE001 - NcclError: a peer died, aborted or broke the link
+                self.abort(f"NCCL reported an asynchronous error ({' '.join(str(err).split())[:200]})")
+                return
+        with self._pending_lock:
+            self._pending = [w for w in self._pending if not w.event.query()]
+            late = (self._pending[0].what, self._pending[0].deadline) if self._pending else self._in_call
+        if late is not None and time.monotonic() > late[1]:
+            self.abort(f"{late[0]} timed out after {self.timeout_s:g}s waiting for the other members")
+
+    # -- launching ------------------------------------------------------------------------------------------
     def _ptr(self, tensor: torch.Tensor) -> int:
-        return self._cupy.from_dlpack(tensor).data.ptr
+        if tensor.device != self.device:
+            raise ValueError(f"NCCL on {self.device} got a tensor on {tensor.device}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"NCCL needs contiguous tensors, got strides {tensor.stride()}")
+        return tensor.data_ptr()
 
+    def _dtype(self, dtype: torch.dtype) -> int:
+        name = _DTYPES.get(dtype)
+        if name is None or not hasattr(self.nccl, name):
+            raise TypeError(f"NCCL does not support dtype {dtype}")
+        return getattr(self.nccl, name)
+
+    def _red(self, op: str) -> int:
+        return self.nccl.NCCL_SUM if op == "sum" else self.nccl.NCCL_MAX
+
+    def _launch(self, what: str, index: int, tensors: list[torch.Tensor], body: Callable[[Any, int], None]):
+        """Enqueue `body(comm, stream handle)` on communicator `index`'s stream after everything the caller's
+        current stream has queued so far (the producers of `tensors`)."""
+        rt, device = self.runtime, self.device
+        with rt.guard(device), self._enqueue:
+            self.check(what)
+            stream = self._streams[index]
+            rt.wait(stream, rt.record(rt.current_stream(device)))
+            for t in tensors:
+                rt.keep(t, stream)
+            self._in_call = (what, time.monotonic() + self.timeout_s)
+            try:
+                body(self._comms[index], rt.handle(stream))
+            finally:
+                self._in_call = None
+            self.check(what)  # aborted while enqueueing: what was enqueued will not run
+            work = _NcclWork(self, rt.record(stream), what)
+            with self._pending_lock:
+                self._pending.append(work)
+        return work
+
+    def _sender(self, src: int) -> int:
+        """The communicator that carries messages from member `src`: its own direction in a duplex group."""
+        return src if self.duplex else 0
+
+    # -- operations -----------------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str) -> _NcclWork:
-        nccl, ptr = self._nccl, self._ptr(tensor)
-        red = nccl.NCCL_SUM if op == "sum" else nccl.NCCL_MAX
-        dtype = _nccl_dtype(nccl, tensor.dtype)
-        return self._launch([tensor], lambda s: self._comm.allReduce(ptr, ptr, tensor.numel(), dtype, red, s))
+        ptr, dtype, red = self._ptr(tensor), self._dtype(tensor.dtype), self._red(op)
+        return self._launch(
+            "all_reduce", 0, [tensor], lambda c, s: c.allReduce(ptr, ptr, tensor.numel(), dtype, red, s)
+        )
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> _NcclWork:
-        nccl = self._nccl
-        red = nccl.NCCL_SUM if op == "sum" else nccl.NCCL_MAX
-        src, dst, dtype = self._ptr(inp), self._ptr(out), _nccl_dtype(nccl, out.dtype)
+        src, dst, dtype, red = self._ptr(inp), self._ptr(out), self._dtype(out.dtype), self._red(op)
         return self._launch(
-            [out, inp], lambda s: self._comm.reduceScatter(src, dst, out.numel(), dtype, red, s)
+            "reduce_scatter", 0, [out, inp],
+            lambda c, s: c.reduceScatter(src, dst, out.numel(), dtype, red, s),
         )
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> _NcclWork:
-        src, dst, dtype = self._ptr(inp), self._ptr(out), _nccl_dtype(self._nccl, out.dtype)
-        return self._launch([out, inp], lambda s: self._comm.allGather(src, dst, inp.numel(), dtype, s))
+        src, dst, dtype = self._ptr(inp), self._ptr(out), self._dtype(out.dtype)
+        return self._launch(
+            "all_gather", 0, [out, inp], lambda c, s: c.allGather(src, dst, inp.numel(), dtype, s)
+        )
 
     def all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
     ) -> _NcclWork:
-        # NCCL has no all-to-all primitive; it is grouped point-to-point, as in NCCL's own documentation.
-        nccl, dtype = self._nccl, _nccl_dtype(self._nccl, out.dtype)
+        # NCCL has no all-to-all primitive: grouped point-to-point, as in NCCL's own documentation.
+        nccl, dtype = self.nccl, self._dtype(out.dtype)
         row_in = inp[0].numel() if inp.shape[0] else 0
         row_out = out[0].numel() if out.shape[0] else 0
         elt = inp.element_size()
         src, dst = self._ptr(inp), self._ptr(out)
 
-        def body(stream: int) -> None:
+        def body(comm: Any, stream: int) -> None:
             nccl.groupStart()
-            offset_in = offset_out = 0
-            for peer, (n_in, n_out) in enumerate(zip(in_splits, out_splits, strict=True)):
-                if n_in:
-                    self._comm.send(src + offset_in * row_in * elt, n_in * row_in, dtype, peer, stream)
-                if n_out:
-                    self._comm.recv(dst + offset_out * row_out * elt, n_out * row_out, dtype, peer, stream)
-                offset_in, offset_out = offset_in + n_in, offset_out + n_out
-            nccl.groupEnd()
+            try:
+                offset_in = offset_out = 0
+                for peer, (n_in, n_out) in enumerate(zip(in_splits, out_splits, strict=True)):
+                    if n_in:
+                        comm.send(src + offset_in * row_in * elt, n_in * row_in, dtype, peer, stream)
+                    if n_out:
+                        comm.recv(dst + offset_out * row_out * elt, n_out * row_out, dtype, peer, stream)
+                    offset_in, offset_out = offset_in + n_in, offset_out + n_out
+            finally:
+                nccl.groupEnd()
 
-        return self._launch([out, inp], body)
+        return self._launch("all_to_all", 0, [out, inp], body)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> _NcclWork:
-        ptr, dtype = self._ptr(tensor), _nccl_dtype(self._nccl, tensor.dtype)
-        return self._launch([tensor], lambda s: self._comm.broadcast(ptr, ptr, tensor.numel(), dtype, src, s))
+        ptr, dtype = self._ptr(tensor), self._dtype(tensor.dtype)
+        return self._launch(
+            "broadcast", 0, [tensor], lambda c, s: c.broadcast(ptr, ptr, tensor.numel(), dtype, src, s)
+        )
 
     def send(self, tensor: torch.Tensor, dst: int) -> _NcclWork:
-        ptr, dtype = self._ptr(tensor), _nccl_dtype(self._nccl, tensor.dtype)
-        return self._launch([tensor], lambda s: self._comm.send(ptr, tensor.numel(), dtype, dst, s))
+        ptr, dtype = self._ptr(tensor), self._dtype(tensor.dtype)
+        return self._launch(
+            f"send to {dst}", self._sender(self.rank), [tensor],
+            lambda c, s: c.send(ptr, tensor.numel(), dtype, dst, s),
+        )
 
     def recv(self, tensor: torch.Tensor, src: int) -> _NcclWork:
-        ptr, dtype = self._ptr(tensor), _nccl_dtype(self._nccl, tensor.dtype)
-        return self._launch([tensor], lambda s: self._comm.recv(ptr, tensor.numel(), dtype, src, s))
+        ptr, dtype = self._ptr(tensor), self._dtype(tensor.dtype)
+        return self._launch(
+            f"recv from {src}", self._sender(src), [tensor],
+            lambda c, s: c.recv(ptr, tensor.numel(), dtype, src, s),
+        )
+
+    def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> _NcclWork:
+        """Send `send` to `dst` and receive `recv` from `src` as one grouped call: NCCL matches it as a
+        unit, so every member may send before it receives (ungrouped, that deadlocks)."""
+        if self.duplex:  # each direction has its own stream already: nothing to fuse
+            self.send(send, dst)
+            return self.recv(recv, src)
+        nccl = self.nccl
+        sptr, rptr = self._ptr(send), self._ptr(recv)
+        sdtype, rdtype = self._dtype(send.dtype), self._dtype(recv.dtype)
+
+        def body(comm: Any, stream: int) -> None:
+            nccl.groupStart()
+            try:
+                comm.send(sptr, send.numel(), sdtype, dst, stream)
+                comm.recv(rptr, recv.numel(), rdtype, src, stream)
+            finally:
+                nccl.groupEnd()
+
+        return self._launch(f"send to {dst} / recv from {src}", 0, [send, recv], body)
 
     def barrier(self) -> _NcclWork:
         return self.all_reduce(torch.zeros(1, device=self.device), "sum")
 
-    def abort(self) -> None:
-        if self._comm is not None:
-            self._comm.abort()
-            self._comm = None
+
+class Watchdog:
+    """One daemon thread per process that polls every live NCCL backend (`NcclBackend.poll`)."""
+
+    def __init__(self, period_s: float = WATCHDOG_PERIOD_S):
+        self.period_s = period_s
+        self._backends: weakref.WeakSet[NcclBackend] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, backend: NcclBackend) -> None:
+        with self._lock:
+            self._backends.add(backend)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="raypar-nccl-watchdog", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.period_s)  # a polling period, not a synchronisation
+            with self._lock:
+                backends = [b for b in self._backends if b.error is None]
+            for backend in backends:
+                try:
+                    backend.poll()
+                except Exception as err:  # noqa: BLE001 - the watchdog itself must never die
+                    backend.abort(f"watchdog could not poll the communicator ({err})")
+
+
+_watchdog: Watchdog | None = None
+_watchdog_lock = threading.Lock()
+
+
+def watchdog() -> Watchdog:
+    global _watchdog
+    with _watchdog_lock:
+        if _watchdog is None:
+            _watchdog = Watchdog()
+        return _watchdog

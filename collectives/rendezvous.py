@@ -66,6 +66,8 @@ class GroupSpec:
     backend: str = "gloo"
     timeout_s: float = 300.0
     device: int = 0
+    # NCCL: one communicator per direction (two members; the pipeline links): collectives.nccl says why
+    duplex: bool = False
 
 
 def create_group(spec: GroupSpec, store: dist.Store | None = None, host: str | None = None) -> Group:
@@ -78,7 +80,9 @@ def create_group(spec: GroupSpec, store: dist.Store | None = None, host: str | N
     prefix = f"{spec.name}/{spec.epoch}"
     try:
         if spec.backend == "nccl":
-            backend = NcclBackend(store, prefix, spec.rank, info.size, spec.timeout_s, spec.device)
+            backend = NcclBackend(
+                store, prefix, spec.rank, info.size, spec.timeout_s, spec.device, duplex=spec.duplex
+            )
         else:
             backend = GlooBackend(store, prefix, spec.rank, info.size, spec.timeout_s, host)
     except BackendUnavailable:

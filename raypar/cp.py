@@ -117,8 +117,8 @@ class RingAttention:
         """Start passing `t` to the next rank and receiving the previous rank's: (buffer, handles)."""
         g, r = self.group, self.group.rank
         out = torch.empty_like(t)
-        sent = g.send(t, (r + 1) % self.cp, async_op=True)
-        return out, (sent, g.recv(out, (r - 1) % self.cp, async_op=True))
+        # One grouped exchange: every rank sends before it receives, which NCCL matches only as a unit.
+        return out, (g.send_recv(t, (r + 1) % self.cp, out, (r - 1) % self.cp, async_op=True),)
 
 
 def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:

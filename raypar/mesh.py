@@ -173,6 +173,12 @@ class Mesh:
         return f"pp.dp{dp}.tp{tp}{_cp(cp)}.s{stage}-{nxt}"
 
     @staticmethod
+    def is_pipe_link(name: str) -> bool:
+        """Whether group `name` is a pipeline link: messages go both ways on it independently (NCCL gives it
+        a communicator per direction, collectives.nccl)."""
+        return name.startswith("pp.")
+
+    @staticmethod
     def emb_group(dp: int, tp: int, cp: int = 0) -> str:
         """The first and last stage at one (dp, tp, cp): the two copies of a tied embedding (pp > 1)."""
         return f"emb.dp{dp}.tp{tp}{_cp(cp)}"

@@ -10,11 +10,14 @@ the bytes each pipeline hop carried: what the equivalence tests compare with one
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from actors.transport import DirectTransport
+from collectives import Group, GroupSpec
 from raypar import data, schedules
 from raypar.config import Config
 from raypar.dp import DPStrategy
@@ -48,15 +51,19 @@ def reference_step(cfg: Config, step: int = 0) -> tuple[float, dict[str, torch.T
 
 
 def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, bucket_bytes: int = 4096,
-             model_hook: Any = None) -> StepOutcome:
+             model_hook: Any = None, make_group: Callable[[GroupSpec, Any], Group] | None = None,
+             timeout_s: float = TIMEOUT_S) -> StepOutcome:
     """One step of `cfg`'s layout on threads. `run_class` swaps the step runner (negative controls);
     `model_hook(model, coord, groups)` may alter each shard after it is built (also negative controls).
-    A small `bucket_bytes` makes DP buckets span layers and chunks."""
+    A small `bucket_bytes` makes DP buckets span layers and chunks. With `make_group` (tests.fake_nccl)
+    every group is formed by it, and pipeline messages go over the pair groups (actors.transport's
+    DirectTransport, receives announced ahead as the actor does) instead of the in-process transport."""
     par = cfg.parallel
     dp, pp, tp, v, cp = cfg.dp_fixed, par.pp, par.tp, par.virtual_stages, par.cp
     mesh = Mesh(dp, pp, tp, ring=v > 1, cp=cp)
-    # Only tp and dp groups: pipeline messages go through the in-process transport, norms are not clipped.
-    groups = {n: m for n, m in mesh.groups().items() if n.startswith(("tp.", "dp.", "cp."))}
+    # tp, dp and cp groups (norms are not clipped); the pipeline links only for the direct transport.
+    kinds = ("tp.", "dp.", "cp.", "pp.") if make_group else ("tp.", "dp.", "cp.")
+    groups = {n: m for n, m in mesh.groups().items() if n.startswith(kinds)}
     topo = schedules.Topology(pp, v)
     pipes = {(d, t, c): LocalPipe(topo, TIMEOUT_S) for d in range(dp) for t in range(tp) for c in range(cp)}
     dataset = data.open_dataset(cfg.data, cfg.model)
@@ -78,25 +85,36 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
         if model_hook is not None:
             model_hook(model, coord, mine)
         strategy = DPStrategy(model, cfg.train, mine.get(Mesh.dp_group(coord)), bucket_bytes=bucket_bytes)
-        transport = pipes[(d, t, c)].transport(p)
         seq = cfg.model.seq_len // cp // (tp if par.sequence_parallel else 1)  # this rank's tokens
         like = torch.empty(mbs, seq, cfg.model.d_model)
+        plan = schedules.build(par.schedule, pp, n_mb, v)[p]
+        if make_group is None:
+            transport = pipes[(d, t, c)].transport(p)
+        else:
+            transport = _direct(mine, coord, pp, v > 1, plan, like)
 
         def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
             return data.microbatch(dataset, sampler, step, d * n_mb + mb, mbs)
 
         backend = ModelBackend(model, p, topo, transport, like, batch, n_mb)
-        plan = schedules.build(par.schedule, pp, n_mb, v)[p]
         run_class(p, topo, plan, backend, [strategy], model.chunk_parameters).run(time.perf_counter, 0.0)
         strategy.finish()
+        transport.finish_step()
+        for group in mine.values():
+            group.check()
         specs = model.shard_specs()
         results[coord] = {
             "losses": [x.item() for x in backend.losses],
             "grads": {n: (q.grad.clone(), *specs[n]) for n, q in model.named_parameters()},
-            "sent_bytes": transport.sent_bytes,
+            "sent_bytes": getattr(transport, "sent_bytes", []),
         }
 
-    run_groups(mesh.world_size, {n: [mesh.rank(c) for c in m] for n, m in groups.items()}, member)
+    ranks = {n: [mesh.rank(c) for c in m] for n, m in groups.items()}
+    if make_group is None:
+        run_groups(mesh.world_size, ranks, member, timeout_s)
+    else:
+        links = [n for n in groups if Mesh.is_pipe_link(n)]
+        run_groups(mesh.world_size, ranks, member, timeout_s, make_group, links)
     losses = [x for c, r in results.items() if c.pp == pp - 1 and c.tp == 0 for x in r["losses"]]
     grads: dict[str, torch.Tensor] = {}
     for coord, r in results.items():
@@ -106,6 +124,18 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
                 full[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))] = local
     hops = [b for r in results.values() for b in r["sent_bytes"]]
     return StepOutcome(sum(losses) / len(losses), grads, hops, results)
+
+
+def _direct(mine: dict[str, Group], coord: Coord, pp: int, ring: bool, plan: list, like: torch.Tensor):
+    """The actor's DirectTransport on this coordinate's pair groups, its receives announced in plan order."""
+    d, p, t, c = coord
+    prev = mine.get(Mesh.pipe_group(d, t, p - 1, pp, c)) if p > 0 or ring else None
+    nxt = mine.get(Mesh.pipe_group(d, t, p, pp, c)) if p < pp - 1 or ring else None
+    transport = DirectTransport(prev, nxt)
+    receives = [("act" if i.op == schedules.RECV_ACT else "grad", i.chunk, i.mb) for i in plan
+                if i.op in (schedules.RECV_ACT, schedules.RECV_GRAD)]
+    transport.expect(receives, like)
+    return transport
 
 
 def assert_step_matches(got: StepOutcome, want: tuple[float, dict[str, torch.Tensor]], rtol: float = 1e-5):

@@ -40,14 +40,14 @@ def reference() -> tuple[float, list[torch.Tensor]]:
 
 
 class CountingGroup:
-    """A Group that counts the collectives called on it (sends for the ring, all-to-alls for Ulysses)."""
+    """A Group that counts the collectives called on it (ring shifts, all-to-alls for Ulysses)."""
 
     def __init__(self, group: Any):
         self.group, self.calls = group, Counter()
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.group, name)
-        if name in ("send", "recv", "all_to_all", "all_gather", "all_reduce", "reduce_scatter"):
+        if name in ("send_recv", "all_to_all", "all_gather", "all_reduce", "reduce_scatter"):
             def counted(*args: Any, **kwargs: Any) -> Any:
                 self.calls[name] += 1
                 return attr(*args, **kwargs)
@@ -91,8 +91,8 @@ def test_ring_attention_matches_full_attention(size):
     results = run_cp(size, "ring")
     assert_matches(results, "ring", 1e-4)
     for r in results:
-        assert r["forward"] == {"send": size - 1, "recv": size - 1}  # cp - 1 block transfers per forward
-        assert r["backward"] == {"send": size, "recv": size}  # cp - 1 with the block, 1 returning its grads
+        assert r["forward"] == {"send_recv": size - 1}  # cp - 1 block transfers per forward
+        assert r["backward"] == {"send_recv": size}  # cp - 1 with the block, 1 returning its grads
 
 
 @pytest.mark.parametrize("size", [2, 4])

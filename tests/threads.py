@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from collectives import Group, GroupSpec, LocalStoreRef, create_group
@@ -15,11 +15,16 @@ def run_ranks(size: int, fn: Callable[[Group], Any]) -> list[Any]:
 
 
 def run_groups(
-    size: int, groups: dict[str, list[int]], fn: Callable[[int, dict[str, Group]], Any], timeout_s: float = 20
+    size: int,
+    groups: dict[str, list[int]],
+    fn: Callable[[int, dict[str, Group]], Any],
+    timeout_s: float = 20,
+    make_group: Callable[[GroupSpec, Any], Group] = create_group, duplex: Collection[str] = (),
 ) -> list[Any]:
-    """fn(rank, {name: group}) on `size` threads, each a member of the named gloo groups listing its rank
+    """fn(rank, {name: group}) on `size` threads, each a member of the named groups listing its rank
     (members in group-rank order), whose ops time out after `timeout_s`; returns the per-rank results in
-    rank order."""
+    rank order. `make_group(spec, store)` forms each group (gloo by default; tests.fake_nccl for NCCL's
+    rules); groups named in `duplex` get a communicator per direction there."""
     ref = LocalStoreRef()
     results: list[Any] = [None] * size
     errors: list[BaseException] = []
@@ -30,8 +35,10 @@ def run_groups(
             for name, ranks in sorted(groups.items()):  # every member creates its groups in one order
                 if rank in ranks:
                     members = tuple(f"m{r}" for r in ranks)
-                    spec = GroupSpec(name, members, ranks.index(rank), ref, timeout_s=timeout_s)
-                    mine[name] = create_group(spec, ref.store)
+                    spec = GroupSpec(
+                        name, members, ranks.index(rank), ref, timeout_s=timeout_s, duplex=name in duplex
+                    )
+                    mine[name] = make_group(spec, ref.store)
             results[rank] = fn(rank, mine)
         except BaseException as err:  # re-raised in the test thread below
             errors.append(err)
