@@ -219,13 +219,18 @@ class TrainingLoop:
                 self.actor_mesh.scale_to(requested, self.cfg.parallel.timeout_s)
                 + f" (before step {step}, {time.perf_counter() - start:.1f}s)"
             )
-        elif self.auto and mesh.dp < self.cfg.parallel.max_dp and _room_for_replica(mesh):
-            grow = self.cfg.parallel.ep  # expert parallelism grows by whole EP groups
-            target = max(d for d in self.dps if d <= self.actor_mesh.dp + grow)
-            if target > self.actor_mesh.dp:
-                self.event("auto: " + self.actor_mesh.scale_to(target, HEAL_PLACEMENT_TIMEOUT_S))
-        elif self.actor_mesh.dp < self.target_dp and _room_for_replica(self.actor_mesh):
-            self.event("healing: " + self.actor_mesh.scale_to(self.target_dp, HEAL_PLACEMENT_TIMEOUT_S))
+        elif self.auto and (target := self._reachable_dp(max(self.dps))) > mesh.dp:
+            self.event("auto: " + mesh.scale_to(target, HEAL_PLACEMENT_TIMEOUT_S))
+        elif (target := self._reachable_dp(self.target_dp)) > mesh.dp:
+            self.event("healing: " + mesh.scale_to(target, HEAL_PLACEMENT_TIMEOUT_S))
+
+    def _reachable_dp(self, limit: int) -> int:
+        """The largest dp up to `limit` that the run accepts and that the free resources could hold now: a
+        heal or growth aims there, not at a dp between valid ones (which scale_to would release again), and
+        not while the room for the next valid dp is missing (which would cost a placement timeout a step)."""
+        mesh = self.actor_mesh
+        room = mesh.dp + _replicas_with_room(mesh)
+        return max([d for d in self.dps if d <= min(limit, room)], default=mesh.dp)
 
     def _recover(self, failure: BaseException, step: int) -> int:
         """Continue after `failure` (before `step` ran, or of `step` itself); returns the step to run next.
@@ -495,9 +500,12 @@ def _latest(root: str) -> str | None:
         return None
 
 
-def _room_for_replica(actor_mesh: ActorMesh) -> bool:
-    """Whether free resources could hold one more replica (the placement itself decides for sure)."""
-    need = actor_mesh.pp * actor_mesh.tp
+def _replicas_with_room(actor_mesh: ActorMesh) -> int:
+    """How many more replicas the free resources could hold (the placement itself decides for sure)."""
+    per_replica = actor_mesh.pp * actor_mesh.cp * actor_mesh.tp
     free = ray.available_resources()
     res = actor_mesh.resources
-    return free.get("CPU", 0) >= need * res.cpus and free.get("GPU", 0) >= need * res.gpus
+    fits = int(free.get("CPU", 0) // (per_replica * res.cpus))
+    if res.gpus:
+        fits = min(fits, int(free.get("GPU", 0) // (per_replica * res.gpus)))
+    return fits
