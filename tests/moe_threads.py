@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from collectives import create_group
 from raypar import config, data, schedules
 from raypar.controller.actor_mesh import moe_totals
 from raypar.dp import DPStrategy
@@ -52,9 +53,10 @@ def reference(cfg: config.Config) -> dict[str, Any]:
     return {"loss": loss, "grads": grads, "moe": moe_totals({Coord(0, 0, 0): {"moe": moe_figures(model)}})}
 
 
-def parallel(cfg: config.Config, moe_class: type[MoELayer] = MoELayer) -> dict[str, Any]:
+def parallel(cfg: config.Config, moe_class: type[MoELayer] = MoELayer, make_group: Any = create_group
+             ) -> dict[str, Any]:
     """One step of `cfg`'s dp x cp x tp (SP) x ep layout on threads; `moe_class` replaces the MoE layers'
-    class (negative controls)."""
+    class (negative controls); `make_group` forms the groups (tests.fake_nccl for NCCL's rules)."""
     par, m = cfg.parallel, cfg.model
     dp = cfg.dp_fixed
     mesh = Mesh(dp, 1, par.tp, ep=par.ep, cp=par.cp)
@@ -96,7 +98,8 @@ def parallel(cfg: config.Config, moe_class: type[MoELayer] = MoELayer) -> dict[s
         return {"coord": coord, "losses": [x.item() for x in backend.losses], "moe": moe_figures(model),
                 "grads": {n: (p.grad.clone(), *specs[n]) for n, p in model.named_parameters()}}
 
-    ranks = run_groups(mesh.world_size, {n: [mesh.rank(c) for c in mm] for n, mm in groups.items()}, member)
+    ranks = {n: [mesh.rank(c) for c in mm] for n, mm in groups.items()}
+    ranks = run_groups(mesh.world_size, ranks, member, make_group=make_group)
     losses = [x for r in ranks if r["coord"].tp == 0 for x in r["losses"]]  # cp ranks: equal shares
     grads: dict[str, torch.Tensor] = {}
     for r in ranks:  # tp shards into place; dense gradients from every replica (equal), experts from owners

@@ -17,6 +17,7 @@ import torch
 
 from collectives import GroupError, GroupTimeout, create_group
 from raypar import config, cp
+from tests import moe_threads
 from tests.fake_nccl import FakeNcclBackend, SimplexNcclBackend, make_group
 from tests.pipeline_threads import assert_step_matches, reference_step, run_step
 from tests.threads import run_groups
@@ -204,6 +205,17 @@ def test_ring_attention_over_nccl_matches_gloo(size):
 def test_serial_ring_shift_deadlocks():
     with pytest.raises(GroupError, match=DEADLOCK.format("1.5")):
         _ring(_SerialRing, 2, make_group, timeout_s=1.5)
+
+
+# -- expert parallelism: uneven all-to-alls, their sizes exchanged on the device -------------------------
+def test_moe_with_ep_tp_and_sp_over_nccl_matches_gloo():
+    cfg = config.load("examples/configs/tiny.toml", [
+        "parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
+        "parallel.microbatches=2", "train.global_batch=8", "model.moe_experts=4", "model.moe_top_k=2",
+        "model.moe_capacity_factor=0.75", "model.moe_every=2", "model.moe_aux_loss_coef=0.1",
+    ])
+    over_nccl = moe_threads.parallel(cfg, make_group=make_group)
+    moe_threads.assert_matches(over_nccl, moe_threads.parallel(cfg), 1e-5)
 
 
 # -- failure: abort, a peer's abort, timeouts --------------------------------------------------------------
