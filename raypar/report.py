@@ -26,7 +26,7 @@ import itertools
 import json
 import statistics
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -80,14 +80,62 @@ def timeline_rows(step: int, per_actor: Mapping[tuple[int, ...], Mapping[str, An
     ]
 
 
-# What each file's records must hold for the pictures (the rest is optional).
-METRICS_KEYS = ("step", "loss", "tokens_per_s", "dp", "pp", "tp")
-TIMELINE_KEYS = ("step", "dp", "pp", "tp", "step_s", "events")
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def read_jsonl(path: Path, keys: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file, each an object with `keys`; ValueError naming the file and line.
-    A last line cut short (a run killed while writing it) is left out."""
+def _number(v: Any) -> bool:  # nan and inf included: a diverged loss is still a record
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _events(v: Any) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(e, list) and len(e) == 4 and isinstance(e[0], str) and _kind(e[0]) in COLOURS
+        and isinstance(e[1], int)
+        and _number(e[2]) and _number(e[3])
+        for e in v
+    )
+
+
+def _expert_load(v: Any) -> bool:
+    return isinstance(v, dict) and all(
+        k.isdigit() and isinstance(loads, list) and loads and all(_number(x) for x in loads)
+        for k, loads in v.items()
+    )
+
+
+# What each file's records must hold for the pictures, by key: (required, the rule, what it reads as).
+# A value of another type (a hand-edited or damaged file) is refused naming the line, never drawn.
+Schema = dict[str, tuple[bool, Callable[[Any], bool], str]]
+METRICS_KEYS: Schema = {
+    "step": (True, _count, "a step number"),
+    "loss": (True, _number, "a number"),
+    "tokens_per_s": (True, _number, "a number"),
+    "dp": (True, _count, "a count"),
+    "pp": (True, _count, "a count"),
+    "tp": (True, _count, "a count"),
+    "val_loss": (False, lambda v: v is None or _number(v), "a number or null"),
+    "expert_load": (False, lambda v: v is None or _expert_load(v), "layer -> per-expert numbers"),
+    "aux_loss": (False, _number, "a number"),
+    "dropped_tokens": (False, _number, "a number"),
+}
+TIMELINE_KEYS: Schema = {
+    "step": (True, _count, "a step number"),
+    "dp": (True, _count, "a count"),
+    "pp": (True, _count, "a count"),
+    "tp": (True, _count, "a count"),
+    "cp": (False, _count, "a count"),
+    "actor": (True, lambda v: isinstance(v, str), "the actor's name"),
+    "step_s": (True, _number, "a number"),
+    "events": (True, _events, "a list of [known op, microbatch, start, end]"),
+}
+
+
+def read_jsonl(path: Path, schema: Schema | None = None) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file, each an object that follows `schema`; ValueError naming the file
+    and line. A last line cut short (a run killed while writing it) is left out."""
+    schema = schema or {}
+    required = [k for k, (needed, _, _) in schema.items() if needed]
     try:
         lines = path.read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError:
@@ -102,8 +150,11 @@ def read_jsonl(path: Path, keys: tuple[str, ...] = ()) -> list[dict[str, Any]]:
             if number == len(lines):  # no newline after it: the write was cut short
                 continue
             raise ValueError(f"{path}:{number}: not a JSON record") from None
-        if not isinstance(record, dict) or any(k not in record for k in keys):
-            raise ValueError(f"{path}:{number}: a record needs {', '.join(keys)}")
+        if not isinstance(record, dict) or any(k not in record for k in required):
+            raise ValueError(f"{path}:{number}: a record needs {', '.join(required)}")
+        for key, (_, valid, what) in schema.items():
+            if key in record and not valid(record[key]):
+                raise ValueError(f"{path}:{number}: {key} must be {what}, got {record[key]!r:.60}")
         records.append(record)
     return records
 

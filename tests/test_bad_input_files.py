@@ -189,3 +189,35 @@ def test_init_from_intact_passes_the_check(hf_model):
 
     cfg = config.load(str(TINY), [f"model.init_from='{hf_model}'", "model.seq_len=16"])
     assert cfg.model.d_model == 32
+
+
+# -- raypar report: records of the wrong types ----------------------------------------------------------
+
+GOOD_METRICS = [{"step": s, "loss": 2.0 - s / 10, "tokens_per_s": 100.0, "dp": 1 + s % 2, "pp": 1, "tp": 1}
+                for s in range(4)]
+GOOD_TIMELINE = [{"step": s, "dp": 0, "pp": 0, "tp": 0, "step_s": 0.01, "actor": "raypar:r:dp0.pp0.tp0",
+                  "events": [["forward", 0, 0.0, 0.004], ["backward", 0, 0.004, 0.009]]} for s in range(4)]
+BAD_RECORDS = {
+    # name: (file, the bad record: a good one with these changes, the key the line names)
+    "metrics-step-string": ("metrics", {"step": "x"}, "step"),
+    "metrics-tokens-list": ("metrics", {"tokens_per_s": [1]}, "tokens_per_s"),
+    "metrics-loss-string": ("metrics", {"loss": "abc"}, "loss"),
+    "metrics-dp-null": ("metrics", {"dp": None}, "dp"),
+    "metrics-expert-load-string": ("metrics", {"expert_load": "q"}, "expert_load"),
+    "metrics-val-loss-list": ("metrics", {"val_loss": [0.5]}, "val_loss"),
+    "timeline-op-unknown": ("timeline", {"events": [["bogus", 0, 0.0, 0.01]]}, "events"),
+    "timeline-event-short": ("timeline", {"events": [["forward", 0]]}, "events"),
+    "timeline-step-s-string": ("timeline", {"step_s": "fast"}, "step_s"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_RECORDS))
+def test_report_refuses_a_record_of_the_wrong_type(tmp_path, capsys, kind):
+    name, change, key = BAD_RECORDS[kind]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text('[parallel]\nschedule = "1f1b"\npp = 1\n')
+    for file, good in (("metrics", GOOD_METRICS), ("timeline", GOOD_TIMELINE)):
+        records = [*good[:2], {**good[2], **change}, good[3]] if file == name else good
+        (run / f"{file}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    refused(capsys, ["report", str(run)], f"{run / name}.jsonl:3", key)
