@@ -28,6 +28,7 @@ import ray
 import torch
 
 from actors.buddy import BuddyCopies
+from actors.devices import OnDevice, cuda_ordinal
 from actors.replica_lead import ReplicaLead
 from actors.telemetry import ActorMetrics
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
@@ -102,11 +103,12 @@ class WorkerFailure(RuntimeError):
     """Raised inside an actor; the message is prefixed with the actor's coordinates."""
 
 
-class Worker(WorkerState, GroupHost, ReplicaLead):
+class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
     """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks) override
     the seams `_make_strategy`, `_make_expert_strategy`, `_bind_tp`, `_backend`, `_send_grad`, `_train_step`,
     `_sum_tied_grads`, `_write_shard` and `_buddy_copy` and wrap themselves the same way. Checkpoints,
-    healing and in-memory snapshots are in `WorkerState` (actors.worker_state)."""
+    healing and in-memory snapshots are in `WorkerState` (actors.worker_state). Every public method, a
+    subclass's too, runs on the actor's GPU whichever thread Ray runs it on (actors.devices.OnDevice)."""
 
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         torch.set_num_threads(threads)
@@ -138,7 +140,8 @@ class Worker(WorkerState, GroupHost, ReplicaLead):
             "pid": os.getpid(),
             "ip": ray.util.get_node_ip_address(),
             "cuda": torch.cuda.is_available(),
-            "gpu_ids": [int(i) for i in ray.get_gpu_ids()],
+            "gpu_ids": [str(i) for i in ray.get_gpu_ids()],  # numbers, or UUIDs from a preset list
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),  # what those ids index (actors.devices)
         }
 
     def _fail(self, what: str, err: Exception) -> WorkerFailure:
@@ -157,6 +160,7 @@ class Worker(WorkerState, GroupHost, ReplicaLead):
             self.copies = BuddyCopies()
         p, par = self.coord.pp, self.cfg.parallel
         self.device = self._device()
+        self._use_device(self.device)
         dtype = precision.DTYPES[self.cfg.train.precision]
         self.peak_flops = flops.device_peak_flops(self.device, dtype)  # measured once per process on CPU
         self.topo = schedules.Topology(par.pp, par.virtual_stages)
@@ -305,18 +309,20 @@ class Worker(WorkerState, GroupHost, ReplicaLead):
         if gpu_ids and torch.cuda.is_available():
             # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES keeps every GPU visible (NCCL needs that for
             # NVLink); the id Ray assigned picks ours.
-            device = torch.device("cuda", int(gpu_ids[0]))
-            torch.cuda.set_device(device)
-            return device
+            return torch.device("cuda", cuda_ordinal(gpu_ids[0], os.environ.get("CUDA_VISIBLE_DEVICES")))
         return torch.device("cpu")
 
     def deliver(self, key: tuple[str, int, int, int, int], refs: list, dtype: str) -> None:
         self.mailbox.put(tuple(key), (refs, dtype))
 
     def abort(self, epoch: int, step: int) -> None:
-        """Step `step` of membership `epoch` failed elsewhere: stop waiting for neighbours (collectives end
-        by their timeout). Later steps are not affected, however late this call arrives."""
+        """Step `step` of membership `epoch` failed elsewhere: stop waiting for neighbours, and abort the
+        NCCL groups of that membership so that their pending ops fail now (NCCL never notices a dead peer).
+        The driver re-forms every group under a new epoch after this call, so none of them is used again;
+        gloo groups end by the dead peer's closed sockets and are left alone. Later steps and memberships
+        are not affected, however late this call arrives."""
         self.mailbox.abort(epoch, step)
+        self.abort_groups(f"step {step} of membership {epoch} failed elsewhere", backend="nccl", epoch=epoch)
 
     # -- one step --------------------------------------------------------------------------------------
     def _batch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:

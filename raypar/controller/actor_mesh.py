@@ -22,6 +22,7 @@ from typing import Any
 import ray
 import torch
 
+from actors.devices import cuda_ordinal
 from actors.worker import WORKER_ENV, RemoteWorker
 from collectives.host import create_groups
 from collectives.ray_store import RendezvousServer
@@ -243,9 +244,14 @@ class ActorMesh(ActorCalls):
         self.leads = {first[group[0]]: True for group in groups}
 
     def devices(self) -> dict[str, int]:
-        """Each actor's GPU (the id Ray assigned it) by member label: where its NCCL communicators live.
-        Every GPU stays visible to every actor (see placement), so cuda:0 would be someone else's."""
-        return {c.key: w["gpu_ids"][0] for c, w in self.nodes.items() if w.get("gpu_ids")}
+        """Each actor's GPU by member label, as a CUDA device number in that actor's process: where its NCCL
+        communicators live. Every GPU stays visible to every actor (see placement), so cuda:0 would be
+        someone else's; the number is the position of Ray's id in a preset CUDA_VISIBLE_DEVICES."""
+        return {
+            c.key: cuda_ordinal(w["gpu_ids"][0], w.get("visible"))  # "visible": unset where not reported
+            for c, w in self.nodes.items()
+            if w.get("gpu_ids")
+        }
 
     def _await_started(self) -> None:
         """Wait until every actor process is up, so that group timeouts measure collectives, not start-up."""
@@ -385,11 +391,7 @@ class ActorMesh(ActorCalls):
 
     def scale_to(self, dp: int, timeout_s: float) -> str:
         """Add or remove replicas between steps. New ones are placed, join the groups under a new epoch and
-        receive parameters and optimizer state from replica rank 0. Lands only on a dp the run accepts
-        (cfg.valid_dps(): the global batch splits into whole microbatches, whole EP groups): when fewer
-        replicas than asked can be placed within `timeout_s`, it keeps the largest valid dp they make and
-        releases the others (at a dp outside the list the batch no longer splits as the run's does, and
-        training changes silently). Returns what happened, in one line."""
+        receive parameters and optimizer state from replica rank 0. Returns what happened."""
         self.commit()
         if dp != self.dp and self.cfg.parallel.zero >= 1:  # ZeRO: re-shard from the whole state
             self._gather({a.stash_state.remote(): c for c, a in self.actors.items()}, "stashing state")
@@ -398,39 +400,28 @@ class ActorMesh(ActorCalls):
             self._drop_replicas(gone)
             self._regroup()
             return f"removed replica(s) {sorted(gone)}: dp={self.dp}"
-        before = self.dp
-        new: list[int] = []
-        shortfall = ""
+        new: set[int] = set()
         try:
             while self.dp < dp:
                 d = next(i for i in itertools.count() if i not in self.replicas)
                 self._place_replica(d, timeout_s)
-                new.append(d)
+                new.add(d)
         except PlacementTimeout as err:
-            shortfall = self._land_on_valid_dp(dp, before, new, err)
+            partial = self.dp % self.cfg.parallel.ep  # expert-parallel groups need whole multiples of ep
+            if partial:
+                extra = set(self.replicas[-partial:])
+                self._drop_replicas(extra)
+                new -= extra
+            if not new:
+                return f"could not add a replica: {err}"
         if not new:
-            return shortfall or f"dp={self.dp} already"
-        fresh = not (set(self.replicas) - set(new))
-        self._regroup(new=set(new))
+            return f"dp={self.dp} already"
+        fresh = not (set(self.replicas) - new)
+        self._regroup(new=new)
         if not fresh:  # the new replicas take their part of the state from replica rank 0
             self._gather({a.sync_state.remote(0): c for c, a in self.actors.items()}, "healing new replicas")
-        self.ready |= set(new)
-        return f"added replica(s) {sorted(new)}: dp={self.dp}" + (f" ({shortfall})" if shortfall else "")
-
-    def _land_on_valid_dp(self, asked: int, before: int, new: list[int], err: PlacementTimeout) -> str:
-        """Only some of the replicas `scale_to` asked for were placed (`new`, in order): release the newest
-        of them down to the largest valid dp they reach (or all of them, back to `before`). Says what."""
-        placed = self.dp
-        land = max([d for d in self.cfg.valid_dps() if before <= d <= placed], default=before)
-        extra = new[land - before :]
-        if extra:
-            self._drop_replicas(set(extra))
-            del new[land - before :]
-        released = f"; released {sorted(extra)}, as dp={placed} is not one the run accepts" if extra else ""
-        return (
-            f"placed {placed - before} of the {asked - before} replica(s) asked for dp={asked}{released}; "
-            f"dp={self.dp} ({err})"
-        )
+        self.ready |= new
+        return f"added replica(s) {sorted(new)}: dp={self.dp}"
 
     def restart_all(self, dps: list[int], ckpt_uri: str | None, heal_timeout_s: float) -> int:
         """No intact replica: start replicas again and load `ckpt_uri` (or the seed's initial state when
