@@ -391,7 +391,11 @@ class ActorMesh(ActorCalls):
 
     def scale_to(self, dp: int, timeout_s: float) -> str:
         """Add or remove replicas between steps. New ones are placed, join the groups under a new epoch and
-        receive parameters and optimizer state from replica rank 0. Returns what happened."""
+        receive parameters and optimizer state from replica rank 0. Lands only on a dp the run accepts
+        (cfg.valid_dps(): the global batch splits into whole microbatches, whole EP groups): when fewer
+        replicas than asked can be placed within `timeout_s`, it keeps the largest valid dp they make and
+        releases the others (at a dp outside the list the batch no longer splits as the run's does, and
+        training changes silently). Returns what happened, in one line."""
         self.commit()
         if dp != self.dp and self.cfg.parallel.zero >= 1:  # ZeRO: re-shard from the whole state
             self._gather({a.stash_state.remote(): c for c, a in self.actors.items()}, "stashing state")
@@ -400,28 +404,39 @@ class ActorMesh(ActorCalls):
             self._drop_replicas(gone)
             self._regroup()
             return f"removed replica(s) {sorted(gone)}: dp={self.dp}"
-        new: set[int] = set()
+        before = self.dp
+        new: list[int] = []
+        shortfall = ""
         try:
             while self.dp < dp:
                 d = next(i for i in itertools.count() if i not in self.replicas)
                 self._place_replica(d, timeout_s)
-                new.add(d)
+                new.append(d)
         except PlacementTimeout as err:
-            partial = self.dp % self.cfg.parallel.ep  # expert-parallel groups need whole multiples of ep
-            if partial:
-                extra = set(self.replicas[-partial:])
-                self._drop_replicas(extra)
-                new -= extra
-            if not new:
-                return f"could not add a replica: {err}"
+            shortfall = self._land_on_valid_dp(dp, before, new, err)
         if not new:
-            return f"dp={self.dp} already"
-        fresh = not (set(self.replicas) - new)
-        self._regroup(new=new)
+            return shortfall or f"dp={self.dp} already"
+        fresh = not (set(self.replicas) - set(new))
+        self._regroup(new=set(new))
         if not fresh:  # the new replicas take their part of the state from replica rank 0
             self._gather({a.sync_state.remote(0): c for c, a in self.actors.items()}, "healing new replicas")
-        self.ready |= new
-        return f"added replica(s) {sorted(new)}: dp={self.dp}"
+        self.ready |= set(new)
+        return f"added replica(s) {sorted(new)}: dp={self.dp}" + (f" ({shortfall})" if shortfall else "")
+
+    def _land_on_valid_dp(self, asked: int, before: int, new: list[int], err: PlacementTimeout) -> str:
+        """Only some of the replicas `scale_to` asked for were placed (`new`, in order): release the newest
+        of them down to the largest valid dp they reach (or all of them, back to `before`). Says what."""
+        placed = self.dp
+        land = max([d for d in self.cfg.valid_dps() if before <= d <= placed], default=before)
+        extra = new[land - before :]
+        if extra:
+            self._drop_replicas(set(extra))
+            del new[land - before :]
+        released = f"; released {sorted(extra)}, as dp={placed} is not one the run accepts" if extra else ""
+        return (
+            f"placed {placed - before} of the {asked - before} replica(s) asked for dp={asked}{released}; "
+            f"dp={self.dp} ({err})"
+        )
 
     def restart_all(self, dps: list[int], ckpt_uri: str | None, heal_timeout_s: float) -> int:
         """No intact replica: start replicas again and load `ckpt_uri` (or the seed's initial state when
