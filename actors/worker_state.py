@@ -69,10 +69,11 @@ class WorkerState:
         scaler = self.scaler.state() if self.scaler is not None else {}
         count = stash[1] if stash is not None else self.strategy.step_count
         counts = [count, *scaler.values()]  # a float64 holds each of them exactly
-        steps = torch.tensor([float(c) for c in counts], dtype=torch.float64)
-        self.dp_group.broadcast(steps, dense_src)
+        # On the device: an NCCL group moves device memory only.
+        sent = torch.tensor([float(c) for c in counts], dtype=torch.float64, device=self.device)
+        steps = self.dp_group.broadcast(sent, dense_src).tolist()
         if self.scaler is not None:
-            self.scaler.load_state(dict(zip(scaler, steps[1:].tolist(), strict=True)))
+            self.scaler.load_state(dict(zip(scaler, steps[1:], strict=True)))
         # Experts come from the replica holding the same ones in the source's EP group, over the EDP group.
         sources = [(self.strategy, self.dp_group, dense_src)]
         sources.append((self.expert_strategy, self.edp_group, src_dp_rank // ep * cp))
@@ -88,7 +89,7 @@ class WorkerState:
                     state[name] = state[name].to(self.device)
                     if group is not None:
                         group.broadcast(state[name], src)
-            strategy.load_full_state(state, int(steps[0].item()))
+            strategy.load_full_state(state, int(steps[0]))
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def parameters(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
