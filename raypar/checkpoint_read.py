@@ -12,6 +12,7 @@ unpickled).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -38,6 +39,7 @@ from raypar.checkpoint import (
     subdirs,
     write_bytes,
 )
+from raypar.config import ModelConfig
 
 
 class _ShardFile:
@@ -143,6 +145,80 @@ class CheckpointReader:
         return out if dtype is None else out.to(dtype)
 
 
+def available_memory() -> int:
+    """Bytes this machine can still allocate without swapping (Linux's MemAvailable, else free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(nbytes: int, what: str, have: int | None = None) -> None:
+    """CheckpointError unless `nbytes` fit in `have` (default: this machine's available memory): a size
+    read from a file someone handed over is checked before it is allocated, not found by the allocator."""
+    have = available_memory() if have is None else have
+    if nbytes > have:
+        raise CheckpointError(f"{what} needs {nbytes / 2**30:,.1f} GiB of memory; this machine has "
+                              f"{have / 2**30:,.1f} GiB available")
+
+
+def model_config(reader: CheckpointReader) -> ModelConfig:
+    """The model a checkpoint holds: its manifest's meta.model, checked by the config rules and against
+    the shapes of the tensors stored (a model config that disagrees with its weights would build a model
+    of another size, or export a config.json that no loader can use); CheckpointError naming the manifest."""
+    from raypar import config
+    from raypar.model import LlamaStage  # heavier; only the readers that build the model need it
+
+    model = reader.meta.get("model")
+    if not isinstance(model, dict):
+        raise CheckpointError(f"{reader._where}: meta has no model config (meta.model)")
+    known = {f.name for f in dataclasses.fields(ModelConfig)} - {"init_from"}  # its files are not needed
+    try:
+        cfg = config.from_dict({"model": {k: v for k, v in model.items() if k in known}}).model
+    except config.ConfigError as err:
+        raise CheckpointError(f"{reader._where}: meta.{err}") from None
+    with torch.device("meta"):  # shapes and sizes without memory
+        stage = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, init=False)
+    for name, param in stage.named_parameters():
+        have = reader.global_shape(stage.init_source(name))
+        if have != tuple(param.shape):
+            raise CheckpointError(f"{reader._where}: meta.model implies {name} of shape {list(param.shape)}, "
+                                  f"the checkpoint holds {list(have)}")
+    return cfg
+
+
+def _rope_bytes(cfg: ModelConfig) -> int:
+    """Per position, building RoPE tables: float64 angles, cos and sin (head_dim / 2 each), fp32 copies."""
+    return 16 * cfg.head_dim
+
+
+def model_bytes(cfg: ModelConfig) -> int:
+    """Memory to build `cfg`'s whole model in one process: parameters and buffers, and the transients of
+    its RoPE tables."""
+    from raypar.model import LlamaStage
+
+    with torch.device("meta"):
+        stage = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, init=False)
+    tensors = [*stage.parameters(), *stage.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors) + _rope_bytes(cfg) * cfg.seq_len
+
+
+def decode_bytes(cfg: ModelConfig, positions: int) -> int:
+    """Memory to decode `positions` positions with a KV cache: keys and values of every layer in fp32,
+    twice while torch.cat grows them, and the RoPE tables of that many positions."""
+    kv_bytes = 2 * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+    return (_rope_bytes(cfg) + kv_bytes) * positions
+
+
+def read_bytes_peak(reader: CheckpointReader) -> int:
+    """The most memory `read_full` of one tensor of `reader` takes: the tensor and its coverage mask."""
+    return max(math.prod(reader.global_shape(n)) * (reader.dtype(n).itemsize + 1) for n in reader.names())
+
+
 def verify(ckpt_uri: str, hash_limit_bytes: int = 0) -> None:
     """Check a checkpoint's shard files against its manifest without loading it: each file exists and has
     the size the manifest records, and, if the checkpoint holds at most `hash_limit_bytes`, its sha256
@@ -226,9 +302,18 @@ def export(ckpt_uri: str, out_uri: str, prefix_filter: str | None = None) -> str
         n.startswith(prefix_filter) if prefix_filter is not None else not n.startswith(OPTIM_PREFIX))]
     if not names:
         raise CheckpointError(f"{reader._where}: no tensor name starts with {prefix_filter!r}")
+    fs, path = resolve_fs(out_uri)
+    try:
+        exists = fs.get_file_info(path).type == pafs.FileType.File
+    except FS_ERRORS as e:
+        raise CheckpointError(f"{out_uri}: cannot reach: {e}") from e
+    if exists:  # an earlier export, or any other file: never replaced without being asked
+        raise CheckpointError(f"{out_uri}: already exists; remove it or give another name")
+    # Every tensor at once, then the file's bytes (a second copy), and one read's transients.
+    tensor_bytes = sum(math.prod(reader.global_shape(n)) * reader.dtype(n).itemsize for n in names)
+    check_memory(2 * tensor_bytes + read_bytes_peak(reader), f"exporting {ckpt_uri}")
     data = safetensors.torch.save({n: reader.read_full(n) for n in names},
                                   metadata={"format": "pt", "step": str(reader.step)})
-    fs, path = resolve_fs(out_uri)
     if isinstance(fs, pafs.LocalFileSystem):
         if os.path.isdir(path):
             raise CheckpointError(f"{out_uri}: is a directory; give a file name such as model.safetensors")

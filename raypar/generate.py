@@ -14,20 +14,42 @@ token by its absolute position.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
 
 from raypar import checkpoint_read
-from raypar.config import ModelConfig
 from raypar.model import LlamaStage, apply_rope, rope_tables
 from raypar.tokenizer import Tokenizer, from_record
 
 
+def check_device(device: str) -> torch.device:
+    """`device` as torch names it, if this machine has it; ValueError naming --device otherwise."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device: {device!r} is not a device name (cpu, cuda, cuda:N)") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            raise ValueError(f"--device: {device} is not on this machine (torch sees {count} CUDA devices)")
+    elif dev.type != "cpu":
+        raise ValueError(f"--device: {device!r} is not supported (cpu, cuda, cuda:N)")
+    return dev
+
+
 def load(ckpt_uri: str, device: str = "cpu") -> tuple[LlamaStage, Tokenizer]:
+    """The checkpoint's whole model on `device`, and its tokenizer. The manifest's model config is checked
+    against its tensors, and its size against this machine's memory, before anything is allocated."""
+    dev = check_device(device)
     reader = checkpoint_read.CheckpointReader(ckpt_uri)
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    cfg = ModelConfig(**{k: v for k, v in reader.meta["model"].items() if k in fields})
+    cfg = checkpoint_read.model_config(reader)
+    need = checkpoint_read.model_bytes(cfg) + checkpoint_read.read_bytes_peak(reader)
+    checkpoint_read.check_memory(need, f"loading {ckpt_uri}")
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        checkpoint_read.check_memory(checkpoint_read.model_bytes(cfg), f"{ckpt_uri} on {dev}", free)
     model = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, init=False)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -98,8 +120,19 @@ def generate_ids(
     model: LlamaStage, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
     seed: int = 0, vocab: int | None = None, eos_id: int | None = None,
 ) -> list[int]:
-    """New token ids after `prompt`; ids >= `vocab` (padding rows of the embedding) are never drawn."""
+    """New token ids after `prompt`; ids >= `vocab` (padding rows of the embedding) are never drawn.
+    ValueError for a temperature that is not a finite number >= 0, or a length whose KV cache would not fit
+    the device's memory."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"--temperature: must be a finite number >= 0, got {temperature}")
     device = next(model.parameters()).device
+    positions = len(prompt) + max_tokens
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    try:
+        need = checkpoint_read.decode_bytes(model.cfg, positions)
+        checkpoint_read.check_memory(need, f"--max-tokens: decoding {positions:,} positions", free)
+    except checkpoint_read.CheckpointError as err:
+        raise ValueError(str(err)) from None
     decoder = Decoder(model, len(prompt) + max_tokens)
     gen = torch.Generator(device=device).manual_seed(seed)
     logits = decoder.prefill(torch.tensor([prompt], device=device))

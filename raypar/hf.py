@@ -16,6 +16,7 @@ Loading reads each actor's own slice of each tensor straight from the safetensor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -287,12 +288,10 @@ def export(ckpt_uri: str, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES) 
     from raypar import checkpoint, checkpoint_read  # heavier; only the export needs them
 
     reader = checkpoint_read.CheckpointReader(ckpt_uri)
-    model = reader.meta.get("model")
-    if not isinstance(model, dict):
-        raise checkpoint.CheckpointError(f"{ckpt_uri}/manifest.json: meta has no model config")
+    model = dataclasses.asdict(checkpoint_read.model_config(reader))  # agrees with the tensors' shapes
     names = [n for n in reader.names() if not n.startswith(checkpoint.OPTIM_PREFIX)]
     files: list[list[str]] = [[]]
-    size = 0
+    size, largest = 0, 0
     for name in names:
         nbytes = math.prod(reader.global_shape(name)) * reader.dtype(name).itemsize
         if files[-1] and size + nbytes > max_shard_bytes:
@@ -300,15 +299,21 @@ def export(ckpt_uri: str, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES) 
             size = 0
         files[-1].append(name)
         size += nbytes
+        largest = max(largest, size)
+    # One file's tensors in memory, a copy as safetensors lays them out, and one read's transients.
+    need = 2 * largest + checkpoint_read.read_bytes_peak(reader)
+    checkpoint_read.check_memory(need, f"exporting {ckpt_uri}")
     out = Path(out_dir).absolute()
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out}: already exists and is not empty")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out}: already exists and is not an empty directory")
     staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    staging.mkdir()
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
         _write_hf_dir(reader, staging, files, model)
         os.rename(staging, out)
+    except OSError as err:  # a read-only or full disk: the output is bad, not the checkpoint
+        raise checkpoint.CheckpointError(f"{out}: cannot write: {err.strerror or err}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return str(out)

@@ -221,3 +221,107 @@ def test_report_refuses_a_record_of_the_wrong_type(tmp_path, capsys, kind):
         records = [*good[:2], {**good[2], **change}, good[3]] if file == name else good
         (run / f"{file}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     refused(capsys, ["report", str(run)], f"{run / name}.jsonl:3", key)
+
+
+# -- checkpoints whose manifest lies about the model, and what is done with them -------------------------
+
+
+def _checkpoint(root: Path, change_manifest=None) -> Path:
+    """A tiny model's checkpoint (one shard, meta.model, byte tokenizer); its manifest then edited by
+    change_manifest(manifest). Returns the step directory."""
+    import dataclasses
+
+    from raypar import checkpoint
+    from raypar.config import ModelConfig
+    from raypar.model import LlamaStage
+
+    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=256, seq_len=32)
+    m = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, seed=3)
+    tensors = dict(m.named_parameters())
+    specs = {n: checkpoint.ShardSpec.full(t.shape) for n, t in tensors.items()}
+    meta = {"model": dataclasses.asdict(cfg), "tokenizer": {"kind": "bytes", "vocab_size": 256}}
+    step = Path(checkpoint.save(str(root), 1, {"dp0.pp0.tp0": (tensors, specs)}, meta))
+    if change_manifest:
+        manifest = json.loads((step / "manifest.json").read_text())
+        change_manifest(manifest)
+        (step / "manifest.json").write_text(json.dumps(manifest))
+    return step
+
+
+def _claim_shape(name: str, shape: list[int]):
+    """The manifest says tensor `name` has (global and local) `shape`."""
+    def change(m: dict) -> None:
+        m["tensors"][name]["global_shape"] = shape
+        for shard in m["shards"]:
+            if name in shard["tensors"]:
+                shard["tensors"][name].update(shape=shape, global_shape=shape)
+
+    return change
+
+
+def _claim_vocab(vocab: int):
+    """A manifest that says, consistently, that the model has `vocab` tokens: meta.model and the shapes of
+    the embedding and head agree, only the memory they need is out of reach."""
+    def change(m: dict) -> None:
+        m["meta"]["model"]["vocab_size"] = vocab
+        for name in ("embed.weight", "head.weight"):
+            _claim_shape(name, [vocab, 32])(m)
+
+    return change
+
+
+GENERATE = ["generate", "{ckpt}", "--prompt", "x", "--max-tokens", "4"]
+EXPORT = ["checkpoint", "export", "{ckpt}", "{out}/m.safetensors"]
+EXPORT_HF = ["checkpoint", "export", "{ckpt}", "{out}/hf", "--format", "hf"]
+CHECKPOINT_CASES = {
+    # name: (manifest change, argv with {ckpt} and {out}, text the line must hold)
+    "generate-no-meta-model": (lambda m: m["meta"].pop("model"), GENERATE, "meta.model"),
+    "generate-d-model-2^20": (
+        lambda m: m["meta"]["model"].update(d_model=2**20), GENERATE, "meta.model implies"
+    ),
+    "generate-heads-0": (lambda m: m["meta"]["model"].update(n_heads=0), GENERATE, "n_heads"),
+    "generate-1e7-squared": (_claim_shape("embed.weight", [10**7, 10**7]), GENERATE, "implies"),
+    "generate-huge-vocab": (_claim_vocab(10**10), GENERATE, "GiB of memory"),
+    "generate-temperature-nan": (None, [*GENERATE, "--temperature", "nan"], "--temperature"),
+    "generate-temperature-inf": (None, [*GENERATE, "--temperature", "inf"], "--temperature"),
+    "generate-max-tokens-1e11": (
+        None, ["generate", "{ckpt}", "--prompt", "x", "--max-tokens", str(10**11)], "--max-tokens"
+    ),
+    "generate-device-garbage": (None, [*GENERATE, "--device", "banana"], "--device"),
+    "export-1e7-squared": (_claim_shape("embed.weight", [10**7, 10**7]), EXPORT, "GiB of memory"),
+    "export-hf-no-meta-model": (lambda m: m["meta"].pop("model"), EXPORT_HF, "meta.model"),
+    "export-hf-d-model-2^20": (
+        lambda m: m["meta"]["model"].update(d_model=2**20), EXPORT_HF, "meta.model implies"
+    ),
+    "export-hf-huge-vocab": (_claim_vocab(10**10), EXPORT_HF, "GiB of memory"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CHECKPOINT_CASES))
+def test_checkpoint_that_lies_is_refused_before_allocating(tmp_path, capsys, kind):
+    change, args, expect = CHECKPOINT_CASES[kind]
+    step = _checkpoint(tmp_path / "ckpt", change)
+    refused(capsys, [a.format(ckpt=step, out=tmp_path) for a in args], expect)
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "m.safetensors").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_generate_on_cuda_without_a_gpu_is_refused(tmp_path, capsys):
+    step = _checkpoint(tmp_path / "ckpt")
+    argv = [a.format(ckpt=step) for a in GENERATE]
+    refused(capsys, [*argv, "--device", "cuda"], "--device", "cuda")
+
+
+@pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs Linux's /sys (read-only even for root)")
+def test_hf_export_onto_a_read_only_place_is_one_line(tmp_path, capsys):
+    step = _checkpoint(tmp_path / "ckpt")
+    out = "/sys/raypar-export-test/hf"  # a directory no one, root included, may create
+    refused(capsys, ["checkpoint", "export", str(step), out, "--format", "hf"], out, "cannot write")
+
+
+def test_safetensors_export_does_not_overwrite(tmp_path, capsys):
+    step = _checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "m.safetensors"
+    out.write_bytes(b"an earlier export, or anything else")
+    refused(capsys, ["checkpoint", "export", str(step), str(out)], str(out), "already exists")
+    assert out.read_bytes() == b"an earlier export, or anything else"
