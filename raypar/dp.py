@@ -336,8 +336,13 @@ class DPStrategy(DPState):
         grads = [self._mgrad(piece) for piece in self.layout.pieces if self._counted(piece)]
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         if grads:  # one fused call for all pieces: a norm per piece costs a dispatch each
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-            total += torch.stack(norms).double().square().sum()
+            # In float64: a parameter split across owners (ZeRO >= 1) is summed in two parts, which in fp32
+            # moves the norm, and with it the clip factor, by ~1e-7. With bf16 parameters that flips the
+            # rounding of the masters nearest a bf16 boundary, one 2^-8 step each, and the runs drift apart
+            # by ~1e-4 (more on CPUs whose bf16 kernels round differently). Squares of fp32 values are exact
+            # in fp64 and their sums off by ~1e-12, which the fp32 clip factor no longer sees.
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+            total += torch.stack(norms).square().sum()
         if self.sharded:
             self.group.all_reduce(total, "sum")
         return total
