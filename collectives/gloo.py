@@ -77,6 +77,20 @@ def _size_class(numel: int) -> int:
     return 1 << max(numel - 1, 0).bit_length()
 
 
+class _GlooPair:
+    """Two gloo ops under one handle (a send and a receive started together)."""
+
+    def __init__(self, *works: _GlooWork):
+        self._works = works
+
+    def wait(self, timeout_s: float) -> None:
+        for work in self._works:
+            work.wait(timeout_s)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
 class GlooBackend:
     def __init__(
         self, store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float, host: str | None = None
@@ -190,7 +204,14 @@ class GlooBackend:
     def barrier(self) -> _GlooWork:
         return _GlooWork(self._pg.barrier(self._barrier))
 
-    def abort(self) -> None:
+    def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> _GlooPair:
+        # Gloo matches messages asynchronously: the two ops need no grouping, only one handle.
+        return _GlooPair(self.send(send, dst), self.recv(recv, src))
+
+    def check(self, what: str = "") -> None:
+        pass  # a gloo op that fails raises from its own wait
+
+    def abort(self, reason: str = "") -> None:
         # ProcessGroupGloo has no abort; dropping the last reference closes its sockets, which makes peers'
         # pending ops fail with "connection closed" instead of waiting out their timeout.
         self._pg = None

@@ -206,8 +206,9 @@ class ActorMesh(ActorCalls):
         self._await_started()
         groups = {name: [c.key for c in m] for name, m in self.mesh.groups(self.replicas).items()}
         by_key = {c.key: a for c, a in self.actors.items()}
+        links = [name for name in groups if Mesh.is_pipe_link(name)]
         create_groups(
-            by_key, groups, self.server.address, self.epoch, self._backend(), timeout, self.devices()
+            by_key, groups, self.server.address, self.epoch, self._backend(), timeout, self.devices(), links
         )
         cfg = self.cfg.to_dict()
         refs = {}
