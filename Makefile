@@ -29,11 +29,13 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/collectives.py
 
-# On a machine with one GPU (CuPy from the `gpu` extra): NCCL ops, a llama-1b bf16 step against plain
-# PyTorch, two stages sharing the GPU, a checkpoint round trip. One JSON line per result; < 8 minutes.
-gpu-check: $(STAMP)
-	$(BIN)/python -m pip install -q -e '.[gpu]'
-	$(BIN)/python benchmarks/gpu_check.py
+# On a GPU machine, with that machine's own python3 and its CUDA torch, CuPy and ml_dtypes: no venv and no
+# install (the venv's pinned torch is a CPU wheel where this workplace's registry serves it, and the lent
+# GPU machine reaches no registry). Ray must be importable: on the lent H200 it travels as wheels
+# (benchmarks/gpu_wheels.sh; benchmarks/README.md, "GPU check", has the commands). Fails at once without
+# CUDA. One JSON line per row; < 8 minutes on one H200.
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) benchmarks/gpu_check.py --require-gpu
 
 clean:
 	rm -rf $(VENV) runs

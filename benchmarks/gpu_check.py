@@ -56,13 +56,18 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
-import ray  # noqa: E402
-import torch  # noqa: E402
+try:  # on the lent GPU machine a missing wheel is the likely failure: say so in one line
+    import ray
+    import torch
 
-from benchmarks import _common  # noqa: E402
-from collectives import GroupError, GroupSpec, LocalStoreRef, create_group  # noqa: E402
-from raypar import checkpoint, flops  # noqa: E402
-from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
+    from benchmarks import _common
+    from collectives import GroupError, GroupSpec, LocalStoreRef, create_group
+    from raypar import checkpoint, flops
+    from raypar.controller.actor_mesh import ActorMesh
+except ImportError as err:
+    sys.exit(
+        f"gpu_check: {err} (on the lent GPU machine Ray travels as wheels: benchmarks/README.md, GPU check)"
+    )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int64": torch.int64}
 SENTINEL = -7  # exact in every dtype above, and never one of the values an op should write
