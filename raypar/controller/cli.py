@@ -436,12 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UsageError) as err:
         print(f"raypar: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM's Terminated (Ray re-raises it as a plain one)
+        if stopping.terminated():
+            print("raypar: terminated (SIGTERM)", file=sys.stderr)
+            return stopping.EXIT_SIGTERM
         print("raypar: interrupted (Ctrl-C)", file=sys.stderr)
         return stopping.EXIT_SIGINT
-    except stopping.Terminated:
-        print("raypar: terminated (SIGTERM)", file=sys.stderr)
-        return stopping.EXIT_SIGTERM
 
 
 if __name__ == "__main__":

@@ -4,6 +4,13 @@ prints one line and exits with status 143 (128 + SIGTERM; Ctrl-C exits with 130)
 
 Ray's own SIGTERM handler (installed by `ray.init`) would exit at once without releasing anything, so
 `install` runs again once Ray is up.
+
+The handler's exception must be a KeyboardInterrupt. While the driver waits inside Ray (ray.wait, ray.get:
+most of a step), Ray's C extension runs pending signal handlers itself and lets only KeyboardInterrupt
+out, turning it into a KeyboardInterrupt of its own; anything else stays set behind a normal return and
+surfaces as `SystemError: <cyfunction CoreWorker.wait> returned a result with an exception set` with a
+traceback. So SIGTERM raises `Terminated` (a KeyboardInterrupt) and records that it came: whichever
+KeyboardInterrupt reaches the CLI, `terminated()` tells SIGTERM from Ctrl-C.
 """
 
 from __future__ import annotations
@@ -15,14 +22,22 @@ from types import FrameType
 EXIT_SIGTERM = 128 + signal.SIGTERM
 EXIT_SIGINT = 128 + signal.SIGINT
 
+_received = threading.Event()  # SIGTERM came (set in the handler, read where the interrupt is caught)
 
-class Terminated(BaseException):
-    """SIGTERM arrived. A BaseException, like KeyboardInterrupt, so no `except Exception` swallows it."""
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived. A KeyboardInterrupt, so no `except Exception` swallows it and Ray passes it on."""
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: a second must not cut the clean-up short
+    _received.set()
     raise Terminated()
+
+
+def terminated() -> bool:
+    """Whether the KeyboardInterrupt being handled was SIGTERM's (Ray may re-raise it as a plain one)."""
+    return _received.is_set()
 
 
 def install() -> None:
