@@ -391,6 +391,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         found_inf = [s.unscale_(1.0 / scale, check=check) for s in self._strategies()]  # both, always
         self._skip = self.scaler is not None and self._anywhere(any(found_inf))
         grad_norm = float("inf") if self._skip else self._clip_grad_norm()
+        self.check_groups()  # a step is complete only if no communicator failed under it
         end = time.perf_counter()
         busy = busy_seconds(events)
         result = {

@@ -50,6 +50,12 @@ class GroupHost:
                 else:
                     group.destroy()
 
+    def check_groups(self) -> None:
+        """Raise GroupError if any held group's communicator failed since it was formed: NCCL ops return
+        before they run, and an aborted communicator's kernels end as if they had succeeded."""
+        for group in self.__dict__.get("_raypar_groups", {}).values():
+            group.check()
+
     def group_devices(self) -> dict[str, int]:
         """The device index each group of this member was formed on (NCCL: its communicator's GPU)."""
         return {name: spec.device for name, spec in self.__dict__.get("_raypar_specs", {}).items()}

@@ -79,7 +79,7 @@ class FakeStream:
 
     def _run(self) -> None:
         while (kernel := self._kernels.get()) is not None:
-            kernel()
+            kernel()  # a kernel's misuse of NCCL is reported as the communicator's error (FakeCommunicator)
 
     def close(self) -> None:
         self._kernels.put(None)
@@ -168,6 +168,7 @@ class _World:
     cond: threading.Condition = field(default_factory=threading.Condition)
     joined: int = 0
     failed: set[int] = field(default_factory=set)  # members that aborted
+    misuse: str | None = None  # what real NCCL would hang or crash on: reported as an asynchronous error
     arrivals: dict[int, dict[int, tuple[str, torch.Tensor, Any]]] = field(default_factory=dict)
     links: dict[tuple[int, int], deque[_Message]] = field(default_factory=dict)
 
@@ -215,9 +216,10 @@ class FakeCommunicator:
             message = link.popleft()
             self.world.cond.notify_all()
         if message.data.numel() != count or message.data.dtype != _TORCH[dtype]:
-            raise AssertionError(f"fake NCCL: recv of {count} x {_TORCH[dtype]} matched a send of "
+            self.world.misuse = (f"recv of {count} x {_TORCH[dtype]} matched a send of "
                                  f"{message.data.numel()} x {message.data.dtype}")
-        _memory(ptr, count, dtype).copy_(message.data)
+        else:
+            _memory(ptr, count, dtype).copy_(message.data)
         with self.world.cond:
             message.taken.set()
             self.world.cond.notify_all()
@@ -253,7 +255,8 @@ class FakeCommunicator:
             got = world.arrivals[seq]
             kinds = {k for k, _, _ in got.values()}
             if kinds != {kind}:
-                raise AssertionError(f"fake NCCL: collective #{seq} mismatched across members: {kinds}")
+                world.misuse = f"collective #{seq} differs across members: {sorted(kinds)}"
+                return
             finish([got[r][1] for r in range(self.size)])
 
         if self._nccl.grouped() is not None:
@@ -293,6 +296,8 @@ class FakeCommunicator:
             self.world.cond.notify_all()
 
     def check_async_error(self) -> None:
+        if self.world.misuse is not None:
+            raise FakeNcclError(f"ncclInvalidUsage (fake NCCL): {self.world.misuse}")
         peers = self.world.failed - {self.rank}
         if peers and not self.aborted:
             raise FakeNcclError(f"ncclRemoteError: member(s) {sorted(peers)} aborted or died")

@@ -15,8 +15,11 @@ import time
 import pytest
 import torch
 
+from actors.worker_state import WorkerState
 from collectives import GroupError, GroupTimeout, create_group
-from raypar import config, cp
+from raypar import config, cp, data
+from raypar.dp import DPStrategy
+from raypar.model import LlamaStage
 from tests import moe_threads
 from tests.fake_nccl import FakeNcclBackend, SimplexNcclBackend, make_group
 from tests.pipeline_threads import assert_step_matches, reference_step, run_step
@@ -216,6 +219,63 @@ def test_moe_with_ep_tp_and_sp_over_nccl_matches_gloo():
     ])
     over_nccl = moe_threads.parallel(cfg, make_group=make_group)
     moe_threads.assert_matches(over_nccl, moe_threads.parallel(cfg), 1e-5)
+
+
+# -- a heal: the live replica's whole DP state broadcast to a new one --------------------------------------
+class _Replica(WorkerState):
+    """The worker's state mixin on a thread rank: what `sync_state` reads of an actor, nothing else."""
+
+    def __init__(self, cfg: config.Config, group, zero: int, trained: bool):
+        self.cfg, self.device, self.scaler, self._stash = cfg, torch.device("cpu"), None, None
+        m = cfg.model
+        self.model = LlamaStage(m, range(m.n_layers), True, True, None, cfg.train.seed)
+        self.dp_group = self.edp_group = group
+        trained_state = self._train_alone(cfg) if trained else None
+        self.strategy = DPStrategy(self.model, cfg.train, group, zero, 40_000, select=lambda n: True)
+        self.expert_strategy = DPStrategy(self.model, cfg.train, group, zero, 40_000, select=lambda n: False)
+        if trained_state is not None:
+            self.strategy.load_full_state(*trained_state)
+
+    def _train_alone(self, cfg: config.Config) -> tuple[dict[str, torch.Tensor], int]:
+        """Two updates without a group: moments and a step count that a fresh replica lacks."""
+        strategy = DPStrategy(self.model, cfg.train, None, 0, 40_000)
+        dataset = data.open_dataset(cfg.data, cfg.model)
+        sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
+        for step in range(2):
+            strategy.begin_step()
+            strategy.arm()
+            self.model(*data.microbatch(dataset, sampler, step, 0, 4)).backward()
+            strategy.finish()
+            strategy.step(1e-3)
+            strategy.zero_grad()
+        state = {n: t.clone() for n, t in strategy.full_state().items()}
+        strategy.close()
+        return state, strategy.step_count
+
+
+def _heal(make, src: int = 0) -> list[dict[str, torch.Tensor]]:
+    cfg = config.load("examples/configs/tiny.toml", ["parallel.dp=2", "train.global_batch=8"])
+
+    def rank_fn(rank, groups):
+        replica = _Replica(cfg, groups["dp"], 0, trained=rank == 0)
+        replica.sync_state(src)
+        return {**replica.strategy.full_state(), "steps": torch.tensor(replica.strategy.step_count)}
+
+    return run_groups(2, {"dp": [0, 1]}, rank_fn, 20, make)
+
+
+def test_a_heal_over_nccl_gives_the_new_replica_the_live_one_s_state():
+    healed = _heal(make_group)
+    assert int(healed[1]["steps"]) == 2
+    for name, want in healed[0].items():
+        assert torch.equal(healed[1][name], want), name
+
+
+def test_a_heal_from_the_wrong_replica_is_seen():
+    """Negative control: the fresh replica broadcasts (src 1): the trained one is overwritten, the counts
+    and moments are those of nothing."""
+    healed = _heal(make_group, src=1)
+    assert int(healed[0]["steps"]) == 0
 
 
 # -- failure: abort, a peer's abort, timeouts --------------------------------------------------------------
