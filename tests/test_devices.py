@@ -53,20 +53,20 @@ class _Probe(Worker):
     """A subclass's own public method: wrapped as Worker's are. Returns the calls its thread made so far."""
 
     def probe(self) -> list[torch.device]:
-        return [dev for thread, dev in self.calls if thread == threading.get_ident()]
+        return [dev for thread, dev in self.calls if thread == threading.current_thread()]
 
 
 @pytest.fixture
-def calls(monkeypatch) -> list[tuple[int, torch.device]]:
-    made: list[tuple[int, torch.device]] = []
-    monkeypatch.setattr(torch.cuda, "set_device", lambda dev: made.append((threading.get_ident(), dev)))
+def calls(monkeypatch) -> list[tuple[threading.Thread, torch.device]]:
+    made: list[tuple[threading.Thread, torch.device]] = []  # Thread objects: idents are reused
+    monkeypatch.setattr(torch.cuda, "set_device", lambda dev: made.append((threading.current_thread(), dev)))
     return made
 
 
 def _on_thread(fn: Any) -> tuple[Any, int]:
-    """fn() on a new thread: its result and the thread's id."""
+    """fn() on a new thread: its result and the thread."""
     out: list[Any] = []
-    thread = threading.Thread(target=lambda: out.append((fn(), threading.get_ident())))
+    thread = threading.Thread(target=lambda: out.append((fn(), threading.current_thread())))
     thread.start()
     thread.join(timeout=30)
     return out[0]
@@ -76,7 +76,7 @@ def test_every_call_sets_the_device_on_its_own_thread(calls):
     worker = _Probe("r", (0, 0, 0))
     worker.calls = calls
     worker._use_device(GPU3)  # as setup does, on its thread
-    assert calls == [(threading.get_ident(), GPU3)]
+    assert calls == [(threading.current_thread(), GPU3)]
     seen, _ = _on_thread(worker.probe)
     assert seen == [GPU3]  # already current when the method's body ran
     for method in (worker.memory_inventory, worker.group_devices):  # Worker's own, and a mixin's
