@@ -598,6 +598,8 @@ def dp_shared(budget: Budget, preset: str, device: str, steps: int) -> None:
         return  # its failed row is out; without the reference no variant can be judged
     held: list[ActorMesh] = []
 
+    plain_bytes: list[int] = []  # the unsharded variant's model state per rank, once it ran
+
     def variant(name: str, extra: list[str]) -> None:
         cfg = _common.make_config(preset, [*base, "parallel.dp=2", *extra])
         try:
@@ -606,19 +608,28 @@ def dp_shared(budget: Budget, preset: str, device: str, steps: int) -> None:
             else:
                 held.append(ActorMesh(cfg, "gpu-check-dp2"))
                 held[0].start()
-            got = [held[0].step(s).loss for s in range(steps)]
+            stepped = [held[0].step(s) for s in range(steps)]
         except Exception:
             held.pop().shutdown()
             raise
+        got = [r.loss for r in stepped]
+        # Model state (parameters, gradients, master weights, moments) of each rank: a ZeRO variant must hold
+        # less than the plain one, or it did not take effect and the loss comparison says nothing about it.
+        per_rank = [a["model_state_bytes"] for a in stepped[-1].per_actor.values()]
+        if name == "plain":
+            plain_bytes.append(max(per_rank))
+        sharded = name == "plain" or (bool(plain_bytes) and max(per_rank) < plain_bytes[0])
         worst = max(_rel_diffs(ref, got))
         emit(
             "dp_shared",
-            worst <= LAYOUT_RTOL,
+            worst <= LAYOUT_RTOL and sharded,
             variant=name,
             losses_dp1=ref,
             losses_dp2=got,
             max_rel_diff=worst,
             rtol=LAYOUT_RTOL,
+            state_bytes_per_rank=per_rank,
+            plain_state_bytes=plain_bytes[0] if plain_bytes else None,
         )
 
     try:
