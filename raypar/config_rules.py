@@ -107,6 +107,10 @@ def validate(cfg: Config) -> None:
         _require(getattr(p, key) > 0, f"parallel.{key}: must be a positive size, got {getattr(p, key)}")
     _require(p.max_dp >= 0, f"parallel.max_dp: must be >= 0 (0 means dp), got {p.max_dp}")
     _require(
+        not p.max_dp or p.max_dp >= p.min_dp,
+        f"parallel.max_dp: must be >= parallel.min_dp={p.min_dp} (or 0: dp), got {p.max_dp}",
+    )
+    _require(
         0 < p.gpus_per_actor <= 1,
         f"parallel.gpus_per_actor: must be in (0, 1] (a fraction shares a GPU), got {p.gpus_per_actor}",
     )

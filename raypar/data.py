@@ -390,7 +390,7 @@ def open_datasets(data_cfg: DataConfig, model_cfg: ModelConfig) -> tuple[Dataset
     full = open_dataset(data_cfg, model_cfg)
     if data_cfg.val_source:
         val_cfg = DataConfig(source=data_cfg.val_source, cache_dir=data_cfg.cache_dir)
-        return full, open_dataset(val_cfg, model_cfg)
+        return full, open_dataset(val_cfg, model_cfg, "data.val_source")
     if not data_cfg.val_fraction:
         return full, None
     held = math.ceil(full.num_samples * data_cfg.val_fraction)
@@ -417,11 +417,11 @@ def eval_microbatch(dataset: Dataset, batch: int, mb_index: int, mb_size: int, g
     return torch.stack(inputs), torch.stack(targets)
 
 
-def open_dataset(data_cfg: DataConfig, model_cfg: ModelConfig) -> Dataset:
+def open_dataset(data_cfg: DataConfig, model_cfg: ModelConfig, key: str = "data.source") -> Dataset:
     """The dataset `data.source` names: "synthetic", "stdlib", a prepared directory, or text-file globs.
 
     Text sources are prepared on first use into `data.cache_dir` and reused afterwards; a ConfigError
-    naming `data.source` (or `model.vocab_size`) says what is wrong with the config.
+    naming `key` (the config key the source came from) or `model.vocab_size` says what is wrong.
     """
     source, seq_len, vocab_size = data_cfg.source.strip(), model_cfg.seq_len, model_cfg.vocab_size
     if source == "synthetic":
@@ -429,33 +429,35 @@ def open_dataset(data_cfg: DataConfig, model_cfg: ModelConfig) -> Dataset:
         return SyntheticDataset(vocab_size, seq_len, seed=0)
     if source == "stdlib":
         out = Path(data_cfg.cache_dir) / f"stdlib-{platform.python_version()}"
-        return _prepared(stdlib_globs(), out, seq_len, vocab_size)
+        return _prepared(stdlib_globs(), out, seq_len, vocab_size, key)
     if source and (Path(source) / INDEX).is_file():
         try:
             return TokenDataset(source, seq_len, vocab_size)
         except (ValueError, OSError) as err:  # a broken or incomplete prepared directory
-            raise ConfigError(f"data.source: {err}") from None
+            raise ConfigError(f"{key}: {err}") from None
     if source and Path(source).is_dir():
         raise ConfigError(
-            f"data.source: {source} is a directory without {INDEX}; give a glob such as {source}/**/*.txt"
+            f"{key}: {source} is a directory without {INDEX}; give a glob such as {source}/**/*.txt"
         )
     globs = [g.strip() for g in source.split(",") if g.strip()]
     files = expand_globs(globs)
     if not files:
         raise ConfigError(
-            f'data.source: {data_cfg.source!r} is not "synthetic", "stdlib", a prepared directory, '
+            f'{key}: {data_cfg.source!r} is not "synthetic", "stdlib", a prepared directory, '
             "or a glob matching any file"
         )
     # Keyed by the matched files and their sizes, so adding or editing a file makes a new cache.
-    key = json.dumps([[f, os.path.getsize(f)] for f in files]).encode()
-    out = Path(data_cfg.cache_dir) / f"text-{hashlib.sha256(key).hexdigest()[:16]}"
-    return _prepared(globs, out, seq_len, vocab_size)
+    cache_key = json.dumps([[f, os.path.getsize(f)] for f in files]).encode()
+    out = Path(data_cfg.cache_dir) / f"text-{hashlib.sha256(cache_key).hexdigest()[:16]}"
+    return _prepared(globs, out, seq_len, vocab_size, key)
 
 
-def _prepared(globs: list[str], out: Path, seq_len: int, vocab_size: int) -> TokenDataset:
+def _prepared(globs: list[str], out: Path, seq_len: int, vocab_size: int, key: str) -> TokenDataset:
     if not (out / INDEX).is_file():
         try:
             prepare(globs, out)
+        except ValueError as err:  # an empty corpus, or a source file that cannot be read
+            raise ConfigError(f"{key}: {err}") from None
         except OSError as err:  # the cache directory is a file, unwritable, or the disk is full
             raise ConfigError(
                 f"data.cache_dir: cannot prepare the data in {out.parent}: {err.strerror or err}"

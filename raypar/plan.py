@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -176,8 +177,12 @@ def predict(
 
 
 # -- enumeration ------------------------------------------------------------------------------------------
+# The largest --devices planned for: ten times today's largest clusters, searched in seconds.
+MAX_DEVICES = 2**20
 def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of n in increasing order, in O(sqrt n): `--devices` may be any integer."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return small + [n // k for k in reversed(small) if k * k != n]
 
 
 def zero_stages(cfg: Config) -> tuple[int, ...]:
@@ -212,10 +217,15 @@ def candidates(cfg: Config, devices: int) -> list[tuple[Layout, Config]]:
     out = []
     n_layers = cfg.model.n_layers
     experts = cfg.model.moe_experts
+    m_cfg = cfg.model
     for cp, cp_style, tp in sequence_axes(cfg, devices):
+        # Necessary conditions of the config rules, checked before building any config: splits the model
+        # cannot take are skipped in bulk, so the search stays small however many devices are given.
+        if m_cfg.n_heads % tp or m_cfg.n_kv_heads % tp or m_cfg.seq_len % cp:
+            continue
         for pp in _divisors(devices // (tp * cp)):
             dp = devices // (tp * cp * pp)
-            if cfg.train.global_batch % dp:
+            if cfg.train.global_batch % dp or pp > n_layers:
                 continue
             # Only chunkings that split the layers evenly are tried (config.validate's rule, which still
             # decides, together with its schedule and microbatch rules).
@@ -236,6 +246,9 @@ def candidates(cfg: Config, devices: int) -> list[tuple[Layout, Config]]:
 
 def plan(cfg: Config, devices: int, memory: float, device: Device, mfu: float = 0.4) -> list[Prediction]:
     """Every valid layout on `devices` devices, fitting ones first, each group by predicted throughput."""
+    if devices > MAX_DEVICES:
+        raise ConfigError(f"--devices: at most {MAX_DEVICES:,} (the search is over divisors of it), got "
+                          f"{devices:,}")
     preds = []
     for layout, layout_cfg in candidates(cfg, devices):
         pred = predict(layout_cfg, layout, device, mfu)

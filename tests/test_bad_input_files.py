@@ -325,3 +325,48 @@ def test_safetensors_export_does_not_overwrite(tmp_path, capsys):
     out.write_bytes(b"an earlier export, or anything else")
     refused(capsys, ["checkpoint", "export", str(step), str(out)], str(out), "already exists")
     assert out.read_bytes() == b"an earlier export, or anything else"
+
+
+# -- smaller ones: which key is named, config rules, the planner's search --------------------------------
+
+
+@pytest.mark.parametrize("how", ["glob", "dir"])
+def test_val_source_matching_nothing_is_named_as_val_source(tmp_path, capsys, no_ray, how):
+    (tmp_path / "a-dir").mkdir()
+    source = str(tmp_path / "nothing" / "*.txt") if how == "glob" else str(tmp_path / "a-dir")
+    argv = train(tmp_path, "--set", f"data.val_source='{source}'", "--set", "train.eval_every=2")
+    line = refused(capsys, argv, "data.val_source")
+    assert "data.source" not in line
+
+
+def test_val_source_empty_text_is_named_as_val_source(tmp_path, capsys, no_ray):
+    (tmp_path / "empty.txt").write_text("")
+    argv = train(tmp_path, "--set", f"data.val_source='{tmp_path / 'empty.txt'}'",
+                 "--set", f"data.cache_dir='{tmp_path / 'cache'}'")
+    refused(capsys, argv, "data.val_source", "empty")
+
+
+def test_min_dp_above_max_dp_is_refused(tmp_path, capsys, no_ray):
+    refused(capsys, train(tmp_path, "--set", "parallel.min_dp=3", "--set", "parallel.max_dp=2"),
+            "parallel.max_dp", "parallel.min_dp=3")
+
+
+def test_plan_with_a_billion_devices_answers_in_seconds(capsys):
+    import signal
+    import time
+
+    def too_slow(*_):
+        raise TimeoutError("raypar plan searched for more than 60 s")
+
+    old = signal.signal(signal.SIGALRM, too_slow)
+    signal.alarm(60)
+    try:
+        start = time.monotonic()
+        argv = ["plan", str(TINY), "--device-memory", "80GB", "--devices"]
+        refused(capsys, [*argv, str(10**9)], "--devices", "at most 1,048,576")
+        assert cli.main([*argv, str(2**20)]) == 0  # the largest allowed: searched, nothing fits tiny
+        assert "0 of 0 valid layouts" in capsys.readouterr().out
+        assert time.monotonic() - start < 30
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
