@@ -10,8 +10,9 @@ machine (it says why). Sections, in order:
    `collectives.nccl.NcclBackend` and through `Group`, each writing OUT OF PLACE into an output filled with
    a sentinel (-7): at world size 1 every op is an identity, so only an overwritten sentinel shows NCCL (or
    Group) wrote the result. NCCL refuses two ranks on one GPU, so these are world-size-1 checks; reductions
-   over several ranks need several GPUs. The backend's all_reduce and broadcast work in place only: their
-   rows say whether NCCL ran them without error, and are null (not verifiable here) otherwise.
+   over several ranks need several GPUs. The backend's all_reduce and broadcast work in place only (and
+   Group answers in-place ops at world size 1 itself, so avg is checked through reduce_scatter): their rows
+   are false if NCCL raised or changed the values, and null (not verifiable here) otherwise.
    `handoff`: a CPU tensor and a non-contiguous one are refused with an error, not read as device memory.
 2. `stream_order`: a delayed producer (`torch.cuda._sleep`, then an in-place fill on the current stream);
    NCCL's output must hold the filled value (it waited for the producer), and a consumer queued on the
@@ -19,23 +20,26 @@ machine (it says why). Sections, in order:
    to the host before the GPU has drained (the host goes on launching kernels).
 3. `send_recv_self`: `Group.send_recv` to and from rank 0 (a grouped send + recv on one communicator; an
    ungrouped one deadlocks), 64 MiB.
-4. `abort`: an op pending behind a delayed producer, then `Group.abort`: the pending op and a later one
-   raise `GroupError`; the group re-formed under a new epoch works.
-5. `create_destroy`: 50 create/op/destroy cycles of an NCCL group leave device memory, threads and file
+4. `create_destroy`: 50 create/op/destroy cycles of an NCCL group leave device memory, threads and file
    descriptors where they were (bounds below, with what one leaked communicator would cost).
+5. `abort`: an op pending behind a delayed producer, then `Group.abort`: the pending op and a later one
+   raise `GroupError`; the group re-formed under a new epoch works.
 6. `step`: `llama-1b` in bf16 at (dp, pp, tp) = (1, 1, 1): raypar's losses against a plain PyTorch loop's
    on the same batches, its step time and MFU against the loop's (alternating blocks of steps).
 7. `pp2`: pp = 2 with two actors sharing the GPU (`parallel.gpus_per_actor = 0.5`), activations over the
    object store (device -> host -> plasma -> host -> device): losses equal the pp = 1 run's.
 8. `dp_shared`: dp = 2 on one GPU (two actors at 0.5 GPU each, so their groups are gloo over host memory)
-   without ZeRO, with ZeRO 1, 2, 3 and with ZeRO 2 + CPU offload: losses equal the dp = 1 run's.
+   without ZeRO, with ZeRO 1, 2, 3 and with ZeRO 2 + CPU offload: losses equal the dp = 1 run's, and each
+   ZeRO variant holds less model state per rank than plain DP (else it did not take effect).
 9. `checkpoint`: a pp = 2 run with dropout saved (parameters, Adam moments and step count, RNG), loaded
-   into fresh actors: parameters, optimizer counters and RNG states equal, and the next steps' losses equal
-   the ones the saved run went on to compute.
+   into fresh actors: parameters, optimizer counters and RNG states equal, and the next two steps' losses
+   equal the ones the saved run went on to compute (the second depends on the restored Adam moments).
 
-`--require-gpu` exits 1 at once (one line) when torch sees no CUDA device. Without a GPU, `--quick` runs the
-sections that need none (6-9 on the CPU at the `tiny` preset; the NCCL rows are null): the test suite does
-that so the script cannot rot. A section that hangs past its budget ends the run with a failed row.
+Sections 1-5 run in a child process (a broken CUDA context or a hang there spares the rest), 6-9 over a
+local Ray. `--require-gpu` exits 1 at once (one line) when torch sees no CUDA device. Without a GPU,
+`--quick` runs the sections that need none (6-9 on the CPU at the `tiny` preset; the NCCL rows are null):
+the test suite does that so the script cannot rot. A section that hangs past its budget ends the run with
+a failed row.
 """
 
 from __future__ import annotations
@@ -196,7 +200,7 @@ def nccl_ops(device: int) -> None:
                 y = x.clone()
                 raw.broadcast(y, 0).wait(T)
                 return y, x
-            if op == "all_to_all_uneven":  # 7 rows: no split of an even layout; the one peer takes all
+            if op == "all_to_all_uneven":  # 7 rows of 3: at world size 1 the one peer takes them all
                 x = _values((7, 3), dtype, dev)
             out = _sentinel(x)
             if op.startswith("reduce_scatter"):
@@ -329,6 +333,12 @@ def stream_order(device: int) -> None:
     group = create_group(_spec("gpu-check-order", store, 1, device))
     sleep_ms = 200.0
     cycles = sleep_cycles(dev, sleep_ms)
+    # NCCL connects a communicator's peers at their first op, on the host: done here, untimed, so that it
+    # neither delays the producer check nor counts as the host waiting for the GPU below.
+    warm = _values((1 << 20,), torch.float32, dev)
+    raw.all_gather(_sentinel(warm), warm).wait(NCCL_TIMEOUT_S)
+    group.send_recv(warm, 0, _sentinel(warm), 0)
+    torch.cuda.synchronize(dev)
 
     # The producer: the fill runs only after the sleep on the current stream. NCCL must wait for it, and the
     # consumer (a clone queued on the current stream after wait()) must wait for NCCL.
@@ -382,7 +392,9 @@ def send_recv_self(device: int) -> None:
     dev = torch.device("cuda", device)
     group = create_group(_spec("gpu-check-self", LocalStoreRef(), 0, device))
     x = _values((16 << 20,), torch.float32, dev)  # 64 MiB: several of NCCL's chunks
+    group.send_recv(x[:1024], 0, _sentinel(x[:1024]), 0)  # untimed: NCCL connects the peers at a first op
     out = _sentinel(x)
+    torch.cuda.synchronize(dev)
     start = time.perf_counter()
     group.send_recv(x, 0, out, 0)
     torch.cuda.synchronize(dev)
