@@ -86,9 +86,13 @@ def load(path: str | None, eos: str | None = None) -> Tokenizer:
     if path is None:
         return ByteTokenizer()
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"--tokenizer: cannot read {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"--tokenizer: {path} is not UTF-8 text (byte {err.start}), so not a tokenizer.json"
+        ) from None
     return HFTokenizer(text, eos, where=str(path))
 
 

@@ -68,3 +68,12 @@ def test_table_column_of_ints_is_refused(tmp_path, capsys, tokenizer):
     rc = prepare(str(table), *extra, "--out", str(tmp_path / "ds"))
     line = one_line(capsys)
     assert rc == 2 and "--column" in line and str(table) in line and "int64" in line, line
+
+
+def test_tokenizer_file_not_utf8_names_the_flag(tmp_path, capsys):
+    tok = tmp_path / "tok.json"
+    tok.write_bytes(b"\xff\xfe{not a tokenizer")
+    (tmp_path / "a.txt").write_text("text\n")
+    rc = prepare(str(tmp_path / "a.txt"), "--tokenizer", str(tok), "--out", str(tmp_path / "ds"))
+    line = one_line(capsys)
+    assert rc == 2 and line.startswith(f"raypar: --tokenizer: {tok}") and "UTF-8" in line, line
