@@ -76,4 +76,4 @@ def test_tokenizer_file_not_utf8_names_the_flag(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("text\n")
     rc = prepare(str(tmp_path / "a.txt"), "--tokenizer", str(tok), "--out", str(tmp_path / "ds"))
     line = one_line(capsys)
-    assert rc == 2 and line.startswith(f"raypar: --tokenizer: {tok}") and "UTF-8" in line, line
+    assert rc == 2 and f"--tokenizer: {tok}" in line and "UTF-8" in line, line
