@@ -3,6 +3,11 @@
 Each run has a small named actor, `raypar:<run>:control`, created by its driver. Requests land there and
 the driver picks them up at the next step boundary (one non-blocking check per step); the driver also
 posts its status there after every step, so `raypar status` never disturbs the training loop.
+
+Ray restarts the actor if its process dies (kill -9, a crash): the driver's handle and the name stay
+valid, and calls in flight are retried on the new process, so the run never notices. What the restart
+loses: a scale request made since the driver last took one (`raypar scale` again), and the status until
+the driver posts the next step's (one step).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ def control_name(run: str) -> str:
     return f"raypar:{run}:control"
 
 
-@ray.remote(num_cpus=0, max_concurrency=4)
+@ray.remote(num_cpus=0, max_concurrency=4, max_restarts=-1, max_task_retries=-1)
 class RunControl:
     def __init__(self, run: str, valid_dps: list[int]):
         self.run, self.valid_dps = run, valid_dps

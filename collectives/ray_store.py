@@ -49,7 +49,11 @@ class _Keys:
             self.changed.notify_all()
 
 
-@ray.remote(num_cpus=0, max_concurrency=10_000)
+# Restarted by Ray when its process dies, empty: every key is under a group's (name, epoch) prefix and used
+# only while that group forms, so the driver's next re-formation (a new epoch) finds all it needs. A join
+# that was waiting in the dead process is retried on the new one and times out there, like any join whose
+# peers never came; the driver then re-forms under a new epoch.
+@ray.remote(num_cpus=0, max_concurrency=10_000, max_restarts=-1, max_task_retries=-1)
 class StoreActor:
     """c10d store semantics (set, get-with-wait, add, compare_set, ...) over one dict."""
 
