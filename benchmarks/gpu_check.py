@@ -10,9 +10,9 @@ machine (it says why). Sections, in order:
    `collectives.nccl.NcclBackend` and through `Group`, each writing OUT OF PLACE into an output filled with
    a sentinel (-7): at world size 1 every op is an identity, so only an overwritten sentinel shows NCCL (or
    Group) wrote the result. NCCL refuses two ranks on one GPU, so these are world-size-1 checks; reductions
-   over several ranks need several GPUs. The backend's all_reduce and broadcast work in place only (and
-   Group answers in-place ops at world size 1 itself, so avg is checked through reduce_scatter): their rows
-   are false if NCCL raised or changed the values, and null (not verifiable here) otherwise.
+   over several ranks need several GPUs. The backend's all_reduce and broadcast are called with their
+   `out` tensor (NCCL's separate send and receive buffers); Group answers its in-place ops at world size 1
+   itself, so avg is checked through reduce_scatter.
    `handoff`: a CPU tensor and a non-contiguous one are refused with an error, not read as device memory.
 2. `stream_order`: a delayed producer (`torch.cuda._sleep`, then an in-place fill on the current stream);
    NCCL's output must hold the filled value (it waited for the producer), and a consumer queued on the
@@ -192,14 +192,14 @@ def nccl_ops(device: int) -> None:
 
         def run(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
             x = _values((6, 2), dtype, dev)
-            if op in ("all_reduce_sum", "all_reduce_max"):  # in place: the API has no output argument
-                y = x.clone()
-                raw.all_reduce(y, op.rsplit("_", 1)[1]).wait(T)
-                return y, x
+            if op in ("all_reduce_sum", "all_reduce_max"):  # out of place: NCCL's own send/recv buffers
+                out = _sentinel(x)
+                raw.all_reduce(x, op.rsplit("_", 1)[1], out=out).wait(T)
+                return out, x
             if op == "broadcast":
-                y = x.clone()
-                raw.broadcast(y, 0).wait(T)
-                return y, x
+                out = _sentinel(x)
+                raw.broadcast(x, 0, out=out).wait(T)
+                return out, x
             if op == "all_to_all_uneven":  # 7 rows of 3: at world size 1 the one peer takes them all
                 x = _values((7, 3), dtype, dev)
             out = _sentinel(x)
@@ -233,7 +233,6 @@ def nccl_ops(device: int) -> None:
 
         return run
 
-    in_place = {"all_reduce_sum", "all_reduce_max", "broadcast"}
     cases: dict[tuple[str, str], Callable[[torch.dtype], tuple[torch.Tensor, torch.Tensor]]] = {}
     for op in (
         "all_reduce_sum",
@@ -274,16 +273,6 @@ def nccl_ops(device: int) -> None:
         ms = (time.perf_counter() - start) * 1e3
         if failed:
             emit("nccl", False, path=path, op=op, failed=failed, ms=ms)
-        elif path == "backend" and op in in_place:
-            emit(
-                "nccl",
-                None,
-                path=path,
-                op=op,
-                ms=ms,
-                unverified="in place at world size 1: the values "
-                "are the same whether NCCL wrote them or not (the backend takes no output tensor)",
-            )
         else:
             emit("nccl", True, path=path, op=op, dtypes=list(DTYPES), ms=ms)
     start = time.perf_counter()

@@ -279,10 +279,13 @@ class NcclBackend:
         return src if self.duplex else 0
 
     # -- operations -----------------------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: str) -> _NcclWork:
-        ptr, dtype, red = self._ptr(tensor), self._dtype(tensor.dtype), self._red(op)
+    def all_reduce(self, tensor: torch.Tensor, op: str, out: torch.Tensor | None = None) -> _NcclWork:
+        """In place, or into `out` (NCCL's separate send and receive buffers: what proves, at world size 1,
+        that NCCL wrote anything)."""
+        out = tensor if out is None else out
+        src, dst, dtype, red = self._ptr(tensor), self._ptr(out), self._dtype(tensor.dtype), self._red(op)
         return self._launch(
-            "all_reduce", 0, [tensor], lambda c, s: c.allReduce(ptr, ptr, tensor.numel(), dtype, red, s)
+            "all_reduce", 0, [tensor, out], lambda c, s: c.allReduce(src, dst, tensor.numel(), dtype, red, s)
         )
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> _NcclWork:
@@ -323,10 +326,12 @@ class NcclBackend:
 
         return self._launch("all_to_all", 0, [out, inp], body)
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> _NcclWork:
-        ptr, dtype = self._ptr(tensor), self._dtype(tensor.dtype)
+    def broadcast(self, tensor: torch.Tensor, src: int, out: torch.Tensor | None = None) -> _NcclWork:
+        """In place, or from `tensor` (read at `src` only) into `out`."""
+        out = tensor if out is None else out
+        sptr, rptr, dtype = self._ptr(tensor), self._ptr(out), self._dtype(tensor.dtype)
         return self._launch(
-            "broadcast", 0, [tensor], lambda c, s: c.broadcast(ptr, ptr, tensor.numel(), dtype, src, s)
+            "broadcast", 0, [tensor, out], lambda c, s: c.broadcast(sptr, rptr, tensor.numel(), dtype, src, s)
         )
 
     def send(self, tensor: torch.Tensor, dst: int) -> _NcclWork:

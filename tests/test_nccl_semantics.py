@@ -86,6 +86,19 @@ def test_the_comparison_sees_a_wrong_result():
     assert bad != gloo and bad[0]["all_reduce"] != gloo[0]["all_reduce"]
 
 
+def test_backend_all_reduce_and_broadcast_write_into_a_separate_output():
+    """gpu-check's world-size-1 rows rely on it: only an overwritten output proves NCCL wrote."""
+
+    def fn(rank, group):
+        backend, x = group._backend, torch.full((3,), float(rank + 1))
+        summed, sent = torch.full((3,), -7.0), torch.full((3,), -7.0)
+        backend.all_reduce(x, "sum", out=summed).wait(10)
+        backend.broadcast(x, 1, out=sent).wait(10)
+        return x.tolist(), summed.tolist(), sent.tolist()
+
+    assert two_ranks(fn) == [([1.0] * 3, [3.0] * 3, [2.0] * 3), ([2.0] * 3, [3.0] * 3, [2.0] * 3)]
+
+
 # -- handoff -----------------------------------------------------------------------------------------------
 def test_tensors_are_checked_before_nccl_reads_them():
     def solo(rank, group):
