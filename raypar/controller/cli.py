@@ -306,6 +306,8 @@ def _prepare(args: argparse.Namespace) -> int:
                              column=args.column, progress=not args.no_progress)
     except FileExistsError as err:
         raise UsageError(f"--out: {err}") from None
+    except ConfigError:  # already names its key (--tokenizer, --column, a source file)
+        raise
     except ValueError as err:  # a source file that cannot be read
         raise UsageError(f"sources: {err}") from None
     except OSError as err:
