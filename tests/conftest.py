@@ -29,3 +29,11 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`ray`: the tests that start or use the session's Ray (`make test`'s second pass under another
+    instruction set leaves them out: their numerics are the thread-rank tests', they only run longer)."""
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker("ray")
