@@ -1,7 +1,7 @@
 """Failures around the steps (issue 9): each is recovered like a failed step and counted the same way.
 
 - a checkpoint whose write fails (a full disk) costs only itself: the next steps run, its staging
-  directory is gone, the run's last checkpoint is still written;
+  directory is gone, the run's last checkpoint is still written, and it is not a failure of the run;
 - actors lost during a checkpoint snapshot, and again while the survivors re-form their groups;
 - GroupError, PlacementTimeout and CheckpointError raised between steps;
 - an actor that is alive but slow to answer is not taken for dead.
@@ -64,11 +64,32 @@ def test_failed_checkpoint_write_costs_only_itself(ray_session, tmp_path):
     cfg = tiny("parallel.pp=2", "train.steps=4", f"checkpoint.dir='{ckpt}'", "checkpoint.every=2")
     trainer, result = _run(cfg, "diskfull", tmp_path / "run", {Coord(0, 0, 0): ["disk_full:1"]})
     assert [m["step"] for m in metrics(tmp_path / "run")] == [0, 1, 2, 3]
-    assert result["restarts"] == 1, trainer.events  # counted against train.max_failures
+    assert result["restarts"] == 0, trainer.events  # not counted against train.max_failures
     assert any("checkpoint step 2 failed" in e and "No space left" in e for e in trainer.events)
     assert not any("called off" in e for e in trainer.events), trainer.events
     assert trainer.leftovers == [[]], "the failed checkpoint's staging directory was removed"
     assert [s for s, _ in checkpoint.list_checkpoints(str(ckpt))] == [4]
+    assert not list(ckpt.glob(".tmp-*"))
+
+
+def test_a_full_disk_does_not_use_up_max_failures(ray_session, tmp_path):
+    """The disk stays full for three checkpoints in a row (steps 2-4), more than train.max_failures=1. Before
+    the fix each counted as a failure of the run: "giving up after 2 failures ... No space left" at step 3.
+    Now each costs only itself: said in one line, staging removed, step 1's checkpoint intact, and the
+    checkpoint after the disk has room again publishes."""
+    ckpt = tmp_path / "ckpt"
+    cfg = tiny("train.steps=6", f"checkpoint.dir='{ckpt}'", "checkpoint.every=1", "train.max_failures=1")
+    faults = {Coord(0, 0, 0): ["disk_full:2", "disk_full:3", "disk_full:4"]}
+    trainer, result = _run(cfg, "diskfull3", tmp_path / "run", faults)
+    assert [m["step"] for m in metrics(tmp_path / "run")] == list(range(6)), trainer.events
+    assert result["restarts"] == 0, trainer.events
+    failed = [e for e in trainer.events if "failed" in e]
+    assert [e.split(" failed")[0] for e in failed] == [f"checkpoint step {s}" for s in (2, 3, 4)], failed
+    assert all("No space left" in e and "\n" not in e for e in failed), failed
+    assert trainer.leftovers == [[], [], []], "each failed checkpoint's staging directory was removed"
+    # keep=3: step 1 (published before the disk filled) is still there beside 5 and 6, and still loads
+    assert [s for s, _ in checkpoint.list_checkpoints(str(ckpt))] == [1, 5, 6]
+    assert checkpoint.load_manifest(checkpoint.resolve(str(ckpt), 1))["step"] == 1
     assert not list(ckpt.glob(".tmp-*"))
 
 
@@ -121,17 +142,19 @@ def test_errors_between_steps_are_recovered_and_counted(ray_session, tmp_path, m
             super().__init__(*args, **kwargs)
             self.actor_mesh = _FlakyMesh(self.cfg, self.name, {})
 
-    cfg = tiny("train.steps=4", f"checkpoint.dir='{ckpt}'", "checkpoint.every=2", "train.max_failures=3")
+    cfg = tiny("train.steps=4", f"checkpoint.dir='{ckpt}'", "checkpoint.every=2", "train.max_failures=2")
     trainer, result = _run(cfg, "flaky", tmp_path / "run", {}, Loop)
     assert [m["step"] for m in metrics(tmp_path / "run")] == [0, 1, 2, 3]
-    assert result["restarts"] == 3, trainer.events
+    # the failed checkpoint (staging not created) costs only itself, not one of train.max_failures
+    assert result["restarts"] == 2, trainer.events
+    assert any("checkpoint step 2 failed" in e and "abandoned" in e for e in trainer.events), trainer.events
     assert [s for s, _ in checkpoint.list_checkpoints(str(ckpt))] == [4]
 
-    # The same three failures with train.max_failures=2 end the run, naming the last one.
+    # The same failures with train.max_failures=1 end the run, naming the last one.
     calls.clear()
     _FlakyMesh.raised = set()
-    cfg = tiny("train.steps=4", f"checkpoint.dir='{ckpt}2'", "checkpoint.every=2", "train.max_failures=2")
-    with pytest.raises(actor_calls.RunFailure, match="giving up after 3 failures.*injected before step 2"):
+    cfg = tiny("train.steps=4", f"checkpoint.dir='{ckpt}2'", "checkpoint.every=2", "train.max_failures=1")
+    with pytest.raises(actor_calls.RunFailure, match="giving up after 2 failures.*injected before step 2"):
         _run(cfg, "flaky2", tmp_path / "run2", {}, Loop)
 
 

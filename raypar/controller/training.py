@@ -12,8 +12,9 @@ Anything that fails between steps (an actor lost during a scale, a heal or a che
 placement timeout, groups that do not form, storage errors) is recovered the same way and counts against
 train.max_failures the same way; so does a failure during a recovery. A step is complete once its phase 1
 finished everywhere: it is logged then, exactly once, and its update is applied by every intact replica
-whatever fails next. A checkpoint whose writing fails costs only itself (its staging directory is removed);
-one lost to a dead actor, or the run's last one, is written again.
+whatever fails next. A checkpoint whose writing fails costs only itself (its staging directory is removed)
+and is not counted against train.max_failures; one lost to a dead actor, or the run's last one, is written
+again (and counted).
 """
 
 from __future__ import annotations
@@ -361,6 +362,12 @@ class TrainingLoop:
                         step, completed = step + 1, None
                     if isinstance(failure, CheckpointFailed) and (failure.dead or failure.step == end):
                         rewrite = True
+                    elif isinstance(failure, CheckpointFailed):
+                        # A write that failed (a full disk, storage refusing) costs that checkpoint only,
+                        # not one of train.max_failures: a disk full for many checkpoints would end the run.
+                        # Only the run's last checkpoint, written again until it lands, counts.
+                        self.event(f"{failure}; abandoned, training goes on")
+                        continue
                     redo = self._recover(failure, step)
                     if redo < step:
                         self._open_logs(redo)
