@@ -109,3 +109,63 @@ def test_status_joins_a_token_cluster_with_only_the_token_at_hand():
         assert late.returncode == 1, late.stdout + late.stderr[-2000:]
         assert late.stderr.strip().splitlines() == [late.stderr.strip()]  # one line, no InvalidAuthToken
         assert late.stderr.startswith(f"raypar: could not connect to Ray at {cluster.address}"), late.stderr
+
+
+# A new local Ray under a typical umask, in a process of its own (this one has joined the session's Ray);
+# prints the token file's mode and whether Ray runs with the token in that file (not one of its own).
+LOCAL_START = """
+import os, stat, sys
+os.umask(0o022)
+from raypar.controller import connection
+connection.connect(None, num_cpus=1)
+from ray._raylet import AuthenticationTokenLoader
+path = os.path.join(os.environ["HOME"], ".ray", "auth_token")
+used = AuthenticationTokenLoader.instance().get_raw_token(ignore_auth_mode=True)
+print(oct(stat.S_IMODE(os.stat(path).st_mode)), used == open(path).read().strip())
+"""
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_a_local_ray_leaves_its_token_readable_by_its_owner_only(clean_env):
+    """Issue 24: the token file a local `ray.init()` generated was 0644 (Ray writes it with the umask's
+    mode): anyone on the machine could read it and join the run's Ray. raypar creates it first, 0600."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "HOME": str(clean_env)}
+    proc = subprocess.run(
+        [sys.executable, "-c", LOCAL_START], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0o600", "True"], (proc.stdout, proc.stderr[-2000:])
+
+
+def test_private_token_is_created_only_where_ray_would_generate_one(clean_env, monkeypatch):
+    token = clean_env / ".ray" / "auth_token"
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    ray_env.private_token()
+    assert not token.exists()  # no token authentication: Ray generates none, nor does raypar
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
+    ray_env.private_token()
+    assert not token.exists()  # a token at hand already
+    monkeypatch.delenv("RAY_AUTH_TOKEN")
+    old = os.umask(0o022)  # a typical umask, which leaves a plain open()'s file readable by all
+    try:
+        ray_env.private_token()
+    finally:
+        os.umask(old)
+    assert _mode(token) == 0o600 and len(token.read_text()) == 64
+    first = token.read_text()
+    ray_env.private_token()
+    assert token.read_text() == first  # an existing token is never replaced
+    # Negative control for the mode check: the file Ray's own generator writes fails it.
+    from ray._private.authentication.authentication_token_setup import generate_and_save_token
+
+    token.unlink()
+    old = os.umask(0o022)
+    try:
+        generate_and_save_token()
+    finally:
+        os.umask(old)
+    assert _mode(token) == 0o644

@@ -44,6 +44,7 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
         else:
             # Ray starts workers at nice 15; the actors are the training, not background work.
             os.environ.setdefault("RAY_worker_niceness", "0")
+            ray_env.private_token()  # else ray.init writes one that anyone on the machine can read
             if os.environ.setdefault(LOCAL_ONLY_ENV, "0") == "0":
                 # This process read the variable when it imported Ray; the processes ray.init starts read
                 # it from the environment.

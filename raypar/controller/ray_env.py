@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import socket
 import sys
 from collections.abc import Iterator
@@ -40,6 +41,23 @@ def _has_token() -> bool:
         or os.environ.get("RAY_AUTH_TOKEN_PATH")
         or (Path.home() / ".ray" / "auth_token").exists()
     )
+
+
+def private_token() -> None:
+    """Before a new local Ray starts: with token authentication on (Ray's default there) and no token at
+    hand, write the one Ray would generate, readable by its owner only. Ray writes `~/.ray/auth_token` with
+    a plain open(), so under the usual umask 022 anyone on the machine could read it and join the run's
+    Ray. Created with its mode (O_EXCL), never chmod-ed afterwards: no moment when others can read it."""
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token" or _has_token():
+        return
+    path = Path.home() / ".ray" / "auth_token"
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return  # another process wrote it meanwhile: that one stands
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))  # what Ray's generator makes: 256 random bits
 
 
 def prepare(address: str | None) -> None:
