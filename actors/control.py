@@ -16,6 +16,8 @@ from typing import Any
 
 import ray
 
+from actors.telemetry import per_step
+
 
 def control_name(run: str) -> str:
     return f"raypar:{run}:control"
@@ -37,10 +39,12 @@ class RunControl:
         self.requested = dp
         return f"run {self.run}: dp={dp} requested; applied at the next step boundary"
 
+    @per_step
     def take_request(self) -> int | None:
         requested, self.requested = self.requested, None
         return requested
 
+    @per_step
     def update(self, state: dict[str, Any]) -> None:
         self.state = state
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 
+from actors.telemetry import per_step
 from raypar.mesh import Coord
 
 RELAY_MARGIN_S = 5.0
@@ -54,6 +55,7 @@ class ReplicaLead:
         self.members = {Coord(*c): handle for c, handle in members.items()}
         self.relays = {Coord(*c): handle for c, handle in relays.items()}
 
+    @per_step
     def fan_out(self, method: str, args: tuple, timeout_s: float) -> ReplicaAnswer:
         """Call `method(*args)` on every member and through every relay; wait for all answers, or for the
         first error."""

@@ -210,8 +210,9 @@ class DirectTransport:
     """send/recv on the pair groups; gloo and NCCL both match messages between two ranks in order, and
     every schedule receives each directed link in send order (checked by raypar.schedules.simulate), so
     no tags are needed. On NCCL a pair group has a communicator per direction (collectives.nccl says why):
-    a receive posted ahead blocks only its own direction's stream, never a send the other way. In `prev_group` this rank is member 1, in `next_group` member 0 (the ring group
-    of interleaved pipelines lists the last stage first).
+    a receive posted ahead blocks only its own direction's stream, never a send the other way. In
+    `prev_group` this rank is member 1, in `next_group` member 0 (the ring group of interleaved pipelines
+    lists the last stage first).
 
     Gloo moves a message only once its receive is posted: a send that comes first only announces itself,
     and the data follows the receiver's notification, one round trip after the receiver gets to its recv.

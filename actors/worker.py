@@ -30,7 +30,7 @@ import torch
 from actors.buddy import BuddyCopies
 from actors.devices import OnDevice, cuda_ordinal
 from actors.replica_lead import ReplicaLead
-from actors.telemetry import ActorMetrics
+from actors.telemetry import ActorMetrics, per_step
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from actors.worker_state import WorkerState
 from collectives.host import GroupHost
@@ -312,6 +312,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             return torch.device("cuda", cuda_ordinal(gpu_ids[0], os.environ.get("CUDA_VISIBLE_DEVICES")))
         return torch.device("cpu")
 
+    @per_step
     def deliver(self, key: tuple[str, int, int, int, int], refs: list, dtype: str) -> None:
         self.mailbox.put(tuple(key), (refs, dtype))
 
@@ -332,6 +333,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         )
         return inputs.to(self.device), targets.to(self.device)
 
+    @per_step
     def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
         """Apply the update of step `commit` (every actor finished its phase 1), then phase 1 of `step`."""
         if commit is not None:
@@ -431,6 +433,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         if self.emb_group is not None:
             self.emb_group.all_reduce(self.model.tied_weight().grad, "sum")
 
+    @per_step
     @torch.no_grad()
     def eval_step(self, step: int, commit: int | None = None) -> float | None:
         """Validation loss after `step` (applying the update of step `commit` first): this replica's
