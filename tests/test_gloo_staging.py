@@ -6,7 +6,6 @@ tensors, on thread ranks; values are small integers, so any summation order is e
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch
 
 from collectives import Group, GroupInfo
 from collectives.gloo import GlooBackend
+from tests.threads import run_threads
 
 SIZE = 3
 ROWS = 7  # uneven over 3 ranks: 3, 2, 2
@@ -59,26 +59,13 @@ class _NoCopyBack(_Counting):
 def _run_ranks(backend_cls: type[GlooBackend], fn: Callable[[Group], Any], size: int = SIZE) -> list[Any]:
     """fn(group) on `size` threads, each a rank of one gloo group whose backend is a `backend_cls`."""
     store = torch.distributed.HashStore()
-    results: list[Any] = [None] * size
-    errors: list[BaseException] = []
     members = tuple(f"m{r}" for r in range(size))
 
-    def rank(r: int) -> None:
-        try:
-            backend = backend_cls(store, "staging/0", r, size, 20.0)
-            results[r] = fn(Group(GroupInfo("staging", 0, r, members, "gloo", 20.0), backend))
-        except BaseException as err:  # re-raised in the test thread below
-            errors.append(err)
+    def rank(r: int) -> Any:
+        backend = backend_cls(store, "staging/0", r, size, 20.0)
+        return fn(Group(GroupInfo("staging", 0, r, members, "gloo", 20.0), backend))
 
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not any(thread.is_alive() for thread in threads), "a rank did not finish"
-    if errors:
-        raise errors[0]
-    return results
+    return run_threads(size, rank)
 
 
 def _input(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:

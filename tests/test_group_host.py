@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +13,7 @@ from actors.transport import StepAborted, TransportTimeout
 from actors.worker import Worker
 from collectives import GroupError, GroupInfo, GroupSpec, GroupTimeout, LocalStoreRef
 from collectives.host import GroupHost
+from tests.threads import run_threads
 
 MEMBERS = ("m0", "m1")
 
@@ -24,24 +24,7 @@ class _Member(GroupHost):
 
 def _both(fn: Callable[[int], Any]) -> list[Any]:
     """fn(rank) for both members at once (joining a group blocks until every member joins)."""
-    out: list[Any] = [None, None]
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = fn(rank)
-        except BaseException as err:  # re-raised in the test thread below
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not any(thread.is_alive() for thread in threads), "a member did not finish"
-    if errors:
-        raise errors[0]
-    return out
+    return run_threads(2, fn)
 
 
 def _join(hosts: list[_Member], ref: LocalStoreRef, names: list[str], epoch: int) -> None:
