@@ -31,6 +31,18 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture
+def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Joining Ray fails the test: every bad input must be refused before that."""
+    from raypar.controller import connection, training
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("joined Ray: the bad input was not refused up front")
+
+    monkeypatch.setattr(connection, "connect", refuse)
+    monkeypatch.setattr(training, "connect", refuse)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """`ray`: the tests that start or use the session's Ray (`make test`'s second pass under another
     instruction set leaves them out: their numerics are the thread-rank tests', they only run longer)."""

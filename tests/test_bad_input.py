@@ -417,18 +417,6 @@ def _cases() -> list:
     return cases
 
 
-@pytest.fixture
-def no_ray(monkeypatch):
-    """Joining Ray fails the test: every bad input must be refused before that."""
-    from raypar.controller import connection, training
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("joined Ray: the bad input was not refused up front")
-
-    monkeypatch.setattr(connection, "connect", refuse)
-    monkeypatch.setattr(training, "connect", refuse)
-
-
 @pytest.mark.parametrize("argv, expect", _cases())
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, no_ray, argv, expect):
     files = Files(tmp_path)

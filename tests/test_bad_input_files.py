@@ -16,18 +16,6 @@ from tests.runs import TINY
 from tests.test_prepare import corpus, train_bpe
 
 
-@pytest.fixture
-def no_ray(monkeypatch):
-    """Joining Ray fails the test: every bad input must be refused before that."""
-    from raypar.controller import connection, training
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("joined Ray: the bad input was not refused up front")
-
-    monkeypatch.setattr(connection, "connect", refuse)
-    monkeypatch.setattr(training, "connect", refuse)
-
-
 def refused(capsys, argv: list[str], *expect: str) -> str:
     """Run the CLI; assert exit 2 and one line holding every `expect`; return the line."""
     rc = cli.main(argv)
