@@ -345,3 +345,15 @@ def test_a_member_that_never_arrives_times_out_and_the_communicator_is_aborted()
         return True
 
     assert two_ranks(fn, timeout_s=1)[0] is True
+
+
+def test_joining_a_group_a_member_never_joins_ends_at_the_timeout():
+    """ncclCommInitRank blocks until every member calls it and has no timeout of its own: the backend gives
+    up after the group's timeout with an error that says what it waited for (the init thread stays behind,
+    blocked, as NCCL offers no way to cancel it)."""
+    store = torch.distributed.HashStore()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ncclCommInitRank timed out after 1s waiting for the members"):
+        FakeNcclBackend(store, "lonely/0", 0, 2, 1.0, 0)
+    assert time.monotonic() - start < 10
+
