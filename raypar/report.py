@@ -36,11 +36,12 @@ from raypar.schedules import COMPUTE_OPS, bubble_formula
 COMM_OPS = ("recv_act", "send_act", "recv_grad", "send_grad")
 TAIL = "reduce+optimizer"
 
-# One colour per kind of time; receives (mostly waiting for a neighbour) and sends are told apart.
+# One colour per kind of time, each its own (the legend names a kind by its colour); receives (mostly
+# waiting for a neighbour) and sends are told apart.
 COLOURS = {
     "forward": "#3b75af",
     "backward": "#ef8636",
-    "backward_input": "#ef8636",
+    "backward_input": "#8c564b",
     "backward_weight": "#2ca02c",
     "recv": "#c03d3e",
     "send": "#9467bd",
@@ -264,6 +265,22 @@ def _kind(op: str) -> str:
     return op if op in COMPUTE_OPS or op == TAIL else op.partition("_")[0]
 
 
+def _kinds_drawn(rows: list[Row], phase: Mapping[int, float]) -> set[str]:
+    """The kinds of time the Gantt chart of `rows` shows: those of its spans, and idle where a row has time
+    that no span covers (an actor's spans follow one another: it runs one op at a time)."""
+    kinds = set()
+    for row in rows:
+        covered = 0.0
+        for op, _, t0, t1 in sorted(_spans(row, phase[row["dp"]]), key=lambda span: span[2]):
+            kinds.add(_kind(op))
+            if t0 > covered:
+                kinds.add("idle")
+            covered = max(covered, t1)
+        if covered < row["step_s"]:
+            kinds.add("idle")
+    return kinds
+
+
 def plot_timeline(rows: list[Row], path: Path, title: str) -> None:
     """A Gantt chart of one step: a row per actor, replicas top to bottom, time in ms from step start."""
     import matplotlib
@@ -306,7 +323,7 @@ def plot_timeline(rows: list[Row], path: Path, title: str) -> None:
     ax.grid(axis="x", color="#d0d0d0", linewidth=0.5)
     ax.set_axisbelow(True)
     ax.set_title(title, fontsize=11)
-    handles = [Patch(color=COLOURS[k], label=LEGEND[k]) for k in COLOURS]
+    handles = [Patch(color=COLOURS[k], label=LEGEND[k]) for k in COLOURS if k in _kinds_drawn(rows, phase)]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=9)
     fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))  # keep the bottom 0.35 in for the legend
     fig.savefig(path)
@@ -346,26 +363,43 @@ def plot_metrics(metrics: list[dict[str, Any]], path: Path) -> None:
     bottom.set_ylabel("tokens / s")
     bottom.set_xlabel("step")
     bottom.set_ylim(bottom=0)
+    changes = []
     for before, after in itertools.pairwise(metrics):
         if before["dp"] != after["dp"]:
             for ax in (top, bottom):
                 ax.axvline(after["step"] - 0.5, color="black", linestyle=":", linewidth=1)
-            top.annotate(
-                f"dp {before['dp']}→{after['dp']}",
-                (after["step"] - 0.5, 1),
-                xycoords=("data", "axes fraction"),
-                xytext=(4, -4),
-                textcoords="offset points",
-                va="top",
-                fontsize=8,
+            changes.append(
+                top.annotate(
+                    f"dp {before['dp']}→{after['dp']}",
+                    (after["step"] - 0.5, 1),
+                    xycoords=("data", "axes fraction"),
+                    xytext=(4, -4),
+                    textcoords="offset points",
+                    va="top",
+                    fontsize=8,
+                )
             )
     for ax in (top, bottom):
         ax.grid(color="#d0d0d0", linewidth=0.5)
     last = metrics[-1]
     top.set_title(f"loss and throughput (dp={last['dp']}, pp={last['pp']}, tp={last['tp']})", fontsize=11)
     fig.tight_layout()
+    _stack_labels(fig, changes)  # after the layout: overlaps are decided by where the labels finally land
     fig.savefig(path)
     plt.close(fig)
+
+
+def _stack_labels(fig: Any, labels: list[Any]) -> None:
+    """Move each dp-change label down a line at a time until it overlaps none placed before it: changes a
+    few steps apart have labels wider than the gap between their lines."""
+    renderer = fig.canvas.get_renderer()
+    placed = []
+    for label in labels:
+        x, y = label.xyann
+        while any(label.get_window_extent(renderer).overlaps(box) for box in placed):
+            y -= 1.25 * label.get_fontsize()  # one line, in points
+            label.xyann = (x, y)
+        placed.append(label.get_window_extent(renderer))
 
 
 def plot_expert_load(metrics: list[dict[str, Any]], path: Path) -> None:
