@@ -230,7 +230,7 @@ def validate(cfg: Config) -> None:
         "train.eval_every: needs held-out data: set data.val_fraction or data.val_source",
     )
 
-    _require(c.every >= 0, f"checkpoint.every: must be >= 0 (0 disables), got {c.every}")
+    _require(c.every >= 0, f"checkpoint.every: must be >= 0 (0: only the run's end), got {c.every}")
     _require(c.keep > 0, f"checkpoint.keep: must be positive, got {c.keep}")
     _require(not c.every or bool(c.dir), "checkpoint.dir: must be set when checkpoint.every > 0")
     # The copies of replica r live on replica r+1: a single replica has no buddy to hold them.

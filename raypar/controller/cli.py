@@ -206,9 +206,15 @@ def _resolve_resume(cfg: Config, which: str) -> str:
                 print(f"raypar: --resume: {note}", file=sys.stderr)
             if notes:
                 print(f"raypar: --resume: using {uri}, the newest intact checkpoint", file=sys.stderr)
-        saved = checkpoint.load_manifest(uri)["meta"].get("model", {})
+        manifest = checkpoint.load_manifest(uri)
     except (checkpoint.CheckpointError, OSError, checkpoint.pa.ArrowException) as err:
         raise ConfigError(f"--resume: {err}") from None
+    saved = manifest["meta"].get("model", {})
+    if manifest["step"] > cfg.train.steps:  # the run would train nothing and end "done"
+        raise ConfigError(
+            f"--resume: {uri} is at step {manifest['step']}, past train.steps={cfg.train.steps}: nothing "
+            "to train (set train.steps above the checkpoint's step)"
+        )
     mine = dataclasses.asdict(cfg.model)
     diff = [k for k in mine if k != "preset" and k in saved and saved[k] != mine[k]]
     if diff:
@@ -248,15 +254,18 @@ def _train(args: argparse.Namespace) -> int:
     except RunFailure as err:
         print(f"raypar: run {name} failed: {err}", file=sys.stderr)
         return 1
-    tokens_s = summary["tokens"] / summary["wall_s"] if summary["wall_s"] else 0.0
+    # this run's tokens over this run's time (a resumed run's total counts the steps before it too)
+    mine = summary["run_tokens"]
+    tokens_s = mine / summary["wall_s"] if summary["wall_s"] else 0.0
+    resumed = f" ({mine:,} in this run)" if mine != summary["tokens"] else ""
     loss = (
         f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
         if summary["final_loss"] is not None
         else ""
     )
     print(
-        f"raypar: run {summary['run']} done at step {summary['steps']}: {loss}{summary['tokens']:,} tokens "
-        f"in "
+        f"raypar: run {summary['run']} done at step {summary['steps']}: {loss}{summary['tokens']:,} tokens"
+        f"{resumed} in "
         f"{summary['wall_s']:.1f}s ({tokens_s:,.0f} tokens/s overall), {summary['restarts']} restarts; "
         f"{summary['run_dir']}/metrics.jsonl"
     )

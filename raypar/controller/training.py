@@ -331,6 +331,7 @@ class TrainingLoop:
         cfg, actor_mesh = self.cfg, self.actor_mesh
         end = min(cfg.train.steps, self.stop_at) if self.stop_at is not None else cfg.train.steps
         first_loss = last = None
+        start = step  # a resumed run's first step: its own tokens are those of the steps from here
         self._open_logs(step)
         bar = tqdm(total=end, initial=step, disable=not self.progress, unit="step", dynamic_ncols=True)
         with bar:
@@ -386,6 +387,7 @@ class TrainingLoop:
             "first_loss": first_loss,
             "final_loss": last and last["loss"],
             "tokens": last["tokens"] if last else 0,
+            "run_tokens": self.tokens_per_step * max(step - start, 0),  # trained in this run's wall_s
             "wall_s": time.perf_counter() - wall,
             "run_dir": str(self.run_dir),
             "restarts": self.restarts,
@@ -444,12 +446,13 @@ class TrainingLoop:
         return bool(every) and ((step + 1) % every == 0 or step + 1 == self.cfg.train.steps)
 
     def _checkpoint_due(self, step: int, end: int) -> bool:
-        """Every `checkpoint.every` steps and after the last; also when `--stop-at` ends the run early, so
-        that it can be resumed."""
-        every, steps = self.cfg.checkpoint.every, self.cfg.train.steps
-        periodic = bool(every) and (step % every == 0 or step == steps)
-        stopping = step == end < steps and bool(self.cfg.checkpoint.dir)
-        return step > 0 and (periodic or stopping)
+        """Every `checkpoint.every` steps and after the last (also with `checkpoint.every = 0`, whenever
+        `checkpoint.dir` is set); also when `--stop-at` ends the run early, so that it can be resumed."""
+        every = self.cfg.checkpoint.every
+        periodic = bool(every) and step % every == 0
+        # the run's end (its last step, or --stop-at) whenever checkpoint.dir is set, with every = 0 too
+        final = step == end and bool(self.cfg.checkpoint.dir)
+        return step > 0 and (periodic or final)
 
     def _status(self, record: dict[str, Any]) -> dict[str, Any]:
         return {
