@@ -12,6 +12,7 @@ Loading reads each actor's own slice of each tensor straight from the safetensor
     fields = model_fields(path)            # ModelConfig fields; ConfigError names an unsupported field
     load_stage(stage, path)                # fill one LlamaStage (any stage, any tp rank) from the files
     export(ckpt_uri, out_dir)              # raypar checkpoint -> config.json + model*.safetensors
+                                           # (+ the run's tokenizer, its EOS named, if it had one)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 
 from raypar.config import ConfigError, ModelConfig
 from raypar.corpus import file_inside
+from raypar.tokenizer import HFTokenizer, from_record
 
 CONFIG, INDEX = "config.json", "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 2**30  # per exported file; a larger model is split into files with an index
@@ -303,6 +305,7 @@ def export(ckpt_uri: str, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES) 
     # One file's tensors in memory, a copy as safetensors lays them out, and one read's transients.
     need = 2 * largest + checkpoint_read.read_bytes_peak(reader)
     checkpoint_read.check_memory(need, f"exporting {ckpt_uri}")
+    tokenizer = _tokenizer(reader)
     out = Path(out_dir).absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out}: already exists and is not an empty directory")
@@ -310,7 +313,7 @@ def export(ckpt_uri: str, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES) 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
-        _write_hf_dir(reader, staging, files, model)
+        _write_hf_dir(reader, staging, files, model, tokenizer)
         os.rename(staging, out)
     except OSError as err:  # a read-only or full disk: the output is bad, not the checkpoint
         raise checkpoint.CheckpointError(f"{out}: cannot write: {err.strerror or err}") from None
@@ -319,7 +322,26 @@ def export(ckpt_uri: str, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES) 
     return str(out)
 
 
-def _write_hf_dir(reader: Any, staging: Path, files: list[list[str]], model: dict[str, Any]) -> None:
+def _tokenizer(reader: Any) -> HFTokenizer | None:
+    """The run's tokenizer as its checkpoint recorded it (None: byte-level, which HF has no file for);
+    CheckpointError naming the manifest if the record is damaged."""
+    from raypar.checkpoint import CheckpointError
+
+    record = reader.meta.get("tokenizer")
+    if not isinstance(record, dict) or not record.get("json"):
+        return None
+    try:
+        tok = from_record(record)
+    except (ConfigError, KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{reader._where}: meta.tokenizer is not a tokenizer record: {err}") from None
+    if tok.eos_token is None:
+        raise CheckpointError(f"{reader._where}: meta.tokenizer.eos_id {tok.eos_id} is not in its vocabulary")
+    return tok
+
+
+def _write_hf_dir(
+    reader: Any, staging: Path, files: list[list[str]], model: dict[str, Any], tokenizer: HFTokenizer | None
+) -> None:
     weight_map, total = {}, 0
     for k, group in enumerate(files):
         file = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" if len(files) > 1 else "model.safetensors"
@@ -331,7 +353,15 @@ def _write_hf_dir(reader: Any, staging: Path, files: list[list[str]], model: dic
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (staging / INDEX).write_text(json.dumps(index, indent=1))
-    (staging / CONFIG).write_text(json.dumps(config_json(model), indent=1))
-    tokenizer = reader.meta.get("tokenizer") or {}
-    if tokenizer.get("json"):
-        (staging / "tokenizer.json").write_text(tokenizer["json"])
+    config = config_json(model)
+    if tokenizer is not None:
+        # The EOS the documents were joined by, named where transformers looks: AutoTokenizer's eos_token
+        # (tokenizer.json alone names no EOS) and the model's, which generate() stops at.
+        config["eos_token_id"] = tokenizer.eos_id
+        special = {"eos_token": tokenizer.eos_token}
+        (staging / "tokenizer.json").write_text(tokenizer.text)
+        (staging / "tokenizer_config.json").write_text(
+            json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **special}, indent=1)
+        )
+        (staging / "special_tokens_map.json").write_text(json.dumps(special, indent=1))
+    (staging / CONFIG).write_text(json.dumps(config, indent=1))

@@ -71,6 +71,11 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.impl.decode([int(i) for i in ids if i < self.vocab_size], skip_special_tokens=False)
 
+    @property
+    def eos_token(self) -> str | None:
+        """The EOS token's text (None if the id is not in the vocabulary: a damaged record)."""
+        return self.impl.id_to_token(self.eos_id)
+
     def record(self) -> dict[str, Any]:
         return {
             "kind": "hf",
