@@ -15,6 +15,10 @@ here, not in production code. Faults are strings per actor coordinate:
   (`train_step`, `apply_step`, `rebind`, `save_shard`, `sync_state`, `rng_state`); only the first actor
   started at a coordinate carries it, so a replica rebuilt there runs clean;
 - `slow_ping:S`: once set up, `where` (the controller's ping) answers after S seconds: alive but busy;
+- `stall_in:METHOD:N:S`: the N-th call of METHOD (those of `exit_in`, and `setup`) waits S seconds first: a
+  moment that lasts long enough for a signal to land in it (tests/test_stop_moments.py);
+- `stall_write:N:S`: the shards of the N-th checkpoint are written, then their writes take S seconds more
+  (meanwhile the staging directory holds shards and no manifest);
 - `disk_full:N`: writing its N-th checkpoint shard fails with ENOSPC;
 - `stale_buddy`: (checkpoint.in_memory) the buddy receives each snapshot under its step but with the
   contents of the one before: a copy one step old. `stale_buddy:PART`: only that part of the snapshot's
@@ -81,12 +85,24 @@ class _FaultyWorker(Worker):
         self.calls[method] += 1
         if f"exit_in:{method}:{self.calls[method]}" in self.faults:
             os._exit(1)
+        self._stall(f"stall_in:{method}:{self.calls[method]}:")
+
+    def _stall(self, prefix: str) -> None:
+        for fault in self.faults:
+            if fault.startswith(prefix):
+                time.sleep(float(fault[len(prefix) :]))  # the fault itself: a call that takes long
 
     def where(self) -> dict[str, Any]:
         slow = [float(f.split(":")[1]) for f in self.faults if f.startswith("slow_ping:")]
         if slow and hasattr(self, "cfg"):
             time.sleep(slow[0])  # the fault itself: a busy actor that answers late
         return super().where()
+
+    def setup(
+        self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int, keep_copies: bool = False
+    ) -> dict:
+        self._count("setup")
+        return super().setup(cfg, replicas, peers, epoch, keep_copies)
 
     def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
         self._count("train_step")
@@ -116,7 +132,9 @@ class _FaultyWorker(Worker):
         self.calls["write_shard"] += 1
         if f"disk_full:{self.calls['write_shard']}" in self.faults:
             raise OSError(errno.ENOSPC, "No space left on device (fault injected by the test suite)")
-        return super()._write_shard(staging, key, snap, specs)
+        entry = super()._write_shard(staging, key, snap, specs)
+        self._stall(f"stall_write:{self.calls['save_shard']}:")
+        return entry
 
     def _buddy_copy(self, snap: Snapshot) -> Snapshot:
         older = [s for s in self.copies.own if s.step < snap.step]

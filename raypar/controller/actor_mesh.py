@@ -146,7 +146,7 @@ class ActorMesh(ActorCalls):
         try:
             for p in range(self.pp):
                 placed.append(place_stage(self.run, d, p, self.cp * self.tp, self.resources, timeout_s))
-        except PlacementTimeout:
+        except BaseException:  # a timeout, or a stop (SIGTERM, Ctrl-C): all or none of the replica's stages
             release(placed)
             raise
         for p, pg in enumerate(placed):
@@ -526,7 +526,8 @@ class ActorMesh(ActorCalls):
         return full
 
     def shutdown(self) -> None:
-        self._drop_replicas(set(self.replicas))
+        # also a replica stopped while it was being started: its actors and groups exist, it is not listed
+        self._drop_replicas(set(self.replicas) | {c.dp for c in self.actors} | {d for d, _ in self.pgs})
         if self.server is not None:
             self.server.close()
             self.server = None

@@ -125,7 +125,11 @@ def place_stage(run: str, dp: int, pp: int, tp: int, res: ActorResources, timeou
     """Reserve the `tp` actors of replica `dp`, stage `pp` on one node; waits until placed."""
     name = f"raypar:{run}:dp{dp}.pp{pp}"
     pg = placement_group([res.bundle() for _ in range(tp)], strategy="STRICT_PACK", name=name)
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    try:
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    except BaseException:  # stopped while it waits (SIGTERM, Ctrl-C): no one else knows of the group
+        remove_placement_group(pg)
+        raise
     if not ready:
         remove_placement_group(pg)
         raise PlacementTimeout(

@@ -145,10 +145,12 @@ class TrainingLoop:
             meta = self._meta(next_step)
             stall = time.perf_counter() - start
             writes = self.actor_mesh.checkpoint_writes(writers)
-        except RECOVERABLE as err:
+        except BaseException as err:  # a failure, or a stop (SIGTERM, Ctrl-C): no staging directory stays
             if staging is not None:
                 checkpoint.discard(staging)
-            raise CheckpointFailed(next_step, err) from None
+            if isinstance(err, RECOVERABLE):
+                raise CheckpointFailed(next_step, err) from None
+            raise
         self.pending = PendingCheckpoint(staging, next_step, writes, meta, time.perf_counter(), stall)
 
     def _meta(self, next_step: int) -> dict[str, Any]:
@@ -188,7 +190,7 @@ class TrainingLoop:
             and ray.wait(list(self.pending.writes), num_returns=len(self.pending.writes), timeout=0)[1]
         ):
             return
-        pending, self.pending = self.pending, None
+        pending = self.pending  # held until published: a stop meanwhile leaves it to _drop_pending
         try:
             entries = self.actor_mesh.collect(pending.writes, "writing checkpoint shards")
             uri = checkpoint.publish(
@@ -200,8 +202,9 @@ class TrainingLoop:
                 keep=self.cfg.checkpoint.keep,
             )
         except RECOVERABLE as err:
-            checkpoint.discard(pending.staging)
+            self._drop_pending()
             raise CheckpointFailed(pending.step, err) from None
+        self.pending = None
         self.last_checkpoint = uri
         self.event(
             f"checkpoint step {pending.step} published: {uri} (training stalled "
@@ -309,6 +312,7 @@ class TrainingLoop:
                 return self._loop(control, step, wall)
             finally:
                 self.actor_mesh.shutdown()
+                self._drop_pending()  # a stop or a failure mid-write; after shutdown, so no writer is left
                 ray.kill(control)
 
     def _claim_name(self) -> Any:
