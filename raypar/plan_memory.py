@@ -253,6 +253,18 @@ def peak_bytes(plan: list[schedules.Instr], unit_bytes: list[int]) -> int:
     return peak
 
 
+def rank_states(cfg: Config, layout: Layout, p: int, chunks: list[range]) -> tuple[Params, float]:
+    """The parameters of one actor at pipeline rank `p` holding the layers of `chunks`, and the bytes of
+    their model states (parameters, gradients, optimizer moments, 16-bit: fp32 masters) as its ZeRO stage
+    shards them."""
+    held = [i for chunk in chunks for i in chunk]
+    params = stage_params(cfg.model, held, p == 0, p == layout.pp - 1, layout.tp, layout.ep)
+    group = layout.dp * layout.cp  # the ranks reducing (and under ZeRO sharding) the same gradients
+    states = model_state_bytes(params.dense, cfg.train.precision, layout.zero, group)
+    states += model_state_bytes(params.expert, cfg.train.precision, layout.zero, group // layout.ep)
+    return params, states
+
+
 def predict_memory(
     cfg: Config, layout: Layout, device_kind: str, wrong_in_flight: bool = False
 ) -> list[StageMemory]:
@@ -268,8 +280,7 @@ def predict_memory(
     tokens = mbs * m.seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)
     for p, chunks in enumerate(rank_chunks(cfg, layout)):
         ends = [(p == 0 and c == 0, p == layout.pp - 1 and c == v - 1) for c in range(v)]
-        held = [i for chunk in chunks for i in chunk]
-        params = stage_params(m, held, p == 0, p == layout.pp - 1, layout.tp, layout.ep)
+        params, states = rank_states(cfg, layout, p, chunks)
         unit_bytes = [
             stage_activation_bytes(
                 cfg, layers, first, last, layout.tp, mbs, device_kind, layout.recompute, TokenSplit.of(layout)
@@ -282,7 +293,5 @@ def predict_memory(
         # Every chunk but the model's last sends its output on (interleaved: the last rank's too, to rank 0).
         sends = 0 if p == layout.pp - 1 and v == 1 else in_flight * e * tokens * m.d_model
         logits = 8 * mbs * m.seq_len // layout.cp * m.vocab_size // layout.tp if p == layout.pp - 1 else 0
-        states = model_state_bytes(params.dense, t.precision, layout.zero, group)
-        states += model_state_bytes(params.expert, t.precision, layout.zero, group // layout.ep)
         out.append(StageMemory(states, max(unit_bytes), in_flight, acts, reduce + sends + logits))
     return out

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from raypar import config as config_mod
+from raypar import config_rules
 from raypar.config import Config, ConfigError
 from raypar.controller import ray_env, stopping
 
@@ -239,6 +240,7 @@ def _train(args: argparse.Namespace) -> int:
     shared_paths.make_absolute(cfg)  # actors run in other directories, and on other nodes
     samples = _check_data(cfg)
     _check_fits(cfg)
+    config_rules.check_local_memory(cfg, ray_env.target(args.address))  # a local Ray's actors all live here
     resume = shared_paths.absolute(_resolve_resume(cfg, args.resume)) if args.resume else None
     name = args.name or f"{Path(args.config).stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = args.run_dir or Path("runs") / name
