@@ -12,6 +12,7 @@ unpickled).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import math
@@ -19,6 +20,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow.fs as pafs
 import safetensors.torch
 import torch
@@ -219,11 +221,50 @@ def read_bytes_peak(reader: CheckpointReader) -> int:
     return max(math.prod(reader.global_shape(n)) * (reader.dtype(n).itemsize + 1) for n in reader.names())
 
 
+def _gap(pieces: list[dict[str, Any]], global_shape: list[int]) -> tuple[list[int], list[int]] | None:
+    """(offsets, shape) of a box of a tensor that none of its `pieces` (manifest entries) holds, or None.
+    Exact where counting elements is not (overlapping pieces can add up to the whole and still leave a
+    gap), and without a mask of the tensor's size: the piece boundaries cut each dimension into intervals,
+    and only the grid of those intervals is marked."""
+    bounds = []
+    for d, size in enumerate(global_shape):
+        ends = {t["offsets"][d] for t in pieces} | {t["offsets"][d] + t["shape"][d] for t in pieces}
+        bounds.append(sorted(ends | {0, size}))
+    covered = np.zeros([len(b) - 1 for b in bounds], dtype=bool)
+    for t in pieces:
+        box = zip(bounds, t["offsets"], t["shape"], strict=True)
+        covered[tuple(slice(bisect.bisect_left(b, o), bisect.bisect_left(b, o + n)) for b, o, n in box)] = 1
+    holes = np.argwhere(~covered)
+    if not len(holes):
+        return None
+    cell = list(zip(bounds, holes[0].tolist(), strict=True))
+    return [b[i] for b, i in cell], [b[i + 1] - b[i] for b, i in cell]
+
+
+def check_resumable(manifest: dict[str, Any], where: str) -> None:
+    """CheckpointError naming `where` (the manifest) unless a resume finds what it reads there: the
+    optimizer's update count (meta.optimizer_steps: Adam's bias correction continues from it) and every
+    tensor whole (its pieces leave no gap)."""
+    steps = manifest["meta"].get("optimizer_steps")
+    if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0):
+        got = "it is missing" if steps is None else f"got {steps!r:.40}"
+        raise CheckpointError(f"{where}: meta.optimizer_steps must be the optimizer's update count, {got}")
+    pieces: dict[str, list[dict[str, Any]]] = {}
+    for shard in manifest["shards"]:
+        for name, t in shard["tensors"].items():
+            pieces.setdefault(name, []).append(t)
+    for name, info in sorted(manifest["tensors"].items()):
+        if gap := _gap(pieces[name], info["global_shape"]):
+            raise CheckpointError(f"{where}: tensor {name!r}: no shard holds its part at offsets {gap[0]} "
+                                  f"shape {gap[1]} (of {info['global_shape']})")
+
+
 def verify(ckpt_uri: str, hash_limit_bytes: int = 0) -> None:
-    """Check a checkpoint's shard files against its manifest without loading it: each file exists and has
-    the size the manifest records, and, if the checkpoint holds at most `hash_limit_bytes`, its sha256
-    (that reads every byte). CheckpointError naming the first bad file. What loading finds anyway (and
-    later: once the actors have started), found up front."""
+    """Check a checkpoint against its manifest without loading it: each shard file exists and has the size
+    the manifest records, and, if the checkpoint holds at most `hash_limit_bytes`, its sha256 (that reads
+    every byte); then that it holds what a resume reads (`check_resumable`). CheckpointError naming the
+    first bad file or the manifest. What loading finds anyway (and later: once the actors have started),
+    found up front."""
     m = load_manifest(ckpt_uri)
     fs = resolve_fs(ckpt_uri)[0]
     hashes = sum(shard["bytes"] for shard in m["shards"]) <= hash_limit_bytes
@@ -239,6 +280,7 @@ def verify(ckpt_uri: str, hash_limit_bytes: int = 0) -> None:
             raise CheckpointError(f"{uri}: {info.size} bytes, manifest says {shard['bytes']} (truncated?)")
         if hashes:
             _ShardFile(uri, shard)
+    check_resumable(m, join_uri(ckpt_uri, MANIFEST))
 
 
 def newest_intact(root: str, hash_limit_bytes: int = 0) -> tuple[str, list[str]]:
