@@ -58,8 +58,13 @@ class Mesh:
             raise ValueError(f"mesh ep={self.ep} must divide dp={self.dp}")
 
     @property
+    def replica_size(self) -> int:
+        """Actors in one data-parallel replica: every (stage, cp rank, tp rank)."""
+        return self.pp * self.cp * self.tp
+
+    @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.cp * self.tp
+        return self.dp * self.replica_size
 
     def rank(self, coord: Coord) -> int:
         d, p, t, c = coord

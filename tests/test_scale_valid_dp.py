@@ -17,6 +17,7 @@ import ray
 from actors.worker import WORKER_THREADS
 from raypar import config
 from raypar.controller.placement import ActorResources, PlacementTimeout
+from raypar.mesh import Mesh
 from tests.stub_worker import StubActorMesh, _StubWorker
 
 
@@ -106,7 +107,7 @@ def test_the_run_heals_only_toward_a_valid_dp(monkeypatch):
 
     loop = training.TrainingLoop.__new__(training.TrainingLoop)  # only its dps and mesh are read
     loop.dps = [1, 2, 4]
-    loop.actor_mesh = SimpleNamespace(dp=2, pp=1, cp=1, tp=1, resources=ActorResources(cpus=1.0))
+    loop.actor_mesh = SimpleNamespace(dp=2, mesh=Mesh(2, 1, 1), resources=ActorResources(cpus=1.0))
     for free_cpus, want in ((0, 2), (1, 2), (2, 4), (5, 4)):
         monkeypatch.setattr(training.ray, "available_resources", lambda f=free_cpus: {"CPU": float(f)})
         assert loop._reachable_dp(4) == want, free_cpus

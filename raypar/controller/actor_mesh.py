@@ -112,9 +112,13 @@ class ActorMesh(ActorCalls):
 
     @property
     def mesh(self) -> Mesh:
+        return self.mesh_at(max(self.dp, 1))
+
+    def mesh_at(self, dp: int) -> Mesh:
+        """The run's mesh with `dp` replicas: also before its actors exist (sizing a local Ray for them)."""
         par = self.cfg.parallel
         return Mesh(
-            max(self.dp, 1), self.pp, self.tp, par.ep, ring=par.virtual_stages > 1, cp=self.cp,
+            dp, self.pp, self.tp, par.ep, ring=par.virtual_stages > 1, cp=self.cp,
             tied_embeddings=self.cfg.model.tie_embeddings,
         )
 

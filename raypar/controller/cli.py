@@ -15,6 +15,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from raypar import config as config_mod
 from raypar import config_rules
@@ -362,20 +363,29 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(runs, indent=2))
         return 0
+    print("\n".join(status_lines(runs)))
+    return 0
+
+
+def status_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """`raypar status` as text: per live run its step, loss, throughput and layout, then its actors."""
     if not runs:
-        print("raypar: no live runs")
+        return ["raypar: no live runs"]
+    lines = []
     for run in runs:
         if run.get("step") is None:
-            print(f"{run['run']}: starting")
+            lines.append(f"{run['run']}: starting")
             continue
-        print(
+        layout = " ".join(f"{axis}={run[axis]}" for axis in ("dp", "pp", "tp", "cp"))
+        lines.append(
             f"{run['run']}: step {run['step'] + 1}/{run['steps']}  loss {run['loss']:.4f}  "
-            f"{run['tokens_per_s']:,.0f} tokens/s  dp={run['dp']} pp={run['pp']} tp={run['tp']}  "
-            f"restarts {run['restarts']}  {run['run_dir']}"
+            f"{run['tokens_per_s']:,.0f} tokens/s  {layout}  restarts {run['restarts']}  {run['run_dir']}"
         )
-        for name, where in run["actors"].items():
-            print(f"  {name:40s} node {where['node_id'][:12]}  {where['ip']}  pid {where['pid']}")
-    return 0
+        lines += [
+            f"  {name:40s} node {where['node_id'][:12]}  {where['ip']}  pid {where['pid']}"
+            for name, where in run["actors"].items()
+        ]
+    return lines
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -46,7 +46,7 @@ from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica
 from raypar.controller.connection import NAMESPACE, RunFailure, connect
 from raypar.controller.placement import check_device
 from raypar.flops import mfu
-from raypar.mesh import Coord
+from raypar.mesh import Coord, Mesh
 
 HEAL_PLACEMENT_TIMEOUT_S = 10.0
 # What can fail while the run talks to its actors and its storage; all of it is recovered the same way.
@@ -290,8 +290,8 @@ class TrainingLoop:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with hold_run_dir(self.run_dir):  # before anything is written there: a live run's files stay its own
             par = self.cfg.parallel
-            world = self.target_dp * par.pp * par.tp * par.threads_per_actor  # CPUs a local Ray must offer
-            connect(self.address, num_cpus=max(os.cpu_count() or 1, world))
+            cpus = local_ray_cpus(self.actor_mesh.mesh_at(self.target_dp), par.threads_per_actor)
+            connect(self.address, num_cpus=cpus)
             stopping.install()  # again: ray.init installs a SIGTERM handler of its own
             check_device(par.device, par.gpus_per_actor)
             # before any actor: a node-local checkpoint.dir is refused
@@ -468,6 +468,7 @@ class TrainingLoop:
             "dp": record["dp"],
             "pp": record["pp"],
             "tp": record["tp"],
+            "cp": record["cp"],
             "restarts": self.restarts,
             "run_dir": str(self.run_dir),
             "actors": {self.actor_mesh.name(c): w for c, w in sorted(self.actor_mesh.nodes.items())},
@@ -514,9 +515,15 @@ def _latest(root: str) -> str | None:
         return None
 
 
+def local_ray_cpus(mesh: Mesh, threads_per_actor: int) -> int:
+    """The CPUs a new local Ray offers: this machine's, or more where the run's actors (all of `mesh`'s, each
+    `threads_per_actor` CPUs) need more; fewer would leave their placement groups waiting for room."""
+    return max(os.cpu_count() or 1, mesh.world_size * threads_per_actor)
+
+
 def _replicas_with_room(actor_mesh: ActorMesh) -> int:
     """How many more replicas the free resources could hold (the placement itself decides for sure)."""
-    per_replica = actor_mesh.pp * actor_mesh.cp * actor_mesh.tp
+    per_replica = actor_mesh.mesh.replica_size
     free = ray.available_resources()
     res = actor_mesh.resources
     fits = int(free.get("CPU", 0) // (per_replica * res.cpus))
