@@ -12,11 +12,10 @@ time is the sum of its forward and backward spans. The bubble of a step is the m
 of phase 1 (after the update of the step before, which the formulas do not model and which comes with the
 same call) to the end of the last schedule instruction anywhere. This is the quantity the formula
 describes (each stage is idle for p-1 of the m+p-1 slots of that window). The workers are raypar's own
-`Worker`, subclassed (`_common.TimedWorker`) only to add to its result the absolute start time of its
+`Worker`, subclassed (`_common._TimedWorker`) only to add to its result the absolute start time of its
 phase 1, the zero of its `events` (so the spans of all stages go on one clock: `time.perf_counter` is
 system-wide on Linux), and the CPU time of the step's thread, and to add an optional fixed per-microbatch
-cost. (Until 2026-12-01 the events were put on the clock of the call's start, before the update: each
-stage's events landed early by its update's time, and the window began before the updates.) The table
+cost. The table
 also shows `step_bubble`: 1 - busy_s / step_s as the workers themselves report it
 (raypar_bubble_fraction), whose window also holds each stage's gradient-norm all-reduce and clipping, on
 that stage's own clock.
@@ -32,9 +31,8 @@ The two models, and why (this machine has 2 cores):
 - `fixed`: a deliberately tiny model (the `tiny` preset, 8 layers, seq_len 32) whose every compute
   instruction is padded to a fixed, known duration (`_common._PaddedBackend`: it sleeps out the rest of
   `--fwd-ms` after a forward and of `--bwd-ms` after a backward, a device kernel that does not need a
-  core, as on a GPU). The units then cost the same on every stage, as the formulas assume (before
-  2026-12-01 a fixed sleep was added to the model's own compute instead, so the last stage, with the head
-  and the loss, ran each unit ~1 ms longer than the first, and that imbalance counted as bubble). Stages
+  core, as on a GPU). The units then cost the same on every stage, as the formulas assume (see
+  benchmarks/README.md, pipeline_bubble.py, for what unequal units did to earlier tables). Stages
   do not compete for the cores, so p=4 is measured as honestly as p=2, and everything that is not the
   schedule itself -- actor calls, object-store or gloo hops, Python between instructions -- shows up as
   bubble on top of the formula. Here the ideal step is (m+p-1)(F+B), printed as `ideal_ms`.

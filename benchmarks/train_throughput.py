@@ -206,8 +206,8 @@ class _Spinner:
 
 def ray_floor_ms(spinner: Any, seconds: float, calls: int) -> float:
     """Median driver round trip of one call of `spinner.spin(seconds)` minus the spin itself: what any
-    design with one actor call per step pays, whatever the actor does. On this 2-vCPU VM it grows with
-    the call's length (1.0 ms around an empty method, 2.2-2.5 ms around a 16-ms one)."""
+    design with one actor call per step pays, whatever the actor does. It grows with the call's length
+    (measured: benchmarks/README.md, train_throughput.py)."""
     over = []
     for _ in range(calls):
         start = time.perf_counter()
