@@ -11,20 +11,25 @@ import time
 from typing import Any
 
 import ray
-from ray.util.state import list_tasks
+from ray.util.state import list_actors, list_tasks
 
 from tests.runs import run, tiny
 
 PER_STEP = ("train_step", "eval_step", "deliver", "update", "take_request", "fan_out")
 
 
-def _calls() -> dict[str, int]:
-    """Calls recorded in the session Ray's GCS, by method name (other Ray instances may run here)."""
-    address = ray.get_runtime_context().gcs_address
+def _calls(run_name: str) -> dict[str, int]:
+    """Calls recorded in the session Ray's GCS on this run's actors (named `raypar:<run>:...`), by method
+    name. Other tests' runs share the session, some with test workers whose own methods record events."""
+    address = ray.get_runtime_context().gcs_address  # other Ray instances may run on this machine
+    mine = [a.actor_id for a in list_actors(address=address, limit=10_000, raise_on_missing_output=False)
+            if (a.name or "").startswith(f"raypar:{run_name}:")]
     counts: dict[str, int] = {}
-    for task in list_tasks(address=address, limit=10_000, raise_on_missing_output=False):
-        name = task.func_or_class_name.rsplit(".", 1)[-1]
-        counts[name] = counts.get(name, 0) + 1
+    for actor_id in mine:
+        filters = [("actor_id", "=", actor_id)]
+        for task in list_tasks(address=address, filters=filters, limit=10_000, raise_on_missing_output=False):
+            name = task.func_or_class_name.rsplit(".", 1)[-1]
+            counts[name] = counts.get(name, 0) + 1
     return counts
 
 
@@ -32,7 +37,7 @@ def test_per_step_calls_leave_no_task_events(ray_session: Any, tmp_path) -> None
     cfg = tiny("train.steps=12", "parallel.pp=2", "parallel.microbatches=2")
     run(cfg, "quiet", tmp_path / "run")
     deadline = time.monotonic() + 60
-    while (counts := _calls()).get("apply_step", 0) < 2:  # each worker reports its events every second
+    while (counts := _calls("quiet")).get("apply_step", 0) < 2:  # each worker reports its events every second
         assert time.monotonic() < deadline, f"the final commit's calls were never listed: {counts}"
         time.sleep(0.2)
     assert {name: counts[name] for name in PER_STEP if name in counts} == {}
