@@ -51,7 +51,8 @@ class ByteCounter:
         attr = getattr(self.group, name)
         share = {
             "all_gather": lambda p: p - 1, "reduce_scatter": lambda p: (p - 1) / p,
-            "all_to_all": lambda p: (p - 1) / p, "send_recv": lambda p: 1, "all_reduce": lambda p: 2 * (p - 1) / p,
+            "all_to_all": lambda p: (p - 1) / p, "send_recv": lambda p: 1,
+            "all_reduce": lambda p: 2 * (p - 1) / p,
         }
         if name not in share:
             return attr

@@ -1,8 +1,8 @@
 """The rendezvous raypar used before its store moved into a Ray actor: an open `torch.distributed.TCPStore`.
 
-Kept for benchmarks only: `group_formation.py` measures group formation on it side by side with the run's store
-actor, and `collectives.py --raypar-in-processes` forms groups in plain processes, outside Ray. It asks no
-credentials and its server listens on every interface: never use it for a run.
+Kept for benchmarks only: `group_formation.py` measures group formation on it side by side with the run's
+store actor, and `collectives.py --raypar-in-processes` forms groups in plain processes, outside Ray. It asks
+no credentials and its server listens on every interface: never use it for a run.
 """
 
 from __future__ import annotations
