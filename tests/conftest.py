@@ -43,6 +43,18 @@ def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(training, "connect", refuse)
 
 
+@pytest.fixture
+def no_actors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Creating the run's actors raises tests.runs.ActorsStarted: the input checks before it all passed."""
+    from raypar.controller import training
+    from tests.runs import ActorsStarted
+
+    def start(*args: object, **kwargs: object) -> None:
+        raise ActorsStarted
+
+    monkeypatch.setattr(training, "TrainingLoop", start)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """`ray`: the tests that start or use the session's Ray (`make test`'s second pass under another
     instruction set leaves them out: their numerics are the thread-rank tests', they only run longer)."""

@@ -14,6 +14,11 @@ from raypar.controller.training import TrainingLoop
 TINY = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.toml"
 
 
+class ActorsStarted(Exception):
+    """Raised where the CLI would create the run's actors (the `no_actors` fixture): reaching it means every
+    input check passed."""
+
+
 def tiny(*overrides: str) -> config.Config:
     return config.load(TINY, ["parallel.timeout_s=15", *overrides])
 

@@ -14,22 +14,11 @@ import pytest
 
 from raypar import checkpoint, config
 from raypar.checkpoint import ShardSpec
-from raypar.controller import cli, training
+from raypar.controller import cli
 from raypar.model import LlamaStage
+from tests.runs import ActorsStarted
 
 TINY = "examples/configs/tiny.toml"
-
-
-class ActorsStarted(Exception):
-    """Raised where the CLI would create the run's actors: reaching it means every input check passed."""
-
-
-@pytest.fixture
-def no_actors(monkeypatch: pytest.MonkeyPatch) -> None:
-    def start(*args: object, **kwargs: object) -> None:
-        raise ActorsStarted
-
-    monkeypatch.setattr(training, "TrainingLoop", start)
 
 
 def write_checkpoint(root: Path, step: int, edit: Callable[[dict[str, Any]], None] | None = None) -> Path:

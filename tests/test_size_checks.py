@@ -10,23 +10,12 @@ import pytest
 
 from raypar import checkpoint_read, config, config_rules
 from raypar.config import ConfigError
-from raypar.controller import cli, training
+from raypar.controller import cli
 from raypar.model import LlamaStage
+from tests.runs import ActorsStarted
 
 TINY = "examples/configs/tiny.toml"
 GIB = 2**30
-
-
-class ActorsStarted(Exception):
-    """Raised where the CLI would create the run's actors: reaching it means every input check passed."""
-
-
-@pytest.fixture
-def no_actors(monkeypatch: pytest.MonkeyPatch) -> None:
-    def start(*args: object, **kwargs: object) -> None:
-        raise ActorsStarted
-
-    monkeypatch.setattr(training, "TrainingLoop", start)
 
 
 def fp32_adam_state_bytes(cfg: config.Config) -> int:
