@@ -180,7 +180,8 @@ def _two_checkpoints(root: Path) -> None:
     tensors = {"embed.weight": torch.zeros(4, 4)}
     specs = {"embed.weight": checkpoint.ShardSpec.full((4, 4))}
     for step in (2, 4):
-        checkpoint.save(str(root), step, {"dp0.pp0.tp0": (tensors, specs)}, {"model": {}})
+        meta = {"model": {}, "optimizer_steps": step}  # what a resumable checkpoint's meta holds
+        checkpoint.save(str(root), step, {"dp0.pp0.tp0": (tensors, specs)}, meta)
 
 
 @pytest.mark.parametrize("damage", ["truncated shard", "flipped byte", "deleted manifest"])
