@@ -1,7 +1,7 @@
 """Helpers shared by the training benchmarks (train_throughput, pipeline_bubble, activation_hop).
 
 Import it after the script has put the repository root on sys.path and removed benchmarks/ from it
-(benchmarks/collectives.py would otherwise shadow the `collectives` package, in the driver and, through
+(benchmarks/collectives.py would otherwise shadow the `raypar.collectives` package, in the driver and, through
 the path Ray copies from the driver, in every actor):
 
     _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,15 +28,15 @@ from typing import Any
 import ray
 import torch
 
-from actors.worker import WORKER_THREADS, Worker, _ActorBackend
-from raypar import config as config_mod
-from raypar import data
-from raypar.config import Config
+from raypar.actors.worker import WORKER_THREADS, Worker, _ActorBackend
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.controller.connection import NAMESPACE
-from raypar.model import LlamaStage
-from raypar.optim import ADAM_EPS, lr_at
-from raypar.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config
+from raypar.core.data import datasets as data
+from raypar.core.dp.optim import ADAM_EPS, lr_at
+from raypar.core.model.llama import LlamaStage
+from raypar.core.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,7 +162,7 @@ def register_for_actors() -> None:
 def make_config(preset: str, overrides: Sequence[str] = ()) -> Config:
     """A config from a model preset and `section.key=value` overrides; synthetic data, CPU actors."""
     base = [f'model.preset="{preset}"', 'data.source="synthetic"', 'parallel.device="cpu"']
-    return config_mod.load(None, [*base, *overrides])
+    return load_config(None, [*base, *overrides])
 
 
 # -- the plain PyTorch loop (the baselines' side) ------------------------------------------------------------

@@ -24,16 +24,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raypar import compress, config, data  # noqa: E402
-from raypar.dp import DPStrategy  # noqa: E402
-from raypar.model import LlamaStage  # noqa: E402
-from raypar.optim import lr_at  # noqa: E402
+from raypar.core.config.load import load_config  # noqa: E402
+from raypar.core.config.schema import Config  # noqa: E402
+from raypar.core.data import datasets as data  # noqa: E402
+from raypar.core.dp import compress  # noqa: E402
+from raypar.core.dp.optim import lr_at  # noqa: E402
+from raypar.core.dp.strategy import DPStrategy  # noqa: E402
+from raypar.core.model.llama import LlamaStage  # noqa: E402
 from tests.threads import run_ranks  # noqa: E402
 
 COMPRESSORS = ("none", "bf16", "topk", "powersgd")
 
 
-def train(cfg: config.Config, dp: int, name: str, steps: int) -> dict[str, float]:
+def train(cfg: Config, dp: int, name: str, steps: int) -> dict[str, float]:
     """`steps` steps at dp ranks with compressor `name`; rank 0's bytes and times, all ranks' losses."""
     m, par = cfg.model, cfg.parallel
 
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [f'model.preset="{preset}"', "train.global_batch=8", f"train.steps={steps}",
                  "train.warmup_steps=10", "parallel.topk_ratio=0.01", "parallel.powersgd_rank=4",
                  f"parallel.compression_start_step={start}", *args.set]
-    cfg = config.load(root / "examples/configs/tiny.toml", overrides)
+    cfg = load_config(root / "examples/configs/tiny.toml", overrides)
     par = cfg.parallel
     settings = {"none": "", "bf16": "", "topk": f"ratio {par.topk_ratio:g}",
                 "powersgd": f"rank {par.powersgd_rank}"}

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-# benchmarks/collectives.py would shadow the `collectives` package (here and, via the path Ray copies,
+# benchmarks/collectives.py would shadow the `raypar.collectives` package (here and, via the path Ray copies,
 # in every actor): run with the repository root first instead of this folder.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
@@ -30,9 +30,10 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import ray  # noqa: E402
 
-from raypar import checkpoint, config  # noqa: E402
 from raypar.controller.actor_calls import StepFailure  # noqa: E402
 from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
+from raypar.core.checkpoint import format as checkpoint  # noqa: E402
+from raypar.core.config.load import load_config  # noqa: E402
 
 
 def timed(fn, *args):
@@ -54,7 +55,7 @@ def main() -> None:
 
     # address="local": a new Ray even when `ray start` left a cluster running on this machine
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    cfg = config.load(
+    cfg = load_config(
         None,
         [
             f"model.preset='{args.preset}'",

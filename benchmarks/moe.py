@@ -25,27 +25,29 @@ import threading
 import time
 from typing import Any
 
-# benchmarks/collectives.py would shadow the `collectives` package: the repository root goes first.
+# benchmarks/collectives.py would shadow the `raypar.collectives` package: the repository root goes first.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
-from collectives import GroupSpec, LocalStoreRef, create_group  # noqa: E402
-from raypar import config, data  # noqa: E402
-from raypar.model import LlamaStage  # noqa: E402
-from raypar.moe import MoELayer  # noqa: E402
-from raypar.optim import ADAM_EPS  # noqa: E402
+from raypar.collectives import GroupSpec, LocalStoreRef, create_group  # noqa: E402
+from raypar.core.config.load import from_dict, load_config  # noqa: E402
+from raypar.core.config.schema import Config  # noqa: E402
+from raypar.core.data import datasets as data  # noqa: E402
+from raypar.core.dp.optim import ADAM_EPS  # noqa: E402
+from raypar.core.model.llama import LlamaStage  # noqa: E402
+from raypar.core.model.moe import MoELayer  # noqa: E402
 
 
-def model_cfg(quick: bool) -> config.Config:
+def model_cfg(quick: bool) -> Config:
     """moe-small.toml; quick: the test suite's tiny model with 8 experts in every other block."""
     root = os.path.dirname(_HERE)
     if not quick:
-        return config.load(os.path.join(root, "examples/configs/moe-small.toml"))
+        return load_config(os.path.join(root, "examples/configs/moe-small.toml"))
     moe = ["model.moe_experts=8", "model.moe_top_k=2", "model.moe_every=2", "parallel.dp=2", "parallel.ep=2"]
-    return config.load(os.path.join(root, "examples/configs/tiny.toml"), moe)
+    return load_config(os.path.join(root, "examples/configs/tiny.toml"), moe)
 
 
 def _thread_ranks(size: int, fn: Any) -> list[Any]:
@@ -65,7 +67,7 @@ def _thread_ranks(size: int, fn: Any) -> list[Any]:
     return results
 
 
-def alltoall_bytes(cfg: config.Config, ep: int, tokens: int) -> dict[str, float]:
+def alltoall_bytes(cfg: Config, ep: int, tokens: int) -> dict[str, float]:
     """Bytes one rank sends to the others in one dispatch, measured from the splits used, vs the formula."""
     m = cfg.model
     h, k, itemsize = m.d_model, m.moe_top_k, 4
@@ -86,7 +88,7 @@ def alltoall_bytes(cfg: config.Config, ep: int, tokens: int) -> dict[str, float]
     return {"ep": ep, "tokens": tokens, "sent_bytes": statistics.mean(sent), "expected_bytes": expected}
 
 
-def step_times(cfg: config.Config, eps: list[int], steps: int) -> dict[int, float]:
+def step_times(cfg: Config, eps: list[int], steps: int) -> dict[int, float]:
     """Median step time at each ep on one set of dp=max(eps) actors (a local Ray is started if none)."""
     from raypar.controller.actor_mesh import ActorMesh
     from raypar.controller.connection import connect
@@ -94,10 +96,10 @@ def step_times(cfg: config.Config, eps: list[int], steps: int) -> dict[int, floa
     dp = max(eps)
     connect(None, num_cpus=max(os.cpu_count() or 1, dp))
 
-    def at(ep: int) -> config.Config:
+    def at(ep: int) -> Config:
         raw = cfg.to_dict()
         raw["parallel"].update(dp=dp, ep=ep, microbatches=1)
-        return config.from_dict(raw)
+        return from_dict(raw)
 
     mesh = ActorMesh(at(eps[0]), f"bench-moe-{os.getpid()}")
     out = {}
@@ -113,7 +115,7 @@ def step_times(cfg: config.Config, eps: list[int], steps: int) -> dict[int, floa
     return out
 
 
-def load_balance(cfg: config.Config, steps: int, coef: float) -> dict[str, float]:
+def load_balance(cfg: Config, steps: int, coef: float) -> dict[str, float]:
     """Train one process with every expert for `steps`; the second half's load statistics."""
     m, t = cfg.model, cfg.train
     m.moe_aux_loss_coef = coef

@@ -41,7 +41,8 @@ Each configuration runs `--steps` (real model: `--real-steps`) timed steps after
 table gives the median bubble.
 The ratio measured/theoretical is the target: within 1.2x (issues 3 and 12).
 
-Schedules and their formulas (raypar.schedules.bubble_formula, the idle share of the window, as measured):
+Schedules and their formulas (raypar.core.pipeline.schedules.bubble_formula, the idle share of the window, as
+measured):
 gpipe and 1f1b (p-1)/(m+p-1); `interleaved` (1f1b with parallel.virtual_stages = 2; m must be a multiple of
 p) (p-1)/(vm+p-1); `zb-h1` (m >= p) (p-1)/(3m+p-1) with equal F, B and W: its rows use --fwd-ms for all
 three (B and W each run the backward's fixed cost). The papers' (p-1)/(vm) and (p-1)/(3m) are idle over
@@ -68,8 +69,8 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import ray  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
-from raypar.config import Config  # noqa: E402
-from raypar.schedules import COMPUTE_OPS, bubble_formula, build, simulate  # noqa: E402
+from raypar.core.config.schema import Config  # noqa: E402
+from raypar.core.pipeline.schedules import COMPUTE_OPS, bubble_formula, build, simulate  # noqa: E402
 
 TARGET = 1.2
 COMPUTE = COMPUTE_OPS

@@ -6,7 +6,8 @@
 
 Each layout trains on real actors (`ActorMesh`, as `raypar train` drives it: one driver-timed call per
 step, the previous step's update included); after `--warmup` untimed steps, the median of `--steps` step
-times is set against `raypar.plan.predict(...)` on the "cpu" device. Two numbers are calibrated, once,
+times is set against `raypar.core.planner.search.predict(...)` on the "cpu" device. Two numbers are
+calibrated, once,
 from two (1, 1, 1) layouts at 1 and 4 microbatches, where the prediction is compute only (no bubble, no
 communication): the MFU, and the fixed cost per layer and microbatch pass (`Device.layer_pass_s`: launches,
 Python, the lower efficiency of smaller GEMMs; it is what makes more microbatches cost time). Every other
@@ -16,7 +17,7 @@ reduction and pipeline hops. The calibration also absorbs what the planner does 
 compute (the optimizer step, raypar's per-step calls).
 
 The planner assumes one device per actor. A layout with more actors than the machine has cores
-(`actors` > `cores` in the table) shares cores between actors whenever they compute at once, which the
+(`raypar.actors` > `cores` in the table) shares cores between actors whenever they compute at once, which the
 prediction does not include: read its ratio as that, not as a wrong term. Step times depend on load; take
 the numbers on a quiet machine.
 """
@@ -38,9 +39,9 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import ray  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
-from raypar import plan  # noqa: E402
-from raypar.config import Config  # noqa: E402
 from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
+from raypar.core.config.schema import Config  # noqa: E402
+from raypar.core.planner import search as plan  # noqa: E402
 
 # (preset, overrides): a 4-layer model (the fewest layers that interleave 2 chunks over pp = 2), well under
 # a second a step on one core; --quick: the test suite's tiny one (also 4 layers).
@@ -107,7 +108,8 @@ def measure(
     Both are (1, 1, 1), at m1 < m2 microbatches, where the prediction is compute alone,
     t(m) = C / mfu + m * 2 * L * c (C the planner's compute at MFU 1, L the layers): their times give the
     fixed cost c per layer and microbatch pass (`Device.layer_pass_s`) and the MFU. Every other row uses both
-    unchanged, and the device's link latency and pipeline-message cost as `raypar.plan` states them
+    unchanged, and the device's link latency and pipeline-message cost as `raypar.core.planner.search` states
+    them
     (measured by benchmarks/collectives.py and activation_hop.py)."""
     if any(layout[:3] != (1, 1, 1) for layout in layouts[:2]):
         raise ValueError("the first two layouts calibrate and must be (1, 1, 1)")

@@ -6,7 +6,8 @@
 
 For each layout the tiny model trains two steps on real actors; the second step's per-actor measurements
 (model states: parameters + gradients + optimizer state; activations: bytes saved for backward through
-saved-tensor hooks, summed over the (chunk, microbatch) units alive at once) are set against `raypar.plan`'s
+saved-tensor hooks, summed over the (chunk, microbatch) units alive at once) are set against
+`raypar.core.planner.search`'s
 predictions for that actor's pipeline stage. Memory does not depend on load, so these numbers stand on a
 busy machine; layouts sharing (dp, pp, tp, cp) reuse one set of actors.
 """
@@ -22,8 +23,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
-from raypar import config, plan  # noqa: E402
 from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
+from raypar.core.config.load import load_config  # noqa: E402
+from raypar.core.config.schema import Config  # noqa: E402
+from raypar.core.planner import search as plan  # noqa: E402
 
 TINY = os.path.join(os.path.dirname(_HERE), "examples", "configs", "tiny.toml")
 
@@ -79,10 +82,10 @@ class Row:
         return self.activations_predicted / self.activations_measured - 1
 
 
-def layout_cfg(mesh: tuple[int, int, int, int], overrides: list[str]) -> config.Config:
+def layout_cfg(mesh: tuple[int, int, int, int], overrides: list[str]) -> Config:
     dp, pp, tp, cp = mesh
     sizes = [f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.cp={cp}"]
-    return config.load(TINY, [*sizes, *overrides])
+    return load_config(TINY, [*sizes, *overrides])
 
 
 def measure(layouts: dict[tuple[int, int, int, int], list[list[str]]] = LAYOUTS) -> list[Row]:

@@ -6,7 +6,8 @@
 One process, raypar's `LlamaStage` (the whole model as one stage) with `set_recompute(mode)`; each
 iteration is one microbatch's forward and backward. The three modes run in alternating blocks of
 iterations (so load from other processes hits all alike); reported: the median iteration time, its ratio
-to `none`, and the bytes autograd saved for backward in the forward (`raypar.memory.SavedActivations`).
+to `none`, and the bytes autograd saved for backward in the forward
+(`raypar.core.observe.memory.SavedActivations`).
 The literature's expectation for `full` is about +1/3 compute (one more forward, with backward = 2
 forwards: 4/3); `selective` recomputes only the attention core and the SwiGLU activation (Korthikanti et
 al. 2022), a few percent of the FLOPs.
@@ -26,16 +27,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raypar import config  # noqa: E402
-from raypar.memory import SavedActivations  # noqa: E402
-from raypar.model import LlamaStage  # noqa: E402
+from raypar.core.config.load import load_config  # noqa: E402
+from raypar.core.model.llama import LlamaStage  # noqa: E402
+from raypar.core.observe.memory import SavedActivations  # noqa: E402
 
 MODES = ("none", "selective", "full")
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def measure(preset: str, batch: int, blocks: int, per_block: int) -> list[dict[str, float]]:
-    cfg = config.load(ROOT / "examples/configs/tiny.toml", [f'model.preset="{preset}"'])
+    cfg = load_config(ROOT / "examples/configs/tiny.toml", [f'model.preset="{preset}"'])
     m = cfg.model
     torch.manual_seed(0)
     stages = {mode: LlamaStage(m, range(m.n_layers), True, True, None, cfg.train.seed) for mode in MODES}

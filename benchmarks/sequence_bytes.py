@@ -3,7 +3,8 @@
     python benchmarks/sequence_bytes.py            # P = 2, 4: d_model 512, 8 heads (4 kv), seq_len 256
     python benchmarks/sequence_bytes.py --quick    # P = 2, tiny shapes: a smoke run of a few seconds
 
-No Ray and no timing: P thread ranks form one gloo group and run one raypar Block (raypar.model) forward and
+No Ray and no timing: P thread ranks form one gloo group and run one raypar Block (raypar.core.model.llama)
+forward and
 backward, sequence-split the way each style splits it, through a Group wrapper that adds up what each rank
 sends. So the numbers are exact counts of raypar's own calls, independent of load. What a rank sends, per
 call: all_gather (P-1)·input, reduce_scatter and all_to_all (P-1)/P·input, send the tensor. With N = B·T
@@ -34,9 +35,11 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
-from collectives import GroupSpec, LocalStoreRef, create_group  # noqa: E402
-from raypar import config, cp  # noqa: E402
-from raypar.model import Block, rope_tables  # noqa: E402
+from raypar.collectives import GroupSpec, LocalStoreRef, create_group  # noqa: E402
+from raypar.core.config.load import load_config  # noqa: E402
+from raypar.core.config.schema import ModelConfig  # noqa: E402
+from raypar.core.model.llama import Block, rope_tables  # noqa: E402
+from raypar.core.parallel import cp  # noqa: E402
 
 FP32 = 4
 
@@ -64,7 +67,7 @@ class ByteCounter:
         return counted
 
 
-def layer_bytes(style: str, p: int, cfg: config.ModelConfig, batch: int) -> list[dict[str, float]]:
+def layer_bytes(style: str, p: int, cfg: ModelConfig, batch: int) -> list[dict[str, float]]:
     """Per rank: bytes sent in forward and in backward by one Block under `style` on `p` thread ranks."""
     ref = LocalStoreRef()
     out: list[dict[str, float]] = [{} for _ in range(p)]
@@ -107,7 +110,7 @@ def layer_bytes(style: str, p: int, cfg: config.ModelConfig, batch: int) -> list
     return out
 
 
-def formula(style: str, p: int, cfg: config.ModelConfig, batch: int) -> tuple[float, float]:
+def formula(style: str, p: int, cfg: ModelConfig, batch: int) -> tuple[float, float]:
     """(exact forward bytes per rank, the paper's approximation) for one layer."""
     n, h, h_kv = batch * cfg.seq_len, cfg.d_model, cfg.n_kv_heads * cfg.head_dim
     if style == "sp":
@@ -127,7 +130,7 @@ def main() -> None:
     # `small`'s 6 heads do not split 4 ways: its shape with 8 heads (4 kv), so P = 4 works for every style.
     shape = ["model.d_model=512", "model.n_heads=8", "model.n_kv_heads=4", "model.seq_len=256"]
     preset, ranks = ("tiny", [2]) if args.quick else ("small", [int(r) for r in args.ranks.split(",")])
-    cfg = config.load(None, [f'model.preset="{preset}"', *([] if args.quick else shape)]).model
+    cfg = load_config(None, [f'model.preset="{preset}"', *([] if args.quick else shape)]).model
     print(f"{preset}: d_model={cfg.d_model}, heads={cfg.n_heads}/{cfg.n_kv_heads} kv, seq_len={cfg.seq_len}, "
           f"batch={args.batch}; bytes sent per rank for one layer (fp32)\n")
     print(f"{'style':8} {'P':>2} {'forward':>12} {'formula':>12} {'ratio':>6} {'paper':>12} {'backward':>12}")

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import ray  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
-from raypar.config import Config  # noqa: E402
+from raypar.core.config.schema import Config  # noqa: E402
 
 # name -> parallel overrides; the single actor first: every other row is divided by it.
 LAYOUTS: dict[str, list[str]] = {

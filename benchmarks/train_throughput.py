@@ -57,10 +57,10 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from actors.worker import WORKER_THREADS  # noqa: E402
 from benchmarks import _common  # noqa: E402
-from raypar.config import Config  # noqa: E402
-from raypar.mesh import Coord  # noqa: E402
+from raypar.actors.worker import WORKER_THREADS  # noqa: E402
+from raypar.core.config.schema import Config  # noqa: E402
+from raypar.core.parallel.mesh import Coord  # noqa: E402
 
 # name -> (preset, overrides). global_batch 8 and one microbatch everywhere.
 SIZES: dict[str, tuple[str, list[str]]] = {
@@ -82,7 +82,7 @@ def tokens_per_step(cfg: Config) -> int:
 
 
 def params_of(cfg: Config) -> int:
-    from raypar.model import count_params
+    from raypar.core.model.llama import count_params
 
     return count_params(cfg.model)
 

@@ -6,8 +6,10 @@
 One unit (the whole model as one stage, one microbatch) is run forward and then backward in three ways,
 in alternating rounds on the same thread:
 - `plain`: one `torch.autograd.backward` (what 1F1B does);
-- `split`: raypar's backward_input then backward_weight (raypar.zb: B leaves the weight GEMMs to W);
-- `rewalk`: the split as raypar did it before raypar.zb, W asking autograd for the parameter gradients
+- `split`: raypar's backward_input then backward_weight (raypar.core.pipeline.zb: B leaves the weight GEMMs to
+W);
+- `rewalk`: the split as raypar did it before raypar.core.pipeline.zb, W asking autograd for the parameter
+gradients
   again, which walks the graph a second time.
 FLOPs come from `torch.utils.flop_counter`; times are the median over rounds of the backward ops alone.
 """
@@ -28,9 +30,9 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
-from raypar.executor import ModelBackend  # noqa: E402
-from raypar.model import LlamaStage  # noqa: E402
-from raypar.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Topology  # noqa: E402
+from raypar.core.model.llama import LlamaStage  # noqa: E402
+from raypar.core.pipeline.executor import ModelBackend  # noqa: E402
+from raypar.core.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Topology  # noqa: E402
 
 UNIT = (0, 0)
 SPLIT = [BACKWARD_INPUT, BACKWARD_WEIGHT]
@@ -38,7 +40,8 @@ WAYS = {"plain": [BACKWARD], "split": SPLIT, "rewalk": SPLIT}
 
 
 class RewalkingW(ModelBackend):
-    """The split before raypar.zb: B takes only the input gradient, W walks the whole graph again."""
+    """The split before raypar.core.pipeline.zb: B takes only the input gradient, W walks the whole graph
+    again."""
 
     def split_backward(self) -> None:
         pass

@@ -29,18 +29,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dataclasses  # noqa: E402
 
-from raypar import config, data  # noqa: E402
-from raypar.dp import DPStrategy  # noqa: E402
-from raypar.mesh import stage_layers  # noqa: E402
-from raypar.model import LlamaStage  # noqa: E402
-from raypar.zero3 import Zero3Strategy  # noqa: E402
+from raypar.core.config.load import load_config  # noqa: E402
+from raypar.core.config.schema import Config  # noqa: E402
+from raypar.core.data import datasets as data  # noqa: E402
+from raypar.core.dp.strategy import DPStrategy  # noqa: E402
+from raypar.core.dp.zero3 import Zero3Strategy  # noqa: E402
+from raypar.core.model.llama import LlamaStage  # noqa: E402
+from raypar.core.parallel.mesh import stage_layers  # noqa: E402
 from tests.threads import run_ranks  # noqa: E402
 
 FP32_FORMULA = {0: lambda d: 16.0, 1: lambda d: 8 + 8 / d, 2: lambda d: 4 + 12 / d, 3: lambda d: 16 / d}
 OFFLOAD_FORMULA = {1: lambda d: 8 + 16 / d, 2: lambda d: 4 + 20 / d, 3: lambda d: 24 / d}
 
 
-def measure(cfg: config.Config, dp: int, pp: int, zero: int, steps: int, offload: str) -> dict[str, float]:
+def measure(cfg: Config, dp: int, pp: int, zero: int, steps: int, offload: str) -> dict[str, float]:
     m = cfg.model
     train = dataclasses.replace(cfg.train, offload=offload)
     layers = stage_layers(m.n_layers, pp)[0]
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     preset, dps, pps, steps = ("tiny", (1, 2), (1,), 1) if args.quick else ("small", (1, 2, 4), (1, 2), 3)
     root = Path(__file__).resolve().parents[1]
     overrides = [f'model.preset="{preset}"', "train.global_batch=8"]
-    cfg = config.load(root / "examples/configs/tiny.toml", overrides)
+    cfg = load_config(root / "examples/configs/tiny.toml", overrides)
     print("| pp | dp | zero | offload | Ψ (stage 0) | measured MiB | formula MiB | measured/formula | step s "
           "| DP MiB/step |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -39,16 +39,16 @@ from typing import Any
 import ray
 import torch
 
-from actors.buddy import Snapshot
-from actors.worker import WORKER_THREADS, Worker
-from raypar.config import Config
+from raypar.actors.buddy import Snapshot
+from raypar.actors.worker import WORKER_THREADS, Worker
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.dp import DPStrategy
-from raypar.mesh import Coord
-from raypar.moe import MoELayer
-from raypar.sp import gather_from_sp
-from raypar.tp import RowParallelLinear
-from raypar.zero3 import Zero3Strategy
+from raypar.core.config.schema import Config
+from raypar.core.dp.strategy import DPStrategy
+from raypar.core.dp.zero3 import Zero3Strategy
+from raypar.core.model.moe import MoELayer
+from raypar.core.parallel.mesh import Coord
+from raypar.core.parallel.sp import gather_from_sp
+from raypar.core.parallel.tp import RowParallelLinear
 
 
 class ExpertsNotRegathered(Zero3Strategy):
@@ -65,7 +65,7 @@ class ExpertsNotRegathered(Zero3Strategy):
 
 
 class MoEGatherSummed(MoELayer):
-    """`moe_sp_summed_gather`: the dense MLP's gather (raypar.sp.gather_from_sp), whose backward
+    """`moe_sp_summed_gather`: the dense MLP's gather (raypar.core.parallel.sp.gather_from_sp), whose backward
     reduce-scatters: right for partial sums, but an MoE layer's input gradient is whole on every tp rank."""
 
     def to_whole(self, x: torch.Tensor) -> torch.Tensor:

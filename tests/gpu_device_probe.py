@@ -11,7 +11,7 @@ import sys
 import ray
 from ray.cluster_utils import Cluster
 
-from raypar import config
+from raypar.core.config.load import load_config
 from tests.stub_worker import StubActorMesh
 
 
@@ -25,7 +25,7 @@ def main() -> None:
     for gpus in (4, 8):
         cluster.add_node(num_cpus=gpus, num_gpus=gpus)
     mesh_cls = _NoDevices if "--broken" in sys.argv else StubActorMesh
-    cfg = config.load(
+    cfg = load_config(
         "examples/configs/tiny.toml",
         ['parallel.device="gpu"', "parallel.dp=6", "parallel.tp=2", "parallel.pp=1", "train.global_batch=12"],
     )

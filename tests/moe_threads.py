@@ -1,6 +1,7 @@
 """MoE ranks as threads of the test process: one step of a dp x cp x tp (SP) x ep layout without Ray.
 
-Each thread builds its rank's model the way the worker does (actors/worker.py: its tp group where tp > 1,
+Each thread builds its rank's model the way the worker does (raypar/actors/worker.py: its tp group where tp >
+1,
 the EP group of its cp rank, the cp group), reduces dense gradients over the dp group (cp x dp) and expert
 gradients over the expert-dp group, divided by dp x cp, and runs one step of its schedule with an
 in-process transport. The reference forwards the global batch in the run's microbatches (the aux loss is
@@ -17,27 +18,29 @@ from typing import Any
 
 import torch
 
-from collectives import create_group
-from raypar import config, data, schedules
+from raypar.collectives import create_group
 from raypar.controller.actor_mesh import moe_totals
-from raypar.dp import DPStrategy
-from raypar.executor import ModelBackend, StepRun
-from raypar.local_transport import LocalPipe
-from raypar.mesh import Coord, Mesh
-from raypar.model import LlamaStage
-from raypar.moe import MoELayer, is_expert_param
+from raypar.core.config.schema import Config
+from raypar.core.data import datasets as data
+from raypar.core.dp.strategy import DPStrategy
+from raypar.core.model.llama import LlamaStage
+from raypar.core.model.moe import MoELayer, is_expert_param
+from raypar.core.parallel.mesh import Coord, Mesh
+from raypar.core.pipeline import schedules
+from raypar.core.pipeline.executor import ModelBackend, StepRun
+from raypar.core.pipeline.local_transport import LocalPipe
 from tests.threads import run_groups
 
 
 def moe_figures(model: LlamaStage) -> dict[str, dict[str, Any]]:
-    """What the worker reports per layer (actors/worker.py train_step)."""
+    """What the worker reports per layer (raypar/actors/worker.py train_step)."""
     return {
         i: {"load": s.load.tolist(), "dropped": s.dropped, "aux": s.aux_sum / max(s.microbatches, 1)}
         for i, s in model.take_moe_stats().items()
     }
 
 
-def reference(cfg: config.Config) -> dict[str, Any]:
+def reference(cfg: Config) -> dict[str, Any]:
     """One process: the loss, every gradient and the MoE figures of the global batch in its microbatches."""
     m, t = cfg.model, cfg.train
     model = LlamaStage(m, range(m.n_layers), True, True, seed=t.seed)
@@ -53,7 +56,7 @@ def reference(cfg: config.Config) -> dict[str, Any]:
     return {"loss": loss, "grads": grads, "moe": moe_totals({Coord(0, 0, 0): {"moe": moe_figures(model)}})}
 
 
-def parallel(cfg: config.Config, moe_class: type[MoELayer] = MoELayer, make_group: Any = create_group
+def parallel(cfg: Config, moe_class: type[MoELayer] = MoELayer, make_group: Any = create_group
              ) -> dict[str, Any]:
     """One step of `cfg`'s dp x cp x tp (SP) x ep layout on threads; `moe_class` replaces the MoE layers'
     class (negative controls); `make_group` forms the groups (tests.fake_nccl for NCCL's rules)."""

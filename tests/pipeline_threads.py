@@ -1,9 +1,13 @@
 """A whole dp x pp x tp mesh as threads of the test process: the core's executor without Ray.
 
-Each coordinate is a thread that builds its shard of the model the way the actor does (raypar.mesh,
-raypar.model chunks), joins its gloo groups (formed from `Mesh.groups`, in the global order), runs one step
-of its schedule on `raypar.executor` with an in-process transport (raypar.local_transport), and reduces
-gradients over dp with raypar.dp.DPStrategy. The results are full (tp-assembled) gradients, the loss and
+Each coordinate is a thread that builds its shard of the model the way the actor does
+(raypar.core.parallel.mesh,
+raypar.core.model.llama chunks), joins its gloo groups (formed from `Mesh.groups`, in the global order), runs
+one step
+of its schedule on `raypar.core.pipeline.executor` with an in-process transport
+(raypar.core.pipeline.local_transport), and reduces
+gradients over dp with raypar.core.dp.strategy.DPStrategy. The results are full (tp-assembled) gradients, the
+loss and
 the bytes each pipeline hop carried: what the equivalence tests compare with one process.
 """
 
@@ -16,15 +20,16 @@ from typing import Any
 
 import torch
 
-from actors.transport import DirectTransport
-from collectives import Group, GroupSpec
-from raypar import data, schedules
-from raypar.config import Config
-from raypar.dp import DPStrategy
-from raypar.executor import ModelBackend, StepRun
-from raypar.local_transport import LocalPipe
-from raypar.mesh import Coord, Mesh, stage_layers
-from raypar.model import LlamaStage
+from raypar.actors.transport import DirectTransport
+from raypar.collectives import Group, GroupSpec
+from raypar.core.config.schema import Config
+from raypar.core.data import datasets as data
+from raypar.core.dp.strategy import DPStrategy
+from raypar.core.model.llama import LlamaStage
+from raypar.core.parallel.mesh import Coord, Mesh, stage_layers
+from raypar.core.pipeline import schedules
+from raypar.core.pipeline.executor import ModelBackend, StepRun
+from raypar.core.pipeline.local_transport import LocalPipe
 from tests.threads import run_groups
 
 TIMEOUT_S = 60
@@ -56,7 +61,7 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
     """One step of `cfg`'s layout on threads. `run_class` swaps the step runner (negative controls);
     `model_hook(model, coord, groups)` may alter each shard after it is built (also negative controls).
     A small `bucket_bytes` makes DP buckets span layers and chunks. With `make_group` (tests.fake_nccl)
-    every group is formed by it, and pipeline messages go over the pair groups (actors.transport's
+    every group is formed by it, and pipeline messages go over the pair groups (raypar.actors.transport's
     DirectTransport, receives announced ahead as the actor does) instead of the in-process transport."""
     par = cfg.parallel
     dp, pp, tp, v, cp = cfg.dp_fixed, par.pp, par.tp, par.virtual_stages, par.cp

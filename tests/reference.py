@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raypar import data, hf
-from raypar.config import Config
-from raypar.model import LlamaStage
-from raypar.optim import ADAM_EPS, lr_at
+from raypar.core.checkpoint import hf
+from raypar.core.config.schema import Config
+from raypar.core.data import datasets as data
+from raypar.core.dp.optim import ADAM_EPS, lr_at
+from raypar.core.model.llama import LlamaStage
 
 
 @dataclass

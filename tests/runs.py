@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from raypar import config
 from raypar.controller.training import TrainingLoop
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.toml"
 
@@ -19,8 +20,8 @@ class ActorsStarted(Exception):
     input check passed."""
 
 
-def tiny(*overrides: str) -> config.Config:
-    return config.load(TINY, ["parallel.timeout_s=15", *overrides])
+def tiny(*overrides: str) -> Config:
+    return load_config(TINY, ["parallel.timeout_s=15", *overrides])
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -33,7 +34,7 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def run(
-    cfg: config.Config, name: str, run_dir: Path, loop: type = TrainingLoop, **kwargs: Any
+    cfg: Config, name: str, run_dir: Path, loop: type = TrainingLoop, **kwargs: Any
 ) -> dict[str, Any]:
     return loop(cfg, name, run_dir, progress=False, **kwargs).execute()
 
@@ -41,14 +42,14 @@ def run(
 class Background:
     """A run in a thread, so the test can act on it (kill actors, scale) while it trains."""
 
-    def __init__(self, cfg: config.Config, name: str, run_dir: Path, loop: type = TrainingLoop):
+    def __init__(self, cfg: Config, name: str, run_dir: Path, loop: type = TrainingLoop):
         self.run_dir = run_dir
         self.result: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, args=(cfg, name, run_dir, loop), daemon=True)
         self._thread.start()
 
-    def _main(self, cfg: config.Config, name: str, run_dir: Path, loop: type) -> None:
+    def _main(self, cfg: Config, name: str, run_dir: Path, loop: type) -> None:
         try:
             self.result = run(cfg, name, run_dir, loop)
         except BaseException as err:  # noqa: BLE001 - re-raised in join()

@@ -24,7 +24,7 @@ from typing import Any
 import ray
 
 from raypar.controller import cli, training
-from raypar.mesh import Coord
+from raypar.core.parallel.mesh import Coord
 from tests.faults import FaultyActorMesh
 
 RELEASE_WAIT_S = 30.0  # ray.kill and remove_placement_group return before the GCS records the end

@@ -9,11 +9,11 @@ from typing import Any
 
 import ray
 
-from actors.replica_lead import ReplicaLead
-from actors.worker import WORKER_THREADS
-from collectives.host import GroupHost
+from raypar.actors.replica_lead import ReplicaLead
+from raypar.actors.worker import WORKER_THREADS
+from raypar.collectives.host import GroupHost
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.mesh import Coord
+from raypar.core.parallel.mesh import Coord
 
 
 class _StubWorker(GroupHost, ReplicaLead):

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import pytest
 
-from raypar.config import ConfigError
 from raypar.controller import placement
+from raypar.core.config.errors import ConfigError
 
 # What the v1 monitor posts before the raylets' load metrics reach it (monitor.Monitor._run): no
 # autoscaler_report yet.

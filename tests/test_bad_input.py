@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from raypar import checkpoint, data
-from raypar.config import Config
 from raypar.controller import cli
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.config.schema import Config
+from raypar.core.data import datasets as data
 from tests.runs import TINY
 
 DEEP = 50_000  # nesting that overflows Python's recursion limit in any recursive parser

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from raypar import data
 from raypar.controller import cli
+from raypar.core.data import datasets as data
 from tests.runs import TINY
 from tests.test_prepare import corpus, train_bpe
 
@@ -173,9 +173,9 @@ def test_init_from_broken_is_refused_up_front(hf_model, tmp_path, capsys, no_ray
 
 
 def test_init_from_intact_passes_the_check(hf_model):
-    from raypar import config
+    from raypar.core.config.load import load_config
 
-    cfg = config.load(str(TINY), [f"model.init_from='{hf_model}'", "model.seq_len=16"])
+    cfg = load_config(str(TINY), [f"model.init_from='{hf_model}'", "model.seq_len=16"])
     assert cfg.model.d_model == 32
 
 
@@ -219,9 +219,9 @@ def _checkpoint(root: Path, change_manifest=None) -> Path:
     change_manifest(manifest). Returns the step directory."""
     import dataclasses
 
-    from raypar import checkpoint
-    from raypar.config import ModelConfig
-    from raypar.model import LlamaStage
+    from raypar.core.checkpoint import format as checkpoint
+    from raypar.core.config.schema import ModelConfig
+    from raypar.core.model.llama import LlamaStage
 
     cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=256, seq_len=32)
     m = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, seed=3)

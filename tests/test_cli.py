@@ -118,8 +118,8 @@ def test_status_and_scale_errors(address):
 
 def test_metrics_match_the_loss_curve_of_a_direct_run(address, tmp_path):
     """The CLI's metrics.jsonl is the ActorMesh's loss curve (guards the wiring of the run loop)."""
-    from raypar import config
     from raypar.controller.actor_mesh import ActorMesh
+    from raypar.core.config.load import load_config
 
     proc = raypar(
         "train",
@@ -132,7 +132,7 @@ def test_metrics_match_the_loss_curve_of_a_direct_run(address, tmp_path):
         address=address,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    trainer = ActorMesh(config.load(TINY), "cli-curve-direct")
+    trainer = ActorMesh(load_config(TINY), "cli-curve-direct")
     try:
         trainer.start()
         direct = [trainer.step(s).loss for s in range(4)]

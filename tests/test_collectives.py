@@ -1,4 +1,5 @@
-"""collectives/ across Ray actors: every op against a one-process reference, overlapping groups, failures.
+"""raypar/collectives/ across Ray actors: every op against a one-process reference, overlapping groups,
+failures.
 
 Four actors are shared by the module. Groups of 1 to 4 of them (in orders where no actor's group rank is its
 index) and the groups of a 2x2 (dp, tp) mesh are formed once; each batch of cases is one actor call per
@@ -31,16 +32,16 @@ from typing import Any
 import pytest
 import torch
 
-from collectives import (
+from raypar.collectives import (
     BackendUnavailable,
     GroupError,
     GroupSpec,
     GroupTimeout,
     create_group,
 )
-from collectives.host import create_groups
-from collectives.ray_store import RendezvousServer
-from raypar.mesh import Mesh
+from raypar.collectives.host import create_groups
+from raypar.collectives.ray_store import RendezvousServer
+from raypar.core.parallel.mesh import Mesh
 from tests.collective_actor import (
     COLS,
     DTYPES,

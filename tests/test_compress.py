@@ -1,4 +1,4 @@
-"""Gradient compression (raypar.compress) on thread ranks: exactness where the compressor is lossless,
+"""Gradient compression (raypar.core.dp.compress) on thread ranks: exactness where the compressor is lossless,
 bf16's bound, error feedback (with a negative control), convergence, bytes, checkpoints, config refusal.
 
 Tolerances, and why:
@@ -26,10 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raypar import checkpoint, checkpoint_read, compress, config
-from raypar.config import TrainConfig
-from raypar.dp import DPStrategy
-from raypar.flat import Slot
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core.config import schema
+from raypar.core.config.errors import ConfigError
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import NEEDS_ALL_REDUCE, Config, TrainConfig
+from raypar.core.dp import compress
+from raypar.core.dp.flat import Slot
+from raypar.core.dp.strategy import DPStrategy
 from tests.threads import run_ranks
 
 SHAPES = {"w1": (6, 10), "b1": (6,), "w2": (12, 4)}  # two matrices (one wide, one tall) and a vector
@@ -291,10 +296,10 @@ def test_state_resets_on_another_dp_and_on_load_full_state(tmp_path):
 
 
 def test_config_refuses_all_reduce_compressors_with_zero2():
-    for name in config.NEEDS_ALL_REDUCE:
-        with pytest.raises(config.ConfigError, match=rf'parallel.grad_compression: "{name}" needs an '
+    for name in NEEDS_ALL_REDUCE:
+        with pytest.raises(ConfigError, match=rf'parallel.grad_compression: "{name}" needs an '
                                                      r"all-reduce, so parallel.zero <= 1 \(got zero=2"):
-            config.load(Path(__file__).resolve().parents[1] / "examples/configs/tiny.toml",
+            load_config(Path(__file__).resolve().parents[1] / "examples/configs/tiny.toml",
                         [f"parallel.grad_compression='{name}'", "parallel.zero=2"])
 
 
@@ -303,8 +308,8 @@ E2E_STEPS = 8
 E2E_SETTINGS = ("parallel.compression_start_step=2", "parallel.topk_ratio=0.1", "parallel.powersgd_rank=4")
 
 
-def e2e_cfg(*extra: str) -> config.Config:
-    return config.load(
+def e2e_cfg(*extra: str) -> Config:
+    return load_config(
         Path(__file__).resolve().parents[1] / "examples/configs/tiny.toml",
         ["parallel.dp=2", "parallel.microbatches=2", "train.global_batch=8", f"train.steps={E2E_STEPS}",
          "parallel.timeout_s=30", "parallel.bucket_mb=0.02", *extra],
@@ -323,7 +328,7 @@ def test_each_compressor_trains_on_ray_actors_like_no_compression(ray_session):
     runs: dict[str, tuple[list[float], list[int]]] = {}
     try:
         trainer.start()
-        for name in config.COMPRESSORS:
+        for name in schema.COMPRESSORS:
             trainer.reconfigure(e2e_cfg(f"parallel.grad_compression='{name}'", *E2E_SETTINGS))
             results = [trainer.step(s) for s in range(E2E_STEPS)]
             sent = [sum(a["reduce_bytes"] for a in r.per_actor.values()) for r in results]

@@ -1,4 +1,5 @@
-"""Context-parallel attention (raypar.cp) against full causal attention in one process, on thread ranks.
+"""Context-parallel attention (raypar.core.parallel.cp) against full causal attention in one process, on
+thread ranks.
 
 Each rank holds its tokens of q, k, v (contiguous for Ulysses, zigzag for ring); the sum over ranks of
 (out * w) over local tokens is the one-process loss, and each rank's q/k/v gradients are its rows of the
@@ -16,9 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raypar import config, cp, data
-from raypar.mesh import Coord, Mesh
-from raypar.model import LlamaStage
+from raypar.core.config.errors import ConfigError
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config
+from raypar.core.data import datasets as data
+from raypar.core.model.llama import LlamaStage
+from raypar.core.parallel import cp
+from raypar.core.parallel.mesh import Coord, Mesh
 from tests.pipeline_threads import assert_step_matches, reference_step, run_step
 from tests.threads import run_ranks
 
@@ -128,7 +133,7 @@ def test_zigzag_balances_the_causal_triangle():
 def model_step(size: int, style: str) -> tuple[float, dict[str, torch.Tensor]]:
     """One step of the tiny model with its sequence split over `size` thread ranks; gradients of the
     (cp-replicated) parameters averaged over the group, as a cp x dp reduction does."""
-    cfg = config.load("examples/configs/tiny.toml", ["train.global_batch=4"])
+    cfg = load_config("examples/configs/tiny.toml", ["train.global_batch=4"])
     dataset = data.open_dataset(cfg.data, cfg.model)
     sampler = data.GlobalSampler(dataset.num_samples, 4, cfg.train.seed)
     inputs, targets = data.microbatch(dataset, sampler, 0, 0, 4)
@@ -164,13 +169,14 @@ def test_model_with_context_parallelism_matches_one_process(size, style, rtol):
         assert err <= rtol * g.abs().max().item() + 1e-9, f"gradient of {name} differs by {err:.3g}"
 
 
-# -- cp as a mesh axis: groups from raypar.mesh, gradients reduced over cp x dp, composed with the rest ---
+# -- cp as a mesh axis: groups from raypar.core.parallel.mesh, gradients reduced over cp x dp, composed with
+# the rest ---
 @pytest.mark.parametrize("style, rtol", [("ulysses", 1e-5), ("ring", 1e-4)])
 def test_combined_layout_matches_one_process(style, rtol):
     """dp=2 x pp=2 x tp=2 with sequence parallelism x cp=2: 16 thread ranks, one step."""
     overrides = ["train.global_batch=8"]
-    want = reference_step(config.load("examples/configs/tiny.toml", overrides))
-    cfg = config.load("examples/configs/tiny.toml", overrides + [
+    want = reference_step(load_config("examples/configs/tiny.toml", overrides))
+    cfg = load_config("examples/configs/tiny.toml", overrides + [
         "parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2",
         f'parallel.cp_style="{style}"',
     ])
@@ -190,14 +196,14 @@ def test_mesh_names_and_groups_with_cp():
 
 
 def test_bad_context_parallel_configs_are_one_line_errors():
-    def load(*overrides: str) -> config.Config:
-        return config.load("examples/configs/tiny.toml", list(overrides))
+    def load(*overrides: str) -> Config:
+        return load_config("examples/configs/tiny.toml", list(overrides))
 
-    with pytest.raises(config.ConfigError, match="^parallel.cp: model.seq_len=36 must be divisible by 16"):
+    with pytest.raises(ConfigError, match="^parallel.cp: model.seq_len=36 must be divisible by 16"):
         load("parallel.cp=8", "model.seq_len=36")
-    with pytest.raises(config.ConfigError, match="^parallel.cp: the 4 query heads per tp rank must be"):
+    with pytest.raises(ConfigError, match="^parallel.cp: the 4 query heads per tp rank must be"):
         load("parallel.cp=8", 'parallel.cp_style="ulysses"')
-    with pytest.raises(config.ConfigError, match="^parallel.cp_style: must be"):
+    with pytest.raises(ConfigError, match="^parallel.cp_style: must be"):
         load('parallel.cp_style="stripes"')
 
 
@@ -205,7 +211,7 @@ def test_bytes_per_layer_match_the_formulas():
     """benchmarks/sequence_bytes.py's counts (its --quick shapes) equal the exact formulas, per style."""
     from benchmarks import sequence_bytes
 
-    cfg = config.load(None, []).model
+    cfg = load_config(None, []).model
     for style in ("sp", "ulysses", "ring"):
         measured = sequence_bytes.layer_bytes(style, 2, cfg, batch=2)
         exact, _ = sequence_bytes.formula(style, 2, cfg, 2)

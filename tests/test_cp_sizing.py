@@ -18,7 +18,7 @@ import pytest
 from raypar.controller import cli, training
 from raypar.controller.connection import LOCAL_ONLY_ENV
 from raypar.controller.placement import ActorResources
-from raypar.mesh import Mesh
+from raypar.core.parallel.mesh import Mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = list(itertools.product((1, 2), repeat=4))  # dp, pp, tp, cp

@@ -15,8 +15,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from raypar import data
-from raypar.config import ConfigError, DataConfig, ModelConfig
+from raypar.core.config.errors import ConfigError
+from raypar.core.config.schema import DataConfig, ModelConfig
+from raypar.core.data import datasets as data
 
 SEP = b"\n\n"
 

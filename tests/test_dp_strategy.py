@@ -16,11 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from raypar import checkpoint, checkpoint_read, config, data
-from raypar.dp import DPStrategy
-from raypar.model import LlamaStage
-from raypar.optim import lr_at
-from raypar.zero3 import Zero3Strategy
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config
+from raypar.core.data import datasets as data
+from raypar.core.dp.optim import lr_at
+from raypar.core.dp.strategy import DPStrategy
+from raypar.core.dp.zero3 import Zero3Strategy
+from raypar.core.model.llama import LlamaStage
 from tests.reference import Run, reference_run
 from tests.threads import run_ranks
 
@@ -31,9 +35,9 @@ PARAM_ATOL = 1e-5
 BUCKET_BYTES = 40_000  # several buckets, some parameters split across owners
 
 
-def make_cfg(steps: int = STEPS, *extra: str) -> config.Config:
+def make_cfg(steps: int = STEPS, *extra: str) -> Config:
     overrides = ["parallel.microbatches=1", "train.global_batch=8", f"train.steps={steps}"]
-    return config.load(TINY, [*overrides, *extra])
+    return load_config(TINY, [*overrides, *extra])
 
 
 def strategy_class(zero: int) -> type[DPStrategy]:
@@ -58,7 +62,7 @@ class NoRegather(Zero3Strategy):
                 bucket.params.zero_()
 
 
-def build(cfg: config.Config, group, zero: int, cls: type[DPStrategy] | None = None, dtype=None):
+def build(cfg: Config, group, zero: int, cls: type[DPStrategy] | None = None, dtype=None):
     m = cfg.model
     model = LlamaStage(m, range(m.n_layers), True, True, None, cfg.train.seed)
     strategy = (cls or strategy_class(zero))(
@@ -140,7 +144,8 @@ def test_zero_stage_matches_zero0(zero0_dp2, zero):
 @pytest.mark.parametrize("zero", [2, 3])
 def test_bf16_parameters_with_fp32_masters_match_zero0(zero):
     # bf16 parameters, fp32 masters and fp32 reduction. At dp=2 the DP sums are of two operands, equal in
-    # any order; the gradient norm, summed per owned part, is accumulated in float64 (raypar.dp says why),
+    # any order; the gradient norm, summed per owned part, is accumulated in float64 (raypar.core.dp.strategy
+    # says why),
     # so the fp32 clip factor, the masters and the bf16 parameters are the same bits as at zero 0 (measured:
     # parameters identical, grad norms within 2e-16, on AVX-512 and with ATEN/oneDNN forced to AVX2). The
     # bound is the fp32 one: with the norm in fp32 the first flipped bf16 rounding (a 2^-8 step) pushed

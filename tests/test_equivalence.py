@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raypar import config
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.mesh import Coord, Mesh
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config
+from raypar.core.parallel.mesh import Coord, Mesh
 from tests.faults import FaultyActorMesh
 from tests.reference import Run, reference_run
 
@@ -26,8 +27,8 @@ PARAM_ATOL = 1e-4
 
 def make_cfg(
     dp: int, pp: int, tp: int, schedule: str = "1f1b", transport: str = "object_store"
-) -> config.Config:
-    return config.load(
+) -> Config:
+    return load_config(
         "examples/configs/tiny.toml",
         [
             f"parallel.dp={dp}",
@@ -63,7 +64,7 @@ def assert_matches(run: Run, ref: Run) -> None:
         assert err <= PARAM_ATOL, f"parameter {name} differs by {err:.3g}"
 
 
-def run_layout(cfg: config.Config, name: str, faults: dict | None = None) -> Run:
+def run_layout(cfg: Config, name: str, faults: dict | None = None) -> Run:
     trainer = FaultyActorMesh(cfg, name, faults) if faults else ActorMesh(cfg, name)
     try:
         trainer.start()
@@ -84,7 +85,7 @@ def test_layout_matches_one_process(ray_session, reference, layout):
 def test_3d_layout_all_schedules_and_transports(ray_session, reference):
     """(2,2,2) under gpipe/1f1b x object_store/direct, on one set of 8 actors (rebuilt from the seed). Every
     call of a step goes down the deepest call tree: one driver call, to replica 0's leader, which relays to
-    replica 1's (actors.replica_lead)."""
+    replica 1's (raypar.actors.replica_lead)."""
     trainer = FaultyActorMesh(make_cfg(2, 2, 2), "eq-222", faults={})
     trainer.driver_calls = 1
     try:

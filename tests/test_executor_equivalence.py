@@ -12,16 +12,16 @@ import functools
 
 import pytest
 
-from raypar import config
-from raypar.executor import StepRun
-from raypar.schedules import BACKWARD_INPUT, Instr
+from raypar.core.config.load import load_config
+from raypar.core.pipeline.executor import StepRun
+from raypar.core.pipeline.schedules import BACKWARD_INPUT, Instr
 from tests.pipeline_threads import assert_step_matches, reference_step, run_step
 
 _REFERENCES: dict[int, tuple] = {}
 
 
 def make_cfg(dp: int, pp: int, schedule: str = "1f1b", v: int = 1, n_mb: int = 4, layers: int = 4):
-    return config.load("examples/configs/tiny.toml", [
+    return load_config("examples/configs/tiny.toml", [
         f"parallel.dp={dp}", f"parallel.pp={pp}", f'parallel.schedule="{schedule}"',
         f"parallel.virtual_stages={v}", f"parallel.microbatches={n_mb}", f"model.n_layers={layers}",
         "train.global_batch=8",

@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from collectives.group import GroupError
-from raypar import checkpoint
-from raypar.config import ConfigError
+from raypar.collectives.group import GroupError
 from raypar.controller import actor_calls, cli
 from raypar.controller.placement import PlacementTimeout
 from raypar.controller.training import TrainingLoop
-from raypar.mesh import Coord
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.config.errors import ConfigError
+from raypar.core.parallel.mesh import Coord
 from tests.faults import FaultyActorMesh
 from tests.runs import TINY, losses, metrics, tiny
 

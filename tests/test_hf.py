@@ -16,10 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from raypar import checkpoint, checkpoint_read, config, hf
-from raypar.config import ConfigError
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.model import LlamaStage
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.checkpoint import hf
+from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core.config.errors import ConfigError
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config
+from raypar.core.model.llama import LlamaStage
 from tests.faults import FaultyActorMesh
 from tests.hf_models import VOCAB, make_hf_llama
 from tests.reference import Run, reference_run
@@ -43,8 +47,8 @@ def tied(tmp_path_factory):
     return path, make_hf_llama(path, tied=True, layers=4)
 
 
-def cfg_for(path: Path, *overrides: str) -> config.Config:
-    return config.load(
+def cfg_for(path: Path, *overrides: str) -> Config:
+    return load_config(
         "examples/configs/tiny.toml",
         [
             f'model.init_from="{path}"',
@@ -199,7 +203,7 @@ def train(trainer: ActorMesh) -> Run:
     return Run([r.loss for r in results], [r.grad_norm for r in results], trainer.parameters())
 
 
-def run_layout(cfg: config.Config, name: str) -> Run:
+def run_layout(cfg: Config, name: str) -> Run:
     trainer = ActorMesh(cfg, name)
     try:
         trainer.start()
@@ -227,7 +231,7 @@ def test_imported_model_trains_the_same_at_1_2_2(ray_session, untied):
     assert_matches(run_layout(cfg_for(path, "parallel.pp=2", "parallel.tp=2"), "hf-122"), ref)
     # Negative control: the same layout from the seeded init (import not applied) is rejected.
     seeded = reference_run(
-        config.load(
+        load_config(
             "examples/configs/tiny.toml",
             [
                 "model.n_layers=2",

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from raypar import checkpoint
-from raypar.config import ModelConfig
 from raypar.controller import cli
-from raypar.model import LlamaStage
-from raypar.tokenizer import load
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.config.schema import ModelConfig
+from raypar.core.data.tokenizer import load
+from raypar.core.model.llama import LlamaStage
 from tests.test_prepare import corpus, train_bpe
 
 # Two tokens a BPE tokenizer may end documents with; the dataset names one by --eos.

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from raypar import config
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import StepResult
 from raypar.controller.buddy import NoCopies, plan
 from raypar.controller.training import TrainingLoop
-from raypar.mesh import Coord
+from raypar.core.config.schema import Config
+from raypar.core.parallel.mesh import Coord
 from tests.faults import FaultyActorMesh
 from tests.runs import Background, losses, metrics, run, tiny
 from tests.test_failure_paths import _Loop
@@ -71,12 +71,12 @@ def test_plan_refuses_what_memory_cannot_restore():
 
 
 # -- the mesh: restore at every ZeRO stage -------------------------------------------------------------
-def mesh_cfg(zero: int, pp: int) -> config.Config:
+def mesh_cfg(zero: int, pp: int) -> Config:
     return tiny("parallel.dp=2", f"parallel.pp={pp}", f"parallel.zero={zero}", f"train.steps={STEPS}",
                 "parallel.timeout_s=10", "checkpoint.in_memory=true")  # fmt: skip
 
 
-def _killed_results(trainer: FaultyActorMesh, cfg: config.Config) -> tuple[int, str, list[StepResult]]:
+def _killed_results(trainer: FaultyActorMesh, cfg: Config) -> tuple[int, str, list[StepResult]]:
     """From the seed: 3 steps, then replica 1's first actor killed before step 3; restored from memory."""
     trainer.reconfigure(cfg)
     got = [trainer.step(s) for s in range(3)]
@@ -90,7 +90,7 @@ def _killed_results(trainer: FaultyActorMesh, cfg: config.Config) -> tuple[int, 
     return step, what, got[:step] + [trainer.step(s) for s in range(step, STEPS)]
 
 
-def _killed(trainer: FaultyActorMesh, cfg: config.Config) -> tuple[int, str, list[float]]:
+def _killed(trainer: FaultyActorMesh, cfg: Config) -> tuple[int, str, list[float]]:
     step, what, results = _killed_results(trainer, cfg)
     return step, what, [r.loss for r in results]
 
@@ -181,7 +181,7 @@ def test_restore_from_memory_at_each_layout(ray_session, name):
 
 
 # -- whole runs: kill -9 under ZeRO-2 ------------------------------------------------------------------
-def run_cfg(*extra: str) -> config.Config:
+def run_cfg(*extra: str) -> Config:
     return tiny("parallel.dp=2", "parallel.zero=2", "train.steps=8", "parallel.timeout_s=10", *extra)
 
 

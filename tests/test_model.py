@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from collectives import Group
-from raypar.config import ModelConfig
-from raypar.model import LlamaStage, count_params, flops_per_token, init_tensor
+from raypar.collectives import Group
+from raypar.core.config.schema import ModelConfig
+from raypar.core.model.llama import LlamaStage, count_params, flops_per_token, init_tensor
 from tests.threads import run_ranks
 
 CFG = ModelConfig(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256, seq_len=16)

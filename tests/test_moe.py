@@ -17,9 +17,10 @@ import math
 import pytest
 import torch
 
-from raypar import config
-from raypar.moe import MoELayer
-from raypar.tp import shard_of
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import ModelConfig
+from raypar.core.model.moe import MoELayer
+from raypar.core.parallel.tp import shard_of
 from tests.threads import run_groups, run_ranks
 
 E, K, CF, COEF = 4, 2, 0.75, 0.01
@@ -31,8 +32,8 @@ EVEN = [(2, 8)] * 4
 TOL = 1e-5
 
 
-def model_cfg(cf: float = CF) -> config.ModelConfig:
-    return config.load(
+def model_cfg(cf: float = CF) -> ModelConfig:
+    return load_config(
         "examples/configs/tiny.toml",
         [
             f"model.moe_experts={E}",
@@ -51,7 +52,7 @@ def inputs(ep: int, tokens: list[tuple[int, int]]) -> tuple[list[torch.Tensor], 
     return xs, cs
 
 
-def build(cls: type[MoELayer], cfg: config.ModelConfig, group) -> MoELayer:
+def build(cls: type[MoELayer], cfg: ModelConfig, group) -> MoELayer:
     layer = cls(cfg, None, group)
     gen = torch.Generator().manual_seed(7)
     full = {n: torch.randn(p.shape, generator=gen) * 0.1 for n, p in cls(cfg, None, None).named_parameters()}

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from raypar import config
 from raypar.controller.actor_mesh import ActorMesh, moe_totals
 from raypar.controller.connection import RunFailure
-from raypar.mesh import Coord, Mesh
-from raypar.model import count_params, flops_per_token
+from raypar.core.config.errors import ConfigError
+from raypar.core.config.load import load_config
+from raypar.core.model.llama import count_params, flops_per_token
+from raypar.core.parallel.mesh import Coord, Mesh
 
 TINY = "examples/configs/tiny.toml"
 MOE = ["model.moe_experts=4", "parallel.dp=4", "train.global_batch=8"]
@@ -29,12 +30,12 @@ MOE = ["model.moe_experts=4", "parallel.dp=4", "train.global_batch=8"]
     ],
 )
 def test_bad_moe_config_names_the_key(overrides, message):
-    with pytest.raises(config.ConfigError, match=message.replace("[", r"\[")):
-        config.load(TINY, overrides)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        load_config(TINY, overrides)
 
 
 def test_elastic_dps_stay_multiples_of_ep():
-    cfg = config.load(TINY, [*MOE, "parallel.ep=2", "parallel.microbatches=1", "parallel.max_dp=4"])
+    cfg = load_config(TINY, [*MOE, "parallel.ep=2", "parallel.microbatches=1", "parallel.max_dp=4"])
     assert cfg.valid_dps() == [2, 4]  # 1 and 3 split the batch, but not into EP groups
 
 
@@ -62,7 +63,7 @@ class _Survivors(ActorMesh):
 
 
 def test_survivors_keep_their_expert_slice():
-    mesh = _Survivors(config.load(TINY, [*MOE, "parallel.ep=2"]), "t")
+    mesh = _Survivors(load_config(TINY, [*MOE, "parallel.ep=2"]), "t")
     before = [0, 1, 2, 3, 4, 5]  # slices 0, 1, 0, 1, 0, 1
     mesh.replicas = [1, 2, 4, 5]  # 0 and 3 died: slice 0 held by 2 and 4, slice 1 by 1 and 5
     mesh._keep_expert_slices(before)
@@ -86,8 +87,8 @@ def test_moe_totals_count_tp_rank0_and_average_aux_over_replicas():
 
 
 def test_parameter_and_flop_counts():
-    dense = config.load(TINY).model
-    moe = config.load(TINY, ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_every=2"]).model
+    dense = load_config(TINY).model
+    moe = load_config(TINY, ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_every=2"]).model
     mlp, router = 3 * dense.d_model * dense.d_ff, dense.d_model * 4
     assert count_params(moe) - count_params(dense) == 2 * (3 * mlp + router)  # 2 MoE blocks, 4 experts
     assert flops_per_token(moe) - flops_per_token(dense) == 6 * 2 * (mlp + router)  # top-2: one more MLP

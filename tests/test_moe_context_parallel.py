@@ -3,14 +3,16 @@
 Each of the 4 ranks holds T/cp tokens of each sequence of its replica's microbatches (ulysses: contiguous,
 ring: zigzag), dispatches them to the experts over the EP group of its cp rank, and reduces dense
 gradients over cp x dp and expert gradients over the expert-dp group (its replicas' cp ranks), divided by
-dp x cp: the worker's groups and strategies (actors/worker.py), here without Ray (tests/moe_threads.py). The
+dp x cp: the worker's groups and strategies (raypar/actors/worker.py), here without Ray
+(tests/moe_threads.py). The
 reference forwards the global batch in the run's microbatches (the aux loss is per microbatch) in one process
 holding every expert.
 
 Compared: the mean cross-entropy, every gradient and the global gradient norm (1e-5 ulysses, 1e-4 ring, as
 tests/test_context_parallel.py), and the step's MoE figures through raypar.controller.actor_mesh.moe_totals
 (the aux loss within the same tolerance, expert load and dropped assignments exactly: each cp rank counts its
-own tokens). Capacity follows the reference's dispatch exactly (raypar.moe), so besides a capacity factor
+own tokens). Capacity follows the reference's dispatch exactly (raypar.core.model.moe), so besides a capacity
+factor
 of E / k (nothing dropped, asserted) a small one that drops assignments must match too: against one process
 at ep=1, and at ep=2 (where capacity spans the EP group's microbatches) against the same layout at cp=1.
 
@@ -25,17 +27,18 @@ from __future__ import annotations
 
 import pytest
 
-from raypar import config
-from raypar.mesh import Coord, Mesh
-from raypar.moe import MoELayer
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config
+from raypar.core.model.moe import MoELayer
+from raypar.core.parallel.mesh import Coord, Mesh
 from tests.moe_threads import assert_matches, parallel, reference
 
 DP, EP, CP, E, K = 2, 2, 2, 4, 2
 NO_DROP, DROPPING = E / K, 0.75
 
 
-def make_cfg(style: str, capacity_factor: float, ep: int = EP, cp: int = CP) -> config.Config:
-    return config.load("examples/configs/tiny.toml", [
+def make_cfg(style: str, capacity_factor: float, ep: int = EP, cp: int = CP) -> Config:
+    return load_config("examples/configs/tiny.toml", [
         f"parallel.dp={DP}", f"parallel.ep={ep}", f"parallel.cp={cp}", f'parallel.cp_style="{style}"',
         "parallel.microbatches=2", "train.global_batch=8", f"model.moe_experts={E}", f"model.moe_top_k={K}",
         f"model.moe_capacity_factor={capacity_factor}", "model.moe_every=2", "model.moe_aux_loss_coef=0.1",
@@ -127,12 +130,13 @@ def test_priority_in_cp_rank_order_is_rejected(style):
 
 
 def test_actors_dp2_ep2_cp2_match_one_process(ray_session, tmp_path):
-    """The worker itself (actors/worker.py: its per-cp-rank EP groups, the expert-dp group spanning cp and
+    """The worker itself (raypar/actors/worker.py: its per-cp-rank EP groups, the expert-dp group spanning cp
+    and
     the dp x cp divisor, the grad norm's expert part) on 4 Ray actors, two steps with their updates, through
     tests/test_moe_training.py's checks (loss, nothing dropped, router and expert gradients, grad norm).
     A checkpoint written there (cp rank 0 of each replica writes: each holds the EP group's other experts)
     resumes at ep=1 (every replica reads every expert) on the reference curve."""
-    from raypar import checkpoint
+    from raypar.core.checkpoint import format as checkpoint
     from tests.faults import FaultyActorMesh
     from tests.reference import reference_run
     from tests.test_moe_training import assert_params, train

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from raypar import report
+from raypar.core.observe import report
 from tests.runs import metrics, run, tiny
 
 E, K, STEPS = 4, 2, 3

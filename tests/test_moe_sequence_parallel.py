@@ -1,7 +1,8 @@
 """MoE under Megatron sequence parallelism: tp=2 with SP, alone, with dp=2 x ep=2 and with cp=2, on threads.
 
 Between blocks each tp rank holds T/tp tokens; the MoE layer gathers the sequence over tp, routes it like
-the tp layer without SP and keeps this rank's tokens of the result (raypar.moe). Capacity, priority and the
+the tp layer without SP and keeps this rank's tokens of the result (raypar.core.model.moe). Capacity, priority
+and the
 aux loss are therefore those of one process's dispatch of the microbatch. Compared with the one-process
 reference of tests/moe_threads.py (every microbatch forwarded with its aux loss): the loss,
 every gradient (tp shards assembled), the global gradient norm, the aux loss (1e-5 relative) and the
@@ -9,7 +10,8 @@ expert load and dropped assignments exactly -- with a capacity factor of E / k (
 and a small one that drops assignments (asserted). At dp=2 x ep=2 the dispatch spans the EP group's
 microbatches, which one process's is not: with drops the reference is the same layout without tp.
 
-Negative control: the MoE input gathered with the dense MLP's gather (raypar.sp.gather_from_sp), whose
+Negative control: the MoE input gathered with the dense MLP's gather (raypar.core.parallel.sp.gather_from_sp),
+whose
 backward reduce-scatters -- right for partial sums, but the MoE layer's input gradient is already whole on
 every tp rank, so everything below the first MoE layer gets tp times its gradient; the same check fails.
 Last, the worker on 4 Ray actors (dp=2 x ep=2 x tp=2 with SP), with that control injected into it.
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 import pytest
 
-from raypar import config
-from raypar.mesh import Mesh
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config
+from raypar.core.parallel.mesh import Mesh
 from tests.faults import MoEGatherSummed
 from tests.moe_threads import assert_matches, parallel, reference
 
@@ -29,8 +32,8 @@ NO_DROP, DROPPING = E / K, 0.75
 TOL = 1e-5
 
 
-def make_cfg(capacity_factor: float, tp: int = 2, dp: int = 1, ep: int = 1, cp: int = 1) -> config.Config:
-    return config.load("examples/configs/tiny.toml", [
+def make_cfg(capacity_factor: float, tp: int = 2, dp: int = 1, ep: int = 1, cp: int = 1) -> Config:
+    return load_config("examples/configs/tiny.toml", [
         f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.cp={cp}",
         'parallel.cp_style="ulysses"',
         f"parallel.sequence_parallel={str(tp > 1).lower()}", "parallel.microbatches=2",
@@ -68,7 +71,8 @@ def test_sequence_parallel_with_ep_and_dp():
 
 def test_sequence_parallel_with_context_parallelism():
     """cp=2 (ulysses) x tp=2 (SP): each rank holds T/(cp tp) tokens; the MoE layer gathers its cp rank's
-    T/cp over tp, and the cp counting of raypar.moe takes it from there. Drops against one process."""
+    T/cp over tp, and the cp counting of raypar.core.model.moe takes it from there. Drops against one
+    process."""
     cfg = make_cfg(DROPPING, cp=2)
     want = reference(cfg)
     assert want["moe"]["dropped_tokens"] > 0
@@ -83,7 +87,8 @@ def test_moe_input_gathered_like_the_dense_mlp_is_rejected():
 
 
 def test_actors_dp2_ep2_tp2_sp_match_one_process(ray_session):
-    """The worker itself (actors/worker.py: its tp, ep and expert-dp groups, the tp rebinding of the MoE
+    """The worker itself (raypar/actors/worker.py: its tp, ep and expert-dp groups, the tp rebinding of the
+    MoE
     layers, T/tp tokens per rank) on 4 Ray actors, two steps with their updates, through
     tests/test_moe_training.py's per-step checks (loss, nothing dropped, router and expert gradients, grad
     norm). Parameters: within 1e-4 of one process (AdamW's first steps move an entry by ~lr whatever its
@@ -98,7 +103,7 @@ def test_actors_dp2_ep2_tp2_sp_match_one_process(ray_session):
     steps = 2
     ref = reference_run(moe_cfg(1, 1, 1, 8), steps, microbatch_size=1)
 
-    def cfg(sp: bool) -> config.Config:
+    def cfg(sp: bool) -> Config:
         return moe_cfg(2, 1, 2, 4, "parallel.tp=2", f"parallel.sequence_parallel={str(sp).lower()}")
 
     mesh = FaultyActorMesh(cfg(True), "moe-sp", {})

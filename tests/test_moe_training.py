@@ -20,9 +20,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raypar import checkpoint, config
 from raypar.controller.actor_mesh import StepResult
-from raypar.mesh import Coord, Mesh
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config
+from raypar.core.parallel.mesh import Coord, Mesh
 from tests.faults import FaultyActorMesh
 from tests.reference import Run, reference_run
 
@@ -31,8 +33,8 @@ TOL = 1e-5
 E, K = 4, 2
 
 
-def make_cfg(dp: int, pp: int, ep: int, microbatches: int, *extra: str) -> config.Config:
-    return config.load(
+def make_cfg(dp: int, pp: int, ep: int, microbatches: int, *extra: str) -> Config:
+    return load_config(
         "examples/configs/tiny.toml",
         [
             f"parallel.dp={dp}",

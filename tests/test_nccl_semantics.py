@@ -15,11 +15,14 @@ import time
 import pytest
 import torch
 
-from actors.worker_state import WorkerState
-from collectives import GroupError, GroupTimeout, create_group
-from raypar import config, cp, data
-from raypar.dp import DPStrategy
-from raypar.model import LlamaStage
+from raypar.actors.worker_state import WorkerState
+from raypar.collectives import GroupError, GroupTimeout, create_group
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config
+from raypar.core.data import datasets as data
+from raypar.core.dp.strategy import DPStrategy
+from raypar.core.model.llama import LlamaStage
+from raypar.core.parallel import cp
 from tests import moe_threads
 from tests.fake_nccl import FakeNcclBackend, SimplexNcclBackend, make_group
 from tests.pipeline_threads import assert_step_matches, reference_step, run_step
@@ -138,7 +141,7 @@ def test_send_before_receive_on_every_rank_deadlocks_and_times_out():
 
 # -- the pipeline: every schedule over the pair groups -----------------------------------------------------
 def make_cfg(dp: int, pp: int, schedule: str, v: int = 1, tp: int = 1, n_mb: int = 4, layers: int = 4):
-    return config.load("examples/configs/tiny.toml", [
+    return load_config("examples/configs/tiny.toml", [
         f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}", f'parallel.schedule="{schedule}"',
         f"parallel.virtual_stages={v}", f"parallel.microbatches={n_mb}", f"model.n_layers={layers}",
         "train.global_batch=8",
@@ -225,7 +228,7 @@ def test_serial_ring_shift_deadlocks():
 
 # -- expert parallelism: uneven all-to-alls, their sizes exchanged on the device -------------------------
 def test_moe_with_ep_tp_and_sp_over_nccl_matches_gloo():
-    cfg = config.load("examples/configs/tiny.toml", [
+    cfg = load_config("examples/configs/tiny.toml", [
         "parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
         "parallel.microbatches=2", "train.global_batch=8", "model.moe_experts=4", "model.moe_top_k=2",
         "model.moe_capacity_factor=0.75", "model.moe_every=2", "model.moe_aux_loss_coef=0.1",
@@ -238,7 +241,7 @@ def test_moe_with_ep_tp_and_sp_over_nccl_matches_gloo():
 class _Replica(WorkerState):
     """The worker's state mixin on a thread rank: what `sync_state` reads of an actor, nothing else."""
 
-    def __init__(self, cfg: config.Config, group, zero: int, trained: bool):
+    def __init__(self, cfg: Config, group, zero: int, trained: bool):
         self.cfg, self.device, self.scaler, self._stash = cfg, torch.device("cpu"), None, None
         m = cfg.model
         self.model = LlamaStage(m, range(m.n_layers), True, True, None, cfg.train.seed)
@@ -249,7 +252,7 @@ class _Replica(WorkerState):
         if trained_state is not None:
             self.strategy.load_full_state(*trained_state)
 
-    def _train_alone(self, cfg: config.Config) -> tuple[dict[str, torch.Tensor], int]:
+    def _train_alone(self, cfg: Config) -> tuple[dict[str, torch.Tensor], int]:
         """Two updates without a group: moments and a step count that a fresh replica lacks."""
         strategy = DPStrategy(self.model, cfg.train, None, 0, 40_000)
         dataset = data.open_dataset(cfg.data, cfg.model)
@@ -267,7 +270,7 @@ class _Replica(WorkerState):
 
 
 def _heal(make, src: int = 0) -> list[dict[str, torch.Tensor]]:
-    cfg = config.load("examples/configs/tiny.toml", ["parallel.dp=2", "train.global_batch=8"])
+    cfg = load_config("examples/configs/tiny.toml", ["parallel.dp=2", "train.global_batch=8"])
 
     def rank_fn(rank, groups):
         replica = _Replica(cfg, groups["dp"], 0, trained=rank == 0)

@@ -13,11 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raypar import checkpoint_read, compress
-from raypar.dp import DPStrategy
-from raypar.mesh import Mesh
-from raypar.offload import Transfer
-from raypar.zero3 import Zero3Strategy
+from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core.dp import compress
+from raypar.core.dp.offload import Transfer
+from raypar.core.dp.strategy import DPStrategy
+from raypar.core.dp.zero3 import Zero3Strategy
+from raypar.core.parallel.mesh import Mesh
 from tests.faults import FaultyActorMesh
 from tests.reference import Run
 from tests.runs import metrics, run, tiny

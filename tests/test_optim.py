@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from raypar.config import TrainConfig
-from raypar.dp import DPStrategy
-from raypar.optim import ADAM_EPS, lr_at
+from raypar.core.config.schema import TrainConfig
+from raypar.core.dp.optim import ADAM_EPS, lr_at
+from raypar.core.dp.strategy import DPStrategy
 
 CFG = TrainConfig(steps=100, lr=1e-2, min_lr=1e-3, warmup_steps=10, weight_decay=0.1, beta1=0.9, beta2=0.95)
 

@@ -20,12 +20,17 @@ import torch
 
 from benchmarks import sequence_bytes
 from benchmarks.plan_validation import measure
-from collectives import Group
-from raypar import config, plan, plan_comm, plan_memory, schedules
-from raypar.config import ConfigError
+from raypar.collectives import Group
 from raypar.controller import cli
-from raypar.memory import SavedActivations
-from raypar.model import LlamaStage
+from raypar.core.config.errors import ConfigError
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import RECOMPUTE, Config
+from raypar.core.model.llama import LlamaStage
+from raypar.core.observe.memory import SavedActivations
+from raypar.core.pipeline import schedules
+from raypar.core.planner import comm as plan_comm
+from raypar.core.planner import memory as plan_memory
+from raypar.core.planner import search as plan
 from tests.threads import run_ranks
 
 TINY = "examples/configs/tiny.toml"
@@ -50,22 +55,22 @@ def test_model_state_formulas_by_zero_stage() -> None:
 
 
 def test_layouts_breaking_config_rules_are_never_listed() -> None:
-    cfg = config.load(TINY)  # n_heads=4, n_kv_heads=2, global_batch=8
+    cfg = load_config(TINY)  # n_heads=4, n_kv_heads=2, global_batch=8
     layouts = [layout for layout, _ in plan.candidates(cfg, 6)]
     assert layouts and all(layout.tp in (1, 2) for layout in layouts)  # tp=3, 6 do not divide the heads
     assert all(8 % (layout.dp * layout.microbatches) == 0 for layout in layouts)
-    assert {layout.recompute for layout in layouts} == set(config.RECOMPUTE)
+    assert {layout.recompute for layout in layouts} == set(RECOMPUTE)
     with pytest.raises(ConfigError, match="parallel.tp"):
         plan.layout_config(cfg, plan.Layout(2, 1, 3, 0, "none", 1))
 
 
 def test_layouts_with_chunks_config_would_refuse_are_never_listed() -> None:
-    cfg = config.load(TINY, ["train.global_batch=12"])  # 4 layers, 1f1b; 1, 3 microbatches possible
+    cfg = load_config(TINY, ["train.global_batch=12"])  # 4 layers, 1f1b; 1, 3 microbatches possible
     chunked = [layout for layout, _ in plan.candidates(cfg, 4) if layout.virtual_stages > 1]
     assert {(layout.pp, layout.virtual_stages) for layout in chunked} == {(2, 2)}  # 4 % (4 * 2) != 0
     assert all(layout.microbatches % layout.pp == 0 for layout in chunked)
     for schedule in ("gpipe", "zb-h1"):  # one chunk per rank only
-        other = config.load(TINY, [f'parallel.schedule="{schedule}"'])
+        other = load_config(TINY, [f'parallel.schedule="{schedule}"'])
         assert {layout.virtual_stages for layout, _ in plan.candidates(other, 4)} == {1}
     with pytest.raises(ConfigError, match="parallel.virtual_stages: model.n_layers=4"):
         plan.layout_config(cfg, plan.Layout(1, 2, 1, 0, "none", 4, 4))
@@ -76,7 +81,7 @@ def test_layouts_with_chunks_config_would_refuse_are_never_listed() -> None:
 
 
 def test_sequence_and_expert_layouts_config_would_refuse_are_never_listed() -> None:
-    cfg = config.load(TINY, ["model.seq_len=36"])  # cp=2: 4 | 36 both styles; cp=4: only ulysses (8 ∤ 36)
+    cfg = load_config(TINY, ["model.seq_len=36"])  # cp=2: 4 | 36 both styles; cp=4: only ulysses (8 ∤ 36)
     layouts = [layout for layout, _ in plan.candidates(cfg, 4)]
     styles = {(layout.cp, layout.cp_style) for layout in layouts if layout.cp > 1}
     assert styles == {(2, "ring"), (2, "ulysses"), (4, "ulysses")}
@@ -88,7 +93,7 @@ def test_sequence_and_expert_layouts_config_would_refuse_are_never_listed() -> N
         plan.layout_config(cfg, plan.Layout(1, 1, 1, 0, "none", 1, cp=4, cp_style="ring"))
     with pytest.raises(ConfigError, match="parallel.sequence_parallel: needs parallel.tp > 1"):
         plan.layout_config(cfg, plan.Layout(4, 1, 1, 0, "none", 1, sequence_parallel=True))
-    moe = config.load(TINY, ["model.moe_experts=4", "model.moe_every=2"])
+    moe = load_config(TINY, ["model.moe_experts=4", "model.moe_every=2"])
     expert = [layout for layout, _ in plan.candidates(moe, 4)]
     assert {layout.ep for layout in expert} == {1, 2, 4}
     assert all(layout.dp % layout.ep == 0 for layout in expert)
@@ -108,7 +113,7 @@ def test_sequence_and_expert_layouts_config_would_refuse_are_never_listed() -> N
     ],
 )
 def test_predicted_bubble_follows_the_schedules_formula(overrides: list[str], ratio: float) -> None:
-    cfg = config.load(TINY, ["parallel.pp=2", "parallel.microbatches=4", *overrides])
+    cfg = load_config(TINY, ["parallel.pp=2", "parallel.microbatches=4", *overrides])
     pred = plan.predict(cfg, plan.current_layout(cfg), plan.DEVICES["cpu"], 0.4)
     assert pred.bubble_s == pytest.approx(pred.compute_s * ratio, rel=1e-12)
 
@@ -124,7 +129,7 @@ def test_predicted_bubble_follows_the_schedules_formula(overrides: list[str], ra
 def test_fixed_costs_per_pass_and_per_message(overrides: list[str], passes: int, messages: int) -> None:
     """Each rank pays the device's fixed cost for every layer's pass (F, B, and W under ZB-H1) of every
     microbatch, and its transport's cost for every activation and gradient into and out of each chunk."""
-    cfg = config.load(TINY, ["parallel.pp=2", "parallel.microbatches=4", *overrides])
+    cfg = load_config(TINY, ["parallel.pp=2", "parallel.microbatches=4", *overrides])
     free = dataclasses.replace(plan.DEVICES["cpu"], layer_pass_s=0.0, hop_s=())
     costly = dataclasses.replace(free, layer_pass_s=1e-3, hop_s=((cfg.parallel.transport, 5e-3),))
     base, paid = (plan.predict(cfg, plan.current_layout(cfg), d, 0.4) for d in (free, costly))
@@ -139,7 +144,7 @@ def test_sequence_comm_bytes_are_what_raypar_sends(style: str) -> None:
     1 byte/s and no latency) against the bytes benchmarks/sequence_bytes.py counts raypar's own calls
     sending. SP leaves out its norm weights' gradient all-reduce (2·d per layer): 1 % here. Negative
     control: the other cp style's formula."""
-    cfg = config.load(TINY, ["train.global_batch=2"])
+    cfg = load_config(TINY, ["train.global_batch=2"])
     measured = max(r["forward"] + r["backward"] for r in sequence_bytes.layer_bytes(style, 2, cfg.model, 2))
 
     def predicted(layout: plan.Layout) -> float:
@@ -157,15 +162,16 @@ def test_sequence_comm_bytes_are_what_raypar_sends(style: str) -> None:
 
 def test_sp_pays_twice_the_latency_of_tp() -> None:
     """SP: an all-gather and a reduce-scatter where tp all-reduces: the same bytes, twice the collectives."""
-    cfg = config.load(TINY, ["parallel.tp=2"])
+    cfg = load_config(TINY, ["parallel.tp=2"])
     for sp in (False, True):
         layout = plan.Layout(1, 1, 2, 0, "none", 1, sequence_parallel=sp)
         latency = plan_comm.tp_s(cfg, layout, 4, 1e9, 1e-3) - plan_comm.tp_s(cfg, layout, 4, 1e9, 0.0)
         assert latency == pytest.approx(4 * 4 * 1e-3 * (2 if sp else 1))  # 4 layers x 4 reductions
 
 
-def check_in_flight(cfg: config.Config) -> None:
-    """The planner's in-flight units per rank against the schedule raypar.schedules builds for the config."""
+def check_in_flight(cfg: Config) -> None:
+    """The planner's in-flight units per rank against the schedule raypar.core.pipeline.schedules builds for
+    the config."""
     par = cfg.parallel
     built = schedules.build(par.schedule, par.pp, par.microbatches, par.virtual_stages)
     predicted = [s.in_flight for s in plan.predict_memory(cfg, plan.current_layout(cfg), "cpu")]
@@ -173,7 +179,7 @@ def check_in_flight(cfg: config.Config) -> None:
     assert predicted == expected, f"in flight per rank: predicted {predicted}, the schedule {expected}"
 
 
-def _ignoring_chunks(cfg: config.Config, layout: plan.Layout) -> schedules.Plan:
+def _ignoring_chunks(cfg: Config, layout: plan.Layout) -> schedules.Plan:
     """The classic mistake: the schedule of one chunk per rank whatever virtual_stages says."""
     return schedules.build(cfg.parallel.schedule, layout.pp, layout.microbatches)
 
@@ -183,7 +189,7 @@ def test_predicted_in_flight_of_interleaved_is_the_schedules(
     microbatches: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     chunks = ["parallel.pp=2", "parallel.virtual_stages=2", f"parallel.microbatches={microbatches}"]
-    cfg = config.load(TINY, chunks)
+    cfg = load_config(TINY, chunks)
     check_in_flight(cfg)
     # Interleaving keeps more units alive than 1F1B on rank 0 (warm-up of (pp - 1) * 2 + (v - 1) * pp).
     assert plan.predict_memory(cfg, plan.current_layout(cfg), "cpu")[0].in_flight > cfg.parallel.pp
@@ -202,11 +208,11 @@ SPLITS = {  # what LlamaStage takes on 2 ranks, the split the formula is told, a
 
 
 @pytest.mark.parametrize("kind", SPLITS)
-@pytest.mark.parametrize("mode", config.RECOMPUTE)
+@pytest.mark.parametrize("mode", RECOMPUTE)
 def test_activation_formula_counts_what_autograd_saves_on_two_ranks(kind: str, mode: str) -> None:
     """tp=2, tp=2 with SP, cp=2 of each style: the formula equals what autograd saves on every rank for a
     first and a last stage; the formula without the axis (the negative control) does not."""
-    cfg = config.load(TINY, [f'train.recompute="{mode}"'])
+    cfg = load_config(TINY, [f'train.recompute="{mode}"'])
     m = cfg.model
     ids = torch.randint(0, m.vocab_size, (2, m.seq_len), generator=torch.Generator().manual_seed(0))
     axes, split, ignoring = SPLITS[kind]
@@ -232,8 +238,8 @@ def test_activation_formula_counts_what_autograd_saves_on_two_ranks(kind: str, m
 
 
 def test_cp_halves_activations_and_sp_divides_the_norms() -> None:
-    m = config.load(TINY).model
-    for mode in config.RECOMPUTE:
+    m = load_config(TINY).model
+    for mode in RECOMPUTE:
         one, two = (
             plan_memory.block_activation_bytes(m, 1, 2, "fp32", "cpu", mode, plan_memory.TokenSplit(1, cp))
             for cp in (1, 2)
@@ -252,7 +258,7 @@ def test_cp_halves_activations_and_sp_divides_the_norms() -> None:
 def test_moe_formula_counts_what_autograd_saves_on_average_over_ep() -> None:
     """ep=2: each rank saves what its routed rows cost, the formula the balanced count (every rank receives
     as many rows as it sends, on average): exact for the mean over the EP group, not for a rank."""
-    cfg = config.load(TINY, ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=2.0",
+    cfg = load_config(TINY, ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=2.0",
                              "model.moe_every=2"])
     m = cfg.model
     ids = torch.randint(0, m.vocab_size, (2, m.seq_len), generator=torch.Generator().manual_seed(0))
@@ -272,7 +278,7 @@ def test_moe_formula_counts_what_autograd_saves_on_average_over_ep() -> None:
     for i, (layers, first, last) in enumerate(((range(0, 2), True, False), (range(2, 4), False, True))):
         predicted = plan_memory.stage_activation_bytes(cfg, layers, first, last, 1, 2, "cpu", "none")
         assert sum(r[i] for r in measured) == 2 * predicted
-        dense = config.load(TINY).model  # negative control: the same stage counted as dense
+        dense = load_config(TINY).model  # negative control: the same stage counted as dense
         assert predicted != plan_memory.stage_activation_bytes(
             dataclasses.replace(cfg, model=dense), layers, first, last, 1, 2, "cpu", "none"
         )
@@ -281,7 +287,7 @@ def test_moe_formula_counts_what_autograd_saves_on_average_over_ep() -> None:
 def test_expert_states_shard_over_the_expert_dp_group() -> None:
     """Params of a whole MoE stage as LlamaStage builds them; states: dense over dp, experts (1/ep of
     them) over dp/ep, test_moe_training's formula."""
-    cfg = config.load(TINY, ["model.moe_experts=4", "model.moe_every=2", "parallel.dp=4", "parallel.ep=2",
+    cfg = load_config(TINY, ["model.moe_experts=4", "model.moe_every=2", "parallel.dp=4", "parallel.ep=2",
                              "parallel.zero=1"])
     m = cfg.model
     stage = LlamaStage(m, range(m.n_layers), True, True)
@@ -341,7 +347,7 @@ def test_cli_plan_bad_input_exits_2(
 
 
 def test_a_layout_that_does_not_fit_names_the_knob() -> None:
-    cfg = config.load(TINY)
+    cfg = load_config(TINY)
     need = plan.predict(cfg, plan.current_layout(cfg), plan.DEVICES["h100"], 0.4).memory_bytes
     plan.check_fits(cfg, need, plan.DEVICES["h100"], "test GPU")  # fits exactly: no error
     with pytest.raises(ConfigError, match=r"set train\.recompute=(selective|full)"):

@@ -11,14 +11,14 @@ import pytest
 import ray
 import torch
 
-from actors.worker import WORKER_THREADS, Worker
-from raypar import config
-from raypar.config import TrainConfig
+from raypar.actors.worker import WORKER_THREADS, Worker
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.dp import DPStrategy
-from raypar.mesh import Coord, Mesh
-from raypar.precision import LossScaler, ScalerConfig
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config, TrainConfig
+from raypar.core.dp.precision import LossScaler, ScalerConfig
+from raypar.core.dp.strategy import DPStrategy
+from raypar.core.parallel.mesh import Coord, Mesh
 from tests.faults import FaultyActorMesh
 from tests.runs import tiny
 
@@ -144,8 +144,8 @@ class InfMesh(ActorMesh):
     worker_class = ray.remote(max_concurrency=WORKER_THREADS)(_InfWorker)
 
 
-def fp16_cfg(*extra: str) -> config.Config:
-    return config.load(
+def fp16_cfg(*extra: str) -> Config:
+    return load_config(
         TINY,
         [
             *("parallel.dp=2", "parallel.pp=2", "parallel.tp=2"),
@@ -191,8 +191,8 @@ CURVE_MAX_RTOL, CURVE_MEAN_RTOL = 0.02, 0.005
 
 
 def test_bf16_and_fp16_curves_track_fp32(ray_session) -> None:
-    def cfg(precision: str) -> config.Config:
-        return config.load(
+    def cfg(precision: str) -> Config:
+        return load_config(
             TINY, [f'train.precision="{precision}"', f"train.steps={CURVE_STEPS}", "train.loss_scale=65536.0"]
         )
 
@@ -236,13 +236,13 @@ BF16_EPS = 2.0**-8
 FP32_LAYOUT_RTOL = 1e-5  # tests/test_equivalence.py's
 
 
-def layout_cfg(layout: tuple[int, int, int], precision: str) -> config.Config:
+def layout_cfg(layout: tuple[int, int, int], precision: str) -> Config:
     dp, pp, tp = layout
     return tiny(f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}",
                 f'train.precision="{precision}"', f"train.steps={LAYOUT_STEPS}")
 
 
-def train_curve(trainer: ActorMesh, cfg: config.Config) -> tuple[list[float], list[float]]:
+def train_curve(trainer: ActorMesh, cfg: Config) -> tuple[list[float], list[float]]:
     """(losses, grad norms) from the seed under `cfg`, on the trainer's actors."""
     trainer.reconfigure(cfg)
     results = [trainer.step(s) for s in range(LAYOUT_STEPS)]
@@ -293,7 +293,7 @@ def test_fp16_resume_restores_the_loss_scaler(ray_session, tmp_path) -> None:
     losses and scales equal the straight run's bitwise (scale and hysteresis counter come from the
     checkpoint). Control: the scale at step 4 is not the configured initial one, so a scaler restarted
     from the config would be caught."""
-    from raypar import checkpoint
+    from raypar.core.checkpoint import format as checkpoint
     from tests.runs import metrics, run, tiny
 
     ckpt = tmp_path / "ckpt"

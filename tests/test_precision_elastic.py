@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 import ray
 
-from actors.worker import WORKER_THREADS, Worker
-from raypar import config
+from raypar.actors.worker import WORKER_THREADS, Worker
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.mesh import Coord
+from raypar.core.config.schema import Config
+from raypar.core.parallel.mesh import Coord
 from tests.runs import tiny
 
 STEPS, SHRINK_BEFORE, GROW_BEFORE = 6, 2, 4  # dp 2 -> 1 before step 2, 1 -> 2 before step 4
@@ -37,7 +37,7 @@ INITIAL, BACKOFF, WINDOW = 2.0**24, 2.0**-12, 3
 HEALED = {"scale": 4096.0, "growth_tracker": 2, "hysteresis_tracker": 0}  # the fixed run's before step 4
 
 
-def fp16_cfg() -> config.Config:
+def fp16_cfg() -> Config:
     return tiny(
         "parallel.dp=2", 'train.precision="fp16"', f"train.steps={STEPS}", f"train.loss_scale={INITIAL}",
         f"train.loss_scale_backoff={BACKOFF}", f"train.loss_scale_window={WINDOW}",

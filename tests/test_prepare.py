@@ -11,10 +11,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raypar import config, data
-from raypar.config import ConfigError
 from raypar.controller import cli
-from raypar.tokenizer import from_record, load
+from raypar.core.config.errors import ConfigError
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import DataConfig
+from raypar.core.data import datasets as data
+from raypar.core.data.tokenizer import from_record, load
 
 WORDS = "def return class import lambda yield async await while for if else elif try except".split()
 
@@ -76,7 +78,7 @@ def test_parquet_and_jsonl_round_trip(tmp_path, sources):
     assert decoded[:-1] != docs
 
     # The sampler's batches decode back to the source text (windows cut documents: pieces are substrings).
-    recorded = from_record(data.tokenizer_record(config.DataConfig(source=str(tmp_path / "out"))))
+    recorded = from_record(data.tokenizer_record(DataConfig(source=str(tmp_path / "out"))))
     ds = data.TokenDataset(tmp_path / "out", seq_len=16, vocab_size=tok.vocab_size)
     sampler = data.GlobalSampler(ds.num_samples, 8, seed=0)
     joined = "\n".join(docs)
@@ -94,11 +96,11 @@ def test_vocab_flows_into_model_config_padded_to_tp(tmp_path, sources):
     assert cli.main(["prepare", *srcs, "--out", str(out), "--tokenizer", str(tok_path), "--no-progress"]) == 0
     vocab = data.read_index(out)["vocab_size"]
     assert vocab % 2  # odd, so padding shows
-    cfg = config.load("examples/configs/tiny.toml", [f'data.source="{out}"', "parallel.tp=2"])
+    cfg = load_config("examples/configs/tiny.toml", [f'data.source="{out}"', "parallel.tp=2"])
     assert cfg.model.vocab_size == vocab + 1 and cfg.model.vocab_size >= vocab
-    assert config.load("examples/configs/tiny.toml", [f'data.source="{out}"']).model.vocab_size == vocab
+    assert load_config("examples/configs/tiny.toml", [f'data.source="{out}"']).model.vocab_size == vocab
     # Too small an explicit vocabulary is refused, naming the key.
-    small = config.load("examples/configs/tiny.toml", [f'data.source="{out}"', "model.vocab_size=256"])
+    small = load_config("examples/configs/tiny.toml", [f'data.source="{out}"', "model.vocab_size=256"])
     with pytest.raises(ConfigError, match=r"model.vocab_size: 256 is smaller than the 301"):
         data.open_dataset(small.data, small.model)
 

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from raypar import data
 from raypar.controller import cli
-from raypar.tokenizer import load
+from raypar.core.data import datasets as data
+from raypar.core.data.tokenizer import load
 from tests.test_prepare import corpus, train_bpe
 
 

@@ -16,12 +16,13 @@ import pytest
 import torch
 from torch.utils import checkpoint as torch_checkpoint
 
-from collectives import Group
-from raypar import config, model
-from raypar.config import ModelConfig
+from raypar.collectives import Group
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.memory import SavedActivations
-from raypar.model import LlamaStage
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config, ModelConfig
+from raypar.core.model import llama as model
+from raypar.core.model.llama import LlamaStage
+from raypar.core.observe.memory import SavedActivations
 from tests.threads import run_ranks
 
 CFG = ModelConfig(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256, seq_len=16)
@@ -111,8 +112,8 @@ def test_recompute_on_actors_at_1_2_2_with_dropout(ray_session) -> None:
     """Real actors (one process each, so dropout masks come from each actor's own seeded RNG): two steps
     under none, full and selective end in bitwise-equal parameters and gradient norms."""
 
-    def cfg(mode: str) -> config.Config:
-        return config.load(
+    def cfg(mode: str) -> Config:
+        return load_config(
             "examples/configs/tiny.toml",
             ["parallel.pp=2", "parallel.tp=2", "model.dropout=0.1", f'train.recompute="{mode}"'],
         )

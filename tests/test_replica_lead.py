@@ -1,4 +1,5 @@
-"""One driver call per replica per step (actors.replica_lead): each replica's leader fans the step out to its
+"""One driver call per replica per step (raypar.actors.replica_lead): each replica's leader fans the step out
+to its
 actors and answers for all of them; a failure still names the actor that failed, and is contained at once.
 
 Model-free actors (tests.stub_worker) at (dp, pp, tp) = (2, 2, 1): two replicas of two actors each, with
@@ -16,11 +17,11 @@ from typing import Any
 import pytest
 import ray
 
-from actors.replica_lead import ReplicaAnswer
-from actors.worker import WORKER_THREADS
-from raypar import config
+from raypar.actors.replica_lead import ReplicaAnswer
+from raypar.actors.worker import WORKER_THREADS
 from raypar.controller.actor_calls import StepFailure
-from raypar.mesh import Coord
+from raypar.core.config.load import load_config
+from raypar.core.parallel.mesh import Coord
 from tests.stub_worker import StubActorMesh, _StubWorker
 
 FAIL_STEP = 2
@@ -91,7 +92,7 @@ def _mesh(
             return super()._gather(refs, what, step)
 
     Mesh.driver_calls = driver_calls  # 1: the top leader (0, 0, 0) relays to replica 1's leader
-    cfg = config.load(
+    cfg = load_config(
         "examples/configs/tiny.toml",
         ["parallel.dp=2", "parallel.pp=2", "parallel.tp=1", "parallel.microbatches=2",
          "train.global_batch=4"],

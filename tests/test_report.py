@@ -1,7 +1,9 @@
-"""Run pictures and bubble accounting (raypar.report) on synthetic run directories; MFU math (raypar.flops).
+"""Run pictures and bubble accounting (raypar.core.observe.report) on synthetic run directories; MFU math
+(raypar.core.observe.flops).
 
 The synthetic timelines are executed, not drawn: `simulated_rows` runs the real schedules of
-raypar.schedules op by op under the executor's semantics (blocking receives, non-blocking sends), with
+raypar.core.pipeline.schedules op by op under the executor's semantics (blocking receives, non-blocking
+sends), with
 fixed costs per op, and records what a worker's `train_step` records.
 """
 
@@ -15,10 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from raypar import config as config_mod
-from raypar import flops, report, schedules
-from raypar.config import ModelConfig
-from raypar.model import LlamaStage
+from raypar.core.config.load import from_dict
+from raypar.core.config.schema import ModelConfig, to_toml
+from raypar.core.model.llama import LlamaStage
+from raypar.core.observe import flops, report
+from raypar.core.pipeline import schedules
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -109,14 +112,14 @@ def serialized_rows(p: int, m: int, t: float = 0.010) -> list[report.Row]:
 def write_run(run_dir: Path, schedule: str, p: int, m: int, dp: int = 1, tp: int = 1, steps: int = 3) -> Path:
     """A run directory as the driver writes it, with a timeline simulated per step (slightly varying)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = config_mod.from_dict(
+    cfg = from_dict(
         {
             "model": {"preset": "tiny"},
             "parallel": {"pp": p, "dp": dp, "tp": tp, "schedule": schedule, "microbatches": m},
             "train": {"global_batch": dp * m, "steps": steps},
         }
     )
-    (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
+    (run_dir / "config.toml").write_text(to_toml(cfg))
     with open(run_dir / "metrics.jsonl", "w") as metrics, open(run_dir / "timeline.jsonl", "w") as timeline:
         for step in range(steps):
             rows = simulated_rows(schedule, p, m, step, dp, tp, t_f=0.010 * (1 + 0.05 * step))
@@ -220,7 +223,7 @@ def test_report_without_timeline(tmp_path: Path) -> None:
 
 
 def test_model_flops_counts_every_matmul_weight() -> None:
-    cfg = config_mod.from_dict({"model": {"preset": "tiny"}}).model
+    cfg = from_dict({"model": {"preset": "tiny"}}).model
     model = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True)
     # N from the torch modules themselves: every weight but the embedding table and the norms' scales.
     n = sum(
@@ -235,7 +238,7 @@ def test_model_flops_counts_every_matmul_weight() -> None:
 
 def test_model_flops_of_llama2_7b() -> None:
     """Against the published parameter count of Llama 2 7B (6,738,415,616), not our own arithmetic."""
-    cfg = config_mod.from_dict({"model": {"preset": "llama-7b"}}).model
+    cfg = from_dict({"model": {"preset": "llama-7b"}}).model
     embedding, norms = 32000 * 4096, (2 * 32 + 1) * 4096
     n = 6_738_415_616 - embedding - norms
     assert flops.model_flops_per_token(cfg) == 6 * n + 12 * 32 * 4096 * 4096
@@ -246,7 +249,7 @@ def test_mfu_math() -> None:
     per_token = flops.model_flops_per_token(cfg)
     assert flops.mfu(1000.0, cfg, peak_flops=4 * 1000.0 * per_token) == pytest.approx(0.25)
     # A whole H200 run at 40% MFU on 8 GPUs, read back from its tokens/s.
-    big = config_mod.from_dict({"model": {"preset": "llama-7b"}}).model
+    big = from_dict({"model": {"preset": "llama-7b"}}).model
     peak = 8 * flops.gpu_peak_flops("NVIDIA H200", torch.bfloat16)
     tokens_per_s = 0.4 * peak / flops.model_flops_per_token(big)
     assert flops.mfu(tokens_per_s, big, peak) == pytest.approx(0.4)

@@ -1,4 +1,5 @@
-"""What raypar.report's pictures show: the timeline legend names exactly the kinds of time drawn, each in its
+"""What raypar.core.observe.report's pictures show: the timeline legend names exactly the kinds of time drawn,
+each in its
 own colour; dp-change labels of the loss plot never cover one another (issue #24)."""
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 from matplotlib.text import Annotation
 
-from raypar import report
+from raypar.core.observe import report
 from tests.test_report import write_run
 
 
 @pytest.fixture
 def figures(monkeypatch: pytest.MonkeyPatch) -> list[Figure]:
-    """The figures raypar.report saves, kept for inspection (the report closes them after saving)."""
+    """The figures raypar.core.observe.report saves, kept for inspection (the report closes them after
+    saving)."""
     saved: list[Figure] = []
     savefig = Figure.savefig
 

@@ -15,9 +15,9 @@ import pytest
 import ray
 from ray.util.state import list_actors
 
-from raypar import checkpoint
 from raypar.controller import connection as control
 from raypar.controller.actor_mesh import RunFailure
+from raypar.core.checkpoint import format as checkpoint
 from tests.faults import FaultyActorMesh
 from tests.runs import Background, losses, metrics, run, tiny
 

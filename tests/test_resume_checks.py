@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from raypar import checkpoint, config
-from raypar.checkpoint import ShardSpec
 from raypar.controller import cli
-from raypar.model import LlamaStage
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.checkpoint.format import ShardSpec
+from raypar.core.config.load import load_config
+from raypar.core.model.llama import LlamaStage
 from tests.runs import ActorsStarted
 
 TINY = "examples/configs/tiny.toml"
@@ -24,7 +25,7 @@ TINY = "examples/configs/tiny.toml"
 def write_checkpoint(root: Path, step: int, edit: Callable[[dict[str, Any]], None] | None = None) -> Path:
     """The tiny config's model as a tp=2 run saves it (the vocab-parallel embedding in two row pieces, one
     per tp rank; the rest whole on rank 0), with the meta a resume reads; then its manifest edited."""
-    cfg = config.load(TINY).model
+    cfg = load_config(TINY).model
     tensors = dict(LlamaStage(cfg, range(cfg.n_layers), first=True, last=True).named_parameters())
     embed = tensors.pop("embed.weight")
     half = embed.shape[0] // 2

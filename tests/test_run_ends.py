@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from raypar import checkpoint
 from raypar.controller import cli
+from raypar.core.checkpoint import format as checkpoint
 from tests.runs import TINY, metrics, run, tiny
 
 TOKENS_PER_STEP = 8 * 32  # tiny.toml: train.global_batch x the tiny preset's seq_len

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from raypar.config import ConfigError
 from raypar.controller.training import RUN_LOCK, hold_run_dir
+from raypar.core.config.errors import ConfigError
 from tests.runs import TINY, metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-from actors.worker import WORKER_THREADS
-from raypar import config
+from raypar.actors.worker import WORKER_THREADS
 from raypar.controller.placement import ActorResources, PlacementTimeout
-from raypar.mesh import Mesh
+from raypar.core.config.load import load_config
+from raypar.core.parallel.mesh import Mesh
 from tests.stub_worker import StubActorMesh, _StubWorker
 
 
@@ -40,7 +40,7 @@ class _RoomFor(StubActorMesh):
 
 def _mesh(name: str, dp: int, capacity: int) -> _RoomFor:
     # global_batch 4 in microbatches of 1 sequence: the run accepts dp in [1, 2, 4]
-    cfg = config.load(
+    cfg = load_config(
         "examples/configs/tiny.toml",
         [f"parallel.dp={dp}", "parallel.pp=1", "parallel.tp=1", f"parallel.microbatches={4 // dp}",
          "train.global_batch=4"],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from raypar.schedules import (
+from raypar.core.pipeline.schedules import (
     BACKWARD,
     FORWARD,
     RECV_ACT,

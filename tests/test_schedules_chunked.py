@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from raypar import schedules
-from raypar.schedules import (
+from raypar.core.pipeline import schedules
+from raypar.core.pipeline.schedules import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,

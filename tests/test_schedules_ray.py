@@ -9,14 +9,15 @@ clipping and AdamW over 3 steps. One set of pp=2 x tp=2 actors, rebuilt from the
 
 from __future__ import annotations
 
-from raypar import config
 from raypar.controller.actor_mesh import ActorMesh
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config
 from tests.reference import reference_run
 from tests.test_equivalence import STEPS, assert_matches, train
 
 
-def make_cfg(schedule: str, v: int, transport: str, sp: bool = False) -> config.Config:
-    return config.load("examples/configs/tiny.toml", [
+def make_cfg(schedule: str, v: int, transport: str, sp: bool = False) -> Config:
+    return load_config("examples/configs/tiny.toml", [
         "parallel.pp=2", "parallel.tp=2", f'parallel.schedule="{schedule}"', f"parallel.virtual_stages={v}",
         f'parallel.transport="{transport}"', f"parallel.sequence_parallel={str(sp).lower()}",
         "parallel.microbatches=4", "train.global_batch=8", f"train.steps={STEPS}",
@@ -44,8 +45,8 @@ def test_interleaved_zero_bubble_and_sequence_parallel_on_actors(ray_session):
 
 def test_context_parallel_on_actors(ray_session):
     """pp=2 x cp=2 actors (named ...cp1), ring then Ulysses, both transports, against one process."""
-    def cp_cfg(style: str, transport: str) -> config.Config:
-        return config.load("examples/configs/tiny.toml", [
+    def cp_cfg(style: str, transport: str) -> Config:
+        return load_config("examples/configs/tiny.toml", [
             "parallel.pp=2", "parallel.cp=2", f'parallel.cp_style="{style}"',
             f'parallel.transport="{transport}"', "train.global_batch=8", f"train.steps={STEPS}",
         ])

@@ -1,4 +1,5 @@
-"""Megatron sequence parallelism against one process, on thread ranks (raypar.sp, tests/pipeline_threads).
+"""Megatron sequence parallelism against one process, on thread ranks (raypar.core.parallel.sp,
+tests/pipeline_threads).
 
 fp32, one step: loss, global gradient norm and every gradient within 1e-5 (see tests/pipeline_threads).
 The model uses 4 kv heads so that tp=4 divides them; the reference is the same model in one process.
@@ -8,15 +9,16 @@ from __future__ import annotations
 
 import pytest
 
-from raypar import config
-from raypar.model import SequenceParallelRMSNorm
+from raypar.core.config.errors import ConfigError
+from raypar.core.config.load import load_config
+from raypar.core.model.llama import SequenceParallelRMSNorm
 from tests.pipeline_threads import assert_step_matches, reference_step, run_step
 
 _REFERENCE: list[tuple] = []
 
 
 def make_cfg(tp: int, pp: int = 1, sp: bool = True, n_mb: int = 2, extra: tuple[str, ...] = ()):
-    return config.load("examples/configs/tiny.toml", [
+    return load_config("examples/configs/tiny.toml", [
         f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.sequence_parallel={str(sp).lower()}",
         f"parallel.microbatches={n_mb}", "model.n_kv_heads=4", "train.global_batch=8", *extra,
     ])
@@ -58,7 +60,7 @@ def test_sequence_parallel_without_norm_weight_allreduce_is_rejected():
 
 
 def test_bad_sequence_parallel_configs_are_one_line_errors():
-    with pytest.raises(config.ConfigError, match="^parallel.sequence_parallel: needs parallel.tp > 1"):
+    with pytest.raises(ConfigError, match="^parallel.sequence_parallel: needs parallel.tp > 1"):
         make_cfg(1)
-    with pytest.raises(config.ConfigError, match="seq_len=30 must be divisible by tp\\*cp=4"):
+    with pytest.raises(ConfigError, match="seq_len=30 must be divisible by tp\\*cp=4"):
         make_cfg(4, extra=("model.seq_len=30",))

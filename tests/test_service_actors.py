@@ -17,10 +17,10 @@ from typing import Any
 import ray
 from ray.util.state import list_actors
 
-from actors.control import control_name
+from raypar.actors.control import control_name
 from raypar.controller.connection import NAMESPACE
 from raypar.controller.training import TrainingLoop
-from raypar.mesh import Coord
+from raypar.core.parallel.mesh import Coord
 from tests.faults import FaultyActorMesh
 from tests.runs import losses, metrics, run, tiny
 

@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from raypar import checkpoint, checkpoint_read, config
-from raypar.config import ConfigError
 from raypar.controller import cli, shared_paths
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core.config.errors import ConfigError
+from raypar.core.config.load import load_config
 from tests.fake_cluster import FakeCluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +32,7 @@ CLI = "import sys; from raypar.controller.cli import main; sys.exit(main(sys.arg
 
 def test_local_paths_become_absolute_in_the_drivers_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = config.load(TINY, [])
+    cfg = load_config(TINY, [])
     cfg.checkpoint.dir, cfg.data.cache_dir = "ckpt", "~/cache"
     cfg.data.source, cfg.data.val_source = "corpus/*.txt, more/a.txt", "s3://bucket/val"
     shared_paths.make_absolute(cfg)
@@ -51,7 +53,7 @@ def test_a_checkpoint_dir_inside_the_jobs_working_dir_copy_is_refused(tmp_path, 
     job_copy = session / "runtime_resources" / "working_dir_files" / "_ray_pkg_1"
     job_copy.mkdir(parents=True)
     monkeypatch.chdir(job_copy)
-    cfg = config.load(TINY, [])
+    cfg = load_config(TINY, [])
     cfg.checkpoint.dir = "ckpt"
     with pytest.raises(ConfigError, match=r"^checkpoint.dir: .*_ray_pkg_1/ckpt is inside the copy of"):
         shared_paths.make_absolute(cfg)
@@ -62,7 +64,7 @@ def test_a_checkpoint_dir_inside_the_jobs_working_dir_copy_is_refused(tmp_path, 
 def test_the_probe_checks_the_counts_the_cli_opened_the_datasets_for():
     # The driver opens its datasets once, in the CLI's input check, and hands their counts to the node probe:
     # a node that sees the same data agrees with them, one that counts other training samples is named.
-    cfg = config.load(TINY, ["data.val_fraction=0.25"])
+    cfg = load_config(TINY, ["data.val_fraction=0.25"])
     samples = cli._check_data(cfg)
     assert samples[1] > 0 and samples[0] + samples[1] == 2**20  # the synthetic set, a quarter held out
     assert shared_paths._probe(cfg, "", samples) is None

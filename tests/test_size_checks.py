@@ -8,17 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from raypar import checkpoint_read, config, config_rules
-from raypar.config import ConfigError
 from raypar.controller import cli
-from raypar.model import LlamaStage
+from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core.config import rules as config_rules
+from raypar.core.config.errors import ConfigError
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config
+from raypar.core.model.llama import LlamaStage
 from tests.runs import ActorsStarted
 
 TINY = "examples/configs/tiny.toml"
 GIB = 2**30
 
 
-def fp32_adam_state_bytes(cfg: config.Config) -> int:
+def fp32_adam_state_bytes(cfg: Config) -> int:
     """What one actor of a one-stage layout holds, counted on the real model: fp32 parameter, fp32 gradient
     and two fp32 Adam moments per parameter."""
     stage = LlamaStage(cfg.model, range(cfg.model.n_layers), first=True, last=True)
@@ -44,7 +47,7 @@ def test_the_test_models_config_reaches_the_actors(tmp_path: Path, no_actors: No
 
 
 def test_the_limit_is_the_layouts_model_states(monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = config.load(TINY)
+    cfg = load_config(TINY)
     one = fp32_adam_state_bytes(cfg)
     monkeypatch.setattr(checkpoint_read, "available_memory", lambda: one)
     config_rules.check_local_memory(cfg, None)  # exactly fits
@@ -54,9 +57,9 @@ def test_the_limit_is_the_layouts_model_states(monkeypatch: pytest.MonkeyPatch) 
     # Every actor of a local Ray is on this machine: two replicas need twice the memory ...
     monkeypatch.setattr(checkpoint_read, "available_memory", lambda: 2 * one - 1)
     with pytest.raises(ConfigError, match=r"a local Ray's 2 actor\(s\)"):
-        config_rules.check_local_memory(config.load(TINY, ["parallel.dp=2"]), None)
+        config_rules.check_local_memory(load_config(TINY, ["parallel.dp=2"]), None)
     # ... unless ZeRO-3 shards their states over the replicas.
-    config_rules.check_local_memory(config.load(TINY, ["parallel.dp=2", "parallel.zero=3"]), None)
+    config_rules.check_local_memory(load_config(TINY, ["parallel.dp=2", "parallel.zero=3"]), None)
 
 
 @pytest.mark.parametrize(
@@ -71,11 +74,11 @@ def test_runs_whose_actors_are_not_here_are_not_judged_by_this_machine(
     monkeypatch: pytest.MonkeyPatch, overrides: list[str], address: str | None
 ) -> None:
     monkeypatch.setattr(checkpoint_read, "available_memory", lambda: GIB)
-    huge = config.load(TINY, ["model.d_model=1048576", *overrides])
+    huge = load_config(TINY, ["model.d_model=1048576", *overrides])
     config_rules.check_local_memory(huge, address)
     # Control: the same model on this machine's local Ray is refused.
     with pytest.raises(ConfigError, match="GiB of model states"):
-        config_rules.check_local_memory(config.load(TINY, ["model.d_model=1048576"]), "local")
+        config_rules.check_local_memory(load_config(TINY, ["model.d_model=1048576"]), "local")
 
 
 @pytest.mark.parametrize(
@@ -87,7 +90,7 @@ def test_shipped_gpu_examples_pass_on_this_cpu_machine(
     monkeypatch: pytest.MonkeyPatch, example: Path
 ) -> None:
     monkeypatch.setattr(checkpoint_read, "available_memory", lambda: 16 * GIB)
-    config_rules.check_local_memory(config.load(str(example)), None)
+    config_rules.check_local_memory(load_config(str(example)), None)
     # Control: the same model on this machine's CPUs would not fit, and is refused.
     with pytest.raises(ConfigError, match="GiB of model states"):
-        config_rules.check_local_memory(config.load(str(example), ['parallel.device="cpu"']), None)
+        config_rules.check_local_memory(load_config(str(example), ['parallel.device="cpu"']), None)

@@ -25,8 +25,9 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from raypar import checkpoint, checkpoint_read
 from raypar.controller import connection
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.checkpoint import reader as checkpoint_read
 from tests.runs import TINY, metrics
 
 ROOT = Path(__file__).resolve().parents[1]

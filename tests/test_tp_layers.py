@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from collectives import Group
-from raypar import tp
-from raypar.tp import (
+from raypar.collectives import Group
+from raypar.core.parallel import tp
+from raypar.core.parallel.tp import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,

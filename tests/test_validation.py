@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from raypar import config, data, report
-from raypar.config import ConfigError
+from raypar.core.config.errors import ConfigError
+from raypar.core.config.schema import Config
+from raypar.core.data import datasets as data
+from raypar.core.observe import report
 from tests.reference import reference_run
 from tests.runs import metrics, run, tiny
 
@@ -18,7 +20,7 @@ RTOL = 1e-5
 STEPS = 3
 
 
-def cfg_at(dp: int, pp: int, *more: str) -> config.Config:
+def cfg_at(dp: int, pp: int, *more: str) -> Config:
     return tiny(
         f"parallel.dp={dp}",
         f"parallel.pp={pp}",

@@ -1,4 +1,5 @@
-"""Worker processes allocate from one malloc arena (actors.worker.WORKER_ENV), whichever of their threads
+"""Worker processes allocate from one malloc arena (raypar.actors.worker.WORKER_ENV), whichever of their
+threads
 runs a step.
 
 Ray runs each call of a threaded actor on whichever of its threads is free, and glibc gives each thread that
@@ -22,9 +23,9 @@ import pytest
 import ray
 import torch
 
-from actors.worker import WORKER_THREADS
-from raypar import config
-from raypar.mesh import Coord
+from raypar.actors.worker import WORKER_THREADS
+from raypar.core.config.load import load_config
+from raypar.core.parallel.mesh import Coord
 from tests.stub_worker import StubActorMesh, _StubWorker
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc arenas")
@@ -68,7 +69,7 @@ class _DefaultMalloc(_Mesh):
 
 
 def arenas_after_all_threads_allocate(mesh_class: type[_Mesh]) -> int:
-    cfg = config.load("examples/configs/tiny.toml", ["parallel.dp=1", "parallel.pp=1", "parallel.tp=1"])
+    cfg = load_config("examples/configs/tiny.toml", ["parallel.dp=1", "parallel.pp=1", "parallel.tp=1"])
     mesh = mesh_class(cfg, f"malloc-{mesh_class.__name__.strip('_').lower()}")
     mesh.start()
     try:

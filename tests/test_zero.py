@@ -15,9 +15,11 @@ import signal
 
 import pytest
 
-from raypar import checkpoint, config
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.mesh import Mesh
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config
+from raypar.core.parallel.mesh import Mesh
 from tests.faults import FaultyActorMesh
 from tests.reference import Run
 from tests.runs import Background, losses, metrics, run, tiny
@@ -27,8 +29,8 @@ STEPS = 5
 RTOL = ATOL = 1e-5
 
 
-def make_cfg(dp: int, pp: int, tp: int, zero: int, schedule: str = "1f1b", *extra: str) -> config.Config:
-    return config.load(
+def make_cfg(dp: int, pp: int, tp: int, zero: int, schedule: str = "1f1b", *extra: str) -> Config:
+    return load_config(
         "examples/configs/tiny.toml",
         [f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.zero={zero}",
          f'parallel.schedule="{schedule}"', "parallel.microbatches=2", "train.global_batch=8",
@@ -73,8 +75,8 @@ def test_zero_stages_match_zero0(ray_session, layout, schedule):
 
 
 # -- operations: checkpoints across zero stages, elastic dp, failures ------------------------------------
-def ops_cfg(dp: int, pp: int, tp: int, zero: int, *extra: str) -> config.Config:
-    return config.load(
+def ops_cfg(dp: int, pp: int, tp: int, zero: int, *extra: str) -> Config:
+    return load_config(
         "examples/configs/tiny.toml",
         [f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.zero={zero}",
          "parallel.microbatches=2", "train.global_batch=8", "train.steps=6", "parallel.timeout_s=15", *extra],
@@ -115,7 +117,7 @@ def test_zero3_checkpoint_resumes_at_other_layouts_and_stages(ray_session, tmp_p
     assert not close(straight[:3], straight[3:])  # the comparison rejects a run that did not resume
 
 
-def assert_elastic_matches_fixed(cfg: config.Config, name: str, peak_dp: int = 4) -> None:
+def assert_elastic_matches_fixed(cfg: Config, name: str, peak_dp: int = 4) -> None:
     """6 steps at cfg's dp, then the same 6 from the seed on the same actors with dp going to `peak_dp` and
     back after steps 2 and 4: the same losses (only the order of float sums differs)."""
     trainer = ActorMesh(cfg, name)

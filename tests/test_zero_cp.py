@@ -31,13 +31,17 @@ from typing import Any
 import pytest
 import torch
 
-from raypar import checkpoint, checkpoint_read, config, data
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.dp import DPStrategy
-from raypar.mesh import Coord, Mesh
-from raypar.model import LlamaStage
-from raypar.optim import lr_at
-from raypar.zero3 import Zero3Strategy
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config
+from raypar.core.data import datasets as data
+from raypar.core.dp.optim import lr_at
+from raypar.core.dp.strategy import DPStrategy
+from raypar.core.dp.zero3 import Zero3Strategy
+from raypar.core.model.llama import LlamaStage
+from raypar.core.parallel.mesh import Coord, Mesh
 from tests.reference import Run, reference_run
 from tests.test_zero import assert_elastic_matches_fixed, close, save
 from tests.threads import run_groups
@@ -50,8 +54,8 @@ TOL = {"ulysses": 1e-5, "ring": 1e-4}
 FP32_STATE = {0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)}
 
 
-def make_cfg(steps: int = STEPS) -> config.Config:
-    return config.load(TINY, ["parallel.microbatches=1", "train.global_batch=8", f"train.steps={steps}"])
+def make_cfg(steps: int = STEPS) -> Config:
+    return load_config(TINY, ["parallel.microbatches=1", "train.global_batch=8", f"train.steps={steps}"])
 
 
 class DividesByDpOnly(DPStrategy):
@@ -229,8 +233,8 @@ def test_checkpoint_at_cp_loads_at_other_layouts(tmp_path):
 
 
 # -- on Ray actors: the worker's groups, grad norm, checkpoint writers (every cp rank) and elastic dp ------
-def actor_cfg(dp: int, cp: int, zero: int, *extra: str) -> config.Config:
-    return config.load(TINY, [
+def actor_cfg(dp: int, cp: int, zero: int, *extra: str) -> Config:
+    return load_config(TINY, [
         f"parallel.dp={dp}", f"parallel.cp={cp}", f"parallel.zero={zero}", 'parallel.cp_style="ulysses"',
         "parallel.microbatches=1", "train.global_batch=8", "train.steps=6", "parallel.timeout_s=30",
         "parallel.bucket_mb=0.02", *extra,

@@ -1,4 +1,5 @@
-"""Where a restore from in-memory copies (`checkpoint.in_memory`, actors.buddy) takes each actor's state.
+"""Where a restore from in-memory copies (`checkpoint.in_memory`, raypar.actors.buddy) takes each actor's
+state.
 
 Every actor of a live replica has its own snapshots; an actor that was lost has copies on its buddy, the
 actor at its (pp, tp, cp) coordinate in the replica of the next dp rank. The run continues from the newest
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from raypar.mesh import Coord
+from raypar.core.parallel.mesh import Coord
 
 
 class NoCopies(Exception):

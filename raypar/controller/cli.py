@@ -17,10 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from raypar import config as config_mod
-from raypar import config_rules
-from raypar.config import Config, ConfigError
 from raypar.controller import ray_env, stopping
+from raypar.core.config import rules as config_rules
+from raypar.core.config.errors import ConfigError
+from raypar.core.config.load import load_config
+from raypar.core.config.schema import Config
 
 
 class UsageError(Exception):
@@ -128,8 +129,8 @@ def _parser() -> argparse.ArgumentParser:
 def _check_data(cfg: Config) -> tuple[int, int]:
     """Open the dataset once here: its errors are config errors, and the stdlib corpus is prepared once.
     Returns its sample counts, which the other nodes' shared-path probe compares with theirs."""
-    from raypar import data
     from raypar.controller import shared_paths
+    from raypar.core.data import datasets as data
 
     try:
         dataset, val = data.open_datasets(cfg.data, cfg.model)
@@ -160,7 +161,7 @@ def _check_outputs(cfg: Config, run_dir: Path) -> None:
     use). Checked before Ray starts, so a typo costs a second, not a cluster start-up."""
     _writable_dir(run_dir, "--run-dir")
     if cfg.checkpoint.dir:
-        from raypar import checkpoint
+        from raypar.core.checkpoint import format as checkpoint
 
         try:
             fs, path = checkpoint.resolve_fs(cfg.checkpoint.dir)
@@ -182,7 +183,7 @@ def _check_fits(cfg: Config) -> None:
 
     if cfg.parallel.device == "cpu" or not torch.cuda.is_available():
         return
-    from raypar import plan
+    from raypar.core.planner import search as plan
 
     props = torch.cuda.get_device_properties(0)
     plan.check_fits(cfg, props.total_memory, plan.device_named(props.name), props.name)
@@ -192,7 +193,8 @@ def _resolve_resume(cfg: Config, which: str) -> str:
     """The checkpoint to resume from, checked before any actor starts: a step directory must be intact
     (exit 2 naming the bad file); under a root (or `latest`), the newest intact one is taken, and every
     newer one passed over is named with the reason."""
-    from raypar import checkpoint, checkpoint_read
+    from raypar.core.checkpoint import format as checkpoint
+    from raypar.core.checkpoint import reader as checkpoint_read
 
     if which == "latest" and not cfg.checkpoint.dir:
         raise ConfigError("--resume latest: checkpoint.dir is not set")
@@ -233,7 +235,7 @@ def _train(args: argparse.Namespace) -> int:
             f"--name: must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit "
             f"(it names a directory under runs/), got {args.name!r}"
         )
-    cfg = config_mod.load(args.config, args.set)
+    cfg = load_config(args.config, args.set)
     if args.stop_at is not None and args.stop_at <= 0:
         raise UsageError(f"--stop-at: must be a positive step, got {args.stop_at}")
     from raypar.controller import shared_paths
@@ -276,9 +278,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from raypar import plan
+    from raypar.core.planner import search as plan
 
-    cfg = config_mod.load(args.config, args.set)
+    cfg = load_config(args.config, args.set)
     if args.devices <= 0:
         raise UsageError(f"--devices: must be positive, got {args.devices}")
     if args.device not in plan.DEVICES:
@@ -308,8 +310,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from raypar import data
-    from raypar.tokenizer import load
+    from raypar.core.data import datasets as data
+    from raypar.core.data.tokenizer import load
 
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out: {args.out} exists and is not a directory")
@@ -389,7 +391,7 @@ def status_lines(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from raypar import report
+    from raypar.core.observe import report
 
     if args.step is not None and args.step < 0:
         raise UsageError(f"--step: must be a step number >= 0, got {args.step}")
@@ -402,14 +404,15 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    from raypar import checkpoint, checkpoint_read
+    from raypar.core.checkpoint import format as checkpoint
+    from raypar.core.checkpoint import reader as checkpoint_read
 
     try:
         uri = checkpoint.resolve(args.path)
         if args.action == "inspect":
             print(checkpoint_read.inspect(uri))
         elif args.format == "hf":
-            from raypar import hf
+            from raypar.core.checkpoint import hf
 
             print(f"raypar: wrote {hf.export(uri, args.out)}")
         else:
@@ -424,7 +427,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-tokens: must be positive, got {args.max_tokens}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError("--temperature: must be >= 0, and --top-p in (0, 1]")
-    from raypar import checkpoint, generate
+    from raypar.core.checkpoint import format as checkpoint
+    from raypar.core.model import generate
 
     try:
         model, tok = generate.load(checkpoint.resolve(args.path), args.device)

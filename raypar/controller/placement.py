@@ -16,8 +16,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raypar.config import ConfigError
 from raypar.controller.connection import RunFailure
+from raypar.core.config.errors import ConfigError
 
 
 class PlacementTimeout(RunFailure):

@@ -21,8 +21,10 @@ import uuid
 
 import pyarrow as pa
 
-from raypar import checkpoint, data
-from raypar.config import Config, ConfigError
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.config.errors import ConfigError
+from raypar.core.config.schema import Config
+from raypar.core.data import datasets as data
 
 DATA_KEYWORDS = ("synthetic", "stdlib")  # data.source values that are not paths
 PROBE_TIMEOUT_S = 120.0  # a node's first task starts a Python worker; under load that takes seconds

@@ -34,19 +34,21 @@ from typing import Any, TextIO
 
 import ray
 
-from actors.control import RunControl, control_name
-from collectives.group import GroupError
-from collectives.ray_store import home_node_strategy
-from raypar import checkpoint, data, memory, report
-from raypar import config as config_mod
-from raypar.config import Config, ConfigError
+from raypar.actors.control import RunControl, control_name
+from raypar.collectives.group import GroupError
+from raypar.collectives.ray_store import home_node_strategy
 from raypar.controller import shared_paths, stopping
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica
 from raypar.controller.connection import NAMESPACE, RunFailure, connect
 from raypar.controller.placement import check_device
-from raypar.flops import mfu
-from raypar.mesh import Coord, Mesh
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.config.errors import ConfigError
+from raypar.core.config.schema import Config, to_toml
+from raypar.core.data import datasets as data
+from raypar.core.observe import memory, report
+from raypar.core.observe.flops import mfu
+from raypar.core.parallel.mesh import Coord, Mesh
 
 HEAL_PLACEMENT_TIMEOUT_S = 10.0
 # What can fail while the run talks to its actors and its storage; all of it is recovered the same way.
@@ -298,7 +300,7 @@ class TrainingLoop:
             shared_paths.check_nodes(self.cfg, self.samples)
             control = self._claim_name()
             try:
-                (self.run_dir / "config.toml").write_text(config_mod.to_toml(self.cfg))
+                (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
                 wall = time.perf_counter()
                 try:
                     self.actor_mesh.start(self.target_dp)

@@ -1,0 +1,154 @@
+"""Run configuration: TOML sections -> the schema's dataclasses, `--set` overrides, types checked on the way
+in.
+
+A config error is one line that names the key and the rule (`ConfigError`); the CLI prints it and exits 2
+before any actor starts. The rules themselves live in `raypar.core.config.rules`, all in one place, run in one
+pass by `validate`.
+"""
+
+from __future__ import annotations
+
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from raypar.core.config.errors import ConfigError
+from raypar.core.config.schema import PRESETS, Config, ModelConfig
+
+_SECTION_TYPES = typing.get_type_hints(Config)
+
+
+def _check_type(key: str, value: Any, hint: Any) -> Any:
+    """Coerce `value` to the field type `hint` or raise a ConfigError naming `key`."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            try:
+                return _check_type(key, value, option)
+            except ConfigError:
+                continue
+        names = " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(hint))
+        raise ConfigError(f"{key}: expected {names}, got {type(value).__name__} {value!r}")
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list of {item.__name__}, got {type(value).__name__}")
+        return [_check_type(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, bool) or not isinstance(value, hint):
+        raise ConfigError(f"{key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Build a Config from nested dicts, rejecting unknown sections/keys and wrong types, then validate."""
+    sections = {}
+    for name, body in raw.items():
+        if name not in _SECTION_TYPES:
+            raise ConfigError(f"{name}: unknown section (known: {', '.join(_SECTION_TYPES)})")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{name}: expected a table [{name}], got {type(body).__name__}")
+        cls = _SECTION_TYPES[name]
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for key, value in body.items():
+            if key not in hints:
+                raise ConfigError(f"{name}.{key}: unknown key (known: {', '.join(hints)})")
+            values[key] = _check_type(f"{name}.{key}", value, hints[key])
+        sections[name] = values
+    model = dict(sections.get("model", {}))
+    preset = model.get("preset", ModelConfig.preset)
+    if preset not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset {preset!r} (known: {', '.join(PRESETS)})")
+    sections["model"] = {**PRESETS[preset], **model, **_external_model_fields(model, sections)}
+    cfg = Config(**{name: _SECTION_TYPES[name](**sections.get(name, {})) for name in _SECTION_TYPES})
+    validate(cfg)
+    if cfg.model.init_from:
+        from raypar.core.checkpoint import hf  # imports this module: resolved at call time
+
+        # Missing, truncated or mis-shaped weights would otherwise surface on every actor after start-up.
+        hf.check_weights(cfg.model)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Every rule of `raypar.core.config.rules`, in one pass: a ConfigError naming the first broken one."""
+    from raypar.core.config import rules as config_rules  # imports this module: resolved at call time
+
+    config_rules.validate(cfg)
+
+
+def _external_model_fields(model: dict[str, Any], sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Model fields that come from files rather than the config: a Hugging Face config.json
+    (`model.init_from`), or the vocabulary of a tokenizer-prepared `data.source` when `model.vocab_size`
+    is not given (padded to a multiple of tp so the vocab-parallel layers split it). Keys the user set
+    must agree with config.json."""
+    if model.get("init_from"):
+        from raypar.core.checkpoint import hf  # imports this module: resolved at call time
+
+        fields = hf.model_fields(model["init_from"])
+        for key, value in fields.items():
+            if key in model and model[key] != value:
+                raise ConfigError(
+                    f"model.{key}: {model[key]!r} conflicts with {value!r} from {model['init_from']}/"
+                    f"config.json; leave it unset when model.init_from is set"
+                )
+        return fields
+    source = str(sections.get("data", {}).get("source", ""))
+    if "vocab_size" not in model and source not in ("", "synthetic", "stdlib"):
+        from raypar.core.data import (
+            datasets as data,  # imports this module, and torch: only when a directory may be one
+        )
+
+        try:
+            vocab = data.prepared_vocab_size(source)
+        except (ValueError, OSError) as err:  # a broken or incomplete prepared directory
+            raise ConfigError(f"data.source: {err}") from None
+        if vocab is not None:
+            tp = int(sections.get("parallel", {}).get("tp", 1)) or 1
+            return {"vocab_size": -(-vocab // tp) * tp}
+    return {}
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`section.key=value` -> (section, key, value); the value is read as TOML, else taken as a string."""
+    path, sep, value_text = text.partition("=")
+    section, dot, key = path.strip().partition(".")
+    if not sep or not dot or not key:
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    try:
+        value = tomllib.loads(f"v = {value_text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = value_text
+    except RecursionError:
+        raise ConfigError(f"--set {path.strip()}: value nested too deeply") from None
+    return section, key.strip(), value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:  # type: ignore[assignment]
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{path}: is a directory, not a config file") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not a text file (not UTF-8), so not a TOML config") from None
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot read the config file: {err.strerror or err}") from None
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: not valid TOML ({err})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: not a config (nested too deeply)") from None
+    for text in overrides:
+        section, key, value = parse_override(text)
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"{section}: expected a table, got {type(raw[section]).__name__}")
+        raw[section][key] = value
+    return from_dict(raw)

@@ -1,0 +1,314 @@
+"""Every rule a config must satisfy, checked once before anything starts (`validate`).
+
+Rules that involve several sections are here too, so that a reader finds all of them in one place; each
+failure is a ConfigError naming the key and the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from raypar.core.config.errors import ConfigError
+from raypar.core.config.schema import COMPRESSORS, NEEDS_ALL_REDUCE, RECOMPUTE, Config, ParallelConfig
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    """Interleaved 1F1B (virtual_stages > 1) and zero-bubble need whole chunks and enough microbatches,
+    at every data-parallel degree the run may take (microbatches per replica change with dp)."""
+    m, p = cfg.model, cfg.parallel
+    v = p.virtual_stages
+    if v > 1:
+        _require(p.schedule == "1f1b", f'parallel.virtual_stages: needs parallel.schedule = "1f1b", got {v}')
+        _require(p.pp > 1, f"parallel.virtual_stages: needs parallel.pp > 1, got pp={p.pp}")
+        _require(not p.stage_layers, "parallel.stage_layers: must be empty when parallel.virtual_stages > 1")
+        _require(
+            m.n_layers % (p.pp * v) == 0,
+            f"parallel.virtual_stages: model.n_layers={m.n_layers} must be divisible by pp*virtual_stages="
+            f"{p.pp * v}",
+        )
+    if (v > 1 or p.schedule == "zb-h1") and p.pp > 1 and cfg.dp_fixed > 0:
+        top = max(p.max_dp, cfg.dp_fixed)
+        for dp in [cfg.dp_fixed] + list(range(p.min_dp, top + 1)) * (p.dp == "auto" or p.max_dp > 0):
+            if cfg.microbatch_size == 0 or cfg.train.global_batch % (dp * cfg.microbatch_size):
+                continue  # reported by the global_batch rules
+            n_mb = cfg.microbatches_at(dp)
+            _require(
+                n_mb % p.pp == 0 if v > 1 else n_mb >= p.pp,
+                f"parallel.microbatches: {n_mb} microbatches per replica (at dp={dp}) must be "
+                + (f"divisible by pp={p.pp} for interleaved 1F1B" if v > 1 else f">= pp={p.pp} for zb-h1"),
+            )
+
+
+def _validate_context_parallel(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    _require(
+        p.cp_style in ("ring", "ulysses"),
+        f'parallel.cp_style: must be "ring" or "ulysses", got {p.cp_style!r}',
+    )
+    if p.cp == 1:
+        return
+    _require(m.dropout == 0, f"parallel.cp: needs model.dropout = 0 (cp attention has none), got {m.dropout}")
+    chunks = 2 * p.cp if p.cp_style == "ring" else p.cp  # ring: the zigzag cuts 2*cp chunks
+    _require(
+        m.seq_len % chunks == 0,
+        f"parallel.cp: model.seq_len={m.seq_len} must be divisible by {chunks} for cp_style={p.cp_style!r}",
+    )
+    if p.cp_style == "ulysses":
+        heads = m.n_heads // p.tp
+        _require(
+            heads % p.cp == 0,
+            f"parallel.cp: the {heads} query heads per tp rank must be divisible by cp={p.cp} for ulysses",
+        )
+
+
+def _validate_compression(p: ParallelConfig) -> None:
+    names = ", ".join(f'"{c}"' for c in COMPRESSORS)
+    _require(p.grad_compression in COMPRESSORS, f"parallel.grad_compression: must be one of {names}, "
+             f"got {p.grad_compression!r}")
+    _require(
+        p.grad_compression not in NEEDS_ALL_REDUCE or p.zero <= 1,
+        f'parallel.grad_compression: "{p.grad_compression}" needs an all-reduce, so parallel.zero <= 1 '
+        f"(got zero={p.zero}; with zero >= 2 use \"bf16\" or \"none\")",
+    )
+    _require(0 < p.topk_ratio <= 1, f"parallel.topk_ratio: must be in (0, 1], got {p.topk_ratio}")
+    _require(p.powersgd_rank >= 1, f"parallel.powersgd_rank: must be >= 1, got {p.powersgd_rank}")
+    _require(
+        p.compression_start_step >= 0,
+        f"parallel.compression_start_step: must be >= 0, got {p.compression_start_step}",
+    )
+
+
+def validate(cfg: Config) -> None:
+    m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.checkpoint
+    for section in dataclasses.fields(cfg):  # nan and +-inf pass comparisons in surprising ways: none allowed
+        body = getattr(cfg, section.name)
+        for f in dataclasses.fields(body):
+            value = getattr(body, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name}: must be a finite number, got {value}")
+    for key in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "seq_len"):
+        _require(getattr(m, key) > 0, f"model.{key}: must be a positive size, got {getattr(m, key)}")
+    _require(m.d_model % m.n_heads == 0, f"model.n_heads: must divide model.d_model={m.d_model}")
+    _require(m.head_dim % 2 == 0, f"model.d_model: d_model/n_heads={m.head_dim} must be even for RoPE")
+    _require(m.n_heads % m.n_kv_heads == 0, f"model.n_kv_heads: must divide model.n_heads={m.n_heads}")
+    _require(m.rope_theta > 0, f"model.rope_theta: must be positive, got {m.rope_theta}")
+    _require(m.norm_eps > 0, f"model.norm_eps: must be positive, got {m.norm_eps}")
+    _require(0 <= m.dropout < 1, f"model.dropout: must be in [0, 1), got {m.dropout}")
+
+    if isinstance(p.dp, str):
+        _require(p.dp == "auto", f'parallel.dp: expected a positive int or "auto", got {p.dp!r}')
+        _require(p.max_dp >= p.min_dp, 'parallel.max_dp: must be set and >= parallel.min_dp when dp = "auto"')
+    for key in ("pp", "tp", "ep", "cp", "microbatches", "min_dp", "threads_per_actor", "virtual_stages"):
+        _require(getattr(p, key) > 0, f"parallel.{key}: must be a positive size, got {getattr(p, key)}")
+    _require(p.max_dp >= 0, f"parallel.max_dp: must be >= 0 (0 means dp), got {p.max_dp}")
+    _require(
+        not p.max_dp or p.max_dp >= p.min_dp,
+        f"parallel.max_dp: must be >= parallel.min_dp={p.min_dp} (or 0: dp), got {p.max_dp}",
+    )
+    _require(
+        0 < p.gpus_per_actor <= 1,
+        f"parallel.gpus_per_actor: must be in (0, 1] (a fraction shares a GPU), got {p.gpus_per_actor}",
+    )
+    _require(cfg.dp_fixed > 0, f"parallel.dp: must be a positive size, got {p.dp}")
+    _require(m.n_heads % p.tp == 0, f"parallel.tp: must divide model.n_heads={m.n_heads}, got tp={p.tp}")
+    _require(
+        m.n_kv_heads % p.tp == 0, f"parallel.tp: must divide model.n_kv_heads={m.n_kv_heads}, got tp={p.tp}"
+    )
+    _require(m.d_ff % p.tp == 0, f"parallel.tp: must divide model.d_ff={m.d_ff}, got tp={p.tp}")
+    _require(
+        m.vocab_size % p.tp == 0, f"parallel.tp: must divide model.vocab_size={m.vocab_size}, got tp={p.tp}"
+    )
+    _require(p.pp <= m.n_layers, f"parallel.pp: must be <= model.n_layers={m.n_layers}, got pp={p.pp}")
+    if p.stage_layers:
+        _require(len(p.stage_layers) == p.pp, f"parallel.stage_layers: needs pp={p.pp} entries")
+        _require(all(n > 0 for n in p.stage_layers), "parallel.stage_layers: every stage needs >= 1 layer")
+        _require(
+            sum(p.stage_layers) == m.n_layers, f"parallel.stage_layers: must sum to n_layers={m.n_layers}"
+        )
+    _require(
+        p.schedule in ("1f1b", "gpipe", "zb-h1"),
+        f'parallel.schedule: must be "1f1b", "gpipe" or "zb-h1", got {p.schedule!r}',
+    )
+    _validate_pipeline(cfg)
+    if p.sequence_parallel:
+        _require(p.tp > 1, f"parallel.sequence_parallel: needs parallel.tp > 1, got tp={p.tp}")
+        _require(
+            m.seq_len % (p.tp * p.cp) == 0,
+            f"parallel.sequence_parallel: model.seq_len={m.seq_len} must be divisible by tp*cp={p.tp * p.cp}",
+        )
+    _validate_context_parallel(cfg)
+    _require(
+        p.transport in ("object_store", "direct"),
+        f'parallel.transport: must be "object_store" or "direct", got {p.transport!r}',
+    )
+    _require(
+        p.device in ("auto", "cpu", "gpu"),
+        f'parallel.device: must be "auto", "cpu" or "gpu", got {p.device!r}',
+    )
+    _require(p.zero in (0, 1, 2, 3), f"parallel.zero: must be 0, 1, 2 or 3, got {p.zero}")
+    _require(
+        p.zero < 3 or (p.virtual_stages == 1 and p.schedule != "zb-h1"),
+        "parallel.zero: 3 needs one model chunk per stage and a schedule without split backward (not zb-h1)",
+    )
+    _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be positive, got {p.bucket_mb}")
+    _validate_compression(p)
+    _require(p.timeout_s > 0, f"parallel.timeout_s: must be positive, got {p.timeout_s}")
+
+    _require(t.steps > 0, f"train.steps: must be positive, got {t.steps}")
+    _require(t.global_batch > 0, f"train.global_batch: must be a positive size, got {t.global_batch}")
+    per_step = cfg.dp_fixed * p.microbatches
+    _require(
+        t.global_batch % per_step == 0,
+        f"train.global_batch: must be divisible by dp*microbatches={per_step}, got {t.global_batch}",
+    )
+    if p.dp == "auto" or p.max_dp:
+        for dp in range(p.min_dp, max(p.max_dp, cfg.dp_fixed) + 1):
+            if p.ep > 1 and dp % p.ep:
+                continue  # never taken: expert parallelism needs dp to be a multiple of ep
+            _require(
+                t.global_batch % (dp * cfg.microbatch_size) == 0,
+                f"train.global_batch: must be divisible by dp*microbatch_size for every dp in "
+                f"[{p.min_dp}, {p.max_dp}]; fails at dp={dp} (microbatch_size={cfg.microbatch_size})",
+            )
+    _require(t.lr > 0, f"train.lr: must be positive, got {t.lr}")
+    _require(t.min_lr >= 0, f"train.min_lr: must be >= 0, got {t.min_lr}")
+    _require(t.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
+    _require(0 <= t.beta1 < 1, f"train.beta1: must be in [0, 1), got {t.beta1}")
+    _require(0 <= t.beta2 < 1, f"train.beta2: must be in [0, 1), got {t.beta2}")
+    _require(t.grad_clip >= 0, f"train.grad_clip: must be >= 0 (0 disables), got {t.grad_clip}")
+    _require(t.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {t.weight_decay}")
+    _require(t.seed >= 0, f"train.seed: must be >= 0 (it seeds numpy's PCG64), got {t.seed}")
+    _require(
+        t.precision in ("fp32", "bf16", "fp16"),
+        f'train.precision: must be "fp32", "bf16" or "fp16", got {t.precision!r}',
+    )
+    _require(
+        t.reduce_dtype in ("fp32", "bf16"),
+        f'train.reduce_dtype: must be "fp32" or "bf16", got {t.reduce_dtype!r}',
+    )
+    _require(t.offload in ("none", "cpu"), f'train.offload: must be "none" or "cpu", got {t.offload!r}')
+    _require(
+        t.offload == "none" or p.zero >= 1,
+        f"train.offload: cpu needs parallel.zero >= 1 (it offloads the sharded optimizer), got zero={p.zero}",
+    )
+    _require(t.loss_scale_min > 0, f"train.loss_scale_min: must be positive, got {t.loss_scale_min}")
+    _require(t.loss_scale >= t.loss_scale_min, "train.loss_scale: must be >= train.loss_scale_min")
+    _require(t.loss_scale_window > 0, f"train.loss_scale_window: must be positive, got {t.loss_scale_window}")
+    _require(t.loss_scale_growth > 1, f"train.loss_scale_growth: must be > 1, got {t.loss_scale_growth}")
+    _require(
+        0 < t.loss_scale_backoff < 1,
+        f"train.loss_scale_backoff: must be in (0, 1), got {t.loss_scale_backoff}",
+    )
+    _require(
+        t.loss_scale_hysteresis > 0,
+        f"train.loss_scale_hysteresis: must be positive, got {t.loss_scale_hysteresis}",
+    )
+    _require(
+        t.recompute in RECOMPUTE,
+        f"train.recompute: must be one of {', '.join(RECOMPUTE)}, got {t.recompute!r}",
+    )
+    _require(t.recompute_every > 0, f"train.recompute_every: must be positive, got {t.recompute_every}")
+    _require(t.max_failures >= 0, f"train.max_failures: must be >= 0, got {t.max_failures}")
+    _require(
+        not (m.init_from and m.moe_experts),
+        "model.moe_experts: Hugging Face Llama weights (model.init_from) have no experts; leave it 0",
+    )
+    _require(t.eval_every >= 0, f"train.eval_every: must be >= 0 (0 disables), got {t.eval_every}")
+    _require(t.eval_batches > 0, f"train.eval_batches: must be positive, got {t.eval_batches}")
+    d = cfg.data
+    _require(0 <= d.val_fraction < 1, f"data.val_fraction: must be in [0, 1), got {d.val_fraction}")
+    _require(
+        not (d.val_fraction and d.val_source), "data.val_fraction: set it or data.val_source, not both"
+    )
+    _require(
+        not t.eval_every or bool(d.val_fraction or d.val_source),
+        "train.eval_every: needs held-out data: set data.val_fraction or data.val_source",
+    )
+
+    _require(c.every >= 0, f"checkpoint.every: must be >= 0 (0: only the run's end), got {c.every}")
+    _require(c.keep > 0, f"checkpoint.keep: must be positive, got {c.keep}")
+    _require(not c.every or bool(c.dir), "checkpoint.dir: must be set when checkpoint.every > 0")
+    # The copies of replica r live on replica r+1: a single replica has no buddy to hold them.
+    _require(
+        not c.in_memory or cfg.dp_fixed >= 2,
+        "checkpoint.in_memory: needs parallel.dp >= 2 (parallel.min_dp >= 2 with dp = \"auto\"): the copies "
+        f"live on a buddy replica, got dp={cfg.dp_fixed}",
+    )
+    _validate_moe(cfg)
+
+
+def _validate_moe(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    _require(m.moe_experts >= 0, f"model.moe_experts: must be >= 0 (0 = dense), got {m.moe_experts}")
+    if not m.moe_experts:
+        _require(p.ep == 1, f"parallel.ep: needs model.moe_experts > 0, got ep={p.ep}")
+        return
+    _require(
+        1 <= m.moe_top_k <= m.moe_experts,
+        f"model.moe_top_k: must be in [1, moe_experts={m.moe_experts}], got {m.moe_top_k}",
+    )
+    _require(
+        m.moe_capacity_factor > 0, f"model.moe_capacity_factor: must be positive, got {m.moe_capacity_factor}"
+    )
+    _require(m.moe_aux_loss_coef >= 0, f"model.moe_aux_loss_coef: must be >= 0, got {m.moe_aux_loss_coef}")
+    _require(
+        1 <= m.moe_every <= m.n_layers,
+        f"model.moe_every: must be in [1, n_layers={m.n_layers}], got {m.moe_every}",
+    )
+    _require(p.ep >= 1, f"parallel.ep: must be a positive size, got {p.ep}")
+    # A fully recomputed block would replay the MoE layer's bookkeeping (aux loss, load) in backward.
+    _require(
+        cfg.train.recompute != "full",
+        'train.recompute: "full" does not support MoE blocks yet (use "selective" or "none")',
+    )
+    _require(
+        m.moe_experts % p.ep == 0,
+        f"parallel.ep: must divide model.moe_experts={m.moe_experts}, got ep={p.ep}",
+    )
+    # Expert-parallel groups are carved out of the data-parallel ranks, at every dp the run may take.
+    _require(cfg.dp_fixed % p.ep == 0, f"parallel.ep: must divide parallel.dp={cfg.dp_fixed}, got ep={p.ep}")
+    if p.dp == "auto" or p.max_dp:
+        _require(
+            bool(cfg.valid_dps()),
+            f"parallel.ep: no dp in [{p.min_dp}, {p.max_dp}] is a multiple of ep={p.ep} splitting the batch",
+        )
+
+
+def check_local_memory(cfg: Config, address: str | None) -> None:
+    """A run on a new local Ray (`address` None or "local": no cluster named) with parallel.device "cpu", or
+    "auto" where no CUDA device is seen, puts every actor on this machine: refuse it when the actors' model
+    states alone (parameters, gradients, Adam moments, 16-bit: fp32 masters; raypar.core.planner.memory)
+    exceed the
+    memory available here, instead of actors trying to allocate them. Activations come on top, so passing
+    does not promise a fit. A cluster's nodes are not this machine, and GPU layouts are checked against the
+    GPU (plan.check_fits): neither is checked here."""
+    if address not in (None, "local") or cfg.parallel.device not in ("cpu", "auto"):
+        return
+    import torch
+
+    if cfg.parallel.device == "auto" and torch.cuda.is_available():
+        return
+    from raypar.core.checkpoint import reader as checkpoint_read
+    from raypar.core.planner import memory as plan_memory
+    from raypar.core.planner import search as plan
+
+    layout = plan.current_layout(cfg)
+    chunks = plan_memory.rank_chunks(cfg, layout)
+    ranks = [plan_memory.rank_states(cfg, layout, p, held)[1] for p, held in enumerate(chunks)]
+    replicas = layout.dp * layout.cp * layout.tp  # actors per pipeline rank
+    need, have = replicas * sum(ranks), checkpoint_read.available_memory()
+    if need > have:
+        m = cfg.model
+        raise ConfigError(
+            f"model: d_model={m.d_model}, n_layers={m.n_layers}, vocab_size={m.vocab_size} needs "
+            f"{need / 2**30:,.1f} GiB of model states on this machine (a local Ray's {layout.world} "
+            f"actor(s), up to {max(ranks) / 2**30:,.1f} GiB each: parameters, gradients, Adam moments, "
+            f"masters), and it has {have / 2**30:,.1f} GiB available (a smaller model, or a cluster's "
+            "--address)"
+        )

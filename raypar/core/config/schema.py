@@ -1,0 +1,189 @@
+"""The run configuration's schema: one dataclass per TOML section, the presets, the option lists.
+
+Reading a TOML file and `--set` overrides into these types, and checking them, is `raypar.core.config.load`;
+the rules themselves are `raypar.core.config.rules`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+RECOMPUTE = ("none", "full", "selective")
+
+
+# parallel.grad_compression (raypar.core.dp.compress); the last two need an all-reduce, so not ZeRO >= 2
+COMPRESSORS = ("none", "bf16", "topk", "powersgd")
+NEEDS_ALL_REDUCE = ("topk", "powersgd")
+
+
+
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256, seq_len=32),
+    # ~12.7M parameters: big enough that the loss curve means something, small enough for 2 CPU cores.
+    "small": dict(n_layers=8, d_model=384, n_heads=6, n_kv_heads=2, d_ff=1024, vocab_size=256, seq_len=256),
+    # Shapes of Llama 3.2 1B and Llama 2 7B (vocabularies kept so FLOP and memory numbers are the real ones).
+    "llama-1b": dict(
+        n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, d_ff=8192, vocab_size=128256, seq_len=2048
+    ),
+    "llama-7b": dict(
+        n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, d_ff=11008, vocab_size=32000, seq_len=4096
+    ),
+}
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    n_layers: int = 0
+    d_model: int = 0
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    d_ff: int = 0
+    vocab_size: int = 0
+    seq_len: int = 0
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_from: str = ""  # a Hugging Face Llama directory: config.json sets the shape, its weights the start
+    dropout: float = 0.0
+    # Mixture of experts (raypar.core.model.moe): 0 experts = dense.
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_capacity_factor: float = 1.25
+    moe_aux_loss_coef: float = 0.01
+    moe_every: int = 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class ParallelConfig:
+    dp: int | str = 1
+    pp: int = 1
+    tp: int = 1
+    ep: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    cp: int = 1
+    cp_style: str = "ring"
+    microbatches: int = 1
+    transport: str = "object_store"
+    device: str = "auto"
+    threads_per_actor: int = 1
+    gpus_per_actor: float = 1.0
+    stage_layers: list[int] = field(default_factory=list)
+    bucket_mb: float = 25.0
+    zero: int = 0
+    grad_compression: str = "none"  # raypar.core.dp.compress: "none", "bf16", "topk", "powersgd"
+    topk_ratio: float = 0.01
+    powersgd_rank: int = 4
+    compression_start_step: int = 0
+    min_dp: int = 1
+    max_dp: int = 0
+    timeout_s: float = 300.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 10
+    global_batch: int = 8
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 0
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    precision: str = "fp32"
+    max_failures: int = 3
+    eval_every: int = 0  # validation loss every N steps (and after the last); 0: never
+    eval_batches: int = 4  # global batches of held-out samples, the same fixed ones every time
+    recompute: str = "none"
+    recompute_every: int = 1
+    reduce_dtype: str = "fp32"
+    loss_scale: float = 2.0**32  # fp16 only: initial dynamic loss scale (Megatron-LM's defaults below)
+    loss_scale_window: int = 1000
+    loss_scale_growth: float = 2.0
+    loss_scale_backoff: float = 0.5
+    loss_scale_hysteresis: int = 2
+    loss_scale_min: float = 1.0
+    offload: str = "none"  # "cpu": master weights, Adam moments and their update in host memory (ZeRO >= 1)
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"
+    cache_dir: str = "data"
+    val_fraction: float = 0.0  # the last samples of `source` (whole documents but one) held out
+    val_source: str = ""  # or a separate source, any kind `source` takes
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""
+    every: int = 0
+    keep: int = 3
+    in_memory: bool = False  # also keep every actor's state in a buddy replica's host memory, every step
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def dp_fixed(self) -> int:
+        """The data-parallel degree to start with (`dp = "auto"` starts at min_dp)."""
+        return self.parallel.min_dp if self.parallel.dp == "auto" else int(self.parallel.dp)
+
+    @property
+    def microbatch_size(self) -> int:
+        """Sequences per microbatch; fixed for the whole run so elastic dp keeps the math unchanged."""
+        return self.train.global_batch // (self.dp_fixed * self.parallel.microbatches)
+
+    def microbatches_at(self, dp: int) -> int:
+        """Microbatches per replica that keep the global batch constant at data-parallel degree `dp`."""
+        return self.train.global_batch // (dp * self.microbatch_size)
+
+    def valid_dps(self) -> list[int]:
+        """Every dp the run may scale to: within [min_dp, max_dp] (up to one microbatch per replica when
+        max_dp is unset) and splitting the global batch into whole microbatches of the run's size."""
+        top = self.parallel.max_dp or self.train.global_batch // self.microbatch_size
+        batch, mbs = self.train.global_batch, self.microbatch_size
+        ep = self.parallel.ep
+        return [
+            d for d in range(max(self.parallel.min_dp, 1), top + 1) if batch % (d * mbs) == 0 and d % ep == 0
+        ]
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (what a run directory's config.toml holds)."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        return repr(v)
+
+    lines = []
+    for section, body in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {fmt(v)}" for k, v in body.items()]
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,110 @@
+"""Tokenizers: byte-level (the default: token = byte, vocab 256) or a Hugging Face `tokenizer.json` through
+the `tokenizers` library. A prepared dataset and every checkpoint record theirs (`record()`), so that
+`raypar generate` encodes prompts and decodes samples with the tokenizer the model was trained on.
+
+    tok = load("path/to/tokenizer.json")         # or ByteTokenizer()
+    ids = tok.encode_batch(["def f():", "x = 1"])  # list of int arrays
+    tok.decode(ids[0]); tok.vocab_size; tok.eos_id  # eos_id separates documents (None: bytes use "\\n\\n")
+    same = from_record(tok.record())
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from raypar.core.config.errors import ConfigError
+
+# Looked for in this order when no EOS token is named: Llama 2, GPT-2 / Llama 3 base, Llama 3 instruct, Gemma.
+EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "<eos>")
+BYTE_VOCAB = 256
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_id: int | None
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def record(self) -> dict[str, Any]: ...
+
+
+class ByteTokenizer:
+    vocab_size, eos_id = BYTE_VOCAB, None
+
+    def encode_batch(self, texts: list[str | bytes]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode() if isinstance(t, str) else t, dtype=np.uint8) for t in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < BYTE_VOCAB).decode("utf-8", errors="replace")
+
+    def record(self) -> dict[str, Any]:
+        return {"kind": "bytes", "vocab_size": BYTE_VOCAB}
+
+
+class HFTokenizer:
+    def __init__(self, text: str, eos: str | None = None, where: str = "tokenizer"):
+        from tokenizers import Tokenizer as Impl  # imported on use: the byte path does not need it
+
+        try:
+            self.impl = Impl.from_str(text)
+        except Exception as err:  # noqa: BLE001 - the library raises its own exception types
+            raise ConfigError(f"--tokenizer: {where} is not a tokenizers JSON file: {err}") from None
+        self.text = text
+        self.vocab_size = self.impl.get_vocab_size(with_added_tokens=True)
+        names = (eos,) if eos else EOS_CANDIDATES
+        found = [i for i in (self.impl.token_to_id(n) for n in names) if i is not None]
+        if not found:
+            raise ConfigError(f"--eos: {where} has no token {' or '.join(names)} to separate documents")
+        self.eos_id = int(found[0])
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        # No special tokens (BOS...) per document: documents are joined by EOS, as in pre-training.
+        encoded = self.impl.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encoded]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.impl.decode([int(i) for i in ids if i < self.vocab_size], skip_special_tokens=False)
+
+    @property
+    def eos_token(self) -> str | None:
+        """The EOS token's text (None if the id is not in the vocabulary: a damaged record)."""
+        return self.impl.id_to_token(self.eos_id)
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "kind": "hf",
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "sha256": hashlib.sha256(self.text.encode()).hexdigest(),
+            "json": self.text,
+        }
+
+
+def load(path: str | None, eos: str | None = None) -> Tokenizer:
+    """The tokenizer of `path` (a tokenizer.json), or the byte-level one for None."""
+    if path is None:
+        return ByteTokenizer()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"--tokenizer: cannot read {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"--tokenizer: {path} is not UTF-8 text (byte {err.start}), so not a tokenizer.json"
+        ) from None
+    return HFTokenizer(text, eos, where=str(path))
+
+
+def from_record(record: dict[str, Any] | None) -> Tokenizer:
+    """The tokenizer a prepared dataset or checkpoint recorded (None or bytes: byte-level)."""
+    if not record or record.get("kind") == "bytes":
+        return ByteTokenizer()
+    tok = HFTokenizer(record["json"], where="the recorded tokenizer")
+    tok.eos_id = int(record["eos_id"])  # as recorded, even if named by --eos
+    return tok

@@ -1,0 +1,298 @@
+"""The planner's memory model: what one actor of a layout holds, per pipeline rank (raypar.core.planner.search
+ranks it).
+
+Memory per actor = model states + activations in flight + buffers, for the tightest pipeline rank:
+
+- Model states (ZeRO paper, Ψ = parameters on this actor): bytes per parameter of parameter + gradient +
+  optimizer state, sharded by the ZeRO stage over the cp x dp ranks that reduce the same gradients (cp ranks
+  hold the same parameters); with experts, an actor holds 1/ep of each MoE layer's experts, whose states
+  shard over its expert-dp group (cp x dp / ep ranks). fp32 Adam: 4 + 4 + 8; 16-bit: 2 + 4 + 12 (fp32 master
+  gradients, as Megatron's main grads, where the ZeRO paper counts 2; fp32 master weights and both
+  moments). zero 0: (p+g+K)Ψ; 1: (p+g)Ψ + KΨ/dp; 2: pΨ + (g+K)Ψ/dp; 3: (p+g+K)Ψ/dp, dp being the
+  sharding group's size.
+- Activations: what autograd saves for backward per microbatch, counted per op of this model's block the
+  way Korthikanti et al. (2022) count theirs (their 34·sbh + 5·as²b for a GPT layer becomes the sums below
+  for RMSNorm, RoPE, grouped-query SDPA and SwiGLU), per model chunk (a rank holds `virtual_stages` of
+  them under interleaved 1F1B, and only the first holds the embedding, only the last the head). Tokens per
+  actor are T/cp (context parallelism); under sequence parallelism the norms' and dropouts' tensors hold
+  T/tp of them (Korthikanti et al.), while each linear after a norm saves its own copy of the gathered,
+  whole-sequence input (the gathered tensor is not contiguous, so every matmul copies it). An MoE layer's
+  expert part counts its dispatched rows: k per token, as many received as sent under balanced routing.
+  The peak is read off the configured schedule itself, instruction by instruction: a (chunk, microbatch)
+  unit's bytes count from its forward until its graph is freed (backward, or backward_weight under
+  zero-bubble).
+- Buffers: DP reduction buckets, the rank's outgoing activations kept until their gradient returns, and
+  the transient logits of the loss. Not validated (they are not measured separately).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from raypar.core.config.schema import Config, ModelConfig
+from raypar.core.model.moe import is_moe_layer
+from raypar.core.observe.memory import max_in_flight
+from raypar.core.parallel.mesh import stage_layers
+from raypar.core.pipeline import schedules
+
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+class Params(NamedTuple):
+    dense: int
+    expert: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    pp: int
+    tp: int
+    zero: int
+    recompute: str
+    microbatches: int
+    virtual_stages: int = 1  # model chunks per pipeline rank (> 1: interleaved 1F1B)
+    cp: int = 1  # context parallelism: each actor holds T/cp tokens of every sequence
+    cp_style: str = "ring"  # "ring" or "ulysses"; unused at cp = 1
+    sequence_parallel: bool = False  # Megatron-SP over the tp group (tp > 1)
+    ep: int = 1  # expert parallelism, carved out of dp (MoE models only)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.pp * self.tp
+
+    def overrides(self) -> dict[str, dict[str, Any]]:
+        return {
+            "parallel": {
+                "dp": self.dp, "pp": self.pp, "tp": self.tp, "microbatches": self.microbatches,
+                "virtual_stages": self.virtual_stages, "cp": self.cp, "cp_style": self.cp_style,
+                "sequence_parallel": self.sequence_parallel, "ep": self.ep,
+            },
+            "train": {"recompute": self.recompute},
+        }
+
+
+@dataclass
+class StageMemory:
+    model_states: float
+    activations_per_mb: int  # the largest (chunk, microbatch) unit's
+    in_flight: int  # units alive at once, at most
+    activations: int  # the most bytes alive at once along the schedule
+    buffers: float
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.buffers
+
+
+def stage_params(
+    m: ModelConfig, layers: Iterable[int], first: bool, last: bool, tp: int, ep: int = 1
+) -> Params:
+    """Parameters one tp rank of a stage holding blocks `layers` has: dense ones (norm gains and routers
+    replicated over tp, everything else split by tp) and its 1/ep of the experts (split by tp too)."""
+    d, hd = m.d_model, m.head_dim
+    attn = 2 * d * m.n_heads * hd + 2 * d * m.n_kv_heads * hd
+    dense = expert = 0
+    for layer in layers:
+        dense += 2 * d + attn // tp
+        if is_moe_layer(m, layer):
+            dense += m.moe_experts * d  # the router
+            expert += m.moe_experts // ep * 3 * d * m.d_ff // tp
+        else:
+            dense += 3 * d * m.d_ff // tp
+    if first:
+        dense += m.vocab_size // tp * d
+    if last:
+        dense += d + m.vocab_size // tp * d
+    return Params(dense, expert)
+
+
+def model_state_bytes(params: int, precision: str, zero: int, dp: int) -> float:
+    p = PRECISION_BYTES[precision]
+    # The optimizer's gradients are fp32 in every precision: 16-bit ones are converted one by one into
+    # fp32 master gradients (unscaled) and freed, so they hold 4 bytes, not 2, once backward is done.
+    g = 4
+    k = 12 if p == 2 else 8  # 16-bit: fp32 master + two fp32 moments; fp32: the moments only
+    full, sharded = [(p + g + k, 0), (p + g, k), (p, g + k), (0, p + g + k)][zero]
+    return params * (full + sharded / dp)
+
+
+@dataclass(frozen=True)
+class TokenSplit:
+    """How an actor's tokens and heads are cut: tp heads (and T/tp tokens between blocks under SP), T/cp."""
+
+    tp: int = 1
+    cp: int = 1
+    cp_style: str = "ring"
+    sp: bool = False
+
+    @classmethod
+    def of(cls, layout: Layout) -> TokenSplit:
+        return cls(layout.tp, layout.cp, layout.cp_style, layout.sequence_parallel)
+
+
+def _norm_bytes(e: int, n: int, d: int, split: TokenSplit) -> int:
+    """An RMSNorm over n tokens and what the linears after it save of its output."""
+    gain = 4 * d if e != 4 else 0  # 16 bits: the gain's fp32 copy
+    if not split.sp:
+        # Its fp32 input (a copy under 16 bits), the normalised output and 1/rms; the linears share the
+        # output cast back.
+        return 8 * n * d + 4 * n + e * n * d + gain
+    # SP: the norm runs on T/tp tokens; its readers share the gathered input (made contiguous once).
+    return (8 * n * d + 4 * n) // split.tp + gain + e * n * d
+
+
+def moe_activation_bytes(m: ModelConfig, tp: int, n: int, precision: str) -> int:
+    """What an MoE layer saves for n tokens: the router's fp32 probabilities, then per dispatched
+    assignment its row twice (sent and returned), fp32 gate weight, three int64 indices and the keep mask,
+    and per received row the expert's SwiGLU (input, gate, silu, up, product). Routing balanced: a rank
+    receives as many rows as it sends, k per token, fewer when capacity_factor < 1 drops some."""
+    e, d, f = PRECISION_BYTES[precision], m.d_model, m.d_ff // tp
+    rows = int(m.moe_top_k * n * min(1.0, m.moe_capacity_factor))
+    router = 4 * n * m.moe_experts + 4 * m.moe_experts  # probabilities, and the aux loss's per-expert shares
+    return router + rows * (2 * e * d + 4 + 3 * 8 + 1) + rows * (e * d + 4 * e * f)
+
+
+def block_activation_bytes(
+    m: ModelConfig, tp: int, mbs: int, precision: str, device_kind: str, recompute: str,
+    split: TokenSplit | None = None, moe: bool = False,
+) -> int:
+    """Bytes one block saves for backward per microbatch of `mbs` sequences, on one tp (and cp) rank."""
+    split = split or TokenSplit(tp)
+    e = PRECISION_BYTES[precision]
+    seq = m.seq_len // split.cp
+    bs, d = mbs * seq, m.d_model
+    if recompute == "full":
+        return e * bs * d // (tp if split.sp else 1)  # the block's input, which checkpoint keeps
+    heads, hq, hkv, f = m.n_heads // tp, m.d_model // tp, m.n_kv_heads * m.head_dim // tp, m.d_ff // tp
+    if split.cp > 1 and split.cp_style == "ulysses" and (m.n_kv_heads // tp) % split.cp:
+        hkv = hq  # Ulysses repeats kv heads that do not split over cp up to the query heads
+    norms = 2 * _norm_bytes(e, bs, d, split)
+    mask = e if device_kind == "cpu" else 1  # CPU dropout saves its scaled noise, CUDA a bool mask
+    # After attention and after the MLP, on T/tp tokens under SP.
+    drop = 2 * mask * bs * d // (tp if split.sp else 1) if m.dropout > 0 else 0
+    wo_input = e * bs * hq
+    if recompute == "selective":
+        core = e * bs * (hq + 2 * hkv)  # its inputs q, k, v; RoPE, scores and dropout are recomputed
+        mlp = 3 * e * bs * f  # gate and up (the activation's inputs) and its product, for w_down
+    else:
+        if m.dropout > 0 and device_kind == "cpu":
+            # The math kernel (CPU's fused one has no dropout): scaled q, expanded k and v, and three
+            # [heads, s, s] tensors: probabilities, dropout noise, dropped probabilities.
+            core = 3 * e * bs * hq + 3 * e * mbs * heads * seq**2
+        else:
+            # A fused kernel (or cp's attention): q and k after RoPE, v, the output, and the softmax's
+            # log-sum-exp (fp32), all over this rank's T/cp queries.
+            core = e * bs * (2 * hq + 2 * hkv) + 4 * mbs * heads * seq
+        mlp = 4 * e * bs * f  # gate, silu(gate), up, and the product
+    if moe:  # selective recomputation does not reach the experts
+        mlp = moe_activation_bytes(m, tp, bs, precision)
+    return norms + core + wo_input + drop + mlp
+
+
+def stage_activation_bytes(
+    cfg: Config, layers: range, first: bool, last: bool, tp: int, mbs: int, device_kind: str, recompute: str,
+    split: TokenSplit | None = None,
+) -> int:
+    m, t = cfg.model, cfg.train
+    split = split or TokenSplit(tp)
+    e = PRECISION_BYTES[t.precision]
+    bs = mbs * m.seq_len // split.cp
+    total = 0
+    for index in layers:
+        mode = recompute if index % t.recompute_every == 0 else "none"
+        moe = is_moe_layer(m, index)
+        total += block_activation_bytes(m, tp, mbs, t.precision, device_kind, mode, split, moe)
+    if split.cp > 1 and len(layers):
+        total += 4 * bs // mbs * m.head_dim  # RoPE's cos and sin of this rank's positions (fp32)
+    if first:
+        total += 8 * bs + (bs if tp > 1 else 0)  # token ids (int64); tp > 1: shifted ids and their mask
+    if last:
+        total += _norm_bytes(e, bs, m.d_model, split)  # the final RMSNorm
+        total += 4 * bs * (m.vocab_size // tp) + 9 * bs  # fp32 softmax, target index, ownership mask
+    return total
+
+
+def rank_chunks(cfg: Config, layout: Layout) -> list[list[range]]:
+    """Per pipeline rank, the layers of each of its chunks: chunk c of rank r is virtual stage c * pp + r
+    (as raypar.actors.worker builds them), so with v > 1 a rank's layers are not contiguous."""
+    pp, v = layout.pp, layout.virtual_stages
+    virtual = stage_layers(cfg.model.n_layers, pp * v, cfg.parallel.stage_layers or None)
+    return [[virtual[c * pp + r] for c in range(v)] for r in range(pp)]
+
+
+@functools.lru_cache(maxsize=256)
+def _built(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> schedules.Plan:
+    """Built once per shape: the planner asks for the same one under every zero, recompute and cp/tp/ep
+    split (only read, never changed)."""
+    return schedules.build(schedule, pp, microbatches, virtual_stages)
+
+
+def layout_schedule(cfg: Config, layout: Layout) -> schedules.Plan:
+    """The plan every rank runs: the config's schedule with the layout's stages, microbatches and chunks."""
+    return _built(cfg.parallel.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
+
+
+def peak_bytes(plan: list[schedules.Instr], unit_bytes: list[int]) -> int:
+    """Most activation bytes alive at once along one rank's plan, unit (chunk c, mb) holding unit_bytes[c]:
+    chunks differ (the first holds the embedding's inputs, the last the head's), so the count of units in
+    flight times the largest is not the peak."""
+    alive = peak = 0
+    for instr in plan:
+        if instr.op == schedules.FORWARD:
+            alive += unit_bytes[instr.chunk]
+        elif instr.op in schedules.WEIGHT_GRAD_OPS:
+            alive -= unit_bytes[instr.chunk]
+        peak = max(peak, alive)
+    return peak
+
+
+def rank_states(cfg: Config, layout: Layout, p: int, chunks: list[range]) -> tuple[Params, float]:
+    """The parameters of one actor at pipeline rank `p` holding the layers of `chunks`, and the bytes of
+    their model states (parameters, gradients, optimizer moments, 16-bit: fp32 masters) as its ZeRO stage
+    shards them."""
+    held = [i for chunk in chunks for i in chunk]
+    params = stage_params(cfg.model, held, p == 0, p == layout.pp - 1, layout.tp, layout.ep)
+    group = layout.dp * layout.cp  # the ranks reducing (and under ZeRO sharding) the same gradients
+    states = model_state_bytes(params.dense, cfg.train.precision, layout.zero, group)
+    states += model_state_bytes(params.expert, cfg.train.precision, layout.zero, group // layout.ep)
+    return params, states
+
+
+def predict_memory(
+    cfg: Config, layout: Layout, device_kind: str, wrong_in_flight: bool = False
+) -> list[StageMemory]:
+    """Per pipeline rank: model states, activations, in-flight units and buffers of one actor.
+    `wrong_in_flight` counts one unit alive at a time: a deliberately broken formula for negative controls."""
+    m, t = cfg.model, cfg.train
+    mbs = t.global_batch // (layout.dp * layout.microbatches)
+    e = PRECISION_BYTES[t.precision]
+    plan = layout_schedule(cfg, layout)
+    v = layout.virtual_stages
+    out = []
+    group = layout.dp * layout.cp  # the ranks reducing (and under ZeRO sharding) the same gradients
+    tokens = mbs * m.seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)
+    for p, chunks in enumerate(rank_chunks(cfg, layout)):
+        ends = [(p == 0 and c == 0, p == layout.pp - 1 and c == v - 1) for c in range(v)]
+        params, states = rank_states(cfg, layout, p, chunks)
+        unit_bytes = [
+            stage_activation_bytes(
+                cfg, layers, first, last, layout.tp, mbs, device_kind, layout.recompute, TokenSplit.of(layout)
+            )
+            for layers, (first, last) in zip(chunks, ends, strict=True)
+        ]
+        in_flight = 1 if wrong_in_flight else max_in_flight(plan[p])
+        acts = max(unit_bytes) if wrong_in_flight else peak_bytes(plan[p], unit_bytes)
+        reduce = 0 if group == 1 else params.total * 4 / (group if layout.zero else 1)
+        # Every chunk but the model's last sends its output on (interleaved: the last rank's too, to rank 0).
+        sends = 0 if p == layout.pp - 1 and v == 1 else in_flight * e * tokens * m.d_model
+        logits = 8 * mbs * m.seq_len // layout.cp * m.vocab_size // layout.tp if p == layout.pp - 1 else 0
+        out.append(StageMemory(states, max(unit_bytes), in_flight, acts, reduce + sends + logits))
+    return out
