@@ -31,12 +31,12 @@ import torch
 from raypar.actors.worker import WORKER_THREADS, Worker, _ActorBackend
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.controller.connection import NAMESPACE
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.dp.optim import ADAM_EPS, lr_at
 from raypar.core.model.llama import LlamaStage
 from raypar.core.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from raypar.core.run_config import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

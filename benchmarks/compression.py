@@ -24,13 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raypar.core.config.load import load_config  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
 from raypar.core.data import datasets as data  # noqa: E402
 from raypar.core.dp import compress  # noqa: E402
 from raypar.core.dp.optim import lr_at  # noqa: E402
 from raypar.core.dp.strategy import DPStrategy  # noqa: E402
 from raypar.core.model.llama import LlamaStage  # noqa: E402
+from raypar.core.run_config import load_config  # noqa: E402
 from tests.threads import run_ranks  # noqa: E402
 
 COMPRESSORS = ("none", "bf16", "topk", "powersgd")

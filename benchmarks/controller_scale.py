@@ -54,8 +54,8 @@ from raypar.actors.replica_lead import ReplicaAnswer, ReplicaLead  # noqa: E402
 from raypar.actors.worker import WORKER_THREADS  # noqa: E402
 from raypar.controller.actor_calls import StepFailure  # noqa: E402
 from raypar.controller.actor_mesh import ActorMesh, StepResult  # noqa: E402
-from raypar.core.config.load import load_config  # noqa: E402
 from raypar.core.parallel.mesh import Coord  # noqa: E402
+from raypar.core.run_config import load_config  # noqa: E402
 
 PP, TP = 4, 2
 PER_REPLICA = PP * TP

@@ -48,7 +48,7 @@ p) (p-1)/(vm+p-1); `zb-h1` (m >= p) (p-1)/(3m+p-1) with equal F, B and W: its ro
 three (B and W each run the backward's fixed cost). The papers' (p-1)/(vm) and (p-1)/(3m) are idle over
 compute time, the same idle time on a different denominator. The fixed model has 8 layers so that p * v
 divides them. `ideal_ms` is the step the schedule would take with exactly those costs and free hops:
-raypar's executor simulated (schedules.simulate). `hops`: how many hop latencies that simulated step
+raypar's executor simulated (simulate.simulate). `hops`: how many hop latencies that simulated step
 grows by per unit of latency (the hops on its critical path); `ms_per_hop`: the idle time per stage beyond
 the formula's (`excess_idle_ms`) over `hops`, the per-hop latency that would explain all of it (when it
 is far above the transport's hop, the excess is elsewhere: Python between instructions, late starts).
@@ -70,7 +70,8 @@ import ray  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
-from raypar.core.pipeline.schedules import COMPUTE_OPS, bubble_formula, build, simulate  # noqa: E402
+from raypar.core.pipeline.schedules import COMPUTE_OPS, bubble_formula, build  # noqa: E402
+from raypar.core.pipeline.simulate import simulate  # noqa: E402
 
 TARGET = 1.2
 COMPUTE = COMPUTE_OPS

@@ -24,9 +24,9 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
 from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
-from raypar.core.config.load import load_config  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
 from raypar.core.planner import search as plan  # noqa: E402
+from raypar.core.run_config import load_config  # noqa: E402
 
 TINY = os.path.join(os.path.dirname(_HERE), "examples", "configs", "tiny.toml")
 

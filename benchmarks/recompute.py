@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raypar.core.config.load import load_config  # noqa: E402
 from raypar.core.model.llama import LlamaStage  # noqa: E402
 from raypar.core.observe.memory import SavedActivations  # noqa: E402
+from raypar.core.run_config import load_config  # noqa: E402
 
 MODES = ("none", "selective", "full")
 ROOT = Path(__file__).resolve().parents[1]

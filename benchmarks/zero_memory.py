@@ -29,13 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dataclasses  # noqa: E402
 
-from raypar.core.config.load import load_config  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
 from raypar.core.data import datasets as data  # noqa: E402
 from raypar.core.dp.strategy import DPStrategy  # noqa: E402
 from raypar.core.dp.zero3 import Zero3Strategy  # noqa: E402
 from raypar.core.model.llama import LlamaStage  # noqa: E402
 from raypar.core.parallel.mesh import stage_layers  # noqa: E402
+from raypar.core.run_config import load_config  # noqa: E402
 from tests.threads import run_ranks  # noqa: E402
 
 FP32_FORMULA = {0: lambda d: 16.0, 1: lambda d: 8 + 8 / d, 2: lambda d: 4 + 12 / d, 3: lambda d: 16 / d}

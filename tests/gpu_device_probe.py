@@ -11,7 +11,7 @@ import sys
 import ray
 from ray.cluster_utils import Cluster
 
-from raypar.core.config.load import load_config
+from raypar.core.run_config import load_config
 from tests.stub_worker import StubActorMesh
 
 

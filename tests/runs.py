@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from raypar.controller.training import TrainingLoop
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import Config
+from raypar.core.run_config import load_config
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.toml"
 

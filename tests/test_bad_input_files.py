@@ -173,7 +173,7 @@ def test_init_from_broken_is_refused_up_front(hf_model, tmp_path, capsys, no_ray
 
 
 def test_init_from_intact_passes_the_check(hf_model):
-    from raypar.core.config.load import load_config
+    from raypar.core.run_config import load_config
 
     cfg = load_config(str(TINY), [f"model.init_from='{hf_model}'", "model.seq_len=16"])
     assert cfg.model.d_model == 32

@@ -119,7 +119,7 @@ def test_status_and_scale_errors(address):
 def test_metrics_match_the_loss_curve_of_a_direct_run(address, tmp_path):
     """The CLI's metrics.jsonl is the ActorMesh's loss curve (guards the wiring of the run loop)."""
     from raypar.controller.actor_mesh import ActorMesh
-    from raypar.core.config.load import load_config
+    from raypar.core.run_config import load_config
 
     proc = raypar(
         "train",

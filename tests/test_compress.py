@@ -30,11 +30,11 @@ from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.config import schema
 from raypar.core.config.errors import ConfigError
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import NEEDS_ALL_REDUCE, Config, TrainConfig
 from raypar.core.dp import compress
 from raypar.core.dp.flat import Slot
 from raypar.core.dp.strategy import DPStrategy
+from raypar.core.run_config import load_config
 from tests.threads import run_ranks
 
 SHAPES = {"w1": (6, 10), "b1": (6,), "w2": (12, 4)}  # two matrices (one wide, one tall) and a vector

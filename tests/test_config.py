@@ -11,9 +11,9 @@ import pytest
 
 import raypar.core
 from raypar.core.config.errors import ConfigError
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import PRESETS, to_toml
 from raypar.core.parallel.mesh import Coord, Mesh, stage_layers
+from raypar.core.run_config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "configs" / "tiny.toml"

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from raypar.core.config.errors import ConfigError
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.model.llama import LlamaStage
 from raypar.core.parallel import cp
 from raypar.core.parallel.mesh import Coord, Mesh
+from raypar.core.run_config import load_config
 from tests.pipeline_threads import assert_step_matches, reference_step, run_step
 from tests.threads import run_ranks
 

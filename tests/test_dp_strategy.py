@@ -18,13 +18,13 @@ import torch
 
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import reader as checkpoint_read
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.dp.optim import lr_at
 from raypar.core.dp.strategy import DPStrategy
 from raypar.core.dp.zero3 import Zero3Strategy
 from raypar.core.model.llama import LlamaStage
+from raypar.core.run_config import load_config
 from tests.reference import Run, reference_run
 from tests.threads import run_ranks
 

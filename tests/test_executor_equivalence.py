@@ -12,9 +12,9 @@ import functools
 
 import pytest
 
-from raypar.core.config.load import load_config
 from raypar.core.pipeline.executor import StepRun
 from raypar.core.pipeline.schedules import BACKWARD_INPUT, Instr
+from raypar.core.run_config import load_config
 from tests.pipeline_threads import assert_step_matches, reference_step, run_step
 
 _REFERENCES: dict[int, tuple] = {}

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from raypar.controller import cli
+from raypar.core import generate
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.schema import ModelConfig
-from raypar.core.model import generate
 from raypar.core.model.llama import LlamaStage
 
 CFG = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, seq_len=32)

@@ -21,9 +21,9 @@ from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import hf
 from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.config.errors import ConfigError
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import Config
 from raypar.core.model.llama import LlamaStage
+from raypar.core.run_config import load_config
 from tests.faults import FaultyActorMesh
 from tests.hf_models import VOCAB, make_hf_llama
 from tests.reference import Run, reference_run

@@ -17,10 +17,10 @@ import math
 import pytest
 import torch
 
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import ModelConfig
 from raypar.core.model.moe import MoELayer
 from raypar.core.parallel.tp import shard_of
+from raypar.core.run_config import load_config
 from tests.threads import run_groups, run_ranks
 
 E, K, CF, COEF = 4, 2, 0.75, 0.01

@@ -8,9 +8,9 @@ import pytest
 from raypar.controller.actor_mesh import ActorMesh, moe_totals
 from raypar.controller.connection import RunFailure
 from raypar.core.config.errors import ConfigError
-from raypar.core.config.load import load_config
 from raypar.core.model.llama import count_params, flops_per_token
 from raypar.core.parallel.mesh import Coord, Mesh
+from raypar.core.run_config import load_config
 
 TINY = "examples/configs/tiny.toml"
 MOE = ["model.moe_experts=4", "parallel.dp=4", "train.global_batch=8"]

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import pytest
 
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import Config
 from raypar.core.model.moe import MoELayer
 from raypar.core.parallel.mesh import Coord, Mesh
+from raypar.core.run_config import load_config
 from tests.moe_threads import assert_matches, parallel, reference
 
 DP, EP, CP, E, K = 2, 2, 2, 4, 2

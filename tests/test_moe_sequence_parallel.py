@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import pytest
 
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Mesh
+from raypar.core.run_config import load_config
 from tests.faults import MoEGatherSummed
 from tests.moe_threads import assert_matches, parallel, reference
 

@@ -22,9 +22,9 @@ import torch
 
 from raypar.controller.actor_mesh import StepResult
 from raypar.core.checkpoint import format as checkpoint
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Coord, Mesh
+from raypar.core.run_config import load_config
 from tests.faults import FaultyActorMesh
 from tests.reference import Run, reference_run
 

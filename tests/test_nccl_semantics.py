@@ -17,12 +17,12 @@ import torch
 
 from raypar.actors.worker_state import WorkerState
 from raypar.collectives import GroupError, GroupTimeout, create_group
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.dp.strategy import DPStrategy
 from raypar.core.model.llama import LlamaStage
 from raypar.core.parallel import cp
+from raypar.core.run_config import load_config
 from tests import moe_threads
 from tests.fake_nccl import FakeNcclBackend, SimplexNcclBackend, make_group
 from tests.pipeline_threads import assert_step_matches, reference_step, run_step

@@ -23,7 +23,6 @@ from benchmarks.plan_validation import measure
 from raypar.collectives import Group
 from raypar.controller import cli
 from raypar.core.config.errors import ConfigError
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import RECOMPUTE, Config
 from raypar.core.model.llama import LlamaStage
 from raypar.core.observe.memory import SavedActivations
@@ -31,6 +30,7 @@ from raypar.core.pipeline import schedules
 from raypar.core.planner import comm as plan_comm
 from raypar.core.planner import memory as plan_memory
 from raypar.core.planner import search as plan
+from raypar.core.run_config import load_config
 from tests.threads import run_ranks
 
 TINY = "examples/configs/tiny.toml"

@@ -14,11 +14,11 @@ import torch
 from raypar.actors.worker import WORKER_THREADS, Worker
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import Config, TrainConfig
 from raypar.core.dp.precision import LossScaler, ScalerConfig
 from raypar.core.dp.strategy import DPStrategy
 from raypar.core.parallel.mesh import Coord, Mesh
+from raypar.core.run_config import load_config
 from tests.faults import FaultyActorMesh
 from tests.runs import tiny
 

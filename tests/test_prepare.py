@@ -13,10 +13,10 @@ import pytest
 
 from raypar.controller import cli
 from raypar.core.config.errors import ConfigError
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import DataConfig
 from raypar.core.data import datasets as data
 from raypar.core.data.tokenizer import from_record, load
+from raypar.core.run_config import load_config
 
 WORDS = "def return class import lambda yield async await while for if else elif try except".split()
 

@@ -18,11 +18,11 @@ from torch.utils import checkpoint as torch_checkpoint
 
 from raypar.collectives import Group
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import Config, ModelConfig
 from raypar.core.model import llama as model
 from raypar.core.model.llama import LlamaStage
 from raypar.core.observe.memory import SavedActivations
+from raypar.core.run_config import load_config
 from tests.threads import run_ranks
 
 CFG = ModelConfig(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256, seq_len=16)

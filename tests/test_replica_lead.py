@@ -20,8 +20,8 @@ import ray
 from raypar.actors.replica_lead import ReplicaAnswer
 from raypar.actors.worker import WORKER_THREADS
 from raypar.controller.actor_calls import StepFailure
-from raypar.core.config.load import load_config
 from raypar.core.parallel.mesh import Coord
+from raypar.core.run_config import load_config
 from tests.stub_worker import StubActorMesh, _StubWorker
 
 FAIL_STEP = 2

@@ -21,7 +21,7 @@ from raypar.core.config.load import from_dict
 from raypar.core.config.schema import ModelConfig, to_toml
 from raypar.core.model.llama import LlamaStage
 from raypar.core.observe import flops, report
-from raypar.core.pipeline import schedules
+from raypar.core.pipeline import schedules, simulate
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -189,8 +189,8 @@ def test_measured_bubble_matches_theory(schedule: str, t_b: float) -> None:
     assert theory <= measured == pytest.approx(theory, rel=0.05)
     # Without communication costs it is exactly the schedule simulator's idle fraction.
     exact = report.measured_bubble(simulated_rows(schedule, p, m, t_b=t_b, t_send=0, latency=0))
-    timeline = schedules.simulate(schedules.build(schedule, p, m), 0.010, t_b)
-    assert exact == pytest.approx(sum(schedules.bubble_fraction(timeline)) / p, rel=1e-9)
+    timeline = simulate.simulate(schedules.build(schedule, p, m), 0.010, t_b)
+    assert exact == pytest.approx(sum(simulate.bubble_fraction(timeline)) / p, rel=1e-9)
 
 
 def test_measured_bubble_negative_control() -> None:

@@ -15,8 +15,8 @@ import pytest
 from raypar.controller import cli
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint.format import ShardSpec
-from raypar.core.config.load import load_config
 from raypar.core.model.llama import LlamaStage
+from raypar.core.run_config import load_config
 from tests.runs import ActorsStarted
 
 TINY = "examples/configs/tiny.toml"

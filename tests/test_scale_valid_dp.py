@@ -16,8 +16,8 @@ import ray
 
 from raypar.actors.worker import WORKER_THREADS
 from raypar.controller.placement import ActorResources, PlacementTimeout
-from raypar.core.config.load import load_config
 from raypar.core.parallel.mesh import Mesh
+from raypar.core.run_config import load_config
 from tests.stub_worker import StubActorMesh, _StubWorker
 
 

@@ -22,14 +22,13 @@ from raypar.core.pipeline.schedules import (
     ScheduleError,
     _backward_step,
     _forward_step,
-    bubble_fraction,
     build,
     gpipe,
     one_f_one_b,
     peak_in_flight,
-    simulate,
     theoretical_bubble,
 )
+from raypar.core.pipeline.simulate import bubble_fraction, simulate
 
 SCHEDULE_NAMES = ("gpipe", "1f1b")
 SIZES = [(p, m) for p in range(1, 6) for m in range(1, 10)]

@@ -1,5 +1,5 @@
 """Interleaved 1F1B and ZB-H1 (and, for the shared rules, GPipe and 1F1B) as plans: dependencies,
-deadlock freedom on the executor (schedules.simulate), in-flight units, bubbles, bad sizes, and negative
+deadlock freedom on the executor (simulate.simulate), in-flight units, bubbles, bad sizes, and negative
 controls the same checks reject.
 
 Units: a (chunk, microbatch) pair. The interleaved bubble is (p-1)/v slots of F+B per stage, an idle share
@@ -26,13 +26,11 @@ from raypar.core.pipeline.schedules import (
     ScheduleError,
     Topology,
     bubble_formula,
-    bubble_fraction,
     build,
-    idealized_bubble,
     one_f_one_b,
     peak_in_flight,
-    simulate,
 )
+from raypar.core.pipeline.simulate import bubble_fraction, idealized_bubble, simulate
 
 # (name, v): every schedule the executor runs
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("1f1b", 3), ("zb-h1", 1)]

@@ -10,8 +10,8 @@ clipping and AdamW over 3 steps. One set of pp=2 x tp=2 actors, rebuilt from the
 from __future__ import annotations
 
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import Config
+from raypar.core.run_config import load_config
 from tests.reference import reference_run
 from tests.test_equivalence import STEPS, assert_matches, train
 

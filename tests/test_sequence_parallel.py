@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from raypar.core.config.errors import ConfigError
-from raypar.core.config.load import load_config
 from raypar.core.model.llama import SequenceParallelRMSNorm
+from raypar.core.run_config import load_config
 from tests.pipeline_threads import assert_step_matches, reference_step, run_step
 
 _REFERENCE: list[tuple] = []

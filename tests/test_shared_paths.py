@@ -21,7 +21,7 @@ from raypar.controller import cli, shared_paths
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.config.errors import ConfigError
-from raypar.core.config.load import load_config
+from raypar.core.run_config import load_config
 from tests.fake_cluster import FakeCluster
 
 ROOT = Path(__file__).resolve().parents[1]

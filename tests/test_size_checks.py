@@ -10,11 +10,11 @@ import pytest
 
 from raypar.controller import cli
 from raypar.core.checkpoint import reader as checkpoint_read
-from raypar.core.config import rules as config_rules
 from raypar.core.config.errors import ConfigError
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import Config
 from raypar.core.model.llama import LlamaStage
+from raypar.core.planner import search as plan
+from raypar.core.run_config import load_config
 from tests.runs import ActorsStarted
 
 TINY = "examples/configs/tiny.toml"
@@ -50,16 +50,16 @@ def test_the_limit_is_the_layouts_model_states(monkeypatch: pytest.MonkeyPatch) 
     cfg = load_config(TINY)
     one = fp32_adam_state_bytes(cfg)
     monkeypatch.setattr(checkpoint_read, "available_memory", lambda: one)
-    config_rules.check_local_memory(cfg, None)  # exactly fits
+    plan.check_local_memory(cfg, None)  # exactly fits
     monkeypatch.setattr(checkpoint_read, "available_memory", lambda: one - 1)
     with pytest.raises(ConfigError, match="model: d_model=64"):
-        config_rules.check_local_memory(cfg, None)
+        plan.check_local_memory(cfg, None)
     # Every actor of a local Ray is on this machine: two replicas need twice the memory ...
     monkeypatch.setattr(checkpoint_read, "available_memory", lambda: 2 * one - 1)
     with pytest.raises(ConfigError, match=r"a local Ray's 2 actor\(s\)"):
-        config_rules.check_local_memory(load_config(TINY, ["parallel.dp=2"]), None)
+        plan.check_local_memory(load_config(TINY, ["parallel.dp=2"]), None)
     # ... unless ZeRO-3 shards their states over the replicas.
-    config_rules.check_local_memory(load_config(TINY, ["parallel.dp=2", "parallel.zero=3"]), None)
+    plan.check_local_memory(load_config(TINY, ["parallel.dp=2", "parallel.zero=3"]), None)
 
 
 @pytest.mark.parametrize(
@@ -75,10 +75,10 @@ def test_runs_whose_actors_are_not_here_are_not_judged_by_this_machine(
 ) -> None:
     monkeypatch.setattr(checkpoint_read, "available_memory", lambda: GIB)
     huge = load_config(TINY, ["model.d_model=1048576", *overrides])
-    config_rules.check_local_memory(huge, address)
+    plan.check_local_memory(huge, address)
     # Control: the same model on this machine's local Ray is refused.
     with pytest.raises(ConfigError, match="GiB of model states"):
-        config_rules.check_local_memory(load_config(TINY, ["model.d_model=1048576"]), "local")
+        plan.check_local_memory(load_config(TINY, ["model.d_model=1048576"]), "local")
 
 
 @pytest.mark.parametrize(
@@ -90,7 +90,7 @@ def test_shipped_gpu_examples_pass_on_this_cpu_machine(
     monkeypatch: pytest.MonkeyPatch, example: Path
 ) -> None:
     monkeypatch.setattr(checkpoint_read, "available_memory", lambda: 16 * GIB)
-    config_rules.check_local_memory(load_config(str(example)), None)
+    plan.check_local_memory(load_config(str(example)), None)
     # Control: the same model on this machine's CPUs would not fit, and is refused.
     with pytest.raises(ConfigError, match="GiB of model states"):
-        config_rules.check_local_memory(load_config(str(example), ['parallel.device="cpu"']), None)
+        plan.check_local_memory(load_config(str(example), ['parallel.device="cpu"']), None)

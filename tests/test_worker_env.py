@@ -24,8 +24,8 @@ import ray
 import torch
 
 from raypar.actors.worker import WORKER_THREADS
-from raypar.core.config.load import load_config
 from raypar.core.parallel.mesh import Coord
+from raypar.core.run_config import load_config
 from tests.stub_worker import StubActorMesh, _StubWorker
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc arenas")

@@ -17,9 +17,9 @@ import pytest
 
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.checkpoint import format as checkpoint
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Mesh
+from raypar.core.run_config import load_config
 from tests.faults import FaultyActorMesh
 from tests.reference import Run
 from tests.runs import Background, losses, metrics, run, tiny

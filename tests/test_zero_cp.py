@@ -34,7 +34,6 @@ import torch
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import reader as checkpoint_read
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.dp.optim import lr_at
@@ -42,6 +41,7 @@ from raypar.core.dp.strategy import DPStrategy
 from raypar.core.dp.zero3 import Zero3Strategy
 from raypar.core.model.llama import LlamaStage
 from raypar.core.parallel.mesh import Coord, Mesh
+from raypar.core.run_config import load_config
 from tests.reference import Run, reference_run
 from tests.test_zero import assert_elastic_matches_fixed, close, save
 from tests.threads import run_groups

@@ -209,7 +209,7 @@ class ObjectStoreTransport:
 class DirectTransport:
     """send/recv on the pair groups; gloo and NCCL both match messages between two ranks in order, and
     every schedule receives each directed link in send order (checked by
-    raypar.core.pipeline.schedules.simulate), so
+    raypar.core.pipeline.simulate), so
     no tags are needed. On NCCL a pair group has a communicator per direction (raypar.collectives.nccl says
     why):
     a receive posted ahead blocks only its own direction's stream, never a send the other way. In

@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from raypar.controller import ray_env, stopping
-from raypar.core.config import rules as config_rules
 from raypar.core.config.errors import ConfigError
-from raypar.core.config.load import load_config
 from raypar.core.config.schema import Config
+from raypar.core.run_config import load_config
 
 
 class UsageError(Exception):
@@ -239,11 +238,12 @@ def _train(args: argparse.Namespace) -> int:
     if args.stop_at is not None and args.stop_at <= 0:
         raise UsageError(f"--stop-at: must be a positive step, got {args.stop_at}")
     from raypar.controller import shared_paths
+    from raypar.core.planner import search as plan
 
     shared_paths.make_absolute(cfg)  # actors run in other directories, and on other nodes
     samples = _check_data(cfg)
     _check_fits(cfg)
-    config_rules.check_local_memory(cfg, ray_env.target(args.address))  # a local Ray's actors all live here
+    plan.check_local_memory(cfg, ray_env.target(args.address))  # a local Ray's actors all live here
     resume = shared_paths.absolute(_resolve_resume(cfg, args.resume)) if args.resume else None
     name = args.name or f"{Path(args.config).stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = args.run_dir or Path("runs") / name
@@ -427,8 +427,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-tokens: must be positive, got {args.max_tokens}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError("--temperature: must be >= 0, and --top-p in (0, 1]")
+    from raypar.core import generate
     from raypar.core.checkpoint import format as checkpoint
-    from raypar.core.model import generate
 
     try:
         model, tok = generate.load(checkpoint.resolve(args.path), args.device)

@@ -11,11 +11,16 @@ from __future__ import annotations
 import tomllib
 import types
 import typing
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from raypar.core.config import rules
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import PRESETS, Config, ModelConfig
+
+# (the raw model section, all raw sections) -> model fields read from files
+ModelFields = Callable[[dict[str, Any], dict[str, dict[str, Any]]], dict[str, Any]]
 
 _SECTION_TYPES = typing.get_type_hints(Config)
 
@@ -43,8 +48,12 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def from_dict(raw: dict[str, Any]) -> Config:
-    """Build a Config from nested dicts, rejecting unknown sections/keys and wrong types, then validate."""
+def from_dict(raw: dict[str, Any], model_fields: ModelFields | None = None) -> Config:
+    """Build a Config from nested dicts, rejecting unknown sections/keys and wrong types, then validate.
+
+    `model_fields(model, sections)` adds the model fields that files name (`raypar.core.run_config`, which
+    reads a Hugging Face directory or a prepared dataset); a dict that is already resolved (a worker's copy,
+    a planner candidate, a checkpoint's manifest) needs none."""
     sections = {}
     for name, body in raw.items():
         if name not in _SECTION_TYPES:
@@ -63,54 +72,11 @@ def from_dict(raw: dict[str, Any]) -> Config:
     preset = model.get("preset", ModelConfig.preset)
     if preset not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset {preset!r} (known: {', '.join(PRESETS)})")
-    sections["model"] = {**PRESETS[preset], **model, **_external_model_fields(model, sections)}
+    from_files = model_fields(model, sections) if model_fields else {}
+    sections["model"] = {**PRESETS[preset], **model, **from_files}
     cfg = Config(**{name: _SECTION_TYPES[name](**sections.get(name, {})) for name in _SECTION_TYPES})
-    validate(cfg)
-    if cfg.model.init_from:
-        from raypar.core.checkpoint import hf  # imports this module: resolved at call time
-
-        # Missing, truncated or mis-shaped weights would otherwise surface on every actor after start-up.
-        hf.check_weights(cfg.model)
+    rules.validate(cfg)
     return cfg
-
-
-def validate(cfg: Config) -> None:
-    """Every rule of `raypar.core.config.rules`, in one pass: a ConfigError naming the first broken one."""
-    from raypar.core.config import rules as config_rules  # imports this module: resolved at call time
-
-    config_rules.validate(cfg)
-
-
-def _external_model_fields(model: dict[str, Any], sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Model fields that come from files rather than the config: a Hugging Face config.json
-    (`model.init_from`), or the vocabulary of a tokenizer-prepared `data.source` when `model.vocab_size`
-    is not given (padded to a multiple of tp so the vocab-parallel layers split it). Keys the user set
-    must agree with config.json."""
-    if model.get("init_from"):
-        from raypar.core.checkpoint import hf  # imports this module: resolved at call time
-
-        fields = hf.model_fields(model["init_from"])
-        for key, value in fields.items():
-            if key in model and model[key] != value:
-                raise ConfigError(
-                    f"model.{key}: {model[key]!r} conflicts with {value!r} from {model['init_from']}/"
-                    f"config.json; leave it unset when model.init_from is set"
-                )
-        return fields
-    source = str(sections.get("data", {}).get("source", ""))
-    if "vocab_size" not in model and source not in ("", "synthetic", "stdlib"):
-        from raypar.core.data import (
-            datasets as data,  # imports this module, and torch: only when a directory may be one
-        )
-
-        try:
-            vocab = data.prepared_vocab_size(source)
-        except (ValueError, OSError) as err:  # a broken or incomplete prepared directory
-            raise ConfigError(f"data.source: {err}") from None
-        if vocab is not None:
-            tp = int(sections.get("parallel", {}).get("tp", 1)) or 1
-            return {"vocab_size": -(-vocab // tp) * tp}
-    return {}
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -128,7 +94,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key.strip(), value
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:  # type: ignore[assignment]
+def read_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """A TOML file (or nothing) with `--set section.key=value` overrides applied, as nested dicts."""
     raw: dict[str, Any] = {}
     if path is not None:
         try:
@@ -151,4 +118,4 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:  
         if not isinstance(raw[section], dict):
             raise ConfigError(f"{section}: expected a table, got {type(raw[section]).__name__}")
         raw[section][key] = value
-    return from_dict(raw)
+    return raw

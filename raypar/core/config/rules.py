@@ -278,37 +278,3 @@ def _validate_moe(cfg: Config) -> None:
             bool(cfg.valid_dps()),
             f"parallel.ep: no dp in [{p.min_dp}, {p.max_dp}] is a multiple of ep={p.ep} splitting the batch",
         )
-
-
-def check_local_memory(cfg: Config, address: str | None) -> None:
-    """A run on a new local Ray (`address` None or "local": no cluster named) with parallel.device "cpu", or
-    "auto" where no CUDA device is seen, puts every actor on this machine: refuse it when the actors' model
-    states alone (parameters, gradients, Adam moments, 16-bit: fp32 masters; raypar.core.planner.memory)
-    exceed the
-    memory available here, instead of actors trying to allocate them. Activations come on top, so passing
-    does not promise a fit. A cluster's nodes are not this machine, and GPU layouts are checked against the
-    GPU (plan.check_fits): neither is checked here."""
-    if address not in (None, "local") or cfg.parallel.device not in ("cpu", "auto"):
-        return
-    import torch
-
-    if cfg.parallel.device == "auto" and torch.cuda.is_available():
-        return
-    from raypar.core.checkpoint import reader as checkpoint_read
-    from raypar.core.planner import memory as plan_memory
-    from raypar.core.planner import search as plan
-
-    layout = plan.current_layout(cfg)
-    chunks = plan_memory.rank_chunks(cfg, layout)
-    ranks = [plan_memory.rank_states(cfg, layout, p, held)[1] for p, held in enumerate(chunks)]
-    replicas = layout.dp * layout.cp * layout.tp  # actors per pipeline rank
-    need, have = replicas * sum(ranks), checkpoint_read.available_memory()
-    if need > have:
-        m = cfg.model
-        raise ConfigError(
-            f"model: d_model={m.d_model}, n_layers={m.n_layers}, vocab_size={m.vocab_size} needs "
-            f"{need / 2**30:,.1f} GiB of model states on this machine (a local Ray's {layout.world} "
-            f"actor(s), up to {max(ranks) / 2**30:,.1f} GiB each: parameters, gradients, Adam moments, "
-            f"masters), and it has {have / 2**30:,.1f} GiB available (a smaller model, or a cluster's "
-            "--address)"
-        )

@@ -10,7 +10,7 @@ chunks of a
   `LlamaStage`, a transport (raypar.actors.transport, or raypar.core.pipeline.local_transport in one process),
   a DP
   reducer.
-- `_ClockBackend`: fixed costs on a clock, for `schedules.simulate`; its receives do not block but say
+- `_ClockBackend`: fixed costs on a clock, for `simulate.simulate`; its receives do not block but say
   "not yet", and `simulate_plans` round-robins the ranks until none can move.
 
 So the simulator checks exactly what the actor runs: a plan that passes `simulate` cannot deadlock or miss an
@@ -169,7 +169,7 @@ class _ClockBackend:
 def simulate_plans(
     plans: Plan, t_forward: float, t_backward: float, t_comm: float, t_weight: float | None
 ) -> Timeline:
-    """`schedules.simulate`: every rank's StageWalker over a clock backend, round-robin until stuck."""
+    """`simulate.simulate`: every rank's StageWalker over a clock backend, round-robin until stuck."""
     n_chunks = 1 + max((i.chunk for plan in plans for i in plan), default=0)
     topo = Topology(len(plans), n_chunks)
     t_w = t_backward / 2 if t_weight is None else t_weight

@@ -30,6 +30,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from raypar.core.checkpoint.reader import available_memory
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.load import from_dict
 from raypar.core.config.schema import RECOMPUTE, Config
@@ -43,6 +44,7 @@ from raypar.core.planner.memory import (
     StageMemory,
     predict_memory,
     rank_chunks,
+    rank_states,
     stage_params,
 )
 
@@ -315,6 +317,35 @@ def check_fits(cfg: Config, memory: float, device: Device, where: str) -> None:
         f"parallel.tp/pp: the plan predicts {gib(need)} per actor > {gib(memory)} on {where}, and no "
         "single knob fits; more devices (pp or tp) are needed (see `raypar plan`)"
     )
+
+
+def check_local_memory(cfg: Config, address: str | None) -> None:
+    """A run on a new local Ray (`address` None or "local": no cluster named) with parallel.device "cpu", or
+    "auto" where no CUDA device is seen, puts every actor on this machine: refuse it when the actors' model
+    states alone (parameters, gradients, Adam moments, 16-bit: fp32 masters; raypar.core.planner.memory)
+    exceed the memory available here, instead of actors trying to allocate them. Activations come on top,
+    so passing does not promise a fit. A cluster's nodes are not this machine, and GPU layouts are checked
+    against the GPU (`check_fits`): neither is checked here."""
+    if address not in (None, "local") or cfg.parallel.device not in ("cpu", "auto"):
+        return
+    import torch
+
+    if cfg.parallel.device == "auto" and torch.cuda.is_available():
+        return
+    layout = current_layout(cfg)
+    chunks = rank_chunks(cfg, layout)
+    ranks = [rank_states(cfg, layout, p, held)[1] for p, held in enumerate(chunks)]
+    replicas = layout.dp * layout.cp * layout.tp  # actors per pipeline rank
+    need, have = replicas * sum(ranks), available_memory()
+    if need > have:
+        m = cfg.model
+        raise ConfigError(
+            f"model: d_model={m.d_model}, n_layers={m.n_layers}, vocab_size={m.vocab_size} needs "
+            f"{need / 2**30:,.1f} GiB of model states on this machine (a local Ray's {layout.world} "
+            f"actor(s), up to {max(ranks) / 2**30:,.1f} GiB each: parameters, gradients, Adam moments, "
+            f"masters), and it has {have / 2**30:,.1f} GiB available (a smaller model, or a cluster's "
+            "--address)"
+        )
 
 
 def gib(nbytes: float) -> str:
