@@ -25,7 +25,7 @@ ISA_TESTS := $(addprefix tests/test_,precision.py compress.py dp_strategy.py off
 	executor_equivalence.py sequence_parallel.py zero.py)
 
 test: $(STAMP)
-	$(BIN)/ruff check raypar tests benchmarks examples
+	$(BIN)/ruff check raypar actors collectives tests benchmarks examples
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -ra --durations=25 tests
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -q -ra -m "not ray" $(ISA_TESTS)

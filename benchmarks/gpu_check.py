@@ -7,7 +7,7 @@ machine (it says why). Sections, in order:
 
 1. `nccl`: every op (all_reduce sum/max, reduce_scatter sum/max/avg, all_gather, all_to_all even and
    uneven, broadcast, grouped send/recv, barrier) in every dtype (fp32, bf16, fp16, int64), straight on
-   `raypar.collectives.nccl.NcclBackend` and through `Group`, each writing OUT OF PLACE into an output filled
+   `collectives.nccl.NcclBackend` and through `Group`, each writing OUT OF PLACE into an output filled
    with
    a sentinel (-7): at world size 1 every op is an identity, so only an overwritten sentinel shows NCCL (or
    Group) wrote the result. NCCL refuses two ranks on one GPU, so these are world-size-1 checks; reductions
@@ -66,7 +66,7 @@ try:  # on the lent GPU machine a missing wheel is the likely failure: say so in
     import torch
 
     from benchmarks import _common
-    from raypar.collectives import GroupError, GroupSpec, LocalStoreRef, create_group
+    from collectives import GroupError, GroupSpec, LocalStoreRef, create_group
     from raypar.controller.actor_mesh import ActorMesh
     from raypar.core.checkpoint import format as checkpoint
     from raypar.core.observe import flops
@@ -181,7 +181,7 @@ def _spec(name: str, store: LocalStoreRef, epoch: int, device: int) -> GroupSpec
 
 
 def nccl_ops(device: int) -> None:
-    from raypar.collectives.nccl import NcclBackend
+    from collectives.nccl import NcclBackend
 
     dev = torch.device("cuda", device)
     store = LocalStoreRef()
@@ -316,7 +316,7 @@ def sleep_cycles(device: torch.device, ms: float) -> int:
 
 
 def stream_order(device: int) -> None:
-    from raypar.collectives.nccl import NcclBackend
+    from collectives.nccl import NcclBackend
 
     dev = torch.device("cuda", device)
     store = LocalStoreRef()

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
-from raypar.collectives import GroupSpec, LocalStoreRef, create_group  # noqa: E402
+from collectives import GroupSpec, LocalStoreRef, create_group  # noqa: E402
 from raypar.core.config.schema import ModelConfig  # noqa: E402
 from raypar.core.model.llama import Block, rope_tables  # noqa: E402
 from raypar.core.parallel import cp  # noqa: E402

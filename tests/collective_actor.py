@@ -15,8 +15,8 @@ from typing import Any
 import ray
 import torch
 
-from raypar.collectives.group import Group, Work
-from raypar.collectives.host import GroupHost
+from collectives.group import Group, Work
+from collectives.host import GroupHost
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int64": torch.int64}
 COLS = 3  # trailing dim of every case tensor: splits are along dim 0 and must carry whole rows

@@ -1,6 +1,6 @@
 """A stand-in for `cupy.cuda.nccl` and CUDA streams on the CPU that keeps NCCL's rules, for thread ranks.
 
-The real `raypar.collectives.nccl.NcclBackend` runs over it unchanged (`FakeNcclBackend` only swaps its two
+The real `collectives.nccl.NcclBackend` runs over it unchanged (`FakeNcclBackend` only swaps its two
 seams),
 so its ordering, grouping, abort and watchdog logic is exercised here; gloo, which matches messages
 asynchronously, would hide every ordering bug. The rules kept:
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from raypar.collectives import Group, GroupInfo, GroupSpec
-from raypar.collectives.nccl import NcclBackend
+from collectives import Group, GroupInfo, GroupSpec
+from collectives.nccl import NcclBackend
 
 HOST_WAIT_CAP_S = 120.0
 
@@ -99,7 +99,7 @@ HOST = HostStream()
 
 
 class FakeRuntime:
-    """raypar.collectives.nccl's DeviceRuntime seam, on the CPU."""
+    """collectives.nccl's DeviceRuntime seam, on the CPU."""
 
     streams: dict[int, FakeStream | HostStream] = {0: HOST}
 

@@ -39,8 +39,8 @@ from typing import Any
 import ray
 import torch
 
-from raypar.actors.buddy import Snapshot
-from raypar.actors.worker import WORKER_THREADS, Worker
+from actors.buddy import Snapshot
+from actors.worker import WORKER_THREADS, Worker
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.config.schema import Config
 from raypar.core.dp.strategy import DPStrategy

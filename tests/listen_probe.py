@@ -73,8 +73,8 @@ def is_loopback(ip: str) -> bool:
 def main() -> None:
     import ray
 
-    from raypar.collectives.host import GroupHost, create_groups
-    from raypar.collectives.ray_store import RendezvousServer
+    from collectives.host import GroupHost, create_groups
+    from collectives.ray_store import RendezvousServer
     from raypar.controller.connection import connect
 
     connect(None, num_cpus=2)

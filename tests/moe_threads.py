@@ -1,6 +1,6 @@
 """MoE ranks as threads of the test process: one step of a dp x cp x tp (SP) x ep layout without Ray.
 
-Each thread builds its rank's model the way the worker does (raypar/actors/worker.py: its tp group where tp >
+Each thread builds its rank's model the way the worker does (actors/worker.py: its tp group where tp >
 1,
 the EP group of its cp rank, the cp group), reduces dense gradients over the dp group (cp x dp) and expert
 gradients over the expert-dp group, divided by dp x cp, and runs one step of its schedule with an
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from raypar.collectives import create_group
+from collectives import create_group
 from raypar.controller.actor_mesh import moe_totals
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
@@ -33,7 +33,7 @@ from tests.threads import run_groups
 
 
 def moe_figures(model: LlamaStage) -> dict[str, dict[str, Any]]:
-    """What the worker reports per layer (raypar/actors/worker.py train_step)."""
+    """What the worker reports per layer (actors/worker.py train_step)."""
     return {
         i: {"load": s.load.tolist(), "dropped": s.dropped, "aux": s.aux_sum / max(s.microbatches, 1)}
         for i, s in model.take_moe_stats().items()

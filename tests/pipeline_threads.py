@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from raypar.actors.transport import DirectTransport
-from raypar.collectives import Group, GroupSpec
+from actors.transport import DirectTransport
+from collectives import Group, GroupSpec
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.dp.strategy import DPStrategy
@@ -61,7 +61,7 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
     """One step of `cfg`'s layout on threads. `run_class` swaps the step runner (negative controls);
     `model_hook(model, coord, groups)` may alter each shard after it is built (also negative controls).
     A small `bucket_bytes` makes DP buckets span layers and chunks. With `make_group` (tests.fake_nccl)
-    every group is formed by it, and pipeline messages go over the pair groups (raypar.actors.transport's
+    every group is formed by it, and pipeline messages go over the pair groups (actors.transport's
     DirectTransport, receives announced ahead as the actor does) instead of the in-process transport."""
     par = cfg.parallel
     dp, pp, tp, v, cp = cfg.dp_fixed, par.pp, par.tp, par.virtual_stages, par.cp

@@ -9,9 +9,9 @@ from typing import Any
 
 import ray
 
-from raypar.actors.replica_lead import ReplicaLead
-from raypar.actors.worker import WORKER_THREADS
-from raypar.collectives.host import GroupHost
+from actors.replica_lead import ReplicaLead
+from actors.worker import WORKER_THREADS
+from collectives.host import GroupHost
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.parallel.mesh import Coord
 

@@ -1,4 +1,4 @@
-"""raypar/collectives/ across Ray actors: every op against a one-process reference, overlapping groups,
+"""collectives/ across Ray actors: every op against a one-process reference, overlapping groups,
 failures.
 
 Four actors are shared by the module. Groups of 1 to 4 of them (in orders where no actor's group rank is its
@@ -32,15 +32,15 @@ from typing import Any
 import pytest
 import torch
 
-from raypar.collectives import (
+from collectives import (
     BackendUnavailable,
     GroupError,
     GroupSpec,
     GroupTimeout,
     create_group,
 )
-from raypar.collectives.host import create_groups
-from raypar.collectives.ray_store import RendezvousServer
+from collectives.host import create_groups
+from collectives.ray_store import RendezvousServer
 from raypar.core.parallel.mesh import Mesh
 from tests.collective_actor import (
     COLS,

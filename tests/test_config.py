@@ -141,11 +141,11 @@ def test_cli_name_control_a_good_name_passes_the_check(tmp_path, capsys):
 
 
 def test_core_and_collectives_import_without_ray():
-    """The layering rule: the plain-PyTorch core and `raypar.collectives` never pull in Ray (the controller
+    """The layering rule: the plain-PyTorch core and `collectives` never pull in Ray (the controller
     and
     the actors do). Checked in a fresh interpreter, so nothing this session imported counts."""
     core = [m.name for m in pkgutil.walk_packages(raypar.core.__path__, "raypar.core.")]
-    modules = [*core, "raypar.collectives"]
+    modules = [*core, "collectives"]
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False", out.stdout

@@ -1,4 +1,4 @@
-"""raypar.actors.devices: the CUDA number of the GPU Ray assigned, and a worker's device made current on every
+"""actors.devices: the CUDA number of the GPU Ray assigned, and a worker's device made current on every
 thread
 that runs one of its calls. No GPU here: `torch.cuda.set_device` is replaced by a recorder."""
 
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from raypar.actors.devices import OnDevice, cuda_ordinal
-from raypar.actors.worker import Worker
+from actors.devices import OnDevice, cuda_ordinal
+from actors.worker import Worker
 
 GPU3 = torch.device("cuda", 3)
 

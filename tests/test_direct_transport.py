@@ -1,4 +1,4 @@
-"""raypar.actors.transport.DirectTransport's announced receives, on two thread ranks joined by a gloo pair
+"""actors.transport.DirectTransport's announced receives, on two thread ranks joined by a gloo pair
 group.
 
 Gloo sends a message's data only once its receive is posted. A training step announces its receives
@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch
 
-from raypar.actors.transport import DirectTransport
-from raypar.collectives import GroupTimeout
+from actors.transport import DirectTransport
+from collectives import GroupTimeout
 from tests.threads import run_groups
 
 LIKE = torch.zeros(2, 3)

@@ -85,7 +85,7 @@ def test_layout_matches_one_process(ray_session, reference, layout):
 def test_3d_layout_all_schedules_and_transports(ray_session, reference):
     """(2,2,2) under gpipe/1f1b x object_store/direct, on one set of 8 actors (rebuilt from the seed). Every
     call of a step goes down the deepest call tree: one driver call, to replica 0's leader, which relays to
-    replica 1's (raypar.actors.replica_lead)."""
+    replica 1's (actors.replica_lead)."""
     trainer = FaultyActorMesh(make_cfg(2, 2, 2), "eq-222", faults={})
     trainer.driver_calls = 1
     try:

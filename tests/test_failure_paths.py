@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raypar.collectives.group import GroupError
+from collectives.group import GroupError
 from raypar.controller import actor_calls, cli
 from raypar.controller.placement import PlacementTimeout
 from raypar.controller.training import TrainingLoop

@@ -1,4 +1,4 @@
-"""raypar.collectives.gloo stages CUDA tensors through pinned host buffers (actors sharing a GPU talk over
+"""collectives.gloo stages CUDA tensors through pinned host buffers (actors sharing a GPU talk over
 gloo,
 which takes no CUDA tensors for send/recv). No GPU here: a tensor subclass that answers `is_cuda` True
 stands for device memory, and a backend subclass allocates plain host buffers instead of pinned ones and
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from raypar.collectives import Group, GroupInfo
-from raypar.collectives.gloo import GlooBackend
+from collectives import Group, GroupInfo
+from collectives.gloo import GlooBackend
 from tests.threads import run_threads
 
 SIZE = 3

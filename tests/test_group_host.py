@@ -1,4 +1,4 @@
-"""raypar.collectives.host.GroupHost in one process: groups left behind by a membership change are destroyed,
+"""collectives.host.GroupHost in one process: groups left behind by a membership change are destroyed,
 and
 `abort_groups` / `Worker.abort` abort the right ones. Two members are two threads (gloo, LocalStoreRef)."""
 
@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from raypar.actors.transport import StepAborted, TransportTimeout
-from raypar.actors.worker import Worker
-from raypar.collectives import GroupError, GroupInfo, GroupSpec, GroupTimeout, LocalStoreRef
-from raypar.collectives.host import GroupHost
+from actors.transport import StepAborted, TransportTimeout
+from actors.worker import Worker
+from collectives import GroupError, GroupInfo, GroupSpec, GroupTimeout, LocalStoreRef
+from collectives.host import GroupHost
 from tests.threads import run_threads
 
 MEMBERS = ("m0", "m1")

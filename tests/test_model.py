@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from raypar.collectives import Group
+from collectives import Group
 from raypar.core.config.schema import ModelConfig
 from raypar.core.model.llama import LlamaStage, count_params, flops_per_token, init_tensor
 from tests.threads import run_ranks

@@ -3,7 +3,7 @@
 Each of the 4 ranks holds T/cp tokens of each sequence of its replica's microbatches (ulysses: contiguous,
 ring: zigzag), dispatches them to the experts over the EP group of its cp rank, and reduces dense
 gradients over cp x dp and expert gradients over the expert-dp group (its replicas' cp ranks), divided by
-dp x cp: the worker's groups and strategies (raypar/actors/worker.py), here without Ray
+dp x cp: the worker's groups and strategies (actors/worker.py), here without Ray
 (tests/moe_threads.py). The
 reference forwards the global batch in the run's microbatches (the aux loss is per microbatch) in one process
 holding every expert.
@@ -130,7 +130,7 @@ def test_priority_in_cp_rank_order_is_rejected(style):
 
 
 def test_actors_dp2_ep2_cp2_match_one_process(ray_session, tmp_path):
-    """The worker itself (raypar/actors/worker.py: its per-cp-rank EP groups, the expert-dp group spanning cp
+    """The worker itself (actors/worker.py: its per-cp-rank EP groups, the expert-dp group spanning cp
     and
     the dp x cp divisor, the grad norm's expert part) on 4 Ray actors, two steps with their updates, through
     tests/test_moe_training.py's checks (loss, nothing dropped, router and expert gradients, grad norm).

@@ -87,7 +87,7 @@ def test_moe_input_gathered_like_the_dense_mlp_is_rejected():
 
 
 def test_actors_dp2_ep2_tp2_sp_match_one_process(ray_session):
-    """The worker itself (raypar/actors/worker.py: its tp, ep and expert-dp groups, the tp rebinding of the
+    """The worker itself (actors/worker.py: its tp, ep and expert-dp groups, the tp rebinding of the
     MoE
     layers, T/tp tokens per rank) on 4 Ray actors, two steps with their updates, through
     tests/test_moe_training.py's per-step checks (loss, nothing dropped, router and expert gradients, grad

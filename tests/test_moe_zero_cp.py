@@ -1,7 +1,7 @@
 """cp x MoE x ZeRO on Ray actors: dp=2 x ep=2 x cp=2 (ulysses) at ZeRO 1 and 3 against one process.
 
 Each pair composes on its own (tests/test_moe_context_parallel.py, tests/test_zero_cp.py,
-tests/test_moe_training.py); here all three meet in the worker (raypar/actors/worker.py): dense state sharded
+tests/test_moe_training.py); here all three meet in the worker (actors/worker.py): dense state sharded
 over
 the cp x dp group (4 ranks), each replica's experts (half of them, ep=2) over their expert-dp group, which
 is the replica's 2 cp ranks (dp/ep x cp), expert gradients divided by dp x cp, and at ZeRO-3 each block's

@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from raypar.actors.worker_state import WorkerState
-from raypar.collectives import GroupError, GroupTimeout, create_group
+from actors.worker_state import WorkerState
+from collectives import GroupError, GroupTimeout, create_group
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.dp.strategy import DPStrategy

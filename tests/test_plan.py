@@ -20,7 +20,7 @@ import torch
 
 from benchmarks import sequence_bytes
 from benchmarks.plan_validation import measure
-from raypar.collectives import Group
+from collectives import Group
 from raypar.controller import cli
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import RECOMPUTE, Config

@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from raypar.actors.worker import WORKER_THREADS, Worker
+from actors.worker import WORKER_THREADS, Worker
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.config.schema import Config, TrainConfig

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import ray
 
-from raypar.actors.worker import WORKER_THREADS, Worker
+from actors.worker import WORKER_THREADS, Worker
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Coord

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils import checkpoint as torch_checkpoint
 
-from raypar.collectives import Group
+from collectives import Group
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.config.schema import Config, ModelConfig
 from raypar.core.model import llama as model

@@ -1,4 +1,4 @@
-"""The run's rendezvous store (raypar/collectives/ray_store.py): c10d semantics; joining takes the run's
+"""The run's rendezvous store (collectives/ray_store.py): c10d semantics; joining takes the run's
 credentials.
 
 The store is an actor; members reach it by actor calls, which are PushTask RPCs to the actor's worker, found
@@ -20,8 +20,8 @@ from ray._private import state
 from ray._raylet import AuthenticationTokenLoader
 from ray.core.generated import core_worker_pb2, core_worker_pb2_grpc, gcs_service_pb2, gcs_service_pb2_grpc
 
-from raypar.collectives import GroupSpec, create_group
-from raypar.collectives.ray_store import RendezvousServer
+from collectives import GroupSpec, create_group
+from collectives.ray_store import RendezvousServer
 
 
 @pytest.fixture(scope="module")

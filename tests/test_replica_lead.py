@@ -1,4 +1,4 @@
-"""One driver call per replica per step (raypar.actors.replica_lead): each replica's leader fans the step out
+"""One driver call per replica per step (actors.replica_lead): each replica's leader fans the step out
 to its
 actors and answers for all of them; a failure still names the actor that failed, and is contained at once.
 
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import ray
 
-from raypar.actors.replica_lead import ReplicaAnswer
-from raypar.actors.worker import WORKER_THREADS
+from actors.replica_lead import ReplicaAnswer
+from actors.worker import WORKER_THREADS
 from raypar.controller.actor_calls import StepFailure
 from raypar.core.parallel.mesh import Coord
 from raypar.core.run_config import load_config

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-from raypar.actors.worker import WORKER_THREADS
+from actors.worker import WORKER_THREADS
 from raypar.controller.placement import ActorResources, PlacementTimeout
 from raypar.core.parallel.mesh import Mesh
 from raypar.core.run_config import load_config

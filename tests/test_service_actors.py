@@ -17,7 +17,7 @@ from typing import Any
 import ray
 from ray.util.state import list_actors
 
-from raypar.actors.control import control_name
+from actors.control import control_name
 from raypar.controller.connection import NAMESPACE
 from raypar.controller.training import TrainingLoop
 from raypar.core.parallel.mesh import Coord

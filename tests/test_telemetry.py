@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from raypar.actors.telemetry import METRICS, ActorMetrics
+from actors.telemetry import METRICS, ActorMetrics
 
 # The agent serves Ray's metrics with a `ray_` prefix.
 SAMPLE = re.compile(r"^ray_(raypar_\w+)\{(.*)\} (\S+)$")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from raypar.collectives import Group
+from collectives import Group
 from raypar.core.parallel import tp
 from raypar.core.parallel.tp import (
     ColumnParallelLinear,

@@ -1,4 +1,4 @@
-"""Worker processes allocate from one malloc arena (raypar.actors.worker.WORKER_ENV), whichever of their
+"""Worker processes allocate from one malloc arena (actors.worker.WORKER_ENV), whichever of their
 threads
 runs a step.
 
@@ -23,7 +23,7 @@ import pytest
 import ray
 import torch
 
-from raypar.actors.worker import WORKER_THREADS
+from actors.worker import WORKER_THREADS
 from raypar.core.parallel.mesh import Coord
 from raypar.core.run_config import load_config
 from tests.stub_worker import StubActorMesh, _StubWorker

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable, Collection
 from typing import Any
 
-from raypar.collectives import Group, GroupSpec, LocalStoreRef, create_group
+from collectives import Group, GroupSpec, LocalStoreRef, create_group
 
 
 def run_ranks(size: int, fn: Callable[[Group], Any]) -> list[Any]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from raypar.collectives import Group
+from collectives import Group
 
 
 def ep_rank_of(dp_rank: int, ep: int) -> int:

@@ -29,13 +29,13 @@ from typing import Any
 import ray
 import torch
 
-from raypar.actors.buddy import BuddyCopies
-from raypar.actors.devices import OnDevice, cuda_ordinal
-from raypar.actors.replica_lead import ReplicaLead
-from raypar.actors.telemetry import ActorMetrics, per_step
-from raypar.actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
-from raypar.actors.worker_state import WorkerState
-from raypar.collectives.host import GroupHost
+from actors.buddy import BuddyCopies
+from actors.devices import OnDevice, cuda_ordinal
+from actors.replica_lead import ReplicaLead
+from actors.telemetry import ActorMetrics, per_step
+from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
+from actors.worker_state import WorkerState
+from collectives.host import GroupHost
 from raypar.core.checkpoint import hf
 from raypar.core.config.load import from_dict
 from raypar.core.data import datasets as data
@@ -113,9 +113,9 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
     """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks) override
     the seams `_make_strategy`, `_make_expert_strategy`, `_bind_tp`, `_backend`, `_send_grad`, `_train_step`,
     `_sum_tied_grads`, `_write_shard` and `_buddy_copy` and wrap themselves the same way. Checkpoints,
-    healing and in-memory snapshots are in `WorkerState` (raypar.actors.worker_state). Every public method, a
+    healing and in-memory snapshots are in `WorkerState` (actors.worker_state). Every public method, a
     subclass's too, runs on the actor's GPU whichever thread Ray runs it on
-    (raypar.actors.devices.OnDevice)."""
+    (actors.devices.OnDevice)."""
 
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         torch.set_num_threads(threads)
@@ -148,7 +148,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             "ip": ray.util.get_node_ip_address(),
             "cuda": torch.cuda.is_available(),
             "gpu_ids": [str(i) for i in ray.get_gpu_ids()],  # numbers, or UUIDs from a preset list
-            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),  # what those ids index (raypar.actors.devices)
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),  # what those ids index (actors.devices)
         }
 
     def _fail(self, what: str, err: Exception) -> WorkerFailure:

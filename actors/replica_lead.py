@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 
-from raypar.actors.telemetry import per_step
+from actors.telemetry import per_step
 from raypar.core.parallel.mesh import Coord
 
 RELAY_MARGIN_S = 5.0

@@ -12,8 +12,8 @@ from typing import Any
 
 import ray
 
-from raypar.collectives.group import Group, GroupError
-from raypar.collectives.rendezvous import GroupSpec, StoreRef, create_group
+from collectives.group import Group, GroupError
+from collectives.rendezvous import GroupSpec, StoreRef, create_group
 
 
 class GroupHost:
@@ -109,7 +109,7 @@ def create_groups(
     devices: Mapping[str, int] | None = None,
     duplex: Collection[str] = (),
 ) -> None:
-    """From the driver: form every group of `groups` (name -> member labels) in the `raypar.actors` (label ->
+    """From the driver: form every group of `groups` (name -> member labels) in the `actors` (label ->
     handle,
     each a GroupHost), all at once. Raises GroupError naming the members that did not join in time."""
     per_member = group_specs(groups, store, epoch, backend, timeout_s, devices, duplex)

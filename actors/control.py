@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from raypar.actors.telemetry import per_step
+from actors.telemetry import per_step
 
 
 def control_name(run: str) -> str:

@@ -30,7 +30,7 @@ import numpy as np
 import ray
 import torch
 
-from raypar.collectives import Group, Work
+from collectives import Group, Work
 from raypar.core.pipeline.schedules import Topology
 
 # Ray inlines call arguments below `max_direct_call_object_size` (100 KiB by default) in the call itself;
@@ -210,7 +210,7 @@ class DirectTransport:
     """send/recv on the pair groups; gloo and NCCL both match messages between two ranks in order, and
     every schedule receives each directed link in send order (checked by
     raypar.core.pipeline.simulate), so
-    no tags are needed. On NCCL a pair group has a communicator per direction (raypar.collectives.nccl says
+    no tags are needed. On NCCL a pair group has a communicator per direction (collectives.nccl says
     why):
     a receive posted ahead blocks only its own direction's stream, never a send the other way. In
     `prev_group` this rank is member 1, in `next_group` member 0 (the ring group of interleaved pipelines

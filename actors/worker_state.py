@@ -1,8 +1,8 @@
 """Moving a worker's state in and out: checkpoint shards (written in the background, loaded at any
 layout), the whole DP state for a change of dp and for healing new replicas, and in-memory snapshots
-with their copies on a buddy actor (raypar.actors.buddy).
+with their copies on a buddy actor (actors.buddy).
 
-`WorkerState` is a mixin of `raypar.actors.worker.Worker`, kept apart so that the worker module reads as
+`WorkerState` is a mixin of `actors.worker.Worker`, kept apart so that the worker module reads as
 set-up
 and the training step. It uses the worker's model, DP strategies (`_strategies()`), loss scaler, groups,
 device, config and `_fail`; `Worker.__init__` and `setup` create them.
@@ -17,7 +17,7 @@ from typing import Any
 import ray
 import torch
 
-from raypar.actors.buddy import BuddyCopies, Snapshot
+from actors.buddy import BuddyCopies, Snapshot
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.config.schema import Config
@@ -189,7 +189,7 @@ class WorkerState:
         if "cuda" in saved and self.device.type == "cuda":
             torch.cuda.set_rng_state(state("cuda"), self.device)
 
-    # -- in-memory copies (raypar.actors.buddy)
+    # -- in-memory copies (actors.buddy)
     # -------------------------------------------------------------------
     def _snapshot(self, next_step: int) -> None:
         """Copy the state before `next_step` into host memory (the stall: a copy of what this actor owns)

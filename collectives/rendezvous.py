@@ -1,7 +1,7 @@
 """Rendezvous: one key-value store per run, hosted on the controller side, and group construction on it.
 
 Members reach the store through a `StoreRef` carried in their GroupSpec (for Ray actors: the run's store
-actor, raypar/collectives/ray_store.py, reachable only with the run's Ray credentials). Each group and epoch
+actor, collectives/ray_store.py, reachable only with the run's Ray credentials). Each group and epoch
 uses
 its own key prefix, so re-forming a group after a failure is just creating it again under a new epoch.
 """
@@ -15,9 +15,9 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from raypar.collectives.gloo import GlooBackend
-from raypar.collectives.group import Group, GroupError, GroupInfo
-from raypar.collectives.nccl import BackendUnavailable, NcclBackend
+from collectives.gloo import GlooBackend
+from collectives.group import Group, GroupError, GroupInfo
+from collectives.nccl import BackendUnavailable, NcclBackend
 
 
 class StoreRef(Protocol):
@@ -67,7 +67,7 @@ class GroupSpec:
     backend: str = "gloo"
     timeout_s: float = 300.0
     device: int = 0
-    # NCCL: one communicator per direction (two members; the pipeline links): raypar.collectives.nccl says why
+    # NCCL: one communicator per direction (two members; the pipeline links): collectives.nccl says why
     duplex: bool = False
 
 
