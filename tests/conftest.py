@@ -71,3 +71,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker("ray")
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """No Ray address or token settings inherited, HOME a temporary directory (no ~/.ray/auth_token unless
+    a test writes one): what joining a cluster reads (tests/*/test_connection.py)."""
+    keys = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_BACKEND_LOG_LEVEL")
+    for key in keys:  # set, then deleted: monkeypatch then restores each, also what prepare() sets
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    """A tiny HF Llama, untied and sharded (tests/*/test_hf.py)."""
+    from tests.support.hf_models import untied_model
+
+    return untied_model(tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """A tiny HF Llama with tied embeddings, 4 layers (tests/*/test_hf.py)."""
+    from tests.support.hf_models import tied_model
+
+    return tied_model(tmp_path_factory.mktemp("hf"))

@@ -15,28 +15,9 @@ import pytest
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Coord, Mesh
-from raypar.core.run_config import load_config
-from tests.support.equivalence import STEPS, assert_matches, train
+from tests.support.equivalence import STEPS, assert_matches, make_cfg, train
 from tests.support.faults import FaultyActorMesh
 from tests.support.reference import Run, reference_run
-
-
-def make_cfg(
-    dp: int, pp: int, tp: int, schedule: str = "1f1b", transport: str = "object_store"
-) -> Config:
-    return load_config(
-        "examples/configs/tiny.toml",
-        [
-            f"parallel.dp={dp}",
-            f"parallel.pp={pp}",
-            f"parallel.tp={tp}",
-            f'parallel.schedule="{schedule}"',
-            f'parallel.transport="{transport}"',
-            "parallel.microbatches=2",
-            "train.global_batch=8",
-            f"train.steps={STEPS}",
-        ],
-    )
 
 
 @pytest.fixture(scope="module")
