@@ -21,7 +21,8 @@ from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.dp.optim import lr_at
-from raypar.core.dp.strategy import DPStrategy
+from raypar.core.dp.strategies import STRATEGIES
+from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.dp.zero3 import Zero3Strategy
 from raypar.core.model.llama import LlamaStage
 from raypar.core.run_config import load_config
@@ -40,8 +41,11 @@ def make_cfg(steps: int = STEPS, *extra: str) -> Config:
     return load_config(TINY, [*overrides, *extra])
 
 
-def strategy_class(zero: int) -> type[DPStrategy]:
-    return Zero3Strategy if zero == 3 else DPStrategy
+def strategy_class(zero: int, control: type[DPStrategy] | None = None) -> type[DPStrategy]:
+    """The strategy of ZeRO stage `zero`; with a negative control (a subclass overriding some steps), that
+    control's overrides on top of the stage's class."""
+    stage = STRATEGIES[zero]
+    return stage if control is None else type(control.__name__, (control, stage), {})
 
 
 class SumNotAverage(DPStrategy):
@@ -64,10 +68,9 @@ class NoRegather(Zero3Strategy):
 
 def build(cfg: Config, group, zero: int, cls: type[DPStrategy] | None = None, dtype=None):
     m = cfg.model
-    model = LlamaStage(m, range(m.n_layers), True, True, None, cfg.train.seed)
-    strategy = (cls or strategy_class(zero))(
-        model, cfg.train, group, zero, BUCKET_BYTES, dtype=dtype, reduce_dtype=torch.float32
-    )
+    model = LlamaStage(m, seed=cfg.train.seed)
+    spec = StrategySpec(cfg.train, BUCKET_BYTES, dtype=dtype, reduce_dtype=torch.float32)
+    strategy = strategy_class(zero, cls)(model, spec=spec, group=group)
     return model, strategy
 
 
@@ -171,7 +174,7 @@ def test_rebind_removes_hooks():
     params = list(model.parameters())
     assert all(len(p._post_accumulate_grad_hooks) == 1 for p in params)
     strategy.close()
-    strategy = DPStrategy(model, cfg.train, None, 0)
+    strategy = DPStrategy(model, spec=StrategySpec(cfg.train))
     assert all(len(p._post_accumulate_grad_hooks) == 1 for p in params)
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     strategy.close()
@@ -263,7 +266,7 @@ def test_full_state_reshards_across_dp(tmp_path):
 
     again = run_ranks(4, four)
     assert all(torch.equal(again[0][0][n], t) for n, t in first.items())
-    unsharded = DPStrategy(build(cfg, None, 0)[0], cfg.train, None, 0).model_state_bytes()
+    unsharded = DPStrategy(build(cfg, None, 0)[0], spec=StrategySpec(cfg.train)).model_state_bytes()
     assert again[0][1]["cpu"] < unsharded["cpu"]
 
 

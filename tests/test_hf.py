@@ -62,7 +62,7 @@ def cfg_for(path: Path, *overrides: str) -> Config:
 
 def raypar_logits(path: Path, ids: torch.Tensor = IDS) -> torch.Tensor:
     cfg = cfg_for(path).model
-    stage = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True)
+    stage = LlamaStage(cfg)
     hf.load_stage(stage, str(path))
     with torch.no_grad():
         return stage(ids)
@@ -127,7 +127,7 @@ def test_tp2_slices_match_hf(untied, tmp_path):
         cfg = cfg_for(where).model
 
         def rank(group):
-            stage = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, tp_group=group)
+            stage = LlamaStage(cfg, tp_group=group)
             hf.load_stage(stage, str(where))
             with torch.no_grad():
                 return stage(IDS)
@@ -291,7 +291,7 @@ def test_round_trip_export_loads_in_transformers(ray_session, untied, tmp_path):
     ckpt = checkpoint.resolve(str(tmp_path / "ckpt"))
     out = hf.export(ckpt, str(tmp_path / "exported"))
     loaded = LlamaForCausalLM.from_pretrained(out).float().eval()
-    trained = LlamaStage(cfg.model, range(cfg.model.n_layers), first=True, last=True)
+    trained = LlamaStage(cfg.model)
     reader = checkpoint_read.CheckpointReader(ckpt)
     with torch.no_grad():
         for name, p in trained.named_parameters():

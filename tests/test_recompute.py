@@ -20,7 +20,7 @@ from raypar.collectives import Group
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.config.schema import Config, ModelConfig
 from raypar.core.model import llama as model
-from raypar.core.model.llama import LlamaStage
+from raypar.core.model.llama import LlamaStage, StageSpec
 from raypar.core.observe.memory import SavedActivations
 from raypar.core.run_config import load_config
 from tests.threads import run_ranks
@@ -38,7 +38,10 @@ def grads_of(
     stage for the first microbatch."""
     cfg = dataclasses.replace(CFG, dropout=dropout)
     bounds = [range(0, 2), range(2, 4)] if pp == 2 else [range(0, 4)]
-    stages = [LlamaStage(cfg, layers, i == 0, i == pp - 1, group) for i, layers in enumerate(bounds)]
+    stages = [
+        LlamaStage(cfg, stage=StageSpec((layers,), i == 0, i == pp - 1), tp_group=group)
+        for i, layers in enumerate(bounds)
+    ]
     for stage in stages:
         stage.set_recompute(mode, every)
     saved_bytes = []
