@@ -2,10 +2,10 @@
 
 Why the names live here and the implementations next to their code: every concern of the core reads the
 config's dataclasses, so the config package sits below all of them and imports none (the acyclic contract
-in pyproject.toml), and the transports are not even in the core (they use Ray). Moving the rules up to where
-they could import the implementations would split `validate` in two, and `from_dict` (which the worker, the
-planner and the checkpoint reader call) could no longer check a config by itself. So the rules read the declarations below, and
-each implementation's registry (`raypar.core.pipeline.schedules.BUILDERS`,
+in pyproject.toml), and the transports are not even in the core (they use Ray). Moving the rules up to
+where they could import the implementations would split `validate` in two, and `from_dict` (which the
+worker, the planner and the checkpoint reader call) could no longer check a config by itself. So the rules
+read the declarations below, and each implementation's registry (`raypar.core.pipeline.schedules.BUILDERS`,
 `raypar.core.dp.strategies.STRATEGIES`, `raypar.core.parallel.cp.ATTENTION`,
 `raypar.core.dp.compress.COMPRESSORS`, `raypar.core.dp.precision.DTYPES`,
 `raypar.core.model.llama.RECOMPUTE`) is keyed by these constants and covers exactly their names
@@ -115,6 +115,12 @@ BF16_PRECISION = Precision("bf16", 2, reduces=True)
 FP16 = Precision("fp16", 2, reduces=False)
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (FP32, BF16_PRECISION, FP16)}
 REDUCE_DTYPES = tuple(name for name, p in PRECISIONS.items() if p.reduces)
+
+
+# -- train.offload -------------------------------------------------------------------------------------------
+NO_OFFLOAD = "none"
+CPU_OFFLOAD = "cpu"  # needs a ZeroStage that shards the optimizer: that state is what moves to the host
+OFFLOADS = (NO_OFFLOAD, CPU_OFFLOAD)
 
 
 # -- train.recompute -----------------------------------------------------------------------------------------

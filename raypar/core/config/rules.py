@@ -212,12 +212,14 @@ def validate(cfg: Config) -> None:
         t.reduce_dtype in options.REDUCE_DTYPES,
         f"train.reduce_dtype: must be {one_of(options.REDUCE_DTYPES)}, got {t.reduce_dtype!r}",
     )
-    _require(t.offload in ("none", "cpu"), f'train.offload: must be "none" or "cpu", got {t.offload!r}')
+    _require(
+        t.offload in options.OFFLOADS, f"train.offload: must be {one_of(options.OFFLOADS)}, got {t.offload!r}"
+    )
     first_sharded = min(z.level for z in options.ZERO_STAGES.values() if z.shards_optimizer)
     _require(
-        t.offload == "none" or options.ZERO_STAGES[p.zero].shards_optimizer,
-        f"train.offload: cpu needs parallel.zero >= {first_sharded} (it offloads the sharded optimizer), "
-        f"got zero={p.zero}",
+        t.offload == options.NO_OFFLOAD or options.ZERO_STAGES[p.zero].shards_optimizer,
+        f"train.offload: {t.offload} needs parallel.zero >= {first_sharded} (it offloads the sharded "
+        f"optimizer), got zero={p.zero}",
     )
     _require(t.loss_scale_min > 0, f"train.loss_scale_min: must be positive, got {t.loss_scale_min}")
     _require(t.loss_scale >= t.loss_scale_min, "train.loss_scale: must be >= train.loss_scale_min")

@@ -109,7 +109,8 @@ class TrainConfig:
     loss_scale_backoff: float = 0.5
     loss_scale_hysteresis: int = 2
     loss_scale_min: float = 1.0
-    offload: str = "none"  # "cpu": masters, Adam moments and their update in host memory (sharded optimizer)
+    # options.OFFLOADS; "cpu": masters, Adam moments and their update in host memory (sharded optimizer)
+    offload: str = options.NO_OFFLOAD
 
 
 @dataclass

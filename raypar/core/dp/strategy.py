@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from raypar.collectives import Group, Work
-from raypar.core.config.options import ZERO_STAGES, ZeroStage
+from raypar.core.config.options import CPU_OFFLOAD, ZERO_STAGES, ZeroStage
 from raypar.core.config.schema import TrainConfig
 from raypar.core.dp.compress import Compressor, Deferred
 from raypar.core.dp.flat import Bucket, FlatLayout, Piece, Run, Slot
@@ -146,7 +146,7 @@ class DPStrategy(DPState):
         # an empty selection (a stage without experts) still answers on the stage's device
         self.device = every[0][1].device if every else torch.device("cpu")
         owned = self.layout.owned_numel
-        offload = cfg.offload == "cpu" and shards
+        offload = cfg.offload == CPU_OFFLOAD and shards
         self.offload = HostUpdate(owned, self.device, spec.host_threads) if offload else None
         self._bucket_updates = [  # offloaded: each bucket's run (one at most) and decayed pieces
             ([r for r in self.layout.runs if r.bucket == b], [p for p in self._decayed if p.bucket == b])

@@ -331,7 +331,7 @@ class LlamaStage(nn.Module):
         """Recompute ("none", "full" or "selective") the blocks whose global index is a multiple of `every`;
         global, so which blocks recompute does not depend on the pipeline split."""
         for index, block in self.layers.items():
-            block.set_recompute(mode if int(index) % every == 0 else "none")
+            block.set_recompute(mode if int(index) % every == 0 else NO_RECOMPUTE)
 
     @property
     def cp_group(self) -> Group | None:
