@@ -1,4 +1,4 @@
-"""Where a restore from in-memory copies (`checkpoint.in_memory`, raypar.actors.buddy) takes each actor's
+"""Where a restore from in-memory copies (`checkpoint.in_memory`, actors.buddy) takes each actor's
 state.
 
 Every actor of a live replica has its own snapshots; an actor that was lost has copies on its buddy, the

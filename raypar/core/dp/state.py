@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from raypar.collectives import Group
+from collectives import Group
 from raypar.core.checkpoint.format import ShardSpec
 from raypar.core.checkpoint.reader import CheckpointReader
 from raypar.core.config.options import ZeroStage

@@ -57,7 +57,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-from raypar.collectives import Group, Work
+from collectives import Group, Work
 from raypar.core.config.options import CPU_OFFLOAD, ZERO_STAGES, ZeroStage
 from raypar.core.config.schema import TrainConfig
 from raypar.core.dp.compress import Compressor, Deferred

@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raypar.collectives import Group
+from collectives import Group
 from raypar.core.config.options import CP_STYLES, RING
 from raypar.core.config.schema import ModelConfig
 from raypar.core.parallel import cp

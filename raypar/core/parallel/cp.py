@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from raypar.collectives import Group
+from collectives import Group
 from raypar.core.config.options import RING, ULYSSES
 
 

@@ -180,7 +180,7 @@ class Mesh:
     @staticmethod
     def is_pipe_link(name: str) -> bool:
         """Whether group `name` is a pipeline link: messages go both ways on it independently (NCCL gives it
-        a communicator per direction, raypar.collectives.nccl)."""
+        a communicator per direction, collectives.nccl)."""
         return name.startswith("pp.")
 
     @staticmethod
