@@ -38,12 +38,13 @@ from actors.worker_state import WorkerState
 from collectives.host import GroupHost
 from raypar.core.checkpoint import hf
 from raypar.core.config.load import from_dict
+from raypar.core.config.options import DIRECT
 from raypar.core.data import datasets as data
 from raypar.core.dp import compress, precision
 from raypar.core.dp.optim import lr_at
-from raypar.core.dp.strategy import DPStrategy
-from raypar.core.dp.zero3 import Zero3Strategy
-from raypar.core.model.llama import LlamaStage, dropout_seed
+from raypar.core.dp.strategies import STRATEGIES
+from raypar.core.dp.strategy import DPStrategy, StrategySpec
+from raypar.core.model.llama import LlamaStage, StageSpec, dropout_seed
 from raypar.core.model.moe import is_expert_param
 from raypar.core.observe import flops, memory
 from raypar.core.parallel import ep as ep_mod
@@ -179,8 +180,9 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         ep_group = self._ep_group(replicas.index(self.coord.dp))  # which experts live here
         train, init_from = self.cfg.train, self.cfg.model.init_from
         self.model = LlamaStage(
-            self.cfg.model, chunks[0], self.first, self.last, tp_group, train.seed, ep_group, chunks,
-            par.sequence_parallel, cp_group, par.cp_style, init=not init_from,
+            self.cfg.model, stage=StageSpec(tuple(chunks), self.first, self.last), tp_group=tp_group,
+            ep_group=ep_group, cp_group=cp_group, sequence_parallel=par.sequence_parallel,
+            cp_style=par.cp_style, seed=train.seed, init=not init_from,
         )
         if init_from:  # this shard only, read from the files (never the whole model)
             hf.load_stage(self.model, init_from)
@@ -232,7 +234,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         self.plan = schedules.build(par.schedule, par.pp, self.microbatches, par.virtual_stages)[p]
         if self.transport is not None:
             self.transport.close()
-        if par.transport == "direct":
+        if par.transport == DIRECT:
             ring = par.virtual_stages > 1  # the last stage feeds rank 0's next chunk
             prev = self.group(Mesh.pipe_group(d, t, p - 1, par.pp, c)) if not self.first or ring else None
             nxt = self.group(Mesh.pipe_group(d, t, p, par.pp, c)) if not self.last or ring else None
@@ -281,36 +283,35 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         ep = self.cfg.parallel.ep
         return self.group(Mesh.ep_group(self.coord, dp_rank, ep)) if ep > 1 else None
 
+    def _strategy_spec(self, **kwargs: Any) -> StrategySpec:
+        par, train = self.cfg.parallel, self.cfg.train
+        return StrategySpec(
+            train, int(par.bucket_mb * 2**20), self.coord.tp, dtype=self.param_dtype,
+            reduce_dtype=precision.DTYPES[train.reduce_dtype], **kwargs,
+        )
+
     def _make_strategy(self, dp_group: Any) -> DPStrategy:
         """Every non-expert parameter: averaged over the data-parallel group, ZeRO as configured."""
-        par, train = self.cfg.parallel, self.cfg.train
-        cls = Zero3Strategy if par.zero == 3 else DPStrategy
-        strategy = cls(
-            self.model, train, dp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp,
-            dtype=self.param_dtype, reduce_dtype=precision.DTYPES[train.reduce_dtype],
-            select=lambda name: not is_expert_param(name), host_threads=par.threads_per_actor,
+        par = self.cfg.parallel
+        spec = self._strategy_spec(
+            select=lambda name: not is_expert_param(name), host_threads=par.threads_per_actor
         )
         # dense gradients only: expert gradients are reduced over their own, smaller groups
-        strategy.compressor = compress.build(
-            par.grad_compression, par.topk_ratio, par.powersgd_rank, par.compression_start_step, train.seed
+        return STRATEGIES[par.zero](
+            self.model, spec=spec, group=dp_group, compressor=compress.build(par, self.cfg.train.seed)
         )
-        return strategy
 
     def _make_expert_strategy(self, edp_group: Any) -> DPStrategy:
         """Expert parameters: summed over the expert-dp group, divided by dp x cp (raypar.core.parallel.ep
         says why);
         sharded over that group under ZeRO, at stage 3 the experts themselves too (gathered around their
         block)."""
-        par, train = self.cfg.parallel, self.cfg.train
-        return self._expert_strategy_class()(
-            self.model, train, edp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp,
-            dtype=self.param_dtype, reduce_dtype=precision.DTYPES[train.reduce_dtype],
-            select=is_expert_param, divisor=self.dp * par.cp,
-        )
+        spec = self._strategy_spec(select=is_expert_param, divisor=self.dp * self.cfg.parallel.cp)
+        return self._expert_strategy_class()(self.model, spec=spec, group=edp_group)
 
     def _expert_strategy_class(self) -> type[DPStrategy]:
         """The experts' strategy class (a seam: a test swaps in a broken ZeRO-3 one)."""
-        return Zero3Strategy if self.cfg.parallel.zero == 3 else DPStrategy
+        return STRATEGIES[self.cfg.parallel.zero]
 
     def _device(self) -> torch.device:
         gpu_ids = ray.get_gpu_ids()

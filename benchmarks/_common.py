@@ -179,7 +179,7 @@ class PlainLoop:
         self.cfg, self.rank = cfg, rank
         self.device = torch.device(device or "cpu")
         self.rows = cfg.train.global_batch // world
-        self.model = LlamaStage(cfg.model, range(cfg.model.n_layers), True, True, None, seed=cfg.train.seed)
+        self.model = LlamaStage(cfg.model, seed=cfg.train.seed)
         self.model.to(self.device)
         bf16 = cfg.train.precision == "bf16"
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)

@@ -14,6 +14,7 @@ last 10 % of steps (at least one), averaged over replicas.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -24,16 +25,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from raypar.core.config.options import COMPRESSIONS  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
 from raypar.core.data import datasets as data  # noqa: E402
 from raypar.core.dp import compress  # noqa: E402
 from raypar.core.dp.optim import lr_at  # noqa: E402
-from raypar.core.dp.strategy import DPStrategy  # noqa: E402
+from raypar.core.dp.strategy import DPStrategy, StrategySpec  # noqa: E402
 from raypar.core.model.llama import LlamaStage  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
 from tests.support.threads import run_ranks  # noqa: E402
-
-COMPRESSORS = ("none", "bf16", "topk", "powersgd")
 
 
 def train(cfg: Config, dp: int, name: str, steps: int) -> dict[str, float]:
@@ -41,11 +41,10 @@ def train(cfg: Config, dp: int, name: str, steps: int) -> dict[str, float]:
     m, par = cfg.model, cfg.parallel
 
     def rank(group):
-        model = LlamaStage(m, range(m.n_layers), True, True, None, cfg.train.seed)
-        strategy = DPStrategy(model, cfg.train, group, 0, int(par.bucket_mb * 2**20))
-        strategy.compressor = compress.build(
-            name, par.topk_ratio, par.powersgd_rank, par.compression_start_step, cfg.train.seed
-        )
+        model = LlamaStage(m, seed=cfg.train.seed)
+        compressor = compress.build(dataclasses.replace(par, grad_compression=name), cfg.train.seed)
+        spec = StrategySpec(cfg.train, int(par.bucket_mb * 2**20))
+        strategy = DPStrategy(model, spec=spec, group=group, compressor=compressor)
         dataset = data.open_dataset(cfg.data, m)
         sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
         mbs = cfg.train.global_batch // dp
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     par = cfg.parallel
     settings = {"none": "", "bf16": "", "topk": f"ratio {par.topk_ratio:g}",
                 "powersgd": f"rank {par.powersgd_rank}"}
-    results = {name: train(cfg, args.dp, name, steps) for name in COMPRESSORS}
+    results = {name: train(cfg, args.dp, name, steps) for name in COMPRESSIONS}
     base = results["none"]
     print(f"preset {preset}, dp {args.dp}, {steps} steps, compression from step "
           f"{par.compression_start_step}, bucket_mb {par.bucket_mb:g}")

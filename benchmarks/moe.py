@@ -121,7 +121,7 @@ def load_balance(cfg: Config, steps: int, coef: float) -> dict[str, float]:
     m, t = cfg.model, cfg.train
     m.moe_aux_loss_coef = coef
     torch.manual_seed(0)
-    model = LlamaStage(m, range(m.n_layers), True, True, None, t.seed)
+    model = LlamaStage(m, seed=t.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, eps=ADAM_EPS)
     dataset = data.open_dataset(cfg.data, m)
     sampler = data.GlobalSampler(dataset.num_samples, t.global_batch, t.seed)

@@ -39,7 +39,7 @@ def measure(preset: str, batch: int, blocks: int, per_block: int) -> list[dict[s
     cfg = load_config(ROOT / "examples/configs/tiny.toml", [f'model.preset="{preset}"'])
     m = cfg.model
     torch.manual_seed(0)
-    stages = {mode: LlamaStage(m, range(m.n_layers), True, True, None, cfg.train.seed) for mode in MODES}
+    stages = {mode: LlamaStage(m, seed=cfg.train.seed) for mode in MODES}
     for mode, stage in stages.items():
         stage.set_recompute(mode, 1)
     gen = torch.Generator().manual_seed(1)

@@ -71,7 +71,7 @@ def one_stage_backend(preset: str, batch: int, way: str = "plain") -> ModelBacke
     """A backend holding the whole `preset` model as one stage, fed one fixed microbatch of `batch` rows."""
     cfg = _common.make_config(preset)
     m = cfg.model
-    model = LlamaStage(m, range(m.n_layers), first=True, last=True, seed=0)
+    model = LlamaStage(m, seed=0)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, m.vocab_size, (batch, m.seq_len), generator=gen)
     targets = torch.randint(0, m.vocab_size, (batch, m.seq_len), generator=gen)

@@ -31,9 +31,9 @@ import dataclasses  # noqa: E402
 
 from raypar.core.config.schema import Config  # noqa: E402
 from raypar.core.data import datasets as data  # noqa: E402
-from raypar.core.dp.strategy import DPStrategy  # noqa: E402
-from raypar.core.dp.zero3 import Zero3Strategy  # noqa: E402
-from raypar.core.model.llama import LlamaStage  # noqa: E402
+from raypar.core.dp.strategies import STRATEGIES  # noqa: E402
+from raypar.core.dp.strategy import StrategySpec  # noqa: E402
+from raypar.core.model.llama import LlamaStage, StageSpec  # noqa: E402
 from raypar.core.parallel.mesh import stage_layers  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
 from tests.support.threads import run_ranks  # noqa: E402
@@ -48,10 +48,10 @@ def measure(cfg: Config, dp: int, pp: int, zero: int, steps: int, offload: str) 
     layers = stage_layers(m.n_layers, pp)[0]
 
     def rank(group):
-        model = LlamaStage(m, layers, True, pp == 1, None, cfg.train.seed)
+        model = LlamaStage(m, stage=StageSpec((layers,), True, pp == 1), seed=cfg.train.seed)
         psi = sum(p.numel() for p in model.parameters())
-        cls = Zero3Strategy if zero == 3 else DPStrategy
-        strategy = cls(model, train, group, zero, int(cfg.parallel.bucket_mb * 2**20))
+        spec = StrategySpec(train, int(cfg.parallel.bucket_mb * 2**20))
+        strategy = STRATEGIES[zero](model, spec=spec, group=group)
         dataset = data.open_dataset(cfg.data, m)
         sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
         mbs, r = cfg.train.global_batch // dp, group.rank if group is not None else 0
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     worst = 0.0
     for pp in pps:
         for dp in dps:
-            for zero, offload in [(z, "none") for z in (0, 1, 2, 3)] + [(z, "cpu") for z in (1, 2, 3)]:
+            offloadable = [z for z, cls in STRATEGIES.items() if cls.stage.shards_optimizer]
+            for zero, offload in [(z, "none") for z in STRATEGIES] + [(z, "cpu") for z in offloadable]:
                 r = measure(cfg, dp, pp, zero, steps, offload)
                 ratio = r["bytes"] / r["formula"]
                 worst = max(worst, abs(ratio - 1))

@@ -38,7 +38,9 @@ from raypar.controller.placement import (
     resources_for,
 )
 from raypar.core.checkpoint import format as checkpoint
+from raypar.core.config.options import ZeroStage
 from raypar.core.config.schema import Config
+from raypar.core.dp.strategies import STRATEGIES
 from raypar.core.parallel.mesh import Coord, Mesh, actor_name
 
 STARTUP_TIMEOUT_S = 300.0  # an actor process imports torch: seconds each, many at once on a small node
@@ -321,13 +323,18 @@ class ActorMesh(ActorCalls):
         step, self.uncommitted = self.uncommitted, None
         self._fan_out("apply_step", (step,), f"applying step {step}")
 
+    @property
+    def _dp_stage(self) -> ZeroStage:
+        """What the replicas' data-parallel strategy keeps where (`parallel.zero`'s strategy class)."""
+        return STRATEGIES[self.cfg.parallel.zero].stage
+
     def recover(self, failure: BaseException) -> str:
         """Continue after `failure` (of a step, or of anything else between steps) with the intact
         replicas, at once and without touching disk: drop every replica that lost an actor or was not
         completely set up, apply the last completed step on the others, re-form the groups. Raises
         NoIntactReplica when no replica is intact, or under ZeRO (the caller restores a checkpoint)."""
         dead = set(getattr(failure, "dead", ())) or self.find_dead()
-        if self.cfg.parallel.zero >= 1:  # the slices are sharded over groups that cannot be trusted now
+        if not self._dp_stage.heals_from_peers:  # slices sharded over groups that cannot be trusted now
             raise NoIntactReplica(
                 f"parallel.zero={self.cfg.parallel.zero}: the optimizer slices of every replica are sharded "
                 f"over the DP group and cannot be regrouped without a checkpoint ({failure})"
@@ -403,7 +410,7 @@ class ActorMesh(ActorCalls):
         releases the others (at a dp outside the list the batch no longer splits as the run's does, and
         training changes silently). Returns what happened, in one line."""
         self.commit()
-        if dp != self.dp and self.cfg.parallel.zero >= 1:  # ZeRO: re-shard from the whole state
+        if dp != self.dp and self._dp_stage.shards_optimizer:  # re-shard from the whole state
             self._gather({a.stash_state.remote(): c for c, a in self.actors.items()}, "stashing state")
         if dp < self.dp:
             gone = set(self.replicas[dp:])
@@ -519,7 +526,7 @@ class ActorMesh(ActorCalls):
         ep = self.cfg.parallel.ep
         first = self.replicas.index(replica) // ep * ep
         group = set(self.replicas[first : first + ep])
-        every = self.cfg.parallel.zero >= 1  # sharded masters: gathered by every replica together
+        every = self._dp_stage.shards_optimizer  # sharded masters: gathered by every replica together
         refs = {a.parameters.remote(): c for c, a in self.actors.items() if every or c.dp in group}
         full: dict[str, torch.Tensor] = {}
         got = self._gather(refs, "reading parameters")

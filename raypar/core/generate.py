@@ -50,7 +50,7 @@ def load(ckpt_uri: str, device: str = "cpu") -> tuple[LlamaStage, Tokenizer]:
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         checkpoint_read.check_memory(checkpoint_read.model_bytes(cfg), f"{ckpt_uri} on {dev}", free)
-    model = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, init=False)
+    model = LlamaStage(cfg, init=False)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(reader.read_full(model.init_source(name)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from raypar.core.config import schema
+from raypar.core.config import options
 from raypar.core.config.schema import Config
 from raypar.core.run_config import load_config
 
@@ -36,7 +36,7 @@ def test_each_compressor_trains_on_ray_actors_like_no_compression(ray_session):
     runs: dict[str, tuple[list[float], list[int]]] = {}
     try:
         trainer.start()
-        for name in schema.COMPRESSORS:
+        for name in options.COMPRESSIONS:
             trainer.reconfigure(e2e_cfg(f"parallel.grad_compression='{name}'", *E2E_SETTINGS))
             results = [trainer.step(s) for s in range(E2E_STEPS)]
             sent = [sum(a["reduce_bytes"] for a in r.per_actor.values()) for r in results]

@@ -121,7 +121,7 @@ def test_round_trip_export_loads_in_transformers(ray_session, untied, tmp_path):
     ckpt = checkpoint.resolve(str(tmp_path / "ckpt"))
     out = hf.export(ckpt, str(tmp_path / "exported"))
     loaded = LlamaForCausalLM.from_pretrained(out).float().eval()
-    trained = LlamaStage(cfg.model, range(cfg.model.n_layers), first=True, last=True)
+    trained = LlamaStage(cfg.model)
     reader = checkpoint_read.CheckpointReader(ckpt)
     with torch.no_grad():
         for name, p in trained.named_parameters():

@@ -14,8 +14,8 @@ from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.dp.optim import lr_at
-from raypar.core.dp.strategy import DPStrategy
-from raypar.core.dp.zero3 import Zero3Strategy
+from raypar.core.dp.strategies import STRATEGIES
+from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage
 from raypar.core.run_config import load_config
 from tests.support.reference import Run
@@ -33,16 +33,18 @@ def make_cfg(steps: int = STEPS, *extra: str) -> Config:
     return load_config(TINY, [*overrides, *extra])
 
 
-def strategy_class(zero: int) -> type[DPStrategy]:
-    return Zero3Strategy if zero == 3 else DPStrategy
+def strategy_class(zero: int, control: type[DPStrategy] | None = None) -> type[DPStrategy]:
+    """The strategy of ZeRO stage `zero`; with a negative control (a subclass overriding some steps), that
+    control's overrides on top of the stage's class."""
+    stage = STRATEGIES[zero]
+    return stage if control is None else type(control.__name__, (control, stage), {})
 
 
 def build(cfg: Config, group, zero: int, cls: type[DPStrategy] | None = None, dtype=None):
     m = cfg.model
-    model = LlamaStage(m, range(m.n_layers), True, True, None, cfg.train.seed)
-    strategy = (cls or strategy_class(zero))(
-        model, cfg.train, group, zero, BUCKET_BYTES, dtype=dtype, reduce_dtype=torch.float32
-    )
+    model = LlamaStage(m, seed=cfg.train.seed)
+    spec = StrategySpec(cfg.train, BUCKET_BYTES, dtype=dtype, reduce_dtype=torch.float32)
+    strategy = strategy_class(zero, cls)(model, spec=spec, group=group)
     return model, strategy
 
 

@@ -22,7 +22,7 @@ from collectives import create_group
 from raypar.controller.actor_mesh import moe_totals
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
-from raypar.core.dp.strategy import DPStrategy
+from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage
 from raypar.core.model.moe import MoELayer, is_expert_param
 from raypar.core.parallel.mesh import Coord, Mesh
@@ -43,7 +43,7 @@ def moe_figures(model: LlamaStage) -> dict[str, dict[str, Any]]:
 def reference(cfg: Config) -> dict[str, Any]:
     """One process: the loss, every gradient and the MoE figures of the global batch in its microbatches."""
     m, t = cfg.model, cfg.train
-    model = LlamaStage(m, range(m.n_layers), True, True, seed=t.seed)
+    model = LlamaStage(m, seed=t.seed)
     dataset = data.open_dataset(cfg.data, m)
     sampler = data.GlobalSampler(dataset.num_samples, t.global_batch, t.seed)
     count, loss = t.global_batch // cfg.microbatch_size, 0.0
@@ -73,19 +73,19 @@ def parallel(cfg: Config, moe_class: type[MoELayer] = MoELayer, make_group: Any 
 
     def member(rank: int, mine: dict[str, Any]) -> dict[str, Any]:
         coord = mesh.coord(rank)
-        model = LlamaStage(m, range(m.n_layers), True, True, mine.get(Mesh.tp_group(coord)), cfg.train.seed,
-                           mine.get(Mesh.ep_group(coord, coord.dp, par.ep)),
+        model = LlamaStage(m, tp_group=mine.get(Mesh.tp_group(coord)), seed=cfg.train.seed,
+                           ep_group=mine.get(Mesh.ep_group(coord, coord.dp, par.ep)),
                            sequence_parallel=par.sequence_parallel, cp_group=mine.get(Mesh.cp_group(coord)),
                            cp_style=par.cp_style)
         for layer in model.moe_layers().values():
             layer.__class__ = moe_class
-        dense = DPStrategy(model, cfg.train, mine.get(Mesh.dp_group(coord)), bucket_bytes=4096,
-                           select=lambda name: not is_expert_param(name))
+        dense_spec = StrategySpec(cfg.train, 4096, select=lambda name: not is_expert_param(name))
+        dense = DPStrategy(model, spec=dense_spec, group=mine.get(Mesh.dp_group(coord)))
         # the worker's expert-dp group: the dp group without ep (with its cp ranks), divisor dp x cp; none
         # where dp == ep and cp == 1
         edp = mine.get(Mesh.edp_group(coord, coord.dp, par.ep) if par.ep > 1 else Mesh.dp_group(coord))
-        experts = DPStrategy(model, cfg.train, edp, bucket_bytes=4096, select=is_expert_param,
-                             divisor=dp * par.cp)
+        expert_spec = StrategySpec(cfg.train, 4096, select=is_expert_param, divisor=dp * par.cp)
+        experts = DPStrategy(model, spec=expert_spec, group=edp)
         seq = m.seq_len // par.cp // (par.tp if par.sequence_parallel else 1)  # this rank's tokens
         like = torch.empty(mbs, seq, m.d_model)
 

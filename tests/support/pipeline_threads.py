@@ -24,8 +24,8 @@ from actors.transport import DirectTransport
 from collectives import Group, GroupSpec
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
-from raypar.core.dp.strategy import DPStrategy
-from raypar.core.model.llama import LlamaStage
+from raypar.core.dp.strategy import DPStrategy, StrategySpec
+from raypar.core.model.llama import LlamaStage, StageSpec
 from raypar.core.parallel.mesh import Coord, Mesh, stage_layers
 from raypar.core.pipeline import schedules
 from raypar.core.pipeline.executor import ModelBackend, StepRun
@@ -46,7 +46,7 @@ class StepOutcome:
 def reference_step(cfg: Config, step: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
     """One process, the whole global batch at once: the loss and every parameter's gradient."""
     m, t = cfg.model, cfg.train
-    model = LlamaStage(m, range(m.n_layers), first=True, last=True, seed=t.seed)
+    model = LlamaStage(m, seed=t.seed)
     dataset = data.open_dataset(cfg.data, m)
     sampler = data.GlobalSampler(dataset.num_samples, t.global_batch, t.seed)
     inputs, targets = data.microbatch(dataset, sampler, step, 0, t.global_batch)
@@ -84,13 +84,15 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
         tp_group = mine.get(Mesh.tp_group(coord))
         chunks = [virtual[topo.virtual(p, k)] for k in range(v)]
         model = LlamaStage(
-            cfg.model, chunks[0], p == 0, p == pp - 1, tp_group, cfg.train.seed, chunks=chunks,
+            cfg.model, stage=StageSpec(tuple(chunks), p == 0, p == pp - 1), tp_group=tp_group,
+            seed=cfg.train.seed,
             sequence_parallel=par.sequence_parallel, cp_group=mine.get(Mesh.cp_group(coord)),
             cp_style=par.cp_style,
         )
         if model_hook is not None:
             model_hook(model, coord, mine)
-        strategy = DPStrategy(model, cfg.train, mine.get(Mesh.dp_group(coord)), bucket_bytes=bucket_bytes)
+        spec = StrategySpec(cfg.train, bucket_bytes)
+        strategy = DPStrategy(model, spec=spec, group=mine.get(Mesh.dp_group(coord)))
         seq = cfg.model.seq_len // cp // (tp if par.sequence_parallel else 1)  # this rank's tokens
         like = torch.empty(mbs, seq, cfg.model.d_model)
         plan = schedules.build(par.schedule, pp, n_mb, v)[p]

@@ -31,7 +31,7 @@ def reference_run(cfg: Config, steps: int, microbatch_size: int | None = None) -
     their (cross-entropy + MoE aux) losses, as the parallel run defines it; the default is one forward."""
     torch.manual_seed(0)
     m, t = cfg.model, cfg.train
-    model = LlamaStage(m, range(m.n_layers), first=True, last=True, tp_group=None, seed=t.seed)
+    model = LlamaStage(m, seed=t.seed)
     if m.init_from:
         hf.load_stage(model, m.init_from)
     params = [p for p in model.parameters()]

@@ -224,7 +224,7 @@ def _checkpoint(root: Path, change_manifest=None) -> Path:
     from raypar.core.model.llama import LlamaStage
 
     cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=256, seq_len=32)
-    m = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, seed=3)
+    m = LlamaStage(cfg, seed=3)
     tensors = dict(m.named_parameters())
     specs = {n: checkpoint.ShardSpec.full(t.shape) for n, t in tensors.items()}
     meta = {"model": dataclasses.asdict(cfg), "tokenizer": {"kind": "bytes", "vocab_size": 256}}

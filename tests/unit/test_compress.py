@@ -28,11 +28,13 @@ from torch import nn
 
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core.config import options
 from raypar.core.config.errors import ConfigError
-from raypar.core.config.schema import NEEDS_ALL_REDUCE, TrainConfig
+from raypar.core.config.schema import TrainConfig
 from raypar.core.dp import compress
 from raypar.core.dp.flat import Slot
-from raypar.core.dp.strategy import DPStrategy
+from raypar.core.dp.strategies import STRATEGIES
+from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.run_config import load_config
 from tests.support.threads import run_ranks
 
@@ -172,8 +174,8 @@ def regression(group, compressor: compress.Compressor | None, steps: int, zero: 
     w_true = torch.randn(D_OUT, D_IN, generator=torch.Generator().manual_seed(1)) / math.sqrt(D_IN)
     if start is None:
         model = make_model()
-        strategy = DPStrategy(model, TrainConfig(weight_decay=0.0), group, zero, bucket_bytes=1024)
-        strategy.compressor = compressor
+        spec = StrategySpec(TrainConfig(weight_decay=0.0), bucket_bytes=1024)
+        strategy = STRATEGIES[zero](model, spec=spec, group=group, compressor=compressor)
     else:
         strategy, model = start
     sent = []
@@ -262,8 +264,8 @@ def test_checkpoint_round_trip_and_bitwise_resume(tmp_path, name):
 
     def resumed(group, reset: bool = False):
         model = make_model()
-        strategy = DPStrategy(model, TrainConfig(weight_decay=0.0), group, 0, bucket_bytes=1024)
-        strategy.compressor = make()
+        spec = StrategySpec(TrainConfig(weight_decay=0.0), bucket_bytes=1024)
+        strategy = DPStrategy(model, spec=spec, group=group, compressor=make())
         strategy.load(checkpoint_read.CheckpointReader(uri), 3)
         state = copy_state(strategy.compressor)
         if reset:  # the comparison below must notice state that did not come back
@@ -295,7 +297,7 @@ def test_state_resets_on_another_dp_and_on_load_full_state(tmp_path):
 
 
 def test_config_refuses_all_reduce_compressors_with_zero2():
-    for name in NEEDS_ALL_REDUCE:
+    for name in [c.name for c in options.COMPRESSIONS.values() if c.needs_all_reduce]:
         with pytest.raises(ConfigError, match=rf'parallel.grad_compression: "{name}" needs an '
                                                      r"all-reduce, so parallel.zero <= 1 \(got zero=2"):
             load_config(Path(__file__).resolve().parents[2] / "examples/configs/tiny.toml",

@@ -99,6 +99,26 @@ def test_cli_bad_usage_exit_2():
     assert proc.returncode == 2 and "missing.toml" in proc.stderr, proc.stderr
 
 
+def test_each_registry_covers_exactly_its_options():
+    """Every option is spelled once (raypar.core.config.options); each implementation's registry is keyed
+    by those names, no more, no fewer."""
+    from raypar.core.config import options
+    from raypar.core.dp import compress, precision
+    from raypar.core.dp.strategies import STRATEGIES
+    from raypar.core.model import llama
+    from raypar.core.parallel import cp
+    from raypar.core.pipeline import schedules
+
+    pairs = [
+        (schedules.BUILDERS, options.SCHEDULES), (STRATEGIES, options.ZERO_STAGES),
+        (cp.ATTENTION, options.CP_STYLES), (compress.COMPRESSORS, options.COMPRESSIONS),
+        (precision.DTYPES, options.PRECISIONS), (llama.RECOMPUTE, options.RECOMPUTE),
+    ]
+    for registry, names in pairs:
+        assert set(registry) == set(names)
+    assert all(cls.stage is options.ZERO_STAGES[level] for level, cls in STRATEGIES.items())
+
+
 def test_mesh_round_trip_and_groups():
     mesh = Mesh(dp=2, pp=3, tp=2)
     assert [mesh.rank(mesh.coord(r)) for r in range(mesh.world_size)] == list(range(12))

@@ -140,9 +140,7 @@ def model_step(size: int, style: str) -> tuple[float, dict[str, torch.Tensor]]:
 
     def rank_fn(group: Any) -> tuple[float, dict[str, torch.Tensor]]:
         m = cfg.model
-        model = LlamaStage(
-            m, range(m.n_layers), True, True, seed=cfg.train.seed, cp_group=group, cp_style=style
-        )
+        model = LlamaStage(m, seed=cfg.train.seed, cp_group=group, cp_style=style)
         loss = model(inputs, targets)
         loss.backward()
         grads = {}
@@ -151,7 +149,7 @@ def model_step(size: int, style: str) -> tuple[float, dict[str, torch.Tensor]]:
         return group.all_reduce(loss.detach().reshape(1), "avg").item(), grads
 
     if size == 1:
-        model = LlamaStage(cfg.model, range(cfg.model.n_layers), True, True, seed=cfg.train.seed)
+        model = LlamaStage(cfg.model, seed=cfg.train.seed)
         loss = model(inputs, targets)
         loss.backward()
         return loss.item(), {n: p.grad for n, p in model.named_parameters()}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from raypar.core.checkpoint import reader as checkpoint_read
-from raypar.core.dp.strategy import DPStrategy
+from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.dp.zero3 import Zero3Strategy
 from tests.support.dp_threads import (
     STEPS,
@@ -103,7 +103,7 @@ def test_rebind_removes_hooks():
     params = list(model.parameters())
     assert all(len(p._post_accumulate_grad_hooks) == 1 for p in params)
     strategy.close()
-    strategy = DPStrategy(model, cfg.train, None, 0)
+    strategy = DPStrategy(model, spec=StrategySpec(cfg.train))
     assert all(len(p._post_accumulate_grad_hooks) == 1 for p in params)
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     strategy.close()
@@ -154,7 +154,7 @@ def test_full_state_reshards_across_dp(tmp_path):
 
     again = run_ranks(4, four)
     assert all(torch.equal(again[0][0][n], t) for n, t in first.items())
-    unsharded = DPStrategy(build(cfg, None, 0)[0], cfg.train, None, 0).model_state_bytes()
+    unsharded = DPStrategy(build(cfg, None, 0)[0], spec=StrategySpec(cfg.train)).model_state_bytes()
     assert again[0][1]["cpu"] < unsharded["cpu"]
 
 

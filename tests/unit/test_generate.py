@@ -18,7 +18,7 @@ def model(tied: bool = False) -> LlamaStage:
     import dataclasses
 
     cfg = dataclasses.replace(CFG, tie_embeddings=tied)
-    m = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, seed=3)
+    m = LlamaStage(cfg, seed=3)
     with torch.no_grad():  # larger weights than the init's: greedy choices then depend on the context
         for p in m.parameters():
             p.mul_(8 if p.ndim > 1 else 1)
@@ -68,7 +68,7 @@ def test_generate_command_on_a_checkpoint(tmp_path, capsys):
     import dataclasses
 
     cfg = dataclasses.replace(CFG, vocab_size=256)
-    m = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, seed=3)
+    m = LlamaStage(cfg, seed=3)
     tensors = dict(m.named_parameters())
     specs = {n: checkpoint.ShardSpec.full(t.shape) for n, t in tensors.items()}
     meta = {"model": dataclasses.asdict(cfg), "tokenizer": {"kind": "bytes", "vocab_size": 256}}

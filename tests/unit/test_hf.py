@@ -31,7 +31,7 @@ from tests.support.threads import run_ranks
 
 def raypar_logits(path: Path, ids: torch.Tensor = IDS) -> torch.Tensor:
     cfg = cfg_for(path).model
-    stage = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True)
+    stage = LlamaStage(cfg)
     hf.load_stage(stage, str(path))
     with torch.no_grad():
         return stage(ids)
@@ -91,7 +91,7 @@ def test_tp2_slices_match_hf(untied, tmp_path):
         cfg = cfg_for(where).model
 
         def rank(group):
-            stage = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, tp_group=group)
+            stage = LlamaStage(cfg, tp_group=group)
             hf.load_stage(stage, str(where))
             with torch.no_grad():
                 return stage(IDS)

@@ -34,7 +34,7 @@ def export_run(tmp_path: Path, eos: str) -> Path:
     """A checkpoint as a run on a dataset prepared with `--eos eos` writes it, exported --format hf."""
     record = load(str(bpe_with_two_specials(tmp_path / "tok.json")), eos).record()
     cfg = ModelConfig(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=320, seq_len=16)
-    stage = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, seed=3)
+    stage = LlamaStage(cfg, seed=3)
     tensors = dict(stage.named_parameters())
     specs = {n: checkpoint.ShardSpec.full(t.shape) for n, t in tensors.items()}
     meta = {"model": dataclasses.asdict(cfg), "tokenizer": record}

@@ -20,7 +20,7 @@ from torch.testing import assert_close
 
 from collectives import Group
 from raypar.core.config.schema import ModelConfig
-from raypar.core.model.llama import LlamaStage, count_params, flops_per_token, init_tensor
+from raypar.core.model.llama import LlamaStage, StageSpec, count_params, flops_per_token, init_tensor
 from tests.support.threads import run_ranks
 
 CFG = ModelConfig(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256, seq_len=16)
@@ -43,7 +43,7 @@ def local_slice(spec: tuple[tuple[int, ...], tuple[int, ...]], shape: torch.Size
 
 @pytest.fixture(scope="module")
 def whole() -> tuple[LlamaStage, torch.Tensor, Grads]:
-    model = LlamaStage(CFG, range(CFG.n_layers), True, True)
+    model = LlamaStage(CFG)
     return (model, *loss_and_grads(model))
 
 
@@ -97,7 +97,7 @@ def run_tp(
     size: int, seed: int = 0, mutate: Callable[[LlamaStage, Group], None] | None = None
 ) -> list[RankResult]:
     def rank_fn(group: Group) -> RankResult:
-        model = LlamaStage(CFG, range(CFG.n_layers), True, True, tp_group=group, seed=seed)
+        model = LlamaStage(CFG, tp_group=group, seed=seed)
         if mutate:
             mutate(model, group)
         params = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -150,8 +150,8 @@ def test_tp2_seeded_differently_is_rejected(whole: tuple[LlamaStage, torch.Tenso
 def run_two_stages(seed_of_stage1: int = 0) -> tuple[torch.Tensor, Grads]:
     """Stage 0 = embed + layers 0-1, stage 1 = layers 2-3 + head; activations and their gradient cross the
     boundary as detached tensors, as they do between actors."""
-    stage0 = LlamaStage(CFG, range(0, 2), first=True, last=False)
-    stage1 = LlamaStage(CFG, range(2, 4), first=False, last=True, seed=seed_of_stage1)
+    stage0 = LlamaStage(CFG, stage=StageSpec((range(0, 2),), first=True, last=False))
+    stage1 = LlamaStage(CFG, stage=StageSpec((range(2, 4),), first=False, last=True), seed=seed_of_stage1)
     hidden = stage0(IDS)
     received = hidden.detach().requires_grad_()
     loss = stage1(received, TARGETS)
@@ -182,7 +182,7 @@ def test_pipeline_stage_seeded_differently_is_rejected(whole: tuple[LlamaStage, 
 # -- precision and training -----------------------------------------------------------------------------
 def test_bf16_autocast_is_close_to_fp32(whole: tuple[LlamaStage, torch.Tensor, Grads]) -> None:
     loss = whole[1]
-    model = LlamaStage(CFG, range(CFG.n_layers), True, True)
+    model = LlamaStage(CFG)
     with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
         bf16_loss = model(IDS, TARGETS)
         bf16_logits = model(IDS)
@@ -195,7 +195,7 @@ def test_bf16_autocast_is_close_to_fp32(whole: tuple[LlamaStage, torch.Tensor, G
 
 def test_training_on_a_fixed_batch_drops_the_loss() -> None:
     cfg = dataclasses.replace(CFG, n_layers=2, d_model=32, d_ff=64, vocab_size=64)
-    model = LlamaStage(cfg, range(cfg.n_layers), True, True)
+    model = LlamaStage(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     losses = []
     for _ in range(30):

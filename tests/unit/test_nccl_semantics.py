@@ -20,7 +20,8 @@ from actors.worker_state import WorkerState
 from collectives import GroupError, GroupTimeout, create_group
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
-from raypar.core.dp.strategy import DPStrategy
+from raypar.core.dp.strategies import STRATEGIES
+from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage
 from raypar.core.parallel import cp
 from raypar.core.run_config import load_config
@@ -245,17 +246,22 @@ class _Replica(WorkerState):
     def __init__(self, cfg: Config, group, zero: int, trained: bool):
         self.cfg, self.device, self.scaler, self._stash = cfg, torch.device("cpu"), None, None
         m = cfg.model
-        self.model = LlamaStage(m, range(m.n_layers), True, True, None, cfg.train.seed)
+        self.model = LlamaStage(m, seed=cfg.train.seed)
         self.dp_group = self.edp_group = group
         trained_state = self._train_alone(cfg) if trained else None
-        self.strategy = DPStrategy(self.model, cfg.train, group, zero, 40_000, select=lambda n: True)
-        self.expert_strategy = DPStrategy(self.model, cfg.train, group, zero, 40_000, select=lambda n: False)
+        cls = STRATEGIES[zero]
+        self.strategy = cls(
+            self.model, spec=StrategySpec(cfg.train, 40_000, select=lambda n: True), group=group
+        )
+        self.expert_strategy = cls(
+            self.model, spec=StrategySpec(cfg.train, 40_000, select=lambda n: False), group=group
+        )
         if trained_state is not None:
             self.strategy.load_full_state(*trained_state)
 
     def _train_alone(self, cfg: Config) -> tuple[dict[str, torch.Tensor], int]:
         """Two updates without a group: moments and a step count that a fresh replica lacks."""
-        strategy = DPStrategy(self.model, cfg.train, None, 0, 40_000)
+        strategy = DPStrategy(self.model, spec=StrategySpec(cfg.train, 40_000))
         dataset = data.open_dataset(cfg.data, cfg.model)
         sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
         for step in range(2):

@@ -16,7 +16,7 @@ import torch
 from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.dp import compress
 from raypar.core.dp.offload import Transfer
-from raypar.core.dp.strategy import DPStrategy
+from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.dp.zero3 import Zero3Strategy
 from tests.support.dp_threads import (
     BUCKET_BYTES,
@@ -26,6 +26,7 @@ from tests.support.dp_threads import (
     build,
     make_cfg,
     run_dp,
+    strategy_class,
     train,
 )
 from tests.support.reference import Run
@@ -103,7 +104,8 @@ def test_host_update_runs_with_threads_per_actor(mode, want):
     torch.set_num_threads(1)  # what Ray gives an actor
     try:
         model = build(cfg, None, 0)[0]  # its parameters, then a strategy of our own over them
-        strategy = ThreadProbe(model, cfg.train, None, 2, BUCKET_BYTES, host_threads=3)
+        spec = StrategySpec(cfg.train, BUCKET_BYTES, host_threads=3)
+        strategy = strategy_class(2, ThreadProbe)(model, spec=spec)
         train(cfg, None, model, strategy, range(1))
         assert strategy.seen == {want}
         assert torch.get_num_threads() == 1
@@ -199,15 +201,14 @@ def test_full_state_reshards_offloaded():
 
 
 def compressed(name: str, base: type[DPStrategy] = DPStrategy) -> type[DPStrategy]:
-    """`base` with a compressor attached after construction, as the worker attaches it."""
+    """`base` constructed with a compressor, as the worker constructs it."""
     makers = {
         "bf16": compress.Bf16, "topk": lambda: compress.TopK(0.1), "powersgd": lambda: compress.PowerSGD(2)
     }
 
     class Compressed(base):
         def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - DPStrategy's
-            super().__init__(*args, **kwargs)
-            self.compressor = makers[name]()
+            super().__init__(*args, compressor=makers[name](), **kwargs)
 
     return Compressed
 

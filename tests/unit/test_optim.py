@@ -11,7 +11,7 @@ from torch import nn
 
 from raypar.core.config.schema import TrainConfig
 from raypar.core.dp.optim import ADAM_EPS, lr_at
-from raypar.core.dp.strategy import DPStrategy
+from raypar.core.dp.strategy import DPStrategy, StrategySpec
 
 CFG = TrainConfig(steps=100, lr=1e-2, min_lr=1e-3, warmup_steps=10, weight_decay=0.1, beta1=0.9, beta2=0.95)
 
@@ -90,7 +90,7 @@ def params_equal(a: nn.Module, b: nn.Module) -> bool:
 
 def test_matches_plain_adamw_and_not_one_that_decays_norms() -> None:
     ours, ref, wrong = tiny_model(), tiny_model(), tiny_model()
-    train(ours, DPStrategy(ours, CFG, None), range(5))
+    train(ours, DPStrategy(ours, spec=StrategySpec(CFG)), range(5))
     train(ref, TorchAdamW(ref), range(5))
     train(wrong, TorchAdamW(wrong, decay_norms=True), range(5))
     assert params_equal(ours, ref)
@@ -102,7 +102,7 @@ def test_matches_plain_adamw_and_not_one_that_decays_norms() -> None:
 
 def test_state_names_and_dtypes() -> None:
     model = tiny_model()
-    opt = DPStrategy(model, CFG, None)
+    opt = DPStrategy(model, spec=StrategySpec(CFG))
     train(model, opt, range(2))
     names = set(opt.full_state())
     params = {n for n, _ in model.named_parameters()}
@@ -113,16 +113,16 @@ def test_state_names_and_dtypes() -> None:
 
 def test_restore_continues_bitwise() -> None:
     unbroken = tiny_model()
-    train(unbroken, DPStrategy(unbroken, CFG, None), range(8))
+    train(unbroken, DPStrategy(unbroken, spec=StrategySpec(CFG)), range(8))
 
     first = tiny_model()
-    opt = DPStrategy(first, CFG, None)
+    opt = DPStrategy(first, spec=StrategySpec(CFG))
     train(first, opt, range(5))
     saved = {n: t.clone() for n, t in opt.full_state().items()}
 
     def resumed(step: int) -> nn.Module:
         model = tiny_model(seed=99)  # different init: everything must come from the saved state
-        opt = DPStrategy(model, CFG, None)
+        opt = DPStrategy(model, spec=StrategySpec(CFG))
         opt.load_full_state(saved, step)
         train(model, opt, range(5, 8))
         return model
@@ -135,9 +135,9 @@ def test_restore_continues_bitwise() -> None:
 def test_select_takes_part_of_the_parameters() -> None:
     """Two strategies over one module (dense and expert parameters in the worker) update it as one does."""
     whole, split = tiny_model(), tiny_model()
-    train(whole, DPStrategy(whole, CFG, None), range(3))
-    first = DPStrategy(split, CFG, None, select=lambda n: n.startswith("0."))
-    rest = DPStrategy(split, CFG, None, select=lambda n: not n.startswith("0."))
+    train(whole, DPStrategy(whole, spec=StrategySpec(CFG)), range(3))
+    first = DPStrategy(split, spec=StrategySpec(CFG, select=lambda n: n.startswith("0.")))
+    rest = DPStrategy(split, spec=StrategySpec(CFG, select=lambda n: not n.startswith("0.")))
     assert set(first.full_state()).isdisjoint(rest.full_state())
 
     class Both:
@@ -161,7 +161,7 @@ def test_grad_sq_norm_counts_replicated_params_once() -> None:
     def rank_sq(rank: int, counted_on: int) -> torch.Tensor:
         # Rank `rank`'s shard: half the rows of the first Linear; the module only needs the right shapes.
         shard = Replicated(nn.Linear(6, 4), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 3))
-        opt = DPStrategy(shard, CFG, None, tp_rank=counted_on)
+        opt = DPStrategy(shard, spec=StrategySpec(CFG, tp_rank=counted_on))
         with torch.no_grad():
             for name, p in shard.named_parameters():
                 g = full.get_parameter(name).grad
@@ -178,7 +178,7 @@ def test_grad_sq_norm_counts_replicated_params_once() -> None:
 
 def test_clip_scales_to_max_norm_only_when_above() -> None:
     model = tiny_model()
-    opt = DPStrategy(model, CFG, None)
+    opt = DPStrategy(model, spec=StrategySpec(CFG))
     model(torch.ones(2, 6)).sum().backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     before = {n: g.clone() for n, g in grads.items()}

@@ -22,8 +22,9 @@ from benchmarks import sequence_bytes
 from collectives import Group
 from raypar.controller import cli
 from raypar.core.config.errors import ConfigError
-from raypar.core.config.schema import RECOMPUTE, Config
-from raypar.core.model.llama import LlamaStage
+from raypar.core.config.options import RECOMPUTE
+from raypar.core.config.schema import Config
+from raypar.core.model.llama import LlamaStage, StageSpec
 from raypar.core.observe.memory import SavedActivations
 from raypar.core.pipeline import schedules
 from raypar.core.planner import comm as plan_comm
@@ -221,7 +222,8 @@ def test_activation_formula_counts_what_autograd_saves_on_two_ranks(kind: str, m
         kwargs = {"tp_group": group} if "tp_group" in axes else cp
         out = []
         for layers, first, last in ((range(0, 2), True, False), (range(2, 4), False, True)):
-            stage = LlamaStage(m, layers, first, last, sequence_parallel="sp" in axes, **kwargs)
+            spec = StageSpec((layers,), first, last)
+            stage = LlamaStage(m, stage=spec, sequence_parallel="sp" in axes, **kwargs)
             stage.set_recompute(mode)
             x = ids if first else torch.randn(2, tokens, m.d_model, requires_grad=True)
             with SavedActivations([*stage.parameters(), *stage.buffers()]) as meter:
@@ -265,7 +267,7 @@ def test_moe_formula_counts_what_autograd_saves_on_average_over_ep() -> None:
         out = []
         for layers, first, last in ((range(0, 2), True, False), (range(2, 4), False, True)):
             torch.manual_seed(1)
-            stage = LlamaStage(m, layers, first, last, ep_group=group)
+            stage = LlamaStage(m, stage=StageSpec((layers,), first, last), ep_group=group)
             x = ids if first else torch.randn(2, m.seq_len, m.d_model, requires_grad=True)
             with SavedActivations([*stage.parameters(), *stage.buffers()]) as meter:
                 stage(x, ids if last else None)
@@ -288,7 +290,7 @@ def test_expert_states_shard_over_the_expert_dp_group() -> None:
     cfg = load_config(TINY, ["model.moe_experts=4", "model.moe_every=2", "parallel.dp=4", "parallel.ep=2",
                              "parallel.zero=1"])
     m = cfg.model
-    stage = LlamaStage(m, range(m.n_layers), True, True)
+    stage = LlamaStage(m)
     experts = sum(p.numel() for n, p in stage.named_parameters() if ".mlp.experts." in n)
     dense = sum(p.numel() for p in stage.parameters()) - experts
     assert plan_memory.stage_params(m, range(m.n_layers), True, True, 1, 2) == (dense, experts // 2)

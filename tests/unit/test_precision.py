@@ -12,7 +12,7 @@ import torch
 
 from raypar.core.config.schema import TrainConfig
 from raypar.core.dp.precision import LossScaler, ScalerConfig
-from raypar.core.dp.strategy import DPStrategy
+from raypar.core.dp.strategy import DPStrategy, StrategySpec
 
 
 # -- the scaler as a state machine ----------------------------------------------------------------------
@@ -55,7 +55,7 @@ def test_injected_overflow_is_skipped_and_leaves_no_trace(bad: float) -> None:
     """A real fp16 module: overflowing steps are found, skipped (params, Adam's count unchanged)."""
     torch.manual_seed(0)
     module = torch.nn.Linear(8, 4)
-    opt = DPStrategy(module, TrainConfig(lr=1e-2, weight_decay=0.0), None, dtype=torch.float16)
+    opt = DPStrategy(module, spec=StrategySpec(TrainConfig(lr=1e-2, weight_decay=0.0), dtype=torch.float16))
     scaler = LossScaler(ScalerConfig(initial=2.0**8, window=2, hysteresis=1))
     x = torch.randn(16, 8).half()
     scales, skips = [], []
@@ -82,7 +82,7 @@ def test_masters_are_fp32_and_16bit_params_their_rounding() -> None:
     torch.manual_seed(0)
     module = torch.nn.Linear(8, 4, bias=False)
     initial = module.weight.detach().clone()
-    opt = DPStrategy(module, TrainConfig(lr=1e-3, weight_decay=0.0), None, dtype=torch.bfloat16)
+    opt = DPStrategy(module, spec=StrategySpec(TrainConfig(lr=1e-3, weight_decay=0.0), dtype=torch.bfloat16))
     assert module.weight.dtype == torch.bfloat16 and torch.equal(opt.full_parameters()["weight"], initial)
     reference = torch.nn.Parameter(initial.clone())
     adam = torch.optim.AdamW([reference], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)

@@ -19,7 +19,7 @@ from torch.utils import checkpoint as torch_checkpoint
 from collectives import Group
 from raypar.core.config.schema import ModelConfig
 from raypar.core.model import llama as model
-from raypar.core.model.llama import LlamaStage
+from raypar.core.model.llama import LlamaStage, StageSpec
 from raypar.core.observe.memory import SavedActivations
 from tests.support.threads import run_ranks
 
@@ -36,7 +36,10 @@ def grads_of(
     stage for the first microbatch."""
     cfg = dataclasses.replace(CFG, dropout=dropout)
     bounds = [range(0, 2), range(2, 4)] if pp == 2 else [range(0, 4)]
-    stages = [LlamaStage(cfg, layers, i == 0, i == pp - 1, group) for i, layers in enumerate(bounds)]
+    stages = [
+        LlamaStage(cfg, stage=StageSpec((layers,), i == 0, i == pp - 1), tp_group=group)
+        for i, layers in enumerate(bounds)
+    ]
     for stage in stages:
         stage.set_recompute(mode, every)
     saved_bytes = []

@@ -133,7 +133,7 @@ def test_report_without_timeline(tmp_path: Path) -> None:
 
 def test_model_flops_counts_every_matmul_weight() -> None:
     cfg = from_dict({"model": {"preset": "tiny"}}).model
-    model = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True)
+    model = LlamaStage(cfg)
     # N from the torch modules themselves: every weight but the embedding table and the norms' scales.
     n = sum(
         p.numel()

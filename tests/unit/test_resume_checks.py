@@ -26,7 +26,7 @@ def write_checkpoint(root: Path, step: int, edit: Callable[[dict[str, Any]], Non
     """The tiny config's model as a tp=2 run saves it (the vocab-parallel embedding in two row pieces, one
     per tp rank; the rest whole on rank 0), with the meta a resume reads; then its manifest edited."""
     cfg = load_config(TINY).model
-    tensors = dict(LlamaStage(cfg, range(cfg.n_layers), first=True, last=True).named_parameters())
+    tensors = dict(LlamaStage(cfg).named_parameters())
     embed = tensors.pop("embed.weight")
     half = embed.shape[0] // 2
     shards = {

@@ -24,7 +24,7 @@ GIB = 2**30
 def fp32_adam_state_bytes(cfg: Config) -> int:
     """What one actor of a one-stage layout holds, counted on the real model: fp32 parameter, fp32 gradient
     and two fp32 Adam moments per parameter."""
-    stage = LlamaStage(cfg.model, range(cfg.model.n_layers), first=True, last=True)
+    stage = LlamaStage(cfg.model)
     return 16 * sum(p.numel() for p in stage.parameters())
 
 

@@ -24,6 +24,7 @@ reference curve, its checkpoint resumed at dp=2 x cp=1, zero 1; elastic dp 1 -> 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -36,11 +37,11 @@ from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.dp.optim import lr_at
-from raypar.core.dp.strategy import DPStrategy
-from raypar.core.dp.zero3 import Zero3Strategy
+from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage
 from raypar.core.parallel.mesh import Coord, Mesh
 from raypar.core.run_config import load_config
+from tests.support.dp_threads import strategy_class
 from tests.support.reference import Run, reference_run
 from tests.support.threads import run_groups
 
@@ -60,8 +61,8 @@ class DividesByDpOnly(DPStrategy):
     """Negative control: gradients summed over cp x dp but divided by dp, as if cp ranks were not replicas
     of the parameters: every gradient is cp times too large."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, divisor=kwargs.pop("dp"), **kwargs)
+    def __init__(self, model: Any, *, spec: StrategySpec, dp: int, **kwargs: Any) -> None:
+        super().__init__(model, spec=dataclasses.replace(spec, divisor=dp), **kwargs)
 
 
 def run_mesh(
@@ -86,15 +87,11 @@ def run_mesh(
     def member(rank: int, mine: dict[str, Any]) -> dict[str, Any]:
         coord = mesh.coord(rank)
         m = cfg.model
-        model = LlamaStage(
-            m, range(m.n_layers), True, True, None, cfg.train.seed,
-            cp_group=mine.get(Mesh.cp_group(coord)), cp_style=style,
-        )
+        model = LlamaStage(m, seed=cfg.train.seed, cp_group=mine.get(Mesh.cp_group(coord)), cp_style=style)
         group = mine[f"dp.cp{coord.cp}" if shard_over_dp_only else Mesh.dp_group(coord)]
         kwargs = {"dp": dp} if cls is DividesByDpOnly else {}
-        strategy = (cls or (Zero3Strategy if zero == 3 else DPStrategy))(
-            model, cfg.train, group, zero, BUCKET_BYTES, reduce_dtype=torch.float32, **kwargs
-        )
+        spec = StrategySpec(cfg.train, BUCKET_BYTES, reduce_dtype=torch.float32)
+        strategy = strategy_class(zero, cls)(model, spec=spec, group=group, **kwargs)
         if before is not None:
             before(strategy)
         losses, norms = [], []

@@ -258,7 +258,7 @@ def check_weights(cfg: ModelConfig) -> None:
 
     shapes = HFWeights(cfg.init_from).shapes()
     with torch.device("meta"):  # shapes without memory: the model may not fit this machine
-        model = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, init=False)
+        model = LlamaStage(cfg, init=False)
     for name, (global_shape, _) in model.shard_specs().items():
         source = hf_name(model.init_source(name))
         if source not in shapes:

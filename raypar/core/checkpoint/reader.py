@@ -186,7 +186,7 @@ def model_config(reader: CheckpointReader) -> ModelConfig:
     except ConfigError as err:
         raise CheckpointError(f"{reader._where}: meta.{err}") from None
     with torch.device("meta"):  # shapes and sizes without memory
-        stage = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, init=False)
+        stage = LlamaStage(cfg, init=False)
     for name, param in stage.named_parameters():
         have = reader.global_shape(stage.init_source(name))
         if have != tuple(param.shape):
@@ -206,7 +206,7 @@ def model_bytes(cfg: ModelConfig) -> int:
     from raypar.core.model.llama import LlamaStage
 
     with torch.device("meta"):
-        stage = LlamaStage(cfg, range(cfg.n_layers), first=True, last=True, init=False)
+        stage = LlamaStage(cfg, init=False)
     tensors = [*stage.parameters(), *stage.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors) + _rope_bytes(cfg) * cfg.seq_len
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from raypar.core.config import options
 from raypar.core.config.errors import ConfigError
-from raypar.core.config.schema import COMPRESSORS, NEEDS_ALL_REDUCE, RECOMPUTE, Config, ParallelConfig
+from raypar.core.config.options import one_of
+from raypar.core.config.schema import Config, ParallelConfig
 
 
 def _require(ok: bool, message: str) -> None:
@@ -23,8 +25,12 @@ def _validate_pipeline(cfg: Config) -> None:
     at every data-parallel degree the run may take (microbatches per replica change with dp)."""
     m, p = cfg.model, cfg.parallel
     v = p.virtual_stages
+    schedule = options.SCHEDULES[p.schedule]
     if v > 1:
-        _require(p.schedule == "1f1b", f'parallel.virtual_stages: needs parallel.schedule = "1f1b", got {v}')
+        chunked = [s.name for s in options.SCHEDULES.values() if s.chunked]
+        _require(
+            schedule.chunked, f"parallel.virtual_stages: needs parallel.schedule = {one_of(chunked)}, got {v}"
+        )
         _require(p.pp > 1, f"parallel.virtual_stages: needs parallel.pp > 1, got pp={p.pp}")
         _require(not p.stage_layers, "parallel.stage_layers: must be empty when parallel.virtual_stages > 1")
         _require(
@@ -32,7 +38,7 @@ def _validate_pipeline(cfg: Config) -> None:
             f"parallel.virtual_stages: model.n_layers={m.n_layers} must be divisible by pp*virtual_stages="
             f"{p.pp * v}",
         )
-    if (v > 1 or p.schedule == "zb-h1") and p.pp > 1 and cfg.dp_fixed > 0:
+    if (v > 1 or schedule.splits_backward) and p.pp > 1 and cfg.dp_fixed > 0:
         top = max(p.max_dp, cfg.dp_fixed)
         for dp in [cfg.dp_fixed] + list(range(p.min_dp, top + 1)) * (p.dp == "auto" or p.max_dp > 0):
             if cfg.microbatch_size == 0 or cfg.train.global_batch % (dp * cfg.microbatch_size):
@@ -41,40 +47,48 @@ def _validate_pipeline(cfg: Config) -> None:
             _require(
                 n_mb % p.pp == 0 if v > 1 else n_mb >= p.pp,
                 f"parallel.microbatches: {n_mb} microbatches per replica (at dp={dp}) must be "
-                + (f"divisible by pp={p.pp} for interleaved 1F1B" if v > 1 else f">= pp={p.pp} for zb-h1"),
+                + (f"divisible by pp={p.pp} for interleaved 1F1B" if v > 1 else f">= pp={p.pp} for "
+                   f"{p.schedule}"),
             )
 
 
 def _validate_context_parallel(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
     _require(
-        p.cp_style in ("ring", "ulysses"),
-        f'parallel.cp_style: must be "ring" or "ulysses", got {p.cp_style!r}',
+        p.cp_style in options.CP_STYLES,
+        f"parallel.cp_style: must be {one_of(options.CP_STYLES)}, got {p.cp_style!r}",
     )
     if p.cp == 1:
         return
+    style = options.CP_STYLES[p.cp_style]
     _require(m.dropout == 0, f"parallel.cp: needs model.dropout = 0 (cp attention has none), got {m.dropout}")
-    chunks = 2 * p.cp if p.cp_style == "ring" else p.cp  # ring: the zigzag cuts 2*cp chunks
+    chunks = style.chunks_per_rank * p.cp
     _require(
         m.seq_len % chunks == 0,
         f"parallel.cp: model.seq_len={m.seq_len} must be divisible by {chunks} for cp_style={p.cp_style!r}",
     )
-    if p.cp_style == "ulysses":
+    if style.splits_heads:
         heads = m.n_heads // p.tp
         _require(
             heads % p.cp == 0,
-            f"parallel.cp: the {heads} query heads per tp rank must be divisible by cp={p.cp} for ulysses",
+            f"parallel.cp: the {heads} query heads per tp rank must be divisible by cp={p.cp} for "
+            f"{p.cp_style}",
         )
 
 
 def _validate_compression(p: ParallelConfig) -> None:
-    names = ", ".join(f'"{c}"' for c in COMPRESSORS)
-    _require(p.grad_compression in COMPRESSORS, f"parallel.grad_compression: must be one of {names}, "
-             f"got {p.grad_compression!r}")
+    names = ", ".join(f'"{c}"' for c in options.COMPRESSIONS)
     _require(
-        p.grad_compression not in NEEDS_ALL_REDUCE or p.zero <= 1,
-        f'parallel.grad_compression: "{p.grad_compression}" needs an all-reduce, so parallel.zero <= 1 '
-        f"(got zero={p.zero}; with zero >= 2 use \"bf16\" or \"none\")",
+        p.grad_compression in options.COMPRESSIONS,
+        f"parallel.grad_compression: must be one of {names}, got {p.grad_compression!r}",
+    )
+    all_reduces = max(z.level for z in options.ZERO_STAGES.values() if not z.reduce_scatters)
+    enough = [c.name for c in options.COMPRESSIONS.values() if not c.needs_all_reduce][::-1]  # cheapest first
+    _require(
+        not options.COMPRESSIONS[p.grad_compression].needs_all_reduce
+        or not options.ZERO_STAGES[p.zero].reduce_scatters,
+        f'parallel.grad_compression: "{p.grad_compression}" needs an all-reduce, so parallel.zero <= '
+        f"{all_reduces} (got zero={p.zero}; with zero >= {all_reduces + 1} use {one_of(enough)})",
     )
     _require(0 < p.topk_ratio <= 1, f"parallel.topk_ratio: must be in (0, 1], got {p.topk_ratio}")
     _require(p.powersgd_rank >= 1, f"parallel.powersgd_rank: must be >= 1, got {p.powersgd_rank}")
@@ -132,8 +146,8 @@ def validate(cfg: Config) -> None:
             sum(p.stage_layers) == m.n_layers, f"parallel.stage_layers: must sum to n_layers={m.n_layers}"
         )
     _require(
-        p.schedule in ("1f1b", "gpipe", "zb-h1"),
-        f'parallel.schedule: must be "1f1b", "gpipe" or "zb-h1", got {p.schedule!r}',
+        p.schedule in options.SCHEDULES,
+        f"parallel.schedule: must be {one_of(options.SCHEDULES)}, got {p.schedule!r}",
     )
     _validate_pipeline(cfg)
     if p.sequence_parallel:
@@ -144,17 +158,23 @@ def validate(cfg: Config) -> None:
         )
     _validate_context_parallel(cfg)
     _require(
-        p.transport in ("object_store", "direct"),
-        f'parallel.transport: must be "object_store" or "direct", got {p.transport!r}',
+        p.transport in options.TRANSPORTS,
+        f"parallel.transport: must be {one_of(options.TRANSPORTS)}, got {p.transport!r}",
     )
     _require(
         p.device in ("auto", "cpu", "gpu"),
         f'parallel.device: must be "auto", "cpu" or "gpu", got {p.device!r}',
     )
-    _require(p.zero in (0, 1, 2, 3), f"parallel.zero: must be 0, 1, 2 or 3, got {p.zero}")
     _require(
-        p.zero < 3 or (p.virtual_stages == 1 and p.schedule != "zb-h1"),
-        "parallel.zero: 3 needs one model chunk per stage and a schedule without split backward (not zb-h1)",
+        p.zero in options.ZERO_STAGES,
+        f"parallel.zero: must be {one_of(options.ZERO_STAGES, quote=False)}, got {p.zero}",
+    )
+    split = [s.name for s in options.SCHEDULES.values() if s.splits_backward]
+    _require(  # units gathered around each forward and backward: one chunk, one backward each
+        not options.ZERO_STAGES[p.zero].shards_parameters
+        or (p.virtual_stages == 1 and not options.SCHEDULES[p.schedule].splits_backward),
+        f"parallel.zero: {p.zero} needs one model chunk per stage and a schedule without split backward "
+        f"(not {', '.join(split)})",
     )
     _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be positive, got {p.bucket_mb}")
     _validate_compression(p)
@@ -185,17 +205,21 @@ def validate(cfg: Config) -> None:
     _require(t.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {t.weight_decay}")
     _require(t.seed >= 0, f"train.seed: must be >= 0 (it seeds numpy's PCG64), got {t.seed}")
     _require(
-        t.precision in ("fp32", "bf16", "fp16"),
-        f'train.precision: must be "fp32", "bf16" or "fp16", got {t.precision!r}',
+        t.precision in options.PRECISIONS,
+        f"train.precision: must be {one_of(options.PRECISIONS)}, got {t.precision!r}",
     )
     _require(
-        t.reduce_dtype in ("fp32", "bf16"),
-        f'train.reduce_dtype: must be "fp32" or "bf16", got {t.reduce_dtype!r}',
+        t.reduce_dtype in options.REDUCE_DTYPES,
+        f"train.reduce_dtype: must be {one_of(options.REDUCE_DTYPES)}, got {t.reduce_dtype!r}",
     )
-    _require(t.offload in ("none", "cpu"), f'train.offload: must be "none" or "cpu", got {t.offload!r}')
     _require(
-        t.offload == "none" or p.zero >= 1,
-        f"train.offload: cpu needs parallel.zero >= 1 (it offloads the sharded optimizer), got zero={p.zero}",
+        t.offload in options.OFFLOADS, f"train.offload: must be {one_of(options.OFFLOADS)}, got {t.offload!r}"
+    )
+    first_sharded = min(z.level for z in options.ZERO_STAGES.values() if z.shards_optimizer)
+    _require(
+        t.offload == options.NO_OFFLOAD or options.ZERO_STAGES[p.zero].shards_optimizer,
+        f"train.offload: {t.offload} needs parallel.zero >= {first_sharded} (it offloads the sharded "
+        f"optimizer), got zero={p.zero}",
     )
     _require(t.loss_scale_min > 0, f"train.loss_scale_min: must be positive, got {t.loss_scale_min}")
     _require(t.loss_scale >= t.loss_scale_min, "train.loss_scale: must be >= train.loss_scale_min")
@@ -210,8 +234,8 @@ def validate(cfg: Config) -> None:
         f"train.loss_scale_hysteresis: must be positive, got {t.loss_scale_hysteresis}",
     )
     _require(
-        t.recompute in RECOMPUTE,
-        f"train.recompute: must be one of {', '.join(RECOMPUTE)}, got {t.recompute!r}",
+        t.recompute in options.RECOMPUTE,
+        f"train.recompute: must be one of {', '.join(options.RECOMPUTE)}, got {t.recompute!r}",
     )
     _require(t.recompute_every > 0, f"train.recompute_every: must be positive, got {t.recompute_every}")
     _require(t.max_failures >= 0, f"train.max_failures: must be >= 0, got {t.max_failures}")
@@ -264,8 +288,9 @@ def _validate_moe(cfg: Config) -> None:
     _require(p.ep >= 1, f"parallel.ep: must be a positive size, got {p.ep}")
     # A fully recomputed block would replay the MoE layer's bookkeeping (aux loss, load) in backward.
     _require(
-        cfg.train.recompute != "full",
-        'train.recompute: "full" does not support MoE blocks yet (use "selective" or "none")',
+        cfg.train.recompute != options.FULL,
+        f'train.recompute: "{options.FULL}" does not support MoE blocks yet (use '
+        f"{one_of((options.SELECTIVE, options.NO_RECOMPUTE))})",
     )
     _require(
         m.moe_experts % p.ep == 0,

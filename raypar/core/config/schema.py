@@ -1,4 +1,7 @@
-"""The run configuration's schema: one dataclass per TOML section, the presets, the option lists.
+"""The run configuration's schema: one dataclass per TOML section, and the presets.
+
+The choices a key names (schedules, ZeRO stages, cp styles, transports, compressors, precisions,
+recompute modes) are `raypar.core.config.options`.
 
 Reading a TOML file and `--set` overrides into these types, and checking them, is `raypar.core.config.load`;
 the rules themselves are `raypar.core.config.rules`.
@@ -10,14 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-RECOMPUTE = ("none", "full", "selective")
-
-
-# parallel.grad_compression (raypar.core.dp.compress); the last two need an all-reduce, so not ZeRO >= 2
-COMPRESSORS = ("none", "bf16", "topk", "powersgd")
-NEEDS_ALL_REDUCE = ("topk", "powersgd")
-
-
+from raypar.core.config import options
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256, seq_len=32),
@@ -66,20 +62,20 @@ class ParallelConfig:
     pp: int = 1
     tp: int = 1
     ep: int = 1
-    schedule: str = "1f1b"
+    schedule: str = options.ONE_F_ONE_B.name  # options.SCHEDULES
     virtual_stages: int = 1
     sequence_parallel: bool = False
     cp: int = 1
-    cp_style: str = "ring"
+    cp_style: str = options.RING.name  # options.CP_STYLES
     microbatches: int = 1
-    transport: str = "object_store"
+    transport: str = options.OBJECT_STORE  # options.TRANSPORTS
     device: str = "auto"
     threads_per_actor: int = 1
     gpus_per_actor: float = 1.0
     stage_layers: list[int] = field(default_factory=list)
     bucket_mb: float = 25.0
-    zero: int = 0
-    grad_compression: str = "none"  # raypar.core.dp.compress: "none", "bf16", "topk", "powersgd"
+    zero: int = 0  # options.ZERO_STAGES: the data-parallel strategy (raypar.core.dp.strategies)
+    grad_compression: str = options.NO_COMPRESSION.name  # options.COMPRESSIONS (raypar.core.dp.compress)
     topk_ratio: float = 0.01
     powersgd_rank: int = 4
     compression_start_step: int = 0
@@ -100,20 +96,21 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     seed: int = 0
-    precision: str = "fp32"
+    precision: str = options.FP32.name  # options.PRECISIONS
     max_failures: int = 3
     eval_every: int = 0  # validation loss every N steps (and after the last); 0: never
     eval_batches: int = 4  # global batches of held-out samples, the same fixed ones every time
-    recompute: str = "none"
+    recompute: str = options.NO_RECOMPUTE  # options.RECOMPUTE
     recompute_every: int = 1
-    reduce_dtype: str = "fp32"
+    reduce_dtype: str = options.FP32.name  # options.REDUCE_DTYPES
     loss_scale: float = 2.0**32  # fp16 only: initial dynamic loss scale (Megatron-LM's defaults below)
     loss_scale_window: int = 1000
     loss_scale_growth: float = 2.0
     loss_scale_backoff: float = 0.5
     loss_scale_hysteresis: int = 2
     loss_scale_min: float = 1.0
-    offload: str = "none"  # "cpu": master weights, Adam moments and their update in host memory (ZeRO >= 1)
+    # options.OFFLOADS; "cpu": masters, Adam moments and their update in host memory (sharded optimizer)
+    offload: str = options.NO_OFFLOAD
 
 
 @dataclass

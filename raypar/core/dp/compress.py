@@ -47,7 +47,8 @@ import torch
 from collectives import Group
 from raypar.core.checkpoint.format import ShardSpec
 from raypar.core.checkpoint.reader import CheckpointReader
-from raypar.core.config.schema import COMPRESSORS
+from raypar.core.config.options import BF16, NO_COMPRESSION, POWERSGD, TOPK, ZERO_STAGES
+from raypar.core.config.schema import ParallelConfig
 
 Shape = tuple[int, ...]
 
@@ -85,7 +86,7 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
 class Compressor:
     """Common interface; `start_step`: the first optimizer step that compresses."""
 
-    name = "none"
+    name = NO_COMPRESSION.name
 
     def __init__(self, start_step: int = 0, seed: int = 0) -> None:
         self.start_step, self.seed = start_step, seed
@@ -98,7 +99,8 @@ class Compressor:
         raise NotImplementedError
 
     def reduce_scatter(self, group: Group, flat: torch.Tensor, out: torch.Tensor, op: str) -> int:
-        raise NotImplementedError(f"{self.name} compression needs an all-reduce (parallel.zero <= 1)")
+        stages = [z.level for z in ZERO_STAGES.values() if not z.reduce_scatters]
+        raise NotImplementedError(f"{self.name} compression needs an all-reduce (parallel.zero in {stages})")
 
     def state_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         """kind -> shape of the state kept for a parameter of `shape` (none by default)."""
@@ -121,7 +123,7 @@ class Compressor:
 
 
 class Bf16(Compressor):
-    name = "bf16"
+    name = BF16.name
 
     def _scatter_sum(self, group: Group, flat: torch.Tensor, op: str) -> tuple[torch.Tensor, int]:
         """This rank's chunk (ceil(n / d) elements) of the sum over the group, in fp32, and bytes sent."""
@@ -149,7 +151,7 @@ class Bf16(Compressor):
 
 
 class TopK(Compressor):
-    name = "topk"
+    name = TOPK.name
 
     def __init__(self, ratio: float, start_step: int = 0, seed: int = 0) -> None:
         super().__init__(start_step, seed)
@@ -183,7 +185,7 @@ class TopK(Compressor):
 
 
 class PowerSGD(Compressor):
-    name = "powersgd"
+    name = POWERSGD.name
 
     def __init__(self, rank: int, start_step: int = 0, seed: int = 0) -> None:
         super().__init__(start_step, seed)
@@ -245,16 +247,18 @@ class PowerSGD(Compressor):
         return sent
 
 
-def build(name: str, topk_ratio: float, powersgd_rank: int, start_step: int, seed: int) -> Compressor | None:
-    """The compressor `parallel.grad_compression` names (None for "none")."""
-    assert name in COMPRESSORS, name  # config validation refuses any other
-    if name == "bf16":
-        return Bf16(start_step, seed)
-    if name == "topk":
-        return TopK(topk_ratio, start_step, seed)
-    if name == "powersgd":
-        return PowerSGD(powersgd_rank, start_step, seed)
-    return None
+# parallel.grad_compression -> this rank's compressor (None: uncompressed); names: options.COMPRESSIONS
+COMPRESSORS: dict[str, Callable[[ParallelConfig, int], Compressor | None]] = {
+    NO_COMPRESSION.name: lambda p, seed: None,
+    BF16.name: lambda p, seed: Bf16(p.compression_start_step, seed),
+    TOPK.name: lambda p, seed: TopK(p.topk_ratio, p.compression_start_step, seed),
+    POWERSGD.name: lambda p, seed: PowerSGD(p.powersgd_rank, p.compression_start_step, seed),
+}
+
+
+def build(p: ParallelConfig, seed: int) -> Compressor | None:
+    """The compressor `p.grad_compression` names, its state seeded by the train seed."""
+    return COMPRESSORS[p.grad_compression](p, seed)
 
 
 # -- checkpoints: what a DPStrategy (`dp`) writes and reads of its compressor's state ----------------------

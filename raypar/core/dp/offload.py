@@ -27,8 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-OFFLOAD_MODES = ("none", "cpu")
-
 
 def host_zeros(numel: int, device: torch.device) -> torch.Tensor:
     """An fp32 host buffer, pinned when it feeds a CUDA device (async copies need page-locked memory)."""

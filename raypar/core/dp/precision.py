@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
+from raypar.core.config.options import BF16_PRECISION, FP16, FP32
 from raypar.core.config.schema import TrainConfig
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# train.precision and train.reduce_dtype -> the torch dtype; names: options.PRECISIONS
+DTYPES = {FP32.name: torch.float32, BF16_PRECISION.name: torch.bfloat16, FP16.name: torch.float16}
 
 
 @dataclass
@@ -34,7 +36,7 @@ class ScalerConfig:
 
 def scaler_for(t: TrainConfig) -> LossScaler | None:
     """The run's loss scaler: fp16 only (bf16 has fp32's exponent range and needs none)."""
-    if t.precision != "fp16":
+    if t.precision != FP16.name:
         return None
     return LossScaler(
         ScalerConfig(

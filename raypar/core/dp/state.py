@@ -11,12 +11,14 @@ its Adam moments under `optim.<moment>.<name>`. It uses the strategy's flat layo
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
 from collectives import Group
 from raypar.core.checkpoint.format import ShardSpec
 from raypar.core.checkpoint.reader import CheckpointReader
+from raypar.core.config.options import ZeroStage
 from raypar.core.dp import compress
 from raypar.core.dp.compress import Compressor
 from raypar.core.dp.flat import Bucket, FlatLayout, Piece, rectangles
@@ -31,7 +33,7 @@ class DPState:
     layout: FlatLayout
     specs: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
     source: Callable[[str], str]
-    zero: int
+    stage: ClassVar[ZeroStage]
     sharded: bool
     group: Group | None
     size: int
@@ -48,7 +50,7 @@ class DPState:
         return {n: t.to("cpu", copy=True) for n, t in self.full_state().items() if not n.startswith("optim.")}
 
     def _writes(self) -> bool:
-        return self.zero >= 1 or self.rank == 0
+        return self.stage.shards_optimizer or self.rank == 0
 
     def checkpoint_parts(self) -> list[dict[str, tuple[torch.Tensor, ShardSpec]]]:
         """What this rank writes, as live views: name -> (rectangle, its place in the global tensor), split
@@ -84,7 +86,7 @@ class DPState:
     def load(self, reader: CheckpointReader, step_count: int) -> None:
         """This rank's part of any checkpoint (any layout, any zero stage) after `step_count` updates."""
         with torch.no_grad():
-            if self.zero < 3:
+            if not self.stage.shards_parameters:  # else the parameters are gathered from the masters
                 for slot in self.layout.slots.values():
                     shape, offsets = self.specs[slot.name]
                     source = self.source(slot.name)  # a tied head is stored as the embedding
@@ -152,7 +154,7 @@ class DPState:
     def load_full_state(self, state: dict[str, torch.Tensor], step_count: int) -> None:
         """Take this rank's part of a `full_state()` (from any dp and zero stage)."""
         with torch.no_grad():
-            if self.zero < 3:
+            if not self.stage.shards_parameters:  # else the parameters are gathered from the masters
                 for slot in self.layout.slots.values():
                     if slot.param.data.data_ptr() != state[slot.name].data_ptr():
                         slot.param.data.copy_(state[slot.name])

@@ -1,6 +1,7 @@
 """The data-parallel strategy: one object owns gradients, their reduction, optimizer state and the update.
 
-`DPStrategy(model, train_cfg, group, zero, bucket_bytes)` takes over a stage shard's parameters:
+`STRATEGIES[zero](model, spec=StrategySpec(train_cfg, ...), group=dp_group, compressor=...)` (the class of a
+ZeRO stage, `raypar.core.dp.strategies`) takes over a stage shard's parameters:
 
 - **Flat buffers.** Parameters and gradients live as views into per-bucket flat buffers
   (`raypar.core.dp.flat`), so reducing a bucket reads and writes the gradients themselves: no copy in or out.
@@ -9,20 +10,20 @@
   of a step; `finish()` after the last): a post-accumulate-grad hook collects each bucket's final gradients,
   and a bucket spanning chunks launches once all of them are in. `hold(names)` keeps the buckets of some
   parameters for `finish` (a tied embedding's copies are summed across stages first).
-- **ZeRO stage** (`zero`): 0 all-reduces gradients and updates everything on every replica; 1 shards the
-  fp32 master weights and Adam moments over the DP group (each rank updates its piece of every bucket,
-  then the buckets' parameters are all-gathered); 2 also reduce-scatters gradients straight into the
-  owned piece, freeing the full gradient buffers as soon as they are reduced; 3 (`raypar.core.dp.zero3`) also
-  shards the parameters themselves. With context parallelism the DP group is the cp x dp ranks of a
-  (stage, tp rank) (raypar.core.parallel.mesh): parameters are replicated there too, so every stage shards
-  over it.
+- **ZeRO stage** (the class's `stage`, a `raypar.core.config.options.ZeroStage`; the code reads its flags,
+  never its number): 0 (`DPStrategy`) all-reduces gradients and updates everything on every replica; 1
+  (`Zero1`) shards the fp32 master weights and Adam moments over the DP group (each rank updates its piece
+  of every bucket, then the buckets' parameters are all-gathered); 2 (`Zero2`) also reduce-scatters
+  gradients straight into the owned piece, freeing the full gradient buffers as soon as they are reduced;
+  3 (`raypar.core.dp.zero3`) also shards the parameters themselves. With context parallelism the DP group
+  is the cp x dp ranks of a (stage, tp rank) (raypar.core.parallel.mesh): parameters are replicated there
+  too, so every stage shards over it.
 - **Master weights.** Parameters in fp32 below stage 3 are their own master (the owned piece is a view of
   the parameter buffer); otherwise a separate fp32 master holds the owned piece and the update is cast
   back. This is the one place master weights live.
 - **CPU offload** (`train.offload = "cpu"`, stage >= 1): masters (always separate then) and moments live in
-  host memory and the update runs there (`raypar.core.dp.offload`: gradients D2H, AdamW on the host, masters
-  H2D
-  into the owned parameter range before the all-gather).
+  host memory and the update runs there (`raypar.core.dp.offload`: gradients D2H, AdamW on the host,
+  masters H2D into the owned parameter range before the all-gather).
 - **Grad norm** (`grad_sq_norm`): this (stage, tp rank) coordinate's part, summed over the DP group
   when shards are split; tp-replicated parameters count on tp rank 0 only, a tied embedding's copy on the
   last stage (`model.tied_copy`) nowhere: the first stage's counts it. That copy is not checkpointed
@@ -32,12 +33,10 @@
   `load_full_state` move the whole state across a change of dp (re-sharding) and heal new replicas
   (all in the `DPState` mixin, raypar.core.dp.state).
 - **Selection.** `select(name)` takes part of the parameters only: a stage's expert parameters and its
-  dense ones have different groups and divisors (raypar.core.parallel.ep), so each part gets a strategy of its
-  own.
-  With `divisor`, gradients are summed over the group and divided by it (expert gradients are divided by
-  the full dp degree, not by their group's size) instead of averaged.
-- **Compression** (`compressor`, `raypar.core.dp.compress`; set by the owner after construction): from its
-start
+  dense ones have different groups and divisors (raypar.core.parallel.ep), so each part gets a strategy of
+  its own. With `divisor`, gradients are summed over the group and divided by it (expert gradients are
+  divided by the full dp degree, not by their group's size) instead of averaged.
+- **Compression** (`compressor`, `raypar.core.dp.compress`, a constructor argument): from its start
   step, each bucket's reduction is compressed (bf16, top-k or PowerSGD), run synchronously in `finish`.
   Its per-rank state (residuals, PowerSGD factors) is checkpointed by every rank with a leading dp
   dimension, and reset by a load at another dp and by `load_full_state` (`raypar.core.dp.compress` says why).
@@ -52,20 +51,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
 from collectives import Group, Work
+from raypar.core.config.options import CPU_OFFLOAD, ZERO_STAGES, ZeroStage
 from raypar.core.config.schema import TrainConfig
 from raypar.core.dp.compress import Compressor, Deferred
 from raypar.core.dp.flat import Bucket, FlatLayout, Piece, Run, Slot
 from raypar.core.dp.offload import HostUpdate, Transfer, host_zeros
 from raypar.core.dp.optim import adamw_
 from raypar.core.dp.state import MOMENTS, DPState
-
-ZERO_STAGES = (0, 1, 2, 3)
 
 
 class StageModel(Protocol):
@@ -78,38 +77,52 @@ class StageModel(Protocol):
     def replicated(self, name: str) -> bool: ...
 
 
+@dataclass(frozen=True)
+class StrategySpec:
+    """How a strategy treats the parameters it owns (whatever its ZeRO stage).
+
+    `select`: the parameters this strategy owns (default: all). `divisor`: sum gradients over the group and
+    divide by this instead of averaging. `dtype`: the parameters' dtype from now on (default: theirs; fp32
+    masters are taken from their values before any rounding). `reduce_dtype`: the dtype gradients are
+    summed in across the group (default: theirs); 16-bit gradients reduced in fp32 stay fp32 up to the
+    update. `host_threads`: the threads of the host update under CPU offload."""
+
+    train: TrainConfig
+    bucket_bytes: int = 25 * 2**20
+    tp_rank: int = 0
+    dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    select: Callable[[str], bool] | None = None
+    divisor: int | None = None
+    host_threads: int = 1
+
+
 class DPStrategy(DPState):
+    """Plain data parallelism (ZeRO-0), and the machinery every stage shares: a subclass names its
+    `stage` (`raypar.core.dp.strategies` maps `parallel.zero` to the class)."""
+
+    stage: ClassVar[ZeroStage] = ZERO_STAGES[0]
     reduce_op = "avg"  # over the DP group; a test subclass sums instead (a negative control)
-    compressor: Compressor | None = None  # set after construction to compress the reduction
 
     def __init__(
         self,
         model: StageModel,
-        cfg: TrainConfig,
-        group: Group | None,
-        zero: int = 0,
-        bucket_bytes: int = 25 * 2**20,
-        tp_rank: int = 0,
-        dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype | None = None,
-        select: Callable[[str], bool] | None = None,
-        divisor: int | None = None,
-        host_threads: int = 1,
+        *,
+        spec: StrategySpec,
+        group: Group | None = None,
+        compressor: Compressor | None = None,
     ) -> None:
-        """`select`: the parameters this strategy owns (default: all). `divisor`: sum gradients over the
-        group and divide by this instead of averaging. `dtype`: the parameters' dtype from now on (default:
-        theirs; fp32 masters are taken from their values before any rounding). `reduce_dtype`: the dtype
-        gradients are summed in across the group (default: theirs); 16-bit gradients reduced in fp32 stay
-        fp32 up to the update. `host_threads`: the threads of the host update under CPU offload."""
-        if zero not in ZERO_STAGES:
-            raise ValueError(f"zero stage must be one of {ZERO_STAGES}, got {zero}")
-        self.cfg, self.zero, self.tp_rank = cfg, zero, tp_rank
+        """`group`: the DP group (None or size 1: no reduction). `compressor`: compresses the reduction
+        from its start step (None: never)."""
+        cfg, select, bucket_bytes = spec.train, spec.select, spec.bucket_bytes
+        self.cfg, self.tp_rank, self.compressor = cfg, spec.tp_rank, compressor
         self.group = group if group is not None and group.size > 1 else None
         self.size = self.group.size if self.group else 1
         self.rank = self.group.rank if self.group else 0
-        self.sharded = zero >= 1 and self.size > 1
-        self.divisor = divisor
-        if divisor is not None:
+        shards = self.stage.shards_optimizer
+        self.sharded = shards and self.size > 1
+        self.divisor = spec.divisor
+        if spec.divisor is not None:
             self.reduce_op = "sum"
         every = list(model.named_parameters())
         named = [(n, p) for n, p in every if p.requires_grad and (select is None or select(n))]
@@ -121,26 +134,28 @@ class DPStrategy(DPState):
         self.tied_copy = getattr(model, "tied_copy", lambda name: False)
         self.source = getattr(model, "init_source", lambda name: name)
         self.layout = FlatLayout(
-            named, self.size if zero >= 1 else 1, self.rank if zero >= 1 else 0, bucket_bytes,
+            named, self.size if shards else 1, self.rank if shards else 0, bucket_bytes,
             self._bucket_groups(model, {n for n, _ in named}),
         )
         self._decayed = [p for p in self.layout.pieces if len(p.slot.shape) >= 2]  # AdamW decays matrices
         dtypes = {p.dtype for _, p in named}
         if len(dtypes) > 1:
             raise ValueError(f"parameters of one stage must share a dtype, got {sorted(map(str, dtypes))}")
-        self.dtype = dtype or (dtypes.pop() if dtypes else torch.float32)
-        self.rdtype = reduce_dtype or self.dtype
+        self.dtype = spec.dtype or (dtypes.pop() if dtypes else torch.float32)
+        self.rdtype = spec.reduce_dtype or self.dtype
         # an empty selection (a stage without experts) still answers on the stage's device
         self.device = every[0][1].device if every else torch.device("cpu")
         owned = self.layout.owned_numel
-        offload = cfg.offload == "cpu" and zero >= 1
-        self.offload = HostUpdate(owned, self.device, host_threads) if offload else None
+        offload = cfg.offload == CPU_OFFLOAD and shards
+        self.offload = HostUpdate(owned, self.device, spec.host_threads) if offload else None
         self._bucket_updates = [  # offloaded: each bucket's run (one at most) and decayed pieces
             ([r for r in self.layout.runs if r.bucket == b], [p for p in self._decayed if p.bucket == b])
             for b in range(len(self.layout.buckets) if offload else 0)
         ]
         # offloaded, the master is a host tensor of its own even for fp32 parameters on the CPU
-        self.master_is_param = self.dtype == torch.float32 and zero < 3 and self.offload is None
+        self.master_is_param = (
+            self.dtype == torch.float32 and not self.stage.shards_parameters and self.offload is None
+        )
         self.owned_params: torch.Tensor | None = None  # ZeRO-3 offloaded: the device copy of the owned piece
         self.step_count = 0
         self.traffic = {"reduce_bytes": 0, "gather_bytes": 0}
@@ -162,10 +177,11 @@ class DPStrategy(DPState):
                         view.copy_(slot.param.data)
                     slot.param.data = view
         self.moments = {m: self._optim_zeros(owned) for m in MOMENTS}
-        self.owned_grads = torch.zeros(owned, dtype=self.rdtype, device=self.device) if zero >= 2 else None
+        scatters = self.stage.reduce_scatters
+        self.owned_grads = torch.zeros(owned, dtype=self.rdtype, device=self.device) if scatters else None
         # Gradients persist between steps (zeroed, not freed) unless a reduction leaves a copy of its own:
         # the owned piece (stage >= 2) or a cast copy (another reduction dtype).
-        self._free_after_reduce = zero >= 2 or self.rdtype != self.dtype
+        self._free_after_reduce = scatters or self.rdtype != self.dtype
         if not self._free_after_reduce:
             self._allocate_grads()
         self._handles = [
@@ -468,3 +484,15 @@ class DPStrategy(DPState):
 
 def _materialized(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+
+
+class Zero1(DPStrategy):
+    """Masters and Adam moments sharded over the DP group; gradients still all-reduced."""
+
+    stage = ZERO_STAGES[1]
+
+
+class Zero2(DPStrategy):
+    """ZeRO-1, and gradients reduce-scattered straight into the owned piece."""
+
+    stage = ZERO_STAGES[2]

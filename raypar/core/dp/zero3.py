@@ -30,13 +30,16 @@ import torch
 from torch import nn
 
 from collectives import Work
+from raypar.core.config.options import ZERO_STAGES
 from raypar.core.dp.flat import Bucket
 from raypar.core.dp.strategy import DPStrategy, StageModel
 
 
 class Zero3Strategy(DPStrategy):
-    def __init__(self, model: StageModel, *args: Any, **kwargs: Any) -> None:
-        super().__init__(model, *args, **kwargs)
+    stage = ZERO_STAGES[3]
+
+    def __init__(self, model: StageModel, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
         if self.offload is not None:
             self.owned_params = self.master.to(self.device, self.dtype, copy=True)
         self._pending: dict[int, Work | None] = {}

@@ -2,10 +2,10 @@
 tied (`model.tie_embeddings`: the head is the embedding matrix).
 
 `LlamaStage` is the part of the model one pipeline stage holds on one tensor-parallel rank; the whole model
-is `LlamaStage(cfg, range(cfg.n_layers), first=True, last=True)`. Parameter names are global whatever the
-layout (`layers.5.attn.wq.weight` is called that on any stage), and each parameter is initialised by
-generating its full global tensor from (seed, name) and keeping the local shard, so every layout starts
-from the same model.
+is `LlamaStage(cfg)`, a pipeline rank's part `LlamaStage(cfg, stage=StageSpec(...))`. Parameter names are
+global whatever the layout (`layers.5.attn.wq.weight` is called that on any stage), and each parameter is
+initialised by generating its full global tensor from (seed, name) and keeping the local shard, so every
+layout starts from the same model.
 
 Tensor parallelism only swaps layers (see raypar.core.parallel.tp): heads, the MLP hidden dim and the
 vocabulary are
@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from collectives import Group
+from raypar.core.config.options import FULL, NO_RECOMPUTE, RING, SELECTIVE
 from raypar.core.config.schema import ModelConfig
 from raypar.core.model.moe import MoELayer, MoEStats, is_moe_layer
 from raypar.core.parallel import cp
@@ -49,6 +51,8 @@ from raypar.core.parallel.tp import (
 )
 
 INIT_STD = 0.02
+# train.recompute -> (the whole block recomputed, only its cheap parts); names: options.RECOMPUTE
+RECOMPUTE = {NO_RECOMPUTE: (False, False), FULL: (True, False), SELECTIVE: (False, True)}
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None
 
 
@@ -190,8 +194,8 @@ class Block(nn.Module):
         self.mlp = MoELayer(cfg, group, ep_group, sp) if moe else SwiGLU(cfg, group, sp)
 
     def set_recompute(self, mode: str) -> None:
-        self.full = mode == "full"
-        self.attn.selective = self.mlp.selective = mode == "selective"
+        self.full, self.attn.selective = RECOMPUTE[mode]
+        self.mlp.selective = self.attn.selective
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend = None
@@ -208,14 +212,22 @@ class Block(nn.Module):
         return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
 
 
-class LlamaStage(nn.Module):
-    """Layers `layers` of the model, plus the embedding if `first` and the final norm and head if `last`,
-    on one tensor-parallel rank of `tp_group` (None: no tensor parallelism), holding the experts of its
-    position in `ep_group` (None: every expert; see raypar.core.model.moe).
+@dataclass(frozen=True)
+class StageSpec:
+    """The part of the model one pipeline rank holds: the layer ranges of its model chunks, in order (one
+    chunk, or several under interleaving, e.g. (range(0, 2), range(4, 6))), plus the embedding if `first`
+    (chunk 0's) and the final norm and head if `last` (the last chunk's)."""
 
-    `chunks` (interleaved pipelines): the layer ranges of the model chunks this rank holds, in order, e.g.
-    [range(0, 2), range(4, 6)]; `layers` is then ignored. The embedding belongs to chunk 0 and the head
-    to the last chunk. Parameter names stay global, so checkpoints, DP and TP see one flat model.
+    chunks: tuple[range, ...]
+    first: bool = True
+    last: bool = True
+
+
+class LlamaStage(nn.Module):
+    """The layers of `stage` (default: the whole model, embedding to head), on one tensor-parallel rank of
+    `tp_group` (None: no tensor parallelism), holding the experts of its position in `ep_group` (None:
+    every expert; see raypar.core.model.moe). Parameter names stay global, so checkpoints, DP and TP see
+    one flat model. Every argument after `cfg` is a keyword.
 
     `sequence_parallel` (Megatron-SP, raypar.core.parallel.sp, tp > 1): hidden states between blocks, and into
     and out of
@@ -230,22 +242,22 @@ class LlamaStage(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
-        layers: range,
-        first: bool,
-        last: bool,
+        *,
+        stage: StageSpec | None = None,
         tp_group: Group | None = None,
-        seed: int = 0,
         ep_group: Group | None = None,
-        chunks: list[range] | None = None,
-        sequence_parallel: bool = False,
         cp_group: Group | None = None,
-        cp_style: str = "ring",
+        sequence_parallel: bool = False,
+        cp_style: str = RING.name,
+        seed: int = 0,
         init: bool = True,
     ):
         super().__init__()
+        stage = stage or StageSpec((range(cfg.n_layers),))
+        first, last = stage.first, stage.last
         self.cfg, self.first, self.last, self.tp_group = cfg, first, last, tp_group
         self.sp, self.cp_style = sequence_parallel, cp_style
-        self.chunks = list(chunks) if chunks else [layers]
+        self.chunks = list(stage.chunks)
         self._chunk_parameters: dict[int, list[nn.Parameter]] = {}
         sp = sequence_parallel
         if first:
@@ -301,11 +313,7 @@ class LlamaStage(nn.Module):
         if tp_size(group) == 1:
             return self.rope_cos[:seq], self.rope_sin[:seq], None
         pos = cp.positions(seq, group.size, group.rank, self.cp_style).to(self.rope_cos.device)
-        if self.cp_style == "ulysses":
-            attend: Attend = lambda q, k, v: cp.ulysses_attention(q, k, v, group)  # noqa: E731
-        else:
-            attend = cp.RingAttention(group, seq)
-        return self.rope_cos[pos], self.rope_sin[pos], attend
+        return self.rope_cos[pos], self.rope_sin[pos], cp.ATTENTION[self.cp_style](group, seq)
 
     def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
         """The parameters model chunk `chunk` computes with (what its backward_weight differentiates).
@@ -323,7 +331,7 @@ class LlamaStage(nn.Module):
         """Recompute ("none", "full" or "selective") the blocks whose global index is a multiple of `every`;
         global, so which blocks recompute does not depend on the pipeline split."""
         for index, block in self.layers.items():
-            block.set_recompute(mode if int(index) % every == 0 else "none")
+            block.set_recompute(mode if int(index) % every == 0 else NO_RECOMPUTE)
 
     @property
     def cp_group(self) -> Group | None:

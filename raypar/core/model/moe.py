@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from collectives import Group
+from raypar.core.config.options import CP_STYLES, RING
 from raypar.core.config.schema import ModelConfig
 from raypar.core.parallel import cp
 from raypar.core.parallel.ep import all_to_all
@@ -162,7 +163,7 @@ class MoELayer(nn.Module):
         self.ep_group = ep_group
         self.cp_group: Group | None = None  # set with the stage's
         # (raypar.core.model.llama.LlamaStage.cp_group)
-        self.cp_style = "ring"
+        self.cp_style = RING.name
         ids = range(self.first_expert, self.first_expert + self.per_rank)
         self.experts = nn.ModuleDict({str(e): Expert(cfg, tp_group) for e in ids})
         self.stats = MoEStats(self.n_experts)
@@ -253,8 +254,7 @@ class MoELayer(nn.Module):
         if group is None or group.size == 1:
             return 1, None
         size, batch = group.size, shape[0]
-        chunks = 2 * size if self.cp_style == "ring" else size  # the sequence's cut, as
-        # raypar.core.parallel.cp cuts it
+        chunks = CP_STYLES[self.cp_style].chunks_per_rank * size  # the sequence's cut, as cp.shard cuts it
         # cp.positions over a sequence of `chunks` one-token chunks: which chunks a cp rank holds, in order.
         held = torch.stack([cp.positions(chunks, size, r, self.cp_style) for r in range(size)])
         place = torch.arange(batch).view(1, batch, 1) * chunks + held.unsqueeze(1)  # [cp, batch, chunks/cp]

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from raypar.core.config.options import SCHEDULES
 from raypar.core.parallel.mesh import Coord
 from raypar.core.pipeline.schedules import COMPUTE_OPS, bubble_formula
 
@@ -59,7 +60,6 @@ LEGEND = {
     "idle": "idle",
 }
 
-SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe", "zb-h1": "ZB-H1"}
 
 Row = dict[str, Any]  # one line of timeline.jsonl: one actor's events of one step
 
@@ -490,8 +490,9 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         )
         (run_dir / "timeline.json").write_text(json.dumps(chrome_trace(rows)))
         dp, tp = len({row["dp"] for row in rows}), len({row["tp"] for row in rows})
+        name = SCHEDULES[schedule].title if schedule in SCHEDULES else schedule
         title = (
-            f"{SCHEDULE_NAMES.get(schedule, schedule)} pipeline, p={p} stages × m={m} microbatches "
+            f"{name} pipeline, p={p} stages × m={m} microbatches "
             f"(dp={dp}, tp={tp}), step {shown}   —   "
             f"bubble measured {measured:.1%}, theory {FORMULA_TEXT[_kind_of(schedule, v)]} = {theory:.1%}"
         )

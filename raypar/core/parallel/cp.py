@@ -18,18 +18,21 @@ masked the same way; the diagonal block (a rank's own keys) is where the mask cu
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from collectives import Group
+from raypar.core.config.options import RING, ULYSSES
 
 
 def positions(seq_len: int, cp: int, rank: int, style: str) -> torch.Tensor:
     """Global positions of the tokens rank `rank` holds, in its local order."""
-    if style == "ulysses":
+    if style == ULYSSES.name:
         n = seq_len // cp
         return torch.arange(rank * n, (rank + 1) * n)
     c = seq_len // (2 * cp)
@@ -104,7 +107,7 @@ class RingAttention:
 
     def __init__(self, group: Group, seq_len: int):
         self.group, self.cp = group, group.size
-        self.pos = [positions(seq_len, self.cp, r, "ring") for r in range(self.cp)]
+        self.pos = [positions(seq_len, self.cp, r, RING.name) for r in range(self.cp)]
 
     def mask(self, q_rank: int, k_rank: int) -> torch.Tensor | None:
         """Visible (query, key) pairs, or None for all of them: causal by global position."""
@@ -185,3 +188,11 @@ class _RingAttention(torch.autograd.Function):
             for h in handles:
                 h.wait()
         return dq.type_as(q), state[0].type_as(k), state[1].type_as(v), None
+
+
+# parallel.cp_style -> this rank's attention over `group` for a sequence of `seq_len` tokens, called as
+# attend(q, k, v); names and what they need of the config: options.CP_STYLES
+ATTENTION: dict[str, Callable[[Group, int], Callable[..., torch.Tensor]]] = {
+    RING.name: RingAttention,
+    ULYSSES.name: lambda group, seq_len: functools.partial(ulysses_attention, group=group),
+}

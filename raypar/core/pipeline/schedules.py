@@ -34,6 +34,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from raypar.core.config.options import GPIPE, ONE_F_ONE_B, SCHEDULES, ZB_H1
+
 RECV_ACT, FORWARD, SEND_ACT = "recv_act", "forward", "send_act"
 RECV_GRAD, BACKWARD, SEND_GRAD = "recv_grad", "backward", "send_grad"
 BACKWARD_INPUT, BACKWARD_WEIGHT = "backward_input", "backward_weight"
@@ -227,25 +229,28 @@ def _zb_h1_orders(p: int, m: int) -> Plan:
     return plans
 
 
-SCHEDULES: dict[str, Callable[[int, int, int], list[Instr]]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1,
+# parallel.schedule -> one rank's instructions (names and what they imply: options.SCHEDULES); "1f1b" with
+# several chunks per rank is `interleaved_1f1b`
+BUILDERS: dict[str, Callable[[int, int, int], list[Instr]]] = {
+    GPIPE.name: gpipe, ONE_F_ONE_B.name: one_f_one_b, ZB_H1.name: zb_h1,
 }
 
 
 def build(name: str, n_stages: int, n_mb: int, n_chunks: int = 1) -> Plan:
     """The plan of every pipeline rank for schedule ``name``; "1f1b" with ``n_chunks`` > 1 is interleaved.
     Interleaved and zero-bubble schedules need at least as many microbatches as stages."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r} (known: {', '.join(SCHEDULES)})")
-    if name == "1f1b" and n_chunks > 1:
+    if name not in BUILDERS:
+        raise ValueError(f"unknown pipeline schedule {name!r} (known: {', '.join(BUILDERS)})")
+    schedule = SCHEDULES[name]
+    if schedule.chunked and n_chunks > 1:
         if n_mb < n_stages:
             raise ValueError(f"interleaved 1F1B needs microbatches >= stages, got {n_mb} < {n_stages}")
         return [interleaved_1f1b(s, n_stages, n_mb, n_chunks) for s in range(n_stages)]
     if n_chunks != 1:
         raise ValueError(f"schedule {name!r} runs one chunk per rank, got {n_chunks}")
-    if name == "zb-h1" and n_mb < n_stages:
-        raise ValueError(f"zb-h1 needs microbatches >= stages, got {n_mb} < {n_stages}")
-    return [SCHEDULES[name](stage, n_stages, n_mb) for stage in range(n_stages)]
+    if schedule.splits_backward and n_mb < n_stages:
+        raise ValueError(f"{name} needs microbatches >= stages, got {n_mb} < {n_stages}")
+    return [BUILDERS[name](stage, n_stages, n_mb) for stage in range(n_stages)]
 
 
 def theoretical_bubble(n_stages: int, n_mb: int) -> float:
@@ -260,7 +265,7 @@ def bubble_formula(name: str, n_stages: int, n_mb: int, n_chunks: int = 1) -> fl
     F = B = W (Qi et al., 2023); a ratio r of idle to compute is a share r / (1 + r) of the step, so
     (p-1)/(m+p-1), (p-1)/(vm+p-1) and (p-1)/(3m+p-1). Comparing a measured share with the papers' ratio
     would credit interleaved and ZB-H1 with (p-1)/(vm) - (p-1)/(vm+p-1) of free idle time."""
-    if name == "zb-h1":
+    if SCHEDULES[name].splits_backward:
         return (n_stages - 1) / (3 * n_mb + n_stages - 1)
     return (n_stages - 1) / (n_chunks * n_mb + n_stages - 1)
 

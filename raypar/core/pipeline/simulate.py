@@ -5,6 +5,7 @@ the proof that it cannot deadlock (the executor raises where a real step would h
 
 from __future__ import annotations
 
+from raypar.core.config.options import SCHEDULES
 from raypar.core.pipeline.executor import simulate_plans
 from raypar.core.pipeline.schedules import Plan, Timeline, build
 
@@ -39,6 +40,6 @@ def idealized_bubble(name: str, n_stages: int, n_mb: int, n_chunks: int = 1) -> 
     costs its formula assumes (zb-h1: F = B = W; the others: B = 2F, which their formulas do not depend
     on): it must equal `bubble_formula`."""
     plans = build(name, n_stages, n_mb, n_chunks)
-    weight = 1.0 if name == "zb-h1" else None
+    weight = 1.0 if SCHEDULES[name].splits_backward else None
     shares = bubble_fraction(simulate(plans, 1.0, 2.0, t_weight=weight))
     return sum(shares) / len(shares)

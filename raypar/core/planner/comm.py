@@ -20,6 +20,7 @@ per tp rank, e bytes per element and P ranks in the group,
 
 from __future__ import annotations
 
+from raypar.core.config.options import FULL, NO_RECOMPUTE, ULYSSES
 from raypar.core.config.schema import Config
 from raypar.core.planner.memory import PRECISION_BYTES, Layout
 
@@ -35,7 +36,7 @@ def tp_s(cfg: Config, layout: Layout, layers: int, bw: float, latency: float) ->
     e = PRECISION_BYTES[cfg.train.precision]
     mbs = cfg.train.global_batch // (layout.dp * layout.microbatches)
     activation = e * mbs * cfg.model.seq_len // layout.cp * cfg.model.d_model
-    reductions = 4 + (2 if layout.recompute == "full" else 0)  # 2 forward, 2 backward, replayed forwards
+    reductions = 4 + (2 if layout.recompute == FULL else 0)  # 2 forward, 2 backward, replayed forwards
     one = all_reduce_s(activation, layout.tp, bw) + latency * (2 if layout.sequence_parallel else 1)
     return layout.microbatches * layers * reductions * one
 
@@ -51,8 +52,8 @@ def cp_s(cfg: Config, layout: Layout, layers: int, bw: float, latency: float) ->
     h, h_kv = m.d_model // layout.tp, m.n_kv_heads * m.head_dim // layout.tp
     # Selective and full recomputation both replay the attention core, cp's transfers with it, in backward
     # (every layer counted, as tp_s counts full recomputation's replays, whatever recompute_every says).
-    forwards = 1 if layout.recompute == "none" else 2
-    if layout.cp_style == "ulysses":
+    forwards = 1 if layout.recompute == NO_RECOMPUTE else 2
+    if layout.cp_style == ULYSSES.name:
         if (m.n_kv_heads // layout.tp) % p:
             h_kv = h  # kv heads repeated up to the query heads
         one_way = e * (2 * h + 2 * h_kv) * n / p * (p - 1) / p / bw + 4 * latency

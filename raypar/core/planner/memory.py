@@ -32,13 +32,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from raypar.core.config.options import (
+    FULL,
+    NO_RECOMPUTE,
+    PRECISIONS,
+    RING,
+    SELECTIVE,
+    ULYSSES,
+    ZERO_STAGES,
+)
 from raypar.core.config.schema import Config, ModelConfig
 from raypar.core.model.moe import is_moe_layer
 from raypar.core.observe.memory import max_in_flight
 from raypar.core.parallel.mesh import stage_layers
 from raypar.core.pipeline import schedules
 
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PRECISION_BYTES = {name: p.bytes for name, p in PRECISIONS.items()}
 
 
 class Params(NamedTuple):
@@ -60,7 +69,7 @@ class Layout:
     microbatches: int
     virtual_stages: int = 1  # model chunks per pipeline rank (> 1: interleaved 1F1B)
     cp: int = 1  # context parallelism: each actor holds T/cp tokens of every sequence
-    cp_style: str = "ring"  # "ring" or "ulysses"; unused at cp = 1
+    cp_style: str = RING.name  # options.CP_STYLES; unused at cp = 1
     sequence_parallel: bool = False  # Megatron-SP over the tp group (tp > 1)
     ep: int = 1  # expert parallelism, carved out of dp (MoE models only)
 
@@ -120,7 +129,10 @@ def model_state_bytes(params: int, precision: str, zero: int, dp: int) -> float:
     # fp32 master gradients (unscaled) and freed, so they hold 4 bytes, not 2, once backward is done.
     g = 4
     k = 12 if p == 2 else 8  # 16-bit: fp32 master + two fp32 moments; fp32: the moments only
-    full, sharded = [(p + g + k, 0), (p + g, k), (p, g + k), (0, p + g + k)][zero]
+    stage = ZERO_STAGES[zero]
+    parts = ((p, stage.shards_parameters), (g, stage.reduce_scatters), (k, stage.shards_optimizer))
+    full = sum(n for n, split in parts if not split)
+    sharded = sum(n for n, split in parts if split)
     return params * (full + sharded / dp)
 
 
@@ -130,7 +142,7 @@ class TokenSplit:
 
     tp: int = 1
     cp: int = 1
-    cp_style: str = "ring"
+    cp_style: str = RING.name
     sp: bool = False
 
     @classmethod
@@ -169,17 +181,17 @@ def block_activation_bytes(
     e = PRECISION_BYTES[precision]
     seq = m.seq_len // split.cp
     bs, d = mbs * seq, m.d_model
-    if recompute == "full":
+    if recompute == FULL:
         return e * bs * d // (tp if split.sp else 1)  # the block's input, which checkpoint keeps
     heads, hq, hkv, f = m.n_heads // tp, m.d_model // tp, m.n_kv_heads * m.head_dim // tp, m.d_ff // tp
-    if split.cp > 1 and split.cp_style == "ulysses" and (m.n_kv_heads // tp) % split.cp:
+    if split.cp > 1 and split.cp_style == ULYSSES.name and (m.n_kv_heads // tp) % split.cp:
         hkv = hq  # Ulysses repeats kv heads that do not split over cp up to the query heads
     norms = 2 * _norm_bytes(e, bs, d, split)
     mask = e if device_kind == "cpu" else 1  # CPU dropout saves its scaled noise, CUDA a bool mask
     # After attention and after the MLP, on T/tp tokens under SP.
     drop = 2 * mask * bs * d // (tp if split.sp else 1) if m.dropout > 0 else 0
     wo_input = e * bs * hq
-    if recompute == "selective":
+    if recompute == SELECTIVE:
         core = e * bs * (hq + 2 * hkv)  # its inputs q, k, v; RoPE, scores and dropout are recomputed
         mlp = 3 * e * bs * f  # gate and up (the activation's inputs) and its product, for w_down
     else:
@@ -207,7 +219,7 @@ def stage_activation_bytes(
     bs = mbs * m.seq_len // split.cp
     total = 0
     for index in layers:
-        mode = recompute if index % t.recompute_every == 0 else "none"
+        mode = recompute if index % t.recompute_every == 0 else NO_RECOMPUTE
         moe = is_moe_layer(m, index)
         total += block_activation_bytes(m, tp, mbs, t.precision, device_kind, mode, split, moe)
     if split.cp > 1 and len(layers):
@@ -290,7 +302,8 @@ def predict_memory(
         ]
         in_flight = 1 if wrong_in_flight else max_in_flight(plan[p])
         acts = max(unit_bytes) if wrong_in_flight else peak_bytes(plan[p], unit_bytes)
-        reduce = 0 if group == 1 else params.total * 4 / (group if layout.zero else 1)
+        sharded = ZERO_STAGES[layout.zero].shards_optimizer
+        reduce = 0 if group == 1 else params.total * 4 / (group if sharded else 1)
         # Every chunk but the model's last sends its output on (interleaved: the last rank's too, to rank 0).
         sends = 0 if p == layout.pp - 1 and v == 1 else in_flight * e * tokens * m.d_model
         logits = 8 * mbs * m.seq_len // layout.cp * m.vocab_size // layout.tp if p == layout.pp - 1 else 0

@@ -33,7 +33,18 @@ from typing import Any
 from raypar.core.checkpoint.reader import available_memory
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.load import from_dict
-from raypar.core.config.schema import RECOMPUTE, Config
+from raypar.core.config.options import (
+    CP_STYLES,
+    DIRECT,
+    FULL,
+    NO_RECOMPUTE,
+    OBJECT_STORE,
+    RECOMPUTE,
+    SCHEDULES,
+    SELECTIVE,
+    ZERO_STAGES,
+)
+from raypar.core.config.schema import Config
 from raypar.core.model.llama import flops_per_token
 from raypar.core.model.moe import is_moe_layer
 from raypar.core.pipeline import schedules
@@ -47,9 +58,6 @@ from raypar.core.planner.memory import (
     rank_states,
     stage_params,
 )
-
-ZERO_STAGES = (0, 1, 2, 3)
-CP_STYLES = ("ulysses", "ring")
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,7 @@ DEVICES = {
     "a100": Device("a100", "cuda", 312e12, 19.5e12, 300e9, 25e9),
     "cpu": Device(
         "cpu", "cpu", 210e9, 90e9, 1e9, 1e9, per_node=1024, layer_pass_s=0.65e-3, latency_s=0.54e-3,
-        hop_s=(("object_store", 3.5e-3), ("direct", 0.4e-3)),
+        hop_s=((OBJECT_STORE, 3.5e-3), (DIRECT, 0.4e-3)),
     ),
 }
 
@@ -146,13 +154,14 @@ def predict(
     recomputed = sum(1 for i in range(m.n_layers) if i % t.recompute_every == 0)
     d, s = m.d_model, m.seq_len
     block = 2 * d * d + 2 * d * m.n_kv_heads * m.head_dim + 3 * d * m.d_ff
-    extra = {"none": 0.0, "selective": 4.0 * d * s, "full": 2.0 * block + 4.0 * d * s}[layout.recompute]
+    extra = {NO_RECOMPUTE: 0.0, SELECTIVE: 4.0 * d * s, FULL: 2.0 * block + 4.0 * d * s}[layout.recompute]
     flops = tokens * (flops_per_token(m) + recomputed * extra)
     peak = device.peak_flops_16 if e == 2 else device.peak_flops_32
     held = [[i for chunk in chunks for i in chunk] for chunks in rank_chunks(cfg, layout)]
     layers = max(map(len, held))
     moe_layers = max(sum(map(functools.partial(is_moe_layer, m), rank)) for rank in held)
-    passes = 3 if cfg.parallel.schedule == "zb-h1" and layout.pp > 1 else 2  # F, B (and W)
+    split = SCHEDULES[cfg.parallel.schedule].splits_backward
+    passes = 3 if split and layout.pp > 1 else 2  # F, B (and W)
     # Every rank runs all its layers' passes for every microbatch of its replica, whatever tp and cp divide.
     fixed = layout.microbatches * passes * layers * device.layer_pass_s
     compute = flops / layout.world / (peak * mfu) + fixed
@@ -183,7 +192,7 @@ def predict(
     # Reduced in fp32: dense gradients over cp x dp, expert ones over the expert-dp group.
     dp_comm = plan_comm.all_reduce_s(params.dense * 4, group, bw)
     dp_comm += plan_comm.all_reduce_s(params.expert * 4, group // layout.ep, bw)
-    if layout.zero == 3:  # parameters gathered for every forward and backward
+    if ZERO_STAGES[layout.zero].shards_parameters:  # gathered for every forward and backward
         gathered = plan_comm.all_reduce_s(params.dense * e, group, bw)
         gathered += plan_comm.all_reduce_s(params.expert * e, group // layout.ep, bw)
         dp_comm += layout.microbatches * gathered
@@ -202,7 +211,7 @@ def _divisors(n: int) -> list[int]:
 
 def zero_stages(cfg: Config) -> tuple[int, ...]:
     """ZeRO stages the config can express (stage 0 only until the config has a `zero` key)."""
-    return ZERO_STAGES if hasattr(cfg.parallel, "zero") else (0,)
+    return tuple(ZERO_STAGES) if hasattr(cfg.parallel, "zero") else (0,)
 
 
 def layout_config(cfg: Config, layout: Layout) -> Config:
@@ -224,7 +233,8 @@ def sequence_axes(cfg: Config, devices: int) -> list[tuple[int, str, int]]:
     out = []
     for cp in _divisors(devices):
         for tp in _divisors(devices // cp):
-            out += [(cp, style, tp) for style in (CP_STYLES if cp > 1 else (cfg.parallel.cp_style,))]
+            styles = tuple(CP_STYLES)[::-1] if cp > 1 else (cfg.parallel.cp_style,)  # the order ties rank in
+            out += [(cp, style, tp) for style in styles]
     return out
 
 
@@ -294,7 +304,7 @@ def check_fits(cfg: Config, memory: float, device: Device, where: str) -> None:
     need = predict(cfg, layout, device, 0.4).memory_bytes
     if need <= memory:
         return
-    tries = [dataclasses.replace(layout, recompute=r) for r in ("selective", "full")]
+    tries = [dataclasses.replace(layout, recompute=r) for r in (SELECTIVE, FULL)]
     tries += [dataclasses.replace(layout, zero=z) for z in zero_stages(cfg) if z > layout.zero]
     tries += [dataclasses.replace(layout, microbatches=layout.microbatches * 2)]
     for knob in tries:

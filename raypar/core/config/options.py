@@ -1,0 +1,130 @@
+"""Every choice a config key names, spelled once: the name, and what the config rules need to know of it.
+
+Why the names live here and the implementations next to their code: every concern of the core reads the
+config's dataclasses, so the config package sits below all of them and imports none (the acyclic contract
+in pyproject.toml), and the transports are not even in the core (they use Ray). Moving the rules up to
+where they could import the implementations would split `validate` in two, and `from_dict` (which the
+worker, the planner and the checkpoint reader call) could no longer check a config by itself. So the rules
+read the declarations below, and each implementation's registry (`raypar.core.pipeline.schedules.BUILDERS`,
+`raypar.core.dp.strategies.STRATEGIES`, `raypar.core.parallel.cp.ATTENTION`,
+`raypar.core.dp.compress.COMPRESSORS`, `raypar.core.dp.precision.DTYPES`,
+`raypar.core.model.llama.RECOMPUTE`) is keyed by these constants and covers exactly their names
+(tests/test_config.py checks each). The two transports are built by the worker from different arguments,
+so they have no registry: the worker compares against `DIRECT`. Adding a choice: its declaration here, its
+entry in the registry; the rules, their error messages and the planner follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+def one_of(names: Iterable[object], quote: bool = True) -> str:
+    """'"a", "b" or "c"': the names an error message offers (numbers unquoted)."""
+    quoted = [f'"{n}"' if quote else str(n) for n in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
+# -- parallel.zero: the data-parallel strategy ---------------------------------------------------------------
+@dataclass(frozen=True)
+class ZeroStage:
+    """What a ZeRO stage keeps where. The strategy class of each stage carries its `ZeroStage`
+    (`raypar.core.dp.strategies`); the driver and the actors ask it, never the stage number."""
+
+    level: int
+    shards_optimizer: bool  # fp32 masters and Adam moments split over the DP group (ZeRO-1 on)
+    reduce_scatters: bool  # gradients reduced straight into the owned piece, not all-reduced (ZeRO-2 on)
+    shards_parameters: bool  # the parameters themselves split, gathered around each unit (ZeRO-3)
+
+    @property
+    def heals_from_peers(self) -> bool:
+        """A lost replica can be rebuilt from a surviving one: only when no state is split across them."""
+        return not self.shards_optimizer
+
+
+ZERO_STAGES: dict[int, ZeroStage] = {
+    z.level: z
+    for z in (
+        ZeroStage(0, shards_optimizer=False, reduce_scatters=False, shards_parameters=False),
+        ZeroStage(1, shards_optimizer=True, reduce_scatters=False, shards_parameters=False),
+        ZeroStage(2, shards_optimizer=True, reduce_scatters=True, shards_parameters=False),
+        ZeroStage(3, shards_optimizer=True, reduce_scatters=True, shards_parameters=True),
+    )
+}
+
+
+# -- parallel.schedule ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    title: str  # as reports print it
+    chunked: bool = False  # runs several model chunks per rank (parallel.virtual_stages > 1)
+    splits_backward: bool = False  # backward_input / backward_weight apart (zero-bubble)
+
+
+ONE_F_ONE_B = Schedule("1f1b", "1F1B", chunked=True)
+GPIPE = Schedule("gpipe", "GPipe")
+ZB_H1 = Schedule("zb-h1", "ZB-H1", splits_backward=True)
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (ONE_F_ONE_B, GPIPE, ZB_H1)}
+
+
+# -- parallel.cp_style ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CpStyle:
+    name: str
+    chunks_per_rank: int  # the sequence is cut into cp * chunks_per_rank equal chunks
+    splits_heads: bool  # attention runs on a share of the heads (all-to-all), so heads split over cp
+
+
+RING = CpStyle("ring", chunks_per_rank=2, splits_heads=False)  # zigzag: chunks r and 2cp-1-r, balanced
+ULYSSES = CpStyle("ulysses", chunks_per_rank=1, splits_heads=True)
+CP_STYLES: dict[str, CpStyle] = {s.name: s for s in (RING, ULYSSES)}
+
+
+# -- parallel.transport --------------------------------------------------------------------------------------
+OBJECT_STORE = "object_store"
+DIRECT = "direct"
+TRANSPORTS = (OBJECT_STORE, DIRECT)
+
+
+# -- parallel.grad_compression -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Compression:
+    name: str
+    needs_all_reduce: bool  # no reduce-scatter form: refused with a strategy that reduce-scatters
+
+
+NO_COMPRESSION = Compression("none", needs_all_reduce=False)
+BF16 = Compression("bf16", needs_all_reduce=False)
+TOPK = Compression("topk", needs_all_reduce=True)
+POWERSGD = Compression("powersgd", needs_all_reduce=True)
+COMPRESSIONS: dict[str, Compression] = {c.name: c for c in (NO_COMPRESSION, BF16, TOPK, POWERSGD)}
+
+
+# -- train.precision and train.reduce_dtype ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    bytes: int  # per element (what the planner's memory and traffic models count)
+    reduces: bool  # may also be train.reduce_dtype
+
+
+FP32 = Precision("fp32", 4, reduces=True)
+BF16_PRECISION = Precision("bf16", 2, reduces=True)
+FP16 = Precision("fp16", 2, reduces=False)
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (FP32, BF16_PRECISION, FP16)}
+REDUCE_DTYPES = tuple(name for name, p in PRECISIONS.items() if p.reduces)
+
+
+# -- train.offload -------------------------------------------------------------------------------------------
+NO_OFFLOAD = "none"
+CPU_OFFLOAD = "cpu"  # needs a ZeroStage that shards the optimizer: that state is what moves to the host
+OFFLOADS = (NO_OFFLOAD, CPU_OFFLOAD)
+
+
+# -- train.recompute -----------------------------------------------------------------------------------------
+NO_RECOMPUTE = "none"
+FULL = "full"
+SELECTIVE = "selective"
+RECOMPUTE = (NO_RECOMPUTE, FULL, SELECTIVE)
