@@ -54,7 +54,7 @@ from raypar.actors.replica_lead import ReplicaAnswer, ReplicaLead  # noqa: E402
 from raypar.actors.worker import WORKER_THREADS  # noqa: E402
 from raypar.controller.actor_calls import StepFailure  # noqa: E402
 from raypar.controller.actor_mesh import ActorMesh, StepResult  # noqa: E402
-from raypar.core.parallel.mesh import Coord  # noqa: E402
+from raypar.core.parallel.mesh import Coord, StageGroups  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
 
 PP, TP = 4, 2
@@ -83,11 +83,11 @@ class _LightWorker(ReplicaLead):
         return [spec.name for spec in specs]
 
     def setup(
-        self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int, keep_copies: bool = False
+        self, cfg: dict, groups: StageGroups, peers: dict[str, Any], epoch: int, keep_copies: bool = False
     ) -> dict:
         return {"params": 0, "peak_flops": None}
 
-    def rebind(self, replicas: list[int], peers: dict[str, Any], epoch: int) -> None:
+    def rebind(self, groups: StageGroups, peers: dict[str, Any], epoch: int) -> None:
         pass
 
     def sync_state(self, src_dp_rank: int) -> None:

@@ -41,12 +41,13 @@ import torch
 
 from raypar.actors.buddy import Snapshot
 from raypar.actors.worker import WORKER_THREADS, Worker
+from raypar.collectives import Group
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.config.schema import Config
 from raypar.core.dp.strategy import DPStrategy
 from raypar.core.dp.zero3 import Zero3Strategy
 from raypar.core.model.moe import MoELayer
-from raypar.core.parallel.mesh import Coord
+from raypar.core.parallel.mesh import BoundGroups, Coord, StageGroups
 from raypar.core.parallel.sp import gather_from_sp
 from raypar.core.parallel.tp import RowParallelLinear
 
@@ -99,10 +100,10 @@ class _FaultyWorker(Worker):
         return super().where()
 
     def setup(
-        self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int, keep_copies: bool = False
+        self, cfg: dict, groups: StageGroups, peers: dict[str, Any], epoch: int, keep_copies: bool = False
     ) -> dict:
         self._count("setup")
-        return super().setup(cfg, replicas, peers, epoch, keep_copies)
+        return super().setup(cfg, groups, peers, epoch, keep_copies)
 
     def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
         self._count("train_step")
@@ -112,9 +113,9 @@ class _FaultyWorker(Worker):
         self._count("apply_step")
         super().apply_step(step)
 
-    def rebind(self, replicas: list[int], peers: dict[str, Any], epoch: int) -> None:
+    def rebind(self, groups: StageGroups, peers: dict[str, Any], epoch: int) -> None:
         self._count("rebind")
-        super().rebind(replicas, peers, epoch)
+        super().rebind(groups, peers, epoch)
 
     def save_shard(self, staging: str) -> bool:
         self._count("save_shard")
@@ -149,8 +150,8 @@ class _FaultyWorker(Worker):
         """Numbers from the process's random state (what dropout would draw)."""
         return torch.rand(n).tolist()
 
-    def _bind_tp(self, group: Any) -> None:
-        super()._bind_tp(group)
+    def _bind_groups(self, groups: BoundGroups[Group]) -> None:
+        super()._bind_groups(groups)
         if "tp_drop_allreduce" in self.faults:
             for module in self.model.modules():
                 if isinstance(module, RowParallelLinear):

@@ -13,7 +13,7 @@ from raypar.actors.replica_lead import ReplicaLead
 from raypar.actors.worker import WORKER_THREADS
 from raypar.collectives.host import GroupHost
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.core.parallel.mesh import Coord
+from raypar.core.parallel.mesh import Coord, StageGroups
 
 
 class _StubWorker(GroupHost, ReplicaLead):
@@ -30,11 +30,11 @@ class _StubWorker(GroupHost, ReplicaLead):
         }
 
     def setup(
-        self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int, keep_copies: bool = False
+        self, cfg: dict, groups: StageGroups, peers: dict[str, Any], epoch: int, keep_copies: bool = False
     ) -> dict:
         return {"params": 0, "peak_flops": None}
 
-    def rebind(self, replicas: list[int], peers: dict[str, Any], epoch: int) -> None:
+    def rebind(self, groups: StageGroups, peers: dict[str, Any], epoch: int) -> None:
         pass
 
     def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from raypar.actors.replica_lead import ReplicaLead
 from raypar.actors.telemetry import ActorMetrics, per_step
 from raypar.actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from raypar.actors.worker_state import WorkerState
+from raypar.collectives import Group
 from raypar.collectives.host import GroupHost
 from raypar.core.checkpoint import hf
 from raypar.core.config.load import from_dict
@@ -47,7 +48,7 @@ from raypar.core.model.llama import LlamaStage, dropout_seed
 from raypar.core.model.moe import is_expert_param
 from raypar.core.observe import flops, memory
 from raypar.core.parallel import ep as ep_mod
-from raypar.core.parallel.mesh import Coord, Mesh, actor_name, stage_layers
+from raypar.core.parallel.mesh import BoundGroups, Coord, StageGroups, actor_name, stage_layers
 from raypar.core.pipeline import schedules
 from raypar.core.pipeline.executor import ModelBackend, StepRun, busy_seconds
 
@@ -111,10 +112,10 @@ class WorkerFailure(RuntimeError):
 
 class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
     """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks) override
-    the seams `_make_strategy`, `_make_expert_strategy`, `_bind_tp`, `_backend`, `_send_grad`, `_train_step`,
-    `_sum_tied_grads`, `_write_shard` and `_buddy_copy` and wrap themselves the same way. Checkpoints,
-    healing and in-memory snapshots are in `WorkerState` (raypar.actors.worker_state). Every public method, a
-    subclass's too, runs on the actor's GPU whichever thread Ray runs it on
+    the seams `_make_strategy`, `_make_expert_strategy`, `_bind_groups`, `_backend`, `_send_grad`,
+    `_train_step`, `_sum_tied_grads`, `_write_shard` and `_buddy_copy` and wrap themselves the same way.
+    Checkpoints, healing and in-memory snapshots are in `WorkerState` (raypar.actors.worker_state). Every
+    public method, a subclass's too, runs on the actor's GPU whichever thread Ray runs it on
     (raypar.actors.devices.OnDevice)."""
 
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
@@ -158,9 +159,9 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
 
     # -- set-up ----------------------------------------------------------------------------------------
     def setup(
-        self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int, keep_copies: bool = False
+        self, cfg: dict, groups: StageGroups, peers: dict[str, Any], epoch: int, keep_copies: bool = False
     ) -> dict:
-        """Build model, optimizer and data for this coordinate from the seed alone, then bind groups.
+        """Build model, optimizer and data for this coordinate from the seed alone, then bind `groups`.
         In-memory copies of an earlier state are void then, unless `keep_copies` (to restore from them)."""
         self.cfg = from_dict(cfg)
         if not keep_copies:
@@ -174,13 +175,11 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         virtual = stage_layers(self.cfg.model.n_layers, par.pp * par.virtual_stages, par.stage_layers or None)
         chunks = [virtual[self.topo.virtual(p, c)] for c in range(par.virtual_stages)]
         self.first, self.last = p == 0, p == par.pp - 1
-        tp_group = self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None  # shapes the shards
-        cp_group = self.group(Mesh.cp_group(self.coord)) if par.cp > 1 else None
-        ep_group = self._ep_group(replicas.index(self.coord.dp))  # which experts live here
+        bound = groups.bind(self.group)  # tp shapes the shards, ep says which experts live here
         train, init_from = self.cfg.train, self.cfg.model.init_from
         self.model = LlamaStage(
-            self.cfg.model, chunks[0], self.first, self.last, tp_group, train.seed, ep_group, chunks,
-            par.sequence_parallel, cp_group, par.cp_style, init=not init_from,
+            self.cfg.model, chunks[0], self.first, self.last, bound.tp, train.seed, bound.ep, chunks,
+            par.sequence_parallel, bound.cp, par.cp_style, init=not init_from,
         )
         if init_from:  # this shard only, read from the files (never the whole model)
             hf.load_stage(self.model, init_from)
@@ -200,43 +199,30 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         mbs, seq = self.cfg.microbatch_size, self.cfg.model.seq_len
         seq //= par.cp * (par.tp if par.sequence_parallel else 1)  # hops carry this rank's tokens
         self.act_like = torch.empty(mbs, seq, self.cfg.model.d_model, device=self.device, dtype=dtype)
-        self.rebind(replicas, peers, epoch)
+        self.rebind(groups, peers, epoch)
         return {"params": sum(p.numel() for p in self.model.parameters()), "peak_flops": self.peak_flops}
 
-    def rebind(self, replicas: list[int], peers: dict[str, Any], epoch: int) -> None:
-        """Use the groups formed for membership `epoch` (after any change of replicas), keeping the
-        model and optimizer state. `replicas` lists the live replica ids in data-parallel rank order."""
-        d, p, t, c = self.coord
+    def rebind(self, groups: StageGroups, peers: dict[str, Any], epoch: int) -> None:
+        """Use `groups`, formed for membership `epoch` (after any change of replicas), keeping the model
+        and optimizer state."""
+        p = self.coord.pp
         self.epoch = epoch
         self.saved_bytes: dict[tuple[int, int], int] = {}  # per unit; a new dp changes microbatch sizes
         par = self.cfg.parallel
-        self.dp, self.dp_rank = len(replicas), replicas.index(d)
-        self._layout, self._buddy = tuple(replicas), peers.get("buddy")
-        self._bind_tp(self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None)
-        self.model.cp_group = self.group(Mesh.cp_group(self.coord)) if par.cp > 1 else None
-        # Gradients of parameters replicated across cp are reduced over cp x dp.
-        self.dp_group = self.group(Mesh.dp_group(self.coord)) if self.dp * par.cp > 1 else None
-        tied = self.model.tied_weight() is not None
-        self.emb_group = self.group(Mesh.emb_group(d, t, self.coord.cp)) if tied else None
-        self.ep_group = self._ep_group(self.dp_rank)
-        self.model.bind_ep(self.ep_group)
-        if par.ep == 1:  # every replica holds every expert
-            self.edp_group = self.dp_group
-        else:  # the replicas holding these experts, and their cp ranks (raypar.core.parallel.mesh)
-            holders = self.dp // par.ep * par.cp
-            edp = Mesh.edp_group(self.coord, self.dp_rank, par.ep)
-            self.edp_group = self.group(edp) if holders > 1 else None
+        self.dp, self.dp_rank = groups.dp, groups.dp_rank
+        self._layout, self._buddy = groups.replicas, peers.get("buddy")
+        bound = groups.bind(self.group)
+        self._bind_groups(bound)
+        # Gradients of parameters replicated across cp are reduced over cp x dp (the dp group).
+        self.dp_group, self.edp_group, self.ep_group = bound.dp, bound.edp, bound.ep
+        self.emb_group, self.mp_group = bound.emb, bound.mp
         self._rebuild_strategies()
-        self.mp_group = self.group(Mesh.mp_group(self.coord)) if par.pp * par.tp * par.cp > 1 else None
         self.microbatches = self.cfg.microbatches_at(self.dp)
         self.plan = schedules.build(par.schedule, par.pp, self.microbatches, par.virtual_stages)[p]
         if self.transport is not None:
             self.transport.close()
         if par.transport == "direct":
-            ring = par.virtual_stages > 1  # the last stage feeds rank 0's next chunk
-            prev = self.group(Mesh.pipe_group(d, t, p - 1, par.pp, c)) if not self.first or ring else None
-            nxt = self.group(Mesh.pipe_group(d, t, p, par.pp, c)) if not self.last or ring else None
-            self.transport = DirectTransport(prev, nxt)
+            self.transport = DirectTransport(bound.pp_prev, bound.pp_next)
         else:
             self.transport = ObjectStoreTransport(
                 self.name, peers.get("prev"), peers.get("next"), self.mailbox, par.timeout_s, epoch,
@@ -271,15 +257,8 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             for strategy in self._strategies():
                 strategy.load_full_state(state, step_count)
 
-    def _bind_tp(self, group: Any) -> None:
-        self.model.tp_group = group
-        for module in self.model.modules():
-            if hasattr(module, "group"):
-                module.group = group
-
-    def _ep_group(self, dp_rank: int) -> Any:
-        ep = self.cfg.parallel.ep
-        return self.group(Mesh.ep_group(self.coord, dp_rank, ep)) if ep > 1 else None
+    def _bind_groups(self, groups: BoundGroups[Group]) -> None:
+        self.model.bind_groups(groups)
 
     def _make_strategy(self, dp_group: Any) -> DPStrategy:
         """Every non-expert parameter: averaged over the data-parallel group, ZeRO as configured."""

@@ -208,7 +208,8 @@ class ActorMesh(ActorCalls):
         self.epoch += 1
         timeout = self.cfg.parallel.timeout_s
         self._await_started()
-        groups = {name: [c.key for c in m] for name, m in self.mesh.groups(self.replicas).items()}
+        mesh = self.mesh
+        groups = {name: [c.key for c in m] for name, m in mesh.groups(self.replicas).items()}
         by_key = {c.key: a for c, a in self.actors.items()}
         links = [name for name in groups if Mesh.is_pipe_link(name)]
         create_groups(
@@ -217,10 +218,11 @@ class ActorMesh(ActorCalls):
         cfg = self.cfg.to_dict()
         refs = {}
         for coord, actor in self.actors.items():
+            mine = mesh.stage_groups(coord, self.replicas)
             if coord.dp in new:
-                ref = actor.setup.remote(cfg, self.replicas, self._peers(coord), self.epoch, keep_copies)
+                ref = actor.setup.remote(cfg, mine, self._peers(coord), self.epoch, keep_copies)
             else:
-                ref = actor.rebind.remote(self.replicas, self._peers(coord), self.epoch)
+                ref = actor.rebind.remote(mine, self._peers(coord), self.epoch)
             refs[ref] = coord
         for coord, info in self._gather(refs, "setting up" if new else "re-forming groups").items():
             if info is not None:
