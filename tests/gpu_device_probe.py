@@ -35,8 +35,9 @@ def main() -> None:
         mesh = mesh_cls(cfg, "gpu-probe")
         mesh.start()
         devices = ray.get([a.group_devices.remote() for a in mesh.actors.values()])
+        placed = {c: (mesh.nodes[c].node_id, [int(g) for g in mesh.nodes[c].gpu_ids]) for c in mesh.actors}
         out = {
-            c.key: {"node": mesh.nodes[c]["node_id"], "gpu": mesh.nodes[c]["gpu_ids"], "groups": d}
+            c.key: {"node": placed[c][0], "gpu": placed[c][1], "groups": d}
             for c, d in zip(mesh.actors, devices, strict=True)
         }
         mesh.shutdown()

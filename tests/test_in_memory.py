@@ -146,7 +146,7 @@ def assert_same_run(got: list[StepResult], want: list[StepResult]) -> None:
     """Bit for bit (same state at the same ranks): every step's loss and every actor's loss scale."""
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.loss == b.loss, f"loss at step {step}: {a.loss} vs {b.loss}"
-        scales = [{c.key: r["loss_scale"] for c, r in res.per_actor.items()} for res in (a, b)]
+        scales = [{c.key: r.loss_scale for c, r in res.per_actor.items()} for res in (a, b)]
         assert scales[0] == scales[1], f"loss scales at step {step}: {scales[0]} vs {scales[1]}"
 
 

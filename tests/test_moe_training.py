@@ -17,15 +17,19 @@ bytes per actor equal to the formula, and two controls (the divisor; experts not
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
+from raypar.actors.endpoints import WorkerEndpoints, call
 from raypar.controller.actor_mesh import StepResult
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Coord, Mesh
 from raypar.core.run_config import load_config
-from tests.faults import FaultyActorMesh
+from tests.faults import FaultyActorMesh, _FaultyWorker
 from tests.reference import Run, reference_run
 
 STEPS = 5
@@ -58,7 +62,7 @@ def reference() -> Run:
     return reference_run(make_cfg(1, 1, 1, 8), STEPS, microbatch_size=1)
 
 
-def gather(mesh: FaultyActorMesh, method: str) -> dict[str, torch.Tensor]:
+def gather(mesh: FaultyActorMesh, endpoint: Callable[..., Any]) -> dict[str, torch.Tensor]:
     """Every tensor of the model from the replicas of the first EP group (they hold all experts)."""
     import ray
 
@@ -66,7 +70,7 @@ def gather(mesh: FaultyActorMesh, method: str) -> dict[str, torch.Tensor]:
     owners = set(mesh.replicas[:ep])
     full: dict[str, torch.Tensor] = {}
     # every actor is asked: under ZeRO reading whole parameters is a collective over the DP groups
-    answers = {coord: getattr(actor, method).remote() for coord, actor in mesh.actors.items()}
+    answers = {coord: call(actor, endpoint) for coord, actor in mesh.actors.items()}
     for coord, ref in answers.items():
         if coord.dp not in owners:
             ray.get(ref)
@@ -86,7 +90,7 @@ def train(mesh: FaultyActorMesh, steps: range, ref: Run, grads: bool = True) -> 
         want = ref.losses[step]
         assert abs(result.loss - want) <= TOL * abs(want), f"loss at step {step}: {result.loss} vs {want}"
         assert result.moe is not None and result.moe["dropped_tokens"] == 0
-        got = gather(mesh, "gradients") if grads else {}
+        got = gather(mesh, _FaultyWorker.gradients) if grads else {}
         for name, want in ref.grads[step].items() if grads else ():
             if ".mlp.router." in name or ".mlp.experts." in name:
                 err = (got[name] - want).abs().max().item()
@@ -99,7 +103,7 @@ def train(mesh: FaultyActorMesh, steps: range, ref: Run, grads: bool = True) -> 
 
 def assert_params(mesh: FaultyActorMesh, ref: Run) -> None:
     mesh.commit()
-    params = gather(mesh, "parameters")
+    params = gather(mesh, WorkerEndpoints.parameters)
     assert params.keys() == ref.params.keys()
     for name, want in ref.params.items():
         err = (params[name] - want).abs().max().item()
@@ -165,7 +169,7 @@ def assert_state_bytes(results: list[StepResult], ref: Run, zero: int, dp: int, 
     want = full * (dense + experts) + sharded * dense // dp + sharded * experts // (dp // ep)
     for result in results:
         for coord, r in result.per_actor.items():
-            got = r["model_state_bytes"]
+            got = r.memory.model_state_bytes
             assert got == want, f"{coord.key}: model-state bytes {got} vs formula {want} at zero {zero}"
 
 

@@ -31,6 +31,7 @@ import torch
 
 from raypar.actors.buddy import BuddyCopies
 from raypar.actors.devices import OnDevice, cuda_ordinal
+from raypar.actors.endpoints import Peers, Placement, SetupInfo
 from raypar.actors.replica_lead import ReplicaLead
 from raypar.actors.telemetry import ActorMetrics, per_step
 from raypar.actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
@@ -47,6 +48,7 @@ from raypar.core.dp.zero3 import Zero3Strategy
 from raypar.core.model.llama import LlamaStage, dropout_seed
 from raypar.core.model.moe import is_expert_param
 from raypar.core.observe import flops, memory
+from raypar.core.observe.step_report import MoELayerReport, StepReport
 from raypar.core.parallel import ep as ep_mod
 from raypar.core.parallel.mesh import BoundGroups, Coord, StageGroups, actor_name, stage_layers
 from raypar.core.pipeline import schedules
@@ -140,17 +142,16 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
     def __repr__(self) -> str:
         return self.name
 
-    def where(self) -> dict[str, Any]:
-        ctx = ray.get_runtime_context()
-        return {
-            "name": self.name,
-            "node_id": ctx.get_node_id(),
-            "pid": os.getpid(),
-            "ip": ray.util.get_node_ip_address(),
-            "cuda": torch.cuda.is_available(),
-            "gpu_ids": [str(i) for i in ray.get_gpu_ids()],  # numbers, or UUIDs from a preset list
-            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),  # what those ids index (raypar.actors.devices)
-        }
+    def where(self) -> Placement:
+        return Placement(
+            name=self.name,
+            node_id=ray.get_runtime_context().get_node_id(),
+            pid=os.getpid(),
+            ip=ray.util.get_node_ip_address(),
+            cuda=torch.cuda.is_available(),
+            gpu_ids=[str(i) for i in ray.get_gpu_ids()],
+            visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        )
 
     def _fail(self, what: str, err: Exception) -> WorkerFailure:
         d, p, t, c = self.coord
@@ -159,8 +160,8 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
 
     # -- set-up ----------------------------------------------------------------------------------------
     def setup(
-        self, cfg: dict, groups: StageGroups, peers: dict[str, Any], epoch: int, keep_copies: bool = False
-    ) -> dict:
+        self, cfg: dict, groups: StageGroups, peers: Peers, epoch: int, keep_copies: bool = False
+    ) -> SetupInfo:
         """Build model, optimizer and data for this coordinate from the seed alone, then bind `groups`.
         In-memory copies of an earlier state are void then, unless `keep_copies` (to restore from them)."""
         self.cfg = from_dict(cfg)
@@ -200,9 +201,9 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         seq //= par.cp * (par.tp if par.sequence_parallel else 1)  # hops carry this rank's tokens
         self.act_like = torch.empty(mbs, seq, self.cfg.model.d_model, device=self.device, dtype=dtype)
         self.rebind(groups, peers, epoch)
-        return {"params": sum(p.numel() for p in self.model.parameters()), "peak_flops": self.peak_flops}
+        return SetupInfo(sum(p.numel() for p in self.model.parameters()), self.peak_flops)
 
-    def rebind(self, groups: StageGroups, peers: dict[str, Any], epoch: int) -> None:
+    def rebind(self, groups: StageGroups, peers: Peers, epoch: int) -> None:
         """Use `groups`, formed for membership `epoch` (after any change of replicas), keeping the model
         and optimizer state."""
         p = self.coord.pp
@@ -210,7 +211,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         self.saved_bytes: dict[tuple[int, int], int] = {}  # per unit; a new dp changes microbatch sizes
         par = self.cfg.parallel
         self.dp, self.dp_rank = groups.dp, groups.dp_rank
-        self._layout, self._buddy = groups.replicas, peers.get("buddy")
+        self._layout, self._buddy = groups.replicas, peers.buddy
         bound = groups.bind(self.group)
         self._bind_groups(bound)
         # Gradients of parameters replicated across cp are reduced over cp x dp (the dp group).
@@ -225,7 +226,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             self.transport = DirectTransport(bound.pp_prev, bound.pp_next)
         else:
             self.transport = ObjectStoreTransport(
-                self.name, peers.get("prev"), peers.get("next"), self.mailbox, par.timeout_s, epoch,
+                self.name, peers.prev, peers.next, self.mailbox, par.timeout_s, epoch,
                 p, self.topo,
             )
         self.mailbox.reset()
@@ -321,7 +322,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         return inputs.to(self.device), targets.to(self.device)
 
     @per_step
-    def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
+    def train_step(self, step: int, commit: int | None = None) -> StepReport:
         """Apply the update of step `commit` (every actor finished its phase 1), then phase 1 of `step`."""
         if commit is not None:
             self.apply_step(commit)
@@ -351,7 +352,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         if self.cfg.checkpoint.in_memory:
             self._snapshot(step + 1)
 
-    def _train_step(self, step: int) -> dict[str, Any]:
+    def _train_step(self, step: int) -> StepReport:
         start = time.perf_counter()
         self._stash = None  # a dp change is complete once a step runs
         for strategy in self._strategies():
@@ -382,32 +383,30 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         grad_norm = float("inf") if self._skip else self._clip_grad_norm()
         self.check_groups()  # a step is complete only if no communicator failed under it
         end = time.perf_counter()
-        busy = busy_seconds(events)
-        result = {
-            "coord": tuple(self.coord),
-            "dp_rank": self.dp_rank,
-            "loss": torch.stack(losses).float().mean().item() if losses else None,
-            "grad_norm": grad_norm,
-            "lr": lr_at(self.strategy.step_count, self.cfg.train),
-            "loss_scale": scale,
-            "skipped": self._skip,
-            "step_s": end - start,
-            "busy_s": busy,
-            "reduce_s": end - compute_end,
-            "events": events,
-            # bytes this actor sent for DP since the last step: reduction, parameter gathers (ZeRO)
-            **_summed(s.take_traffic() for s in self._strategies()),
+        traffic = _summed(s.take_traffic() for s in self._strategies())
+        result = StepReport(
+            coord=tuple(self.coord),
+            dp_rank=self.dp_rank,
+            loss=torch.stack(losses).float().mean().item() if losses else None,
+            grad_norm=grad_norm,
+            lr=lr_at(self.strategy.step_count, self.cfg.train),
+            loss_scale=scale,
+            skipped=self._skip,
+            step_s=end - start,
+            busy_s=busy_seconds(events),
+            reduce_s=end - compute_end,
+            events=events,
+            reduce_bytes=traffic["reduce_bytes"],
+            gather_bytes=traffic["gather_bytes"],
             # CPU offload: the host update applied at the start of this call (the previous step's)
-            "offload_update_s": sum(s.take_update_s() for s in self._strategies()),
-            **self._memory(live),
-        }
-        moe = self.model.take_moe_stats()
-        if moe:
-            result["moe"] = {
-                i: {"load": s.load.tolist(), "dropped": s.dropped, "aux": s.aux_sum / max(s.microbatches, 1)}
-                for i, s in moe.items()
-            }
-        tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result["step_s"]
+            offload_update_s=sum(s.take_update_s() for s in self._strategies()),
+            memory=self._memory(live),
+            moe={
+                i: MoELayerReport(s.load.tolist(), s.dropped, s.aux_sum / max(s.microbatches, 1))
+                for i, s in self.model.take_moe_stats().items()
+            },
+        )
+        tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result.step_s
         world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp * self.cfg.parallel.cp
         mfu = flops.mfu(tokens_per_s / world, self.cfg.model, self.peak_flops) if self.peak_flops else None
         self.metrics.record(result, tokens_per_s, mfu)
@@ -469,7 +468,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         self.transport.finish_step()
         return torch.stack(losses).mean().item() if losses else None
 
-    def _memory(self, live: memory.LiveActivations) -> dict[str, int]:
+    def _memory(self, live: memory.LiveActivations) -> memory.MemoryReport:
         """Measured memory of this step: activations saved per microbatch and at most at once, microbatches
         in flight, model states, in-memory checkpoint copies (host), and the peak (GPU: the allocator's;
         CPU: model states + activations + copies)."""
@@ -479,14 +478,14 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             peak = torch.cuda.max_memory_allocated(self.device)
         else:  # the in-memory copies share the host memory with everything else
             peak = states + live.peak_bytes + snapshots
-        return {
-            "activation_bytes": live.per_microbatch,
-            "activation_peak_bytes": live.peak_bytes,
-            "in_flight": live.peak_count,
-            "model_state_bytes": states,
-            "peak_memory_bytes": peak,
-            "snapshot_bytes": snapshots,  # host memory of checkpoint.in_memory
-        }
+        return memory.MemoryReport(
+            activation_bytes=live.per_microbatch,
+            activation_peak_bytes=live.peak_bytes,
+            in_flight=live.peak_count,
+            model_state_bytes=states,
+            peak_memory_bytes=peak,
+            snapshot_bytes=snapshots,  # host memory of checkpoint.in_memory
+        )
 
     def _anywhere(self, flag: bool) -> bool:
         """True on every actor if `flag` is True on any actor of the step: MAX over this replica's stages
