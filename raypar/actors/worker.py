@@ -52,9 +52,9 @@ from raypar.core.observe.step_report import MoELayerReport, StepReport
 from raypar.core.parallel import ep as ep_mod
 from raypar.core.parallel.mesh import BoundGroups, Coord, StageGroups, actor_name, stage_layers
 from raypar.core.pipeline import schedules
+from raypar.core.pipeline.evaluate import ForwardBackend, evaluate
 from raypar.core.pipeline.executor import ModelBackend, StepRun, busy_seconds
 
-EVAL_MB_BASE = 1 << 30  # validation microbatches' transport keys: never a training microbatch's
 # Counting the bytes a forward saves costs a Python call per saved tensor (+15 % of a 20-ms `tiny` step,
 # measured). A dense model's counts depend only on the shapes, fixed while the model and layout are: they
 # are measured on a unit's first step after every (re)build and every METER_EVERY steps, and reused between.
@@ -436,37 +436,22 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             self.model.train()
 
     def _eval_step(self, step: int) -> float | None:
-        # Forward only, model chunk by model chunk (interleaved pipelines hold several per stage): every
-        # stage runs its chunks in order, each over all of this replica's microbatches, so a unit waits only
-        # for units of an earlier chunk or an earlier stage (sends do not wait for the receiver). Under cp
-        # the model takes its share of every sequence itself, and each cp rank's loss is its equal share's.
-        cfg, mbs = self.cfg, self.cfg.microbatch_size
-        self.transport.step = step
-        batch_size = cfg.train.global_batch
-        per_batch = batch_size // mbs
+        # This replica's microbatches of each fixed validation batch, walked as one forward-only pass on the
+        # executor (raypar.core.pipeline.evaluate). Under cp the model takes its share of every sequence
+        # itself, and each cp rank's loss is its equal share's.
+        cfg, mbs, batch_size = self.cfg, self.cfg.microbatch_size, self.cfg.train.global_batch
         mine = data.replica_microbatch_ids(self.dp_rank, self.dp, batch_size, mbs)
-        losses = []
-        rank = self.coord.pp
-        for chunk in range(self.topo.n_chunks):
-            first, last = self.topo.is_first(rank, chunk), self.topo.is_last(rank, chunk)
-            for batch in range(cfg.train.eval_batches):
-                for mb in mine:
-                    key = EVAL_MB_BASE + batch * per_batch + mb  # apart from the step's own microbatches
-                    if first or last:
-                        inputs, targets = data.eval_microbatch(self.val_dataset, batch, mb, mbs, batch_size)
-                        inputs, targets = inputs.to(self.device), targets.to(self.device)
-                    if not first:
-                        inputs = self.transport.recv_act(chunk, key, self.act_like).to(self.device)
-                    out = self.model(inputs, targets if last else None, chunk=chunk)
-                    self.model.take_aux_loss()  # MoE load balancing: a training loss only
-                    if last:
-                        losses.append(out.float())
-                    else:
-                        self.transport.send_act(chunk, key, out)
-                    if not first:
-                        self.transport.release("act", chunk, key)
+        units = [(batch, mb) for batch in range(cfg.train.eval_batches) for mb in mine]
+
+        def batch(unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+            inputs, targets = data.eval_microbatch(self.val_dataset, *units[unit], mbs, batch_size)
+            return inputs.to(self.device), targets.to(self.device)
+
+        self.transport.step = step
+        backend = ForwardBackend(self.model, self.coord.pp, self.topo, self.transport, self.act_like, batch)
+        loss = evaluate(backend, len(units))
         self.transport.finish_step()
-        return torch.stack(losses).mean().item() if losses else None
+        return None if loss is None else loss.item()
 
     def _memory(self, live: memory.LiveActivations) -> memory.MemoryReport:
         """Measured memory of this step: activations saved per microbatch and at most at once, microbatches
