@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench gpu-check clean
+.PHONY: demo test test-fast lint bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,14 +21,23 @@ demo: $(STAMP)
 
 # The thread-rank numerics that a CPU's instruction set can move (bf16 rounding, GEMM blocking) run once more
 # with ATen and oneDNN held to AVX2: a tolerance that fits only the machine at hand fails on the next one.
-ISA_TESTS := $(addprefix tests/test_,precision.py compress.py dp_strategy.py offload.py model.py tp_layers.py \
-	executor_equivalence.py sequence_parallel.py zero.py)
+ISA_TESTS := $(addprefix tests/unit/test_,precision.py compress.py dp_strategy.py offload.py model.py tp_layers.py \
+	executor_equivalence.py sequence_parallel.py)
+PYTEST := $(BIN)/python -m pytest -q -ra --durations=25
 
+# The suite by what a test needs (README.md, "Tests"): unit (one process, thread ranks), ray (the session's one
+# local Ray), cluster (subprocess runs that start their own Ray or clusters, benchmarks' --quick runs).
 test: $(STAMP)
-	$(BIN)/ruff check raypar tests benchmarks examples
+	$(BIN)/ruff check raypar actors collectives tests benchmarks examples
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -ra --durations=25 tests
-	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -q -ra -m "not ray" $(ISA_TESTS)
+	$(PYTEST) tests/unit
+	$(PYTEST) tests/ray
+	$(PYTEST) tests/cluster
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -q -ra $(ISA_TESTS)
+
+# The edit loop: the unit tier alone (no Ray), a few minutes.
+test-fast: $(STAMP)
+	$(PYTEST) tests/unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,7 +1,7 @@
 """Helpers shared by the training benchmarks (train_throughput, pipeline_bubble, activation_hop).
 
 Import it after the script has put the repository root on sys.path and removed benchmarks/ from it
-(benchmarks/collectives.py would otherwise shadow the `raypar.collectives` package, in the driver and, through
+(benchmarks/collectives.py would otherwise shadow the `collectives` package, in the driver and, through
 the path Ray copies from the driver, in every actor):
 
     _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,7 +30,7 @@ from typing import Any
 import ray
 import torch
 
-from raypar.actors.worker import WORKER_THREADS, Worker, _ActorBackend
+from actors.worker import WORKER_THREADS, Worker, _ActorBackend
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.controller.connection import NAMESPACE
 from raypar.core.config.schema import Config

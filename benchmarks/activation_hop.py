@@ -39,10 +39,10 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport  # noqa: E402
 from benchmarks import _common  # noqa: E402
-from raypar.actors.transport import DirectTransport, Mailbox, ObjectStoreTransport  # noqa: E402
-from raypar.collectives.host import GroupHost, create_groups  # noqa: E402
-from raypar.collectives.ray_store import RendezvousServer  # noqa: E402
+from collectives.host import GroupHost, create_groups  # noqa: E402
+from collectives.ray_store import RendezvousServer  # noqa: E402
 from raypar.core.pipeline.schedules import Topology  # noqa: E402
 
 TRANSPORTS = ("object_store", "direct")

@@ -143,7 +143,7 @@ def timed_interleaved(
 def make_raypar_actor_class() -> Any:
     import ray
 
-    from raypar.collectives.host import GroupHost
+    from collectives.host import GroupHost
 
     @ray.remote(num_cpus=0)
     class BenchRank(GroupHost):
@@ -195,8 +195,8 @@ class RayparWorld:
     def __init__(self, n: int, alloc: bool, with_torch: bool) -> None:
         import ray
 
-        from raypar.collectives.host import create_groups
-        from raypar.collectives.ray_store import RendezvousServer
+        from collectives.host import create_groups
+        from collectives.ray_store import RendezvousServer
 
         self._ray, self._alloc = ray, alloc
         self._server = RendezvousServer()
@@ -233,7 +233,7 @@ def _process_rank(impl: str, rank: int, n: int, port: int, alloc: bool, conn: An
         make, barrier = (lambda op, numel: torch_call(op, numel)), dist.barrier
     else:
         from benchmarks.tcp_store import TcpStoreRef
-        from raypar.collectives import GroupSpec, create_group
+        from collectives import GroupSpec, create_group
 
         spec = GroupSpec("bench", tuple(f"p{i}" for i in range(n)), rank, TcpStoreRef("127.0.0.1", port))
         group = create_group(spec)

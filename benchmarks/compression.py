@@ -5,10 +5,10 @@
 
 Every compressor trains the same model from the same seed on the same samples (raypar's global sampler,
 synthetic data) with ZeRO 0, the config's AdamW and learning-rate schedule. Ranks are threads of this
-process joined by a gloo group (tests/threads.py), so bytes are exact (`DPStrategy.traffic["reduce_bytes"]`
-of DP rank 0, per step, after compression starts) while step times are only indicative (the ranks share
-this machine's cores). Final loss: the mean training loss over the last 10 % of steps (at least one),
-averaged over replicas.
+process joined by a gloo group (tests/support/threads.py), so bytes are exact
+(`DPStrategy.traffic["reduce_bytes"]` of DP rank 0, per step, after compression starts) while step times
+are only indicative (the ranks share this machine's cores). Final loss: the mean training loss over the
+last 10 % of steps (at least one), averaged over replicas.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from raypar.core.dp.optim import lr_at  # noqa: E402
 from raypar.core.dp.strategy import DPStrategy  # noqa: E402
 from raypar.core.model.llama import LlamaStage  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
-from tests.threads import run_ranks  # noqa: E402
+from tests.support.threads import run_ranks  # noqa: E402
 
 COMPRESSORS = ("none", "bf16", "topk", "powersgd")
 

@@ -11,7 +11,7 @@ the calls, gathering the results, placing and starting actors, and recovering. T
 
 1. **Step**, two designs on the same actors (`--designs`), timed at the driver: wall time per step
    (median over `--steps`) and the driver process's CPU time per step (all its threads, Ray's included).
-   - `tree`: raypar's `ActorMesh.step`. The driver calls the top of a call tree (raypar.actors.replica_lead):
+   - `tree`: raypar's `ActorMesh.step`. The driver calls the top of a call tree (actors.replica_lead):
      each replica's leader (its first actor) calls every actor of its replica, itself included, and the
      first leader of each group of replicas relays to the group's other leaders, so that the driver makes
      at most `driver_calls` calls. raypar's default is 16; here it is 4 (`TREE_CALLS`), so that the
@@ -49,10 +49,10 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import numpy  # noqa: E402
 import ray  # noqa: E402
 
+from actors.endpoints import Peers, Placement, ReplicaAnswer, SetupInfo, WorkerEndpoints  # noqa: E402
+from actors.replica_lead import ReplicaLead  # noqa: E402
+from actors.worker import WORKER_THREADS  # noqa: E402
 from benchmarks import _common  # noqa: E402
-from raypar.actors.endpoints import Peers, Placement, ReplicaAnswer, SetupInfo, WorkerEndpoints  # noqa: E402
-from raypar.actors.replica_lead import ReplicaLead  # noqa: E402
-from raypar.actors.worker import WORKER_THREADS  # noqa: E402
 from raypar.controller.actor_calls import StepFailure  # noqa: E402
 from raypar.controller.actor_mesh import ActorMesh, StepResult  # noqa: E402
 from raypar.core.observe.step_report import StepReport  # noqa: E402

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-# benchmarks/collectives.py would shadow the `raypar.collectives` package (here and, via the path Ray copies,
+# benchmarks/collectives.py would shadow the `collectives` package (here and, via the path Ray copies,
 # in every actor): run with the repository root first instead of this folder.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]

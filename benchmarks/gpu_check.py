@@ -7,7 +7,7 @@ machine (it says why). Sections, in order:
 
 1. `nccl`: every op (all_reduce sum/max, reduce_scatter sum/max/avg, all_gather, all_to_all even and
    uneven, broadcast, grouped send/recv, barrier) in every dtype (fp32, bf16, fp16, int64), straight on
-   `raypar.collectives.nccl.NcclBackend` and through `Group`, each writing OUT OF PLACE into an output filled
+   `collectives.nccl.NcclBackend` and through `Group`, each writing OUT OF PLACE into an output filled
    with
    a sentinel (-7): at world size 1 every op is an identity, so only an overwritten sentinel shows NCCL (or
    Group) wrote the result. NCCL refuses two ranks on one GPU, so these are world-size-1 checks; reductions
@@ -66,7 +66,7 @@ try:  # on the lent GPU machine a missing wheel is the likely failure: say so in
     import torch
 
     from benchmarks import _common
-    from raypar.collectives import GroupError, GroupSpec, LocalStoreRef, create_group
+    from collectives import GroupError, GroupSpec, LocalStoreRef, create_group
     from raypar.controller.actor_mesh import ActorMesh
     from raypar.core.checkpoint import format as checkpoint
     from raypar.core.observe import flops
@@ -82,7 +82,7 @@ MESH_TIMEOUT_S = 120.0  # placement and collectives of the meshes: a missing GPU
 # pp=1 vs pp=2 and dp=1 vs dp=2 in fp32: the same model and samples; what differs is the order of fp32
 # sums (the DP reduction, the grad-norm partial sums per stage or rank, GEMMs over 4 rows instead of 8 that
 # cuBLAS may split differently), each a relative ~1e-7..1e-6 effect that three Adam steps do not grow
-# past 1e-5 (tests/test_zero.py measures the same on the CPU); 1e-4 leaves a margin for GPU GEMM choices.
+# past 1e-5 (tests/ray/test_zero.py measures the same on the CPU); 1e-4 leaves a margin for GPU GEMM choices.
 LAYOUT_RTOL = 1e-4
 # The llama-1b step: raypar and the plain loop run the same bf16 kernels on the same weights and batches,
 # so their step-0 losses agree to fp32 rounding. Afterwards their fp32 master weights differ by an ulp or
@@ -181,7 +181,7 @@ def _spec(name: str, store: LocalStoreRef, epoch: int, device: int) -> GroupSpec
 
 
 def nccl_ops(device: int) -> None:
-    from raypar.collectives.nccl import NcclBackend
+    from collectives.nccl import NcclBackend
 
     dev = torch.device("cuda", device)
     store = LocalStoreRef()
@@ -316,7 +316,7 @@ def sleep_cycles(device: torch.device, ms: float) -> int:
 
 
 def stream_order(device: int) -> None:
-    from raypar.collectives.nccl import NcclBackend
+    from collectives.nccl import NcclBackend
 
     dev = torch.device("cuda", device)
     store = LocalStoreRef()

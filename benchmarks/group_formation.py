@@ -9,7 +9,7 @@ mp and pp pairs), formed from the driver by `create_groups`, as the controller d
 every membership change. Timed: one `create_groups` call, from the driver, for every group of the mesh
 under a new epoch (each member replaces its group of the previous epoch, as after a failure).
 
-- **ray**: the store as raypar runs it (`raypar.collectives.ray_store.RendezvousServer`, a store actor; every
+- **ray**: the store as raypar runs it (`collectives.ray_store.RendezvousServer`, a store actor; every
   store operation of a member is an actor call, which Ray authenticates).
 - **tcp**: the store raypar used before: a `torch.distributed.TCPStore` served from the driver on the
   node address (benchmarks/tcp_store.py), no credentials.
@@ -36,9 +36,9 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import ray  # noqa: E402
 
 from benchmarks.tcp_store import TcpStoreServer  # noqa: E402
-from raypar.collectives.group import GroupError  # noqa: E402
-from raypar.collectives.host import GroupHost, create_groups  # noqa: E402
-from raypar.collectives.ray_store import RendezvousServer  # noqa: E402
+from collectives.group import GroupError  # noqa: E402
+from collectives.host import GroupHost, create_groups  # noqa: E402
+from collectives.ray_store import RendezvousServer  # noqa: E402
 from raypar.core.parallel.mesh import Mesh  # noqa: E402
 
 LAYOUTS = {4: Mesh(2, 1, 2), 8: Mesh(2, 2, 2), 16: Mesh(4, 2, 2)}

@@ -25,14 +25,14 @@ import threading
 import time
 from typing import Any
 
-# benchmarks/collectives.py would shadow the `raypar.collectives` package: the repository root goes first.
+# benchmarks/collectives.py would shadow the `collectives` package: the repository root goes first.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
-from raypar.collectives import GroupSpec, LocalStoreRef, create_group  # noqa: E402
+from collectives import GroupSpec, LocalStoreRef, create_group  # noqa: E402
 from raypar.core.config.load import from_dict  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
 from raypar.core.data import datasets as data  # noqa: E402

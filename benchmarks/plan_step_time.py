@@ -17,7 +17,7 @@ reduction and pipeline hops. The calibration also absorbs what the planner does 
 compute (the optimizer step, raypar's per-step calls).
 
 The planner assumes one device per actor. A layout with more actors than the machine has cores
-(`raypar.actors` > `cores` in the table) shares cores between actors whenever they compute at once, which the
+(`actors` > `cores` in the table) shares cores between actors whenever they compute at once, which the
 prediction does not include: read its ratio as that, not as a wrong term. Step times depend on load; take
 the numbers on a quiet machine.
 """

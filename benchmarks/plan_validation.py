@@ -1,6 +1,6 @@
 """The planner's memory predictions against what raypar's actors measure, layout by layout.
 
-    python benchmarks/plan_validation.py    # the table in benchmarks/README.md (tests/test_plan.py runs
+    python benchmarks/plan_validation.py    # the table in benchmarks/README.md (tests/unit/test_plan.py runs
                                             # the same `measure()` and checks its tolerances)
     python benchmarks/plan_validation.py --quick            # smoke run: one layout
 

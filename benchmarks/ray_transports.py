@@ -46,8 +46,8 @@ import torch  # noqa: E402
 
 from benchmarks import _common, activation_hop  # noqa: E402
 from benchmarks.activation_hop import GROUP, human, iterations, parse_size  # noqa: E402
-from raypar.collectives.host import create_groups  # noqa: E402
-from raypar.collectives.ray_store import RendezvousServer  # noqa: E402
+from collectives.host import create_groups  # noqa: E402
+from collectives.ray_store import RendezvousServer  # noqa: E402
 
 RAYPAR = ("object_store", "direct")
 ALTERNATING = (*RAYPAR, "rdt_actor", "rdt_driver", "ray_driver")

@@ -17,7 +17,7 @@ tokens, h = d_model, h_kv = kv heads·head_dim, fp32 (4 bytes), the formulas per
 The backward moves the same again for SP and Ulysses (the conjugate collectives), and for the ring P
 block transfers, each carrying key, value and their gradients (twice the forward block), the last one
 gradients only. The pipeline hop under SP carries N·h/P instead of N·h: measured in
-tests/test_sequence_parallel.py.
+tests/unit/test_sequence_parallel.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
-from raypar.collectives import GroupSpec, LocalStoreRef, create_group  # noqa: E402
+from collectives import GroupSpec, LocalStoreRef, create_group  # noqa: E402
 from raypar.core.config.schema import ModelConfig  # noqa: E402
 from raypar.core.model.llama import Block, rope_tables  # noqa: E402
 from raypar.core.parallel import cp  # noqa: E402

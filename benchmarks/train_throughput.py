@@ -57,8 +57,8 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from actors.worker import WORKER_THREADS  # noqa: E402
 from benchmarks import _common  # noqa: E402
-from raypar.actors.worker import WORKER_THREADS  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
 from raypar.core.parallel.mesh import Coord  # noqa: E402
 

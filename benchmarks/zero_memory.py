@@ -3,7 +3,7 @@
     python benchmarks/zero_memory.py            # `small`, dp 1 2 4, pp 1 2: a markdown table
     python benchmarks/zero_memory.py --quick    # `tiny`, dp 1 2, pp 1 (the test suite runs this)
 
-Ranks are threads of this process joined by a gloo group (tests/threads.py), so bytes are exact while
+Ranks are threads of this process joined by a gloo group (tests/support/threads.py), so bytes are exact while
 step times are only indicative (the ranks share this machine's cores). Measured: the unique storages of
 parameters, gradients, master weights and moments of stage 0 on DP rank 0 after a step
 (`DPStrategy.model_state_bytes`). Ψ = that stage's parameters. For fp32 parameters (their own master
@@ -36,7 +36,7 @@ from raypar.core.dp.zero3 import Zero3Strategy  # noqa: E402
 from raypar.core.model.llama import LlamaStage  # noqa: E402
 from raypar.core.parallel.mesh import stage_layers  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
-from tests.threads import run_ranks  # noqa: E402
+from tests.support.threads import run_ranks  # noqa: E402
 
 FP32_FORMULA = {0: lambda d: 16.0, 1: lambda d: 8 + 8 / d, 2: lambda d: 4 + 12 / d, 3: lambda d: 16 / d}
 OFFLOAD_FORMULA = {1: lambda d: 8 + 16 / d, 2: lambda d: 4 + 20 / d, 3: lambda d: 24 / d}

@@ -8,7 +8,7 @@ import pytest
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Actors export metrics to Ray's agent every interval (default 10 s); 1 s, Ray's floor, keeps
-# tests/test_telemetry.py's wait short. Read by every Ray process ray.init starts, so set before it.
+# tests/ray/test_telemetry.py's wait short. Read by every Ray process ray.init starts, so set before it.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 
 
@@ -45,9 +45,10 @@ def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def no_actors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Creating the run's actors raises tests.runs.ActorsStarted: the input checks before it all passed."""
+    """Creating the run's actors raises tests.support.runs.ActorsStarted: the input checks before it all
+    passed."""
     from raypar.controller import training
-    from tests.runs import ActorsStarted
+    from tests.support.runs import ActorsStarted
 
     def start(*args: object, **kwargs: object) -> None:
         raise ActorsStarted

@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from raypar.actors.endpoints import ReplicaAnswer, WorkerEndpoints, call
+from actors.endpoints import ReplicaAnswer, WorkerEndpoints, call
 from raypar.controller.connection import RunFailure
 from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Coord
@@ -71,7 +71,7 @@ class ActorCalls:
 
     def _gather(self, refs: dict[Any, Coord], what: str, step: int | None = None) -> dict[Coord, Any]:
         """Wait for every ref. A ref may be a replica leader's `fan_out`, answering for its replica's actors
-        (raypar.actors.replica_lead). On the first failure: find dead actors, end the broken replicas (their
+        (actors.replica_lead). On the first failure: find dead actors, end the broken replicas (their
         peers then fail fast instead of waiting out a timeout), call off the others' waits for `step`, and
         raise StepFailure with the root cause, not a symptom."""
         deadline = time.monotonic() + 2 * self.cfg.parallel.timeout_s + 30
@@ -122,7 +122,7 @@ class ActorCalls:
         self, endpoint: Callable[..., Any], args: tuple, what: str, step: int | None = None
     ) -> dict[Coord, Any]:
         """`endpoint(*args)` (a WorkerEndpoints method) on every actor, the driver calling only the top of
-        the mesh's call tree (leaders that fan out: raypar.actors.replica_lead; or every actor, in a small
+        the mesh's call tree (leaders that fan out: actors.replica_lead; or every actor, in a small
         mesh)."""
         timeout_s = 2 * self.cfg.parallel.timeout_s + 20  # under _gather's: the leader names the late
         refs = {}

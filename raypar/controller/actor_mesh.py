@@ -2,7 +2,7 @@
 
 `ActorMesh` owns one run's actors. A step is one call per actor, `train_step(step, commit)`: the driver makes
 them itself in a mesh of up to `driver_calls` actors, else through a tree of replica leaders (`_lead`,
-raypar.actors.replica_lead), so that it makes at most `driver_calls` calls. It computes and
+actors.replica_lead), so that it makes at most `driver_calls` calls. It computes and
 reduces step `step` without applying it; its update is applied at the start of the next call (`commit`),
 once every actor has finished phase 1, or by `commit()` alone before anything that reads the state
 (checkpoints, scaling, reading parameters). A failure anywhere surfaces as `StepFailure` naming the actor
@@ -22,11 +22,11 @@ from typing import Any
 import ray
 import torch
 
-from raypar.actors.devices import cuda_ordinal
-from raypar.actors.endpoints import Peers, Placement, WorkerEndpoints, call
-from raypar.actors.worker import WORKER_ENV, RemoteWorker
-from raypar.collectives.host import create_groups
-from raypar.collectives.ray_store import RendezvousServer
+from actors.devices import cuda_ordinal
+from actors.endpoints import Peers, Placement, WorkerEndpoints, call
+from actors.worker import WORKER_ENV, RemoteWorker
+from collectives.host import create_groups
+from collectives.ray_store import RendezvousServer
 from raypar.controller import buddy
 from raypar.controller.actor_calls import ActorCalls, cause_of
 from raypar.controller.connection import NAMESPACE, RunFailure
@@ -232,7 +232,7 @@ class ActorMesh(ActorCalls):
         self._lead()
 
     def _lead(self) -> None:
-        """Build the tree the all-actor calls of a step go down (raypar.actors.replica_lead): up to
+        """Build the tree the all-actor calls of a step go down (actors.replica_lead): up to
         `driver_calls`
         actors are called directly; beyond, each replica's first actor leads it, and the first leader of each
         of at most `driver_calls` groups of replicas relays to the others of its group."""

@@ -1,4 +1,4 @@
-"""Where a restore from in-memory copies (`checkpoint.in_memory`, raypar.actors.buddy) takes each actor's
+"""Where a restore from in-memory copies (`checkpoint.in_memory`, actors.buddy) takes each actor's
 state.
 
 Every actor of a live replica has its own snapshots; an actor that was lost has copies on its buddy, the
@@ -9,7 +9,7 @@ one step earlier when an owner died before its newest copy reached its buddy.
 
 from __future__ import annotations
 
-from raypar.actors.endpoints import Inventory
+from actors.endpoints import Inventory
 from raypar.core.parallel.mesh import Coord
 
 

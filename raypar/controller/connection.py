@@ -13,7 +13,7 @@ from typing import Any
 import ray
 from ray._private import ray_constants
 
-from raypar.actors.control import control_name
+from actors.control import control_name
 from raypar.controller import ray_env
 
 NAMESPACE = "raypar"

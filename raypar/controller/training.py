@@ -34,9 +34,9 @@ from typing import Any, TextIO
 
 import ray
 
-from raypar.actors.control import RunControl, control_name
-from raypar.collectives.group import GroupError
-from raypar.collectives.ray_store import home_node_strategy
+from actors.control import RunControl, control_name
+from collectives.group import GroupError
+from collectives.ray_store import home_node_strategy
 from raypar.controller import shared_paths, stopping
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica, StepResult

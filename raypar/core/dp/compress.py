@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 import torch
 
-from raypar.collectives import Group
+from collectives import Group
 from raypar.core.checkpoint.format import ShardSpec
 from raypar.core.checkpoint.reader import CheckpointReader
 from raypar.core.config.schema import COMPRESSORS

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from raypar.collectives import Group
+from collectives import Group
 from raypar.core.checkpoint.format import ShardSpec
 from raypar.core.checkpoint.reader import CheckpointReader
 from raypar.core.dp import compress

@@ -57,7 +57,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from raypar.collectives import Group, Work
+from collectives import Group, Work
 from raypar.core.config.schema import TrainConfig
 from raypar.core.dp.compress import Compressor, Deferred
 from raypar.core.dp.flat import Bucket, FlatLayout, Piece, Run, Slot

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raypar.collectives import Work
+from collectives import Work
 from raypar.core.dp.flat import Bucket
 from raypar.core.dp.strategy import DPStrategy, StageModel
 

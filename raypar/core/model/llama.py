@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from raypar.collectives import Group
+from collectives import Group
 from raypar.core.config.schema import ModelConfig
 from raypar.core.model.moe import MoELayer, MoEStats, is_moe_layer
 from raypar.core.parallel import cp
@@ -206,7 +206,7 @@ class Block(nn.Module):
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         # Residual dropout acts on full (tp-replicated) activations: every tp rank must draw the same mask,
-        # so callers seed the RNG identically on all ranks of a stage (see raypar/actors/worker.py).
+        # so callers seed the RNG identically on all ranks of a stage (see actors/worker.py).
         return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
 
 

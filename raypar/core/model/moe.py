@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raypar.collectives import Group
+from collectives import Group
 from raypar.core.config.schema import ModelConfig
 from raypar.core.parallel import cp
 from raypar.core.parallel.ep import all_to_all

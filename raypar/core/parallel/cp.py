@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from raypar.collectives import Group
+from collectives import Group
 
 
 def positions(seq_len: int, cp: int, rank: int, style: str) -> torch.Tensor:

@@ -12,11 +12,11 @@ over the ep replicas of its EP group. Summing that over the EDP group covers all
 divisor is therefore dp, the full data-parallel degree, not the EDP group's size (that would be ep times
 too large; with ep = dp it would not divide at all): the worker's expert `DPStrategy`
 (raypar.core.dp.strategy) sums over
-the EDP group with divisor dp. tests/test_moe_training.py checks this against one
+the EDP group with divisor dp. tests/ray/test_moe_training.py checks this against one
 process and rejects the EDP-size divisor. With context parallelism each cp rank's loss is the mean over
 its T/cp tokens, cp times the weight the replica's mean gives them (as for every parameter replicated
 over cp, raypar.core.parallel.mesh): the EDP group spans the cp ranks and the divisor is dp x cp
-(tests/test_moe_context_parallel.py).
+(tests/unit/test_moe_context_parallel.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from raypar.collectives import Group
+from collectives import Group
 
 
 def ep_rank_of(dp_rank: int, ep: int) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
-G = TypeVar("G")  # a formed group (raypar.collectives.group.Group; a test's stand-in)
+G = TypeVar("G")  # a formed group (collectives.group.Group; a test's stand-in)
 
 
 class Coord(NamedTuple):
@@ -244,7 +244,7 @@ class Mesh:
     @staticmethod
     def is_pipe_link(name: str) -> bool:
         """Whether group `name` is a pipeline link: messages go both ways on it independently (NCCL gives it
-        a communicator per direction, raypar.collectives.nccl)."""
+        a communicator per direction, collectives.nccl)."""
         return name.startswith("pp.")
 
     @staticmethod

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from raypar.collectives import Group
+from collectives import Group
 
 
 def _parallel(group: Group | None) -> bool:

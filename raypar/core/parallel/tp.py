@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raypar.collectives import Group
+from collectives import Group
 from raypar.core.parallel.sp import reduce_scatter_to_sp
 from raypar.core.pipeline.zb import WeightGradStore, linear
 

@@ -5,9 +5,9 @@ setting.
 rank could not do (a forward without its input, W before B, a send of something not computed, work done
 twice) and hands the work to a backend. Two backends exist:
 
-- `ModelBackend`: the real thing, used by the Ray actor (raypar.actors.worker) and by thread-rank tests:
+- `ModelBackend`: the real thing, used by the Ray actor (actors.worker) and by thread-rank tests:
 chunks of a
-  `LlamaStage`, a transport (raypar.actors.transport, or raypar.core.pipeline.local_transport in one process),
+  `LlamaStage`, a transport (actors.transport, or raypar.core.pipeline.local_transport in one process),
   a DP
   reducer.
 - `_ClockBackend`: fixed costs on a clock, for `simulate.simulate`; its receives do not block but say
@@ -202,7 +202,7 @@ def simulate_plans(
 
 # -- the real backend ------------------------------------------------------------------------------------
 class Transport(Protocol):
-    """What moves activations and gradients between ranks (raypar.actors.transport,
+    """What moves activations and gradients between ranks (actors.transport,
     raypar.core.pipeline.local_transport).
     `chunk` is the sender's chunk for sends and the receiver's for receives; the transport maps the one to
     the other with the pipeline topology."""

@@ -1,5 +1,5 @@
 """Activations and gradients between pipeline ranks that are threads of one process (tests, simulation
-with real compute): the same interface as raypar.actors.transport, a dictionary and a condition variable
+with real compute): the same interface as actors.transport, a dictionary and a condition variable
 instead
 of Ray or a process group. Counts the bytes each rank sends, so tests can measure a hop's size."""
 

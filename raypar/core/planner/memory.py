@@ -222,7 +222,7 @@ def stage_activation_bytes(
 
 def rank_chunks(cfg: Config, layout: Layout) -> list[list[range]]:
     """Per pipeline rank, the layers of each of its chunks: chunk c of rank r is virtual stage c * pp + r
-    (as raypar.actors.worker builds them), so with v > 1 a rank's layers are not contiguous."""
+    (as actors.worker builds them), so with v > 1 a rank's layers are not contiguous."""
     pp, v = layout.pp, layout.virtual_stages
     virtual = stage_layers(cfg.model.n_layers, pp * v, cfg.parallel.stage_layers or None)
     return [[virtual[c * pp + r] for c in range(v)] for r in range(pp)]

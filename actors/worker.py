@@ -1,0 +1,512 @@
+"""The training actor: one (dp, pp, tp) coordinate, holding one shard of the model and its optimizer.
+
+A training step on an actor, top to bottom (`train_step(step, commit)`):
+  1. `commit`: the update of the previous step, once the driver knows that every actor finished its
+     phase 1 (it says so by passing that step's number along with the next call: one round trip a step);
+  2. phase 1 of `step`: walk this stage's schedule (raypar.core.pipeline.schedules) on the core's executor
+     (raypar.core.pipeline.executor): receive activations, forward, send; receive gradients, backward, send —
+     microbatch
+     by microbatch and chunk by chunk, data read locally from the global sampler; the DP strategy
+     (raypar.core.dp.strategy: plain or ZeRO 1-3) reduces gradients across replicas, each chunk's buckets
+     overlapping its
+     last weight-gradient op; the global gradient norm is summed over this replica's stages and tp ranks (and
+     over the DP group where ZeRO splits the gradients), then clipped.
+Nothing is applied before all gradients are reduced everywhere, so a failed step leaves every survivor
+at the previous step and can simply be redone. The driver sends only step numbers: data, activations
+and gradients never pass through it.
+
+The actor's name (its coordinate) never changes; its data-parallel rank does when replicas come and go.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from typing import Any
+
+import ray
+import torch
+
+from actors.buddy import BuddyCopies
+from actors.devices import OnDevice, cuda_ordinal
+from actors.endpoints import Peers, Placement, SetupInfo
+from actors.replica_lead import ReplicaLead
+from actors.telemetry import ActorMetrics, per_step
+from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
+from actors.worker_state import WorkerState
+from collectives import Group
+from collectives.host import GroupHost
+from raypar.core.checkpoint import hf
+from raypar.core.config.load import from_dict
+from raypar.core.data import datasets as data
+from raypar.core.dp import compress, precision
+from raypar.core.dp.optim import lr_at
+from raypar.core.dp.strategy import DPStrategy
+from raypar.core.dp.zero3 import Zero3Strategy
+from raypar.core.model.llama import LlamaStage, dropout_seed
+from raypar.core.model.moe import is_expert_param
+from raypar.core.observe import flops, memory
+from raypar.core.observe.step_report import MoELayerReport, StepReport
+from raypar.core.parallel import ep as ep_mod
+from raypar.core.parallel.mesh import BoundGroups, Coord, StageGroups, actor_name, stage_layers
+from raypar.core.pipeline import schedules
+from raypar.core.pipeline.evaluate import ForwardBackend, evaluate
+from raypar.core.pipeline.executor import ModelBackend, StepRun, busy_seconds
+
+# Counting the bytes a forward saves costs a Python call per saved tensor (+15 % of a 20-ms `tiny` step,
+# measured). A dense model's counts depend only on the shapes, fixed while the model and layout are: they
+# are measured on a unit's first step after every (re)build and every METER_EVERY steps, and reused between.
+METER_EVERY = 100
+
+
+class _ActorBackend(ModelBackend):
+    """The executor's model backend for one actor's step, plus what the actor does around each forward:
+    dropout seeded per (step, microbatch, virtual stage), the same on every tp rank of it; the activations
+    each unit saves, measured while its graph lives (raypar.core.observe.memory)."""
+
+    def __init__(self, worker: Worker, step: int, scale: float):
+        super().__init__(
+            worker.model, worker.coord.pp, worker.topo, worker.transport, worker.act_like,
+            lambda mb: worker._batch(step, mb), worker.microbatches, worker._send_grad, scale,
+        )
+        self.worker, self.step = worker, step
+        self.saved: memory.SavedActivations | None = None  # made on a metering step only (a module walk)
+        self.live = memory.LiveActivations()
+
+    def run_forward(self, chunk: int, mb: int, forward: Any) -> torch.Tensor:
+        w = self.worker
+        if w.cfg.model.dropout > 0:  # the same masks on every tp rank, whatever recomputes
+            global_mb = w.dp_rank * w.microbatches + mb
+            stage = self.topo.virtual(self.rank, chunk)
+            torch.manual_seed(dropout_seed(w.cfg.train.seed, self.step, global_mb, stage))
+        known = w.saved_bytes.get((chunk, mb))
+        if known is not None and self.step % METER_EVERY:
+            out = forward()
+        else:
+            if self.saved is None:
+                model = w.model
+                self.saved = memory.SavedActivations(exclude=[*model.parameters(), *model.buffers()])
+            with self.saved:
+                out = forward()
+            known = self.saved.bytes
+            if not w.model.moe_layers():  # experts see a different number of tokens every step
+                w.saved_bytes[(chunk, mb)] = known
+        self.live.forward((chunk, mb), known)
+        return out
+
+    def freed(self, chunk: int, mb: int) -> None:
+        self.live.backward((chunk, mb))
+
+
+def _summed(counts: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+class WorkerFailure(RuntimeError):
+    """Raised inside an actor; the message is prefixed with the actor's coordinates."""
+
+
+class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
+    """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks) override
+    the seams `_make_strategy`, `_make_expert_strategy`, `_bind_groups`, `_backend`, `_send_grad`,
+    `_train_step`, `_sum_tied_grads`, `_write_shard` and `_buddy_copy` and wrap themselves the same way.
+    Checkpoints, healing and in-memory snapshots are in `WorkerState` (actors.worker_state). Every
+    public method, a subclass's too, runs on the actor's GPU whichever thread Ray runs it on
+    (actors.devices.OnDevice)."""
+
+    def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
+        torch.set_num_threads(threads)
+        self.run, self.coord = run, Coord(*coord)
+        self.name = actor_name(run, self.coord)
+        self.mailbox = Mailbox()
+        self.metrics = ActorMetrics(run, self.coord)
+        self.transport: ObjectStoreTransport | DirectTransport | None = None
+        self._writer: threading.Thread | None = None
+        self._written: list[dict[str, Any]] | BaseException | None = None
+        self.strategy: DPStrategy | None = None  # dense parameters
+        self.expert_strategy: DPStrategy | None = None  # expert parameters (an empty one without MoE)
+        # The whole DP state, taken before a planned change of dp (ZeRO shards it over the old group):
+        # (state by checkpoint name, optimizer step count); consumed by rebind and sync_state.
+        self._stash: tuple[dict[str, torch.Tensor], int] | None = None
+        # checkpoint.in_memory: snapshots of this actor and copies held for another; kept across set-ups
+        self.copies = BuddyCopies()
+        self._buddy: Any = None  # the actor that holds this one's copies
+        self._layout: tuple[int, ...] = ()  # replica ids in dp-rank order: what a snapshot is valid for
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def where(self) -> Placement:
+        return Placement(
+            name=self.name,
+            node_id=ray.get_runtime_context().get_node_id(),
+            pid=os.getpid(),
+            ip=ray.util.get_node_ip_address(),
+            cuda=torch.cuda.is_available(),
+            gpu_ids=[str(i) for i in ray.get_gpu_ids()],
+            visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        )
+
+    def _fail(self, what: str, err: Exception) -> WorkerFailure:
+        d, p, t, c = self.coord
+        where = f"dp={d}, pp={p}, tp={t}" + (f", cp={c}" if c else "")  # as in the name
+        return WorkerFailure(f"{self.name} ({where}) {what}: {type(err).__name__}: {err}")
+
+    # -- set-up ----------------------------------------------------------------------------------------
+    def setup(
+        self, cfg: dict, groups: StageGroups, peers: Peers, epoch: int, keep_copies: bool = False
+    ) -> SetupInfo:
+        """Build model, optimizer and data for this coordinate from the seed alone, then bind `groups`.
+        In-memory copies of an earlier state are void then, unless `keep_copies` (to restore from them)."""
+        self.cfg = from_dict(cfg)
+        if not keep_copies:
+            self.copies = BuddyCopies()
+        p, par = self.coord.pp, self.cfg.parallel
+        self.device = self._device()
+        self._use_device(self.device)
+        dtype = precision.DTYPES[self.cfg.train.precision]
+        self.peak_flops = flops.device_peak_flops(self.device, dtype)  # measured once per process on CPU
+        self.topo = schedules.Topology(par.pp, par.virtual_stages)
+        virtual = stage_layers(self.cfg.model.n_layers, par.pp * par.virtual_stages, par.stage_layers or None)
+        chunks = [virtual[self.topo.virtual(p, c)] for c in range(par.virtual_stages)]
+        self.first, self.last = p == 0, p == par.pp - 1
+        bound = groups.bind(self.group)  # tp shapes the shards, ep says which experts live here
+        train, init_from = self.cfg.train, self.cfg.model.init_from
+        self.model = LlamaStage(
+            self.cfg.model, chunks[0], self.first, self.last, bound.tp, train.seed, bound.ep, chunks,
+            par.sequence_parallel, bound.cp, par.cp_style, init=not init_from,
+        )
+        if init_from:  # this shard only, read from the files (never the whole model)
+            hf.load_stage(self.model, init_from)
+        self.model.set_recompute(train.recompute, train.recompute_every)
+        self.model.to(self.device)
+        self.param_dtype = dtype  # the strategy keeps fp32 masters for 16-bit parameters
+        self.strategy, self.expert_strategy, self._stash = None, None, None
+        self.scaler = precision.scaler_for(train)
+        self._skip = False
+        self.dataset = self.val_dataset = None
+        if self.first or self.last:
+            self.dataset, self.val_dataset = data.open_datasets(self.cfg.data, self.cfg.model)
+        if self.dataset is not None:
+            self.sampler = data.GlobalSampler(
+                self.dataset.num_samples, self.cfg.train.global_batch, self.cfg.train.seed
+            )
+        mbs, seq = self.cfg.microbatch_size, self.cfg.model.seq_len
+        seq //= par.cp * (par.tp if par.sequence_parallel else 1)  # hops carry this rank's tokens
+        self.act_like = torch.empty(mbs, seq, self.cfg.model.d_model, device=self.device, dtype=dtype)
+        self.rebind(groups, peers, epoch)
+        return SetupInfo(sum(p.numel() for p in self.model.parameters()), self.peak_flops)
+
+    def rebind(self, groups: StageGroups, peers: Peers, epoch: int) -> None:
+        """Use `groups`, formed for membership `epoch` (after any change of replicas), keeping the model
+        and optimizer state."""
+        p = self.coord.pp
+        self.epoch = epoch
+        self.saved_bytes: dict[tuple[int, int], int] = {}  # per unit; a new dp changes microbatch sizes
+        par = self.cfg.parallel
+        self.dp, self.dp_rank = groups.dp, groups.dp_rank
+        self._layout, self._buddy = groups.replicas, peers.buddy
+        bound = groups.bind(self.group)
+        self._bind_groups(bound)
+        # Gradients of parameters replicated across cp are reduced over cp x dp (the dp group).
+        self.dp_group, self.edp_group, self.ep_group = bound.dp, bound.edp, bound.ep
+        self.emb_group, self.mp_group = bound.emb, bound.mp
+        self._rebuild_strategies()
+        self.microbatches = self.cfg.microbatches_at(self.dp)
+        self.plan = schedules.build(par.schedule, par.pp, self.microbatches, par.virtual_stages)[p]
+        if self.transport is not None:
+            self.transport.close()
+        if par.transport == "direct":
+            self.transport = DirectTransport(bound.pp_prev, bound.pp_next)
+        else:
+            self.transport = ObjectStoreTransport(
+                self.name, peers.prev, peers.next, self.mailbox, par.timeout_s, epoch,
+                p, self.topo,
+            )
+        self.mailbox.reset()
+
+    def _strategies(self) -> tuple[DPStrategy, DPStrategy]:
+        return self.strategy, self.expert_strategy
+
+    def _rebuild_strategies(self) -> None:
+        """New DP strategies for the new groups; the old ones' hooks go with them. Their state carries
+        over: from the stash of a planned dp change, or read locally where nothing is sharded."""
+        par = self.cfg.parallel
+        state, step_count = self._stash if self._stash is not None else (None, 0)
+        if state is None and self.strategy is not None:
+            if self.strategy.sharded:
+                raise RuntimeError(
+                    f"parallel.zero={par.zero}: this replica's optimizer slices were sharded over a group "
+                    "that changed without a stash; restore from a checkpoint"
+                )
+            state, step_count = self._full_state(), self.strategy.step_count
+        if self.strategy is not None:
+            for old in self._strategies():
+                old.close()
+        self.strategy = self._make_strategy(self.dp_group)
+        self.expert_strategy = self._make_expert_strategy(self.edp_group)
+        tied = self.model.tied_weight()
+        if tied is not None:  # its bucket waits for `_sum_tied_grads`
+            self.strategy.hold({n for n, p in self.model.named_parameters() if p is tied})
+        if state is not None:
+            for strategy in self._strategies():
+                strategy.load_full_state(state, step_count)
+
+    def _bind_groups(self, groups: BoundGroups[Group]) -> None:
+        self.model.bind_groups(groups)
+
+    def _make_strategy(self, dp_group: Any) -> DPStrategy:
+        """Every non-expert parameter: averaged over the data-parallel group, ZeRO as configured."""
+        par, train = self.cfg.parallel, self.cfg.train
+        cls = Zero3Strategy if par.zero == 3 else DPStrategy
+        strategy = cls(
+            self.model, train, dp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp,
+            dtype=self.param_dtype, reduce_dtype=precision.DTYPES[train.reduce_dtype],
+            select=lambda name: not is_expert_param(name), host_threads=par.threads_per_actor,
+        )
+        # dense gradients only: expert gradients are reduced over their own, smaller groups
+        strategy.compressor = compress.build(
+            par.grad_compression, par.topk_ratio, par.powersgd_rank, par.compression_start_step, train.seed
+        )
+        return strategy
+
+    def _make_expert_strategy(self, edp_group: Any) -> DPStrategy:
+        """Expert parameters: summed over the expert-dp group, divided by dp x cp (raypar.core.parallel.ep
+        says why);
+        sharded over that group under ZeRO, at stage 3 the experts themselves too (gathered around their
+        block)."""
+        par, train = self.cfg.parallel, self.cfg.train
+        return self._expert_strategy_class()(
+            self.model, train, edp_group, par.zero, int(par.bucket_mb * 2**20), self.coord.tp,
+            dtype=self.param_dtype, reduce_dtype=precision.DTYPES[train.reduce_dtype],
+            select=is_expert_param, divisor=self.dp * par.cp,
+        )
+
+    def _expert_strategy_class(self) -> type[DPStrategy]:
+        """The experts' strategy class (a seam: a test swaps in a broken ZeRO-3 one)."""
+        return Zero3Strategy if self.cfg.parallel.zero == 3 else DPStrategy
+
+    def _device(self) -> torch.device:
+        gpu_ids = ray.get_gpu_ids()
+        if gpu_ids and torch.cuda.is_available():
+            # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES keeps every GPU visible (NCCL needs that for
+            # NVLink); the id Ray assigned picks ours.
+            return torch.device("cuda", cuda_ordinal(gpu_ids[0], os.environ.get("CUDA_VISIBLE_DEVICES")))
+        return torch.device("cpu")
+
+    @per_step
+    def deliver(self, key: tuple[str, int, int, int, int], refs: list, dtype: str) -> None:
+        self.mailbox.put(tuple(key), (refs, dtype))
+
+    def abort(self, epoch: int, step: int) -> None:
+        """Step `step` of membership `epoch` failed elsewhere: stop waiting for neighbours, and abort the
+        NCCL groups of that membership so that their pending ops fail now (NCCL never notices a dead peer).
+        The driver re-forms every group under a new epoch after this call, so none of them is used again;
+        gloo groups end by the dead peer's closed sockets and are left alone. Later steps and memberships
+        are not affected, however late this call arrives."""
+        self.mailbox.abort(epoch, step)
+        self.abort_groups(f"step {step} of membership {epoch} failed elsewhere", backend="nccl", epoch=epoch)
+
+    # -- one step --------------------------------------------------------------------------------------
+    def _batch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        global_mb = self.dp_rank * self.microbatches + mb
+        inputs, targets = data.microbatch(
+            self.dataset, self.sampler, step, global_mb, self.cfg.microbatch_size
+        )
+        return inputs.to(self.device), targets.to(self.device)
+
+    @per_step
+    def train_step(self, step: int, commit: int | None = None) -> StepReport:
+        """Apply the update of step `commit` (every actor finished its phase 1), then phase 1 of `step`."""
+        if commit is not None:
+            self.apply_step(commit)
+        try:
+            result = self._train_step(step)
+        except Exception as err:
+            for strategy in self._strategies():  # the step is discarded: nothing of it may leak into a redo
+                strategy.zero_grad()
+            raise self._fail(f"step {step}", err) from err
+        self.copies.wait_shared()  # so a completed step means: the buddy holds the copy from before it
+        return result
+
+    def apply_step(self, step: int) -> None:
+        """Phase 2 of `step`: every actor finished phase 1, so the update is applied everywhere, or skipped
+        everywhere after an fp16 overflow (then neither Adam's count nor the LR schedule advances). Comes
+        with the next `train_step` call, or alone before anything that reads the state (checkpoint,
+        scaling)."""
+        if not self._skip:
+            lr = lr_at(self.strategy.step_count, self.cfg.train)
+            for strategy in self._strategies():
+                strategy.step(lr)
+        if self.scaler is not None:
+            self.scaler.update(self._skip)
+        self._skip = False  # applied once: a second apply of the same step must not count it again
+        for strategy in self._strategies():
+            strategy.zero_grad()
+        if self.cfg.checkpoint.in_memory:
+            self._snapshot(step + 1)
+
+    def _train_step(self, step: int) -> StepReport:
+        start = time.perf_counter()
+        self._stash = None  # a dp change is complete once a step runs
+        for strategy in self._strategies():
+            strategy.begin_step()
+        self.transport.step = step
+        self.mailbox.clear_before(self.epoch, step)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        backend = self._backend(step, scale)
+        if isinstance(self.transport, DirectTransport):  # its receives get posted ahead of need
+            receives = [("act" if i.op == schedules.RECV_ACT else "grad", i.chunk, i.mb) for i in self.plan
+                        if i.op in (schedules.RECV_ACT, schedules.RECV_GRAD)]
+            self.transport.expect(receives, self.act_like)
+        run = StepRun(
+            self.coord.pp, self.topo, self.plan, backend, self._strategies(), self.model.chunk_parameters
+        )
+        events = run.run(time.perf_counter, start)
+        losses, live = backend.losses, backend.live
+        compute_end = time.perf_counter()
+        self._sum_tied_grads()  # before the strategies reduce the bucket they hold for it
+        for strategy in self._strategies():
+            strategy.finish()
+        self.transport.finish_step()
+        check = self.scaler is not None
+        found_inf = [s.unscale_(1.0 / scale, check=check) for s in self._strategies()]  # both, always
+        self._skip = self.scaler is not None and self._anywhere(any(found_inf))
+        grad_norm = float("inf") if self._skip else self._clip_grad_norm()
+        self.check_groups()  # a step is complete only if no communicator failed under it
+        end = time.perf_counter()
+        traffic = _summed(s.take_traffic() for s in self._strategies())
+        result = StepReport(
+            coord=tuple(self.coord),
+            dp_rank=self.dp_rank,
+            loss=torch.stack(losses).float().mean().item() if losses else None,
+            grad_norm=grad_norm,
+            lr=lr_at(self.strategy.step_count, self.cfg.train),
+            loss_scale=scale,
+            skipped=self._skip,
+            step_s=end - start,
+            busy_s=busy_seconds(events),
+            reduce_s=end - compute_end,
+            events=events,
+            reduce_bytes=traffic["reduce_bytes"],
+            gather_bytes=traffic["gather_bytes"],
+            # CPU offload: the host update applied at the start of this call (the previous step's)
+            offload_update_s=sum(s.take_update_s() for s in self._strategies()),
+            memory=self._memory(live),
+            moe={
+                i: MoELayerReport(s.load.tolist(), s.dropped, s.aux_sum / max(s.microbatches, 1))
+                for i, s in self.model.take_moe_stats().items()
+            },
+        )
+        tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result.step_s
+        world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp * self.cfg.parallel.cp
+        mfu = flops.mfu(tokens_per_s / world, self.cfg.model, self.peak_flops) if self.peak_flops else None
+        self.metrics.record(result, tokens_per_s, mfu)
+        return result
+
+    def _sum_tied_grads(self) -> None:
+        """The two copies of a tied embedding (first and last stage) take the same, summed gradient, so
+        their identical updates keep them equal. Summed before the DP reduction (the dense strategy holds
+        their bucket for it): the sum commutes with it, and the full gradient exists only until then."""
+        if self.emb_group is not None:
+            self.emb_group.all_reduce(self.model.tied_weight().grad, "sum")
+
+    @per_step
+    @torch.no_grad()
+    def eval_step(self, step: int, commit: int | None = None) -> float | None:
+        """Validation loss after `step` (applying the update of step `commit` first): this replica's
+        microbatches of the fixed validation batches, forward only, through the pipeline; the last stage
+        returns their mean, the others None."""
+        if commit is not None:
+            self.apply_step(commit)
+        self.model.eval()  # no dropout
+        try:
+            return self._eval_step(step)
+        except Exception as err:
+            raise self._fail(f"validation after step {step}", err) from err
+        finally:
+            self.model.train()
+
+    def _eval_step(self, step: int) -> float | None:
+        # This replica's microbatches of each fixed validation batch, walked as one forward-only pass on the
+        # executor (raypar.core.pipeline.evaluate). Under cp the model takes its share of every sequence
+        # itself, and each cp rank's loss is its equal share's.
+        cfg, mbs, batch_size = self.cfg, self.cfg.microbatch_size, self.cfg.train.global_batch
+        mine = data.replica_microbatch_ids(self.dp_rank, self.dp, batch_size, mbs)
+        units = [(batch, mb) for batch in range(cfg.train.eval_batches) for mb in mine]
+
+        def batch(unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+            inputs, targets = data.eval_microbatch(self.val_dataset, *units[unit], mbs, batch_size)
+            return inputs.to(self.device), targets.to(self.device)
+
+        self.transport.step = step
+        backend = ForwardBackend(self.model, self.coord.pp, self.topo, self.transport, self.act_like, batch)
+        loss = evaluate(backend, len(units))
+        self.transport.finish_step()
+        return None if loss is None else loss.item()
+
+    def _memory(self, live: memory.LiveActivations) -> memory.MemoryReport:
+        """Measured memory of this step: activations saved per microbatch and at most at once, microbatches
+        in flight, model states, in-memory checkpoint copies (host), and the peak (GPU: the allocator's;
+        CPU: model states + activations + copies)."""
+        states = sum(sum(s.model_state_bytes().values()) for s in self._strategies())
+        snapshots = self.copies.nbytes()
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:  # the in-memory copies share the host memory with everything else
+            peak = states + live.peak_bytes + snapshots
+        return memory.MemoryReport(
+            activation_bytes=live.per_microbatch,
+            activation_peak_bytes=live.peak_bytes,
+            in_flight=live.peak_count,
+            model_state_bytes=states,
+            peak_memory_bytes=peak,
+            snapshot_bytes=snapshots,  # host memory of checkpoint.in_memory
+        )
+
+    def _anywhere(self, flag: bool) -> bool:
+        """True on every actor if `flag` is True on any actor of the step: MAX over this replica's stages
+        and tp ranks, then over the replicas, so all actors skip together (or none does)."""
+        t = torch.tensor([float(flag)], device=self.device)
+        for group in (self.mp_group, self.dp_group):
+            if group is not None:
+                group.all_reduce(t, "max")
+        return bool(t.item())
+
+    def _backend(self, step: int, scale: float) -> _ActorBackend:
+        return _ActorBackend(self, step, scale)
+
+    def _send_grad(self, chunk: int, mb: int, grad: torch.Tensor) -> None:
+        self.transport.send_grad(chunk, mb, grad)
+
+    def _clip_grad_norm(self) -> float:
+        dense, experts = (s.grad_sq_norm() for s in self._strategies())  # collectives when sharded
+        if self.coord.cp:  # cp ranks hold the same (reduced) gradients: only cp rank 0 counts them
+            dense, experts = torch.zeros_like(dense), torch.zeros_like(experts)
+        norm = math.sqrt(ep_mod.grad_sq_norm(dense, experts, self.ep_group, self.mp_group))
+        for strategy in self._strategies():
+            strategy.clip_(norm, self.cfg.train.grad_clip)
+        return norm
+
+
+# One thread runs the step; on a replica's leader one more waits for its members (`fan_out`); the others
+# take `deliver` (from both neighbours at once), `abort` and `where` while they do.
+WORKER_THREADS = 6
+RemoteWorker = ray.remote(max_concurrency=WORKER_THREADS)(Worker)
+
+# The environment of a worker process. glibc gives each thread that allocates a malloc arena of its own, and
+# Ray runs each call of a threaded actor on whichever of its threads is free: every step took its tensors
+# from another arena, which glibc had trimmed back to the OS since, and faulted its working set in again
+# (41,000 page faults per `small` step against 1,300 on one thread: 8 % of the step). One arena, and
+# thresholds that keep freed blocks of up to 256 MiB in it, make a step reuse the last step's memory.
+_KEEP = 256 << 20
+_MALLOC = {"arena_max": 1, "mmap_threshold": _KEEP, "trim_threshold": _KEEP}
+WORKER_ENV = {"GLIBC_TUNABLES": ":".join(f"glibc.malloc.{k}={v}" for k, v in _MALLOC.items())}

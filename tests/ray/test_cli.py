@@ -1,0 +1,141 @@
+"""The `raypar` command line end to end, joined to the test session's Ray with --address."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+from safetensors.torch import load_file
+
+from tests.support.runs import TINY, losses, metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def address(ray_session) -> str:
+    return ray.get_runtime_context().gcs_address
+
+
+def raypar(*args: str, address: str | None = None, env: dict[str, str] | None = None, timeout: float = 300):
+    # With faults to inject, the same CLI runs through the test suite's fault-injecting mesh.
+    module = "tests.support.faults" if "RAYPAR_INJECT_FAULT" in (env or {}) else "raypar.controller.cli"
+    cmd = [sys.executable, "-m", module, *args]
+    if address:
+        cmd += ["--address", address]
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "RAY_AUTH_MODE": "token", **(env or {})},
+    )
+
+
+def test_train_checkpoint_inspect_export_report(address, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = raypar(
+        "train",
+        str(TINY),
+        "--name",
+        "cli-ok",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--no-progress",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        f"checkpoint.dir='{ckpt}'",
+        "--set",
+        "checkpoint.every=2",
+        address=address,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done at step 4" in proc.stdout
+    records = metrics(tmp_path / "run")
+    assert [m["step"] for m in records] == [0, 1, 2, 3]
+    for key in ("step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "dp", "pp", "tp"):
+        assert key in records[0]
+    assert (tmp_path / "run" / "config.toml").read_text().count("[parallel]") == 1
+
+    inspect = raypar("checkpoint", "inspect", str(ckpt))
+    assert inspect.returncode == 0 and "step" in inspect.stdout and "4" in inspect.stdout, inspect.stderr
+    out = tmp_path / "model.safetensors"
+    export = raypar("checkpoint", "export", str(ckpt), str(out))
+    assert export.returncode == 0, export.stderr
+    tensors = load_file(out)
+    assert tensors["embed.weight"].shape == (256, 64) and not any(k.startswith("optim.") for k in tensors)
+
+    report = raypar("report", str(tmp_path / "run"))
+    assert report.returncode == 0, report.stderr
+    assert "bubble" in report.stdout
+    for name in ("timeline.json", "timeline.png", "loss.png"):
+        assert (tmp_path / "run" / name).stat().st_size > 0
+    json.loads((tmp_path / "run" / "timeline.json").read_text())
+
+    # Resuming at a model the checkpoint does not hold: exit 2 naming the manifest, before any actor.
+    bad = raypar("train", str(TINY), "--resume", str(ckpt), "--set", "model.d_model=128", "--no-progress")
+    assert bad.returncode == 2 and "manifest.json" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_worker_exception_exits_1_naming_the_actor(address, tmp_path):
+    proc = raypar(
+        "train",
+        str(TINY),
+        "--name",
+        "cli-fail",
+        "--run-dir",
+        str(tmp_path),
+        "--no-progress",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "parallel.tp=2",
+        address=address,
+        env={"RAYPAR_INJECT_FAULT": "dp0.pp1.tp1=raise_at_step:2"},
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "raypar:cli-fail:dp0.pp1.tp1" in last and "dp=0, pp=1, tp=1" in last, last
+    assert "fault injected" in last and "Traceback" not in proc.stderr
+    assert [m["step"] for m in metrics(tmp_path)] == [0, 1]  # the failed step was not logged
+
+
+def test_status_and_scale_errors(address):
+    proc = raypar("status", address=address)
+    assert proc.returncode == 0, proc.stderr
+    proc = raypar("scale", "--run", "no-such-run", "--dp", "2", address=address)
+    assert (
+        proc.returncode == 2 and "no-such-run" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    )
+
+
+def test_metrics_match_the_loss_curve_of_a_direct_run(address, tmp_path):
+    """The CLI's metrics.jsonl is the ActorMesh's loss curve (guards the wiring of the run loop)."""
+    from raypar.controller.actor_mesh import ActorMesh
+    from raypar.core.run_config import load_config
+
+    proc = raypar(
+        "train",
+        str(TINY),
+        "--name",
+        "cli-curve",
+        "--run-dir",
+        str(tmp_path),
+        "--no-progress",
+        address=address,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trainer = ActorMesh(load_config(TINY), "cli-curve-direct")
+    try:
+        trainer.start()
+        direct = [trainer.step(s).loss for s in range(4)]
+    finally:
+        trainer.shutdown()
+    assert losses(tmp_path) == direct

@@ -1,0 +1,128 @@
+"""MoE training under expert parallelism on Ray actors against one process holding every expert.
+
+fp32, 5 steps, the tiny model with 4 experts (top-2) in blocks 1 and 3. The reference forwards the global
+batch in microbatches of the run's size (the aux loss is per microbatch, so the loss is the mean over
+microbatches of cross-entropy + aux, as every layout computes it). The capacity factor is E / k, so no token
+is dropped and the math cannot depend on ep (the thread-rank tests in tests/unit/test_moe.py cover dropping).
+
+Compared per step: loss and grad norm (relative 1e-5), and the reduced, clipped gradients of every router
+and expert (absolute 1e-5, gradients are ~1e-3); at the end every parameter (absolute 1e-5). Only the
+order of float sums differs between layouts. The negative control divides expert gradients by the
+expert-data-parallel group's size instead of dp: at dp=4, ep=2 that doubles them, and the expert-gradient
+check rejects it. A checkpoint written at ep=2 resumes at ep=4 and at ep=1 on the reference curve.
+ZeRO 1-3 at dp=4, ep=2 (experts sharded over their expert-dp group, gathered there around each block at
+stage 3): the same checks where whole gradients exist nowhere (loss, grad norm, parameters), model-state
+bytes per actor equal to the formula, and two controls (the divisor; experts not gathered for backward).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from raypar.controller.actor_mesh import StepResult
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.parallel.mesh import Coord, Mesh
+from tests.support.faults import FaultyActorMesh
+from tests.support.moe_runs import FP32_STATE, STEPS, assert_params, make_cfg, train
+from tests.support.reference import Run, reference_run
+
+
+@pytest.fixture(scope="module")
+def reference() -> Run:
+    return reference_run(make_cfg(1, 1, 1, 8), STEPS, microbatch_size=1)
+
+
+def test_dp4_ep2_ep4_divisor_control_and_checkpoint_resharding(ray_session, reference, tmp_path):
+    """One set of 4 actors (dp=4) rebuilt from the seed for each case."""
+    mesh = FaultyActorMesh(make_cfg(4, 1, 2, 2), "moe-dp4", faults={})
+    try:
+        mesh.start()
+        for ep in (2, 4):
+            mesh.reconfigure(make_cfg(4, 1, ep, 2))
+            train(mesh, range(STEPS), reference)
+            assert_params(mesh, reference)
+
+        # Negative control: expert gradients averaged over the expert-dp group (size 2) instead of dp=4.
+        mesh.set_faults({c: ["ep_divisor_edp"] for c in Mesh(4, 1, 1).coords()})
+        mesh.reconfigure(make_cfg(4, 1, 2, 2))
+        with pytest.raises(AssertionError, match=r"gradient of layers\.\d\.mlp\.experts"):
+            train(mesh, range(1), reference)
+        mesh.set_faults({})
+
+        # A checkpoint written at ep=2 after 3 steps, resumed at ep=4 and at ep=1: the same curve.
+        mesh.reconfigure(make_cfg(4, 1, 2, 2))
+        train(mesh, range(3), reference)
+        staging, writers = mesh.begin_checkpoint(str(tmp_path), 3)
+        assert sorted(c.dp for c in writers) == [0, 1]  # the first EP group writes every expert
+        entries = mesh.collect(mesh.checkpoint_writes(writers), "writing")
+        uri = checkpoint.publish(str(tmp_path), staging, 3, entries, {"optimizer_steps": 3})
+        for ep in (4, 1):
+            mesh.reconfigure(make_cfg(4, 1, ep, 2))
+            assert mesh.load(uri) == 3
+            train(mesh, range(3, STEPS), reference)
+            assert_params(mesh, reference)
+    finally:
+        mesh.shutdown()
+
+
+def test_dp2_pp2_ep2(ray_session, reference):
+    """Experts on both stages: the aux loss of stage 0 joins its backward without a loss of its own."""
+    mesh = FaultyActorMesh(make_cfg(2, 2, 2, 4), "moe-dp2pp2", faults={})
+    try:
+        mesh.start()
+        train(mesh, range(STEPS), reference)
+        assert_params(mesh, reference)
+        assert set(mesh.actors) == {Coord(d, p, 0) for d in range(2) for p in range(2)}
+    finally:
+        mesh.shutdown()
+
+
+def assert_state_bytes(results: list[StepResult], ref: Run, zero: int, dp: int, ep: int) -> None:
+    """Every actor's model-state bytes = the fp32 ZeRO formula, dense parameters over dp ranks and its
+    experts (1/ep of them) over the dp/ep ranks of its expert-dp group. (The tiny model's buckets divide
+    evenly among their owners: no padding; any would show as a mismatch.)"""
+    full, sharded = FP32_STATE[zero]
+    experts = sum(p.numel() for n, p in ref.params.items() if ".mlp.experts." in n) // ep
+    dense = sum(p.numel() for p in ref.params.values()) - experts * ep
+    want = full * (dense + experts) + sharded * dense // dp + sharded * experts // (dp // ep)
+    for result in results:
+        for coord, r in result.per_actor.items():
+            got = r.memory.model_state_bytes
+            assert got == want, f"{coord.key}: model-state bytes {got} vs formula {want} at zero {zero}"
+
+
+def test_zero_shards_dense_and_expert_state(ray_session, reference, tmp_path):
+    """ZeRO 1, 2 and 3 with experts: dense state sharded over dp=4, expert state over its expert-dp group
+    (dp=4, ep=2: two ranks per group); at stage 3 each block's experts are gathered over that group around
+    the block's forward and again before its backward, like its dense parameters over dp. Whole gradients
+    exist nowhere under ZeRO, so each step checks loss and grad norm (the norm sums every shard's part), the
+    end every parameter, and every actor's model-state bytes the ZeRO formula; a zero-3 checkpoint resumes
+    at ep=4, zero 1 on the reference curve. Negative controls: the
+    divisor control above, applied to the sharded reduction, and (zero 3) experts not gathered again for
+    backward: both caught by the grad norm."""
+    mesh = FaultyActorMesh(make_cfg(4, 1, 2, 2, "parallel.zero=1"), "moe-zero", faults={})
+    try:
+        mesh.start()
+        for zero in (1, 2, 3):
+            mesh.reconfigure(make_cfg(4, 1, 2, 2, f"parallel.zero={zero}"))
+            results = train(mesh, range(STEPS), reference, grads=False)
+            assert_params(mesh, reference)
+            assert_state_bytes(results, reference, zero, 4, 2)
+        # A zero-3 checkpoint (every rank writes the pieces it owns) resumes at ep=4, zero 1.
+        mesh.reconfigure(make_cfg(4, 1, 2, 2, "parallel.zero=3"))
+        train(mesh, range(3), reference, grads=False)
+        staging, writers = mesh.begin_checkpoint(str(tmp_path), 3)
+        assert len(writers) == 4
+        entries = mesh.collect(mesh.checkpoint_writes(writers), "writing")
+        uri = checkpoint.publish(str(tmp_path), staging, 3, entries, {"optimizer_steps": 3})
+        mesh.reconfigure(make_cfg(4, 1, 4, 2, "parallel.zero=1"))
+        assert mesh.load(uri) == 3
+        train(mesh, range(3, STEPS), reference, grads=False)
+        assert_params(mesh, reference)
+        for zero, fault in ((2, "ep_divisor_edp"), (3, "expert_no_regather")):
+            mesh.set_faults({c: [fault] for c in Mesh(4, 1, 1).coords()})
+            mesh.reconfigure(make_cfg(4, 1, 2, 2, f"parallel.zero={zero}"))
+            with pytest.raises(AssertionError, match=r"grad norm at step 0"):
+                train(mesh, range(1), reference, grads=False)
+    finally:
+        mesh.shutdown()

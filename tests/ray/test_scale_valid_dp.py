@@ -1,0 +1,98 @@
+"""Scaling lands only on a dp the run accepts (raypar.controller.actor_mesh.ActorMesh.scale_to).
+
+Before: `raypar scale --run X --dp 4` on a cluster with room for one more replica ended at dp=3 ("added
+replica(s) [2]: dp=3"), a dp the run lists as invalid (it accepts [1, 2, 4]): the global batch no longer
+split into the run's microbatches and the loss curve left the undisturbed one. The placement here is a
+stub that has room for a fixed number of replicas; the workers are stubs without a model (the mesh's
+control path runs for real on the session's Ray)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from actors.worker import WORKER_THREADS
+from raypar.controller.placement import PlacementTimeout
+from raypar.core.run_config import load_config
+from tests.support.stub_worker import StubActorMesh, _StubWorker
+
+
+class _HealableStub(_StubWorker):
+    def sync_state(self, src: int) -> None:  # scale_to heals new replicas from replica rank 0
+        pass
+
+
+class _RoomFor(StubActorMesh):
+    """A cluster with room for `capacity` replicas in all: placing one more times out."""
+
+    worker_class = ray.remote(num_cpus=0, max_concurrency=WORKER_THREADS)(_HealableStub)
+    capacity = 0
+
+    def _place_replica(self, d: int, timeout_s: float) -> None:
+        if self.dp >= self.capacity:
+            raise PlacementTimeout(f"placement group raypar:{self.run}:dp{d}.pp0 was not placed within 0s")
+        super()._place_replica(d, timeout_s)
+
+
+def _mesh(name: str, dp: int, capacity: int) -> _RoomFor:
+    # global_batch 4 in microbatches of 1 sequence: the run accepts dp in [1, 2, 4]
+    cfg = load_config(
+        "examples/configs/tiny.toml",
+        [f"parallel.dp={dp}", "parallel.pp=1", "parallel.tp=1", f"parallel.microbatches={4 // dp}",
+         "train.global_batch=4"],
+    )
+    assert cfg.valid_dps() == [1, 2, 4]
+    mesh = _RoomFor(cfg, name)
+    mesh.capacity = capacity
+    mesh.start()
+    return mesh
+
+
+def _alive_become(run: str, names: set[str], timeout_s: float = 30) -> set[str]:
+    """The run's live actors once they are `names` (ray.kill returns before the GCS records the death), or
+    as they are when `timeout_s` has passed."""
+    from ray.util.state import list_actors
+
+    address = ray.get_runtime_context().gcs_address
+    deadline = time.monotonic() + timeout_s
+    while True:
+        actors = list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=10000)
+        alive = {a.name for a in actors if (a.name or "").startswith(f"raypar:{run}:")}
+        if alive == names or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize(
+    "start, capacity, lands, kept",
+    [
+        (2, 3, 2, []),  # one of two placed: dp=3 is invalid, the placed one is released
+        (1, 3, 2, [1]),  # two of three placed: dp=3 is invalid, dp=2 is kept
+        (2, 4, 4, [2, 3]),  # control: room for all
+    ],
+    ids=["stays", "largest-valid", "all-placed"],
+)
+def test_a_partial_scale_lands_on_a_valid_dp(ray_session, start, capacity, lands, kept):
+    run = f"scale-valid-{start}-{capacity}"
+    mesh = _mesh(run, start, capacity)
+    try:
+        said = mesh.scale_to(4, timeout_s=1)
+        assert mesh.dp == lands, said
+        assert mesh.replicas == list(range(start)) + kept, said
+        assert len(said.splitlines()) == 1, said
+        if capacity < 4:
+            assert f"placed {capacity - start} of the {4 - start} replica(s) asked for dp=4" in said, said
+            assert f"dp={lands}" in said and "not placed within" in said, said
+            assert ("dp=3 is not one the run accepts" in said) == (lands < capacity), said
+        # The released replicas' actors and placement groups are gone; the kept ones step.
+        kept_names = {mesh.name(c) for c in mesh.actors}
+        assert _alive_become(run, kept_names) == kept_names
+        groups = ray.util.placement_group_table().values()
+        mine = [g for g in groups if g["name"].startswith(f"raypar:{run}:")]
+        live = {g["name"] for g in mine if g["state"] != "REMOVED"}
+        assert live == {f"raypar:{run}:dp{d}.pp0" for d in mesh.replicas}
+        assert set(mesh.step(0).per_actor) == set(mesh.actors)
+    finally:
+        mesh.shutdown()

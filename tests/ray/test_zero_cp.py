@@ -1,0 +1,61 @@
+"""ZeRO with context parallelism on actors: a ZeRO-3 cp run checkpoints and resumes at other layouts, and
+elastic dp under ZeRO-2 with cp matches a fixed-dp run. The thread-rank equivalences and negative
+controls: tests/unit/test_zero_cp.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from raypar.controller.actor_mesh import ActorMesh
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.config.schema import Config
+from raypar.core.run_config import load_config
+from tests.support.reference import reference_run
+from tests.support.zero_runs import assert_elastic_matches_fixed, close, save
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
+
+
+# -- on Ray actors: the worker's groups, grad norm, checkpoint writers (every cp rank) and elastic dp ------
+def actor_cfg(dp: int, cp: int, zero: int, *extra: str) -> Config:
+    return load_config(TINY, [
+        f"parallel.dp={dp}", f"parallel.cp={cp}", f"parallel.zero={zero}", 'parallel.cp_style="ulysses"',
+        "parallel.microbatches=1", "train.global_batch=8", "train.steps=6", "parallel.timeout_s=30",
+        "parallel.bucket_mb=0.02", *extra,
+    ])
+
+
+def test_zero3_with_cp_on_actors_checkpoints_and_resumes(ray_session, tmp_path):
+    """dp=2 x cp=2 at zero 3: 3 steps on the reference curve (loss and grad norm, 1e-5), a checkpoint every
+    rank writes its part of (cp1 keys among the files), then 3 more; the checkpoint resumes at dp=2 x cp=1,
+    zero 1 on the same 3 losses."""
+
+    ref = reference_run(actor_cfg(1, 1, 0), 3)
+    trainer = ActorMesh(actor_cfg(2, 2, 3), "zcp")
+    try:
+        trainer.start()
+        results = [trainer.step(s) for s in range(3)]
+        uri = save(trainer, str(tmp_path / "ckpt"), 3, 3)
+        straight = [trainer.step(s).loss for s in range(3, 6)]
+    finally:
+        trainer.shutdown()
+    assert close([r.loss for r in results], ref.losses), ([r.loss for r in results], ref.losses)
+    assert close([r.grad_norm for r in results], ref.grad_norms)
+    files = {s["file"] for s in checkpoint.load_manifest(uri)["shards"]}
+    assert "shard-dp1.pp0.tp0.cp1.0.safetensors" in files  # cp ranks write what they own
+    trainer = ActorMesh(actor_cfg(2, 1, 1), "zcp-resume")
+    try:
+        trainer.start()
+        assert trainer.load(uri) == 3
+        resumed = [trainer.step(s).loss for s in range(3, 6)]
+    finally:
+        trainer.shutdown()
+    assert close(resumed, straight), (resumed, straight)
+    assert not close(straight, [r.loss for r in results])  # the comparison rejects a run that did not resume
+
+
+def test_elastic_dp_with_cp_under_zero2(ray_session):
+    """cp=2, zero 2: dp 1 -> 2 -> 1 after steps 2 and 4 (the state re-sharded over 2, 4, 2 ranks) on the
+    losses of a fixed dp=1 run."""
+    cfg = actor_cfg(1, 2, 2, "parallel.microbatches=2")  # microbatches of 4: one per replica at dp=2
+    assert_elastic_matches_fixed(cfg, "zcp-elastic", peak_dp=2)

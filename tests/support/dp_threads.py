@@ -1,0 +1,140 @@
+"""DP strategies on thread ranks (one process, a gloo group): build a model and its strategy, train it,
+compare runs, and write and reload checkpoints. Used by tests/unit/test_dp_strategy.py and
+tests/unit/test_offload.py."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core.config.schema import Config
+from raypar.core.data import datasets as data
+from raypar.core.dp.optim import lr_at
+from raypar.core.dp.strategy import DPStrategy
+from raypar.core.dp.zero3 import Zero3Strategy
+from raypar.core.model.llama import LlamaStage
+from raypar.core.run_config import load_config
+from tests.support.reference import Run
+from tests.support.threads import run_ranks
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
+STEPS = 5
+RTOL = 1e-5
+PARAM_ATOL = 1e-5
+BUCKET_BYTES = 40_000  # several buckets, some parameters split across owners
+
+
+def make_cfg(steps: int = STEPS, *extra: str) -> Config:
+    overrides = ["parallel.microbatches=1", "train.global_batch=8", f"train.steps={steps}"]
+    return load_config(TINY, [*overrides, *extra])
+
+
+def strategy_class(zero: int) -> type[DPStrategy]:
+    return Zero3Strategy if zero == 3 else DPStrategy
+
+
+def build(cfg: Config, group, zero: int, cls: type[DPStrategy] | None = None, dtype=None):
+    m = cfg.model
+    model = LlamaStage(m, range(m.n_layers), True, True, None, cfg.train.seed)
+    strategy = (cls or strategy_class(zero))(
+        model, cfg.train, group, zero, BUCKET_BYTES, dtype=dtype, reduce_dtype=torch.float32
+    )
+    return model, strategy
+
+
+def train(cfg, group, model, strategy, steps: range, microbatches: int = 2):
+    """One replica's steps: microbatches, the reduction armed for the last, clip, update."""
+    dp, rank = (group.size, group.rank) if group is not None else (1, 0)
+    dataset = data.open_dataset(cfg.data, cfg.model)
+    sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
+    mbs = cfg.train.global_batch // (dp * microbatches)
+    losses, norms = [], []
+    for step in steps:
+        strategy.begin_step()
+        mb_losses = []
+        for mb in range(microbatches):
+            if mb == microbatches - 1:
+                strategy.arm()
+            inputs, targets = data.microbatch(dataset, sampler, step, rank * microbatches + mb, mbs)
+            loss = model(inputs, targets)
+            (loss / microbatches).backward()
+            mb_losses.append(loss.item())
+        strategy.finish()
+        norm = math.sqrt(strategy.grad_sq_norm().item())
+        strategy.clip_(norm, cfg.train.grad_clip)
+        strategy.step(lr_at(step, cfg.train))
+        losses.append(sum(mb_losses) / microbatches)
+        norms.append(norm)
+    return losses, norms
+
+
+def run_dp(
+    dp: int, zero: int, cls: type[DPStrategy] | None = None, dtype=None, extra: tuple[str, ...] = ()
+) -> Run:
+    cfg = make_cfg(STEPS, *extra)
+
+    def rank(group):
+        model, strategy = build(cfg, group, zero, cls, dtype)
+        losses, norms = train(cfg, group, model, strategy, range(STEPS))
+        return losses, norms, strategy.full_parameters()
+
+    results = run_ranks(dp, rank)
+    losses = [sum(r[0][s] for r in results) / dp for s in range(STEPS)]
+    for r in results[1:]:  # every replica ends with the same parameters
+        same = all(torch.equal(r[2][n], p) for n, p in results[0][2].items())
+        assert same, "replicas end with different parameters"
+    return Run(losses, results[0][1], results[0][2])
+
+
+def assert_close(run: Run, ref: Run, atol: float = PARAM_ATOL, rtol: float = RTOL) -> None:
+    for what, got, want in (("loss", run.losses, ref.losses), ("grad norm", run.grad_norms, ref.grad_norms)):
+        for step, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert abs(a - b) <= rtol * abs(b), f"{what} at step {step}: {a} vs {b}"
+    for name, want in ref.params.items():
+        err = (run.params[name] - want).abs().max().item()
+        assert err <= atol, f"parameter {name} differs by {err:.3g}"
+
+
+def _checkpoint(
+    tmp: Path, dp: int, zero: int, steps: int, extra: tuple[str, ...] = ()
+) -> tuple[str, list[dict]]:
+    """Train `steps` at (dp, zero), save as the actors would; returns the URI and every rank's state."""
+    cfg = make_cfg(2 * steps, *extra)
+    root = str(tmp / f"ckpt-dp{dp}-z{zero}{'-'.join(('', *extra))}")
+    staging = checkpoint.begin(root, steps)
+
+    def rank(group):
+        model, strategy = build(cfg, group, zero)
+        train(cfg, group, model, strategy, range(steps))
+        entries = [
+            checkpoint.write_shard(
+                staging,
+                f"dp{group.rank}.pp0.tp0.{k}",
+                checkpoint.snapshot({n: t for n, (t, _) in part.items()}),
+                {n: s for n, (_, s) in part.items()},
+            )
+            for k, part in enumerate(strategy.checkpoint_parts())
+        ]
+        return entries, {n: t.clone() for n, t in strategy.full_state().items()}
+
+    results = run_ranks(dp, rank)
+    entries = [e for r in results for e in r[0]]
+    uri = checkpoint.publish(root, staging, steps, entries, {"optimizer_steps": steps, "zero": zero})
+    return uri, [r[1] for r in results]
+
+
+def assert_loads_exactly(uri: str, saved: dict[str, torch.Tensor], cfg, dp: int, zero: int) -> None:
+    """Every rank of a strategy at (dp, zero) that loads `uri` holds the saved state exactly."""
+
+    def rank(group):
+        model, strategy = build(cfg, group, zero)
+        strategy.load(checkpoint_read.CheckpointReader(uri), 2)
+        return strategy.full_state()
+
+    for state in run_ranks(dp, rank) if dp > 1 else [rank(None)]:
+        assert state.keys() == saved.keys()
+        assert all(torch.equal(state[n], t) for n, t in saved.items())

@@ -1,0 +1,51 @@
+"""Run as a subprocess by test_placement.py: a `ray.cluster_utils.Cluster` with one node of 4 and one of
+8 fake GPUs, an ActorMesh of model-free workers (tp=2, dp=6: twelve actors fill both nodes), and for
+every actor the GPU Ray assigned it next to the device its groups were formed on, printed as JSON.
+`--broken` forms the groups without devices (the bug: every communicator on cuda:0)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import ray
+from ray.cluster_utils import Cluster
+
+from raypar.core.run_config import load_config
+from tests.support.stub_worker import StubActorMesh
+
+
+class _NoDevices(StubActorMesh):
+    def devices(self) -> dict[str, int]:
+        return {}
+
+
+def main() -> None:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for gpus in (4, 8):
+        cluster.add_node(num_cpus=gpus, num_gpus=gpus)
+    mesh_cls = _NoDevices if "--broken" in sys.argv else StubActorMesh
+    cfg = load_config(
+        "examples/configs/tiny.toml",
+        ['parallel.device="gpu"', "parallel.dp=6", "parallel.tp=2", "parallel.pp=1", "train.global_batch=12"],
+    )
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        mesh = mesh_cls(cfg, "gpu-probe")
+        mesh.start()
+        devices = ray.get([a.group_devices.remote() for a in mesh.actors.values()])
+        placed = {c: (mesh.nodes[c].node_id, [int(g) for g in mesh.nodes[c].gpu_ids]) for c in mesh.actors}
+        out = {
+            c.key: {"node": placed[c][0], "gpu": placed[c][1], "groups": d}
+            for c, d in zip(mesh.actors, devices, strict=True)
+        }
+        mesh.shutdown()
+        print(json.dumps(out))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Tiny random Hugging Face Llama models written by `transformers` inside the tests (nothing downloaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from raypar.core.config.schema import Config
+from raypar.core.run_config import load_config
+
+VOCAB = 128
+STEPS = 3  # of a training run from imported weights
+LOGITS_ATOL = 1e-5  # raypar's fp32 forward against HF's: the same operations in nearly the same order
+IDS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def make_hf_llama(
+    path: Path, tied: bool = False, layers: int = 2, shard_size: str | None = None, seed: int = 0
+):
+    """A random LlamaForCausalLM (GQA: 4 heads, 2 kv heads) saved to `path`; returns the model (eval, fp32).
+
+    Norm gains are drawn away from 1 so that a norm mapped to the wrong tensor shows."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return model
+
+
+def untied_model(root: Path):
+    """(path, model): an untied model saved sharded, with model.safetensors.index.json."""
+    path = root / "untied"
+    return path, make_hf_llama(path, shard_size="20KB")
+
+
+def tied_model(root: Path):
+    """(path, model): a 4-layer model with tied embeddings."""
+    path = root / "tied"
+    return path, make_hf_llama(path, tied=True, layers=4)
+
+
+def cfg_for(path: Path, *overrides: str) -> Config:
+    """The tiny config initialised from the HF model at `path`."""
+    return load_config(
+        "examples/configs/tiny.toml",
+        [
+            f'model.init_from="{path}"',
+            "model.seq_len=16",
+            "parallel.timeout_s=30",
+            f"train.steps={STEPS}",
+            *overrides,
+        ],
+    )
+
+
+def hf_logits(model, ids: torch.Tensor = IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits

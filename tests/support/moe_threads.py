@@ -1,0 +1,133 @@
+"""MoE ranks as threads of the test process: one step of a dp x cp x tp (SP) x ep layout without Ray.
+
+Each thread builds its rank's model the way the worker does (actors/worker.py: its tp group where tp >
+1,
+the EP group of its cp rank, the cp group), reduces dense gradients over the dp group (cp x dp) and expert
+gradients over the expert-dp group, divided by dp x cp, and runs one step of its schedule with an
+in-process transport. The reference forwards the global batch in the run's microbatches (the aux loss is
+per microbatch) in one process holding every expert. `assert_matches` compares the two: the loss, every
+gradient (tp shards assembled), the global gradient norm and the step's MoE figures through
+raypar.controller.actor_mesh.moe_totals. Used by tests/unit/test_moe_context_parallel.py and
+tests/unit/test_moe_sequence_parallel.py.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from collectives import create_group
+from raypar.controller.actor_mesh import moe_totals
+from raypar.core.config.schema import Config
+from raypar.core.data import datasets as data
+from raypar.core.dp.strategy import DPStrategy
+from raypar.core.model.llama import LlamaStage
+from raypar.core.model.moe import MoELayer, is_expert_param
+from raypar.core.parallel.mesh import Coord, Mesh
+from raypar.core.pipeline import schedules
+from raypar.core.pipeline.executor import ModelBackend, StepRun
+from raypar.core.pipeline.local_transport import LocalPipe
+from tests.support.threads import run_groups
+
+
+def moe_figures(model: LlamaStage) -> dict[str, dict[str, Any]]:
+    """What the worker reports per layer (actors/worker.py train_step)."""
+    return {
+        i: {"load": s.load.tolist(), "dropped": s.dropped, "aux": s.aux_sum / max(s.microbatches, 1)}
+        for i, s in model.take_moe_stats().items()
+    }
+
+
+def reference(cfg: Config) -> dict[str, Any]:
+    """One process: the loss, every gradient and the MoE figures of the global batch in its microbatches."""
+    m, t = cfg.model, cfg.train
+    model = LlamaStage(m, range(m.n_layers), True, True, seed=t.seed)
+    dataset = data.open_dataset(cfg.data, m)
+    sampler = data.GlobalSampler(dataset.num_samples, t.global_batch, t.seed)
+    count, loss = t.global_batch // cfg.microbatch_size, 0.0
+    for mb in range(count):
+        inputs, targets = data.microbatch(dataset, sampler, 0, mb, cfg.microbatch_size)
+        ce = model(inputs, targets)
+        ((ce + model.take_aux_loss()) / count).backward()
+        loss += ce.item() / count
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {"loss": loss, "grads": grads, "moe": moe_totals({Coord(0, 0, 0): {"moe": moe_figures(model)}})}
+
+
+def parallel(cfg: Config, moe_class: type[MoELayer] = MoELayer, make_group: Any = create_group
+             ) -> dict[str, Any]:
+    """One step of `cfg`'s dp x cp x tp (SP) x ep layout on threads; `moe_class` replaces the MoE layers'
+    class (negative controls); `make_group` forms the groups (tests.support.fake_nccl for NCCL's rules)."""
+    par, m = cfg.parallel, cfg.model
+    dp = cfg.dp_fixed
+    mesh = Mesh(dp, 1, par.tp, ep=par.ep, cp=par.cp)
+    # tp groups only where tp > 1, as the worker: without one every layer is whole on this rank
+    kinds = ("dp.", "cp.", "ep.", "edp.") + (("tp.",) if par.tp > 1 else ())
+    groups = {n: mm for n, mm in mesh.groups().items() if n.startswith(kinds)}
+    topo = schedules.Topology(1, 1)
+    dataset = data.open_dataset(cfg.data, m)
+    sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
+    n_mb, mbs = cfg.microbatches_at(dp), cfg.microbatch_size
+
+    def member(rank: int, mine: dict[str, Any]) -> dict[str, Any]:
+        coord = mesh.coord(rank)
+        model = LlamaStage(m, range(m.n_layers), True, True, mine.get(Mesh.tp_group(coord)), cfg.train.seed,
+                           mine.get(Mesh.ep_group(coord, coord.dp, par.ep)),
+                           sequence_parallel=par.sequence_parallel, cp_group=mine.get(Mesh.cp_group(coord)),
+                           cp_style=par.cp_style)
+        for layer in model.moe_layers().values():
+            layer.__class__ = moe_class
+        dense = DPStrategy(model, cfg.train, mine.get(Mesh.dp_group(coord)), bucket_bytes=4096,
+                           select=lambda name: not is_expert_param(name))
+        # the worker's expert-dp group: the dp group without ep (with its cp ranks), divisor dp x cp; none
+        # where dp == ep and cp == 1
+        edp = mine.get(Mesh.edp_group(coord, coord.dp, par.ep) if par.ep > 1 else Mesh.dp_group(coord))
+        experts = DPStrategy(model, cfg.train, edp, bucket_bytes=4096, select=is_expert_param,
+                             divisor=dp * par.cp)
+        seq = m.seq_len // par.cp // (par.tp if par.sequence_parallel else 1)  # this rank's tokens
+        like = torch.empty(mbs, seq, m.d_model)
+
+        def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return data.microbatch(dataset, sampler, 0, coord.dp * n_mb + mb, mbs)
+
+        backend = ModelBackend(model, 0, topo, LocalPipe(topo, 60).transport(0), like, batch, n_mb)
+        plan = schedules.build(par.schedule, 1, n_mb, 1)[0]
+        StepRun(0, topo, plan, backend, [dense, experts], model.chunk_parameters).run(time.perf_counter, 0.0)
+        for strategy in (dense, experts):
+            strategy.finish()
+        specs = model.shard_specs()
+        return {"coord": coord, "losses": [x.item() for x in backend.losses], "moe": moe_figures(model),
+                "grads": {n: (p.grad.clone(), *specs[n]) for n, p in model.named_parameters()}}
+
+    ranks = {n: [mesh.rank(c) for c in mm] for n, mm in groups.items()}
+    ranks = run_groups(mesh.world_size, ranks, member, make_group=make_group)
+    losses = [x for r in ranks if r["coord"].tp == 0 for x in r["losses"]]  # cp ranks: equal shares
+    grads: dict[str, torch.Tensor] = {}
+    for r in ranks:  # tp shards into place; dense gradients from every replica (equal), experts from owners
+        for name, (local, shape, offsets) in r["grads"].items():
+            full = grads.setdefault(name, torch.empty(shape))
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))] = local
+    return {"loss": sum(losses) / len(losses), "grads": grads,
+            "moe": moe_totals({r["coord"]: {"moe": r["moe"]} for r in ranks})}
+
+
+def assert_matches(got: dict[str, Any], want: dict[str, Any], rtol: float) -> dict[str, float]:
+    """Raise on the first figure out of tolerance; return the largest differences seen."""
+    loss, want_loss = got["loss"], want["loss"]
+    assert abs(loss - want_loss) <= rtol * abs(want_loss), f"loss {loss} vs {want_loss}"
+    assert got["grads"].keys() == want["grads"].keys()
+    worst = 0.0
+    for name, g in want["grads"].items():
+        err = (got["grads"][name] - g).abs().max().item()
+        assert err <= rtol * g.abs().max().item() + 1e-9, f"gradient of {name} differs by {err:.3g}"
+        worst = max(worst, err / g.abs().max().item())
+    norm = torch.sqrt(sum(g.double().pow(2).sum() for g in want["grads"].values()))
+    got_norm = torch.sqrt(sum(g.double().pow(2).sum() for g in got["grads"].values()))
+    assert abs(got_norm - norm) <= rtol * norm, f"grad norm {got_norm.item()} vs {norm.item()}"
+    moe, ref = got["moe"], want["moe"]
+    assert abs(moe["aux_loss"] - ref["aux_loss"]) <= rtol * ref["aux_loss"], f"aux {moe['aux_loss']} vs {ref}"
+    assert moe["expert_load"] == ref["expert_load"] and moe["dropped_tokens"] == ref["dropped_tokens"], moe
+    return {"loss": abs(loss - want_loss) / want_loss, "grad_norm": float(abs(got_norm - norm) / norm),
+            "grad": worst, "aux": abs(moe["aux_loss"] - ref["aux_loss"]) / ref["aux_loss"]}

@@ -1,0 +1,158 @@
+"""A whole dp x pp x tp mesh as threads of the test process: the core's executor without Ray.
+
+Each coordinate is a thread that builds its shard of the model the way the actor does
+(raypar.core.parallel.mesh,
+raypar.core.model.llama chunks), joins its gloo groups (formed from `Mesh.groups`, in the global order), runs
+one step
+of its schedule on `raypar.core.pipeline.executor` with an in-process transport
+(raypar.core.pipeline.local_transport), and reduces
+gradients over dp with raypar.core.dp.strategy.DPStrategy. The results are full (tp-assembled) gradients, the
+loss and
+the bytes each pipeline hop carried: what the equivalence tests compare with one process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from actors.transport import DirectTransport
+from collectives import Group, GroupSpec
+from raypar.core.config.schema import Config
+from raypar.core.data import datasets as data
+from raypar.core.dp.strategy import DPStrategy
+from raypar.core.model.llama import LlamaStage
+from raypar.core.parallel.mesh import Coord, Mesh, stage_layers
+from raypar.core.pipeline import schedules
+from raypar.core.pipeline.executor import ModelBackend, StepRun
+from raypar.core.pipeline.local_transport import LocalPipe
+from tests.support.threads import run_groups
+
+TIMEOUT_S = 60
+
+
+@dataclass
+class StepOutcome:
+    loss: float
+    grads: dict[str, torch.Tensor]  # full gradients of replica 0 after the DP reduction
+    hop_bytes: list[int] = field(default_factory=list)  # every activation/gradient message, all ranks
+    per_coord: dict[Coord, dict[str, Any]] = field(default_factory=dict)
+
+
+def reference_step(cfg: Config, step: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
+    """One process, the whole global batch at once: the loss and every parameter's gradient."""
+    m, t = cfg.model, cfg.train
+    model = LlamaStage(m, range(m.n_layers), first=True, last=True, seed=t.seed)
+    dataset = data.open_dataset(cfg.data, m)
+    sampler = data.GlobalSampler(dataset.num_samples, t.global_batch, t.seed)
+    inputs, targets = data.microbatch(dataset, sampler, step, 0, t.global_batch)
+    loss = model(inputs, targets)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, bucket_bytes: int = 4096,
+             model_hook: Any = None, make_group: Callable[[GroupSpec, Any], Group] | None = None,
+             timeout_s: float = TIMEOUT_S) -> StepOutcome:
+    """One step of `cfg`'s layout on threads. `run_class` swaps the step runner (negative controls);
+    `model_hook(model, coord, groups)` may alter each shard after it is built (also negative controls).
+    A small `bucket_bytes` makes DP buckets span layers and chunks. With `make_group`
+    (tests.support.fake_nccl)
+    every group is formed by it, and pipeline messages go over the pair groups (actors.transport's
+    DirectTransport, receives announced ahead as the actor does) instead of the in-process transport."""
+    par = cfg.parallel
+    dp, pp, tp, v, cp = cfg.dp_fixed, par.pp, par.tp, par.virtual_stages, par.cp
+    mesh = Mesh(dp, pp, tp, ring=v > 1, cp=cp)
+    # tp, dp and cp groups (norms are not clipped); the pipeline links only for the direct transport.
+    kinds = ("tp.", "dp.", "cp.", "pp.") if make_group else ("tp.", "dp.", "cp.")
+    groups = {n: m for n, m in mesh.groups().items() if n.startswith(kinds)}
+    topo = schedules.Topology(pp, v)
+    pipes = {(d, t, c): LocalPipe(topo, TIMEOUT_S) for d in range(dp) for t in range(tp) for c in range(cp)}
+    dataset = data.open_dataset(cfg.data, cfg.model)
+    sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
+    n_mb, mbs = cfg.microbatches_at(dp), cfg.microbatch_size
+    virtual = stage_layers(cfg.model.n_layers, pp * v)
+    results: dict[Coord, dict[str, Any]] = {}
+
+    def member(rank: int, mine: dict[str, Any]) -> None:
+        coord = mesh.coord(rank)
+        d, p, t, c = coord
+        tp_group = mine.get(Mesh.tp_group(coord))
+        chunks = [virtual[topo.virtual(p, k)] for k in range(v)]
+        model = LlamaStage(
+            cfg.model, chunks[0], p == 0, p == pp - 1, tp_group, cfg.train.seed, chunks=chunks,
+            sequence_parallel=par.sequence_parallel, cp_group=mine.get(Mesh.cp_group(coord)),
+            cp_style=par.cp_style,
+        )
+        if model_hook is not None:
+            model_hook(model, coord, mine)
+        strategy = DPStrategy(model, cfg.train, mine.get(Mesh.dp_group(coord)), bucket_bytes=bucket_bytes)
+        seq = cfg.model.seq_len // cp // (tp if par.sequence_parallel else 1)  # this rank's tokens
+        like = torch.empty(mbs, seq, cfg.model.d_model)
+        plan = schedules.build(par.schedule, pp, n_mb, v)[p]
+        if make_group is None:
+            transport = pipes[(d, t, c)].transport(p)
+        else:
+            transport = _direct(mine, coord, pp, v > 1, plan, like)
+
+        def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return data.microbatch(dataset, sampler, step, d * n_mb + mb, mbs)
+
+        backend = ModelBackend(model, p, topo, transport, like, batch, n_mb)
+        run_class(p, topo, plan, backend, [strategy], model.chunk_parameters).run(time.perf_counter, 0.0)
+        strategy.finish()
+        transport.finish_step()
+        for group in mine.values():
+            group.check()
+        specs = model.shard_specs()
+        results[coord] = {
+            "losses": [x.item() for x in backend.losses],
+            "grads": {n: (q.grad.clone(), *specs[n]) for n, q in model.named_parameters()},
+            "sent_bytes": getattr(transport, "sent_bytes", []),
+        }
+
+    ranks = {n: [mesh.rank(c) for c in m] for n, m in groups.items()}
+    if make_group is None:
+        run_groups(mesh.world_size, ranks, member, timeout_s)
+    else:
+        links = [n for n in groups if Mesh.is_pipe_link(n)]
+        run_groups(mesh.world_size, ranks, member, timeout_s, make_group, links)
+    losses = [x for c, r in results.items() if c.pp == pp - 1 and c.tp == 0 for x in r["losses"]]
+    grads: dict[str, torch.Tensor] = {}
+    for coord, r in results.items():
+        if coord.dp == 0 and coord.cp == 0:
+            for name, (local, shape, offsets) in r["grads"].items():
+                full = grads.setdefault(name, torch.empty(shape))
+                full[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))] = local
+    hops = [b for r in results.values() for b in r["sent_bytes"]]
+    return StepOutcome(sum(losses) / len(losses), grads, hops, results)
+
+
+def _direct(mine: dict[str, Group], coord: Coord, pp: int, ring: bool, plan: list, like: torch.Tensor):
+    """The actor's DirectTransport on this coordinate's pair groups, its receives announced in plan order."""
+    d, p, t, c = coord
+    prev = mine.get(Mesh.pipe_group(d, t, p - 1, pp, c)) if p > 0 or ring else None
+    nxt = mine.get(Mesh.pipe_group(d, t, p, pp, c)) if p < pp - 1 or ring else None
+    transport = DirectTransport(prev, nxt)
+    receives = [("act" if i.op == schedules.RECV_ACT else "grad", i.chunk, i.mb) for i in plan
+                if i.op in (schedules.RECV_ACT, schedules.RECV_GRAD)]
+    transport.expect(receives, like)
+    return transport
+
+
+def assert_step_matches(got: StepOutcome, want: tuple[float, dict[str, torch.Tensor]], rtol: float = 1e-5):
+    """Loss and global gradient norm within `rtol`; every gradient within `rtol` of its largest entry.
+    fp32 sums in another order differ by ~1e-7 relative; a wrong schedule or reduction by far more."""
+    loss, grads = want
+    assert abs(got.loss - loss) <= rtol * abs(loss), f"loss {got.loss} vs {loss}"
+    norm = torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values()))
+    got_norm = torch.sqrt(sum(g.double().pow(2).sum() for g in got.grads.values()))
+    assert abs(got_norm - norm) <= rtol * norm, f"grad norm {got_norm.item()} vs {norm.item()}"
+    assert got.grads.keys() == grads.keys()
+    for name, g in grads.items():
+        err = (got.grads[name] - g).abs().max().item()
+        assert err <= rtol * g.abs().max().item() + 1e-9, f"gradient of {name} differs by {err:.3g}"

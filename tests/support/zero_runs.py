@@ -1,0 +1,74 @@
+"""ZeRO runs on Ray actors: configs, training, the comparison against ZeRO-0 (1e-5: only the order of
+float sums differs), checkpoints, and an elastic run held against a fixed-dp one. Used by the ZeRO,
+offload and cp Ray tests."""
+
+from __future__ import annotations
+
+from raypar.controller.actor_mesh import ActorMesh
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.config.schema import Config
+from raypar.core.run_config import load_config
+from tests.support.reference import Run
+
+STEPS = 5
+RTOL = ATOL = 1e-5
+
+
+def make_cfg(dp: int, pp: int, tp: int, zero: int, schedule: str = "1f1b", *extra: str) -> Config:
+    return load_config(
+        "examples/configs/tiny.toml",
+        [f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.zero={zero}",
+         f'parallel.schedule="{schedule}"', "parallel.microbatches=2", "train.global_batch=8",
+         f"train.steps={STEPS}", "parallel.bucket_mb=0.02", *extra],  # several buckets, split across owners
+    )
+
+
+def train(trainer: ActorMesh) -> Run:
+    results = [trainer.step(s) for s in range(STEPS)]
+    return Run([r.loss for r in results], [r.grad_norm for r in results], trainer.parameters())
+
+
+def assert_same(run: Run, ref: Run) -> None:
+    for what, got, want in (("loss", run.losses, ref.losses), ("grad norm", run.grad_norms, ref.grad_norms)):
+        for step, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert abs(a - b) <= RTOL * abs(b), f"{what} at step {step}: {a} vs {b}"
+    for name, want in ref.params.items():
+        err = (run.params[name] - want).abs().max().item()
+        assert err <= ATOL, f"parameter {name} differs by {err:.3g}"
+
+
+# -- operations: checkpoints across zero stages, elastic dp, failures ------------------------------------
+def ops_cfg(dp: int, pp: int, tp: int, zero: int, *extra: str) -> Config:
+    return load_config(
+        "examples/configs/tiny.toml",
+        [f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.zero={zero}",
+         "parallel.microbatches=2", "train.global_batch=8", "train.steps=6", "parallel.timeout_s=15", *extra],
+    )
+
+
+def close(got: list[float], want: list[float]) -> bool:
+    return len(got) == len(want) and all(abs(g - w) <= RTOL * abs(w) for g, w in zip(got, want, strict=True))
+
+
+def save(trainer: ActorMesh, root: str, step: int, zero: int) -> str:
+    staging, writers = trainer.begin_checkpoint(root, step)
+    entries = trainer.collect(trainer.checkpoint_writes(writers), "writing")
+    return checkpoint.publish(root, staging, step, entries, {"optimizer_steps": step, "zero": zero})
+
+
+def assert_elastic_matches_fixed(cfg: Config, name: str, peak_dp: int = 4) -> None:
+    """6 steps at cfg's dp, then the same 6 from the seed on the same actors with dp going to `peak_dp` and
+    back after steps 2 and 4: the same losses (only the order of float sums differs)."""
+    trainer = ActorMesh(cfg, name)
+    try:
+        trainer.start()
+        fixed = [trainer.step(s).loss for s in range(6)]
+        trainer.reconfigure(cfg)  # back to the seed's state, same actors
+        scaled = [trainer.step(s).loss for s in range(2)]
+        assert trainer.scale_to(peak_dp, 60).startswith("added")
+        scaled += [trainer.step(s).loss for s in range(2, 4)]
+        assert trainer.scale_to(cfg.dp_fixed, 60).startswith("removed")
+        scaled += [trainer.step(s).loss for s in range(4, 6)]
+    finally:
+        trainer.shutdown()
+    assert close(scaled, fixed), (scaled, fixed)

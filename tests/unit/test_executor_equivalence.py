@@ -1,0 +1,95 @@
+"""Interleaved 1F1B and ZB-H1 compute what one process computes: thread ranks on the core's executor.
+
+fp32 on CPU, one step of the global batch: the loss, the global gradient norm and every gradient (after the
+DP reduction) within 1e-5 of the one-process run (tests/support/pipeline_threads.py says why that tolerance).
+Each check has a negative control that the same check must reject with the failure it is meant to catch.
+The Ray actors run the same executor: tests/ray/test_equivalence.py covers them end to end.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from raypar.core.pipeline.executor import StepRun
+from raypar.core.pipeline.schedules import BACKWARD_INPUT, Instr
+from raypar.core.run_config import load_config
+from tests.support.pipeline_threads import assert_step_matches, reference_step, run_step
+
+_REFERENCES: dict[int, tuple] = {}
+
+
+def make_cfg(dp: int, pp: int, schedule: str = "1f1b", v: int = 1, n_mb: int = 4, layers: int = 4):
+    return load_config("examples/configs/tiny.toml", [
+        f"parallel.dp={dp}", f"parallel.pp={pp}", f'parallel.schedule="{schedule}"',
+        f"parallel.virtual_stages={v}", f"parallel.microbatches={n_mb}", f"model.n_layers={layers}",
+        "train.global_batch=8",
+    ])
+
+
+def reference(layers: int) -> tuple:
+    if layers not in _REFERENCES:
+        _REFERENCES[layers] = reference_step(make_cfg(1, 1, layers=layers))
+    return _REFERENCES[layers]
+
+
+@pytest.mark.parametrize(
+    "dp, pp, schedule, v, layers",
+    [
+        (1, 2, "1f1b", 2, 4),  # interleaved, pp=2 v=2: 4 virtual stages of 1 layer
+        (1, 4, "1f1b", 2, 8),  # interleaved, pp=4 v=2: 8 virtual stages
+        (2, 2, "zb-h1", 1, 4),  # zb-h1 with a DP reduction waiting for W
+        (1, 4, "zb-h1", 1, 4),
+    ],
+    ids=["interleaved-pp2-v2", "interleaved-pp4-v2", "zb-h1-dp2-pp2", "zb-h1-pp4"],
+)
+def test_schedule_matches_one_process(dp, pp, schedule, v, layers):
+    n_mb = 4 // dp
+    assert_step_matches(run_step(make_cfg(dp, pp, schedule, v, n_mb, layers)), reference(layers))
+
+
+def test_swapped_chunks_are_rejected():
+    """Negative control: every rank's two chunks swapped, so activations that the schedule sends to chunk
+    c are computed by the other chunk's layers (layers out of order). Same check, fails on the loss."""
+
+    def swap(model, coord, groups):
+        model.chunks = model.chunks[::-1]
+
+    with pytest.raises(AssertionError, match="^loss"):
+        assert_step_matches(run_step(make_cfg(1, 2, v=2), model_hook=swap), reference(4))
+
+
+class ReduceOnB(StepRun):
+    """The ZB-H1 bug: a chunk's DP reduction armed at its last B instead of its last W, so the buckets go
+    out with the first W that follows, before the later microbatches' weight gradients are in."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - StepRun's
+        super().__init__(*args, **kwargs)
+        for reducer in self.reducers:  # each reduction completes when launched: with the W gradients in by
+            reducer._reduce = functools.partial(_reduce_now, reducer._reduce)  # then, whatever the timing
+
+    def arm_points(self, plan: list[Instr]) -> dict[int, int]:
+        return {max(i for i, ins in enumerate(plan) if ins.op == BACKWARD_INPUT and ins.chunk == c): c
+                for c in {ins.chunk for ins in plan}}
+
+
+class _Done:
+    """A reduction that has completed (what `finish` waits for)."""
+
+    def wait(self) -> None:
+        pass
+
+
+def _reduce_now(launch, bucket):  # noqa: ANN001, ANN202 - DPStrategy._reduce's
+    """Without this the control was timing-dependent: an asynchronous all-reduce launched too early could
+    still read a bucket after a fast later W had added to it (it missed once in three full runs)."""
+    work = launch(bucket)
+    if work is not None:
+        work.wait()
+    return _Done()
+
+
+def test_dp_reduction_on_b_is_rejected():
+    with pytest.raises(AssertionError, match="^grad norm|^gradient of"):
+        assert_step_matches(run_step(make_cfg(2, 2, "zb-h1", n_mb=2), run_class=ReduceOnB), reference(4))
