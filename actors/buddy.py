@@ -24,6 +24,8 @@ from typing import Any
 
 import ray
 
+from actors.endpoints import Inventory, WorkerEndpoints, call
+
 GENERATIONS = 2
 
 
@@ -70,13 +72,13 @@ class BuddyCopies:
         with self._lock:
             return next(s for s in self.held.get(owner, []) if s.step == step)
 
-    def inventory(self) -> dict[str, Any]:
+    def inventory(self) -> Inventory:
         """Which (step, layout) this actor has of itself and of the actors it holds copies for."""
         with self._lock:
-            return {
-                "own": [(s.step, s.layout) for s in self.own],
-                "held": {k: [(s.step, s.layout) for s in v] for k, v in self.held.items()},
-            }
+            return Inventory(
+                own=[(s.step, s.layout) for s in self.own],
+                held={k: [(s.step, s.layout) for s in v] for k, v in self.held.items()},
+            )
 
     def roll_back(self, step: int) -> None:
         """Forget snapshots after `step`: the run continues from it, and will take them again."""
@@ -95,7 +97,7 @@ class BuddyCopies:
 
         def send() -> None:
             try:
-                ray.get(buddy.hold_copy.remote(owner, snap), timeout=timeout_s)
+                ray.get(call(buddy, WorkerEndpoints.hold_copy, owner, snap), timeout=timeout_s)
             except Exception:  # noqa: BLE001 - the buddy keeps the older copy, and a restore sees its step
                 pass
 

@@ -19,23 +19,16 @@ No torch or model here: the controller's light test and benchmark actors lead th
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
+from actors.endpoints import ReplicaAnswer, WorkerEndpoints, call
 from actors.telemetry import per_step
 from raypar.core.parallel.mesh import Coord
 
 RELAY_MARGIN_S = 5.0
-
-
-@dataclass
-class ReplicaAnswer:
-    """What one leader says for its replica: each member's result, or the errors that ended the wait."""
-
-    results: dict[Coord, Any] = field(default_factory=dict)
-    errors: dict[Coord, BaseException] = field(default_factory=dict)
 
 
 class MemberTimeout(TimeoutError):
@@ -56,12 +49,12 @@ class ReplicaLead:
         self.relays = {Coord(*c): handle for c, handle in relays.items()}
 
     @per_step
-    def fan_out(self, method: str, args: tuple, timeout_s: float) -> ReplicaAnswer:
-        """Call `method(*args)` on every member and through every relay; wait for all answers, or for the
-        first error."""
-        refs = {getattr(handle, method).remote(*args): coord for coord, handle in self.members.items()}
+    def fan_out(self, endpoint: Callable[..., Any], args: tuple, timeout_s: float) -> ReplicaAnswer:
+        """Call `endpoint(*args)` (a method of actors.endpoints.WorkerEndpoints) on every member and
+        through every relay; wait for all answers, or for the first error."""
+        refs = {call(handle, endpoint, *args): coord for coord, handle in self.members.items()}
         relayed = {  # a relay answers before this one's deadline, so that it can name its late members
-            handle.fan_out.remote(method, args, timeout_s - RELAY_MARGIN_S): coord
+            call(handle, WorkerEndpoints.fan_out, endpoint, args, timeout_s - RELAY_MARGIN_S): coord
             for coord, handle in self.relays.items()
         }
         refs.update(relayed)
@@ -71,8 +64,8 @@ class ReplicaLead:
         while pending and not answer.errors:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
             if not done:
-                for ref in pending:
-                    answer.errors[refs[ref]] = MemberTimeout(f"no answer to {method} within {timeout_s:g}s")
+                late = MemberTimeout(f"no answer to {endpoint.__name__} within {timeout_s:g}s")
+                answer.errors.update(dict.fromkeys((refs[ref] for ref in pending), late))
                 break
             if pending:  # take every other answer already in with the same wait
                 more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)

@@ -23,6 +23,8 @@ import ray
 import torch
 from ray.util.metrics import Gauge
 
+from raypar.core.observe.step_report import StepReport
+
 # For the methods called every step (or every pipeline message): Ray records each call's task events in
 # the GCS (the dashboard's task list, 100,000 calls kept by default), which grew a local Ray's GCS by
 # ~12 KB a step (63 to 288 MB over 20,000 steps). Set-up, checkpoint and recovery calls stay listed.
@@ -76,35 +78,35 @@ class ActorMetrics:
     def __reduce__(self) -> Any:
         raise TypeError("ActorMetrics must be created inside the actor that records them, not passed to it")
 
-    def record(self, step_result: dict[str, Any], tokens_per_s: float, mfu: float | None = None) -> None:
-        """Set every gauge from one `Worker.train_step` result (step_s, busy_s, events, loss), unless the
-        last recorded step is less than MIN_INTERVAL_S ago."""
+    def record(self, report: StepReport, tokens_per_s: float, mfu: float | None = None) -> None:
+        """Set every gauge from one `Worker.train_step` report, unless the last recorded step is less than
+        MIN_INTERVAL_S ago."""
         now = time.monotonic()
         if now - self._recorded_at < MIN_INTERVAL_S:
             return
         self._recorded_at = now
-        step_s = step_result["step_s"]
+        step_s = report.step_s
         values = {
             "raypar_step_seconds": step_s,
             "raypar_tokens_per_second": tokens_per_s,
-            "raypar_bubble_fraction": 1.0 - step_result["busy_s"] / step_s if step_s > 0 else 0.0,
-            "raypar_comm_seconds": sum(t1 - t0 for op, _, t0, t1 in step_result["events"] if op in COMM_OPS),
+            "raypar_bubble_fraction": 1.0 - report.busy_s / step_s if step_s > 0 else 0.0,
+            "raypar_comm_seconds": sum(t1 - t0 for op, _, t0, t1 in report.events if op in COMM_OPS),
             "raypar_memory_bytes": float(self._memory_bytes()),
-            "raypar_model_state_bytes": float(step_result["model_state_bytes"]),
+            "raypar_model_state_bytes": float(report.memory.model_state_bytes),
         }
         # Only the last stage computes a loss, and only a device in the peak table has an MFU.
-        if step_result.get("loss") is not None:
-            values["raypar_loss"] = step_result["loss"]
+        if report.loss is not None:
+            values["raypar_loss"] = report.loss
         if mfu is not None:
             values["raypar_mfu"] = mfu
-        moe = step_result.get("moe", {})
+        moe = report.moe
         if moe:
-            values["raypar_moe_aux_loss"] = sum(s["aux"] for s in moe.values())
-            values["raypar_moe_dropped_tokens"] = float(sum(s["dropped"] for s in moe.values()))
+            values["raypar_moe_aux_loss"] = sum(s.aux for s in moe.values())
+            values["raypar_moe_dropped_tokens"] = float(sum(s.dropped for s in moe.values()))
         for name, value in values.items():
             self.gauges[name].set(value)
         for layer, stats in moe.items():
-            for expert, load in enumerate(stats["load"]):
+            for expert, load in enumerate(stats.load):
                 self.gauges[LOAD_METRIC].set(float(load), tags={"layer": layer, "expert": str(expert)})
 
     @staticmethod

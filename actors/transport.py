@@ -30,6 +30,7 @@ import numpy as np
 import ray
 import torch
 
+from actors.endpoints import WorkerEndpoints, call
 from collectives import Group, Work
 from raypar.core.pipeline.schedules import Topology
 
@@ -156,7 +157,7 @@ class ObjectStoreTransport:
                     # A large array goes into the store, its reference inside a list so that Ray passes it
                     # unresolved and the receiver fetches it itself; a small one rides in the call.
                     payload = array if array.nbytes < INLINE_BYTES else [ray.put(array)]
-                    self._pending.append(peer.deliver.remote(key, payload, dtype))
+                    self._pending.append(call(peer, WorkerEndpoints.deliver, key, payload, dtype))
             except BaseException as err:  # noqa: BLE001 - raised on the step's thread by finish_step
                 self._error = err
             finally:

@@ -31,10 +31,12 @@ import torch
 
 from actors.buddy import BuddyCopies
 from actors.devices import OnDevice, cuda_ordinal
+from actors.endpoints import Peers, Placement, SetupInfo
 from actors.replica_lead import ReplicaLead
 from actors.telemetry import ActorMetrics, per_step
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from actors.worker_state import WorkerState
+from collectives import Group
 from collectives.host import GroupHost
 from raypar.core.checkpoint import hf
 from raypar.core.config.load import from_dict
@@ -47,12 +49,13 @@ from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage, StageSpec, dropout_seed
 from raypar.core.model.moe import is_expert_param
 from raypar.core.observe import flops, memory
+from raypar.core.observe.step_report import MoELayerReport, StepReport
 from raypar.core.parallel import ep as ep_mod
-from raypar.core.parallel.mesh import Coord, Mesh, actor_name, stage_layers
+from raypar.core.parallel.mesh import BoundGroups, Coord, StageGroups, actor_name, stage_layers
 from raypar.core.pipeline import schedules
+from raypar.core.pipeline.evaluate import ForwardBackend, evaluate
 from raypar.core.pipeline.executor import ModelBackend, StepRun, busy_seconds
 
-EVAL_MB_BASE = 1 << 30  # validation microbatches' transport keys: never a training microbatch's
 # Counting the bytes a forward saves costs a Python call per saved tensor (+15 % of a 20-ms `tiny` step,
 # measured). A dense model's counts depend only on the shapes, fixed while the model and layout are: they
 # are measured on a unit's first step after every (re)build and every METER_EVERY steps, and reused between.
@@ -112,10 +115,10 @@ class WorkerFailure(RuntimeError):
 
 class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
     """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks) override
-    the seams `_make_strategy`, `_make_expert_strategy`, `_bind_tp`, `_backend`, `_send_grad`, `_train_step`,
-    `_sum_tied_grads`, `_write_shard` and `_buddy_copy` and wrap themselves the same way. Checkpoints,
-    healing and in-memory snapshots are in `WorkerState` (actors.worker_state). Every public method, a
-    subclass's too, runs on the actor's GPU whichever thread Ray runs it on
+    the seams `_make_strategy`, `_make_expert_strategy`, `_bind_groups`, `_backend`, `_send_grad`,
+    `_train_step`, `_sum_tied_grads`, `_write_shard` and `_buddy_copy` and wrap themselves the same way.
+    Checkpoints, healing and in-memory snapshots are in `WorkerState` (actors.worker_state). Every
+    public method, a subclass's too, runs on the actor's GPU whichever thread Ray runs it on
     (actors.devices.OnDevice)."""
 
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
@@ -140,17 +143,16 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
     def __repr__(self) -> str:
         return self.name
 
-    def where(self) -> dict[str, Any]:
-        ctx = ray.get_runtime_context()
-        return {
-            "name": self.name,
-            "node_id": ctx.get_node_id(),
-            "pid": os.getpid(),
-            "ip": ray.util.get_node_ip_address(),
-            "cuda": torch.cuda.is_available(),
-            "gpu_ids": [str(i) for i in ray.get_gpu_ids()],  # numbers, or UUIDs from a preset list
-            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),  # what those ids index (actors.devices)
-        }
+    def where(self) -> Placement:
+        return Placement(
+            name=self.name,
+            node_id=ray.get_runtime_context().get_node_id(),
+            pid=os.getpid(),
+            ip=ray.util.get_node_ip_address(),
+            cuda=torch.cuda.is_available(),
+            gpu_ids=[str(i) for i in ray.get_gpu_ids()],
+            visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        )
 
     def _fail(self, what: str, err: Exception) -> WorkerFailure:
         d, p, t, c = self.coord
@@ -159,9 +161,9 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
 
     # -- set-up ----------------------------------------------------------------------------------------
     def setup(
-        self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int, keep_copies: bool = False
-    ) -> dict:
-        """Build model, optimizer and data for this coordinate from the seed alone, then bind groups.
+        self, cfg: dict, groups: StageGroups, peers: Peers, epoch: int, keep_copies: bool = False
+    ) -> SetupInfo:
+        """Build model, optimizer and data for this coordinate from the seed alone, then bind `groups`.
         In-memory copies of an earlier state are void then, unless `keep_copies` (to restore from them)."""
         self.cfg = from_dict(cfg)
         if not keep_copies:
@@ -175,13 +177,11 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         virtual = stage_layers(self.cfg.model.n_layers, par.pp * par.virtual_stages, par.stage_layers or None)
         chunks = [virtual[self.topo.virtual(p, c)] for c in range(par.virtual_stages)]
         self.first, self.last = p == 0, p == par.pp - 1
-        tp_group = self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None  # shapes the shards
-        cp_group = self.group(Mesh.cp_group(self.coord)) if par.cp > 1 else None
-        ep_group = self._ep_group(replicas.index(self.coord.dp))  # which experts live here
+        bound = groups.bind(self.group)  # tp shapes the shards, ep says which experts live here
         train, init_from = self.cfg.train, self.cfg.model.init_from
         self.model = LlamaStage(
-            self.cfg.model, stage=StageSpec(tuple(chunks), self.first, self.last), tp_group=tp_group,
-            ep_group=ep_group, cp_group=cp_group, sequence_parallel=par.sequence_parallel,
+            self.cfg.model, stage=StageSpec(tuple(chunks), self.first, self.last), tp_group=bound.tp,
+            ep_group=bound.ep, cp_group=bound.cp, sequence_parallel=par.sequence_parallel,
             cp_style=par.cp_style, seed=train.seed, init=not init_from,
         )
         if init_from:  # this shard only, read from the files (never the whole model)
@@ -202,46 +202,33 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         mbs, seq = self.cfg.microbatch_size, self.cfg.model.seq_len
         seq //= par.cp * (par.tp if par.sequence_parallel else 1)  # hops carry this rank's tokens
         self.act_like = torch.empty(mbs, seq, self.cfg.model.d_model, device=self.device, dtype=dtype)
-        self.rebind(replicas, peers, epoch)
-        return {"params": sum(p.numel() for p in self.model.parameters()), "peak_flops": self.peak_flops}
+        self.rebind(groups, peers, epoch)
+        return SetupInfo(sum(p.numel() for p in self.model.parameters()), self.peak_flops)
 
-    def rebind(self, replicas: list[int], peers: dict[str, Any], epoch: int) -> None:
-        """Use the groups formed for membership `epoch` (after any change of replicas), keeping the
-        model and optimizer state. `replicas` lists the live replica ids in data-parallel rank order."""
-        d, p, t, c = self.coord
+    def rebind(self, groups: StageGroups, peers: Peers, epoch: int) -> None:
+        """Use `groups`, formed for membership `epoch` (after any change of replicas), keeping the model
+        and optimizer state."""
+        p = self.coord.pp
         self.epoch = epoch
         self.saved_bytes: dict[tuple[int, int], int] = {}  # per unit; a new dp changes microbatch sizes
         par = self.cfg.parallel
-        self.dp, self.dp_rank = len(replicas), replicas.index(d)
-        self._layout, self._buddy = tuple(replicas), peers.get("buddy")
-        self._bind_tp(self.group(Mesh.tp_group(self.coord)) if par.tp > 1 else None)
-        self.model.cp_group = self.group(Mesh.cp_group(self.coord)) if par.cp > 1 else None
-        # Gradients of parameters replicated across cp are reduced over cp x dp.
-        self.dp_group = self.group(Mesh.dp_group(self.coord)) if self.dp * par.cp > 1 else None
-        tied = self.model.tied_weight() is not None
-        self.emb_group = self.group(Mesh.emb_group(d, t, self.coord.cp)) if tied else None
-        self.ep_group = self._ep_group(self.dp_rank)
-        self.model.bind_ep(self.ep_group)
-        if par.ep == 1:  # every replica holds every expert
-            self.edp_group = self.dp_group
-        else:  # the replicas holding these experts, and their cp ranks (raypar.core.parallel.mesh)
-            holders = self.dp // par.ep * par.cp
-            edp = Mesh.edp_group(self.coord, self.dp_rank, par.ep)
-            self.edp_group = self.group(edp) if holders > 1 else None
+        self.dp, self.dp_rank = groups.dp, groups.dp_rank
+        self._layout, self._buddy = groups.replicas, peers.buddy
+        bound = groups.bind(self.group)
+        self._bind_groups(bound)
+        # Gradients of parameters replicated across cp are reduced over cp x dp (the dp group).
+        self.dp_group, self.edp_group, self.ep_group = bound.dp, bound.edp, bound.ep
+        self.emb_group, self.mp_group = bound.emb, bound.mp
         self._rebuild_strategies()
-        self.mp_group = self.group(Mesh.mp_group(self.coord)) if par.pp * par.tp * par.cp > 1 else None
         self.microbatches = self.cfg.microbatches_at(self.dp)
         self.plan = schedules.build(par.schedule, par.pp, self.microbatches, par.virtual_stages)[p]
         if self.transport is not None:
             self.transport.close()
         if par.transport == DIRECT:
-            ring = par.virtual_stages > 1  # the last stage feeds rank 0's next chunk
-            prev = self.group(Mesh.pipe_group(d, t, p - 1, par.pp, c)) if not self.first or ring else None
-            nxt = self.group(Mesh.pipe_group(d, t, p, par.pp, c)) if not self.last or ring else None
-            self.transport = DirectTransport(prev, nxt)
+            self.transport = DirectTransport(bound.pp_prev, bound.pp_next)
         else:
             self.transport = ObjectStoreTransport(
-                self.name, peers.get("prev"), peers.get("next"), self.mailbox, par.timeout_s, epoch,
+                self.name, peers.prev, peers.next, self.mailbox, par.timeout_s, epoch,
                 p, self.topo,
             )
         self.mailbox.reset()
@@ -273,15 +260,8 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             for strategy in self._strategies():
                 strategy.load_full_state(state, step_count)
 
-    def _bind_tp(self, group: Any) -> None:
-        self.model.tp_group = group
-        for module in self.model.modules():
-            if hasattr(module, "group"):
-                module.group = group
-
-    def _ep_group(self, dp_rank: int) -> Any:
-        ep = self.cfg.parallel.ep
-        return self.group(Mesh.ep_group(self.coord, dp_rank, ep)) if ep > 1 else None
+    def _bind_groups(self, groups: BoundGroups[Group]) -> None:
+        self.model.bind_groups(groups)
 
     def _strategy_spec(self, **kwargs: Any) -> StrategySpec:
         par, train = self.cfg.parallel, self.cfg.train
@@ -343,7 +323,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         return inputs.to(self.device), targets.to(self.device)
 
     @per_step
-    def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
+    def train_step(self, step: int, commit: int | None = None) -> StepReport:
         """Apply the update of step `commit` (every actor finished its phase 1), then phase 1 of `step`."""
         if commit is not None:
             self.apply_step(commit)
@@ -373,7 +353,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         if self.cfg.checkpoint.in_memory:
             self._snapshot(step + 1)
 
-    def _train_step(self, step: int) -> dict[str, Any]:
+    def _train_step(self, step: int) -> StepReport:
         start = time.perf_counter()
         self._stash = None  # a dp change is complete once a step runs
         for strategy in self._strategies():
@@ -404,32 +384,30 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         grad_norm = float("inf") if self._skip else self._clip_grad_norm()
         self.check_groups()  # a step is complete only if no communicator failed under it
         end = time.perf_counter()
-        busy = busy_seconds(events)
-        result = {
-            "coord": tuple(self.coord),
-            "dp_rank": self.dp_rank,
-            "loss": torch.stack(losses).float().mean().item() if losses else None,
-            "grad_norm": grad_norm,
-            "lr": lr_at(self.strategy.step_count, self.cfg.train),
-            "loss_scale": scale,
-            "skipped": self._skip,
-            "step_s": end - start,
-            "busy_s": busy,
-            "reduce_s": end - compute_end,
-            "events": events,
-            # bytes this actor sent for DP since the last step: reduction, parameter gathers (ZeRO)
-            **_summed(s.take_traffic() for s in self._strategies()),
+        traffic = _summed(s.take_traffic() for s in self._strategies())
+        result = StepReport(
+            coord=tuple(self.coord),
+            dp_rank=self.dp_rank,
+            loss=torch.stack(losses).float().mean().item() if losses else None,
+            grad_norm=grad_norm,
+            lr=lr_at(self.strategy.step_count, self.cfg.train),
+            loss_scale=scale,
+            skipped=self._skip,
+            step_s=end - start,
+            busy_s=busy_seconds(events),
+            reduce_s=end - compute_end,
+            events=events,
+            reduce_bytes=traffic["reduce_bytes"],
+            gather_bytes=traffic["gather_bytes"],
             # CPU offload: the host update applied at the start of this call (the previous step's)
-            "offload_update_s": sum(s.take_update_s() for s in self._strategies()),
-            **self._memory(live),
-        }
-        moe = self.model.take_moe_stats()
-        if moe:
-            result["moe"] = {
-                i: {"load": s.load.tolist(), "dropped": s.dropped, "aux": s.aux_sum / max(s.microbatches, 1)}
-                for i, s in moe.items()
-            }
-        tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result["step_s"]
+            offload_update_s=sum(s.take_update_s() for s in self._strategies()),
+            memory=self._memory(live),
+            moe={
+                i: MoELayerReport(s.load.tolist(), s.dropped, s.aux_sum / max(s.microbatches, 1))
+                for i, s in self.model.take_moe_stats().items()
+            },
+        )
+        tokens_per_s = self.cfg.train.global_batch * self.cfg.model.seq_len / result.step_s
         world = self.dp * self.cfg.parallel.pp * self.cfg.parallel.tp * self.cfg.parallel.cp
         mfu = flops.mfu(tokens_per_s / world, self.cfg.model, self.peak_flops) if self.peak_flops else None
         self.metrics.record(result, tokens_per_s, mfu)
@@ -459,39 +437,24 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             self.model.train()
 
     def _eval_step(self, step: int) -> float | None:
-        # Forward only, model chunk by model chunk (interleaved pipelines hold several per stage): every
-        # stage runs its chunks in order, each over all of this replica's microbatches, so a unit waits only
-        # for units of an earlier chunk or an earlier stage (sends do not wait for the receiver). Under cp
-        # the model takes its share of every sequence itself, and each cp rank's loss is its equal share's.
-        cfg, mbs = self.cfg, self.cfg.microbatch_size
-        self.transport.step = step
-        batch_size = cfg.train.global_batch
-        per_batch = batch_size // mbs
+        # This replica's microbatches of each fixed validation batch, walked as one forward-only pass on the
+        # executor (raypar.core.pipeline.evaluate). Under cp the model takes its share of every sequence
+        # itself, and each cp rank's loss is its equal share's.
+        cfg, mbs, batch_size = self.cfg, self.cfg.microbatch_size, self.cfg.train.global_batch
         mine = data.replica_microbatch_ids(self.dp_rank, self.dp, batch_size, mbs)
-        losses = []
-        rank = self.coord.pp
-        for chunk in range(self.topo.n_chunks):
-            first, last = self.topo.is_first(rank, chunk), self.topo.is_last(rank, chunk)
-            for batch in range(cfg.train.eval_batches):
-                for mb in mine:
-                    key = EVAL_MB_BASE + batch * per_batch + mb  # apart from the step's own microbatches
-                    if first or last:
-                        inputs, targets = data.eval_microbatch(self.val_dataset, batch, mb, mbs, batch_size)
-                        inputs, targets = inputs.to(self.device), targets.to(self.device)
-                    if not first:
-                        inputs = self.transport.recv_act(chunk, key, self.act_like).to(self.device)
-                    out = self.model(inputs, targets if last else None, chunk=chunk)
-                    self.model.take_aux_loss()  # MoE load balancing: a training loss only
-                    if last:
-                        losses.append(out.float())
-                    else:
-                        self.transport.send_act(chunk, key, out)
-                    if not first:
-                        self.transport.release("act", chunk, key)
-        self.transport.finish_step()
-        return torch.stack(losses).mean().item() if losses else None
+        units = [(batch, mb) for batch in range(cfg.train.eval_batches) for mb in mine]
 
-    def _memory(self, live: memory.LiveActivations) -> dict[str, int]:
+        def batch(unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+            inputs, targets = data.eval_microbatch(self.val_dataset, *units[unit], mbs, batch_size)
+            return inputs.to(self.device), targets.to(self.device)
+
+        self.transport.step = step
+        backend = ForwardBackend(self.model, self.coord.pp, self.topo, self.transport, self.act_like, batch)
+        loss = evaluate(backend, len(units))
+        self.transport.finish_step()
+        return None if loss is None else loss.item()
+
+    def _memory(self, live: memory.LiveActivations) -> memory.MemoryReport:
         """Measured memory of this step: activations saved per microbatch and at most at once, microbatches
         in flight, model states, in-memory checkpoint copies (host), and the peak (GPU: the allocator's;
         CPU: model states + activations + copies)."""
@@ -501,14 +464,14 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             peak = torch.cuda.max_memory_allocated(self.device)
         else:  # the in-memory copies share the host memory with everything else
             peak = states + live.peak_bytes + snapshots
-        return {
-            "activation_bytes": live.per_microbatch,
-            "activation_peak_bytes": live.peak_bytes,
-            "in_flight": live.peak_count,
-            "model_state_bytes": states,
-            "peak_memory_bytes": peak,
-            "snapshot_bytes": snapshots,  # host memory of checkpoint.in_memory
-        }
+        return memory.MemoryReport(
+            activation_bytes=live.per_microbatch,
+            activation_peak_bytes=live.peak_bytes,
+            in_flight=live.peak_count,
+            model_state_bytes=states,
+            peak_memory_bytes=peak,
+            snapshot_bytes=snapshots,  # host memory of checkpoint.in_memory
+        )
 
     def _anywhere(self, flag: bool) -> bool:
         """True on every actor if `flag` is True on any actor of the step: MAX over this replica's stages

@@ -18,6 +18,7 @@ import ray
 import torch
 
 from actors.buddy import BuddyCopies, Snapshot
+from actors.endpoints import Inventory, Shard, WorkerEndpoints, call
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.config.schema import Config
@@ -94,7 +95,7 @@ class WorkerState:
             strategy.load_full_state(state, int(steps[0]))
 
     # -- checkpoints ---------------------------------------------------------------------------------------
-    def parameters(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+    def parameters(self) -> dict[str, Shard]:
         """name -> (local shard, global shape, offsets), on the CPU. Under ZeRO-3 a collective over the DP
         group: call it on every replica."""
         specs = self.model.shard_specs()
@@ -219,7 +220,7 @@ class WorkerState:
         """The held copy of `owner`'s snapshot of `step`, for the actor that replaces it."""
         return self.copies.held_at(owner, step)
 
-    def memory_inventory(self) -> dict[str, Any]:
+    def memory_inventory(self) -> Inventory:
         return self.copies.inventory()
 
     def restore_memory(self, step: int, source: Any = None) -> None:
@@ -230,7 +231,7 @@ class WorkerState:
             if source is None:
                 snap = self.copies.own_at(step)
             else:
-                pulled = source.copy_of.remote(self.coord.key, step)
+                pulled = call(source, WorkerEndpoints.copy_of, self.coord.key, step)
                 snap = ray.get(pulled, timeout=self.cfg.parallel.timeout_s)
                 self.copies.keep(snap)
             self.copies.roll_back(step)

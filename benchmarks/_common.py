@@ -15,8 +15,10 @@ Ray pickles by value), so the actors never need to import this module.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -35,6 +37,7 @@ from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.dp.optim import ADAM_EPS, lr_at
 from raypar.core.model.llama import LlamaStage
+from raypar.core.observe.step_report import StepReport
 from raypar.core.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from raypar.core.run_config import load_config
 
@@ -102,8 +105,20 @@ class _PaddedBackend(_ActorBackend):
         time.sleep(max(0.0, self.costs.get(op, 0.0) - (time.perf_counter() - start)))
 
 
+@dataclasses.dataclass(frozen=True)
+class TimedStepReport(StepReport):
+    """A step's report with the timings of `_TimedWorker` (nan where not measured)."""
+
+    t_start: float = math.nan
+    t_phase: float = math.nan
+    cpu_s: float = math.nan
+    thread_cpu_s: float = math.nan
+    prev_apply_s: float = math.nan
+    prev_apply_cpu_s: float = math.nan
+
+
 class _TimedWorker(Worker):
-    """raypar's Worker, instrumented, behaviour unchanged: each `train_step` result also holds
+    """raypar's Worker, instrumented, behaviour unchanged: each `train_step` report (a TimedStepReport) holds
     - `t_start`: the absolute `time.perf_counter()` at its start (system-wide on Linux, so the events of
       all actors can be put on one clock),
     - `t_phase`: the same at the start of its phase 1 (after the previous step's update): the zero of the
@@ -129,19 +144,19 @@ class _TimedWorker(Worker):
         costs = {FORWARD: fwd_s, BACKWARD: bwd_s, BACKWARD_INPUT: bwd_s, BACKWARD_WEIGHT: bwd_s}
         return _PaddedBackend(self, step, scale, costs)
 
-    def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
+    def train_step(self, step: int, commit: int | None = None) -> TimedStepReport:
         start, cpu, thread_cpu = time.perf_counter(), time.process_time(), time.thread_time()
         result = super().train_step(step, commit)
-        result["t_start"], result["cpu_s"] = start, time.process_time() - cpu
-        result["thread_cpu_s"] = time.thread_time() - thread_cpu
-        result["prev_apply_s"], result["prev_apply_cpu_s"] = self._apply
-        return result
+        prev_apply_s, prev_apply_cpu_s = self._apply
+        cpu_s, thread_cpu_s = time.process_time() - cpu, time.thread_time() - thread_cpu
+        return dataclasses.replace(
+            result, t_start=start, cpu_s=cpu_s, thread_cpu_s=thread_cpu_s,
+            prev_apply_s=prev_apply_s, prev_apply_cpu_s=prev_apply_cpu_s,
+        )
 
-    def _train_step(self, step: int) -> dict[str, Any]:
+    def _train_step(self, step: int) -> TimedStepReport:
         phase = time.perf_counter()  # a few µs before the worker's own zero of `events`
-        result = super()._train_step(step)
-        result["t_phase"] = phase
-        return result
+        return TimedStepReport(**vars(super()._train_step(step)), t_phase=phase)
 
     def apply_step(self, step: int) -> None:
         start, cpu = time.perf_counter(), time.process_time()

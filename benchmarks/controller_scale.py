@@ -49,12 +49,14 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import numpy  # noqa: E402
 import ray  # noqa: E402
 
-from actors.replica_lead import ReplicaAnswer, ReplicaLead  # noqa: E402
+from actors.endpoints import Peers, Placement, ReplicaAnswer, SetupInfo, WorkerEndpoints  # noqa: E402
+from actors.replica_lead import ReplicaLead  # noqa: E402
 from actors.worker import WORKER_THREADS  # noqa: E402
 from benchmarks import _common  # noqa: E402
 from raypar.controller.actor_calls import StepFailure  # noqa: E402
 from raypar.controller.actor_mesh import ActorMesh, StepResult  # noqa: E402
-from raypar.core.parallel.mesh import Coord  # noqa: E402
+from raypar.core.observe.step_report import StepReport  # noqa: E402
+from raypar.core.parallel.mesh import Coord, StageGroups  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
 
 PP, TP = 4, 2
@@ -75,29 +77,26 @@ class _LightWorker(ReplicaLead):
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         self.coord = tuple(coord)
 
-    def where(self) -> dict[str, Any]:
-        ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "cuda": False, "gpu_ids": []}
+    def where(self) -> Placement:
+        node = ray.get_runtime_context().get_node_id()
+        return Placement(f"light:{Coord(*self.coord).key}", node, os.getpid(), "", False, [], None)
 
     def join_groups(self, specs: Sequence[Any]) -> list[str]:
         return [spec.name for spec in specs]
 
     def setup(
-        self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int, keep_copies: bool = False
-    ) -> dict:
-        return {"params": 0, "peak_flops": None}
+        self, cfg: dict, groups: StageGroups, peers: Peers, epoch: int, keep_copies: bool = False
+    ) -> SetupInfo:
+        return SetupInfo(0, None)
 
-    def rebind(self, replicas: list[int], peers: dict[str, Any], epoch: int) -> None:
+    def rebind(self, groups: StageGroups, peers: Peers, epoch: int) -> None:
         pass
 
     def sync_state(self, src_dp_rank: int) -> None:
         pass
 
-    def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
-        return {
-            "coord": self.coord, "loss": 1.0, "grad_norm": 1.0, "lr": 0.0, "events": [], "loss_scale": 1.0,
-            "skipped": False,
-        }
+    def train_step(self, step: int, commit: int | None = None) -> StepReport:
+        return StepReport(self.coord, 0, 1.0, 1.0, 0.0, 1.0, False)
 
     def apply_step(self, step: int) -> None:
         pass
@@ -119,7 +118,7 @@ class LightMesh(ActorMesh):
     def step_per_actor(self, step: int) -> StepResult:
         start = time.perf_counter()
         commit, self.uncommitted = self.uncommitted, None
-        refs = {a.train_step.remote(step, commit): c for c, a in self.actors.items()}
+        refs = self._each(WorkerEndpoints.train_step, step, commit)
         results = self._gather(refs, f"step {step}", step)
         self.uncommitted = step
         return StepResult(step, 1.0, 1.0, 0.0, time.perf_counter() - start, results)
@@ -206,7 +205,7 @@ def run(counts: list[int], designs: list[str], args: argparse.Namespace) -> tupl
             if args.paths and dp > 1:
                 victim = next(c for c in mesh.actors if c.dp == mesh.replicas[-1] and c.pp == PP - 1)
                 start = time.perf_counter()
-                os.kill(mesh.nodes[victim]["pid"], signal.SIGKILL)
+                os.kill(mesh.nodes[victim].pid, signal.SIGKILL)
                 try:
                     stepper()
                     raise RuntimeError("the step after a kill -9 did not fail")

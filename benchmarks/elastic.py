@@ -114,7 +114,7 @@ def main() -> None:
         trainer.scale_to(2, 60.0)
         trainer.step(step)
         step += 1
-        victim = trainer.nodes[next(c for c in trainer.actors if c.dp == trainer.replicas[-1])]["pid"]
+        victim = trainer.nodes[next(c for c in trainer.actors if c.dp == trainer.replicas[-1])].pid
         start = time.perf_counter()
         os.kill(victim, signal.SIGKILL)
         try:

@@ -618,7 +618,7 @@ def dp_shared(budget: Budget, preset: str, device: str, steps: int) -> None:
         got = [r.loss for r in stepped]
         # Model state (parameters, gradients, master weights, moments) of each rank: a ZeRO variant must hold
         # less than the plain one, or it did not take effect and the loss comparison says nothing about it.
-        per_rank = [a["model_state_bytes"] for a in stepped[-1].per_actor.values()]
+        per_rank = [a.memory.model_state_bytes for a in stepped[-1].per_actor.values()]
         if name == "plain":
             plain_bytes.append(max(per_rank))
         sharded = name == "plain" or (bool(plain_bytes) and max(per_rank) < plain_bytes[0])

@@ -78,17 +78,17 @@ COMPUTE = COMPUTE_OPS
 CHUNKS = {"interleaved": 2}  # virtual stages per rank of each schedule (1 if not listed)
 
 
-def bubble_of(per_actor: dict[Any, dict[str, Any]]) -> dict[str, float]:
+def bubble_of(per_actor: dict[Any, _common.TimedStepReport]) -> dict[str, float]:
     """Bubble of one step from every stage's events, on the common clock (see the module docstring)."""
-    start = min(r["t_phase"] for r in per_actor.values())
-    end = max(r["t_phase"] + r["events"][-1][3] for r in per_actor.values())
+    start = min(r.t_phase for r in per_actor.values())
+    end = max(r.t_phase + r.events[-1][3] for r in per_actor.values())
     window = end - start
-    busy = {c: sum(t1 - t0 for op, _, t0, t1 in r["events"] if op in COMPUTE) for c, r in per_actor.items()}
+    busy = {c: sum(t1 - t0 for op, _, t0, t1 in r.events if op in COMPUTE) for c, r in per_actor.items()}
     return {
         "bubble": sum(1 - b / window for b in busy.values()) / len(busy),
-        "step_bubble": sum(1 - r["busy_s"] / r["step_s"] for r in per_actor.values()) / len(per_actor),
+        "step_bubble": sum(1 - r.busy_s / r.step_s for r in per_actor.values()) / len(per_actor),
         "window_s": window,
-        "cpu_per_busy": sum(r["thread_cpu_s"] for r in per_actor.values()) / sum(busy.values()),
+        "cpu_per_busy": sum(r.thread_cpu_s for r in per_actor.values()) / sum(busy.values()),
     }
 
 

@@ -113,9 +113,9 @@ def measure(layouts: dict[tuple[int, int, int, int], list[list[str]]] = LAYOUTS)
                         Row(
                             name,
                             coord.key,
-                            result["model_state_bytes"],
+                            result.memory.model_state_bytes,
                             stage.model_states,
-                            result["activation_peak_bytes"],
+                            result.memory.activation_peak_bytes,
                             stage.activations,
                             bad.activations,
                         )

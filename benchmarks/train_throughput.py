@@ -107,16 +107,16 @@ class RayparSide:
             result = self.trainer.step(self.next_step)
             driver_cpu = time.process_time() - cpu
             if self.next_step == 0:
-                self.first_loss = result.per_actor[Coord(0, 0, 0)]["loss"]
+                self.first_loss = result.per_actor[Coord(0, 0, 0)].loss
             self.next_step += 1
             actors = result.per_actor.values()
             # the previous step's apply_step; only the next step tells its cost, so this step gets the
             # previous one's (the same work every step)
-            apply_s = max(r["prev_apply_s"] for r in actors)
+            apply_s = max(r.prev_apply_s for r in actors)
             out.append({
                 "step_s": result.step_time_s,
-                "actor_s": max(r["step_s"] for r in actors) + apply_s,
-                "cpu_s": driver_cpu + sum(r["cpu_s"] + r["prev_apply_cpu_s"] for r in actors),
+                "actor_s": max(r.step_s for r in actors) + apply_s,
+                "cpu_s": driver_cpu + sum(r.cpu_s + r.prev_apply_cpu_s for r in actors),
             })
         return out
 

@@ -9,11 +9,12 @@ reads as building, running and resizing the mesh. It uses the mesh's actors, con
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
-from actors.replica_lead import ReplicaAnswer
+from actors.endpoints import ReplicaAnswer, WorkerEndpoints, call
 from raypar.controller.connection import RunFailure
 from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Coord
@@ -117,18 +118,25 @@ class ActorCalls:
             raise StepFailure(self._describe_failure(errors, dead, what), dead, step)
         return results
 
-    def _fan_out(self, method: str, args: tuple, what: str, step: int | None = None) -> dict[Coord, Any]:
-        """`method(*args)` on every actor, the driver calling only the top of the mesh's call tree (leaders
-        that fan out: actors.replica_lead; or every actor, in a small mesh)."""
+    def _fan_out(
+        self, endpoint: Callable[..., Any], args: tuple, what: str, step: int | None = None
+    ) -> dict[Coord, Any]:
+        """`endpoint(*args)` (a WorkerEndpoints method) on every actor, the driver calling only the top of
+        the mesh's call tree (leaders that fan out: actors.replica_lead; or every actor, in a small
+        mesh)."""
         timeout_s = 2 * self.cfg.parallel.timeout_s + 20  # under _gather's: the leader names the late
         refs = {}
         for coord, fans_out in self.leads.items():
             actor = self.actors[coord]
             if fans_out:
-                refs[actor.fan_out.remote(method, args, timeout_s)] = coord
+                refs[call(actor, WorkerEndpoints.fan_out, endpoint, args, timeout_s)] = coord
             else:
-                refs[getattr(actor, method).remote(*args)] = coord
+                refs[call(actor, endpoint, *args)] = coord
         return self._gather(refs, what, step)
+
+    def _each(self, endpoint: Callable[..., Any], *args: Any) -> dict[Any, Coord]:
+        """`endpoint(*args)` submitted to every actor directly: its refs, for `_gather`."""
+        return {call(actor, endpoint, *args): coord for coord, actor in self.actors.items()}
 
     def _contain(self, first: Coord, err: BaseException, step: int | None) -> set[Coord]:
         dead = {first} if _died(err) else set()
@@ -138,7 +146,7 @@ class ActorCalls:
             if coord.dp in broken and coord not in dead:
                 ray.kill(actor)  # its sockets close, so intact peers fail now instead of at their timeout
             elif coord not in dead and step is not None:
-                actor.abort.remote(self.epoch, step)
+                call(actor, WorkerEndpoints.abort, self.epoch, step)
         return dead
 
     def find_dead(self, coords: list[Coord] | None = None) -> set[Coord]:
@@ -148,7 +156,7 @@ class ActorCalls:
         in a long step on a loaded node) is waited for, up to parallel.timeout_s; only one that stays
         silent that long while Ray still calls it alive is given up on as hung."""
         coords = list(self.actors) if coords is None else coords
-        pings = {self.actors[c].where.remote(): c for c in coords if c in self.actors}
+        pings = {call(self.actors[c], WorkerEndpoints.where): c for c in coords if c in self.actors}
         dead: set[Coord] = set()
         deadline = time.monotonic() + self.cfg.parallel.timeout_s
         pending, wait_s = list(pings), PING_GRACE_S

@@ -23,6 +23,7 @@ import ray
 import torch
 
 from actors.devices import cuda_ordinal
+from actors.endpoints import Peers, Placement, WorkerEndpoints, call
 from actors.worker import WORKER_ENV, RemoteWorker
 from collectives.host import create_groups
 from collectives.ray_store import RendezvousServer
@@ -41,6 +42,7 @@ from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.options import ZeroStage
 from raypar.core.config.schema import Config
 from raypar.core.dp.strategies import STRATEGIES
+from raypar.core.observe.step_report import StepReport
 from raypar.core.parallel.mesh import Coord, Mesh, actor_name
 
 STARTUP_TIMEOUT_S = 300.0  # an actor process imports torch: seconds each, many at once on a small node
@@ -57,23 +59,23 @@ class StepResult:
     grad_norm: float
     lr: float
     step_time_s: float
-    per_actor: dict[Coord, dict[str, Any]] = field(default_factory=dict)
+    per_actor: dict[Coord, StepReport] = field(default_factory=dict)
     loss_scale: float = 1.0
     skipped: bool = False
     moe: dict[str, Any] | None = None  # see moe_totals
 
 
-def moe_totals(per_actor: dict[Coord, dict[str, Any]]) -> dict[str, Any] | None:
+def moe_totals(per_actor: dict[Coord, StepReport]) -> dict[str, Any] | None:
     """The step's MoE figures over the whole mesh: `aux_loss` (summed over layers, each the mean over replicas
     and microbatches), `dropped_tokens` (assignments over capacity, all replicas) and `expert_load` (layer ->
     assignments per expert, all replicas). Every tp rank routes the same tokens: tp rank 0 speaks for them."""
     layers: dict[str, dict[str, Any]] = {}
     for coord, result in per_actor.items():
-        for layer, stats in result.get("moe", {}).items() if coord.tp == 0 else ():
-            total = layers.setdefault(layer, {"load": [0] * len(stats["load"]), "dropped": 0, "aux": []})
-            total["load"] = [a + b for a, b in zip(total["load"], stats["load"], strict=True)]
-            total["dropped"] += stats["dropped"]
-            total["aux"].append(stats["aux"])
+        for layer, stats in result.moe.items() if coord.tp == 0 else ():
+            total = layers.setdefault(layer, {"load": [0] * len(stats.load), "dropped": 0, "aux": []})
+            total["load"] = [a + b for a, b in zip(total["load"], stats.load, strict=True)]
+            total["dropped"] += stats.dropped
+            total["aux"].append(stats.aux)
     if not layers:
         return None
     order = sorted(layers, key=int)
@@ -100,7 +102,7 @@ class ActorMesh(ActorCalls):
         self.actors: dict[Coord, Any] = {}
         self.leads: dict[Coord, bool] = {}  # the actors the driver calls: True where they fan out (_lead)
         self.pgs: dict[tuple[int, int], Any] = {}
-        self.nodes: dict[Coord, dict[str, Any]] = {}
+        self.nodes: dict[Coord, Placement] = {}
         self.peaks: dict[Coord, float | None] = {}
         self.epoch = 0
         self.server: RendezvousServer | None = None
@@ -186,22 +188,22 @@ class ActorMesh(ActorCalls):
         if not self.resources.gpus:
             return "gloo"
         # Fake GPU nodes (a local test cluster) advertise GPUs that have no device behind them.
-        if not all(w["cuda"] for w in self.nodes.values()):
+        if not all(w.cuda for w in self.nodes.values()):
             return "gloo"
         # NCCL refuses two ranks on one GPU (parallel.gpus_per_actor < 1): gloo moves those groups' tensors.
-        gpus = [(w["node_id"], w["gpu_ids"][0]) for w in self.nodes.values() if w["gpu_ids"]]
+        gpus = [(w.node_id, w.gpu_ids[0]) for w in self.nodes.values() if w.gpu_ids]
         return "nccl" if len(set(gpus)) == len(gpus) else "gloo"
 
-    def _peers(self, coord: Coord) -> dict[str, Any]:
+    def _peers(self, coord: Coord) -> Peers:
         prev, nxt = coord.pp - 1, coord.pp + 1
         if self.cfg.parallel.virtual_stages > 1:  # interleaved chunks: the last stage feeds the first
             prev, nxt = prev % self.pp, nxt % self.pp
         holder = buddy.buddy_of(coord, self.replicas) if self.cfg.checkpoint.in_memory else coord
-        return {
-            "prev": self.actors.get(coord._replace(pp=prev)),
-            "next": self.actors.get(coord._replace(pp=nxt)),
-            "buddy": self.actors.get(holder) if holder != coord else None,  # holds its in-memory copies
-        }
+        return Peers(
+            prev=self.actors.get(coord._replace(pp=prev)),
+            next=self.actors.get(coord._replace(pp=nxt)),
+            buddy=self.actors.get(holder) if holder != coord else None,  # holds its in-memory copies
+        )
 
     def _regroup(self, new: set[int] = frozenset(), keep_copies: bool = False) -> None:
         """Form every group for the current replicas under a new epoch; build the actors of the `new`
@@ -210,7 +212,8 @@ class ActorMesh(ActorCalls):
         self.epoch += 1
         timeout = self.cfg.parallel.timeout_s
         self._await_started()
-        groups = {name: [c.key for c in m] for name, m in self.mesh.groups(self.replicas).items()}
+        mesh = self.mesh
+        groups = {name: [c.key for c in m] for name, m in mesh.groups(self.replicas).items()}
         by_key = {c.key: a for c, a in self.actors.items()}
         links = [name for name in groups if Mesh.is_pipe_link(name)]
         create_groups(
@@ -219,14 +222,15 @@ class ActorMesh(ActorCalls):
         cfg = self.cfg.to_dict()
         refs = {}
         for coord, actor in self.actors.items():
+            mine, peers = mesh.stage_groups(coord, self.replicas), self._peers(coord)
             if coord.dp in new:
-                ref = actor.setup.remote(cfg, self.replicas, self._peers(coord), self.epoch, keep_copies)
+                ref = call(actor, WorkerEndpoints.setup, cfg, mine, peers, self.epoch, keep_copies)
             else:
-                ref = actor.rebind.remote(self.replicas, self._peers(coord), self.epoch)
+                ref = call(actor, WorkerEndpoints.rebind, mine, peers, self.epoch)
             refs[ref] = coord
         for coord, info in self._gather(refs, "setting up" if new else "re-forming groups").items():
             if info is not None:
-                self.peaks[coord] = info["peak_flops"]
+                self.peaks[coord] = info.peak_flops
         self._lead()
 
     def _lead(self) -> None:
@@ -246,8 +250,9 @@ class ActorMesh(ActorCalls):
         refs = {}
         for top, *rest in groups:
             relays = {tuple(first[d]): self.actors[first[d]] for d in rest}
-            refs[self.actors[first[top]].lead.remote(members[top], relays)] = first[top]
-            refs.update({self.actors[first[d]].lead.remote(members[d], {}): first[d] for d in rest})
+            for d in (top, *rest):  # the top leader of a group relays to the others
+                handle = self.actors[first[d]]
+                refs[call(handle, WorkerEndpoints.lead, members[d], relays if d == top else {})] = first[d]
         self._gather(refs, "handing replicas to their leaders")
         self.leads = {first[group[0]]: True for group in groups}
 
@@ -256,14 +261,12 @@ class ActorMesh(ActorCalls):
         communicators live. Every GPU stays visible to every actor (see placement), so cuda:0 would be
         someone else's; the number is the position of Ray's id in a preset CUDA_VISIBLE_DEVICES."""
         return {
-            c.key: cuda_ordinal(w["gpu_ids"][0], w.get("visible"))  # "visible": unset where not reported
-            for c, w in self.nodes.items()
-            if w.get("gpu_ids")
+            c.key: cuda_ordinal(w.gpu_ids[0], w.visible) for c, w in self.nodes.items() if w.gpu_ids
         }
 
     def _await_started(self) -> None:
         """Wait until every actor process is up, so that group timeouts measure collectives, not start-up."""
-        refs = {a.where.remote(): c for c, a in self.actors.items() if c not in self.nodes}
+        refs = {call(a, WorkerEndpoints.where): c for c, a in self.actors.items() if c not in self.nodes}
         ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=STARTUP_TIMEOUT_S)
         if pending:
             late = ", ".join(self.name(refs[r]) for r in pending)
@@ -290,21 +293,23 @@ class ActorMesh(ActorCalls):
         is complete: every intact replica applies it, with the next call or with `commit()`."""
         start = time.perf_counter()
         commit, self.uncommitted = self.uncommitted, None  # whoever receives the call applies it
-        results = self._fan_out("train_step", (step, commit), f"step {step}", step)
+        results: dict[Coord, StepReport] = self._fan_out(
+            WorkerEndpoints.train_step, (step, commit), f"step {step}", step
+        )
         self.uncommitted = step
         elapsed = time.perf_counter() - start
         last = self.pp - 1
-        losses = [r["loss"] for c, r in results.items() if c.pp == last and c.tp == 0]
+        losses = [r.loss for c, r in results.items() if c.pp == last and c.tp == 0]
         some = next(iter(results.values()))
         return StepResult(
             step,
             sum(losses) / len(losses),
-            some["grad_norm"],
-            some["lr"],
+            some.grad_norm,
+            some.lr,
             elapsed,
             results,
-            some["loss_scale"],
-            some["skipped"],
+            some.loss_scale,
+            some.skipped,
             moe_totals(results),
         )
 
@@ -312,7 +317,7 @@ class ActorMesh(ActorCalls):
         """The validation loss after `step` (whose update is applied): the mean over replicas (each the
         mean of its equal share of the fixed validation microbatches)."""
         commit, self.uncommitted = self.uncommitted, None  # applied first, as a step call would
-        results = self._fan_out("eval_step", (step, commit), f"validation after step {step}")
+        results = self._fan_out(WorkerEndpoints.eval_step, (step, commit), f"validation after step {step}")
         losses = [loss for c, loss in results.items() if c.pp == self.pp - 1 and c.tp == 0]
         return sum(losses) / len(losses)
 
@@ -321,7 +326,7 @@ class ActorMesh(ActorCalls):
         if self.uncommitted is None:
             return
         step, self.uncommitted = self.uncommitted, None
-        self._fan_out("apply_step", (step,), f"applying step {step}")
+        self._fan_out(WorkerEndpoints.apply_step, (step,), f"applying step {step}")
 
     @property
     def _dp_stage(self) -> ZeroStage:
@@ -361,7 +366,7 @@ class ActorMesh(ActorCalls):
         layout, coords = list(self.replicas), list(self.actors)
         broken = {c.dp for c in dead} | (set(layout) - self.ready)
         alive = {c for c in coords if c.dp not in broken}
-        listed = {self.actors[c].memory_inventory.remote(): c for c in alive}
+        listed = {call(self.actors[c], WorkerEndpoints.memory_inventory): c for c in alive}
         inventories = self._gather(listed, "listing in-memory copies")
         try:
             step, sources = buddy.plan(layout, coords, alive, inventories)
@@ -377,7 +382,7 @@ class ActorMesh(ActorCalls):
         self.replicas = layout  # the same dp ranks: ZeRO's pieces (and so the snapshots) are per rank
         self._regroup(new=set(layout), keep_copies=True)
         refs = {
-            self.actors[c].restore_memory.remote(step, self.actors[src] if src else None): c
+            call(self.actors[c], WorkerEndpoints.restore_memory, step, self.actors[src] if src else None): c
             for c, src in sources.items()
         }
         self._gather(refs, f"restoring step {step} from memory")
@@ -411,7 +416,7 @@ class ActorMesh(ActorCalls):
         training changes silently). Returns what happened, in one line."""
         self.commit()
         if dp != self.dp and self._dp_stage.shards_optimizer:  # re-shard from the whole state
-            self._gather({a.stash_state.remote(): c for c, a in self.actors.items()}, "stashing state")
+            self._gather(self._each(WorkerEndpoints.stash_state), "stashing state")
         if dp < self.dp:
             gone = set(self.replicas[dp:])
             self._drop_replicas(gone)
@@ -432,7 +437,7 @@ class ActorMesh(ActorCalls):
         fresh = not (set(self.replicas) - set(new))
         self._regroup(new=set(new))
         if not fresh:  # the new replicas take their part of the state from replica rank 0
-            self._gather({a.sync_state.remote(0): c for c, a in self.actors.items()}, "healing new replicas")
+            self._gather(self._each(WorkerEndpoints.sync_state, 0), "healing new replicas")
         self.ready |= set(new)
         return f"added replica(s) {sorted(new)}: dp={self.dp}" + (f" ({shortfall})" if shortfall else "")
 
@@ -478,7 +483,7 @@ class ActorMesh(ActorCalls):
     def load(self, ckpt_uri: str) -> int:
         """Every actor loads its shard of `ckpt_uri` (written at any layout); returns the step to run next."""
         self.uncommitted = None
-        self._gather({a.load_state.remote(ckpt_uri): c for c, a in self.actors.items()}, "loading checkpoint")
+        self._gather(self._each(WorkerEndpoints.load_state, ckpt_uri), "loading checkpoint")
         return int(checkpoint.load_manifest(ckpt_uri)["step"])
 
     def begin_checkpoint(self, root: str, step: int) -> tuple[str, list[Coord]]:
@@ -487,8 +492,7 @@ class ActorMesh(ActorCalls):
         self.commit()
         staging = checkpoint.begin(root, step)
         try:
-            refs = {a.save_shard.remote(staging): c for c, a in self.actors.items()}
-            wrote = self._gather(refs, "checkpoint snapshot")
+            wrote = self._gather(self._each(WorkerEndpoints.save_shard, staging), "checkpoint snapshot")
         except BaseException:
             checkpoint.discard(staging)
             raise
@@ -498,7 +502,7 @@ class ActorMesh(ActorCalls):
         """Refs that resolve to the writers' manifest entries once their background writes finish."""
         if any(c not in self.actors for c in writers):
             raise RunFailure("a checkpoint writer died before finishing its shard")
-        return {self.actors[c].wait_shard.remote(): c for c in writers}
+        return {call(self.actors[c], WorkerEndpoints.wait_shard): c for c in writers}
 
     def collect(self, refs: dict[Any, Coord], what: str) -> list[dict[str, Any]]:
         """The manifest entries of `checkpoint_writes`' refs: every writer's files (one per part)."""
@@ -508,15 +512,11 @@ class ActorMesh(ActorCalls):
         """Updates applied and the loss scaler's state: the same on every actor (they skip together)."""
         self.commit()
         first = next(iter(self.actors.values()))
-        return ray.get(first.optimizer_state.remote(), timeout=self.cfg.parallel.timeout_s)
+        return ray.get(call(first, WorkerEndpoints.optimizer_state), timeout=self.cfg.parallel.timeout_s)
 
     def rng_states(self) -> dict[str, dict[str, str]]:
-        return {
-            c.key: s
-            for c, s in self._gather(
-                {a.rng_state.remote(): c for c, a in self.actors.items()}, "reading RNG states"
-            ).items()
-        }
+        states = self._gather(self._each(WorkerEndpoints.rng_state), "reading RNG states")
+        return {c.key: s for c, s in states.items()}
 
     def parameters(self, replica: int | None = None) -> dict[str, torch.Tensor]:
         """The full model of one replica, assembled from its shards (tests and export); with expert
@@ -527,7 +527,8 @@ class ActorMesh(ActorCalls):
         first = self.replicas.index(replica) // ep * ep
         group = set(self.replicas[first : first + ep])
         every = self._dp_stage.shards_optimizer  # sharded masters: gathered by every replica together
-        refs = {a.parameters.remote(): c for c, a in self.actors.items() if every or c.dp in group}
+        asked = [c for c in self.actors if every or c.dp in group]
+        refs = {call(self.actors[c], WorkerEndpoints.parameters): c for c in asked}
         full: dict[str, torch.Tensor] = {}
         got = self._gather(refs, "reading parameters")
         for shards in (s for c, s in got.items() if c.dp in group):

@@ -9,8 +9,7 @@ one step earlier when an owner died before its newest copy reached its buddy.
 
 from __future__ import annotations
 
-from typing import Any
-
+from actors.endpoints import Inventory
 from raypar.core.parallel.mesh import Coord
 
 
@@ -24,7 +23,7 @@ def buddy_of(coord: Coord, layout: list[int]) -> Coord:
 
 
 def plan(
-    layout: list[int], coords: list[Coord], alive: set[Coord], inventories: dict[Coord, dict[str, Any]]
+    layout: list[int], coords: list[Coord], alive: set[Coord], inventories: dict[Coord, Inventory]
 ) -> tuple[int, dict[Coord, Coord | None]]:
     """The step to continue from and, per coordinate, where its snapshot is: None (its own, alive) or the
     buddy that holds its copy. `inventories`: each live actor's `memory_inventory()`. Raises NoCopies."""
@@ -33,12 +32,12 @@ def plan(
     have: dict[Coord, set[int]] = {}
     for coord in coords:
         if coord in alive:
-            sources[coord], listed = None, inventories[coord]["own"]
+            sources[coord], listed = None, inventories[coord].own
         else:
             holder = buddy_of(coord, layout)
             if holder not in alive or holder == coord:
                 raise NoCopies(f"{coord.key} and the buddy holding its copies ({holder.key}) are both lost")
-            sources[coord], listed = holder, inventories[holder]["held"].get(coord.key, [])
+            sources[coord], listed = holder, inventories[holder].held.get(coord.key, [])
         have[coord] = {step for step, at in listed if tuple(at) == want}
         if not have[coord]:
             raise NoCopies(f"no snapshot of {coord.key} at the layout {list(want)}")

@@ -39,7 +39,7 @@ from collectives.group import GroupError
 from collectives.ray_store import home_node_strategy
 from raypar.controller import shared_paths, stopping
 from raypar.controller.actor_calls import StepFailure
-from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica
+from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica, StepResult
 from raypar.controller.connection import NAMESPACE, RunFailure, connect
 from raypar.controller.placement import check_device
 from raypar.core.checkpoint import format as checkpoint
@@ -402,7 +402,7 @@ class TrainingLoop:
         }
 
     def _log_step(
-        self, step: int, result: Any, val_loss: float | None, control: Any, bar: Any
+        self, step: int, result: StepResult, val_loss: float | None, control: Any, bar: Any
     ) -> dict[str, Any]:
         """metrics.jsonl, timeline.jsonl, the control actor and the progress bar for a completed step."""
         rows = report.timeline_rows(step, result.per_actor)
@@ -421,17 +421,17 @@ class TrainingLoop:
             "restarts": self.restarts,
             "memory_recoveries": self.memory_recoveries,
             "val_loss": val_loss,
-            "model_state_bytes": max(r["model_state_bytes"] for r in result.per_actor.values()),
-            "dp_bytes": sum(r["reduce_bytes"] + r["gather_bytes"] for r in result.per_actor.values()),
+            "model_state_bytes": max(r.memory.model_state_bytes for r in result.per_actor.values()),
+            "dp_bytes": sum(r.reduce_bytes + r.gather_bytes for r in result.per_actor.values()),
             # the slowest actor's host update (train.offload = "cpu"; 0 otherwise), the previous step's
-            "offload_update_s": max(r["offload_update_s"] for r in result.per_actor.values()),
+            "offload_update_s": max(r.offload_update_s for r in result.per_actor.values()),
             "bubble_fraction": report.measured_bubble(rows),
             "mfu": mfu(self.tokens_per_step / result.step_time_s, self.cfg.model, self.actor_mesh.peak_flops)
             if self.actor_mesh.peak_flops
             else None,
             "loss_scale": result.loss_scale,
             "skipped": result.skipped,
-            **memory.worst(result.per_actor.values()),
+            **memory.worst(r.memory for r in result.per_actor.values()),
         }
         if result.moe is not None:  # aux_loss, dropped_tokens, expert_load (layer -> per expert)
             record.update(result.moe)
@@ -461,6 +461,7 @@ class TrainingLoop:
         return step > 0 and (periodic or final)
 
     def _status(self, record: dict[str, Any]) -> dict[str, Any]:
+        placed = self.actor_mesh.nodes
         return {
             "run": self.name,
             "step": record["step"],
@@ -473,7 +474,7 @@ class TrainingLoop:
             "cp": record["cp"],
             "restarts": self.restarts,
             "run_dir": str(self.run_dir),
-            "actors": {self.actor_mesh.name(c): w for c, w in sorted(self.actor_mesh.nodes.items())},
+            "actors": {self.actor_mesh.name(c): dataclasses.asdict(w) for c, w in sorted(placed.items())},
         }
 
 

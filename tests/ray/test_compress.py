@@ -39,7 +39,7 @@ def test_each_compressor_trains_on_ray_actors_like_no_compression(ray_session):
         for name in options.COMPRESSIONS:
             trainer.reconfigure(e2e_cfg(f"parallel.grad_compression='{name}'", *E2E_SETTINGS))
             results = [trainer.step(s) for s in range(E2E_STEPS)]
-            sent = [sum(a["reduce_bytes"] for a in r.per_actor.values()) for r in results]
+            sent = [sum(a.reduce_bytes for a in r.per_actor.values()) for r in results]
             runs[name] = ([r.loss for r in results], sent)
     finally:
         trainer.shutdown()

@@ -46,7 +46,7 @@ def _killed_results(trainer: FaultyActorMesh, cfg: Config) -> tuple[int, str, li
     """From the seed: 3 steps, then replica 1's first actor killed before step 3; restored from memory."""
     trainer.reconfigure(cfg)
     got = [trainer.step(s) for s in range(3)]
-    os.kill(trainer.nodes[Coord(1, 0, 0)]["pid"], signal.SIGKILL)  # idle between calls: before step 3's
+    os.kill(trainer.nodes[Coord(1, 0, 0)].pid, signal.SIGKILL)  # idle between calls: before step 3's
     try:
         trainer.step(3)
     except StepFailure as failure:
@@ -112,7 +112,7 @@ def assert_same_run(got: list[StepResult], want: list[StepResult]) -> None:
     """Bit for bit (same state at the same ranks): every step's loss and every actor's loss scale."""
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.loss == b.loss, f"loss at step {step}: {a.loss} vs {b.loss}"
-        scales = [{c.key: r["loss_scale"] for c, r in res.per_actor.items()} for res in (a, b)]
+        scales = [{c.key: r.loss_scale for c, r in res.per_actor.items()} for res in (a, b)]
         assert scales[0] == scales[1], f"loss scales at step {step}: {scales[0]} vs {scales[1]}"
 
 

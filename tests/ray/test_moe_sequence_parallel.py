@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from actors.endpoints import WorkerEndpoints
 from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Mesh
 
@@ -40,7 +41,7 @@ def test_actors_dp2_ep2_tp2_sp_match_one_process(ray_session):
                 mesh.reconfigure(cfg(sp))
             train(mesh, range(steps), ref)
             mesh.commit()
-            params[sp] = gather(mesh, "parameters")
+            params[sp] = gather(mesh, WorkerEndpoints.parameters)
         for name, want in ref.params.items():
             err = (params[True][name] - want).abs().max().item()
             assert err <= 1e-4, f"parameter {name} differs by {err:.3g}"

@@ -87,7 +87,7 @@ def assert_state_bytes(results: list[StepResult], ref: Run, zero: int, dp: int, 
     want = full * (dense + experts) + sharded * dense // dp + sharded * experts // (dp // ep)
     for result in results:
         for coord, r in result.per_actor.items():
-            got = r["model_state_bytes"]
+            got = r.memory.model_state_bytes
             assert got == want, f"{coord.key}: model-state bytes {got} vs formula {want} at zero {zero}"
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 
+from actors.endpoints import WorkerEndpoints
 from raypar.controller.actor_mesh import StepResult
 from raypar.core.parallel.mesh import Mesh
 from tests.support.faults import FaultyActorMesh
@@ -39,14 +40,14 @@ def assert_state_bytes(results: list[StepResult], ref: Run, zero: int) -> None:
     for result in results:
         assert len(result.per_actor) == DP * CP
         for coord, r in result.per_actor.items():
-            got = r["model_state_bytes"]
+            got = r.memory.model_state_bytes
             assert got == want, f"{coord.key}: model-state bytes {got} vs formula {want} at zero {zero}"
 
 
 def worst(mesh: FaultyActorMesh, results: list[StepResult], ref: Run) -> dict[str, float]:
     """The largest differences from the reference (what the report quotes): loss and grad norm relative,
     parameters absolute."""
-    params = gather(mesh, "parameters")
+    params = gather(mesh, WorkerEndpoints.parameters)
     return {
         "loss": max(abs(r.loss - ref.losses[s]) / ref.losses[s] for s, r in enumerate(results)),
         "grad_norm": max(

@@ -76,7 +76,7 @@ def test_fp16_overflow_on_one_actor_skips_the_step_everywhere(ray_session) -> No
         results = [trainer.step(s) for s in range(4)]
         skipped_run = trainer.parameters()
         assert [r.skipped for r in results] == [False, True, False, False]
-        assert all(r["skipped"] for r in results[INF_STEP].per_actor.values())  # every actor, not one
+        assert all(r.skipped for r in results[INF_STEP].per_actor.values())  # every actor, not one
         assert all(r.loss_scale == 1024.0 for r in results)  # hysteresis 2: one overflow does not back off
         trainer.reconfigure(fp16_cfg())  # from the seed again; this time step 1 never happens
         for s in (0, 2, 3):

@@ -77,7 +77,7 @@ def train(trainer: ActorMesh, steps: range, trace: Trace) -> None:
     for s in steps:
         result = trainer.step(s)
         trace.losses.append(result.loss)
-        trace.scales.append({c: r["loss_scale"] for c, r in result.per_actor.items()})
+        trace.scales.append({c: r.loss_scale for c, r in result.per_actor.items()})
         trace.skipped.append(result.skipped)
 
 

@@ -12,14 +12,16 @@ import concurrent.futures
 import os
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import ray
 
-from actors.replica_lead import ReplicaAnswer
+from actors.endpoints import ReplicaAnswer, WorkerEndpoints, call
 from actors.worker import WORKER_THREADS
 from raypar.controller.actor_calls import StepFailure
+from raypar.core.observe.step_report import StepReport
 from raypar.core.parallel.mesh import Coord
 from raypar.core.run_config import load_config
 from tests.support.stub_worker import StubActorMesh, _StubWorker
@@ -39,7 +41,7 @@ class _Failing(_StubWorker):
         self.victim, self.how = Coord(*victim), how
         self.aborted, self.waited = threading.Event(), False
 
-    def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
+    def train_step(self, step: int, commit: int | None = None) -> StepReport:
         if step == FAIL_STEP and self.coord == self.victim and self.how:
             self.how, how = "", self.how
             if how == "kill":
@@ -59,8 +61,8 @@ class _Failing(_StubWorker):
 class _SwallowingLead(_Failing):
     """Broken: a leader that drops its members' errors and answers with the results it has."""
 
-    def fan_out(self, method: str, args: tuple, timeout_s: float) -> ReplicaAnswer:
-        answer = super().fan_out(method, args, timeout_s)
+    def fan_out(self, endpoint: Callable[..., Any], args: tuple, timeout_s: float) -> ReplicaAnswer:
+        answer = super().fan_out(endpoint, args, timeout_s)
         return ReplicaAnswer(answer.results)
 
 
@@ -68,10 +70,11 @@ class _WaitingLead(_Failing):
     """Broken: a leader that runs its own part in the calling thread and then waits for every member (the
     first prototype): a member's death leaves it stuck with the others, so no failure reaches the driver."""
 
-    def fan_out(self, method: str, args: tuple, timeout_s: float) -> ReplicaAnswer:
-        others = {c: getattr(h, method).remote(*args) for c, h in self.members.items() if c != self.coord}
-        others.update({c: h.fan_out.remote(method, args, timeout_s) for c, h in self.relays.items()})
-        answer = ReplicaAnswer({self.coord: getattr(self, method)(*args)})
+    def fan_out(self, endpoint: Callable[..., Any], args: tuple, timeout_s: float) -> ReplicaAnswer:
+        others = {c: call(h, endpoint, *args) for c, h in self.members.items() if c != self.coord}
+        relay = WorkerEndpoints.fan_out
+        others.update({c: call(h, relay, endpoint, args, timeout_s) for c, h in self.relays.items()})
+        answer = ReplicaAnswer({self.coord: getattr(self, endpoint.__name__)(*args)})
         for coord, value in zip(others, ray.get(list(others.values())), strict=True):
             answer.results.update(value.results if isinstance(value, ReplicaAnswer) else {coord: value})
         return answer

@@ -40,13 +40,16 @@ import ray
 import torch
 
 from actors.buddy import Snapshot
+from actors.endpoints import Peers, Placement, SetupInfo
 from actors.worker import WORKER_THREADS, Worker
+from collectives import Group
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.config.schema import Config
 from raypar.core.dp.strategy import DPStrategy
 from raypar.core.dp.zero3 import Zero3Strategy
 from raypar.core.model.moe import MoELayer
-from raypar.core.parallel.mesh import Coord
+from raypar.core.observe.step_report import StepReport
+from raypar.core.parallel.mesh import BoundGroups, Coord, StageGroups
 from raypar.core.parallel.sp import gather_from_sp
 from raypar.core.parallel.tp import RowParallelLinear
 
@@ -92,19 +95,19 @@ class _FaultyWorker(Worker):
             if fault.startswith(prefix):
                 time.sleep(float(fault[len(prefix) :]))  # the fault itself: a call that takes long
 
-    def where(self) -> dict[str, Any]:
+    def where(self) -> Placement:
         slow = [float(f.split(":")[1]) for f in self.faults if f.startswith("slow_ping:")]
         if slow and hasattr(self, "cfg"):
             time.sleep(slow[0])  # the fault itself: a busy actor that answers late
         return super().where()
 
     def setup(
-        self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int, keep_copies: bool = False
-    ) -> dict:
+        self, cfg: dict, groups: StageGroups, peers: Peers, epoch: int, keep_copies: bool = False
+    ) -> SetupInfo:
         self._count("setup")
-        return super().setup(cfg, replicas, peers, epoch, keep_copies)
+        return super().setup(cfg, groups, peers, epoch, keep_copies)
 
-    def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
+    def train_step(self, step: int, commit: int | None = None) -> StepReport:
         self._count("train_step")
         return super().train_step(step, commit)
 
@@ -112,9 +115,9 @@ class _FaultyWorker(Worker):
         self._count("apply_step")
         super().apply_step(step)
 
-    def rebind(self, replicas: list[int], peers: dict[str, Any], epoch: int) -> None:
+    def rebind(self, groups: StageGroups, peers: Peers, epoch: int) -> None:
         self._count("rebind")
-        super().rebind(replicas, peers, epoch)
+        super().rebind(groups, peers, epoch)
 
     def save_shard(self, staging: str) -> bool:
         self._count("save_shard")
@@ -124,7 +127,7 @@ class _FaultyWorker(Worker):
         self._count("sync_state")
         super().sync_state(src_dp_rank)
 
-    def rng_state(self) -> str:
+    def rng_state(self) -> dict[str, str]:
         self._count("rng_state")
         return super().rng_state()
 
@@ -149,8 +152,8 @@ class _FaultyWorker(Worker):
         """Numbers from the process's random state (what dropout would draw)."""
         return torch.rand(n).tolist()
 
-    def _bind_tp(self, group: Any) -> None:
-        super()._bind_tp(group)
+    def _bind_groups(self, groups: BoundGroups[Group]) -> None:
+        super()._bind_groups(groups)
         if "tp_drop_allreduce" in self.faults:
             for module in self.model.modules():
                 if isinstance(module, RowParallelLinear):
@@ -195,7 +198,7 @@ class _FaultyWorker(Worker):
     def _send_grad(self, chunk: int, mb: int, grad: torch.Tensor) -> None:
         super()._send_grad(chunk, mb, torch.zeros_like(grad) if "pp_zero_grad" in self.faults else grad)
 
-    def _train_step(self, step: int) -> dict[str, Any]:
+    def _train_step(self, step: int) -> StepReport:
         if f"raise_at_step:{step}" in self.faults:
             raise RuntimeError("fault injected by the test suite")
         return super()._train_step(step)

@@ -37,8 +37,9 @@ def main() -> None:
             mesh = mesh_cls(cfg, f"gpu-probe-{name}")
             mesh.start()
             devices = ray.get([a.group_devices.remote() for a in mesh.actors.values()])
+            placed = {c: (n.node_id, [int(g) for g in n.gpu_ids]) for c, n in mesh.nodes.items()}
             out[name] = {
-                c.key: {"node": mesh.nodes[c]["node_id"], "gpu": mesh.nodes[c]["gpu_ids"], "groups": d}
+                c.key: {"node": placed[c][0], "gpu": placed[c][1], "groups": d}
                 for c, d in zip(mesh.actors, devices, strict=True)
             }
             mesh.shutdown()

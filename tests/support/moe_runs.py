@@ -4,12 +4,16 @@ Ray tests (tests/ray/test_moe_*.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
+from actors.endpoints import WorkerEndpoints, call
 from raypar.controller.actor_mesh import StepResult
 from raypar.core.config.schema import Config
 from raypar.core.run_config import load_config
-from tests.support.faults import FaultyActorMesh
+from tests.support.faults import FaultyActorMesh, _FaultyWorker
 from tests.support.reference import Run
 
 STEPS = 5
@@ -37,7 +41,7 @@ def make_cfg(dp: int, pp: int, ep: int, microbatches: int, *extra: str) -> Confi
     )
 
 
-def gather(mesh: FaultyActorMesh, method: str) -> dict[str, torch.Tensor]:
+def gather(mesh: FaultyActorMesh, endpoint: Callable[..., Any]) -> dict[str, torch.Tensor]:
     """Every tensor of the model from the replicas of the first EP group (they hold all experts)."""
     import ray
 
@@ -45,7 +49,7 @@ def gather(mesh: FaultyActorMesh, method: str) -> dict[str, torch.Tensor]:
     owners = set(mesh.replicas[:ep])
     full: dict[str, torch.Tensor] = {}
     # every actor is asked: under ZeRO reading whole parameters is a collective over the DP groups
-    answers = {coord: getattr(actor, method).remote() for coord, actor in mesh.actors.items()}
+    answers = {coord: call(actor, endpoint) for coord, actor in mesh.actors.items()}
     for coord, ref in answers.items():
         if coord.dp not in owners:
             ray.get(ref)
@@ -65,7 +69,7 @@ def train(mesh: FaultyActorMesh, steps: range, ref: Run, grads: bool = True) -> 
         want = ref.losses[step]
         assert abs(result.loss - want) <= TOL * abs(want), f"loss at step {step}: {result.loss} vs {want}"
         assert result.moe is not None and result.moe["dropped_tokens"] == 0
-        got = gather(mesh, "gradients") if grads else {}
+        got = gather(mesh, _FaultyWorker.gradients) if grads else {}
         for name, want in ref.grads[step].items() if grads else ():
             if ".mlp.router." in name or ".mlp.experts." in name:
                 err = (got[name] - want).abs().max().item()
@@ -78,7 +82,7 @@ def train(mesh: FaultyActorMesh, steps: range, ref: Run, grads: bool = True) -> 
 
 def assert_params(mesh: FaultyActorMesh, ref: Run) -> None:
     mesh.commit()
-    params = gather(mesh, "parameters")
+    params = gather(mesh, WorkerEndpoints.parameters)
     assert params.keys() == ref.params.keys()
     for name, want in ref.params.items():
         err = (params[name] - want).abs().max().item()

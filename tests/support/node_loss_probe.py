@@ -65,9 +65,9 @@ def main() -> None:
             if not thread.is_alive():
                 raise AssertionError("the run ended early")
             threading.Event().wait(0.05)  # polling a file the run appends to
-        victim_node = next(w["node_id"] for c, w in loop.actor_mesh.nodes.items() if c.dp == 1)
+        victim_node = next(w.node_id for c, w in loop.actor_mesh.nodes.items() if c.dp == 1)
         placed = loop.actor_mesh.nodes.items()
-        out["victims"] = sorted(c.key for c, w in placed if w["node_id"] == victim_node)
+        out["victims"] = sorted(c.key for c, w in placed if w.node_id == victim_node)
         cluster.remove_node(next(w for w in workers if w.node_id == victim_node), allow_graceful=False)
         if not _Loop.shrunk.wait(timeout=180):
             raise AssertionError(f"the run did not shrink to dp=1: {loop.events}")

@@ -1,54 +1,53 @@
 """A worker without a model: it answers every call the ActorMesh makes (placement, groups, steps, commits)
 at no compute cost, so the controller itself can be tested and measured (its NCCL device wiring on a
-fake-GPU cluster; its time per step as the number of actors grows, benchmarks/controller_scale.py)."""
+fake-GPU cluster; its time per step as the number of actors grows, benchmarks/controller_scale.py). Its
+endpoints have the signatures of actors.endpoints.WorkerEndpoints (tests/test_endpoints.py)."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import ray
 
+from actors.endpoints import Peers, Placement, SetupInfo
 from actors.replica_lead import ReplicaLead
 from actors.worker import WORKER_THREADS
 from collectives.host import GroupHost
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.core.parallel.mesh import Coord
+from raypar.core.observe.step_report import StepReport
+from raypar.core.parallel.mesh import Coord, StageGroups
 
 
 class _StubWorker(GroupHost, ReplicaLead):
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         self.coord = Coord(*coord)
         self.applied: list[int] = []
+        self.dp_rank = 0
 
-    def where(self) -> dict[str, Any]:
-        return {
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(),
-            "cuda": False,
-            "gpu_ids": [int(i) for i in ray.get_gpu_ids()],
-        }
+    def where(self) -> Placement:
+        return Placement(
+            name=f"stub:{self.coord.key}",
+            node_id=ray.get_runtime_context().get_node_id(),
+            pid=os.getpid(),
+            ip="",
+            cuda=False,
+            gpu_ids=[str(i) for i in ray.get_gpu_ids()],
+            visible=None,
+        )
 
     def setup(
-        self, cfg: dict, replicas: list[int], peers: dict[str, Any], epoch: int, keep_copies: bool = False
-    ) -> dict:
-        return {"params": 0, "peak_flops": None}
+        self, cfg: dict, groups: StageGroups, peers: Peers, epoch: int, keep_copies: bool = False
+    ) -> SetupInfo:
+        self.dp_rank = groups.dp_rank
+        return SetupInfo(0, None)
 
-    def rebind(self, replicas: list[int], peers: dict[str, Any], epoch: int) -> None:
-        pass
+    def rebind(self, groups: StageGroups, peers: Peers, epoch: int) -> None:
+        self.dp_rank = groups.dp_rank
 
-    def train_step(self, step: int, commit: int | None = None) -> dict[str, Any]:
+    def train_step(self, step: int, commit: int | None = None) -> StepReport:
         if commit is not None:
             self.apply_step(commit)
-        return {
-            "coord": tuple(self.coord),
-            "loss": 1.0,
-            "grad_norm": 1.0,
-            "lr": 0.0,
-            "loss_scale": 1.0,
-            "skipped": False,
-            "events": [],
-        }
+        return StepReport(tuple(self.coord), self.dp_rank, 1.0, 1.0, 0.0, 1.0, False)
 
     def apply_step(self, step: int) -> None:
         self.applied.append(step)

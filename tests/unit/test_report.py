@@ -21,6 +21,7 @@ from raypar.core.config.load import from_dict
 from raypar.core.config.schema import ModelConfig
 from raypar.core.model.llama import LlamaStage
 from raypar.core.observe import flops, report
+from raypar.core.observe.step_report import StepReport
 from raypar.core.pipeline import schedules, simulate
 from tests.support.report_runs import simulated_rows, write_run
 
@@ -201,8 +202,11 @@ def test_cpu_peak_is_measured_once() -> None:
 
 def test_cp_ranks_are_separate_actors_in_the_trace() -> None:
     # The cp ranks of one (dp, pp, tp) place are different actors: each gets its own trace thread.
-    result = {"step_s": 0.01, "events": [("forward", 0, 0.0, 0.004), ("backward", 0, 0.004, 0.01)]}
-    per_actor = {(0, p, t, c): result for p in range(2) for t in range(2) for c in range(2)}
+    events = [("forward", 0, 0.0, 0.004), ("backward", 0, 0.004, 0.01)]
+    per_actor = {
+        (0, p, t, c): StepReport((0, p, t, c), 0, None, 1.0, 0.0, 1.0, False, step_s=0.01, events=events)
+        for p in range(2) for t in range(2) for c in range(2)
+    }
     rows = report.timeline_rows(3, per_actor)
     assert {row["cp"] for row in rows} == {0, 1}
     events = report.chrome_trace(rows)["traceEvents"]

@@ -23,6 +23,7 @@ from raypar.core.pipeline.schedules import (
     _backward_step,
     _forward_step,
     build,
+    forward_only,
     gpipe,
     one_f_one_b,
     peak_in_flight,
@@ -185,6 +186,34 @@ def test_simulate_rejects_missing_and_duplicate_work() -> None:
                   [i for i in plans[1] if i.mb == 0]])
     with pytest.raises(ScheduleError, match="skips microbatches \\[1\\]"):
         simulate([[Instr(FORWARD, 0), Instr(BACKWARD, 0), Instr(FORWARD, 1)]])
+
+
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_forward_only_plans_simulate_without_deadlock(v: int) -> None:
+    """The evaluation pass's plans (raypar.core.pipeline.evaluate): every unit forwarded once on every
+    rank, chunk by chunk, each link received in send order, nothing left in flight."""
+    for p, m in SIZES:
+        if v > 1 and p == 1:
+            continue  # interleaving needs a second stage (config rules)
+        plans = forward_only(p, m, v)
+        timeline = simulate(plans)
+        assert all(i.op in (RECV_ACT, FORWARD, SEND_ACT) for plan in plans for i in plan)
+        assert [sorted((s.chunk, s.mb) for s in spans) for spans in timeline.spans] == [
+            sorted((c, mb) for c in range(v) for mb in range(m))
+        ] * p
+        if v == 1:  # the pipeline fills once (p - 1 forwards), then the last stage forwards every microbatch
+            assert timeline.makespan == m + p - 1
+
+
+def test_forward_only_plan_taking_a_later_chunk_first_deadlocks() -> None:
+    """Negative control: rank 0 waits for its second chunk's input (from the last rank's first chunk)
+    before it has sent its first chunk's outputs, so the ring of stages waits on itself."""
+    plans = forward_only(2, 2, 2)
+    first_chunk = [i for i in plans[0] if i.chunk == 0]
+    plans[0] = [i for i in plans[0] if i.chunk == 1] + first_chunk
+    stuck = "deadlock: stage 0 at recv_act\\(0, c1\\), stage 1 at recv_act\\(0\\) wait for messages"
+    with pytest.raises(ScheduleError, match=stuck):
+        simulate(plans)
 
 
 def test_comm_latency() -> None:

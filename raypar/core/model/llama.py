@@ -37,10 +37,12 @@ from raypar.core.config.options import FULL, NO_RECOMPUTE, RING, SELECTIVE
 from raypar.core.config.schema import ModelConfig
 from raypar.core.model.moe import MoELayer, MoEStats, is_moe_layer
 from raypar.core.parallel import cp
+from raypar.core.parallel.mesh import BoundGroups
 from raypar.core.parallel.sp import gather_from_sp
 from raypar.core.parallel.tp import (
     ColumnParallelLinear,
     RowParallelLinear,
+    TPLayer,
     VocabParallelEmbedding,
     copy_to_tp,
     global_shape,
@@ -74,7 +76,7 @@ class RMSNorm(nn.Module):
         return (y * weight.float()).type_as(x)
 
 
-class SequenceParallelRMSNorm(RMSNorm):
+class SequenceParallelRMSNorm(RMSNorm, TPLayer):
     """RMSNorm over this rank's sequence shard (raypar.core.parallel.sp). Its weight sees only these tokens,
     so the weight
     is used through Megatron's f: the backward all-reduces its gradient over `group` (tp), and every rank
@@ -118,7 +120,7 @@ def _recomputed(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.T
     return checkpoint(fn, *args, use_reentrant=False)
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, TPLayer):
     def __init__(self, cfg: ModelConfig, group: Group | None, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.head_dim, self.sp = group, cfg.head_dim, sequence_parallel
@@ -162,7 +164,7 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(nn.Module, TPLayer):
     def __init__(self, cfg: ModelConfig, group: Group | None, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.sp, self.selective = group, sequence_parallel, False
@@ -358,9 +360,16 @@ class LlamaStage(nn.Module):
     def take_moe_stats(self) -> dict[str, MoEStats]:
         return {i: m.take_stats() for i, m in self.moe_layers().items()}
 
-    def bind_ep(self, group: Group | None) -> None:
+    def bind_groups(self, groups: BoundGroups[Group]) -> None:
+        """Use the groups formed for a new membership (same sizes and positions: the shards held here do
+        not change): tp in every tensor-parallel layer, cp here and in the MoE layers, ep in those."""
+        self.tp_group = groups.tp
+        for module in self.modules():
+            if isinstance(module, TPLayer):
+                module.group = groups.tp
+        self.cp_group = groups.cp
         for layer in self.moe_layers().values():
-            layer.bind_ep(group)
+            layer.bind_ep(groups.ep)
 
     # -- layout ---------------------------------------------------------------------------------------
     def units(self) -> list[nn.Module]:

@@ -71,7 +71,13 @@ from raypar.core.config.schema import ModelConfig
 from raypar.core.parallel import cp
 from raypar.core.parallel.ep import all_to_all
 from raypar.core.parallel.sp import gather_whole, split_whole
-from raypar.core.parallel.tp import ColumnParallelLinear, RowParallelLinear, copy_to_tp, reduce_from_tp
+from raypar.core.parallel.tp import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPLayer,
+    copy_to_tp,
+    reduce_from_tp,
+)
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
@@ -143,7 +149,7 @@ class MoEStats:
         self.microbatches += 1
 
 
-class MoELayer(nn.Module):
+class MoELayer(nn.Module, TPLayer):
     def __init__(
         self, cfg: ModelConfig, tp_group: Group | None, ep_group: Group | None = None,
         sequence_parallel: bool = False,
@@ -152,7 +158,7 @@ class MoELayer(nn.Module):
         self.sp = sequence_parallel
         self.n_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.capacity_factor, self.aux_coef = cfg.moe_capacity_factor, cfg.moe_aux_loss_coef
-        self.group = tp_group  # named like the tp layers' so that rebinding tp reaches it
+        self.group = tp_group
         self.selective = False  # selective recomputation (raypar.core.model.llama) does not reach the experts
         self.router = Router(cfg.d_model, self.n_experts)
         ep, rank = (1, 0) if ep_group is None else (ep_group.size, ep_group.rank)

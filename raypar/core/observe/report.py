@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from raypar.core.config.options import SCHEDULES
+from raypar.core.observe.step_report import StepReport
 from raypar.core.parallel.mesh import Coord
 from raypar.core.pipeline.schedules import COMPUTE_OPS, bubble_formula
 
@@ -64,7 +65,7 @@ LEGEND = {
 Row = dict[str, Any]  # one line of timeline.jsonl: one actor's events of one step
 
 
-def timeline_rows(step: int, per_actor: Mapping[tuple[int, ...], Mapping[str, Any]]) -> list[Row]:
+def timeline_rows(step: int, per_actor: Mapping[tuple[int, ...], StepReport]) -> list[Row]:
     """The timeline.jsonl lines of one step, from the driver's {(dp, pp, tp[, cp]): train_step result}."""
     return [
         {
@@ -74,8 +75,8 @@ def timeline_rows(step: int, per_actor: Mapping[tuple[int, ...], Mapping[str, An
             "pp": coord[1],
             "tp": coord[2],
             "cp": coord[3] if len(coord) > 3 else 0,
-            "step_s": result["step_s"],
-            "events": [list(event) for event in result["events"]],
+            "step_s": result.step_s,
+            "events": [list(event) for event in result.events],
         }
         for coord, result in sorted(per_actor.items())
     ]

@@ -14,9 +14,11 @@ ranks (see raypar.core.parallel.ep), so it changes which groups exist, not where
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
+
+G = TypeVar("G")  # a formed group (collectives.group.Group; a test's stand-in)
 
 
 class Coord(NamedTuple):
@@ -38,6 +40,52 @@ def _cp(c: int) -> str:
 def actor_name(run: str, coord: Coord) -> str:
     """The Ray actor name: what the dashboard, `ray list actors` and error messages show."""
     return f"raypar:{run}:{coord.key}"
+
+AXES = ("tp", "cp", "dp", "edp", "ep", "mp", "emb", "pp_prev", "pp_next")
+
+
+@dataclass(frozen=True)
+class StageGroups:
+    """One actor's groups under one membership, by axis (AXES): each group's name and members, as
+    `Mesh.stage_groups` computes them. The driver forms the union of every actor's (`Mesh.groups`) and hands
+    each actor its own; the actor binds them (`bind`) without deciding again which exist."""
+
+    coord: Coord
+    replicas: tuple[int, ...]  # the live replica ids in data-parallel rank order
+    named: Mapping[str, tuple[str, tuple[Coord, ...]]]  # axis -> (group name, members in group-rank order)
+
+    @property
+    def dp(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.replicas.index(self.coord.dp)
+
+    def name(self, axis: str) -> str | None:
+        """The group of `axis`, or None where there is none or it is this rank alone: a group of one has
+        nothing to communicate, and every layer and strategy reads None as "not split on this axis"."""
+        entry = self.named.get(axis)
+        return entry[0] if entry is not None and len(entry[1]) > 1 else None
+
+    def bind(self, lookup: Callable[[str], G]) -> BoundGroups[G]:
+        """The formed groups by axis, `lookup` giving the group of a name (None per `name`)."""
+        return BoundGroups(**{axis: None if (n := self.name(axis)) is None else lookup(n) for axis in AXES})
+
+
+@dataclass(frozen=True)
+class BoundGroups(Generic[G]):
+    """An actor's formed groups by axis (see `Mesh.stage_groups`); None: not split on that axis here."""
+
+    tp: G | None = None
+    cp: G | None = None
+    dp: G | None = None
+    edp: G | None = None
+    ep: G | None = None
+    mp: G | None = None
+    emb: G | None = None
+    pp_prev: G | None = None
+    pp_next: G | None = None
 
 
 @dataclass(frozen=True)
@@ -82,59 +130,75 @@ class Mesh:
     def coords(self) -> list[Coord]:
         return [self.coord(r) for r in range(self.world_size)]
 
-    def groups(self, replicas: list[int] | None = None) -> dict[str, list[Coord]]:
-        """Every group of the mesh, name -> members in group-rank order.
+    def groups(self, replicas: Sequence[int] | None = None) -> dict[str, list[Coord]]:
+        """Every group of the mesh, name -> members in group-rank order: the union of every actor's
+        `stage_groups`, in one global order (each actor joins its groups in it, so forming them cannot
+        deadlock). `replicas` as in `stage_groups`."""
+        replicas = tuple(range(self.dp)) if replicas is None else tuple(replicas)
+        out: dict[str, list[Coord]] = {}
+        for d in replicas:
+            for rank in range(self.replica_size):
+                mine = self.stage_groups(self.coord(rank)._replace(dp=d), replicas)
+                for name, members in mine.named.values():
+                    out.setdefault(name, list(members))
+        return out
+
+    def stage_groups(self, coord: Coord, replicas: Sequence[int] | None = None) -> StageGroups:
+        """The groups of the actor at `coord`, by axis: the one place that says which groups exist.
 
         `replicas` are the live replica ids in data-parallel rank order (default 0..dp-1): after failures
         and scaling they need not be contiguous, while names and coordinates of actors never change.
-        tp: the tensor-parallel ranks of one stage of one replica.
+        tp: the tensor-parallel ranks of one stage of one replica (and cp rank).
+        cp: (cp > 1) the cp ranks of one (replica, stage, tp rank): they split every sequence.
         dp: the same (stage, tp rank) across replicas and cp ranks; gradients are averaged here (every
             parameter is replicated across cp, and each cp rank's loss is its equal share's mean).
-        cp: the cp ranks of one (replica, stage, tp rank): they split every sequence.
-        mp: all ranks of one replica (model parallel); the global gradient norm is summed here.
-        pp: two neighbouring stages at the same tp rank (the `direct` activation transport); with `ring`,
-            also the last stage and the first (members in that order).
-        emb: the first and last stage at the same (tp, cp) rank, when embeddings are tied and pp > 1: the
-            gradients of the two copies of the embedding are summed here (Megatron's embedding group).
+        edp: the dp ranks holding the same experts, with their cp ranks (which hold the same experts too):
+            expert gradients are summed here. Without expert parallelism the dp group itself; with it, only
+            where dp x cp > ep (else no other rank holds these experts).
         ep: (ep > 1) `ep` consecutive dp ranks at one (stage, tp rank, cp rank): tokens travel to their
             experts here; each cp rank's tokens among the same cp rank of the other replicas.
-        edp: (ep > 1 and dp x cp > ep) the dp ranks holding the same experts, with their cp ranks (which
-            hold the same experts too): expert gradients are summed here.
+        mp: all ranks of one replica (model parallel); the global gradient norm is summed here.
+        emb: the first and last stage at the same (tp, cp) rank, when embeddings are tied and pp > 1: the
+            gradients of the two copies of the embedding are summed here (Megatron's embedding group).
+        pp_prev, pp_next: the pair groups with the neighbouring stages at the same (tp, cp) rank (the
+            `direct` activation transport); with `ring`, the last stage and the first are neighbours too
+            (members in that order).
         """
-        replicas = list(range(self.dp)) if replicas is None else list(replicas)
-        out: dict[str, list[Coord]] = {}
+        replicas = tuple(range(self.dp)) if replicas is None else tuple(replicas)
+        d, p, t, c = coord
+        dp_rank = replicas.index(d)
         cps = range(self.cp)
-        for d in replicas:
-            for p in range(self.pp):
-                for c in cps:
-                    out[self.tp_group(Coord(d, p, 0, c))] = [Coord(d, p, t, c) for t in range(self.tp)]
-                if self.cp > 1:
-                    for t in range(self.tp):
-                        out[self.cp_group(Coord(d, p, t))] = [Coord(d, p, t, c) for c in cps]
-            replica = [Coord(d, p, t, c) for p in range(self.pp) for c in cps for t in range(self.tp)]
-            out[self.mp_group(Coord(d, 0, 0))] = replica
-            for t in range(self.tp):
-                for c in cps:
-                    for p in range(self.pp - 1):
-                        out[self.pipe_group(d, t, p, cp=c)] = [Coord(d, p, t, c), Coord(d, p + 1, t, c)]
-                    if self.ring and self.pp > 1:
-                        last = self.pp - 1
-                        pair = [Coord(d, last, t, c), Coord(d, 0, t, c)]
-                        out[self.pipe_group(d, t, last, self.pp, c)] = pair
-                    if self.tied_embeddings and self.pp > 1:
-                        out[self.emb_group(d, t, c)] = [Coord(d, 0, t, c), Coord(d, self.pp - 1, t, c)]
-        for p in range(self.pp):
-            for t in range(self.tp):
-                out[self.dp_group(Coord(0, p, t))] = [Coord(d, p, t, c) for d in replicas for c in cps]
-                if self.ep > 1:
-                    for rank, c in itertools.product(range(0, len(replicas), self.ep), cps):
-                        members = [Coord(d, p, t, c) for d in replicas[rank : rank + self.ep]]
-                        out[self.ep_group(members[0], rank, self.ep)] = members
-                if self.ep > 1 and len(replicas) * self.cp > self.ep:
-                    for j in range(self.ep):
-                        members = [Coord(d, p, t, c) for d in replicas[j :: self.ep] for c in cps]
-                        out[self.edp_group(members[0], j, self.ep)] = members
-        return out
+        named: dict[str, tuple[str, tuple[Coord, ...]]] = {
+            "tp": (self.tp_group(coord), tuple(Coord(d, p, r, c) for r in range(self.tp)))
+        }
+        if self.cp > 1:
+            named["cp"] = (self.cp_group(coord), tuple(Coord(d, p, t, r) for r in cps))
+        named["dp"] = (self.dp_group(coord), tuple(Coord(r, p, t, k) for r in replicas for k in cps))
+        if self.ep == 1:
+            named["edp"] = named["dp"]
+        else:
+            group = dp_rank // self.ep * self.ep
+            members = tuple(Coord(r, p, t, c) for r in replicas[group : group + self.ep])
+            named["ep"] = (self.ep_group(coord, dp_rank, self.ep), members)
+            if len(replicas) * self.cp > self.ep:
+                holders = replicas[dp_rank % self.ep :: self.ep]
+                members = tuple(Coord(r, p, t, k) for r in holders for k in cps)
+                named["edp"] = (self.edp_group(coord, dp_rank, self.ep), members)
+        replica = tuple(Coord(d, s, r, k) for s in range(self.pp) for k in cps for r in range(self.tp))
+        named["mp"] = (self.mp_group(coord), replica)
+        if self.pp > 1:
+            last = self.pp - 1
+            if self.tied_embeddings and p in (0, last):
+                named["emb"] = (self.emb_group(d, t, c), (Coord(d, 0, t, c), Coord(d, last, t, c)))
+            ring = self.pp if self.ring else 0
+            if p > 0 or self.ring:
+                prev = (p - 1) % self.pp
+                pair = (Coord(d, prev, t, c), coord)
+                named["pp_prev"] = (self.pipe_group(d, t, prev, ring, c), pair)
+            if p < last or self.ring:
+                pair = (coord, Coord(d, (p + 1) % self.pp, t, c))
+                named["pp_next"] = (self.pipe_group(d, t, p, ring, c), pair)
+        return StageGroups(coord, replicas, named)
 
     # Group names: the only place they are spelled. An actor finds its groups by these, the driver forms them.
     @staticmethod
@@ -189,7 +253,7 @@ class Mesh:
         return f"emb.dp{dp}.tp{tp}{_cp(cp)}"
 
     def groups_of(self, coord: Coord) -> dict[str, list[Coord]]:
-        return {name: members for name, members in self.groups().items() if coord in members}
+        return {name: list(members) for name, members in self.stage_groups(coord).named.values()}
 
 
 def stage_layers(n_layers: int, pp: int, explicit: list[int] | None = None) -> list[range]:

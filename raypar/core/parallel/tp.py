@@ -100,7 +100,14 @@ def reduce_from_tp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     return x if tp_size(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
-class ColumnParallelLinear(nn.Module):
+class TPLayer:
+    """A module that communicates over the tensor-parallel group it holds in `group` (None: not split).
+    `LlamaStage.bind_groups` gives every one of them the group formed for a new membership."""
+
+    group: Group | None
+
+
+class ColumnParallelLinear(nn.Module, TPLayer):
     """y[..., out/tp] = x @ W_shard.T with W split by output rows; the output stays sharded on the last dim.
 
     `copy_input=False` when the caller applied copy_to_tp once to an input shared by several column layers
@@ -122,7 +129,7 @@ class ColumnParallelLinear(nn.Module):
         return linear(x, self.weight, self.wgrad_store)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(nn.Module, TPLayer):
     """y = sum over ranks of x_shard @ W_shard.T with W split by input columns; the input arrives sharded
     on its last dim (a column-parallel output) and the output is full on every rank, or, under sequence
     parallelism, this rank's tokens of it [B, T/tp, d] (a reduce-scatter instead of the all-reduce)."""
@@ -148,7 +155,7 @@ class RowParallelLinear(nn.Module):
         return reduce_from_tp(self.local(x), self.group)
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(nn.Module, TPLayer):
     """Embedding with the vocabulary split into contiguous row ranges; each rank looks up the ids it owns,
     gives zeros for the rest, and the sum over ranks is the full lookup (under sequence parallelism, this
     rank's tokens of it: a reduce-scatter along the sequence)."""

@@ -192,8 +192,9 @@ def simulate_plans(
         if network["received"].get(link) != order:
             raise ScheduleError(f"link {link[0]} from stage {link[1]} is received out of send order")
     all_units = set().union(*(w.done[FORWARD] | w.done[BACKWARD_INPUT] for w in walkers))
-    for w in walkers:
-        missing = {mb for op in w.done for _, mb in all_units - w.done[op]}
+    kinds = [op for op in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) if any(w.done[op] for w in walkers)]
+    for w in walkers:  # every rank does each kind of work the plans do (forward only: forwards) for each unit
+        missing = {mb for op in kinds for _, mb in all_units - w.done[op]}
         if missing:
             raise ScheduleError(f"stage {w.rank} skips microbatches {sorted(missing)}")
     return Timeline([b.spans for b in backends], max((b.clock for b in backends), default=0.0))

@@ -253,6 +253,16 @@ def build(name: str, n_stages: int, n_mb: int, n_chunks: int = 1) -> Plan:
     return [BUILDERS[name](stage, n_stages, n_mb) for stage in range(n_stages)]
 
 
+def forward_only(n_stages: int, n_mb: int, n_chunks: int = 1) -> Plan:
+    """Every rank's plan of an evaluation pass (no backward): model chunk by model chunk, each over all
+    ``n_mb`` microbatches in order. A unit waits only for a unit of an earlier chunk or an earlier stage
+    (sends do not wait for the receiver), so it cannot deadlock; ``simulate`` checks it like any plan."""
+    _check_args(0, n_stages, n_mb)
+    units = [(c, mb) for c in range(n_chunks) for mb in range(n_mb)]
+    step = _forward_step
+    return [[i for c, mb in units for i in step(s, n_stages, mb, c, n_chunks)] for s in range(n_stages)]
+
+
 def theoretical_bubble(n_stages: int, n_mb: int) -> float:
     """Idle fraction of each stage for GPipe and 1F1B: (p - 1) / (m + p - 1)."""
     return (n_stages - 1) / (n_mb + n_stages - 1)
