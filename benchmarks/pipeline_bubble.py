@@ -240,7 +240,7 @@ def main() -> None:
     _common.add_ray_arguments(parser)
     args = parser.parse_args()
     if args.quick:
-        args.stages, args.microbatches, args.models, args.transports, args.steps = "2,4", "4", "fixed", \
+        args.stages, args.microbatches, args.models, args.transports, args.steps = "2", "4", "fixed", \
             "direct", 1
         args.schedules = "1f1b,interleaved,zb-h1"
     args.stages = [int(x) for x in str(args.stages).split(",")]

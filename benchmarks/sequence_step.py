@@ -96,7 +96,7 @@ COLUMNS = ["layout", "actors", "step_ms", "ratio", "min_ms", "max_ms", "loss_dif
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: `tiny`, seq_len 64, 2 steps")
+    parser.add_argument("--quick", action="store_true", help="smoke run: `tiny`, seq_len 64, 1 step")
     parser.add_argument("--preset", default="small")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4, help="global batch (sequences per step)")
@@ -106,7 +106,7 @@ def main() -> None:
     _common.add_ray_arguments(parser)
     args = parser.parse_args()
     if args.quick:
-        args.preset, args.seq_len, args.batch, args.steps, args.warmup = "tiny", 64, 2, 2, 1
+        args.preset, args.seq_len, args.batch, args.steps, args.warmup = "tiny", 64, 2, 1, 0
 
     print(_common.header("raypar step time: tp, sequence parallelism, context parallelism"), flush=True)
     started = time.perf_counter()

@@ -349,8 +349,8 @@ def main() -> None:
     _common.add_ray_arguments(parser)
     args = parser.parse_args()
     if args.quick:
-        args.sizes, args.dp_sizes, args.threads, args.dp_repeats = "tiny", "tiny", "1", 2
-        args.repeats, args.steps, args.small_factor = 2, 2, 3
+        args.sizes, args.dp_sizes, args.threads, args.dp_repeats = "tiny", "tiny", "1", 1
+        args.repeats, args.steps, args.small_factor = 1, 2, 1
     args.sizes, args.dp_sizes = args.sizes.split(","), args.dp_sizes.split(",")
     args.threads = [int(t) for t in args.threads.split(",")]
 

@@ -20,13 +20,22 @@ def ray_session():
         # More logical CPUs than cores: test actors are tiny and mostly wait on each other.
         # The dashboard serves the state API (list_actors) that tests use to find processes by actor name.
         # address="local": a new instance, never another Ray that runs on this machine.
-        ray.init(
-            address="local",
-            num_cpus=16,
-            include_dashboard=True,
-            log_to_driver=False,
-            configure_logging=False,
-        )
+        # Ray waits a fixed 30 s for its raylet (and a while for its dashboard) to come up; a machine
+        # loaded by other work can miss that: start again, as benchmarks/_common.start_ray does.
+        for attempt in range(3):
+            try:
+                ray.init(
+                    address="local",
+                    num_cpus=16,
+                    include_dashboard=True,
+                    log_to_driver=False,
+                    configure_logging=False,
+                )
+                break
+            except Exception:  # noqa: BLE001 - Ray's start-up errors are plain Exceptions
+                ray.shutdown()
+                if attempt == 2:
+                    raise
     yield ray
     ray.shutdown()
 
@@ -62,3 +71,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker("ray")
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """No Ray address or token settings inherited, HOME a temporary directory (no ~/.ray/auth_token unless
+    a test writes one): what joining a cluster reads (tests/*/test_connection.py)."""
+    keys = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_BACKEND_LOG_LEVEL")
+    for key in keys:  # set, then deleted: monkeypatch then restores each, also what prepare() sets
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    """A tiny HF Llama, untied and sharded (tests/*/test_hf.py)."""
+    from tests.support.hf_models import untied_model
+
+    return untied_model(tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """A tiny HF Llama with tied embeddings, 4 layers (tests/*/test_hf.py)."""
+    from tests.support.hf_models import tied_model
+
+    return tied_model(tmp_path_factory.mktemp("hf"))

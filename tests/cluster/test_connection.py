@@ -25,16 +25,6 @@ CLI = "import sys; from raypar.controller.cli import main; sys.exit(main(sys.arg
 RAY_FIRST = "import ray; " + CLI
 
 
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    keys = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_BACKEND_LOG_LEVEL")
-    for key in keys:  # set, then deleted: monkeypatch then restores each, also what prepare() sets
-        monkeypatch.setenv(key, "")
-        monkeypatch.delenv(key)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token unless a test writes one
-    return tmp_path
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="FakeCluster finds its processes in /proc")
 @pytest.mark.timeout(300)
 def test_status_joins_a_token_cluster_with_only_the_token_at_hand():

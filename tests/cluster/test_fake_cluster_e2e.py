@@ -41,7 +41,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.fake_cluster import FakeCluster
+from tests.support.fake_cluster import FakeCluster, live_processes_mentioning
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_YAML = ROOT / "examples" / "cluster-local.yaml"
@@ -384,6 +384,11 @@ def test_scale_onto_a_node_the_autoscaler_adds(tmp_path: Path) -> None:
                 assert ref_nodes and ref_nodes <= heads, (
                     f"the fixed-dp reference did not run on the head alone: {ref_nodes}"
                 )
+                # The session bookkeeping covers every process that names the temp dir (GCS, raylets,
+                # agents and the monitor carry it in their command lines), the added fake nodes included.
+                tracked = cluster.pids()
+                mentioning = set(live_processes_mentioning(str(cluster.temp_dir)))
+                assert len(mentioning) > 5 and mentioning <= tracked | cluster.pids(), (mentioning, tracked)
             finally:  # before the cluster goes: drivers connected to a dead cluster linger
                 probe.close()
                 scaler.close()
@@ -398,6 +403,8 @@ def test_scale_onto_a_node_the_autoscaler_adds(tmp_path: Path) -> None:
     mark("cluster stopped")
     assert not cluster.pids(), f"fake cluster processes left: {sorted(cluster.pids())}"
     assert len(cluster.seen_pids) > 5
+    # Independently of the session bookkeeping: no live process still names the cluster's temp dir.
+    assert not live_processes_mentioning(str(cluster.temp_dir))
 
     # -- 4. the losses stay on the undisturbed curve -------------------------------------------------
     elastic_run, reference = records(elastic_metrics), records(fixed_dir / "metrics.jsonl")

@@ -35,9 +35,9 @@ def test_tp_groups_packed_on_one_node():
     assert len(nodes_used) == 2
 
 
-def _gpu_probe(*flags: str) -> dict:
+def _gpu_probe() -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.gpu_device_probe", *flags],
+        [sys.executable, "-m", "tests.support.gpu_device_probe"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -58,7 +58,8 @@ def _device_mismatches(actors: dict) -> list[str]:
 
 def test_groups_are_formed_on_each_actors_assigned_gpu():
     """Nodes with 4 and 8 (fake) GPUs: each actor's communicators live on the GPU Ray gave it, not cuda:0."""
-    actors = _gpu_probe()
+    probe = _gpu_probe()  # both meshes on one cluster
+    actors = probe["good"]
     assert len(actors) == 12 and all(a["groups"] for a in actors.values())
     assert _device_mismatches(actors) == []
     per_node: dict[str, set[int]] = {}
@@ -66,4 +67,4 @@ def test_groups_are_formed_on_each_actors_assigned_gpu():
         per_node.setdefault(a["node"], set()).add(a["gpu"][0])
     assert sorted(map(sorted, per_node.values())) == [list(range(4)), list(range(8))]
     # Negative control: groups formed without devices (every one on device 0) are caught by the same check.
-    assert len(_device_mismatches(_gpu_probe("--broken"))) == 10  # all but the two actors holding GPU 0
+    assert len(_device_mismatches(probe["broken"])) == 10  # all but the two actors holding GPU 0

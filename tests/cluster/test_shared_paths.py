@@ -38,9 +38,11 @@ def _can_unshare() -> bool:
     return probe.returncode == 0
 
 
-@pytest.fixture
-def two_nodes(tmp_path):
-    """A head and a second node (one CPU each, no autoscaling) that sees an empty `tmp_path/hidden`."""
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """(cluster, root): a head and a second node (one CPU each, no autoscaling) that sees an empty
+    `root/hidden`; one cluster for the module's tests (its start costs more than their runs)."""
+    tmp_path = tmp_path_factory.mktemp("two_nodes")
     if not _can_unshare():
         pytest.skip("needs mount namespaces (unshare -m), to give one node a directory the other lacks")
     spec = yaml.safe_load(LOCAL_YAML.read_text())
@@ -58,7 +60,7 @@ def two_nodes(tmp_path):
     cover += ['mount -t tmpfs raypar "$0" && exec "$@"']
     with FakeCluster(tmp_path / "cluster.yaml") as cluster:
         cluster.add_node(1, wrap=[*cover, str(hidden)], cwd=elsewhere)
-        yield cluster
+        yield cluster, tmp_path
 
 
 def _train(cluster: FakeCluster, cwd: Path, *sets: str) -> subprocess.CompletedProcess[str]:
@@ -73,24 +75,26 @@ def _train(cluster: FakeCluster, cwd: Path, *sets: str) -> subprocess.CompletedP
 
 
 def test_a_checkpoint_dir_one_node_cannot_see_is_refused_before_any_actor(two_nodes, tmp_path):
-    proc = _train(two_nodes, tmp_path / "driver", f"checkpoint.dir={tmp_path / 'hidden' / 'ckpt'}")
+    cluster, root = two_nodes
+    proc = _train(cluster, tmp_path / "driver", f"checkpoint.dir={root / 'hidden' / 'ckpt'}")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith("raypar: checkpoint.dir: on node "), lines[0]
     assert "is not shared with this node" in lines[0]
     assert not (tmp_path / "driver" / "runs" / "shared" / "metrics.jsonl").exists()  # no step ran
-    assert not list((tmp_path / "hidden" / "ckpt").iterdir())  # the probe's file is gone again
+    assert not list((root / "hidden" / "ckpt").iterdir())  # the probe's file is gone again
 
 
 def test_a_relative_checkpoint_dir_is_one_checkpoint_written_from_both_nodes(two_nodes, tmp_path):
     # dp=2 at one CPU per actor on two one-CPU nodes: one replica per node. ZeRO-1 makes each replica
     # write shards of its own, so the checkpoint is whole only if both wrote into the driver's directory.
-    proc = _train(two_nodes, tmp_path / "driver", "checkpoint.dir=ckpt", "parallel.zero=1")
+    cluster, root = two_nodes
+    proc = _train(cluster, tmp_path / "driver", "checkpoint.dir=ckpt", "parallel.zero=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     root = tmp_path / "driver" / "ckpt"
     step = checkpoint.resolve(str(root))
     checkpoint_read.verify(step, 2**30)
     files = {s["file"] for s in json.loads((Path(step) / checkpoint.MANIFEST).read_text())["shards"]}
     assert {f.split(".")[0] for f in files} == {"shard-dp0", "shard-dp1"}, files  # both replicas wrote
-    assert not (tmp_path / "node_cwd" / "ckpt").exists()  # the second node wrote nothing into its own cwd
+    assert not (root / "node_cwd" / "ckpt").exists()  # the second node wrote nothing into its own cwd

@@ -87,3 +87,5 @@ def test_a_signal_mid_run_ends_it_with_one_line(address, tmp_path, sig, status, 
         said = err.strip().splitlines()
         assert (code, said) == (status, [line]), f"try {i + 1}: exit {code}\n{err[-3000:]}"
         assert not _alive(address, run), f"try {i + 1}"
+        groups = ray.util.placement_group_table().values()  # and its placement groups
+        assert all(g["state"] == "REMOVED" for g in groups if g["name"].startswith(f"raypar:{run}:")), groups

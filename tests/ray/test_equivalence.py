@@ -15,28 +15,9 @@ import pytest
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Coord, Mesh
-from raypar.core.run_config import load_config
-from tests.support.equivalence import STEPS, assert_matches, train
+from tests.support.equivalence import STEPS, assert_matches, make_cfg, train
 from tests.support.faults import FaultyActorMesh
 from tests.support.reference import Run, reference_run
-
-
-def make_cfg(
-    dp: int, pp: int, tp: int, schedule: str = "1f1b", transport: str = "object_store"
-) -> Config:
-    return load_config(
-        "examples/configs/tiny.toml",
-        [
-            f"parallel.dp={dp}",
-            f"parallel.pp={pp}",
-            f"parallel.tp={tp}",
-            f'parallel.schedule="{schedule}"',
-            f'parallel.transport="{transport}"',
-            "parallel.microbatches=2",
-            "train.global_batch=8",
-            f"train.steps={STEPS}",
-        ],
-    )
 
 
 @pytest.fixture(scope="module")
@@ -53,48 +34,52 @@ def run_layout(cfg: Config, name: str, faults: dict | None = None) -> Run:
         trainer.shutdown()
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)],
-    ids=lambda layout: "dp{}-pp{}-tp{}".format(*layout),
-)
-def test_layout_matches_one_process(ray_session, reference, layout):
-    assert_matches(run_layout(make_cfg(*layout), "eq-{}{}{}".format(*layout)), reference)
+def test_one_actor_matches_one_process(ray_session, reference):
+    """(1,1,1): one actor is the one process. Each axis alone is held against one process on thread ranks
+    (tests/unit/test_executor_equivalence.py, tests/unit/test_nccl_semantics.py, tests/unit/test_tp_layers.py,
+    tests/unit/test_sequence_parallel.py); on actors all three at once below."""
+    assert_matches(run_layout(make_cfg(1, 1, 1), "eq-111"), reference)
 
 
-def test_3d_layout_all_schedules_and_transports(ray_session, reference):
-    """(2,2,2) under gpipe/1f1b x object_store/direct, on one set of 8 actors (rebuilt from the seed). Every
-    call of a step goes down the deepest call tree: one driver call, to replica 0's leader, which relays to
-    replica 1's (actors.replica_lead)."""
+@pytest.fixture(scope="module")
+def mesh222(ray_session):
+    """One set of 8 actors at (2,2,2) for the 3d test and every negative control: a mesh start costs more
+    than the steps. Every call of a step goes down the deepest call tree: one driver call, to replica 0's
+    leader, which relays to replica 1's (actors.replica_lead)."""
     trainer = FaultyActorMesh(make_cfg(2, 2, 2), "eq-222", faults={})
     trainer.driver_calls = 1
     try:
         trainer.start()
-        assert trainer.leads == {Coord(0, 0, 0): True}
-        for schedule in ("1f1b", "gpipe"):
-            for transport in ("object_store", "direct"):
-                trainer.reconfigure(make_cfg(2, 2, 2, schedule, transport))
-                assert_matches(train(trainer), reference)
-        # Negative control on the same actors: the TP all-reduces of one stage of one replica dropped.
-        trainer.set_faults({Coord(1, 0, t): ["tp_drop_allreduce"] for t in range(2)})
-        trainer.reconfigure(make_cfg(2, 2, 2))
-        with pytest.raises(AssertionError):
-            assert_matches(train(trainer), reference)
+        yield trainer
     finally:
         trainer.shutdown()
 
 
+def test_3d_layout_all_schedules_and_transports(mesh222, reference):
+    """(2,2,2) under gpipe/1f1b x object_store/direct, on one set of 8 actors (rebuilt from the seed)."""
+    assert mesh222.leads == {Coord(0, 0, 0): True}
+    for schedule in ("1f1b", "gpipe"):
+        for transport in ("object_store", "direct"):
+            mesh222.reconfigure(make_cfg(2, 2, 2, schedule, transport))
+            assert_matches(train(mesh222), reference)
+
+
 @pytest.mark.parametrize(
-    "layout, fault",
+    "fault, where",
     [
-        ((2, 1, 1), "dp_sum"),  # DP gradients summed instead of averaged (the grad norm doubles)
-        ((1, 2, 1), "pp_zero_grad"),  # stage 1 sends zeros instead of its input gradient
-        ((1, 1, 2), "tp_drop_allreduce"),  # row-parallel outputs not all-reduced
+        ("dp_sum", "all"),  # DP gradients summed instead of averaged (the grad norm doubles)
+        ("pp_zero_grad", "all"),  # stage 1 sends zeros instead of its input gradient
+        ("tp_drop_allreduce", "all"),  # row-parallel outputs not all-reduced
+        ("tp_drop_allreduce", "one stage"),  # ... in one stage of one replica only
     ],
 )
-def test_negative_controls_are_rejected(ray_session, reference, layout, fault):
+def test_negative_controls_are_rejected(mesh222, reference, fault, where):
     # every member of a collective must take the same broken path, else it hangs instead of computing
-    faults = {coord: [fault] for coord in Mesh(*layout).coords()}
-    broken = run_layout(make_cfg(*layout), f"neg-{fault}", faults)
-    with pytest.raises(AssertionError):
-        assert_matches(broken, reference)
+    coords = Mesh(2, 2, 2).coords() if where == "all" else [Coord(1, 0, t) for t in range(2)]
+    mesh222.set_faults({coord: [fault] for coord in coords})
+    try:
+        mesh222.reconfigure(make_cfg(2, 2, 2))
+        with pytest.raises(AssertionError):
+            assert_matches(train(mesh222), reference)
+    finally:
+        mesh222.set_faults({})

@@ -22,22 +22,10 @@ from tests.support.hf_models import (
     VOCAB,
     cfg_for,
     hf_logits,
-    tied_model,
-    untied_model,
 )
 from tests.support.reference import Run, reference_run
 
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-4
-
-
-@pytest.fixture(scope="module")
-def untied(tmp_path_factory):
-    return untied_model(tmp_path_factory.mktemp("hf"))
-
-
-@pytest.fixture(scope="module")
-def tied(tmp_path_factory):
-    return tied_model(tmp_path_factory.mktemp("hf"))
 
 
 def train(trainer: ActorMesh) -> Run:

@@ -22,17 +22,19 @@ def offload(zero: int) -> tuple[str, ...]:
 
 
 # -- on Ray actors ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("layout", [(2, 1, 2), (2, 2, 2)], ids=lambda v: "dp{}-pp{}-tp{}".format(*v))
-def test_offload_on_actors_matches_zero0(ray_session, layout):
-    """zero=2 with offload against zero=0 on the same actors, 5 steps, tests/ray/test_zero.py's tolerances;
-    at dp2-pp1-tp2 also the control that check rejects there (replicas' gradients summed, not averaged)."""
+def test_offload_on_actors_matches_zero0(ray_session):
+    """zero=2 with offload against zero=0 on the same actors at dp2-pp2-tp2 (every axis at once), 5 steps,
+    tests/ray/test_zero.py's tolerances, and the control that check rejects there (replicas' gradients
+    summed, not averaged). Every stage, dp=4, bf16 and the offload's own controls: on thread ranks,
+    tests/unit/test_offload.py."""
+    layout = (2, 2, 2)
     trainer = FaultyActorMesh(actors_cfg(*layout, 0), "offload-{}{}{}".format(*layout), faults={})
     try:
         trainer.start()
         plain = train_actors(trainer)
         trainer.reconfigure(actors_cfg(*layout, 2, "1f1b", *offload(2)))
         assert_same(train_actors(trainer), plain)
-        if layout == (2, 1, 2):
+        if layout == (2, 2, 2):
             trainer.set_faults({coord: ["dp_sum"] for coord in Mesh(*layout).coords()})
             trainer.reconfigure(actors_cfg(*layout, 2, "1f1b", *offload(2)))
             with pytest.raises(AssertionError, match=MISMATCH):

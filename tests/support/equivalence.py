@@ -5,11 +5,31 @@ tests/ray/test_schedules_ray.py."""
 from __future__ import annotations
 
 from raypar.controller.actor_mesh import ActorMesh
+from raypar.core.config.schema import Config
+from raypar.core.run_config import load_config
 from tests.support.reference import Run
 
 STEPS = 3
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-4
+
+
+def make_cfg(
+    dp: int, pp: int, tp: int, schedule: str = "1f1b", transport: str = "object_store"
+) -> Config:
+    return load_config(
+        "examples/configs/tiny.toml",
+        [
+            f"parallel.dp={dp}",
+            f"parallel.pp={pp}",
+            f"parallel.tp={tp}",
+            f'parallel.schedule="{schedule}"',
+            f'parallel.transport="{transport}"',
+            "parallel.microbatches=2",
+            "train.global_batch=8",
+            f"train.steps={STEPS}",
+        ],
+    )
 
 
 def train(trainer: ActorMesh) -> Run:

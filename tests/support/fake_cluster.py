@@ -261,3 +261,17 @@ class FakeCluster:
             return ""
         path = self.temp_dir / "session_latest" / "logs" / name
         return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+def live_processes_mentioning(text: str) -> list[int]:
+    """Live (not zombie) processes whose command line contains `text`: read from /proc, independently of
+    a FakeCluster's own bookkeeping."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text.encode() in (proc / "cmdline").read_bytes():
+                if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append(int(proc.name))
+        except OSError:
+            pass
+    return found

@@ -1,7 +1,8 @@
 """Run as a subprocess by test_placement.py: a `ray.cluster_utils.Cluster` with one node of 4 and one of
 8 fake GPUs, an ActorMesh of model-free workers (tp=2, dp=6: twelve actors fill both nodes), and for
-every actor the GPU Ray assigned it next to the device its groups were formed on, printed as JSON.
-`--broken` forms the groups without devices (the bug: every communicator on cuda:0)."""
+every actor the GPU Ray assigned it next to the device its groups were formed on, printed as JSON: under
+"good", and under "broken" for a second mesh on the same cluster that forms its groups without devices
+(the bug: every communicator on cuda:0)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ def main() -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     for gpus in (4, 8):
         cluster.add_node(num_cpus=gpus, num_gpus=gpus)
-    mesh_cls = _NoDevices if "--broken" in sys.argv else StubActorMesh
     cfg = load_config(
         "examples/configs/tiny.toml",
         ['parallel.device="gpu"', "parallel.dp=6", "parallel.tp=2", "parallel.pp=1", "train.global_batch=12"],
@@ -32,14 +32,16 @@ def main() -> None:
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
-        mesh = mesh_cls(cfg, "gpu-probe")
-        mesh.start()
-        devices = ray.get([a.group_devices.remote() for a in mesh.actors.values()])
-        out = {
-            c.key: {"node": mesh.nodes[c]["node_id"], "gpu": mesh.nodes[c]["gpu_ids"], "groups": d}
-            for c, d in zip(mesh.actors, devices, strict=True)
-        }
-        mesh.shutdown()
+        out = {}
+        for name, mesh_cls in (("good", StubActorMesh), ("broken", _NoDevices)):
+            mesh = mesh_cls(cfg, f"gpu-probe-{name}")
+            mesh.start()
+            devices = ray.get([a.group_devices.remote() for a in mesh.actors.values()])
+            out[name] = {
+                c.key: {"node": mesh.nodes[c]["node_id"], "gpu": mesh.nodes[c]["gpu_ids"], "groups": d}
+                for c, d in zip(mesh.actors, devices, strict=True)
+            }
+            mesh.shutdown()
         print(json.dumps(out))
     finally:
         ray.shutdown()

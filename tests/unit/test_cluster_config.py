@@ -5,9 +5,9 @@
 is the autoscaler's bin packing. What `ray up` does next for AWS (`fillout_available_node_types_resources`,
 `bootstrap_config`: IAM, key pairs, subnets) needs an AWS account and is left out.
 
-One smoke test starts the fake cluster for real. No test here calls `ray.init` in this process or
-`ray stop`: other tests share a local Ray instance in this process, and other Ray instances may run
-on the machine.
+The fake cluster started for real: tests/cluster/test_fake_cluster_e2e.py. No test here calls `ray.init`
+in this process or `ray stop`: other tests share a local Ray instance in this process, and other Ray
+instances may run on the machine.
 """
 
 from __future__ import annotations

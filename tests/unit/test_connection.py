@@ -23,16 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 CLI = "import sys; from raypar.controller.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    keys = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_BACKEND_LOG_LEVEL")
-    for key in keys:  # set, then deleted: monkeypatch then restores each, also what prepare() sets
-        monkeypatch.setenv(key, "")
-        monkeypatch.delenv(key)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token unless a test writes one
-    return tmp_path
-
-
 def test_target_reads_ray_address_for_auto_and_for_nothing(clean_env, monkeypatch):
     assert ray_env.target(None) is None
     assert ray_env.target("auto") == "auto"

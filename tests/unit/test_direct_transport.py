@@ -60,5 +60,6 @@ def test_unannounced_receive_holds_the_send() -> None:
 
 
 def test_receive_out_of_announced_order_is_refused() -> None:
+    # stage 1 refuses at once; stage 0's sends then wait out the group's timeout, so a short one
     with pytest.raises(RuntimeError, match=r"act receive of \(chunk 0, mb 1\) out of the announced order"):
-        hop(announce=True, order=[1, 0, 2])
+        hop(announce=True, order=[1, 0, 2], timeout_s=5)

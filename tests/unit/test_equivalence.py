@@ -6,28 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raypar.core.config.schema import Config
-from raypar.core.run_config import load_config
-from tests.support.equivalence import STEPS
+from tests.support.equivalence import STEPS, make_cfg
 from tests.support.reference import Run, reference_run
-
-
-def make_cfg(
-    dp: int, pp: int, tp: int, schedule: str = "1f1b", transport: str = "object_store"
-) -> Config:
-    return load_config(
-        "examples/configs/tiny.toml",
-        [
-            f"parallel.dp={dp}",
-            f"parallel.pp={pp}",
-            f"parallel.tp={tp}",
-            f'parallel.schedule="{schedule}"',
-            f'parallel.transport="{transport}"',
-            "parallel.microbatches=2",
-            "train.global_batch=8",
-            f"train.steps={STEPS}",
-        ],
-    )
 
 
 @pytest.fixture(scope="module")

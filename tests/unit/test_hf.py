@@ -25,20 +25,8 @@ from tests.support.hf_models import (
     VOCAB,
     cfg_for,
     hf_logits,
-    tied_model,
-    untied_model,
 )
 from tests.support.threads import run_ranks
-
-
-@pytest.fixture(scope="module")
-def untied(tmp_path_factory):
-    return untied_model(tmp_path_factory.mktemp("hf"))
-
-
-@pytest.fixture(scope="module")
-def tied(tmp_path_factory):
-    return tied_model(tmp_path_factory.mktemp("hf"))
 
 
 def raypar_logits(path: Path, ids: torch.Tensor = IDS) -> torch.Tensor:
