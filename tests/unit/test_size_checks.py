@@ -49,13 +49,13 @@ def test_the_test_models_config_reaches_the_actors(tmp_path: Path, no_actors: No
 def test_the_limit_is_the_layouts_model_states(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = load_config(TINY)
     one = fp32_adam_state_bytes(cfg)
-    monkeypatch.setattr(checkpoint_read, "available_memory", lambda: one)
+    monkeypatch.setattr(plan, "available_memory", lambda: one)
     plan.check_local_memory(cfg, None)  # exactly fits
-    monkeypatch.setattr(checkpoint_read, "available_memory", lambda: one - 1)
+    monkeypatch.setattr(plan, "available_memory", lambda: one - 1)
     with pytest.raises(ConfigError, match="model: d_model=64"):
         plan.check_local_memory(cfg, None)
     # Every actor of a local Ray is on this machine: two replicas need twice the memory ...
-    monkeypatch.setattr(checkpoint_read, "available_memory", lambda: 2 * one - 1)
+    monkeypatch.setattr(plan, "available_memory", lambda: 2 * one - 1)
     with pytest.raises(ConfigError, match=r"a local Ray's 2 actor\(s\)"):
         plan.check_local_memory(load_config(TINY, ["parallel.dp=2"]), None)
     # ... unless ZeRO-3 shards their states over the replicas.
