@@ -11,7 +11,7 @@ import torch
 
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
-from raypar.core.model.llama import LlamaStage
+from raypar.core.model.llama import LlamaStage, StageSpec
 from raypar.core.parallel.mesh import stage_layers
 from raypar.core.pipeline import schedules
 from raypar.core.pipeline.evaluate import ForwardBackend, evaluate
@@ -43,7 +43,7 @@ def _batches(cfg: Config):  # noqa: ANN202 - the executor's batch function
 
 
 def _reference(cfg: Config) -> float:
-    model = LlamaStage(cfg.model, range(cfg.model.n_layers), True, True, seed=cfg.train.seed).eval()
+    model = LlamaStage(cfg.model, seed=cfg.train.seed).eval()
     batch = _batches(cfg)
     with torch.no_grad():
         losses = [model(*batch(u)).float() for u in range(len(_units(cfg)))]
@@ -74,7 +74,8 @@ def _pipelined(cfg: Config, backend_class: type[ForwardBackend] = ForwardBackend
     def rank(p: int) -> None:
         try:
             chunks = [virtual[topo.virtual(p, c)] for c in range(v)]
-            model = LlamaStage(cfg.model, chunks[0], p == 0, p == pp - 1, seed=cfg.train.seed, chunks=chunks)
+            stage = StageSpec(tuple(chunks), p == 0, p == pp - 1)
+            model = LlamaStage(cfg.model, stage=stage, seed=cfg.train.seed)
             backend = backend_class(model.eval(), p, topo, pipe.transport(p), like, batch)
             with torch.no_grad():
                 loss = evaluate(backend, n_units)
