@@ -12,8 +12,10 @@ step old). The replacement then resumes one update behind its peers, and the sam
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,17 +58,47 @@ def _killed_results(trainer: FaultyActorMesh, cfg: Config) -> tuple[int, str, li
     return step, what, got[:step] + [trainer.step(s) for s in range(step, STEPS)]
 
 
+@pytest.fixture(scope="module")
+def two_actors(ray_session) -> Iterator[FaultyActorMesh]:
+    """One set of two actors (dp=2, nothing else split) for every restore of that shape: a mesh start costs
+    more than the steps, and `reconfigure` rebuilds the state from the seed (the tests below compare a run
+    after it bit for bit with one after a fresh start)."""
+    trainer = FaultyActorMesh(mesh_cfg(0, 1), "mem-dp2", faults={})
+    try:
+        trainer.start()
+        yield trainer
+    finally:
+        trainer.shutdown()
+
+
+@contextlib.contextmanager
+def mesh_for(request: pytest.FixtureRequest, cfg: Config, name: str) -> Iterator[FaultyActorMesh]:
+    """`cfg`'s mesh, reconfigured from the seed: the module's two actors where it has that shape."""
+    if cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.tp * cfg.parallel.cp == 2 and cfg.parallel.dp == 2:
+        trainer = request.getfixturevalue("two_actors")
+        trainer.reconfigure(cfg)
+        try:
+            yield trainer
+        finally:
+            trainer.set_faults({})
+        return
+    trainer = FaultyActorMesh(cfg, name, faults={})
+    try:
+        trainer.start()
+        yield trainer
+    finally:
+        trainer.shutdown()
+
+
 def _killed(trainer: FaultyActorMesh, cfg: Config) -> tuple[int, str, list[float]]:
     step, what, results = _killed_results(trainer, cfg)
     return step, what, [r.loss for r in results]
 
 
 @pytest.mark.parametrize("zero, pp", [(0, 1), (1, 2), (3, 1)], ids=["zero0", "zero1-pp2", "zero3"])
-def test_restore_from_memory_continues_exactly(ray_session, zero, pp):
+def test_restore_from_memory_continues_exactly(request, ray_session, zero, pp):
     cfg = mesh_cfg(zero, pp)
-    trainer = FaultyActorMesh(cfg, f"mem-z{zero}", faults={})
-    try:
-        trainer.start()
+    with mesh_for(request, cfg, f"mem-z{zero}") as trainer:
         straight = [trainer.step(s).loss for s in range(STEPS)]
         step, what, got = _killed(trainer, cfg)
         # The victim never applied step 2 (it died before the call that commits it); its copy from before
@@ -79,8 +111,6 @@ def test_restore_from_memory_continues_exactly(ray_session, zero, pp):
             step, _, stale = _killed(trainer, cfg)
             with pytest.raises(AssertionError, match=rf"loss at step {step}: "):
                 assert_same_losses(stale, straight)
-    finally:
-        trainer.shutdown()
 
 
 # -- the layouts that change what an actor's state is ----------------------------------------------------
@@ -117,7 +147,7 @@ def assert_same_run(got: list[StepResult], want: list[StepResult]) -> None:
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_restore_from_memory_at_each_layout(ray_session, name):
+def test_restore_from_memory_at_each_layout(request, ray_session, name):
     """Each layout's state comes back from memory: the run after the kill is the undisturbed one. The
     stale-buddy control above covers what every layout shares (the dense state); where a layout adds a
     part of the state (the experts' strategy, the loss scaler), a copy with only that part one step old
@@ -125,9 +155,7 @@ def test_restore_from_memory_at_each_layout(ray_session, name):
     actors, extra, stale_part = LAYOUTS[name]
     cfg = tiny("parallel.dp=2", f"train.steps={STEPS}", "parallel.timeout_s=10", "checkpoint.in_memory=true",
                *extra)  # fmt: skip
-    trainer = FaultyActorMesh(cfg, f"mem-{name}", faults={})
-    try:
-        trainer.start()
+    with mesh_for(request, cfg, f"mem-{name}") as trainer:
         straight = [trainer.step(s) for s in range(STEPS)]
         step, what, got = _killed_results(trainer, cfg)
         # no checkpoint.dir: memory is the only place the state can come from
@@ -139,8 +167,6 @@ def test_restore_from_memory_at_each_layout(ray_session, name):
             _, _, stale = _killed_results(trainer, cfg)
             with pytest.raises(AssertionError, match=r"(loss|loss scales) at step 2: "):
                 assert_same_run(stale, straight)
-    finally:
-        trainer.shutdown()
     if name == "fp16-scaler":  # the scaler did change around the kill: overflows skipped, then growth
         assert [r.skipped for r in straight[:2]] == [True, True], [r.skipped for r in straight]
         assert straight[2].loss_scale < straight[-1].loss_scale, [r.loss_scale for r in straight]
