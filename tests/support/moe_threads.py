@@ -25,6 +25,7 @@ from raypar.core.data import datasets as data
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage
 from raypar.core.model.moe import MoELayer, is_expert_param
+from raypar.core.observe.step_report import MoELayerReport, StepReport
 from raypar.core.parallel.mesh import Coord, Mesh
 from raypar.core.pipeline import schedules
 from raypar.core.pipeline.executor import ModelBackend, StepRun
@@ -32,12 +33,17 @@ from raypar.core.pipeline.local_transport import LocalPipe
 from tests.support.threads import run_groups
 
 
-def moe_figures(model: LlamaStage) -> dict[str, dict[str, Any]]:
+def moe_figures(model: LlamaStage) -> dict[str, MoELayerReport]:
     """What the worker reports per layer (actors/worker.py train_step)."""
     return {
-        i: {"load": s.load.tolist(), "dropped": s.dropped, "aux": s.aux_sum / max(s.microbatches, 1)}
+        i: MoELayerReport(s.load.tolist(), s.dropped, s.aux_sum / max(s.microbatches, 1))
         for i, s in model.take_moe_stats().items()
     }
+
+
+def moe_report(coord: Coord, layers: dict[str, MoELayerReport]) -> StepReport:
+    """A step report that carries only MoE figures, for `moe_totals`."""
+    return StepReport(tuple(coord), coord.dp, None, 0.0, 0.0, 1.0, False, moe=layers)
 
 
 def reference(cfg: Config) -> dict[str, Any]:
@@ -53,7 +59,8 @@ def reference(cfg: Config) -> dict[str, Any]:
         ((ce + model.take_aux_loss()) / count).backward()
         loss += ce.item() / count
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return {"loss": loss, "grads": grads, "moe": moe_totals({Coord(0, 0, 0): {"moe": moe_figures(model)}})}
+    whole = Coord(0, 0, 0)
+    return {"loss": loss, "grads": grads, "moe": moe_totals({whole: moe_report(whole, moe_figures(model))})}
 
 
 def parallel(cfg: Config, moe_class: type[MoELayer] = MoELayer, make_group: Any = create_group
@@ -110,7 +117,7 @@ def parallel(cfg: Config, moe_class: type[MoELayer] = MoELayer, make_group: Any 
             full = grads.setdefault(name, torch.empty(shape))
             full[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))] = local
     return {"loss": sum(losses) / len(losses), "grads": grads,
-            "moe": moe_totals({r["coord"]: {"moe": r["moe"]} for r in ranks})}
+            "moe": moe_totals({r["coord"]: moe_report(r["coord"], r["moe"]) for r in ranks})}
 
 
 def assert_matches(got: dict[str, Any], want: dict[str, Any], rtol: float) -> dict[str, float]:

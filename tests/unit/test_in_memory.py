@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from actors.endpoints import Inventory
 from raypar.controller.buddy import NoCopies, plan
 from raypar.core.parallel.mesh import Coord
 
@@ -13,11 +14,11 @@ from raypar.core.parallel.mesh import Coord
 A, B, C = Coord(0, 0, 0), Coord(1, 0, 0), Coord(2, 0, 0)
 
 
-def _inv(own: list[int], held: dict[Coord, list[int]] | None = None, layout=(0, 1)) -> dict:
-    return {
-        "own": [(s, layout) for s in own],
-        "held": {c.key: [(s, layout) for s in steps] for c, steps in (held or {}).items()},
-    }
+def _inv(own: list[int], held: dict[Coord, list[int]] | None = None, layout=(0, 1)) -> Inventory:
+    return Inventory(
+        own=[(s, layout) for s in own],
+        held={c.key: [(s, layout) for s in steps] for c, steps in (held or {}).items()},
+    )
 
 
 def test_plan_takes_the_newest_common_step_and_the_buddys_copy():
@@ -34,7 +35,7 @@ def test_plan_refuses_what_memory_cannot_restore():
     with pytest.raises(NoCopies, match=r"dp1.pp0.tp0 and the buddy holding its copies \(dp2.pp0.tp0\)"):
         plan(list(layout), [A, B, C], {A}, everyone)  # B's copies were on C, lost with it
     with pytest.raises(NoCopies, match="no snapshot of dp1.pp0.tp0 at the layout"):
-        stale = {"own": [(3, (0, 1))], "held": {B.key: [(3, (1, 0))]}}  # taken before the ranks changed
+        stale = Inventory(own=[(3, (0, 1))], held={B.key: [(3, (1, 0))]})  # taken before the ranks changed
         plan([0, 1], [A, B], {A}, {A: stale})
     with pytest.raises(NoCopies, match=r"steps disagree \(dp0.pp0.tp0: \[4, 5\], dp1.pp0.tp0: \[2, 3\]\)"):
         plan([0, 1], [A, B], {A}, {A: _inv([4, 5], {B: [2, 3]})})

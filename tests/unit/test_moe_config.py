@@ -9,8 +9,10 @@ from raypar.controller.actor_mesh import ActorMesh, moe_totals
 from raypar.controller.connection import RunFailure
 from raypar.core.config.errors import ConfigError
 from raypar.core.model.llama import count_params, flops_per_token
+from raypar.core.observe.step_report import MoELayerReport
 from raypar.core.parallel.mesh import Coord, Mesh
 from raypar.core.run_config import load_config
+from tests.support.moe_threads import moe_report
 
 TINY = "examples/configs/tiny.toml"
 MOE = ["model.moe_experts=4", "parallel.dp=4", "train.global_batch=8"]
@@ -74,16 +76,17 @@ def test_survivors_keep_their_expert_slice():
 
 
 def test_moe_totals_count_tp_rank0_and_average_aux_over_replicas():
-    stats = {"1": {"load": [3, 1], "dropped": 1, "aux": 0.02}}
+    stats = {"1": MoELayerReport([3, 1], 1, 0.02)}
+    other_tp, replica = Coord(0, 0, 1), Coord(1, 0, 0)
     per_actor = {
-        Coord(0, 0, 0): {"moe": stats},
-        Coord(0, 0, 1): {"moe": stats},  # the same tokens on another tp rank: not counted twice
-        Coord(1, 0, 0): {"moe": {"1": {"load": [2, 2], "dropped": 0, "aux": 0.04}}},
+        Coord(0, 0, 0): moe_report(Coord(0, 0, 0), stats),
+        other_tp: moe_report(other_tp, stats),  # the same tokens on another tp rank: not counted twice
+        replica: moe_report(replica, {"1": MoELayerReport([2, 2], 0, 0.04)}),
     }
     totals = moe_totals(per_actor)
     assert totals["expert_load"] == {"1": [5, 3]} and totals["dropped_tokens"] == 1
     assert totals["aux_loss"] == pytest.approx(0.03)
-    assert moe_totals({Coord(0, 0, 0): {}}) is None
+    assert moe_totals({Coord(0, 0, 0): moe_report(Coord(0, 0, 0), {})}) is None
 
 
 def test_parameter_and_flop_counts():
