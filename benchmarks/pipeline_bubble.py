@@ -78,6 +78,11 @@ COMPUTE = COMPUTE_OPS
 CHUNKS = {"interleaved": 2}  # virtual stages per rank of each schedule (1 if not listed)
 
 
+def schedule_name(label: str) -> str:
+    """The parallel.schedule a row label runs: `interleaved` is 1f1b with virtual stages."""
+    return "1f1b" if label == "interleaved" else label
+
+
 def bubble_of(per_actor: dict[Any, _common.TimedStepReport]) -> dict[str, float]:
     """Bubble of one step from every stage's events, on the common clock (see the module docstring)."""
     start = min(r.t_phase for r in per_actor.values())
@@ -96,7 +101,7 @@ def model_config(model: str, p: int, m: int, schedule: str, transport: str, batc
     v = CHUNKS.get(schedule, 1)
     common = [
         "parallel.dp=1", f"parallel.pp={p}", f"parallel.microbatches={m}", f"parallel.virtual_stages={v}",
-        f'parallel.schedule="{"1f1b" if schedule == "interleaved" else schedule}"',
+        f'parallel.schedule="{schedule_name(schedule)}"',
         f'parallel.transport="{transport}"', f"train.global_batch={batch}", "train.steps=1000",
         "parallel.timeout_s=120",
     ]
@@ -132,7 +137,7 @@ def ideal_ms(schedule: str, p: int, m: int, fwd_s: float, bwd_s: float) -> tuple
     """The step of the fixed model with free hops (the schedule run on the executor's simulator), and how
     many hops its critical path holds: the step's growth per unit of hop latency."""
     v = CHUNKS.get(schedule, 1)
-    plans = build("1f1b" if schedule == "interleaved" else schedule, p, m, v)
+    plans = build(schedule_name(schedule), p, m, v)
 
     def step_ms(t_comm: float) -> float:
         if schedule == "zb-h1":  # B and W each cost the backward's fixed cost
@@ -168,7 +173,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 trainer.reconfigure(cfg)
                 row = {"model": model, "transport": transport, "schedule": schedule, "p": p, "m": m}
                 row.update(measure(trainer, args.steps if model == "fixed" else args.real_steps))
-                row["theory"] = bubble_formula(schedule, p, m, CHUNKS.get(schedule, 1))
+                row["theory"] = bubble_formula(schedule_name(schedule), p, m, CHUNKS.get(schedule, 1))
                 row["ratio"] = row["bubble"] / row["theory"]
                 row["step_ratio"] = row["step_bubble"] / row["theory"]
                 window_s = row.pop("window_s")
