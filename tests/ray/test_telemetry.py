@@ -7,6 +7,7 @@ record every "step", and scrapes until every series is there, within a deadline.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import re
 import time
@@ -17,18 +18,18 @@ from typing import Any
 import pytest
 
 from actors.telemetry import METRICS, ActorMetrics
+from raypar.core.observe.memory import MemoryReport
+from raypar.core.observe.step_report import StepReport
 
 # The agent serves Ray's metrics with a `ray_` prefix.
 SAMPLE = re.compile(r"^ray_(raypar_\w+)\{(.*)\} (\S+)$")
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 DENSE = {name for name in METRICS if not name.startswith("raypar_moe_")}  # a dense model's step sets these
-STEP = {
-    "step_s": 0.5,
-    "busy_s": 0.3,
-    "loss": 4.25,
-    "model_state_bytes": 4096,
-    "events": [
+STEP = StepReport(
+    coord=(1, 2, 0, 0), dp_rank=1, loss=4.25, grad_norm=1.0, lr=1e-3, loss_scale=1.0, skipped=False,
+    step_s=0.5, busy_s=0.3, memory=MemoryReport(model_state_bytes=4096),
+    events=[
         ("recv_act", 0, 0.00, 0.05),
         ("forward", 0, 0.05, 0.20),
         ("send_act", 0, 0.20, 0.21),
@@ -36,7 +37,7 @@ STEP = {
         ("backward", 0, 0.30, 0.45),
         ("send_grad", 0, 0.45, 0.46),
     ],
-}
+)
 
 
 def scrape(ray: Any, run: str) -> dict[tuple[str, ...], dict[str, float]]:
@@ -67,14 +68,14 @@ def test_actor_metrics_reach_prometheus(ray_session: Any) -> None:
         def __init__(self, run: str, coord: tuple[int, ...]):
             self.metrics = ActorMetrics(run, coord)  # created here, in the actor's process
 
-        def record(self, result: dict[str, Any], tokens_per_s: float, mfu: float | None) -> None:
+        def record(self, result: StepReport, tokens_per_s: float, mfu: float | None) -> None:
             self.metrics.record(result, tokens_per_s, mfu)
 
     run = f"telemetry-{uuid.uuid4().hex[:8]}"
     middle = Recorder.remote(run, (1, 2, 0, 0))
     twin = Recorder.remote(run, (1, 2, 0, 1))  # the same place in the mesh but for its cp rank
     first = Recorder.remote(run, (0, 0, 1, 0))  # no loss on this stage, no MFU for this device
-    first_step = {**STEP, "loss": None}
+    first_step = dataclasses.replace(STEP, loss=None)
     deadline = time.monotonic() + 60
     series: dict = {}
     while time.monotonic() < deadline:
