@@ -32,7 +32,7 @@ import torch
 
 from actors.endpoints import WorkerEndpoints, call
 from collectives import Group, Work
-from raypar.core.pipeline.schedules import Topology
+from raypar.core.pipeline.instructions import NEXT, PREV, Topology
 
 # Ray inlines call arguments below `max_direct_call_object_size` (100 KiB by default) in the call itself;
 # larger ones go through the object store. Below that size a put + fetch is pure overhead.
@@ -177,17 +177,20 @@ class ObjectStoreTransport:
             return tensor  # zero-copy view of the message
         return self._pool.take(kind, chunk, mb, like).copy_(tensor, non_blocking=True)
 
+    def _peer(self, kind: str, chunk: int) -> Any:
+        return self.next if self.topo.side(kind, self.rank, chunk) == NEXT else self.prev
+
     def send_act(self, chunk: int, mb: int, tensor: torch.Tensor) -> None:
-        self._send(self.next, "act", self.topo.next(self.rank, chunk)[1], mb, tensor)
+        self._send(self._peer("act", chunk), "act", self.topo.next(self.rank, chunk)[1], mb, tensor)
 
     def send_grad(self, chunk: int, mb: int, tensor: torch.Tensor) -> None:
-        self._send(self.prev, "grad", self.topo.prev(self.rank, chunk)[1], mb, tensor)
+        self._send(self._peer("grad", chunk), "grad", self.topo.prev(self.rank, chunk)[1], mb, tensor)
 
     def recv_act(self, chunk: int, mb: int, like: torch.Tensor) -> torch.Tensor:
-        return self._recv("act", chunk, mb, "the previous stage", like)
+        return self._recv("act", chunk, mb, "the previous virtual stage", like)
 
     def recv_grad(self, chunk: int, mb: int, like: torch.Tensor) -> torch.Tensor:
-        return self._recv("grad", chunk, mb, "the next stage", like)
+        return self._recv("grad", chunk, mb, "the next virtual stage", like)
 
     def release(self, kind: str, chunk: int, mb: int) -> None:
         self._pool.give(kind, chunk, mb)
@@ -223,52 +226,67 @@ class DirectTransport:
     receive posted: the data moves while this rank computes. Without `expect` (evaluation) a receive is
     posted when it is called."""
 
-    def __init__(self, prev_group: Group | None, next_group: Group | None):
+    def __init__(
+        self, prev_group: Group | None, next_group: Group | None, rank: int = 0, topo: Topology | None = None
+    ):
         self.prev_group, self.next_group = prev_group, next_group
+        self.rank, self.topo = rank, topo  # no topology: acts go to the next group, grads to the previous
         self.step = 0
         self._sends: list[Work] = []
         self._pool = BufferPool()
-        self._expected: dict[str, deque[tuple[int, int]]] = {"act": deque(), "grad": deque()}
-        self._posted: dict[str, tuple[tuple[int, int], Work] | None] = {"act": None, "grad": None}
+        # Per link (the group a message arrives by): the announced receives and the one posted.
+        self._expected: dict[str, deque[tuple[str, int, int]]] = {PREV: deque(), NEXT: deque()}
+        self._posted: dict[str, tuple[tuple[str, int, int], Work] | None] = {PREV: None, NEXT: None}
         self._like: torch.Tensor | None = None
 
+    def _send_side(self, kind: str, chunk: int) -> str:
+        return self.topo.side(kind, self.rank, chunk) if self.topo else NEXT if kind == "act" else PREV
+
+    def _recv_side(self, kind: str, chunk: int) -> str:
+        return self.topo.recv_side(kind, self.rank, chunk) if self.topo else PREV if kind == "act" else NEXT
+
+    def _send(self, kind: str, chunk: int, tensor: torch.Tensor) -> None:
+        group, dst = (self.next_group, 1) if self._send_side(kind, chunk) == NEXT else (self.prev_group, 0)
+        self._sends.append(group.send(tensor.detach().contiguous(), dst=dst, async_op=True))
+
     def send_act(self, chunk: int, mb: int, tensor: torch.Tensor) -> None:
-        self._sends.append(self.next_group.send(tensor.detach().contiguous(), dst=1, async_op=True))
+        self._send("act", chunk, tensor)
 
     def send_grad(self, chunk: int, mb: int, tensor: torch.Tensor) -> None:
-        self._sends.append(self.prev_group.send(tensor.detach().contiguous(), dst=0, async_op=True))
+        self._send("grad", chunk, tensor)
 
     def expect(self, receives: list[tuple[str, int, int]], like: torch.Tensor) -> None:
         """This step's receives, (kind, chunk, mb) in the order the plan takes them; posts each link's
-        first."""
+        first. A link may carry acts and grads (the V's): they are posted in that one order."""
         self._like = like
         for kind, chunk, mb in receives:
-            self._expected[kind].append((chunk, mb))
-        for kind in self._expected:
-            self._post_next(kind)
+            self._expected[self._recv_side(kind, chunk)].append((kind, chunk, mb))
+        for side in self._expected:
+            self._post_next(side)
 
-    def _link(self, kind: str) -> tuple[Group, int]:
-        return (self.prev_group, 0) if kind == "act" else (self.next_group, 1)
+    def _link(self, side: str) -> tuple[Group, int]:
+        return (self.prev_group, 0) if side == PREV else (self.next_group, 1)
 
-    def _post_next(self, kind: str) -> None:
-        if self._expected[kind]:
-            chunk, mb = self._expected[kind].popleft()
-            group, src = self._link(kind)
-            buffer = self._pool.take(kind, chunk, mb, self._like)
-            self._posted[kind] = ((chunk, mb), group.recv(buffer, src=src, async_op=True))
+    def _post_next(self, side: str) -> None:
+        if self._expected[side]:
+            message = self._expected[side].popleft()
+            group, src = self._link(side)
+            buffer = self._pool.take(*message, self._like)
+            self._posted[side] = (message, group.recv(buffer, src=src, async_op=True))
 
     def _recv(self, kind: str, chunk: int, mb: int, like: torch.Tensor) -> torch.Tensor:
-        posted = self._posted[kind]
+        side = self._recv_side(kind, chunk)
+        posted = self._posted[side]
         if posted is None:  # not announced: post it now
-            group, src = self._link(kind)
+            group, src = self._link(side)
             return group.recv(self._pool.take(kind, chunk, mb, like), src=src)
-        unit, work = posted
-        if unit != (chunk, mb):
+        message, work = posted
+        if message != (kind, chunk, mb):
             raise RuntimeError(f"{kind} receive of (chunk {chunk}, mb {mb}) out of the announced order: "
-                               f"(chunk {unit[0]}, mb {unit[1]}) is next")
-        self._posted[kind] = None
+                               f"{message[0]} of (chunk {message[1]}, mb {message[2]}) is next")
+        self._posted[side] = None
         tensor = work.wait()
-        self._post_next(kind)
+        self._post_next(side)
         return tensor
 
     def recv_act(self, chunk: int, mb: int, like: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ from raypar.core.parallel import ep as ep_mod
 from raypar.core.parallel.mesh import BoundGroups, Coord, StageGroups, actor_name, stage_layers
 from raypar.core.pipeline import schedules
 from raypar.core.pipeline.evaluate import ForwardBackend, evaluate
-from raypar.core.pipeline.executor import ModelBackend, StepRun, busy_seconds
+from raypar.core.pipeline.executor import ModelBackend, StepRun, busy_seconds, network_receives
 
 # Counting the bytes a forward saves costs a Python call per saved tensor (+15 % of a 20-ms `tiny` step,
 # measured). A dense model's counts depend only on the shapes, fixed while the model and layout are: they
@@ -173,10 +173,10 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         self._use_device(self.device)
         dtype = precision.DTYPES[self.cfg.train.precision]
         self.peak_flops = flops.device_peak_flops(self.device, dtype)  # measured once per process on CPU
-        self.topo = schedules.Topology(par.pp, par.virtual_stages)
+        self.topo = schedules.topology(par.schedule, par.pp, par.virtual_stages)
         virtual = stage_layers(self.cfg.model.n_layers, par.pp * par.virtual_stages, par.stage_layers or None)
         chunks = [virtual[self.topo.virtual(p, c)] for c in range(par.virtual_stages)]
-        self.first, self.last = p == 0, p == par.pp - 1
+        self.first, self.last = p == 0, p == self.topo.last_rank
         bound = groups.bind(self.group)  # tp shapes the shards, ep says which experts live here
         train, init_from = self.cfg.train, self.cfg.model.init_from
         self.model = LlamaStage(
@@ -225,7 +225,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         if self.transport is not None:
             self.transport.close()
         if par.transport == DIRECT:
-            self.transport = DirectTransport(bound.pp_prev, bound.pp_next)
+            self.transport = DirectTransport(bound.pp_prev, bound.pp_next, p, self.topo)
         else:
             self.transport = ObjectStoreTransport(
                 self.name, peers.prev, peers.next, self.mailbox, par.timeout_s, epoch,
@@ -365,8 +365,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             torch.cuda.reset_peak_memory_stats(self.device)
         backend = self._backend(step, scale)
         if isinstance(self.transport, DirectTransport):  # its receives get posted ahead of need
-            receives = [("act" if i.op == schedules.RECV_ACT else "grad", i.chunk, i.mb) for i in self.plan
-                        if i.op in (schedules.RECV_ACT, schedules.RECV_GRAD)]
+            receives = network_receives(self.plan, self.coord.pp, self.topo)
             self.transport.expect(receives, self.act_like)
         run = StepRun(
             self.coord.pp, self.topo, self.plan, backend, self._strategies(), self.model.chunk_parameters

@@ -44,6 +44,7 @@ from raypar.core.config.schema import Config
 from raypar.core.dp.strategies import STRATEGIES
 from raypar.core.observe.step_report import StepReport
 from raypar.core.parallel.mesh import Coord, Mesh, actor_name
+from raypar.core.pipeline.schedules import Topology, topology
 
 STARTUP_TIMEOUT_S = 300.0  # an actor process imports torch: seconds each, many at once on a small node
 
@@ -120,11 +121,17 @@ class ActorMesh(ActorCalls):
 
     def mesh_at(self, dp: int) -> Mesh:
         """The run's mesh with `dp` replicas: also before its actors exist (sizing a local Ray for them)."""
-        par = self.cfg.parallel
+        topo = self.topology
         return Mesh(
-            dp, self.pp, self.tp, par.ep, ring=par.virtual_stages > 1, cp=self.cp,
-            tied_embeddings=self.cfg.model.tie_embeddings,
+            dp, self.pp, self.tp, self.cfg.parallel.ep, ring=topo.ring, cp=self.cp,
+            tied_embeddings=self.cfg.model.tie_embeddings and topo.last_rank != 0,  # a V: both on rank 0
         )
+
+    @property
+    def topology(self) -> Topology:
+        """Where the schedule puts each model chunk: which ranks link, which one computes the loss."""
+        par = self.cfg.parallel
+        return topology(par.schedule, self.pp, par.virtual_stages)
 
     @property
     def peak_flops(self) -> float | None:
@@ -196,7 +203,7 @@ class ActorMesh(ActorCalls):
 
     def _peers(self, coord: Coord) -> Peers:
         prev, nxt = coord.pp - 1, coord.pp + 1
-        if self.cfg.parallel.virtual_stages > 1:  # interleaved chunks: the last stage feeds the first
+        if self.topology.ring:  # interleaved chunks: the last stage feeds the first
             prev, nxt = prev % self.pp, nxt % self.pp
         holder = buddy.buddy_of(coord, self.replicas) if self.cfg.checkpoint.in_memory else coord
         return Peers(
@@ -298,7 +305,7 @@ class ActorMesh(ActorCalls):
         )
         self.uncommitted = step
         elapsed = time.perf_counter() - start
-        last = self.pp - 1
+        last = self.topology.last_rank
         losses = [r.loss for c, r in results.items() if c.pp == last and c.tp == 0]
         some = next(iter(results.values()))
         return StepResult(
@@ -318,7 +325,8 @@ class ActorMesh(ActorCalls):
         mean of its equal share of the fixed validation microbatches)."""
         commit, self.uncommitted = self.uncommitted, None  # applied first, as a step call would
         results = self._fan_out(WorkerEndpoints.eval_step, (step, commit), f"validation after step {step}")
-        losses = [loss for c, loss in results.items() if c.pp == self.pp - 1 and c.tp == 0]
+        last = self.topology.last_rank
+        losses = [loss for c, loss in results.items() if c.pp == last and c.tp == 0]
         return sum(losses) / len(losses)
 
     def commit(self) -> None:

@@ -28,7 +28,7 @@ from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage, StageSpec
 from raypar.core.parallel.mesh import Coord, Mesh, stage_layers
 from raypar.core.pipeline import schedules
-from raypar.core.pipeline.executor import ModelBackend, StepRun
+from raypar.core.pipeline.executor import ModelBackend, StepRun, network_receives
 from raypar.core.pipeline.local_transport import LocalPipe
 from tests.support.threads import run_groups
 
@@ -66,11 +66,11 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
     DirectTransport, receives announced ahead as the actor does) instead of the in-process transport."""
     par = cfg.parallel
     dp, pp, tp, v, cp = cfg.dp_fixed, par.pp, par.tp, par.virtual_stages, par.cp
-    mesh = Mesh(dp, pp, tp, ring=v > 1, cp=cp)
+    topo = schedules.topology(par.schedule, pp, v)
+    mesh = Mesh(dp, pp, tp, ring=topo.ring, cp=cp)
     # tp, dp and cp groups (norms are not clipped); the pipeline links only for the direct transport.
     kinds = ("tp.", "dp.", "cp.", "pp.") if make_group else ("tp.", "dp.", "cp.")
     groups = {n: m for n, m in mesh.groups().items() if n.startswith(kinds)}
-    topo = schedules.Topology(pp, v)
     pipes = {(d, t, c): LocalPipe(topo, TIMEOUT_S) for d in range(dp) for t in range(tp) for c in range(cp)}
     dataset = data.open_dataset(cfg.data, cfg.model)
     sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
@@ -84,7 +84,7 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
         tp_group = mine.get(Mesh.tp_group(coord))
         chunks = [virtual[topo.virtual(p, k)] for k in range(v)]
         model = LlamaStage(
-            cfg.model, stage=StageSpec(tuple(chunks), p == 0, p == pp - 1), tp_group=tp_group,
+            cfg.model, stage=StageSpec(tuple(chunks), p == 0, p == topo.last_rank), tp_group=tp_group,
             seed=cfg.train.seed,
             sequence_parallel=par.sequence_parallel, cp_group=mine.get(Mesh.cp_group(coord)),
             cp_style=par.cp_style,
@@ -99,7 +99,7 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
         if make_group is None:
             transport = pipes[(d, t, c)].transport(p)
         else:
-            transport = _direct(mine, coord, pp, v > 1, plan, like)
+            transport = _direct(mine, coord, topo, plan, like)
 
         def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
             return data.microbatch(dataset, sampler, step, d * n_mb + mb, mbs)
@@ -123,7 +123,7 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
     else:
         links = [n for n in groups if Mesh.is_pipe_link(n)]
         run_groups(mesh.world_size, ranks, member, timeout_s, make_group, links)
-    losses = [x for c, r in results.items() if c.pp == pp - 1 and c.tp == 0 for x in r["losses"]]
+    losses = [x for c, r in results.items() if c.pp == topo.last_rank and c.tp == 0 for x in r["losses"]]
     grads: dict[str, torch.Tensor] = {}
     for coord, r in results.items():
         if coord.dp == 0 and coord.cp == 0:
@@ -134,15 +134,14 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
     return StepOutcome(sum(losses) / len(losses), grads, hops, results)
 
 
-def _direct(mine: dict[str, Group], coord: Coord, pp: int, ring: bool, plan: list, like: torch.Tensor):
+def _direct(mine: dict[str, Group], coord: Coord, topo: schedules.Topology, plan: list, like: torch.Tensor):
     """The actor's DirectTransport on this coordinate's pair groups, its receives announced in plan order."""
     d, p, t, c = coord
+    pp, ring = topo.n_ranks, topo.ring
     prev = mine.get(Mesh.pipe_group(d, t, p - 1, pp, c)) if p > 0 or ring else None
     nxt = mine.get(Mesh.pipe_group(d, t, p, pp, c)) if p < pp - 1 or ring else None
-    transport = DirectTransport(prev, nxt)
-    receives = [("act" if i.op == schedules.RECV_ACT else "grad", i.chunk, i.mb) for i in plan
-                if i.op in (schedules.RECV_ACT, schedules.RECV_GRAD)]
-    transport.expect(receives, like)
+    transport = DirectTransport(prev, nxt, p, topo)
+    transport.expect(network_receives(plan, p, topo), like)
     return transport
 
 

@@ -173,7 +173,7 @@ def test_out_of_order_link_is_caught() -> None:
     plans = build("gpipe", 2, 2)
     assert [str(i) for i in plans[1][:4]] == ["recv_act(0)", "forward(0)", "recv_act(1)", "forward(1)"]
     reordered = plans[1][2:4] + plans[1][0:2] + plans[1][4:]  # microbatch 1 received and computed first
-    with pytest.raises(ScheduleError, match="link act from stage 0 is received out of send order"):
+    with pytest.raises(ScheduleError, match="the next link from stage 0 is received out of send order"):
         simulate([plans[0], reordered])
 
 

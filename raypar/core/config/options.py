@@ -61,12 +61,14 @@ class Schedule:
     title: str  # as reports print it
     chunked: bool = False  # runs several model chunks per rank (parallel.virtual_stages > 1)
     splits_backward: bool = False  # backward_input / backward_weight apart (zero-bubble)
+    v_shape: bool = False  # exactly two chunks per rank in a V, rank 0 holding the first and the last
 
 
 ONE_F_ONE_B = Schedule("1f1b", "1F1B", chunked=True)
 GPIPE = Schedule("gpipe", "GPipe")
 ZB_H1 = Schedule("zb-h1", "ZB-H1", splits_backward=True)
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (ONE_F_ONE_B, GPIPE, ZB_H1)}
+DUALPIPEV = Schedule("dualpipev", "DualPipeV", splits_backward=True, v_shape=True)
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (ONE_F_ONE_B, GPIPE, ZB_H1, DUALPIPEV)}
 
 
 # -- parallel.cp_style ---------------------------------------------------------------------------------------

@@ -21,15 +21,20 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _validate_pipeline(cfg: Config) -> None:
-    """Interleaved 1F1B (virtual_stages > 1) and zero-bubble need whole chunks and enough microbatches,
-    at every data-parallel degree the run may take (microbatches per replica change with dp)."""
+    """Interleaved 1F1B (virtual_stages > 1), zero-bubble and DualPipeV need whole chunks and enough
+    microbatches, at every data-parallel degree the run may take (microbatches per replica change with dp)."""
     m, p = cfg.model, cfg.parallel
     v = p.virtual_stages
     schedule = options.SCHEDULES[p.schedule]
+    if schedule.v_shape:
+        _require(p.pp > 1, f"parallel.schedule: {p.schedule} needs parallel.pp > 1, got pp={p.pp}")
+        _require(v == 2, f"parallel.virtual_stages: {p.schedule} holds 2 chunks per rank in a V, so it must "
+                         f"be 2, got {v}")
     if v > 1:
-        chunked = [s.name for s in options.SCHEDULES.values() if s.chunked]
+        chunked = [s.name for s in options.SCHEDULES.values() if s.chunked or s.v_shape]
         _require(
-            schedule.chunked, f"parallel.virtual_stages: needs parallel.schedule = {one_of(chunked)}, got {v}"
+            p.schedule in chunked,
+            f"parallel.virtual_stages: needs parallel.schedule = {one_of(chunked)}, got {v}",
         )
         _require(p.pp > 1, f"parallel.virtual_stages: needs parallel.pp > 1, got pp={p.pp}")
         _require(not p.stage_layers, "parallel.stage_layers: must be empty when parallel.virtual_stages > 1")
@@ -44,11 +49,14 @@ def _validate_pipeline(cfg: Config) -> None:
             if cfg.microbatch_size == 0 or cfg.train.global_batch % (dp * cfg.microbatch_size):
                 continue  # reported by the global_batch rules
             n_mb = cfg.microbatches_at(dp)
+            if schedule.v_shape:  # DeepSeek's warm-up fills the V with 2p microbatches
+                ok, need = n_mb >= 2 * p.pp, f">= 2*pp={2 * p.pp} for {p.schedule}"
+            elif v > 1:
+                ok, need = n_mb % p.pp == 0, f"divisible by pp={p.pp} for interleaved 1F1B"
+            else:
+                ok, need = n_mb >= p.pp, f">= pp={p.pp} for {p.schedule}"
             _require(
-                n_mb % p.pp == 0 if v > 1 else n_mb >= p.pp,
-                f"parallel.microbatches: {n_mb} microbatches per replica (at dp={dp}) must be "
-                + (f"divisible by pp={p.pp} for interleaved 1F1B" if v > 1 else f">= pp={p.pp} for "
-                   f"{p.schedule}"),
+                ok, f"parallel.microbatches: {n_mb} microbatches per replica (at dp={dp}) must be {need}"
             )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from raypar.core.pipeline.executor import StageWalker, Transport, Unit
+from raypar.core.pipeline.local_transport import Turn
 from raypar.core.pipeline.schedules import FORWARD, Topology, forward_only
 
 
@@ -36,8 +37,12 @@ class ForwardBackend:
         self.inputs: dict[Unit, torch.Tensor] = {}
         self.outputs: dict[Unit, torch.Tensor] = {}
         self.losses: list[torch.Tensor] = []
+        self.turn = Turn(rank, topo)  # a V's messages from this rank to itself
 
     def recv(self, kind: str, chunk: int, mb: int) -> bool:
+        if self.turn.gives(kind, chunk):
+            self.inputs[(chunk, mb)] = self.turn.take(kind, chunk, mb)
+            return True
         received = self.transport.recv_act(chunk, mb, self.act_like)
         self.inputs[(chunk, mb)] = received.to(self.act_like.device)
         return True
@@ -57,7 +62,10 @@ class ForwardBackend:
 
     def send(self, kind: str, chunk: int, mb: int) -> None:
         unit = (chunk, mb)
-        self.transport.send_act(chunk, mb, self.outputs.pop(unit))
+        if self.turn.keeps(kind, chunk):
+            self.turn.put(kind, chunk, mb, self.outputs.pop(unit))
+        else:
+            self.transport.send_act(chunk, mb, self.outputs.pop(unit))
         self._release(unit)
 
     def _release(self, unit: Unit) -> None:
@@ -69,6 +77,6 @@ def evaluate(backend: ForwardBackend, n_mb: int) -> torch.Tensor | None:
     """Walk this rank's forward-only plan over `n_mb` microbatches; the mean of the losses it computed
     (its last virtual stage's), else None."""
     topo = backend.topo
-    plan = forward_only(topo.n_ranks, n_mb, topo.n_chunks)[backend.rank]
+    plan = forward_only(topo.n_ranks, n_mb, topo.n_chunks, topo.v_shape)[backend.rank]
     StageWalker(backend.rank, topo, plan, backend).run()
     return torch.stack(backend.losses).mean() if backend.losses else None

@@ -25,6 +25,8 @@ from typing import Any, Protocol
 import torch
 
 from raypar.core.pipeline import zb
+from raypar.core.pipeline.instructions import SELF
+from raypar.core.pipeline.local_transport import Turn
 from raypar.core.pipeline.schedules import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -148,17 +150,15 @@ class _ClockBackend:
         if key not in self.network["mail"]:
             return False
         self.clock = max(self.clock, self.network["mail"].pop(key))
-        self.network["received"].setdefault((kind, self._source(kind, chunk)), []).append((chunk, mb))
+        source = (self.topo.prev if kind == "act" else self.topo.next)(self.rank, chunk)
+        self.network["received"].setdefault(_link(self.topo, kind, *source), []).append((kind, chunk, mb))
         return True
-
-    def _source(self, kind: str, chunk: int) -> int:
-        """The rank a message for our (chunk) comes from: the previous stage for acts, the next for grads."""
-        return (self.topo.prev if kind == "act" else self.topo.next)(self.rank, chunk)[0]
 
     def send(self, kind: str, chunk: int, mb: int) -> None:
         to_rank, to_chunk = (self.topo.next if kind == "act" else self.topo.prev)(self.rank, chunk)
-        self.network["mail"][(kind, to_rank, to_chunk, mb)] = self.clock + self.t_comm
-        self.network["sent"].setdefault((kind, self.rank), []).append((to_chunk, mb))
+        link = _link(self.topo, kind, self.rank, chunk)
+        self.network["mail"][(kind, to_rank, to_chunk, mb)] = self.clock + self.t_comm * (link[1] != SELF)
+        self.network["sent"].setdefault(link, []).append((kind, to_chunk, mb))
 
     def compute(self, op: str, chunk: int, mb: int) -> None:
         cost = self.costs[op]
@@ -166,12 +166,20 @@ class _ClockBackend:
         self.clock += cost
 
 
+def _link(topo: Topology, kind: str, rank: int, chunk: int) -> tuple[int, str]:
+    """The directed link a message of (rank, chunk) leaves by: (sender, its pair group, or SELF). Where acts
+    and grads go the same way (the V's links) one link carries both, in one FIFO order."""
+    return rank, topo.side(kind, rank, chunk)
+
+
 def simulate_plans(
-    plans: Plan, t_forward: float, t_backward: float, t_comm: float, t_weight: float | None
+    plans: Plan, t_forward: float, t_backward: float, t_comm: float, t_weight: float | None,
+    topo: Topology | None = None,
 ) -> Timeline:
-    """`simulate.simulate`: every rank's StageWalker over a clock backend, round-robin until stuck."""
-    n_chunks = 1 + max((i.chunk for plan in plans for i in plan), default=0)
-    topo = Topology(len(plans), n_chunks)
+    """`simulate.simulate`: every rank's StageWalker over a clock backend, round-robin until stuck. Without
+    `topo`: the ring, with as many chunks as the plans use."""
+    if topo is None:
+        topo = Topology(len(plans), 1 + max((i.chunk for plan in plans for i in plan), default=0))
     t_w = t_backward / 2 if t_weight is None else t_weight
     costs = {FORWARD: t_forward, BACKWARD: t_backward, BACKWARD_INPUT: t_backward - t_w, BACKWARD_WEIGHT: t_w}
     network: dict[str, dict] = {"mail": {}, "sent": {}, "received": {}}
@@ -189,8 +197,8 @@ def simulate_plans(
     if network["mail"]:
         raise ScheduleError(f"messages sent but never received: {sorted(network['mail'])}")
     for link, order in network["sent"].items():
-        if network["received"].get(link) != order:
-            raise ScheduleError(f"link {link[0]} from stage {link[1]} is received out of send order")
+        if link[1] != SELF and network["received"].get(link) != order:
+            raise ScheduleError(f"the {link[1]} link from stage {link[0]} is received out of send order")
     all_units = set().union(*(w.done[FORWARD] | w.done[BACKWARD_INPUT] for w in walkers))
     kinds = [op for op in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) if any(w.done[op] for w in walkers)]
     for w in walkers:  # every rank does each kind of work the plans do (forward only: forwards) for each unit
@@ -251,6 +259,7 @@ class ModelBackend:
         self.pending: dict[Unit, int] = {}  # readers left of a received act buffer (send_grad, W)
         self.losses: list[torch.Tensor] = []
         self.wgrad: zb.WeightGradStore | None = None  # set by split_backward
+        self.turn = Turn(rank, topo)  # a V's messages from this rank to itself
 
     def split_backward(self) -> None:
         """The plan has backward_input and backward_weight: route the model's linears through its store
@@ -260,20 +269,28 @@ class ModelBackend:
 
     def recv(self, kind: str, chunk: int, mb: int) -> bool:
         unit = (chunk, mb)
+        receive = self.transport.recv_act if kind == "act" else self.transport.recv_grad
+        tensor = self.turn.take(kind, chunk, mb) if self.turn.gives(kind, chunk) else receive(
+            chunk, mb, self.act_like
+        )
         if kind == "act":
             # A leaf of its own: the received buffer is reused once this microbatch is done.
-            self.inputs[unit] = self.transport.recv_act(chunk, mb, self.act_like).detach().requires_grad_()
+            self.inputs[unit] = tensor.detach().requires_grad_()
             self.pending[unit] = 2
         else:
-            self.grads[unit] = self.transport.recv_grad(chunk, mb, self.act_like)
+            self.grads[unit] = tensor
         return True
 
     def send(self, kind: str, chunk: int, mb: int) -> None:
         unit = (chunk, mb)
-        if kind == "act":
-            self.transport.send_act(chunk, mb, self.outputs[unit])
+        tensor = self.outputs[unit] if kind == "act" else self.input_grads.pop(unit)
+        if self.turn.keeps(kind, chunk):
+            self.turn.put(kind, chunk, mb, tensor)
+        elif kind == "act":
+            self.transport.send_act(chunk, mb, tensor)
         else:
-            self.send_grad(chunk, mb, self.input_grads.pop(unit))
+            self.send_grad(chunk, mb, tensor)
+        if kind == "grad":
             self._read_act(unit)
 
     def compute(self, op: str, chunk: int, mb: int) -> None:
@@ -389,6 +406,14 @@ class StepRun:
             walker.step()
             events.append((ins.op, ins.mb, t0 - start, clock() - start))
         return events
+
+
+def network_receives(plan: list[Instr], rank: int, topo: Topology) -> list[tuple[str, int, int]]:
+    """(kind, chunk, mb) of the receives in `plan` that come over a transport, in plan order: every one but
+    those of a V's turn (`local_transport.Turn`). What a transport that posts receives ahead expects."""
+    kinds = {RECV_ACT: "act", RECV_GRAD: "grad"}
+    receives = [(kinds[i.op], i.chunk, i.mb) for i in plan if i.op in kinds]
+    return [(kind, chunk, mb) for kind, chunk, mb in receives if topo.recv_side(kind, rank, chunk) != SELF]
 
 
 def busy_seconds(events: list[tuple]) -> float:

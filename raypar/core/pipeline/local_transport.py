@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from raypar.core.pipeline.schedules import Topology
+from raypar.core.pipeline.instructions import SELF, Topology
 
 
 class LocalPipe:
@@ -63,3 +63,28 @@ class LocalTransport:
 
     def finish_step(self) -> None:
         """Sends complete when they return."""
+
+
+class Turn:
+    """The turn of a V (`Topology.v_shape`): chunk 0 of the last rank hands its output to chunk 1 of the same
+    rank, and chunk 1 hands the gradient back. Those messages stay here, as the tensors themselves (detached:
+    the receiver roots a graph of its own on them), instead of crossing a transport."""
+
+    def __init__(self, rank: int, topo: Topology):
+        self.rank, self.topo = rank, topo
+        self._held: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def keeps(self, kind: str, chunk: int) -> bool:
+        """Whether (this rank, chunk) sends its `kind` to itself."""
+        return self.topo.side(kind, self.rank, chunk) == SELF
+
+    def gives(self, kind: str, chunk: int) -> bool:
+        """Whether (this rank, chunk) receives its `kind` from itself."""
+        return self.topo.recv_side(kind, self.rank, chunk) == SELF
+
+    def put(self, kind: str, chunk: int, mb: int, tensor: torch.Tensor) -> None:
+        to_chunk = (self.topo.next if kind == "act" else self.topo.prev)(self.rank, chunk)[1]
+        self._held[(kind, to_chunk, mb)] = tensor.detach()
+
+    def take(self, kind: str, chunk: int, mb: int) -> torch.Tensor:
+        return self._held.pop((kind, chunk, mb))

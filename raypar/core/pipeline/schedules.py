@@ -34,97 +34,47 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from raypar.core.config.options import GPIPE, ONE_F_ONE_B, SCHEDULES, ZB_H1
-
-RECV_ACT, FORWARD, SEND_ACT = "recv_act", "forward", "send_act"
-RECV_GRAD, BACKWARD, SEND_GRAD = "recv_grad", "backward", "send_grad"
-BACKWARD_INPUT, BACKWARD_WEIGHT = "backward_input", "backward_weight"
-OPS = (RECV_ACT, FORWARD, SEND_ACT, RECV_GRAD, BACKWARD, SEND_GRAD, BACKWARD_INPUT, BACKWARD_WEIGHT)
-COMPUTE_OPS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
-# The ops after which a chunk's parameter gradients of a microbatch are final (a DP reduction waits for it).
-WEIGHT_GRAD_OPS = (BACKWARD, BACKWARD_WEIGHT)
-
-
-class ScheduleError(ValueError):
-    """A plan that an executor could not run: a missing input, a duplicate, or a deadlock."""
-
-
-@dataclass(frozen=True)
-class Instr:
-    op: str
-    mb: int
-    chunk: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.op}({self.mb})" if self.chunk == 0 else f"{self.op}({self.mb}, c{self.chunk})"
-
-
-Plan = list[list[Instr]]
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Where (rank, chunk) sits in the chain of p * v virtual stages, and who its neighbours are."""
-
-    n_ranks: int
-    n_chunks: int = 1
-
-    def virtual(self, rank: int, chunk: int) -> int:
-        return chunk * self.n_ranks + rank
-
-    def is_first(self, rank: int, chunk: int) -> bool:
-        return rank == 0 and chunk == 0
-
-    def is_last(self, rank: int, chunk: int) -> bool:
-        return rank == self.n_ranks - 1 and chunk == self.n_chunks - 1
-
-    def next(self, rank: int, chunk: int) -> tuple[int, int]:
-        """(rank, chunk) of the next virtual stage: the link from the last rank wraps to rank 0."""
-        return (rank + 1, chunk) if rank < self.n_ranks - 1 else (0, chunk + 1)
-
-    def prev(self, rank: int, chunk: int) -> tuple[int, int]:
-        return (rank - 1, chunk) if rank > 0 else (self.n_ranks - 1, chunk - 1)
+from raypar.core.config.options import DUALPIPEV, GPIPE, ONE_F_ONE_B, SCHEDULES, ZB_H1
+from raypar.core.pipeline.dualpipev import dualpipev
+from raypar.core.pipeline.instructions import BACKWARD as BACKWARD
+from raypar.core.pipeline.instructions import BACKWARD_INPUT as BACKWARD_INPUT
+from raypar.core.pipeline.instructions import BACKWARD_WEIGHT as BACKWARD_WEIGHT
+from raypar.core.pipeline.instructions import COMPUTE_OPS as COMPUTE_OPS
+from raypar.core.pipeline.instructions import FORWARD as FORWARD
+from raypar.core.pipeline.instructions import OPS as OPS
+from raypar.core.pipeline.instructions import RECV_ACT as RECV_ACT
+from raypar.core.pipeline.instructions import RECV_GRAD as RECV_GRAD
+from raypar.core.pipeline.instructions import SEND_ACT as SEND_ACT
+from raypar.core.pipeline.instructions import SEND_GRAD as SEND_GRAD
+from raypar.core.pipeline.instructions import WEIGHT_GRAD_OPS as WEIGHT_GRAD_OPS
+from raypar.core.pipeline.instructions import Instr as Instr
+from raypar.core.pipeline.instructions import Plan as Plan
+from raypar.core.pipeline.instructions import ScheduleError as ScheduleError
+from raypar.core.pipeline.instructions import Topology as Topology
+from raypar.core.pipeline.instructions import backward_unit, check_args, forward_unit
 
 
 def _forward_step(stage: int, n_stages: int, mb: int, chunk: int = 0, n_chunks: int = 1) -> list[Instr]:
-    topo = Topology(n_stages, n_chunks)
-    first, last = topo.is_first(stage, chunk), topo.is_last(stage, chunk)
-    return (
-        [Instr(RECV_ACT, mb, chunk)] * (not first)
-        + [Instr(FORWARD, mb, chunk)]
-        + [Instr(SEND_ACT, mb, chunk)] * (not last)
-    )
+    return forward_unit(Topology(n_stages, n_chunks), stage, mb, chunk)
 
 
 def _backward_step(
     stage: int, n_stages: int, mb: int, chunk: int = 0, n_chunks: int = 1, op: str = BACKWARD
 ) -> list[Instr]:
-    """recv_grad, `op` (backward or backward_input), send_grad; the first virtual stage sends nothing."""
-    topo = Topology(n_stages, n_chunks)
-    first, last = topo.is_first(stage, chunk), topo.is_last(stage, chunk)
-    return (
-        [Instr(RECV_GRAD, mb, chunk)] * (not last)
-        + [Instr(op, mb, chunk)]
-        + [Instr(SEND_GRAD, mb, chunk)] * (not first)
-    )
-
-
-def _check_args(stage: int, n_stages: int, n_mb: int) -> None:
-    if n_stages < 1 or n_mb < 1 or not 0 <= stage < n_stages:
-        raise ValueError(f"need 0 <= stage < n_stages and n_mb >= 1, got {stage=} {n_stages=} {n_mb=}")
+    return backward_unit(Topology(n_stages, n_chunks), stage, mb, chunk, op)
 
 
 def gpipe(stage: int, n_stages: int, n_mb: int) -> list[Instr]:
     """All forwards, then all backwards in microbatch order (as Megatron and torch.distributed.pipelining
     do; the order that matches 1F1B's gradient accumulation). Keeps all ``n_mb`` activations alive."""
-    _check_args(stage, n_stages, n_mb)
+    check_args(stage, n_stages, n_mb)
     plan = [i for mb in range(n_mb) for i in _forward_step(stage, n_stages, mb)]
     return plan + [i for mb in range(n_mb) for i in _backward_step(stage, n_stages, mb)]
 
 
 def one_f_one_b(stage: int, n_stages: int, n_mb: int) -> list[Instr]:
     """1F1B (PipeDream-Flush): at most ``n_stages - stage`` microbatches in flight, same bubble as GPipe."""
-    _check_args(stage, n_stages, n_mb)
+    check_args(stage, n_stages, n_mb)
     # Warm-up: enough forwards that the first gradient arrives from downstream just as they end.
     n_warmup = min(n_stages - stage - 1, n_mb)
     n_steady = n_mb - n_warmup
@@ -145,7 +95,7 @@ def interleaved_1f1b(stage: int, n_stages: int, n_mb: int, n_chunks: int = 2) ->
     """Megatron's interleaved 1F1B: v chunks per rank, microbatches in groups of p, each group through chunk
     0, then chunk 1, ...; backwards mirror it from the last chunk. The bubble shrinks v-fold to
     (p - 1) / (v m) of the ideal step, for v-fold more activation hops. Needs m % p == 0."""
-    _check_args(stage, n_stages, n_mb)
+    check_args(stage, n_stages, n_mb)
     p, v = n_stages, n_chunks
     if n_mb % p:
         raise ValueError(f"interleaved 1F1B needs microbatches % pipeline stages == 0, got {n_mb} and {p}")
@@ -178,7 +128,7 @@ def zb_h1(stage: int, n_stages: int, n_mb: int) -> list[Instr]:
     an idle stage runs B if its gradient is there, else F, else a pending W, with at most p - s + 2
     microbatches between F and B and at most p + 2 between F and W (the bound on held autograd graphs).
     The W's fill the cool-down: idle (p - 1) units of 3m + p - 1 per stage, as in the paper."""
-    _check_args(stage, n_stages, n_mb)
+    check_args(stage, n_stages, n_mb)
     return _zb_h1_orders(n_stages, n_mb)[stage]
 
 
@@ -232,8 +182,13 @@ def _zb_h1_orders(p: int, m: int) -> Plan:
 # parallel.schedule -> one rank's instructions (names and what they imply: options.SCHEDULES); "1f1b" with
 # several chunks per rank is `interleaved_1f1b`
 BUILDERS: dict[str, Callable[[int, int, int], list[Instr]]] = {
-    GPIPE.name: gpipe, ONE_F_ONE_B.name: one_f_one_b, ZB_H1.name: zb_h1,
+    GPIPE.name: gpipe, ONE_F_ONE_B.name: one_f_one_b, ZB_H1.name: zb_h1, DUALPIPEV.name: dualpipev,
 }
+
+
+def topology(name: str, n_stages: int, n_chunks: int = 1) -> Topology:
+    """Where schedule `name` puts each chunk: a V for dualpipev, else Megatron's ring."""
+    return Topology(n_stages, n_chunks, v_shape=SCHEDULES[name].v_shape)
 
 
 def build(name: str, n_stages: int, n_mb: int, n_chunks: int = 1) -> Plan:
@@ -242,6 +197,10 @@ def build(name: str, n_stages: int, n_mb: int, n_chunks: int = 1) -> Plan:
     if name not in BUILDERS:
         raise ValueError(f"unknown pipeline schedule {name!r} (known: {', '.join(BUILDERS)})")
     schedule = SCHEDULES[name]
+    if schedule.v_shape:
+        if n_chunks != 2:
+            raise ValueError(f"{name} runs two chunks per rank (a V), got {n_chunks}")
+        return [dualpipev(stage, n_stages, n_mb) for stage in range(n_stages)]
     if schedule.chunked and n_chunks > 1:
         if n_mb < n_stages:
             raise ValueError(f"interleaved 1F1B needs microbatches >= stages, got {n_mb} < {n_stages}")
@@ -253,14 +212,14 @@ def build(name: str, n_stages: int, n_mb: int, n_chunks: int = 1) -> Plan:
     return [BUILDERS[name](stage, n_stages, n_mb) for stage in range(n_stages)]
 
 
-def forward_only(n_stages: int, n_mb: int, n_chunks: int = 1) -> Plan:
+def forward_only(n_stages: int, n_mb: int, n_chunks: int = 1, v_shape: bool = False) -> Plan:
     """Every rank's plan of an evaluation pass (no backward): model chunk by model chunk, each over all
     ``n_mb`` microbatches in order. A unit waits only for a unit of an earlier chunk or an earlier stage
     (sends do not wait for the receiver), so it cannot deadlock; ``simulate`` checks it like any plan."""
-    _check_args(0, n_stages, n_mb)
+    check_args(0, n_stages, n_mb)
+    topo = Topology(n_stages, n_chunks, v_shape)
     units = [(c, mb) for c in range(n_chunks) for mb in range(n_mb)]
-    step = _forward_step
-    return [[i for c, mb in units for i in step(s, n_stages, mb, c, n_chunks)] for s in range(n_stages)]
+    return [[i for c, mb in units for i in forward_unit(topo, s, mb, c)] for s in range(n_stages)]
 
 
 def theoretical_bubble(n_stages: int, n_mb: int) -> float:
@@ -274,9 +233,16 @@ def bubble_formula(name: str, n_stages: int, n_mb: int, n_chunks: int = 1) -> fl
     interleaved 1F1B (Narayanan et al., 2021), (p-1)(F+B-W)/(m(F+B+W)) = (p-1)/(3m) for ZB-H1 with
     F = B = W (Qi et al., 2023); a ratio r of idle to compute is a share r / (1 + r) of the step, so
     (p-1)/(m+p-1), (p-1)/(vm+p-1) and (p-1)/(3m+p-1). Comparing a measured share with the papers' ratio
-    would credit interleaved and ZB-H1 with (p-1)/(vm) - (p-1)/(vm+p-1) of free idle time."""
+    would credit interleaved and ZB-H1 with (p-1)/(vm) - (p-1)/(vm+p-1) of free idle time.
+
+    DualPipeV (v = 2 chunks, each half a rank's layers): DeepSeek's table (github.com/deepseek-ai/DualPipe,
+    README) gives an idle time of (PP/2-1)(F&B + B - 3W) per rank with PP = 2p chunks, F&B a forward and a
+    backward run overlapped and B a whole backward. This executor runs the pair as F then B, and each op
+    waits only for its own input (DeepSeek's pair waits for both), so the simulator measures (p-1)(F+B-W)
+    per rank with B the input part, as ZB-H1's on chunks half the size: with F = B = W = 1 per chunk,
+    p-1 idle of 2m(F+B+W) = 6m compute, a share (p-1)/(3vm+p-1) = (p-1)/(6m+p-1)."""
     if SCHEDULES[name].splits_backward:
-        return (n_stages - 1) / (3 * n_mb + n_stages - 1)
+        return (n_stages - 1) / (3 * n_chunks * n_mb + n_stages - 1)
     return (n_stages - 1) / (n_chunks * n_mb + n_stages - 1)
 
 
