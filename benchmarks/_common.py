@@ -134,14 +134,16 @@ class _TimedWorker(Worker):
         self._apply = (float("nan"), float("nan"))
 
     def set_fixed_cost(self, fwd_s: float, bwd_s: float) -> None:
-        """Forward units last `fwd_s`; backward units, and under a split backward B and W each, `bwd_s`."""
+        """Forward units last `fwd_s`; backward units, and under a split backward B and W each, `bwd_s` (a
+        whole backward in a plan that also splits some, as DualPipeV's, B + W: 2 `bwd_s`)."""
         self._cost = (fwd_s, bwd_s)
 
     def _backend(self, step: int, scale: float) -> _ActorBackend:
         fwd_s, bwd_s = self._cost
         if not (fwd_s or bwd_s):
             return super()._backend(step, scale)
-        costs = {FORWARD: fwd_s, BACKWARD: bwd_s, BACKWARD_INPUT: bwd_s, BACKWARD_WEIGHT: bwd_s}
+        whole = 2 * bwd_s if any(i.op == BACKWARD_INPUT for i in self.plan) else bwd_s
+        costs = {FORWARD: fwd_s, BACKWARD: whole, BACKWARD_INPUT: bwd_s, BACKWARD_WEIGHT: bwd_s}
         return _PaddedBackend(self, step, scale, costs)
 
     def train_step(self, step: int, commit: int | None = None) -> TimedStepReport:

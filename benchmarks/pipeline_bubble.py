@@ -1,7 +1,7 @@
 """Pipeline bubble: raypar's measured idle time per stage against each schedule's formula.
 
     python benchmarks/pipeline_bubble.py                  # p = 2, 4; m = 1..16; every schedule; full
-    python benchmarks/pipeline_bubble.py --quick          # smoke run: fixed model, 1f1b/interleaved/zb-h1
+    python benchmarks/pipeline_bubble.py --quick          # smoke run: fixed model, 1f1b/interleaved/zb-h1/dualpipev
     python benchmarks/pipeline_bubble.py --schedules 1f1b,interleaved,zb-h1 --models fixed --transports direct
     python benchmarks/pipeline_bubble.py --models fixed --transports object_store,direct --json out.json
 
@@ -45,7 +45,9 @@ Schedules and their formulas (raypar.core.pipeline.schedules.bubble_formula, the
 measured):
 gpipe and 1f1b (p-1)/(m+p-1); `interleaved` (1f1b with parallel.virtual_stages = 2; m must be a multiple of
 p) (p-1)/(vm+p-1); `zb-h1` (m >= p) (p-1)/(3m+p-1) with equal F, B and W: its rows use --fwd-ms for all
-three (B and W each run the backward's fixed cost). The papers' (p-1)/(vm) and (p-1)/(3m) are idle over
+three (B and W each run the backward's fixed cost); `dualpipev` (m >= 2p, two chunks per rank in a V)
+(p-1)/(6m+p-1) with equal F, B and W per chunk, the same costs (a whole backward, which it runs beside split
+ones, B + W). The papers' (p-1)/(vm) and (p-1)/(3m) are idle over
 compute time, the same idle time on a different denominator. The fixed model has 8 layers so that p * v
 divides them. `ideal_ms` is the step the schedule would take with exactly those costs and free hops:
 raypar's executor simulated (simulate.simulate). `hops`: how many hop latencies that simulated step
@@ -70,12 +72,13 @@ import ray  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
-from raypar.core.pipeline.schedules import COMPUTE_OPS, bubble_formula, build  # noqa: E402
+from raypar.core.pipeline.schedules import COMPUTE_OPS, bubble_formula, build, topology  # noqa: E402
 from raypar.core.pipeline.simulate import simulate  # noqa: E402
 
 TARGET = 1.2
 COMPUTE = COMPUTE_OPS
-CHUNKS = {"interleaved": 2}  # virtual stages per rank of each schedule (1 if not listed)
+CHUNKS = {"interleaved": 2, "dualpipev": 2}  # virtual stages per rank of each schedule (1 if not listed)
+SPLIT = ("zb-h1", "dualpipev")  # the rows whose B and W are priced apart, each at the forward's cost
 
 
 def schedule_name(label: str) -> str:
@@ -111,9 +114,12 @@ def model_config(model: str, p: int, m: int, schedule: str, transport: str, batc
 
 
 def runs(schedule: str, p: int, m: int) -> bool:
-    """Whether the schedule takes m microbatches on p stages (interleaved: multiples of p; zb-h1: >= p)."""
+    """Whether the schedule takes m microbatches on p stages (interleaved: multiples of p; zb-h1: >= p;
+    dualpipev: >= 2p)."""
     if schedule == "interleaved":
         return m % p == 0
+    if schedule == "dualpipev":
+        return m >= 2 * p
     return m >= p if schedule == "zb-h1" else True
 
 
@@ -129,20 +135,20 @@ def configurations(args: argparse.Namespace, p: int) -> list[tuple[str, str, str
 
 
 def fixed_costs(args: argparse.Namespace, schedule: str) -> tuple[float, float]:
-    """Seconds of (forward, backward) per chunk and microbatch; zb-h1's B and W each pay the backward's."""
-    return (args.fwd_ms / 1e3, (args.fwd_ms if schedule == "zb-h1" else args.bwd_ms) / 1e3)
+    """Seconds of (forward, backward) per chunk and microbatch; under a split backward B and W each."""
+    return (args.fwd_ms / 1e3, (args.fwd_ms if schedule in SPLIT else args.bwd_ms) / 1e3)
 
 
 def ideal_ms(schedule: str, p: int, m: int, fwd_s: float, bwd_s: float) -> tuple[float, float]:
     """The step of the fixed model with free hops (the schedule run on the executor's simulator), and how
     many hops its critical path holds: the step's growth per unit of hop latency."""
-    v = CHUNKS.get(schedule, 1)
-    plans = build(schedule_name(schedule), p, m, v)
+    v, name = CHUNKS.get(schedule, 1), schedule_name(schedule)
+    plans, topo = build(name, p, m, v), topology(name, p, v)
 
     def step_ms(t_comm: float) -> float:
-        if schedule == "zb-h1":  # B and W each cost the backward's fixed cost
-            return simulate(plans, fwd_s, 2 * bwd_s, t_comm, t_weight=bwd_s).makespan * 1e3
-        return simulate(plans, fwd_s, bwd_s, t_comm).makespan * 1e3
+        if schedule in SPLIT:  # B and W each cost the backward's fixed cost
+            return simulate(plans, fwd_s, 2 * bwd_s, t_comm, t_weight=bwd_s, topo=topo).makespan * 1e3
+        return simulate(plans, fwd_s, bwd_s, t_comm, topo=topo).makespan * 1e3
 
     # A hop a hundredth of a forward: small enough that the critical path does not change.
     probe_ms = fwd_s * 1e3 / 100
@@ -232,7 +238,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run (< 1 min)")
     parser.add_argument("--stages", default="2,4")
     parser.add_argument("--microbatches", default="1,2,4,8,16")
-    parser.add_argument("--schedules", default="1f1b,gpipe,interleaved,zb-h1")
+    parser.add_argument("--schedules", default="1f1b,gpipe,interleaved,zb-h1,dualpipev")
     parser.add_argument("--models", default="fixed,real", help="fixed (known cost per microbatch), real")
     parser.add_argument("--transports", default="object_store,direct",
                         help="for the fixed model; the real model uses the first")
@@ -247,7 +253,7 @@ def main() -> None:
     if args.quick:
         args.stages, args.microbatches, args.models, args.transports, args.steps = "2", "4", "fixed", \
             "direct", 1
-        args.schedules = "1f1b,interleaved,zb-h1"
+        args.schedules = "1f1b,interleaved,zb-h1,dualpipev"
     args.stages = [int(x) for x in str(args.stages).split(",")]
     args.microbatches = [int(x) for x in str(args.microbatches).split(",")]
     args.schedules, args.models = args.schedules.split(","), args.models.split(",")

@@ -511,11 +511,16 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
 
 
 # The idle share of the step each schedule's formula gives (raypar.core.pipeline.schedules.bubble_formula).
-FORMULA_TEXT = {"1f1b": "(p−1)/(m+p−1)", "interleaved": "(p−1)/(vm+p−1)", "zb-h1": "(p−1)/(3m+p−1)"}
+FORMULA_TEXT = {
+    "1f1b": "(p−1)/(m+p−1)", "interleaved": "(p−1)/(vm+p−1)", "zb-h1": "(p−1)/(3m+p−1)",
+    "dualpipev": "(p−1)/(6m+p−1)",
+}
 
 
 def _kind_of(schedule: str, virtual_stages: int) -> str:
-    return "interleaved" if virtual_stages > 1 else "zb-h1" if schedule == "zb-h1" else "1f1b"
+    if schedule in ("zb-h1", "dualpipev"):
+        return schedule
+    return "interleaved" if virtual_stages > 1 else "1f1b"
 
 
 def _read_layout(path: Path) -> tuple[str, int, int]:

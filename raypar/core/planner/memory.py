@@ -232,12 +232,19 @@ def stage_activation_bytes(
     return total
 
 
+def layout_topology(cfg: Config, layout: Layout) -> schedules.Topology:
+    """Where the config's schedule puts the layout's chunks (the ring, or DualPipeV's V)."""
+    return schedules.topology(cfg.parallel.schedule, layout.pp, layout.virtual_stages)
+
+
 def rank_chunks(cfg: Config, layout: Layout) -> list[list[range]]:
-    """Per pipeline rank, the layers of each of its chunks: chunk c of rank r is virtual stage c * pp + r
-    (as actors.worker builds them), so with v > 1 a rank's layers are not contiguous."""
+    """Per pipeline rank, the layers of each of its chunks: chunk c of rank r is the virtual stage the
+    schedule's topology says (c * pp + r in the ring, r and 2pp-1-r in a V; as actors.worker builds them),
+    so with v > 1 a rank's layers are not contiguous."""
     pp, v = layout.pp, layout.virtual_stages
+    topo = layout_topology(cfg, layout)
     virtual = stage_layers(cfg.model.n_layers, pp * v, cfg.parallel.stage_layers or None)
-    return [[virtual[c * pp + r] for c in range(v)] for r in range(pp)]
+    return [[virtual[topo.virtual(r, c)] for c in range(v)] for r in range(pp)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -271,7 +278,8 @@ def rank_states(cfg: Config, layout: Layout, p: int, chunks: list[range]) -> tup
     their model states (parameters, gradients, optimizer moments, 16-bit: fp32 masters) as its ZeRO stage
     shards them."""
     held = [i for chunk in chunks for i in chunk]
-    params = stage_params(cfg.model, held, p == 0, p == layout.pp - 1, layout.tp, layout.ep)
+    last = layout_topology(cfg, layout).last_rank
+    params = stage_params(cfg.model, held, p == 0, p == last, layout.tp, layout.ep)
     group = layout.dp * layout.cp  # the ranks reducing (and under ZeRO sharding) the same gradients
     states = model_state_bytes(params.dense, cfg.train.precision, layout.zero, group)
     states += model_state_bytes(params.expert, cfg.train.precision, layout.zero, group // layout.ep)
@@ -291,8 +299,9 @@ def predict_memory(
     out = []
     group = layout.dp * layout.cp  # the ranks reducing (and under ZeRO sharding) the same gradients
     tokens = mbs * m.seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)
+    topo = layout_topology(cfg, layout)
     for p, chunks in enumerate(rank_chunks(cfg, layout)):
-        ends = [(p == 0 and c == 0, p == layout.pp - 1 and c == v - 1) for c in range(v)]
+        ends = [(topo.is_first(p, c), topo.is_last(p, c)) for c in range(v)]
         params, states = rank_states(cfg, layout, p, chunks)
         unit_bytes = [
             stage_activation_bytes(
@@ -305,7 +314,7 @@ def predict_memory(
         sharded = ZERO_STAGES[layout.zero].shards_optimizer
         reduce = 0 if group == 1 else params.total * 4 / (group if sharded else 1)
         # Every chunk but the model's last sends its output on (interleaved: the last rank's too, to rank 0).
-        sends = 0 if p == layout.pp - 1 and v == 1 else in_flight * e * tokens * m.d_model
-        logits = 8 * mbs * m.seq_len // layout.cp * m.vocab_size // layout.tp if p == layout.pp - 1 else 0
+        sends = 0 if all(last for _, last in ends) else in_flight * e * tokens * m.d_model
+        logits = 8 * mbs * m.seq_len // layout.cp * m.vocab_size // layout.tp if p == topo.last_rank else 0
         out.append(StageMemory(states, max(unit_bytes), in_flight, acts, reduce + sends + logits))
     return out

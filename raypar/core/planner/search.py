@@ -9,7 +9,8 @@ cost per layer and microbatch pass, plus the pipeline bubble, plus exposed commu
 collective and hop, and the transport's cost per pipeline message). The bubble, as a fraction of compute,
 is the schedules' own formula:
 (pp - 1)/m for GPipe and 1F1B alike, (pp - 1)/(v m) for interleaved 1F1B with v virtual stages, (pp - 1)/(3m)
-for ZB-H1 (F = B = W: the deferred W's fill all but one unit per stage of 1F1B's bubble). Compute divides
+for ZB-H1 (F = B = W: the deferred W's fill all but one unit per stage of 1F1B's bubble), (pp - 1)/(6m) for
+DualPipeV (the same on chunks half the size; bubble_formula derives it). Compute divides
 over dp x cp x pp x tp actors. Tensor-parallel (or SP), context-parallel and expert collectives are on the
 critical path (raypar.core.planner.comm); the DP gradient all-reduce (over cp x dp, experts' over the
 expert-dp
@@ -53,6 +54,7 @@ from raypar.core.planner.memory import (
     PRECISION_BYTES,
     Layout,
     StageMemory,
+    layout_topology,
     predict_memory,
     rank_chunks,
     rank_states,
@@ -137,9 +139,9 @@ class Prediction:
 # -- time -------------------------------------------------------------------------------------------------
 def bubble_ratio(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
     """Idle time of a stage over its compute: (pp-1)/m for GPipe and 1F1B, the papers' (pp-1)/(v m) for
-    interleaved 1F1B and (pp-1)/(3m) for ZB-H1 (raypar.core.pipeline.schedules.bubble_formula gives each as a
-    share of
-    the whole step instead: r / (1 + r))."""
+    interleaved 1F1B, (pp-1)/(3m) for ZB-H1 and (pp-1)/(6m) for DualPipeV on this executor
+    (raypar.core.pipeline.schedules.bubble_formula gives each as a share of the whole step instead:
+    r / (1 + r))."""
     share = schedules.bubble_formula(schedule, pp, microbatches, virtual_stages)
     return share / (1.0 - share)
 
@@ -183,7 +185,7 @@ def predict(
         comm += 2 * layout.microbatches * layout.virtual_stages * dict(device.hop_s).get(
             cfg.parallel.transport, 0.0
         )
-    last = layout.pp - 1
+    last = layout_topology(cfg, layout).last_rank
     params = max(
         (stage_params(m, rank, i == 0, i == last, layout.tp, layout.ep) for i, rank in enumerate(held)),
         key=lambda p: p.total,
