@@ -36,6 +36,7 @@ def test_resolved_config_round_trips(tmp_path):
     assert load_config(tmp_path / "c.toml") == cfg
 
 
+DUALPIPEV_PP2 = ['parallel.schedule="dualpipev"', "parallel.pp=2", "parallel.virtual_stages=2"]
 BAD = {
     "tp does not divide n_heads": (["parallel.tp=3"], "parallel.tp"),
     "pp > n_layers": (["parallel.pp=5"], "parallel.pp"),
@@ -47,6 +48,13 @@ BAD = {
     "bad schedule": (['parallel.schedule="zigzag"'], "parallel.schedule"),
     "cp with dropout": (["parallel.cp=2", "model.dropout=0.1"], "parallel.cp"),
     "zero 3 with zb-h1": (['parallel.schedule="zb-h1"', "parallel.zero=3"], "parallel.zero"),
+    # DualPipeV: a V of exactly two chunks over > 1 ranks, >= 2pp microbatches, no ZeRO-3 (split backward)
+    "dualpipev one chunk": (['parallel.schedule="dualpipev"', "parallel.pp=2"], "parallel.virtual_stages"),
+    "dualpipev pp 1": (['parallel.schedule="dualpipev"', "parallel.virtual_stages=2"], "parallel.schedule"),
+    "dualpipev few microbatches": (
+        [*DUALPIPEV_PP2, "parallel.microbatches=2"], "parallel.microbatches"
+    ),
+    "dualpipev zero 3": ([*DUALPIPEV_PP2, "parallel.microbatches=4", "parallel.zero=3"], "parallel.zero"),
     "elastic range": (
         ["parallel.max_dp=3", "train.global_batch=8", "parallel.microbatches=1"],
         "train.global_batch",

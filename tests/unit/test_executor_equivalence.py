@@ -1,4 +1,5 @@
-"""Interleaved 1F1B and ZB-H1 compute what one process computes: thread ranks on the core's executor.
+"""Interleaved 1F1B, ZB-H1 and DualPipeV compute what one process computes: thread ranks on the core's
+executor.
 
 fp32 on CPU, one step of the global batch: the loss, the global gradient norm and every gradient (after the
 DP reduction) within 1e-5 of the one-process run (tests/support/pipeline_threads.py says why that tolerance).
@@ -11,8 +12,10 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from raypar.core.pipeline.executor import StepRun
+from raypar.core.pipeline.local_transport import Turn
 from raypar.core.pipeline.schedules import BACKWARD_INPUT, Instr
 from raypar.core.run_config import load_config
 from tests.support.pipeline_threads import assert_step_matches, reference_step, run_step
@@ -41,11 +44,14 @@ def reference(layers: int) -> tuple:
         (1, 4, "1f1b", 2, 8),  # interleaved, pp=4 v=2: 8 virtual stages
         (2, 2, "zb-h1", 1, 4),  # zb-h1 with a DP reduction waiting for W
         (1, 4, "zb-h1", 1, 4),
+        (1, 2, "dualpipev", 2, 4),  # a V of 4 one-layer chunks: rank 0 holds layers 0 and 3
+        (1, 4, "dualpipev", 2, 8),  # 8 chunks, 2p = 8 microbatches: every step of DeepSeek's eight runs
     ],
-    ids=["interleaved-pp2-v2", "interleaved-pp4-v2", "zb-h1-dp2-pp2", "zb-h1-pp4"],
+    ids=["interleaved-pp2-v2", "interleaved-pp4-v2", "zb-h1-dp2-pp2", "zb-h1-pp4", "dualpipev-pp2",
+         "dualpipev-pp4"],
 )
 def test_schedule_matches_one_process(dp, pp, schedule, v, layers):
-    n_mb = 4 // dp
+    n_mb = 2 * pp if schedule == "dualpipev" else 4 // dp  # DualPipeV needs m >= 2p
     assert_step_matches(run_step(make_cfg(dp, pp, schedule, v, n_mb, layers)), reference(layers))
 
 
@@ -58,6 +64,29 @@ def test_swapped_chunks_are_rejected():
 
     with pytest.raises(AssertionError, match="^loss"):
         assert_step_matches(run_step(make_cfg(1, 2, v=2), model_hook=swap), reference(4))
+
+
+class _TurnWithoutGradient(Turn):
+    """The V bug: chunk 1 of the last rank hands chunk 0 a zero gradient at the turn (as a turn that passed
+    the output on but lost the backward link would)."""
+
+    def take(self, kind: str, chunk: int, mb: int) -> torch.Tensor:
+        got = super().take(kind, chunk, mb)
+        return torch.zeros_like(got) if kind == "grad" else got
+
+
+class DropTurnGradient(StepRun):
+    def __init__(self, rank, topo, plan, backend, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        backend.turn = _TurnWithoutGradient(rank, topo)
+        super().__init__(rank, topo, plan, backend, *args, **kwargs)
+
+
+def test_dualpipev_turn_without_gradient_is_rejected():
+    """Negative control of the DualPipeV cases: the loss is right (forward is intact), every chunk-0 layer's
+    gradient is not; the same check fails on the norm."""
+    with pytest.raises(AssertionError, match="^grad norm"):
+        broken = run_step(make_cfg(1, 2, "dualpipev", 2), run_class=DropTurnGradient)
+        assert_step_matches(broken, reference(4))
 
 
 class ReduceOnB(StepRun):
