@@ -1,7 +1,7 @@
 """Pipeline bubble: raypar's measured idle time per stage against each schedule's formula.
 
     python benchmarks/pipeline_bubble.py                  # p = 2, 4; m = 1..16; every schedule; full
-    python benchmarks/pipeline_bubble.py --quick          # smoke: fixed model, 1f1b/interleaved/zb-h1/dualpipev
+    python benchmarks/pipeline_bubble.py --quick          # smoke: fixed model, four schedules at p=2
     python benchmarks/pipeline_bubble.py --schedules 1f1b,interleaved,zb-h1 --models fixed --transports direct
     python benchmarks/pipeline_bubble.py --models fixed --transports object_store,direct --json out.json
 
