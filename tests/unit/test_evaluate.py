@@ -4,6 +4,7 @@ stage that passes its input on without its layers is caught by the same comparis
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
@@ -22,10 +23,11 @@ EVAL_BATCHES = 2
 TOL = 1e-6  # fp32 on the CPU: the same layers on the same tokens, split over stages
 
 
-def _cfg(pp: int, v: int) -> Config:
+def _cfg(pp: int, v: int, schedule: str = "1f1b") -> Config:
     return load_config(
         "examples/configs/tiny.toml",
         [f"parallel.pp={pp}", f"parallel.virtual_stages={v}", "parallel.microbatches=4",
+         f'parallel.schedule="{schedule}"',
          f"train.eval_batches={EVAL_BATCHES}", "data.val_fraction=0.05"],
     )
 
@@ -50,6 +52,12 @@ def _reference(cfg: Config) -> float:
     return torch.stack(losses).mean().item()
 
 
+@functools.cache
+def _one_process_loss() -> float:
+    """The reference every case compares with (computed once per session: the same config each time)."""
+    return _reference(_cfg(1, 1))
+
+
 class _SkipsItsLayers(ForwardBackend):
     """Broken: a middle virtual stage passes its received activation on without running its layers."""
 
@@ -63,7 +71,7 @@ class _SkipsItsLayers(ForwardBackend):
 def _pipelined(cfg: Config, backend_class: type[ForwardBackend] = ForwardBackend) -> float:
     par = cfg.parallel
     pp, v = par.pp, par.virtual_stages
-    topo = schedules.Topology(pp, v)
+    topo = schedules.topology(par.schedule, pp, v)
     pipe = LocalPipe(topo, timeout_s=60)
     virtual = stage_layers(cfg.model.n_layers, pp * v)
     batch, n_units = _batches(cfg), len(_units(cfg))
@@ -74,7 +82,7 @@ def _pipelined(cfg: Config, backend_class: type[ForwardBackend] = ForwardBackend
     def rank(p: int) -> None:
         try:
             chunks = [virtual[topo.virtual(p, c)] for c in range(v)]
-            stage = StageSpec(tuple(chunks), p == 0, p == pp - 1)
+            stage = StageSpec(tuple(chunks), p == 0, p == topo.last_rank)
             model = LlamaStage(cfg.model, stage=stage, seed=cfg.train.seed)
             backend = backend_class(model.eval(), p, topo, pipe.transport(p), like, batch)
             with torch.no_grad():
@@ -90,19 +98,23 @@ def _pipelined(cfg: Config, backend_class: type[ForwardBackend] = ForwardBackend
         t.join()
     if errors:
         raise errors[0]
-    assert all(losses[p] is None for p in range(pp - 1)), losses  # only the last stage computes the loss
-    return losses[pp - 1]
+    others = [p for p in range(pp) if p != topo.last_rank]
+    assert all(losses[p] is None for p in others), losses  # only the last virtual stage's rank has a loss
+    return losses[topo.last_rank]
 
 
-@pytest.mark.parametrize("pp, v", [(2, 1), (2, 2)], ids=["pp2", "pp2-interleaved"])
-def test_pipelined_validation_loss_is_the_one_process_loss(pp: int, v: int) -> None:
-    want = _reference(_cfg(1, 1))
-    got = _pipelined(_cfg(pp, v))
+LAYOUTS = [(2, 1, "1f1b"), (2, 2, "1f1b"), (2, 2, "dualpipev")]
+
+
+@pytest.mark.parametrize("pp, v, schedule", LAYOUTS, ids=["pp2", "pp2-interleaved", "pp2-dualpipev"])
+def test_pipelined_validation_loss_is_the_one_process_loss(pp: int, v: int, schedule: str) -> None:
+    want = _one_process_loss()
+    got = _pipelined(_cfg(pp, v, schedule))
     assert abs(got - want) <= TOL * abs(want), (got, want)
 
 
 def test_a_stage_skipping_its_layers_is_caught() -> None:
     """Negative control: the same comparison rejects a pass that loses a stage's layers."""
-    want = _reference(_cfg(1, 1))
+    want = _one_process_loss()
     got = _pipelined(_cfg(2, 2), _SkipsItsLayers)
     assert abs(got - want) > TOL * abs(want), (got, want)
