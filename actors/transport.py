@@ -1,9 +1,10 @@
 """Moving activations and their gradients between neighbouring pipeline stages.
 
 Stage s, tp rank j talks only to stages s-1 and s+1 at tp rank j; with interleaved chunks the last stage's
-next is stage 0 (the ring link, raypar.core.pipeline.schedules.Topology). Messages are keyed by (kind, chunk,
-microbatch), the chunk being the receiver's; senders name their own chunk and the topology maps it. Two
-transports share one interface (raypar.core.pipeline.executor.Transport):
+next is stage 0 (the ring link), and in DualPipeV's V chunk 1 sends its acts to s-1 and its grads to s+1
+(raypar.core.pipeline.instructions.Topology says which way each message goes). Messages are keyed by
+(kind, chunk, microbatch), the chunk being the receiver's; senders name their own chunk and the topology
+maps it. Two transports share one interface (raypar.core.pipeline.executor.Transport):
 
 - `ObjectStoreTransport` (default): the sender puts the tensor into the Ray object store as a numpy view
   (one copy into shared memory, no pickling of a torch tensor) and hands the reference straight to the

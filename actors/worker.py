@@ -54,7 +54,8 @@ from raypar.core.parallel import ep as ep_mod
 from raypar.core.parallel.mesh import BoundGroups, Coord, StageGroups, actor_name, stage_layers
 from raypar.core.pipeline import schedules
 from raypar.core.pipeline.evaluate import ForwardBackend, evaluate
-from raypar.core.pipeline.executor import ModelBackend, StepRun, busy_seconds, network_receives
+from raypar.core.pipeline.executor import ModelBackend, StepRun, busy_seconds
+from raypar.core.pipeline.instructions import network_receives
 
 # Counting the bytes a forward saves costs a Python call per saved tensor (+15 % of a 20-ms `tiny` step,
 # measured). A dense model's counts depend only on the shapes, fixed while the model and layout are: they

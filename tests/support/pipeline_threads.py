@@ -28,7 +28,8 @@ from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage, StageSpec
 from raypar.core.parallel.mesh import Coord, Mesh, stage_layers
 from raypar.core.pipeline import schedules
-from raypar.core.pipeline.executor import ModelBackend, StepRun, network_receives
+from raypar.core.pipeline.executor import ModelBackend, StepRun
+from raypar.core.pipeline.instructions import network_receives
 from raypar.core.pipeline.local_transport import LocalPipe
 from tests.support.threads import run_groups
 

@@ -408,13 +408,5 @@ class StepRun:
         return events
 
 
-def network_receives(plan: list[Instr], rank: int, topo: Topology) -> list[tuple[str, int, int]]:
-    """(kind, chunk, mb) of the receives in `plan` that come over a transport, in plan order: every one but
-    those of a V's turn (`local_transport.Turn`). What a transport that posts receives ahead expects."""
-    kinds = {RECV_ACT: "act", RECV_GRAD: "grad"}
-    receives = [(kinds[i.op], i.chunk, i.mb) for i in plan if i.op in kinds]
-    return [(kind, chunk, mb) for kind, chunk, mb in receives if topo.recv_side(kind, rank, chunk) != SELF]
-
-
 def busy_seconds(events: list[tuple]) -> float:
     return sum(e[3] - e[2] for e in events if e[0] in COMPUTE_OPS)

@@ -128,3 +128,11 @@ def backward_unit(topo: Topology, rank: int, mb: int, chunk: int = 0, op: str = 
         + [Instr(op, mb, chunk)]
         + [Instr(SEND_GRAD, mb, chunk)] * (not first)
     )
+
+
+def network_receives(plan: list[Instr], rank: int, topo: Topology) -> list[tuple[str, int, int]]:
+    """(kind, chunk, mb) of the receives in `plan` that come over a transport, in plan order: every one but
+    those of a V's turn (`local_transport.Turn`). What a transport that posts receives ahead expects."""
+    kinds = {RECV_ACT: "act", RECV_GRAD: "grad"}
+    receives = [(kinds[i.op], i.chunk, i.mb) for i in plan if i.op in kinds]
+    return [(kind, chunk, mb) for kind, chunk, mb in receives if topo.recv_side(kind, rank, chunk) != SELF]

@@ -1,9 +1,11 @@
 """Pipeline schedules as data: per pipeline rank, the ordered instructions of one training step.
 
-A plan is ``list[list[Instr]]``, one list per pipeline rank. With ``v`` virtual stages (model chunks) per
-rank, rank r holds chunks c = 0..v-1, chunk c being virtual stage ``c * p + r`` (Megatron's layout):
-activations go rank 0 -> 1 -> ... -> p-1 and, from the last rank, back to rank 0's next chunk. Ops on
-(chunk c, microbatch mb), and what the executor (raypar.core.pipeline.executor) does for each:
+A plan is ``list[list[Instr]]``, one list per pipeline rank (the ops, `Instr` and `Topology` are
+raypar.core.pipeline.instructions). With ``v`` virtual stages (model chunks) per rank, rank r holds chunks
+c = 0..v-1, chunk c being virtual stage ``c * p + r`` (Megatron's layout): activations go rank 0 -> 1 ->
+... -> p-1 and, from the last rank, back to rank 0's next chunk. DualPipeV (raypar.core.pipeline.dualpipev)
+puts its two chunks in a V instead (`topology` says which). Ops on (chunk c, microbatch mb), and what the
+executor (raypar.core.pipeline.executor) does for each:
 
     recv_act         block until the input activation of (c, mb) has arrived from the previous stage
     forward          run chunk c's layers on it (first virtual stage: on the token batch; last: down to the
@@ -21,8 +23,9 @@ here are deadlock-free only under them):
 - Instructions run in list order; at most one compute op runs at a time per rank.
 - Sends never block. A rendezvous send would deadlock 1F1B: in steady state stage s sends act(k) and then
   receives grad(i), while stage s+1 sends grad(i) and then receives act(k).
-- A receive blocks until the message of its (kind, chunk, microbatch) is there. Each directed link is
-  received in the order it is sent (checked by ``simulate``), so a FIFO transport without tags also works.
+- A receive blocks until the message of its (kind, chunk, microbatch) is there. Each directed link (a pair
+  group one way; in a V it carries acts and grads) is received in the order it is sent (checked by
+  ``simulate``), so a FIFO transport without tags also works.
 
 GPipe and 1F1B run the backwards of a stage in microbatch order, so switching between them does not change a
 single fp32 bit. Interleaving and zero-bubble reorder accumulation only across chunks or into W, which also
