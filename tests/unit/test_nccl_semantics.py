@@ -167,8 +167,9 @@ def reference(layers: int) -> tuple:
         (1, 2, 1, "1f1b", 2, 4),  # interleaved: the ring link from the last stage to the first
         (1, 4, 1, "zb-h1", 1, 4),
         (1, 2, 1, "gpipe", 1, 4),
+        (1, 2, 1, "dualpipev", 2, 4),  # one pair group carrying acts and grads each way, the turn at home
     ],
-    ids=["1f1b-pp2", "1f1b-dp2-pp2-tp2", "interleaved-pp2-v2", "zb-h1-pp4", "gpipe-pp2"],
+    ids=["1f1b-pp2", "1f1b-dp2-pp2-tp2", "interleaved-pp2-v2", "zb-h1-pp4", "gpipe-pp2", "dualpipev-pp2"],
 )
 def test_schedules_over_nccl_match_one_process(dp, pp, tp, schedule, v, layers):
     cfg = make_cfg(dp, pp, schedule, v, tp, 4 // dp, layers)
