@@ -41,7 +41,7 @@ import torch
 
 from actors.buddy import Snapshot
 from actors.endpoints import Peers, Placement, SetupInfo
-from actors.worker import WORKER_THREADS, Worker
+from actors.worker import WORKER_GROUPS, WORKER_THREADS, Worker
 from collectives import Group
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.config.schema import Config
@@ -204,7 +204,9 @@ class _FaultyWorker(Worker):
         return super()._train_step(step)
 
 
-FaultyWorker = ray.remote(max_concurrency=WORKER_THREADS)(_FaultyWorker)
+FaultyWorker = ray.remote(
+    max_concurrency=WORKER_THREADS, concurrency_groups=WORKER_GROUPS
+)(_FaultyWorker)
 
 
 class FaultyActorMesh(ActorMesh):

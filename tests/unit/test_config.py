@@ -47,6 +47,10 @@ BAD = {
     "bad schedule": (['parallel.schedule="zigzag"'], "parallel.schedule"),
     "cp with dropout": (["parallel.cp=2", "model.dropout=0.1"], "parallel.cp"),
     "zero 3 with zb-h1": (['parallel.schedule="zb-h1"', "parallel.zero=3"], "parallel.zero"),
+    "hang watchdog past the timeout": (
+        ["parallel.timeout_s=30", "train.hang_watchdog_s=30"],
+        "train.hang_watchdog_s",
+    ),
     "elastic range": (
         ["parallel.max_dp=3", "train.global_batch=8", "parallel.microbatches=1"],
         "train.global_batch",
