@@ -22,7 +22,9 @@ from raypar.core.config.schema import Config
 from raypar.core.observe import hangs
 from raypar.core.parallel.mesh import Coord
 
-PROBE_TIMEOUT_S = 5.0  # an actor that cannot answer within this is stopped, overloaded or gone
+# An actor that cannot answer within this (or within the watchdog, if shorter: a probe should not take longer
+# than the lateness it reports) is stopped, overloaded or gone.
+PROBE_TIMEOUT_S = 5.0
 LATE_EVERY_S = 10.0  # how often `raypar status` hears again of a step that stays late
 DEFAULT_SHARE = 5  # train.hang_watchdog_s = 0: a fifth of parallel.timeout_s
 
@@ -41,6 +43,7 @@ class HangWatch:
         self, cfg: Config, run_dir: Path, say: Callable[[str], None], post: Callable[[dict[str, Any]], None]
     ):
         self.first_s, self.run_dir, self.say, self.post = watchdog_s(cfg), run_dir, say, post
+        self.probe_s = min(PROBE_TIMEOUT_S, self.first_s)
         self.reported: set[int] = set()
 
     def late(
@@ -60,7 +63,7 @@ class HangWatch:
         self.say(f"{hangs.summary(step, running_s, found, names)}; report: {path}")
 
     def probe(self, actors: Mapping[Coord, Any]) -> dict[str, hangs.ActorProbe | None]:
-        """Every actor's probe by member label; None where none came within PROBE_TIMEOUT_S."""
+        """Every actor's probe by member label; None where none came within `probe_s`."""
         refs = {}
         for coord, actor in actors.items():
             try:
@@ -68,7 +71,7 @@ class HangWatch:
             except AttributeError:  # a model-free stand-in (tests, benchmarks) has nothing to say
                 pass
         probes: dict[str, hangs.ActorProbe | None] = {c.key: None for c in actors}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.probe_s)
         for ref in ready:
             try:
                 probes[refs[ref]] = ray.get(ref)
