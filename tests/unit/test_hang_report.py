@@ -75,3 +75,19 @@ def test_control_the_report_follows_the_absent_peer():
     """Negative control: with the other rank absent, the same check rejects the claim about rank 1."""
     with pytest.raises(AssertionError, match=r"never arrived: \('m0',\), not \('m1',\)"):
         assert_names(_probes(absent=0), "m1")
+
+
+def test_status_shows_a_late_step_and_each_actors_lag():
+    """What `raypar status` prints from the control actor's state while a step is late."""
+    from raypar.controller import cli
+
+    where = {"node_id": "ab" * 20, "ip": "10.0.0.1", "pid": 7}
+    run = {
+        "run": "demo", "step": 13, "steps": 400, "loss": 2.5, "tokens_per_s": 1234.0, "dp": 2, "pp": 1,
+        "tp": 1, "cp": 1, "restarts": 0, "run_dir": "runs/demo",
+        "actors": {"raypar:demo:dp0.pp0.tp0": {**where, "lag_s": -0.002}, "raypar:demo:dp1.pp0.tp0": where},
+        "late": {"step": 14, "running_s": 95.2, "answered": 3, "actors": 8},
+    }
+    lines = cli.status_lines([run])
+    assert lines[0] == "demo: step 14 running for 95 s, 3 of 8 actors answered", lines
+    assert lines[2].endswith("pid 7  lag -2.0 ms") and lines[3].endswith("pid 7"), lines
