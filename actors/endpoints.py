@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar
 
+from raypar.core.observe.hangs import ActorProbe
 from raypar.core.observe.step_report import StepReport
 from raypar.core.parallel.mesh import Coord, StageGroups
 
@@ -98,6 +99,8 @@ class WorkerEndpoints(Protocol):
     def abort(self, epoch: int, step: int) -> None: ...
 
     def deliver(self, key: tuple[str, int, int, int, int], refs: list, dtype: str) -> None: ...
+
+    def inspect(self) -> ActorProbe: ...
 
     # -- state
     def stash_state(self) -> None: ...

@@ -23,6 +23,7 @@ import ray
 import torch
 from ray.util.metrics import Gauge
 
+from raypar.core.observe import stragglers
 from raypar.core.observe.step_report import StepReport
 
 # For the methods called every step (or every pipeline message): Ray records each call's task events in
@@ -42,6 +43,11 @@ METRICS = {
         "plus the gradient reduction and optimizer tail"
     ),
     "raypar_comm_seconds": "Time of the last step spent in pipeline sends and receives (waits included)",
+    "raypar_compute_seconds": "Time of the last step in forward and backward on this actor",
+    "raypar_comm_wait_seconds": (
+        "Time of the last step waiting on communication: pipeline hops and the DP reduction tail"
+    ),
+    "raypar_idle_seconds": "Time of the last step in neither compute nor communication",
     "raypar_memory_bytes": "Peak memory: allocated by torch on the accelerator, else the process's peak RSS",
     "raypar_model_state_bytes": (
         "Unique storages of parameters, gradients, master weights and optimizer moments after the step's "
@@ -91,6 +97,7 @@ class ActorMetrics:
             "raypar_tokens_per_second": tokens_per_s,
             "raypar_bubble_fraction": 1.0 - report.busy_s / step_s if step_s > 0 else 0.0,
             "raypar_comm_seconds": sum(t1 - t0 for op, _, t0, t1 in report.events if op in COMM_OPS),
+            **{f"raypar_{k[:-2]}_seconds": v for k, v in stragglers.times_fields(report).items()},
             "raypar_memory_bytes": float(self._memory_bytes()),
             "raypar_model_state_bytes": float(report.memory.model_state_bytes),
         }
@@ -116,3 +123,35 @@ class ActorMetrics:
             return torch.cuda.max_memory_allocated()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+class StragglerGauges:
+    """The driver's view of stragglers: every actor's lag over its stage peers' median compute time
+    (`raypar_actor_lag_seconds`, tagged like the actor's own gauges) and the step's slowest actor
+    (`raypar_straggler_lag_seconds`, tagged by its name). Set at most every MIN_INTERVAL_S, as above."""
+
+    def __init__(self, run: str):
+        self.run = run
+        self.lag = Gauge(
+            "raypar_actor_lag_seconds",
+            "Compute time of this actor over the median of its pipeline stage's other actors, last step",
+            tag_keys=TAG_KEYS,
+        )
+        self.slowest = Gauge(
+            "raypar_straggler_lag_seconds",
+            "Lag of the run's slowest actor (its name in the actor tag) over its stage peers, last step",
+            tag_keys=("run", "actor"),
+        )
+        self._recorded_at = -math.inf
+
+    def record(self, lags: dict[tuple[int, ...], float], slowest: str | None, slowest_lag: float) -> None:
+        now = time.monotonic()
+        if now - self._recorded_at < MIN_INTERVAL_S:
+            return
+        self._recorded_at = now
+        for coord, lag in lags.items():
+            dp, pp, tp, cp = (*coord, 0)[:4]
+            tags = {"run": self.run, "dp": str(dp), "pp": str(pp), "tp": str(tp), "cp": str(cp)}
+            self.lag.set(lag, tags=tags)
+        if slowest is not None:
+            self.slowest.set(slowest_lag, tags={"run": self.run, "actor": slowest})

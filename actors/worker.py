@@ -48,7 +48,7 @@ from raypar.core.dp.strategies import STRATEGIES
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage, StageSpec, dropout_seed
 from raypar.core.model.moe import is_expert_param
-from raypar.core.observe import flops, memory
+from raypar.core.observe import flops, hangs, memory
 from raypar.core.observe.step_report import MoELayerReport, StepReport
 from raypar.core.parallel import ep as ep_mod
 from raypar.core.parallel.mesh import BoundGroups, Coord, StageGroups, actor_name, stage_layers
@@ -56,6 +56,10 @@ from raypar.core.pipeline import schedules
 from raypar.core.pipeline.evaluate import ForwardBackend, evaluate
 from raypar.core.pipeline.executor import ModelBackend, StepRun, busy_seconds
 from raypar.core.pipeline.instructions import network_receives
+
+# The concurrency group of `Worker.inspect` (a hang report's probe): a thread that no other call waits on.
+INSPECT = "inspect"
+WORKER_GROUPS = {INSPECT: 1}
 
 # Counting the bytes a forward saves costs a Python call per saved tensor (+15 % of a 20-ms `tiny` step,
 # measured). A dense model's counts depend only on the shapes, fixed while the model and layout are: they
@@ -140,6 +144,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         self.copies = BuddyCopies()
         self._buddy: Any = None  # the actor that holds this one's copies
         self._layout: tuple[int, ...] = ()  # replica ids in dp-rank order: what a snapshot is valid for
+        self._in_step: tuple[int, float] | None = None  # (step, its start): what `inspect` reports
 
     def __repr__(self) -> str:
         return self.name
@@ -326,16 +331,31 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
     @per_step
     def train_step(self, step: int, commit: int | None = None) -> StepReport:
         """Apply the update of step `commit` (every actor finished its phase 1), then phase 1 of `step`."""
-        if commit is not None:
-            self.apply_step(commit)
+        self._in_step = (step, time.monotonic())
         try:
-            result = self._train_step(step)
-        except Exception as err:
-            for strategy in self._strategies():  # the step is discarded: nothing of it may leak into a redo
-                strategy.zero_grad()
-            raise self._fail(f"step {step}", err) from err
-        self.copies.wait_shared()  # so a completed step means: the buddy holds the copy from before it
+            if commit is not None:
+                self.apply_step(commit)
+            try:
+                result = self._train_step(step)
+            except Exception as err:
+                for strategy in self._strategies():  # the step is discarded: nothing may leak into a redo
+                    strategy.zero_grad()
+                raise self._fail(f"step {step}", err) from err
+            self.copies.wait_shared()  # so a completed step means: the buddy holds the copy from before it
+        finally:
+            self._in_step = None
         return result
+
+    @ray.method(concurrency_group=INSPECT)
+    def inspect(self) -> hangs.ActorProbe:
+        """Where this actor is (for a hang report): its step, its groups' pending collectives, its stacks.
+        Runs in a concurrency group of its own, so a step thread blocked in a collective (and the other
+        threads' calls queued behind it) never delays the answer."""
+        in_step = self._in_step
+        step, running_s = (in_step[0], time.monotonic() - in_step[1]) if in_step else (None, 0.0)
+        return hangs.ActorProbe(
+            self.name, self.coord.key, step, running_s, self.collective_state(), hangs.python_stacks()
+        )
 
     def apply_step(self, step: int) -> None:
         """Phase 2 of `step`: every actor finished phase 1, so the update is applied everywhere, or skipped
@@ -499,9 +519,10 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
 
 
 # One thread runs the step; on a replica's leader one more waits for its members (`fan_out`); the others
-# take `deliver` (from both neighbours at once), `abort` and `where` while they do.
+# take `deliver` (from both neighbours at once), `abort` and `where` while they do. `inspect` has a thread
+# of its own (WORKER_GROUPS): every remote class of a Worker (subclass) declares it.
 WORKER_THREADS = 6
-RemoteWorker = ray.remote(max_concurrency=WORKER_THREADS)(Worker)
+RemoteWorker = ray.remote(max_concurrency=WORKER_THREADS, concurrency_groups=WORKER_GROUPS)(Worker)
 
 # The environment of a worker process. glibc gives each thread that allocates a malloc arena of its own, and
 # Ray runs each call of a threaded actor on whichever of its threads is free: every step took its tensors

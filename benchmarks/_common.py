@@ -30,7 +30,7 @@ from typing import Any
 import ray
 import torch
 
-from actors.worker import WORKER_THREADS, Worker, _ActorBackend
+from actors.worker import WORKER_GROUPS, WORKER_THREADS, Worker, _ActorBackend
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.controller.connection import NAMESPACE
 from raypar.core.config.schema import Config
@@ -166,7 +166,9 @@ class _TimedWorker(Worker):
         self._apply = (time.perf_counter() - start, time.process_time() - cpu)
 
 
-TimedWorker = ray.remote(max_concurrency=WORKER_THREADS)(_TimedWorker)  # as raypar's RemoteWorker
+TimedWorker = ray.remote(
+    max_concurrency=WORKER_THREADS, concurrency_groups=WORKER_GROUPS
+)(_TimedWorker)  # as raypar's RemoteWorker
 
 
 def register_for_actors() -> None:

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
+from collectives.inflight import GroupState, InFlight
+
 REDUCE_OPS = ("sum", "avg", "max")
 
 
@@ -86,6 +88,8 @@ class Work:
     def __init__(self, group: Group, op: str, works: Sequence[BackendWork], finish: Callable[[], Any]):
         self._group, self._op, self._works, self._finish = group, op, works, finish
         self._done, self._result = False, None
+        # its number in the group's in-flight record (collectives.inflight): listed there while it runs
+        self.seq = group.in_flight.begin(op, self) if works else group.in_flight.count()
 
     def is_completed(self) -> bool:
         return self._done or all(w.is_completed() for w in self._works)
@@ -94,8 +98,11 @@ class Work:
         if not self._done:
             info = self._group.info
             deadline = time.monotonic() + info.timeout_s
-            for work in self._works:
-                self._group._wait(work, self._op, max(deadline - time.monotonic(), 0.001))
+            try:
+                for work in self._works:
+                    self._group._wait(work, self._op, max(deadline - time.monotonic(), 0.001))
+            finally:
+                self._group.in_flight.end(self.seq)
             self._result, self._done = self._finish(), True
         return self._result
 
@@ -114,6 +121,7 @@ class Group:
 
     def __init__(self, info: GroupInfo, backend: Backend):
         self.info, self._backend = info, backend
+        self.in_flight = InFlight()
 
     @property
     def name(self) -> str:
@@ -157,7 +165,11 @@ class Group:
         self, op: str, starts: list[Callable[[], BackendWork]], finish: Callable[[], Any], async_op: bool
     ):
         if not async_op and len(starts) == 1:  # the common sync case: no handle, no deadline arithmetic
-            self._wait(self._launch(op, starts[0]), op, self.info.timeout_s)
+            seq = self.in_flight.begin(op)
+            try:
+                self._wait(self._launch(op, starts[0]), op, self.info.timeout_s)
+            finally:
+                self.in_flight.end(seq)
             return finish()
         works = [self._launch(op, start) for start in starts]
         handle = Work(self, op, works, finish)
@@ -343,6 +355,13 @@ class Group:
         if self.size == 1:
             return self._run("barrier", [], lambda: None, async_op)
         return self._run("barrier", [self._backend.barrier], lambda: None, async_op)
+
+    def state(self) -> GroupState:
+        """This member's record of the group's collectives: ops started, and those not finished."""
+        info = self.info
+        return GroupState(
+            info.name, info.epoch, info.rank, info.members, self.in_flight.started, self.in_flight.pending()
+        )
 
     def check(self) -> None:
         """Raise GroupError if the communicator failed since it was formed. NCCL ops return before they run,

@@ -13,6 +13,7 @@ from typing import Any
 import ray
 
 from collectives.group import Group, GroupError
+from collectives.inflight import GroupState
 from collectives.rendezvous import GroupSpec, StoreRef, create_group
 
 
@@ -55,6 +56,10 @@ class GroupHost:
         before they run, and an aborted communicator's kernels end as if they had succeeded."""
         for group in self.__dict__.get("_raypar_groups", {}).values():
             group.check()
+
+    def collective_state(self) -> list[GroupState]:
+        """Every held group's record of its ops (collectives.inflight): what a hang report merges."""
+        return [group.state() for group in list(self.__dict__.get("_raypar_groups", {}).values())]
 
     def group_devices(self) -> dict[str, int]:
         """The device index each group of this member was formed on (NCCL: its communicator's GPU)."""

@@ -8,6 +8,7 @@ reads as building, running and resizing the mesh. It uses the mesh's actors, con
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ import ray
 
 from actors.endpoints import ReplicaAnswer, WorkerEndpoints, call
 from raypar.controller.connection import RunFailure
+from raypar.controller.hang_watch import LATE_EVERY_S
 from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Coord
 
@@ -68,13 +70,20 @@ class ActorCalls:
     epoch: int
     actors: dict[Coord, Any]
     leads: dict[Coord, bool]  # the actors the driver calls: True where they fan out
+    # raypar.controller.hang_watch.HangWatch, set by the training loop: told when a step runs late
+    hang_watch: Any = None
 
     def _gather(self, refs: dict[Any, Coord], what: str, step: int | None = None) -> dict[Coord, Any]:
         """Wait for every ref. A ref may be a replica leader's `fan_out`, answering for its replica's actors
         (actors.replica_lead). On the first failure: find dead actors, end the broken replicas (their
         peers then fail fast instead of waiting out a timeout), call off the others' waits for `step`, and
-        raise StepFailure with the root cause, not a symptom."""
-        deadline = time.monotonic() + 2 * self.cfg.parallel.timeout_s + 30
+        raise StepFailure with the root cause, not a symptom. A step still waited for at the hang watchdog
+        (`hang_watch`) is reported then, and again every LATE_EVERY_S while it stays late."""
+        started = time.monotonic()
+        deadline = started + 2 * self.cfg.parallel.timeout_s + 30
+        watch = self.hang_watch if step is not None else None
+        wake = started + watch.first_s if watch is not None else math.inf
+        reported = False
         results: dict[Coord, Any] = {}
         errors: dict[Coord, BaseException] = {}
         dead: set[Coord] = set()
@@ -94,26 +103,37 @@ class ActorCalls:
                 failed(member, err)
 
         pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
-            if not done:
-                late = ", ".join(self.name(refs[r]) for r in pending)
-                raise StepFailure(f"{what}: no answer within the deadline from {late}", dead, step)
-            if pending:  # and every other answer already in: one wait per answer is O(actors²) a step
-                more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
-                done += more
-            try:
-                values = ray.get(done)
-            except Exception:  # noqa: BLE001 - one of them failed: sorted out one by one below
-                values = None
-            for i, ref in enumerate(done):
-                if values is not None:
-                    take(refs[ref], values[i])
+        try:
+            while pending:
+                until = min(deadline, wake)
+                done, pending = ray.wait(pending, num_returns=1, timeout=max(until - time.monotonic(), 0))
+                if not done and time.monotonic() < deadline:  # the hang watchdog's moment
+                    if not errors:  # a failure is being contained already: nothing is hanging unseen
+                        watch.late(step, time.monotonic() - started, self.actors, self.name)
+                        reported = True
+                    wake = time.monotonic() + LATE_EVERY_S
                     continue
+                if not done:
+                    late = ", ".join(self.name(refs[r]) for r in pending)
+                    raise StepFailure(f"{what}: no answer within the deadline from {late}", dead, step)
+                if pending:  # and every other answer already in: one wait per answer is O(actors²) a step
+                    more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+                    done += more
                 try:
-                    take(refs[ref], ray.get(ref))
-                except Exception as err:  # noqa: BLE001 - every worker error is reported below
-                    failed(refs[ref], err)
+                    values = ray.get(done)
+                except Exception:  # noqa: BLE001 - one of them failed: sorted out one by one below
+                    values = None
+                for i, ref in enumerate(done):
+                    if values is not None:
+                        take(refs[ref], values[i])
+                        continue
+                    try:
+                        take(refs[ref], ray.get(ref))
+                    except Exception as err:  # noqa: BLE001 - every worker error is reported below
+                        failed(refs[ref], err)
+        finally:
+            if reported:  # the late step is over (done or failed)
+                watch.over()
         if errors:
             raise StepFailure(self._describe_failure(errors, dead, what), dead, step)
         return results
@@ -143,8 +163,10 @@ class ActorCalls:
         dead |= self.find_dead([c for c in self.actors if c != first])
         broken = {c.dp for c in dead}
         for coord, actor in self.actors.items():
-            if coord.dp in broken and coord not in dead:
-                ray.kill(actor)  # its sockets close, so intact peers fail now instead of at their timeout
+            if coord.dp in broken:
+                # its sockets close, so intact peers fail now instead of at their timeout; and one found hung
+                # (silent for parallel.timeout_s) ends its pending call now, not at the wait's deadline
+                ray.kill(actor)
             elif coord not in dead and step is not None:
                 call(actor, WorkerEndpoints.abort, self.epoch, step)
         return dead

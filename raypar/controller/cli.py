@@ -375,6 +375,12 @@ def status_lines(runs: list[dict[str, Any]]) -> list[str]:
         return ["raypar: no live runs"]
     lines = []
     for run in runs:
+        late = run.get("late")
+        if late:  # a step past train.hang_watchdog_s (raypar.controller.hang_watch), while it lasts
+            lines.append(
+                f"{run['run']}: step {late['step']} running for {late['running_s']:.0f} s, "
+                f"{late['answered']} of {late['actors']} actors answered"
+            )
         if run.get("step") is None:
             lines.append(f"{run['run']}: starting")
             continue
@@ -384,10 +390,16 @@ def status_lines(runs: list[dict[str, Any]]) -> list[str]:
             f"{run['tokens_per_s']:,.0f} tokens/s  {layout}  restarts {run['restarts']}  {run['run_dir']}"
         )
         lines += [
-            f"  {name:40s} node {where['node_id'][:12]}  {where['ip']}  pid {where['pid']}"
+            f"  {name:40s} node {where['node_id'][:12]}  {where['ip']}  pid {where['pid']}{_lag(where)}"
             for name, where in run["actors"].items()
         ]
     return lines
+
+
+def _lag(where: dict[str, Any]) -> str:
+    """An actor's compute time over its stage peers' median at the last step (core.observe.stragglers)."""
+    lag = where.get("lag_s")
+    return "" if lag is None else f"  lag {1e3 * lag:+.1f} ms"
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -35,18 +35,20 @@ from typing import Any, TextIO
 import ray
 
 from actors.control import RunControl, control_name
+from actors.telemetry import StragglerGauges
 from collectives.group import GroupError
 from collectives.ray_store import home_node_strategy
 from raypar.controller import shared_paths, stopping
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica, StepResult
 from raypar.controller.connection import NAMESPACE, RunFailure, connect
+from raypar.controller.hang_watch import HangWatch
 from raypar.controller.placement import check_device
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import Config, to_toml
 from raypar.core.data import datasets as data
-from raypar.core.observe import memory, report
+from raypar.core.observe import memory, report, stragglers
 from raypar.core.observe.flops import mfu
 from raypar.core.parallel.mesh import Coord, Mesh
 
@@ -107,6 +109,7 @@ class TrainingLoop:
         self.logs: dict[str, TextIO] = {}
         self.tokenizer = data.tokenizer_record(cfg.data)  # in every checkpoint, for `raypar generate`
         self.val_loss: float | None = None  # the latest, for the progress bar
+        self.status: dict[str, Any] = {"run": name, "step": None}  # the last posted to the control actor
 
     # -- log ---------------------------------------------------------------------------------------------
     def event(self, text: str) -> None:
@@ -335,6 +338,10 @@ class TrainingLoop:
         from tqdm import tqdm
 
         cfg, actor_mesh = self.cfg, self.actor_mesh
+        self.gauges = StragglerGauges(self.name)
+        actor_mesh.hang_watch = HangWatch(
+            cfg, self.run_dir, self.event, lambda late: control.update.remote({**self.status, "late": late})
+        )
         end = min(cfg.train.steps, self.stop_at) if self.stop_at is not None else cfg.train.steps
         first_loss = last = None
         start = step  # a resumed run's first step: its own tokens are those of the steps from here
@@ -406,6 +413,7 @@ class TrainingLoop:
     ) -> dict[str, Any]:
         """metrics.jsonl, timeline.jsonl, the control actor and the progress bar for a completed step."""
         rows = report.timeline_rows(step, result.per_actor)
+        slowest, lags = stragglers.straggler(result.per_actor)
         record = {
             "step": step,
             "loss": result.loss,
@@ -431,6 +439,9 @@ class TrainingLoop:
             else None,
             "loss_scale": result.loss_scale,
             "skipped": result.skipped,
+            # the actor computing longest over its stage peers' median (None: no actor lags its peers)
+            "straggler": slowest and self.actor_mesh.name(slowest),
+            "straggler_lag_s": lags[slowest] if slowest else 0.0,
             **memory.worst(r.memory for r in result.per_actor.values()),
         }
         if result.moe is not None:  # aux_loss, dropped_tokens, expert_load (layer -> per expert)
@@ -438,7 +449,9 @@ class TrainingLoop:
         self.logs["metrics.jsonl"].write(json.dumps(record) + "\n")
         self.logs["metrics.jsonl"].flush()
         self.logs["timeline.jsonl"].writelines(json.dumps(r) + "\n" for r in rows)
-        control.update.remote(self._status(record))
+        self.status = self._status(record, lags)
+        control.update.remote(self.status)
+        self.gauges.record(lags, record["straggler"], record["straggler_lag_s"])
         if val_loss is not None:
             self.val_loss = val_loss
         shown = {} if self.val_loss is None else {"val": f"{self.val_loss:.4f}"}
@@ -460,7 +473,7 @@ class TrainingLoop:
         final = step == end and bool(self.cfg.checkpoint.dir)
         return step > 0 and (periodic or final)
 
-    def _status(self, record: dict[str, Any]) -> dict[str, Any]:
+    def _status(self, record: dict[str, Any], lags: dict[Coord, float]) -> dict[str, Any]:
         placed = self.actor_mesh.nodes
         return {
             "run": self.name,
@@ -474,7 +487,10 @@ class TrainingLoop:
             "cp": record["cp"],
             "restarts": self.restarts,
             "run_dir": str(self.run_dir),
-            "actors": {self.actor_mesh.name(c): dataclasses.asdict(w) for c, w in sorted(placed.items())},
+            "actors": {
+                self.actor_mesh.name(c): {**dataclasses.asdict(w), "lag_s": lags.get(c)}
+                for c, w in sorted(placed.items())
+            },
         }
 
 

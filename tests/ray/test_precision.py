@@ -10,7 +10,7 @@ import pytest
 import ray
 import torch
 
-from actors.worker import WORKER_THREADS, Worker
+from actors.worker import WORKER_GROUPS, WORKER_THREADS, Worker
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.config.schema import Config
@@ -56,7 +56,9 @@ class _InfWorker(Worker):
 
 
 class InfMesh(ActorMesh):
-    worker_class = ray.remote(max_concurrency=WORKER_THREADS)(_InfWorker)
+    worker_class = ray.remote(
+        max_concurrency=WORKER_THREADS, concurrency_groups=WORKER_GROUPS
+    )(_InfWorker)
 
 
 def fp16_cfg(*extra: str) -> Config:

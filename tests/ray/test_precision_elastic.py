@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import ray
 
-from actors.worker import WORKER_THREADS, Worker
+from actors.worker import WORKER_GROUPS, WORKER_THREADS, Worker
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Coord
@@ -58,7 +58,9 @@ class _NoScalerHeal(Worker):
         self.scaler.load_state(own)
 
 
-NoScalerHeal = ray.remote(max_concurrency=WORKER_THREADS)(_NoScalerHeal)
+NoScalerHeal = ray.remote(
+    max_concurrency=WORKER_THREADS, concurrency_groups=WORKER_GROUPS
+)(_NoScalerHeal)
 
 
 @dataclass

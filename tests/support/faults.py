@@ -11,6 +11,8 @@ here, not in production code. Faults are strings per actor coordinate:
 - `moe_sp_summed_gather`: (sequence parallelism) MoE layers gather their input with the dense MLP's gather,
   whose backward sums the tp ranks' gradients (already whole in an MoE layer: tp times too large);
 - `raise_at_step:N`: phase 1 of step N raises.
+- `stop_at_step:N`: at the start of phase 1 of step N the process stops itself (SIGSTOP), as a frozen
+  node or a debugger would: it never enters the step's collectives and answers nothing, not even pings;
 - `exit_in:METHOD:N`: the process exits (as if killed) at the start of its N-th call of METHOD
   (`train_step`, `apply_step`, `rebind`, `save_shard`, `sync_state`, `rng_state`); only the first actor
   started at a coordinate carries it, so a replica rebuilt there runs clean;
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 import time
 from collections import Counter
@@ -41,7 +44,7 @@ import torch
 
 from actors.buddy import Snapshot
 from actors.endpoints import Peers, Placement, SetupInfo
-from actors.worker import WORKER_THREADS, Worker
+from actors.worker import WORKER_GROUPS, WORKER_THREADS, Worker
 from collectives import Group
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.config.schema import Config
@@ -201,10 +204,14 @@ class _FaultyWorker(Worker):
     def _train_step(self, step: int) -> StepReport:
         if f"raise_at_step:{step}" in self.faults:
             raise RuntimeError("fault injected by the test suite")
+        if f"stop_at_step:{step}" in self.faults:
+            os.kill(os.getpid(), signal.SIGSTOP)  # until ray.kill's SIGKILL ends it
         return super()._train_step(step)
 
 
-FaultyWorker = ray.remote(max_concurrency=WORKER_THREADS)(_FaultyWorker)
+FaultyWorker = ray.remote(
+    max_concurrency=WORKER_THREADS, concurrency_groups=WORKER_GROUPS
+)(_FaultyWorker)
 
 
 class FaultyActorMesh(ActorMesh):

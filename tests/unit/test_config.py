@@ -55,6 +55,10 @@ BAD = {
         [*DUALPIPEV_PP2, "parallel.microbatches=2"], "parallel.microbatches"
     ),
     "dualpipev zero 3": ([*DUALPIPEV_PP2, "parallel.microbatches=4", "parallel.zero=3"], "parallel.zero"),
+    "hang watchdog past the timeout": (
+        ["parallel.timeout_s=30", "train.hang_watchdog_s=30"],
+        "train.hang_watchdog_s",
+    ),
     "elastic range": (
         ["parallel.max_dp=3", "train.global_batch=8", "parallel.microbatches=1"],
         "train.global_batch",

@@ -67,6 +67,6 @@ def test_the_driver_posts_cp() -> None:
     loop.cfg = SimpleNamespace(train=SimpleNamespace(steps=10))
     loop.actor_mesh = SimpleNamespace(nodes={}, name=str)
     record = {"step": 4, "loss": 2.5, "tokens_per_s": 1.0, "dp": 2, "pp": 1, "tp": 1, "cp": 2}
-    posted = loop._status(record)
+    posted = loop._status(record, {})
     assert posted["cp"] == 2
     assert "cp=2" in cli.status_lines([posted])[0]  # what `raypar status` reads back from the control actor

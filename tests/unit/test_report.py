@@ -60,9 +60,9 @@ def test_report_writes_trace_and_pictures(tmp_path: Path, schedule: str) -> None
     assert result["step"] in (1, 2)  # the median step, step 0 left out
     assert (result["pp"], result["microbatches"]) == (p, m)
     assert sorted(result["files"]) == sorted(
-        str(run_dir / f) for f in ("timeline.json", "timeline.png", "loss.png")
+        str(run_dir / f) for f in ("timeline.json", "timeline.png", "stragglers.png", "loss.png")
     )
-    for name in ("timeline.png", "loss.png"):
+    for name in ("timeline.png", "stragglers.png", "loss.png"):
         data = (run_dir / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000, name
 

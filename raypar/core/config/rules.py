@@ -247,6 +247,11 @@ def validate(cfg: Config) -> None:
     )
     _require(t.recompute_every > 0, f"train.recompute_every: must be positive, got {t.recompute_every}")
     _require(t.max_failures >= 0, f"train.max_failures: must be >= 0, got {t.max_failures}")
+    _require(  # a report written after the collectives gave up would find every actor elsewhere
+        0 <= t.hang_watchdog_s < p.timeout_s,
+        f"train.hang_watchdog_s: must be >= 0 (0: a fifth of parallel.timeout_s) and below "
+        f"parallel.timeout_s={p.timeout_s:g}, got {t.hang_watchdog_s:g}",
+    )
     _require(
         not (m.init_from and m.moe_experts),
         "model.moe_experts: Hugging Face Llama weights (model.init_from) have no experts; leave it 0",

@@ -98,6 +98,8 @@ class TrainConfig:
     seed: int = 0
     precision: str = options.FP32.name  # options.PRECISIONS
     max_failures: int = 3
+    # a step running this long gets a hang report (hang-<step>.txt); 0: a fifth of parallel.timeout_s
+    hang_watchdog_s: float = 0.0
     eval_every: int = 0  # validation loss every N steps (and after the last); 0: never
     eval_batches: int = 4  # global batches of held-out samples, the same fixed ones every time
     recompute: str = options.NO_RECOMPUTE  # options.RECOMPUTE

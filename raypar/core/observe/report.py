@@ -6,6 +6,7 @@ Reads a run directory (config.toml, metrics.jsonl, timeline.jsonl) and writes ne
   one process per data-parallel replica, one thread per (stage, tp rank) actor;
 - timeline.png: the same step as a Gantt chart, forward / backward / communication / idle per actor;
 - loss.png: loss (training, and validation where measured) and tokens/s against the step;
+- stragglers.png: actors x steps, colour = each actor's compute time (raypar.core.observe.stragglers);
 - expert_load.png (MoE runs): a heat map per MoE layer of each expert's share of the routed tokens over the
   steps (1/E everywhere is perfect balance), with the aux loss and dropped tokens beneath.
 
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from raypar.core.config.options import SCHEDULES
+from raypar.core.observe import stragglers
 from raypar.core.observe.step_report import StepReport
 from raypar.core.parallel.mesh import Coord
 from raypar.core.pipeline.schedules import COMPUTE_OPS, bubble_formula
@@ -77,6 +79,7 @@ def timeline_rows(step: int, per_actor: Mapping[tuple[int, ...], StepReport]) ->
             "cp": coord[3] if len(coord) > 3 else 0,
             "step_s": result.step_s,
             "events": [list(event) for event in result.events],
+            **stragglers.times_fields(result),  # compute_s, comm_wait_s, idle_s
         }
         for coord, result in sorted(per_actor.items())
     ]
@@ -450,8 +453,8 @@ def plot_expert_load(metrics: list[dict[str, Any]], path: Path) -> None:
 
 
 def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
-    """Write timeline.json, timeline.png (if the run has a timeline), loss.png and, for MoE runs,
-    expert_load.png into `run_dir`.
+    """Write timeline.json, timeline.png, stragglers.png (if the run has a timeline), loss.png and, for MoE
+    runs, expert_load.png into `run_dir`.
 
     Returns the step shown, schedule, p, m, the measured and theoretical bubble fractions (None without a
     timeline), the share of the step after the pipeline phase, and the files written."""
@@ -498,7 +501,8 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
             f"bubble measured {measured:.1%}, theory {FORMULA_TEXT[_kind_of(schedule, v)]} = {theory:.1%}"
         )
         plot_timeline(rows, run_dir / "timeline.png", title)
-        result["files"] += [str(run_dir / "timeline.json"), str(run_dir / "timeline.png")]
+        stragglers.plot_heatmap(all_rows, run_dir / "stragglers.png")
+        result["files"] += [str(run_dir / f) for f in ("timeline.json", "timeline.png", "stragglers.png")]
     metrics_path = run_dir / "metrics.jsonl"
     metrics = read_jsonl(metrics_path, METRICS_KEYS) if metrics_path.exists() else []
     if metrics:
