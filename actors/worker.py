@@ -48,6 +48,7 @@ from raypar.core.dp.strategies import STRATEGIES
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage, StageSpec, dropout_seed
 from raypar.core.model.moe import is_expert_param
+from raypar.core.model.moe_balance import apply_bias_updates, bias_updates
 from raypar.core.observe import flops, memory
 from raypar.core.observe.step_report import MoELayerReport, StepReport
 from raypar.core.parallel import ep as ep_mod
@@ -192,6 +193,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         self.strategy, self.expert_strategy, self._stash = None, None, None
         self.scaler = precision.scaler_for(train)
         self._skip = False
+        self._bias_steps: dict[str, torch.Tensor] = {}  # the routing biases' move at the step's commit
         self.dataset = self.val_dataset = None
         if self.first or self.last:
             self.dataset, self.val_dataset = data.open_datasets(self.cfg.data, self.cfg.model)
@@ -332,6 +334,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         except Exception as err:
             for strategy in self._strategies():  # the step is discarded: nothing of it may leak into a redo
                 strategy.zero_grad()
+            self._bias_steps = {}
             raise self._fail(f"step {step}", err) from err
         self.copies.wait_shared()  # so a completed step means: the buddy holds the copy from before it
         return result
@@ -347,6 +350,9 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
                 strategy.step(lr)
         if self.scaler is not None:
             self.scaler.update(self._skip)
+        # the routing happened even if the update is skipped: its loads move the biases all the same
+        apply_bias_updates(self.model.moe_layers(), self._bias_steps)
+        self._bias_steps = {}
         self._skip = False  # applied once: a second apply of the same step must not count it again
         for strategy in self._strategies():
             strategy.zero_grad()
@@ -382,6 +388,9 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         found_inf = [s.unscale_(1.0 / scale, check=check) for s in self._strategies()]  # both, always
         self._skip = self.scaler is not None and self._anywhere(any(found_inf))
         grad_norm = float("inf") if self._skip else self._clip_grad_norm()
+        rate = self.cfg.model.moe_bias_update_rate
+        if rate:  # the step's loads over every replica and cp rank, before take_moe_stats below
+            self._bias_steps = bias_updates(self.model.moe_layers(), rate, self.dp_group, self.device)
         self.check_groups()  # a step is complete only if no communicator failed under it
         end = time.perf_counter()
         traffic = _summed(s.take_traffic() for s in self._strategies())

@@ -1,0 +1,179 @@
+"""DeepSeek-style MoE (raypar.core.model.moe, raypar.core.model.moe_balance) on thread ranks, no Ray.
+
+1. Dropless routing (capacity factor 0) with a shared expert and a non-zero routing bias, at dp=2 x ep=2
+   and dp=2 x ep=2 x tp=2, against one process holding every expert (tests/support/moe_threads.py): the
+   loss, every gradient (tp shards assembled), the grad norm, the aux loss, the expert load exactly and
+   nothing dropped. Tolerance 1e-5 relative, as tests/unit/test_moe_sequence_parallel.py: only the order
+   of fp32 sums differs (dp/ep reductions of a few terms, tp's split of d_ff), each a few ulps (2^-24 ~
+   6e-8) of a sum over <= 256 terms, well under 1e-5; a routing or mapping error moves gradients by O(1).
+2. The grouped GEMM against one matmul chain per expert (tests.support.moe_threads.LoopedExperts), one
+   process: the same dot products in another kernel's order. Each output is a dot product over d_model =
+   64 then d_ff = 128 terms; fp32 summation in any order is within n * 2^-24 * sum|terms| of the exact
+   value (Higham, 3.1), i.e. <= 128 * 6e-8 ~ 8e-6 of the magnitude sums, so 1e-5 of each tensor's largest
+   magnitude holds on every CPU (AVX2 or AVX-512 orders alike).
+3. Aux-loss-free balancing on a skewed synthetic stream at dp=2: the load spread (max / mean - 1) shrinks
+   and the bias is bitwise equal on both replicas.
+
+Negative controls: the grouped GEMM fed the wrong expert's offsets (rows of expert j through expert j+1)
+fails check 1 on the loss and check 2 on the output; a bias updated from each replica's own loads (not
+all-reduced) leaves the replicas' biases different; an update with the sign flipped does not shrink the
+spread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.checkpoint import hf
+from raypar.core.config.schema import Config
+from raypar.core.model.llama import LlamaStage
+from raypar.core.model.moe import MoELayer, grouped_partial
+from raypar.core.model.moe_balance import apply_bias_updates, bias_updates, load_spread
+from raypar.core.run_config import load_config
+from tests.support.moe_threads import LoopedExperts, assert_matches, parallel, reference, set_routing_biases
+from tests.support.threads import run_ranks
+
+E, K, TOL = 4, 2, 1e-5
+
+
+def make_cfg(tp: int = 1, **model: float) -> Config:
+    overrides = {"moe_experts": E, "moe_top_k": K, "moe_capacity_factor": 0, "moe_every": 2,
+                 "moe_shared_experts": 1, **model}  # fmt: skip
+    return load_config("examples/configs/tiny.toml", [
+        "parallel.dp=2", "parallel.ep=2", f"parallel.tp={tp}", "parallel.microbatches=1",
+        "train.global_batch=4",
+        *(f"model.{k}={v}" for k, v in overrides.items()),
+    ])
+
+
+class _ShiftedOffsets(MoELayer):
+    """A grouped GEMM whose offsets name the wrong expert: expert j's rows go through expert j+1."""
+
+    def local_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        experts = list(self.experts.values())
+        return grouped_partial(experts[1:] + experts[:1], rows, counts)
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    want = reference(make_cfg(), set_routing_biases)  # the same math at tp=1 and tp=2
+    assert want["moe"]["dropped_tokens"] == 0
+    assert all(min(load) > 0 for load in want["moe"]["expert_load"].values()), "every expert must get rows"
+    return want
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dropless_with_shared_experts_matches_one_process(one_process, tp):
+    got = parallel(make_cfg(tp), prepare=set_routing_biases)
+    diffs = assert_matches(got, one_process, TOL)
+    print(f"dropless dp=2 ep=2 tp={tp}: max relative differences {diffs}")
+
+
+def test_dropless_with_wrong_group_offsets_is_rejected(one_process):
+    got = parallel(make_cfg(), _ShiftedOffsets, prepare=set_routing_biases)
+    with pytest.raises(AssertionError, match=r"^loss [\d.]+ vs [\d.]+$"):
+        assert_matches(got, one_process, TOL)
+
+
+# -- the grouped GEMM against the per-expert loop -----------------------------------------------------------
+def experts_run(cls: type[MoELayer]) -> dict[str, torch.Tensor]:
+    """One dropless layer's output and gradients on uneven random tokens (seeded: the same for every cls)."""
+    torch.manual_seed(0)
+    layer = LlamaStage(make_cfg().model, seed=1).moe_layers()["1"]
+    layer.__class__ = cls
+    x = torch.randn(3, 16, layer.router.weight.shape[1], requires_grad=True)
+    y = layer(x)
+    (y * torch.randn_like(y)).sum().backward()
+    return {"output": y.detach(), "input gradient": x.grad} | {n: p.grad for n, p in layer.named_parameters()}
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    for name, w in want.items():
+        err = (got[name] - w).abs().max().item()
+        assert err <= TOL * w.abs().max().item(), f"{name} differs by {err:.3g}"
+
+
+def test_grouped_gemm_matches_the_per_expert_loop():
+    assert_same(experts_run(MoELayer), experts_run(LoopedExperts))
+
+
+def test_grouped_gemm_with_wrong_offsets_is_rejected():
+    with pytest.raises(AssertionError, match=r"^output differs by"):
+        assert_same(experts_run(_ShiftedOffsets), experts_run(LoopedExperts))
+
+
+# -- aux-loss-free balancing -------------------------------------------------------------------------------
+RATE, STEPS, TOKENS = 0.01, 40, 64
+Update = Callable[..., dict[str, torch.Tensor]]
+
+
+def _local_loads(layers, rate, group, device):  # each replica its own loads: the bug the all-reduce avoids
+    return bias_updates(layers, rate, None, device)
+
+
+def _flipped_sign(layers, rate, group, device):  # the busiest expert made busier
+    return bias_updates(layers, -rate, group, device)
+
+
+def balance(update: Update = bias_updates) -> list[dict]:
+    """STEPS steps of a skewed stream on 2 replicas (each its own tokens; forward only: the bias moves by
+    loads, not gradients): the global load spread per step and the final bias of each replica."""
+    cfg = make_cfg(moe_bias_update_rate=RATE).model
+    skew = torch.randn(cfg.d_model, generator=torch.Generator().manual_seed(5))
+
+    def replica(group) -> dict:
+        layer = LlamaStage(cfg, seed=1).moe_layers()["1"]
+        with torch.no_grad():  # the router favours expert 0 for tokens along `skew`
+            layer.router.weight[0] += skew / skew.norm() * 0.2
+        gen, spreads = torch.Generator().manual_seed(group.rank), []
+        for _ in range(STEPS):
+            with torch.no_grad():
+                layer(torch.randn(TOKENS, cfg.d_model, generator=gen) + skew)
+            steps = update({"1": layer}, RATE, group, torch.device("cpu"))
+            load = group.all_reduce(layer.take_stats().load.clone(), "sum")
+            spreads.append(load_spread(load.tolist()))
+            apply_bias_updates({"1": layer}, steps)
+        return {"spreads": spreads, "bias": layer.expert_bias.clone()}
+
+    return run_ranks(2, replica)
+
+
+def assert_balanced(replicas: list[dict]) -> None:
+    spreads = replicas[0]["spreads"]
+    first, last = sum(spreads[:3]) / 3, sum(spreads[-10:]) / 10
+    assert first > 0.5, f"the stream must start skewed: spread {first:.2f}"
+    assert last < first / 2, f"expert load spread did not shrink: {first:.2f} -> {last:.2f}"
+    for r in replicas[1:]:
+        same = torch.equal(r["bias"], replicas[0]["bias"])
+        assert same, f"routing bias differs between replicas: {r['bias']} vs {replicas[0]['bias']}"
+
+
+def test_bias_balancing_shrinks_the_spread_and_stays_equal_on_replicas():
+    assert_balanced(balance())
+
+
+@pytest.mark.parametrize("update, symptom", [
+    (_local_loads, "routing bias differs between replicas"),
+    (_flipped_sign, "expert load spread did not shrink"),
+])
+def test_broken_bias_updates_are_rejected(update, symptom):
+    with pytest.raises(AssertionError, match=symptom):
+        assert_balanced(balance(update))
+
+
+# -- export --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shared, field", [(1, "model.moe_shared_experts=1"), (0, "model.moe_experts=4")])
+def test_hf_export_refuses_experts_naming_the_field(tmp_path, shared, field):
+    cfg = make_cfg(moe_shared_experts=shared).model
+    stage = LlamaStage(cfg, seed=3)
+    tensors = dict(stage.named_parameters()) | stage.routing_biases()
+    specs = {n: checkpoint.ShardSpec.full(t.shape) for n, t in tensors.items()}
+    meta = {"model": dataclasses.asdict(cfg)}
+    step = checkpoint.save(str(tmp_path / "ckpt"), 1, {"dp0.pp0.tp0": (tensors, specs)}, meta)
+    with pytest.raises(checkpoint.CheckpointError, match=f"{field}: Hugging Face's LlamaForCausalLM has no"):
+        hf.export(step, str(tmp_path / "hf"))
