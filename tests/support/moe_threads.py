@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from collectives import create_group
 from raypar.controller.actor_mesh import moe_totals
@@ -39,8 +40,11 @@ class LoopedExperts(MoELayer):
     (the grouped GEMM's partner in tests/unit/test_moe_dropless.py and benchmarks/moe_grouped.py)."""
 
     def local_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        parts = rows.split(counts)
-        return torch.cat([e.partial(x) for e, x in zip(self.experts.values(), parts, strict=True)])
+        outs = []
+        for e, x in zip(self.experts.values(), rows.split(counts), strict=True):
+            hidden = F.silu(F.linear(x, e.w_gate.weight)) * F.linear(x, e.w_up.weight)
+            outs.append(F.linear(hidden, e.w_down.weight))
+        return torch.cat(outs)
 
 
 def set_routing_biases(model: LlamaStage) -> None:

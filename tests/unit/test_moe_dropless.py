@@ -1,23 +1,26 @@
 """DeepSeek-style MoE (raypar.core.model.moe, raypar.core.model.moe_balance) on thread ranks, no Ray.
 
 1. Dropless routing (capacity factor 0) with a shared expert and a non-zero routing bias, at dp=2 x ep=2
-   and dp=2 x ep=2 x tp=2, against one process holding every expert (tests/support/moe_threads.py): the
-   loss, every gradient (tp shards assembled), the grad norm, the aux loss, the expert load exactly and
-   nothing dropped. Tolerance 1e-5 relative, as tests/unit/test_moe_sequence_parallel.py: only the order
-   of fp32 sums differs (dp/ep reductions of a few terms, tp's split of d_ff), each a few ulps (2^-24 ~
-   6e-8) of a sum over <= 256 terms, well under 1e-5; a routing or mapping error moves gradients by O(1).
+   (1F1B and ZB-H1) and dp=2 x ep=2 x tp=2 (with SP), against one process holding every expert
+   (tests/support/moe_threads.py): the loss, every gradient (tp shards assembled), the grad norm, the aux
+   loss, the expert load exactly and nothing dropped. Tolerance 1e-5 relative, as
+   tests/unit/test_moe_sequence_parallel.py: only the order of fp32 sums differs (dp/ep reductions of a
+   few terms, tp's split of d_ff), each a few ulps (2^-24 ~ 6e-8) of a sum over <= 256 terms, well under
+   1e-5; a routing or mapping error moves gradients by O(1).
 2. The grouped GEMM against one matmul chain per expert (tests.support.moe_threads.LoopedExperts), one
-   process: the same dot products in another kernel's order. Each output is a dot product over d_model =
-   64 then d_ff = 128 terms; fp32 summation in any order is within n * 2^-24 * sum|terms| of the exact
-   value (Higham, 3.1), i.e. <= 128 * 6e-8 ~ 8e-6 of the magnitude sums, so 1e-5 of each tensor's largest
-   magnitude holds on every CPU (AVX2 or AVX-512 orders alike).
+   process: the same dot products in another kernel's order. Each output chains a dot product over d_model
+   = 64 terms and one over d_ff = 128; fp32 summation in any order is within n * 2^-24 of the sum of the
+   terms' magnitudes (Higham, 3.1), 192 * 6e-8 ~ 1.1e-5 in the worst case, and ~sqrt(n) * 2^-24 ~ 1e-6
+   with random-signed roundings (Higham and Mary 2019): 1e-5 of each tensor's largest magnitude holds on
+   any CPU's kernel order, and a wrong expert moves outputs by their own size.
 3. Aux-loss-free balancing on a skewed synthetic stream at dp=2: the load spread (max / mean - 1) shrinks
    and the bias is bitwise equal on both replicas.
 
 Negative controls: the grouped GEMM fed the wrong expert's offsets (rows of expert j through expert j+1)
-fails check 1 on the loss and check 2 on the output; a bias updated from each replica's own loads (not
-all-reduced) leaves the replicas' biases different; an update with the sign flipped does not shrink the
-spread.
+fails check 1 on the loss and check 2 on the output; under ZB-H1, experts whose weight GEMMs zero-bubble
+counts as deferred (they are not: the grouped GEMM computes them in B) get no gradient; a bias updated
+from each replica's own loads (not all-reduced) leaves the replicas' biases different; an update with the
+sign flipped does not shrink the spread.
 """
 
 from __future__ import annotations
@@ -41,12 +44,13 @@ from tests.support.threads import run_ranks
 E, K, TOL = 4, 2, 1e-5
 
 
-def make_cfg(tp: int = 1, **model: float) -> Config:
+def make_cfg(tp: int = 1, schedule: str = "1f1b", **model: float) -> Config:
     overrides = {"moe_experts": E, "moe_top_k": K, "moe_capacity_factor": 0, "moe_every": 2,
                  "moe_shared_experts": 1, **model}  # fmt: skip
     return load_config("examples/configs/tiny.toml", [
-        "parallel.dp=2", "parallel.ep=2", f"parallel.tp={tp}", "parallel.microbatches=1",
-        "train.global_batch=4",
+        "parallel.dp=2", "parallel.ep=2", f"parallel.tp={tp}",
+        f"parallel.sequence_parallel={str(tp > 1).lower()}",
+        f'parallel.schedule="{schedule}"', "parallel.microbatches=1", "train.global_batch=4",
         *(f"model.{k}={v}" for k, v in overrides.items()),
     ])
 
@@ -67,16 +71,33 @@ def one_process() -> dict:
     return want
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_dropless_with_shared_experts_matches_one_process(one_process, tp):
-    got = parallel(make_cfg(tp), prepare=set_routing_biases)
+def _experts_deferred_by_zero_bubble(model: LlamaStage) -> None:
+    """The experts' linears with their zero-bubble slot back: ZB-H1 then defers weight GEMMs that the
+    grouped GEMM never leaves for W, and the experts get no gradient."""
+    set_routing_biases(model)
+    for layer in model.moe_layers().values():
+        for expert in layer.experts.values():
+            for linear in (expert.w_gate, expert.w_up, expert.w_down):
+                linear.wgrad_store = None
+
+
+@pytest.mark.parametrize("tp, schedule", [(1, "1f1b"), (2, "1f1b"), (1, "zb-h1")])
+def test_dropless_with_shared_experts_matches_one_process(one_process, tp, schedule):
+    got = parallel(make_cfg(tp, schedule), prepare=set_routing_biases)
     diffs = assert_matches(got, one_process, TOL)
-    print(f"dropless dp=2 ep=2 tp={tp}: max relative differences {diffs}")
+    print(f"dropless dp=2 ep=2 tp={tp} {schedule}: max relative differences {diffs}")
 
 
 def test_dropless_with_wrong_group_offsets_is_rejected(one_process):
     got = parallel(make_cfg(), _ShiftedOffsets, prepare=set_routing_biases)
     with pytest.raises(AssertionError, match=r"^loss [\d.]+ vs [\d.]+$"):
+        assert_matches(got, one_process, TOL)
+
+
+def test_expert_gradients_left_to_zero_bubbles_w_are_rejected(one_process):
+    got = parallel(make_cfg(schedule="zb-h1"), prepare=_experts_deferred_by_zero_bubble)
+    expert = r"layers\.\d\.mlp\.experts\.\d\.w_\w+\.weight"
+    with pytest.raises(AssertionError, match=rf"^gradient of {expert} differs"):
         assert_matches(got, one_process, TOL)
 
 

@@ -125,17 +125,17 @@ class Router(nn.Module):
 
 
 class Expert(nn.Module):
-    """One SwiGLU expert on one tp rank; its input is already copied to tp and its output is reduced by the
-    caller once for all local experts."""
+    """One SwiGLU expert's weights on one tp rank, split like the dense MLP's; `grouped_partial` runs them."""
 
     def __init__(self, cfg: ModelConfig, group: Group | None):
         super().__init__()
         self.w_gate = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
         self.w_up = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
         self.w_down = RowParallelLinear(cfg.d_ff, cfg.d_model, group)
-
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down.local(F.silu(self.w_gate(x)) * self.w_up(x))
+        for linear in (self.w_gate, self.w_up, self.w_down):
+            # The grouped GEMM reads the weights, not the linears, so zero-bubble cannot defer their weight
+            # GEMMs to W: without the slot, raypar.core.pipeline.zb.attach leaves them to B.
+            del linear.wgrad_store
 
 
 def grouped_partial(experts: list[Expert], rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
