@@ -444,6 +444,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             raise self._fail(f"validation after step {step}", err) from err
         finally:
             self.model.train()
+            self.model.take_moe_stats()  # validation's routing is not the next step's expert load
 
     def _eval_step(self, step: int) -> float | None:
         # This replica's microbatches of each fixed validation batch, walked as one forward-only pass on the
