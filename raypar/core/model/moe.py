@@ -107,6 +107,12 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
     return cfg.moe_experts > 0 and (layer + 1) % cfg.moe_every == 0
 
 
+def kept_share(cfg: ModelConfig) -> float:
+    """The share of assignments an expert keeps under balanced routing: all of them dropless, else up to
+    its capacity (what the planner counts)."""
+    return 1.0 if cfg.moe_capacity_factor == 0 else min(1.0, cfg.moe_capacity_factor)
+
+
 def is_expert_param(name: str) -> bool:
     return ".mlp.experts." in f".{name}"
 
