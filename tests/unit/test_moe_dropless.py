@@ -35,8 +35,9 @@ from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import hf
 from raypar.core.config.schema import Config
 from raypar.core.model.llama import LlamaStage
-from raypar.core.model.moe import MoELayer, grouped_partial
+from raypar.core.model.moe import MoELayer
 from raypar.core.model.moe_balance import apply_bias_updates, bias_updates, load_spread
+from raypar.core.model.moe_experts import grouped_partial
 from raypar.core.run_config import load_config
 from tests.support.moe_threads import LoopedExperts, assert_matches, parallel, reference, set_routing_biases
 from tests.support.threads import run_ranks

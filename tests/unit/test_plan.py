@@ -258,7 +258,7 @@ def test_cp_halves_activations_and_sp_divides_the_norms() -> None:
 def test_moe_formula_counts_what_autograd_saves_on_average_over_ep() -> None:
     """ep=2: each rank saves what its routed rows cost, the formula the balanced count (every rank receives
     as many rows as it sends, on average): exact for the mean over the EP group, not for a rank. With a
-    shared expert, and the grouped GEMM's stacked weights of the rank's experts."""
+    shared expert, and the grouped GEMM's sort indices and group ends."""
     cfg = load_config(TINY, ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=2.0",
                              "model.moe_every=2", "model.moe_shared_experts=1"])
     m = cfg.model

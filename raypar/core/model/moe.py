@@ -30,11 +30,13 @@ so the counting above runs unchanged and keeps everything; the all-gathered coun
 all-to-all.
 
 Grouped experts. The rows a rank receives are sorted by local expert and its experts run as one
-`torch._grouped_mm` per projection (gate and up fused into one, then down) instead of a matmul per expert:
-the local experts' weights are stacked for it each forward (a copy of E/ep x 3 x d x d_ff/tp values per
-microbatch; the parameters stay per expert under their global names, which checkpoints, ZeRO and
-resharding across ep read). The GEMM wants rows of 16-byte multiples: d_model and d_ff/tp multiples of 8
-(a config rule). Each output row is the same dot products as a per-expert matmul's, in a kernel's order.
+`torch._grouped_mm` per projection (gate and up fused into one, then down) instead of a matmul per expert.
+The parameters stay per expert under their global names (which checkpoints, ZeRO and resharding across ep
+read); the GEMM stacks the local experts' weights in forward and again in backward, a transient copy of
+E/ep x 3 x d x d_ff/tp values, and keeps only the parameters for backward, as a linear does. Under ZB-H1
+the experts' weight GEMMs stay in B (raypar.core.pipeline.zb defers only linears that run through it).
+The GEMM wants rows of 16-byte multiples: d_model and d_ff/tp multiples of 8 (a config rule). Each output
+row is the same dot products as a per-expert matmul's, in a kernel's order.
 
 Aux-loss-free balancing (DeepSeek-V3, `moe_bias_update_rate` > 0): a per-expert bias is added to the
 router probabilities for the top-k choice only (the combine weights stay the unbiased probabilities), and
@@ -90,12 +92,11 @@ from torch import nn
 from collectives import Group
 from raypar.core.config.options import CP_STYLES, RING
 from raypar.core.config.schema import ModelConfig
+from raypar.core.model.moe_experts import Expert, grouped_partial
 from raypar.core.parallel import cp
 from raypar.core.parallel.ep import all_to_all
 from raypar.core.parallel.sp import gather_whole, split_whole
 from raypar.core.parallel.tp import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     TPLayer,
     copy_to_tp,
     reduce_from_tp,
@@ -128,30 +129,6 @@ class Router(nn.Module):
         """Router probabilities [T, E] in fp32 (also under autocast: top-k ties and the aux loss want it)."""
         with torch.autocast(x.device.type, enabled=False):
             return F.linear(x.float(), self.weight.float()).softmax(dim=-1)
-
-
-class Expert(nn.Module):
-    """One SwiGLU expert's weights on one tp rank, split like the dense MLP's; `grouped_partial` runs them."""
-
-    def __init__(self, cfg: ModelConfig, group: Group | None):
-        super().__init__()
-        self.w_gate = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
-        self.w_up = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
-        self.w_down = RowParallelLinear(cfg.d_ff, cfg.d_model, group)
-        for linear in (self.w_gate, self.w_up, self.w_down):
-            # The grouped GEMM reads the weights, not the linears, so zero-bubble cannot defer their weight
-            # GEMMs to W: without the slot, raypar.core.pipeline.zb.attach leaves them to B.
-            del linear.wgrad_store
-
-
-def grouped_partial(experts: list[Expert], rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Every expert's partial product (before the reduction over tp) for `rows` sorted by expert, `counts[j]`
-    of them for experts[j]: one grouped GEMM for gate and up together, one for down."""
-    ends = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
-    gate_up = torch.stack([torch.cat([e.w_gate.weight, e.w_up.weight]) for e in experts]).to(rows.dtype)
-    down = torch.stack([e.w_down.weight for e in experts]).to(rows.dtype)
-    gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-    return torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)
 
 
 class _SumOverCp(torch.autograd.Function):

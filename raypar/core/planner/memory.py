@@ -166,14 +166,13 @@ def moe_activation_bytes(m: ModelConfig, tp: int, n: int, precision: str, ep: in
     assignment its row twice (sent and returned), fp32 gate weight, three int64 indices and the keep mask,
     and per received row the expert's SwiGLU (input, gate, silu, up, product). Routing balanced: a rank
     receives as many rows as it sends, k per token, fewer when capacity_factor < 1 drops some. The grouped
-    GEMM adds per received row its two int64 places (into the order by expert and back) and keeps the
-    local experts' stacked weights and int32 group ends for its backward; shared experts save what a
+    GEMM adds per received row its two int64 places (into the order by expert and back) and the int32 end
+    of each local expert's rows (the weights it keeps are the parameters); shared experts save what a
     dense MLP of their width does."""
     e, d, f = PRECISION_BYTES[precision], m.d_model, m.d_ff // tp
     rows = int(m.moe_top_k * n * kept_share(m))
     router = 4 * n * m.moe_experts + 4 * m.moe_experts  # probabilities, and the aux loss's per-expert shares
-    local = m.moe_experts // ep
-    grouped = local * (e * 3 * d * f + 4)
+    grouped = 4 * (m.moe_experts // ep)
     shared = 4 * e * n * f * m.moe_shared_experts
     return router + rows * (2 * e * d + 4 + 3 * 8 + 1) + rows * (e * d + 4 * e * f + 16) + grouped + shared
 
