@@ -334,7 +334,9 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         except Exception as err:
             for strategy in self._strategies():  # the step is discarded: nothing of it may leak into a redo
                 strategy.zero_grad()
-            self._bias_steps = {}
+            self._bias_steps = {}  # nor its routing: loads the biases would move by, aux losses
+            self.model.take_moe_stats()
+            self.model.take_aux_loss()
             raise self._fail(f"step {step}", err) from err
         self.copies.wait_shared()  # so a completed step means: the buddy holds the copy from before it
         return result

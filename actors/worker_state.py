@@ -170,20 +170,12 @@ class WorkerState:
                 self.scaler.load_state(reader.meta["loss_scaler"])
             for strategy in self._strategies():
                 strategy.load(reader, step_count)
-            self._load_routing_biases(reader)
+            biases = checkpoint_read.routing_biases(reader, self.model.routing_biases())  # at any ep
+            self.model.load_routing_biases(biases)
             self._restore_rng(reader.meta.get("rng", {}).get(self.coord.key))
             return step_count
         except Exception as err:
             raise self._fail(f"loading {ckpt_uri}", err) from err
-
-    def _load_routing_biases(self, reader: checkpoint_read.CheckpointReader) -> None:
-        """The MoE routing biases as written (global [E]: any ep reads them); zero if the checkpoint has
-        none (written without bias balancing, or before it existed)."""
-        stored = set(reader.names())
-        self.model.load_routing_biases({
-            name: reader.read_full(name) if name in stored else torch.zeros_like(bias)
-            for name, bias in self.model.routing_biases().items()
-        })
 
     def rng_state(self) -> dict[str, str]:
         """This process's random state (dropout draws from it), base64 per generator."""

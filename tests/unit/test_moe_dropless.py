@@ -31,6 +31,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from raypar.core import generate
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import hf
 from raypar.core.config.schema import Config
@@ -188,14 +189,27 @@ def test_broken_bias_updates_are_rejected(update, symptom):
         assert_balanced(balance(update))
 
 
-# -- export --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("shared, field", [(1, "model.moe_shared_experts=1"), (0, "model.moe_experts=4")])
-def test_hf_export_refuses_experts_naming_the_field(tmp_path, shared, field):
+# -- checkpoints out: Hugging Face refuses experts, sampling routes with the biases -----------------------
+def moe_checkpoint(tmp_path, shared: int) -> tuple[str, LlamaStage]:
+    """A one-process checkpoint of an MoE model with non-zero routing biases, as a run writes it."""
     cfg = make_cfg(moe_shared_experts=shared).model
     stage = LlamaStage(cfg, seed=3)
+    set_routing_biases(stage)
     tensors = dict(stage.named_parameters()) | stage.routing_biases()
     specs = {n: checkpoint.ShardSpec.full(t.shape) for n, t in tensors.items()}
     meta = {"model": dataclasses.asdict(cfg)}
-    step = checkpoint.save(str(tmp_path / "ckpt"), 1, {"dp0.pp0.tp0": (tensors, specs)}, meta)
+    return checkpoint.save(str(tmp_path / "ckpt"), 1, {"dp0.pp0.tp0": (tensors, specs)}, meta), stage
+
+
+@pytest.mark.parametrize("shared, field", [(1, "model.moe_shared_experts=1"), (0, "model.moe_experts=4")])
+def test_hf_export_refuses_experts_naming_the_field(tmp_path, shared, field):
+    step, _ = moe_checkpoint(tmp_path, shared)
     with pytest.raises(checkpoint.CheckpointError, match=f"{field}: Hugging Face's LlamaForCausalLM has no"):
         hf.export(step, str(tmp_path / "hf"))
+
+
+def test_generate_loads_the_routing_biases(tmp_path):
+    step, stage = moe_checkpoint(tmp_path, 1)
+    model, _ = generate.load(step)
+    for name, bias in stage.routing_biases().items():
+        assert bias.abs().max() > 0 and torch.equal(model.routing_biases()[name], bias), name
