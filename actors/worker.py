@@ -48,6 +48,7 @@ from raypar.core.dp.strategies import STRATEGIES
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage, StageSpec, dropout_seed
 from raypar.core.model.moe import is_expert_param
+from raypar.core.model.moe_balance import apply_bias_updates, bias_updates
 from raypar.core.observe import flops, hangs, memory
 from raypar.core.observe.step_report import MoELayerReport, StepReport
 from raypar.core.parallel import ep as ep_mod
@@ -198,6 +199,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         self.strategy, self.expert_strategy, self._stash = None, None, None
         self.scaler = precision.scaler_for(train)
         self._skip = False
+        self._bias_steps: dict[str, torch.Tensor] = {}  # the routing biases' move at the step's commit
         self.dataset = self.val_dataset = None
         if self.first or self.last:
             self.dataset, self.val_dataset = data.open_datasets(self.cfg.data, self.cfg.model)
@@ -340,6 +342,9 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             except Exception as err:
                 for strategy in self._strategies():  # the step is discarded: nothing may leak into a redo
                     strategy.zero_grad()
+                self._bias_steps = {}  # nor its routing: loads the biases would move by, aux losses
+                self.model.take_moe_stats()
+                self.model.take_aux_loss()
                 raise self._fail(f"step {step}", err) from err
             self.copies.wait_shared()  # so a completed step means: the buddy holds the copy from before it
         finally:
@@ -368,6 +373,9 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
                 strategy.step(lr)
         if self.scaler is not None:
             self.scaler.update(self._skip)
+        # the routing happened even if the update is skipped: its loads move the biases all the same
+        apply_bias_updates(self.model.moe_layers(), self._bias_steps)
+        self._bias_steps = {}
         self._skip = False  # applied once: a second apply of the same step must not count it again
         for strategy in self._strategies():
             strategy.zero_grad()
@@ -402,6 +410,9 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         found_inf = [s.unscale_(1.0 / scale, check=check) for s in self._strategies()]  # both, always
         self._skip = self.scaler is not None and self._anywhere(any(found_inf))
         grad_norm = float("inf") if self._skip else self._clip_grad_norm()
+        rate = self.cfg.model.moe_bias_update_rate
+        if rate:  # the step's loads over every replica and cp rank, before take_moe_stats below
+            self._bias_steps = bias_updates(self.model.moe_layers(), rate, self.dp_group, self.device)
         self.check_groups()  # a step is complete only if no communicator failed under it
         end = time.perf_counter()
         traffic = _summed(s.take_traffic() for s in self._strategies())
@@ -455,6 +466,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             raise self._fail(f"validation after step {step}", err) from err
         finally:
             self.model.train()
+            self.model.take_moe_stats()  # validation's routing is not the next step's expert load
 
     def _eval_step(self, step: int) -> float | None:
         # This replica's microbatches of each fixed validation batch, walked as one forward-only pass on the

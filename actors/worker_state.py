@@ -93,6 +93,9 @@ class WorkerState:
                     if group is not None:
                         group.broadcast(state[name], src)
             strategy.load_full_state(state, int(steps[0]))
+        with torch.no_grad():  # the routing biases: the same on every replica, sent like the dense state
+            for _, bias in sorted(self.model.routing_biases().items()):
+                self.dp_group.broadcast(bias, dense_src)
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def parameters(self) -> dict[str, Shard]:
@@ -122,6 +125,10 @@ class WorkerState:
             for tag, strategy in zip(("", "e"), self._strategies(), strict=True)
             for k, part in enumerate(strategy.checkpoint_parts())
         ]
+        biases = self.model.routing_biases()  # equal everywhere: the first replica's first ranks write them
+        if biases and self.dp_rank == 0 and self.coord.tp == 0 and self.coord.cp == 0:
+            whole = {n: (b, checkpoint.ShardSpec.full(b.shape)) for n, b in biases.items()}
+            parts.append((f"{key}.b", whole))
         if not parts:
             return False
         snaps = [
@@ -163,6 +170,8 @@ class WorkerState:
                 self.scaler.load_state(reader.meta["loss_scaler"])
             for strategy in self._strategies():
                 strategy.load(reader, step_count)
+            biases = checkpoint_read.routing_biases(reader, self.model.routing_biases())  # at any ep
+            self.model.load_routing_biases(biases)
             self._restore_rng(reader.meta.get("rng", {}).get(self.coord.key))
             return step_count
         except Exception as err:
@@ -197,8 +206,9 @@ class WorkerState:
         and hand it to the buddy in the background."""
         dense, experts = (s.owned_state() for s in self._strategies())
         scaler = self.scaler.state() if self.scaler is not None else None
+        biases = {n: b.detach().cpu().clone() for n, b in self.model.routing_biases().items()}
         state = {"dense": dense, "experts": experts, "step_count": self.strategy.step_count,
-                 "loss_scaler": scaler, "rng": self.rng_state()}  # fmt: skip
+                 "loss_scaler": scaler, "rng": self.rng_state(), "routing_biases": biases}  # fmt: skip
         snap = Snapshot(next_step, self._layout, state)
         self.copies.keep(snap)
         self._share(snap)
@@ -240,6 +250,7 @@ class WorkerState:
                 strategy.load_owned_state(state[part], state["step_count"])
             if self.scaler is not None and state["loss_scaler"]:
                 self.scaler.load_state(state["loss_scaler"])
+            self.model.load_routing_biases(state["routing_biases"])
             self._restore_rng(state["rng"])
         except Exception as err:
             raise self._fail(f"restoring step {step} from memory", err) from err

@@ -42,6 +42,7 @@ from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.options import ZeroStage
 from raypar.core.config.schema import Config
 from raypar.core.dp.strategies import STRATEGIES
+from raypar.core.model.moe_balance import load_spread
 from raypar.core.observe.step_report import StepReport
 from raypar.core.parallel.mesh import Coord, Mesh, actor_name
 from raypar.core.pipeline.schedules import Topology, topology
@@ -68,8 +69,9 @@ class StepResult:
 
 def moe_totals(per_actor: dict[Coord, StepReport]) -> dict[str, Any] | None:
     """The step's MoE figures over the whole mesh: `aux_loss` (summed over layers, each the mean over replicas
-    and microbatches), `dropped_tokens` (assignments over capacity, all replicas) and `expert_load` (layer ->
-    assignments per expert, all replicas). Every tp rank routes the same tokens: tp rank 0 speaks for them."""
+    and microbatches), `dropped_tokens` (assignments over capacity, all replicas), `expert_load` (layer ->
+    assignments per expert, all replicas) and `expert_load_spread` (the worst layer's MaxVio, max / mean -
+    1). Every tp rank routes the same tokens: tp rank 0 speaks for them."""
     layers: dict[str, dict[str, Any]] = {}
     for coord, result in per_actor.items():
         for layer, stats in result.moe.items() if coord.tp == 0 else ():
@@ -84,6 +86,7 @@ def moe_totals(per_actor: dict[Coord, StepReport]) -> dict[str, Any] | None:
         "aux_loss": sum(sum(layers[i]["aux"]) / len(layers[i]["aux"]) for i in order),
         "dropped_tokens": sum(layers[i]["dropped"] for i in order),
         "expert_load": {i: layers[i]["load"] for i in order},
+        "expert_load_spread": max(load_spread(layers[i]["load"]) for i in order),
     }
 
 

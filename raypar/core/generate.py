@@ -54,6 +54,7 @@ def load(ckpt_uri: str, device: str = "cpu") -> tuple[LlamaStage, Tokenizer]:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(reader.read_full(model.init_source(name)))
+    model.load_routing_biases(checkpoint_read.routing_biases(reader, model.routing_biases()))
     return model.to(device).eval(), from_record(reader.meta.get("tokenizer"))
 
 

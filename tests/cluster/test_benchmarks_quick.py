@@ -209,3 +209,12 @@ def test_zero_bubble_split_quick():
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("|")}
     assert {"plain", "split", "rewalk"} <= set(rows)
     assert "1.000" in rows["split"].split("|")[3]  # the same FLOPs as one backward
+
+
+def test_moe_grouped_quick(tmp_path):
+    out = tmp_path / "moe_grouped.json"
+    text = ok(run("benchmarks/moe_grouped.py", "--quick", "--json", str(out)))
+    assert "dropless: grouped" in text and "speed-up x" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["routing"] for r in rows] == ["dropless", "capacity 1.25"]
+    assert all(r["grouped_s"] > 0 and r["loop_s"] > 0 for r in rows)

@@ -114,8 +114,9 @@ def test_restore_from_memory_continues_exactly(request, ray_session, zero, pp):
 
 
 # -- the layouts that change what an actor's state is ----------------------------------------------------
-MOE = ("parallel.ep=2", "model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=2.0",
-       "model.moe_every=2")  # fmt: skip
+# dropless, with the routing bias moving every step: a replacement with another bias routes differently
+MOE = ("parallel.ep=2", "model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=0",
+       "model.moe_every=2", "model.moe_bias_update_rate=0.05")  # fmt: skip
 # fp16 from a scale that overflows at once: the scaler backs off, skips steps, and grows again around the
 # kill (window 2), so a replacement with any other scaler state scales the steps it redoes differently.
 FP16 = ('train.precision="fp16"', f"train.loss_scale={2.0**24}", f"train.loss_scale_backoff={2.0**-12}",
@@ -128,7 +129,7 @@ LAYOUTS = {  # name -> (actors per replica, overrides, the state part a negative
     # replicas {0, 2} and {1, 3} each share experts, ZeRO-1 shards them over the pair, and replica 1's
     # buddy (replica 2) holds other experts than its own
     "moe-dp4-ep2": (1, (*MOE, "parallel.dp=4", "parallel.zero=1"), "experts"),
-    "moe-zero3": (1, (*MOE, "parallel.zero=3"), None),  # ZeRO-3's expert strategy gathers per block
+    "moe-zero3": (1, (*MOE, "parallel.zero=3"), "routing_biases"),  # ZeRO-3's experts gather per block
     # two actors per stage, each cp rank owning its ZeRO shard of the state sharded over cp x dp
     "cp2-zero2": (2, CP, None),
     "bf16-zero1": (1, ('train.precision="bf16"', "parallel.zero=1"), None),

@@ -26,38 +26,43 @@ from tests.support.faults import FaultyActorMesh
 from tests.support.moe_runs import FP32_STATE, STEPS, assert_params, make_cfg, train
 from tests.support.reference import Run, reference_run
 
+# aux-loss-free balancing on: the routing bias moves every step, and a checkpoint must carry it
+BIAS = "model.moe_bias_update_rate=0.05"
+
 
 @pytest.fixture(scope="module")
 def reference() -> Run:
     return reference_run(make_cfg(1, 1, 1, 8), STEPS, microbatch_size=1)
 
 
-def test_dp4_ep2_ep4_divisor_control_and_checkpoint_resharding(ray_session, reference, tmp_path):
-    """One set of 4 actors (dp=4) rebuilt from the seed for each case."""
-    mesh = FaultyActorMesh(make_cfg(4, 1, 2, 2), "moe-dp4", faults={})
+def test_dp4_ep2_ep4_divisor_control_and_checkpoint_resharding(ray_session, tmp_path):
+    """One set of 4 actors (dp=4) rebuilt from the seed for each case, with the routing bias moving."""
+    reference = reference_run(make_cfg(1, 1, 1, 8, BIAS), STEPS, microbatch_size=1)
+    mesh = FaultyActorMesh(make_cfg(4, 1, 2, 2, BIAS), "moe-dp4", faults={})
     try:
         mesh.start()
         for ep in (2, 4):
-            mesh.reconfigure(make_cfg(4, 1, ep, 2))
+            mesh.reconfigure(make_cfg(4, 1, ep, 2, BIAS))
             train(mesh, range(STEPS), reference)
             assert_params(mesh, reference)
 
         # Negative control: expert gradients averaged over the expert-dp group (size 2) instead of dp=4.
         mesh.set_faults({c: ["ep_divisor_edp"] for c in Mesh(4, 1, 1).coords()})
-        mesh.reconfigure(make_cfg(4, 1, 2, 2))
+        mesh.reconfigure(make_cfg(4, 1, 2, 2, BIAS))
         with pytest.raises(AssertionError, match=r"gradient of layers\.\d\.mlp\.experts"):
             train(mesh, range(1), reference)
         mesh.set_faults({})
 
-        # A checkpoint written at ep=2 after 3 steps, resumed at ep=4 and at ep=1: the same curve.
-        mesh.reconfigure(make_cfg(4, 1, 2, 2))
+        # A checkpoint written at ep=2 after 3 steps, resumed at ep=4 and at ep=1: the same curve (the
+        # routing biases of step 3 come back from it: zeros would route, and so lose, differently).
+        mesh.reconfigure(make_cfg(4, 1, 2, 2, BIAS))
         train(mesh, range(3), reference)
         staging, writers = mesh.begin_checkpoint(str(tmp_path), 3)
         assert sorted(c.dp for c in writers) == [0, 1]  # the first EP group writes every expert
         entries = mesh.collect(mesh.checkpoint_writes(writers), "writing")
         uri = checkpoint.publish(str(tmp_path), staging, 3, entries, {"optimizer_steps": 3})
         for ep in (4, 1):
-            mesh.reconfigure(make_cfg(4, 1, ep, 2))
+            mesh.reconfigure(make_cfg(4, 1, ep, 2, BIAS))
             assert mesh.load(uri) == 3
             train(mesh, range(3, STEPS), reference)
             assert_params(mesh, reference)

@@ -14,9 +14,11 @@ tests/unit/test_moe_sequence_parallel.py.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from collectives import create_group
 from raypar.controller.actor_mesh import moe_totals
@@ -33,6 +35,26 @@ from raypar.core.pipeline.local_transport import LocalPipe
 from tests.support.threads import run_groups
 
 
+class LoopedExperts(MoELayer):
+    """The experts one matmul chain each, as before the grouped GEMM: the same numbers, another speed
+    (the grouped GEMM's partner in tests/unit/test_moe_dropless.py and benchmarks/moe_grouped.py)."""
+
+    def local_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs = []
+        for e, x in zip(self.experts.values(), rows.split(counts), strict=True):
+            hidden = F.silu(F.linear(x, e.w_gate.weight)) * F.linear(x, e.w_up.weight)
+            outs.append(F.linear(hidden, e.w_down.weight))
+        return torch.cat(outs)
+
+
+def set_routing_biases(model: LlamaStage) -> None:
+    """A fixed, layout-independent non-zero routing bias in every MoE layer (the ones bias balancing
+    would have reached), so the equivalence tests route with one."""
+    for name, bias in model.routing_biases().items():
+        gen = torch.Generator().manual_seed(sum(map(ord, name)))
+        bias.copy_(0.1 * torch.randn(bias.shape, generator=gen))
+
+
 def moe_figures(model: LlamaStage) -> dict[str, MoELayerReport]:
     """What the worker reports per layer (actors/worker.py train_step)."""
     return {
@@ -46,10 +68,26 @@ def moe_report(coord: Coord, layers: dict[str, MoELayerReport]) -> StepReport:
     return StepReport(tuple(coord), coord.dp, None, 0.0, 0.0, 1.0, False, moe=layers)
 
 
-def reference(cfg: Config) -> dict[str, Any]:
-    """One process: the loss, every gradient and the MoE figures of the global batch in its microbatches."""
+Prepare = Callable[[LlamaStage], None]
+
+
+def reference(cfg: Config, prepare: Prepare | None = None) -> dict[str, Any]:
+    """One process: the loss, every gradient and the MoE figures of the global batch in its microbatches;
+    `prepare` sets up the model (as `parallel`'s). On one intra-op thread: the tiny model's matmuls gain
+    nothing from two, and on a loaded machine their barriers made it 25x slower (9 s against 0.35 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(cfg, prepare)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(cfg: Config, prepare: Prepare | None) -> dict[str, Any]:
     m, t = cfg.model, cfg.train
     model = LlamaStage(m, seed=t.seed)
+    if prepare is not None:
+        prepare(model)
     dataset = data.open_dataset(cfg.data, m)
     sampler = data.GlobalSampler(dataset.num_samples, t.global_batch, t.seed)
     count, loss = t.global_batch // cfg.microbatch_size, 0.0
@@ -63,10 +101,11 @@ def reference(cfg: Config) -> dict[str, Any]:
     return {"loss": loss, "grads": grads, "moe": moe_totals({whole: moe_report(whole, moe_figures(model))})}
 
 
-def parallel(cfg: Config, moe_class: type[MoELayer] = MoELayer, make_group: Any = create_group
-             ) -> dict[str, Any]:
+def parallel(cfg: Config, moe_class: type[MoELayer] = MoELayer, make_group: Any = create_group,
+             prepare: Prepare | None = None) -> dict[str, Any]:
     """One step of `cfg`'s dp x cp x tp (SP) x ep layout on threads; `moe_class` replaces the MoE layers'
-    class (negative controls); `make_group` forms the groups (tests.support.fake_nccl for NCCL's rules)."""
+    class (negative controls); `make_group` forms the groups (tests.support.fake_nccl for NCCL's rules);
+    `prepare` sets up each rank's model after it is built."""
     par, m = cfg.parallel, cfg.model
     dp = cfg.dp_fixed
     mesh = Mesh(dp, 1, par.tp, ep=par.ep, cp=par.cp)
@@ -86,6 +125,8 @@ def parallel(cfg: Config, moe_class: type[MoELayer] = MoELayer, make_group: Any 
                            cp_style=par.cp_style)
         for layer in model.moe_layers().values():
             layer.__class__ = moe_class
+        if prepare is not None:
+            prepare(model)
         dense_spec = StrategySpec(cfg.train, 4096, select=lambda name: not is_expert_param(name))
         dense = DPStrategy(model, spec=dense_spec, group=mine.get(Mesh.dp_group(coord)))
         # the worker's expert-dp group: the dp group without ep (with its cp ranks), divisor dp x cp; none

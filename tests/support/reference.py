@@ -15,6 +15,7 @@ from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.dp.optim import ADAM_EPS, lr_at
 from raypar.core.model.llama import LlamaStage
+from raypar.core.model.moe_balance import apply_bias_updates, bias_updates
 
 
 @dataclass
@@ -60,6 +61,11 @@ def reference_run(cfg: Config, steps: int, microbatch_size: int | None = None) -
             group["lr"] = lr_at(step, t)
         opt.step()
         opt.zero_grad()
+        if m.moe_bias_update_rate:  # the step's loads: the global batch's, as the replicas all-reduce them
+            layers = model.moe_layers()
+            moves = bias_updates(layers, m.moe_bias_update_rate, None, torch.device("cpu"))
+            apply_bias_updates(layers, moves)
+        model.take_moe_stats()
         losses.append(loss.item())
         if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
             model.eval()
@@ -70,6 +76,7 @@ def reference_run(cfg: Config, steps: int, microbatch_size: int | None = None) -
                 ]
                 val_losses[step] = sum(model(x, y).item() for x, y in batches) / len(batches)
                 model.take_aux_loss()
+                model.take_moe_stats()  # validation routes tokens too: not the next step's loads
             model.train()
     params_out = {n: p.detach().clone() for n, p in model.named_parameters()}
     return Run(losses, norms, params_out, grads, val_losses)

@@ -32,6 +32,7 @@ ZERO_OK = {
     "train.warmup_steps", "train.seed", "train.max_failures", "train.min_lr", "train.weight_decay",
     "train.beta1", "train.beta2", "train.grad_clip", "checkpoint.every", "parallel.max_dp",
     "model.dropout", "model.moe_experts", "model.moe_aux_loss_coef",
+    "model.moe_capacity_factor", "model.moe_bias_update_rate", "model.moe_shared_experts",  # 0: dropless, off
     "train.eval_every", "data.val_fraction",  # 0: no validation
     "parallel.zero",  # 0: no sharding
     "parallel.compression_start_step",

@@ -257,9 +257,10 @@ def test_cp_halves_activations_and_sp_divides_the_norms() -> None:
 
 def test_moe_formula_counts_what_autograd_saves_on_average_over_ep() -> None:
     """ep=2: each rank saves what its routed rows cost, the formula the balanced count (every rank receives
-    as many rows as it sends, on average): exact for the mean over the EP group, not for a rank."""
+    as many rows as it sends, on average): exact for the mean over the EP group, not for a rank. With a
+    shared expert, and the grouped GEMM's sort indices and group ends."""
     cfg = load_config(TINY, ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=2.0",
-                             "model.moe_every=2"])
+                             "model.moe_every=2", "model.moe_shared_experts=1"])
     m = cfg.model
     ids = torch.randint(0, m.vocab_size, (2, m.seq_len), generator=torch.Generator().manual_seed(0))
 
@@ -276,7 +277,7 @@ def test_moe_formula_counts_what_autograd_saves_on_average_over_ep() -> None:
 
     measured = run_ranks(2, rank)
     for i, (layers, first, last) in enumerate(((range(0, 2), True, False), (range(2, 4), False, True))):
-        predicted = plan_memory.stage_activation_bytes(cfg, layers, first, last, 1, 2, "cpu", "none")
+        predicted = plan_memory.stage_activation_bytes(cfg, layers, first, last, 1, 2, "cpu", "none", ep=2)
         assert sum(r[i] for r in measured) == 2 * predicted
         dense = load_config(TINY).model  # negative control: the same stage counted as dense
         assert predicted != plan_memory.stage_activation_bytes(

@@ -293,6 +293,12 @@ def export(ckpt_uri: str, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES) 
 
     reader = checkpoint_read.CheckpointReader(ckpt_uri)
     model = dataclasses.asdict(checkpoint_read.model_config(reader))  # agrees with the tensors' shapes
+    for key in ("moe_shared_experts", "moe_experts"):  # the most specific field first
+        if model[key]:
+            raise checkpoint.CheckpointError(
+                f"{reader._where}: model.{key}={model[key]}: Hugging Face's LlamaForCausalLM has no experts "
+                "(export the raypar tensors with --format safetensors)"
+            )
     names = [n for n in reader.names() if not n.startswith(checkpoint.OPTIM_PREFIX)]
     files: list[list[str]] = [[]]
     size, largest = 0, 0

@@ -195,6 +195,14 @@ def model_config(reader: CheckpointReader) -> ModelConfig:
     return cfg
 
 
+def routing_biases(reader: CheckpointReader, wanted: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The MoE routing biases named in `wanted` (raypar.core.model.llama.LlamaStage.routing_biases: name ->
+    the model's buffer) as the checkpoint holds them, whole [moe_experts] whatever the ep; zeros where it
+    holds none (written without bias balancing, or before the biases were state)."""
+    stored = set(reader.names())
+    return {n: reader.read_full(n) if n in stored else torch.zeros_like(b) for n, b in wanted.items()}
+
+
 def _rope_bytes(cfg: ModelConfig) -> int:
     """Per position, building RoPE tables: float64 angles, cos and sin (head_dim / 2 each), fp32 copies."""
     return 16 * cfg.head_dim

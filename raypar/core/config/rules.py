@@ -285,13 +285,27 @@ def _validate_moe(cfg: Config) -> None:
     _require(m.moe_experts >= 0, f"model.moe_experts: must be >= 0 (0 = dense), got {m.moe_experts}")
     if not m.moe_experts:
         _require(p.ep == 1, f"parallel.ep: needs model.moe_experts > 0, got ep={p.ep}")
+        for key in ("moe_shared_experts", "moe_bias_update_rate"):
+            _require(not getattr(m, key), f"model.{key}: needs model.moe_experts > 0, got {getattr(m, key)}")
         return
     _require(
         1 <= m.moe_top_k <= m.moe_experts,
         f"model.moe_top_k: must be in [1, moe_experts={m.moe_experts}], got {m.moe_top_k}",
     )
     _require(
-        m.moe_capacity_factor > 0, f"model.moe_capacity_factor: must be positive, got {m.moe_capacity_factor}"
+        m.moe_capacity_factor >= 0,
+        f"model.moe_capacity_factor: must be positive, or 0 for dropless, got {m.moe_capacity_factor}",
+    )
+    _require(
+        m.moe_bias_update_rate >= 0,
+        f"model.moe_bias_update_rate: must be >= 0 (0: no bias balancing), got {m.moe_bias_update_rate}",
+    )
+    _require(m.moe_shared_experts >= 0, f"model.moe_shared_experts: must be >= 0, got {m.moe_shared_experts}")
+    # torch._grouped_mm runs the experts (raypar.core.model.moe): its rows must be 16-byte multiples.
+    wants = "with MoE (the experts' grouped GEMM wants 16-byte rows)"
+    _require(m.d_model % 8 == 0, f"model.d_model: must be a multiple of 8 {wants}, got {m.d_model}")
+    _require(
+        m.d_ff // p.tp % 8 == 0, f"model.d_ff: d_ff/tp must be a multiple of 8 {wants}, got {m.d_ff // p.tp}"
     )
     _require(m.moe_aux_loss_coef >= 0, f"model.moe_aux_loss_coef: must be >= 0, got {m.moe_aux_loss_coef}")
     _require(

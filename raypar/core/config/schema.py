@@ -47,9 +47,11 @@ class ModelConfig:
     # Mixture of experts (raypar.core.model.moe): 0 experts = dense.
     moe_experts: int = 0
     moe_top_k: int = 2
-    moe_capacity_factor: float = 1.25
+    moe_capacity_factor: float = 1.25  # 0: dropless (every assignment kept)
     moe_aux_loss_coef: float = 0.01
     moe_every: int = 1
+    moe_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing by a per-expert routing bias
+    moe_shared_experts: int = 0  # dense experts every token passes through beside the routed ones
 
     @property
     def head_dim(self) -> int:

@@ -22,6 +22,7 @@ those of no recomputation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from collections.abc import Callable
@@ -179,6 +180,14 @@ class SwiGLU(nn.Module, TPLayer):
         return self.w_down(act(_swiglu, self.w_gate(x), self.w_up(x)))
 
 
+def shared_experts(cfg: ModelConfig, group: Group | None, sequence_parallel: bool) -> SwiGLU | None:
+    """An MoE block's shared experts (raypar.core.model.moe): moe_shared_experts SwiGLUs side by side, i.e.
+    one of moe_shared_experts x d_ff hidden units, split over tp like the dense MLP; None without."""
+    if not cfg.moe_shared_experts:
+        return None
+    return SwiGLU(dataclasses.replace(cfg, d_ff=cfg.moe_shared_experts * cfg.d_ff), group, sequence_parallel)
+
+
 class Block(nn.Module):
     """A transformer block; `set_recompute` picks what its backward recomputes (see the module docstring)."""
 
@@ -193,7 +202,10 @@ class Block(nn.Module):
         self.attn = Attention(cfg, group, sequence_parallel)
         self.mlp_norm = make_norm(cfg, group, sequence_parallel)
         sp = sequence_parallel
-        self.mlp = MoELayer(cfg, group, ep_group, sp) if moe else SwiGLU(cfg, group, sp)
+        if moe:
+            self.mlp: nn.Module = MoELayer(cfg, group, ep_group, sp, shared_experts(cfg, group, sp))
+        else:
+            self.mlp = SwiGLU(cfg, group, sp)
 
     def set_recompute(self, mode: str) -> None:
         self.full, self.attn.selective = RECOMPUTE[mode]
@@ -360,6 +372,16 @@ class LlamaStage(nn.Module):
     def take_moe_stats(self) -> dict[str, MoEStats]:
         return {i: m.take_stats() for i, m in self.moe_layers().items()}
 
+    def routing_biases(self) -> dict[str, torch.Tensor]:
+        """The MoE layers' routing biases (raypar.core.model.moe_balance) by global name: model state that
+        is not a parameter, the same on every replica and tp rank, [moe_experts] whatever the ep."""
+        return {f"layers.{i}.mlp.expert_bias": m.expert_bias for i, m in self.moe_layers().items()}
+
+    def load_routing_biases(self, biases: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, bias in self.routing_biases().items():
+                bias.copy_(biases[name])
+
     def bind_groups(self, groups: BoundGroups[Group]) -> None:
         """Use the groups formed for a new membership (same sizes and positions: the shards held here do
         not change): tp in every tensor-parallel layer, cp here and in the MoE layers, ep in those."""
@@ -450,11 +472,12 @@ def count_params(cfg: ModelConfig) -> int:
 
 
 def _matmul_params(cfg: ModelConfig, layer: int, experts: int) -> int:
-    """Weights of block `layer` counting `experts` experts if it is an MoE block (plus its router)."""
+    """Weights of block `layer` counting `experts` routed experts if it is an MoE block (plus its shared
+    experts and router)."""
     d, hd = cfg.d_model, cfg.head_dim
     attn = 2 * d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd
     if is_moe_layer(cfg, layer):
-        return attn + experts * 3 * d * cfg.d_ff + d * cfg.moe_experts
+        return attn + (experts + cfg.moe_shared_experts) * 3 * d * cfg.d_ff + d * cfg.moe_experts
     return attn + 3 * d * cfg.d_ff
 
 

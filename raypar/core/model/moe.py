@@ -24,6 +24,30 @@ a block being a run of tokens contiguous in the reference's (sequence, position)
 gathered over cp and then over ep, put into the reference's order, and every rank derives the same kept
 counts per block, of which it uses its own. Cost: one extra all-gather of k * blocks * E integers.
 
+Dropless (`moe_capacity_factor = 0`, as DeepSeek-V3 and Qwen3-MoE route): every assignment is kept. The
+capacity is then the global token count, which no expert can exceed (a token picks an expert at most once),
+so the counting above runs unchanged and keeps everything; the all-gathered counts still size the uneven
+all-to-all.
+
+Grouped experts. The rows a rank receives are sorted by local expert and its experts run as one
+`torch._grouped_mm` per projection (gate and up fused into one, then down) instead of a matmul per expert.
+The parameters stay per expert under their global names (which checkpoints, ZeRO and resharding across ep
+read); the GEMM stacks the local experts' weights in forward and again in backward, a transient copy of
+E/ep x 3 x d x d_ff/tp values, and keeps only the parameters for backward, as a linear does. Under ZB-H1
+the experts' weight GEMMs stay in B (raypar.core.pipeline.zb defers only linears that run through it).
+The GEMM wants rows of 16-byte multiples: d_model and d_ff/tp multiples of 8 (a config rule). Each output
+row is the same dot products as a per-expert matmul's, in a kernel's order.
+
+Aux-loss-free balancing (DeepSeek-V3, `moe_bias_update_rate` > 0): a per-expert bias is added to the
+router probabilities for the top-k choice only (the combine weights stay the unbiased probabilities), and
+after each step every expert's bias moves by rate * sign(mean load - its load), the loads counted over the
+whole step (every replica, cp rank and microbatch): raypar.core.model.moe_balance. The bias is a buffer,
+not a parameter; it is model state that checkpoints, heals and in-memory copies carry.
+
+Shared experts (`moe_shared_experts` = n): a dense SwiGLU of n x d_ff hidden units (n experts side by side)
+that every token passes through beside the routed ones, tensor-parallel (and sequence-parallel) exactly
+like the dense MLP; its parameters are dense ones (`layers.3.mlp.shared.w_up.weight`), replicated over ep.
+
 Load-balancing loss (Switch, eq. 4; GShard): aux = coef * E * sum_e f_e * P_e over the rank's own tokens of
 the microbatch, f_e the share of the k*T assignments routed to e (before capacity), P_e the mean router
 probability of e. It depends only on the microbatch, so it is the same at any layout. Under cp the
@@ -68,12 +92,11 @@ from torch import nn
 from collectives import Group
 from raypar.core.config.options import CP_STYLES, RING
 from raypar.core.config.schema import ModelConfig
+from raypar.core.model.moe_experts import Expert, grouped_partial
 from raypar.core.parallel import cp
 from raypar.core.parallel.ep import all_to_all
 from raypar.core.parallel.sp import gather_whole, split_whole
 from raypar.core.parallel.tp import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     TPLayer,
     copy_to_tp,
     reduce_from_tp,
@@ -83,6 +106,12 @@ from raypar.core.parallel.tp import (
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
     """Whether block `layer` (global index) has an MoE MLP: every `moe_every`-th, counting from 1."""
     return cfg.moe_experts > 0 and (layer + 1) % cfg.moe_every == 0
+
+
+def kept_share(cfg: ModelConfig) -> float:
+    """The share of assignments an expert keeps under balanced routing: all of them dropless, else up to
+    its capacity (what the planner counts)."""
+    return 1.0 if cfg.moe_capacity_factor == 0 else min(1.0, cfg.moe_capacity_factor)
 
 
 def is_expert_param(name: str) -> bool:
@@ -100,20 +129,6 @@ class Router(nn.Module):
         """Router probabilities [T, E] in fp32 (also under autocast: top-k ties and the aux loss want it)."""
         with torch.autocast(x.device.type, enabled=False):
             return F.linear(x.float(), self.weight.float()).softmax(dim=-1)
-
-
-class Expert(nn.Module):
-    """One SwiGLU expert on one tp rank; its input is already copied to tp and its output is reduced by the
-    caller once for all local experts."""
-
-    def __init__(self, cfg: ModelConfig, group: Group | None):
-        super().__init__()
-        self.w_gate = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
-        self.w_up = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
-        self.w_down = RowParallelLinear(cfg.d_ff, cfg.d_model, group)
-
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down.local(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
 class _SumOverCp(torch.autograd.Function):
@@ -152,13 +167,17 @@ class MoEStats:
 class MoELayer(nn.Module, TPLayer):
     def __init__(
         self, cfg: ModelConfig, tp_group: Group | None, ep_group: Group | None = None,
-        sequence_parallel: bool = False,
+        sequence_parallel: bool = False, shared: nn.Module | None = None,
     ):
+        """`shared`: the shared experts, a dense MLP of moe_shared_experts x d_ff (raypar.core.model.llama
+        builds it: the dense MLP lives there), or None."""
         super().__init__()
         self.sp = sequence_parallel
         self.n_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.capacity_factor, self.aux_coef = cfg.moe_capacity_factor, cfg.moe_aux_loss_coef
         self.group = tp_group
+        # added to the probabilities for the top-k choice only; moved after each step (moe_balance)
+        self.register_buffer("expert_bias", torch.zeros(self.n_experts), persistent=False)
         self.selective = False  # selective recomputation (raypar.core.model.llama) does not reach the experts
         self.router = Router(cfg.d_model, self.n_experts)
         ep, rank = (1, 0) if ep_group is None else (ep_group.size, ep_group.rank)
@@ -172,6 +191,7 @@ class MoELayer(nn.Module, TPLayer):
         self.cp_style = RING.name
         ids = range(self.first_expert, self.first_expert + self.per_rank)
         self.experts = nn.ModuleDict({str(e): Expert(cfg, tp_group) for e in ids})
+        self.shared = shared
         self.stats = MoEStats(self.n_experts)
         self.aux_losses: list[torch.Tensor] = []
         # [ep, cp, k, blocks, E] of the last dispatch: what every rank agreed
@@ -186,6 +206,8 @@ class MoELayer(nn.Module, TPLayer):
 
     # -- seams (tests subclass these to build negative controls) ---------------------------------------
     def capacity(self, local_tokens: int, global_tokens: int) -> int:
+        if self.capacity_factor == 0:  # dropless: no expert can get more than every token
+            return global_tokens
         return math.ceil(self.capacity_factor * global_tokens * self.top_k / self.n_experts)
 
     def balance_sums(
@@ -211,9 +233,14 @@ class MoELayer(nn.Module, TPLayer):
     def from_whole(self, y: torch.Tensor) -> torch.Tensor:
         return split_whole(y, self.group) if self.sp else y
 
+    def local_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The local experts' partial products for `rows` sorted by local expert (`counts` per expert)."""
+        return grouped_partial(list(self.experts.values()), rows, counts)
+
     # -- forward -----------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.from_whole(self._route(self.to_whole(x)))
+        routed = self.from_whole(self._route(self.to_whole(x)))
+        return routed if self.shared is None else routed + self.shared(x)
 
     def _route(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -221,7 +248,8 @@ class MoELayer(nn.Module, TPLayer):
         x = x.reshape(-1, shape[-1])
         tokens, k, n_exp = x.shape[0], self.top_k, self.n_experts
         probs = self.router(x)
-        gate, idx = probs.topk(k, dim=-1)  # [T, k]
+        idx = (probs + self.expert_bias).topk(k, dim=-1).indices  # [T, k]; the bias only chooses
+        gate = probs.gather(1, idx)
 
         # Switch/GShard load balancing over the replica's tokens of the microbatch (all its cp ranks).
         load = torch.bincount(idx.reshape(-1), minlength=n_exp)
@@ -302,16 +330,13 @@ class MoELayer(nn.Module, TPLayer):
         out_splits = by_dest[:, rank].sum(dim=1).tolist()
         received = all_to_all(rows, self.ep_group, in_splits, out_splits)
         received = copy_to_tp(received, self.group)  # once for every local expert
-        # Received rows come by source rank, then by expert: regroup by expert to run each expert once.
-        sizes = by_dest[:, rank].reshape(-1).tolist()  # (source, local expert) order
-        chunks = list(received.split(sizes))
-        results: list[torch.Tensor | None] = [None] * len(chunks)
-        for j, expert in enumerate(self.experts.values()):
-            mine = [q * self.per_rank + j for q in range(ep)]
-            out = expert.partial(torch.cat([chunks[i] for i in mine]))
-            for i, part in zip(mine, out.split([sizes[i] for i in mine]), strict=True):
-                results[i] = part
-        done = reduce_from_tp(torch.cat(results), self.group)  # once for every local expert
+        # Received rows come by source rank, then by expert: sorted by expert to run the experts at once.
+        sizes = by_dest[:, rank].to(rows.device)  # [source, local expert]
+        chunk = torch.arange(sizes.numel(), device=rows.device).repeat_interleave(sizes.reshape(-1))
+        order = torch.argsort(chunk % self.per_rank, stable=True)  # by expert, then source
+        out = self.local_experts(received[order], sizes.sum(dim=0).tolist())
+        results = out[torch.argsort(order)]  # back in the received order
+        done = reduce_from_tp(results, self.group)  # once for every local expert
         return all_to_all(done, self.ep_group, out_splits, in_splits)
 
     def take_aux_loss(self) -> torch.Tensor | None:

@@ -123,6 +123,7 @@ METRICS_KEYS: Schema = {
     "expert_load": (False, lambda v: v is None or _expert_load(v), "layer -> per-expert numbers"),
     "aux_loss": (False, _number, "a number"),
     "dropped_tokens": (False, _number, "a number"),
+    "expert_load_spread": (False, _number, "a number"),
 }
 TIMELINE_KEYS: Schema = {
     "step": (True, _count, "a step number"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from raypar.core.config.options import FULL, NO_RECOMPUTE, ULYSSES
 from raypar.core.config.schema import Config
+from raypar.core.model.moe import kept_share
 from raypar.core.planner.memory import PRECISION_BYTES, Layout
 
 
@@ -71,7 +72,7 @@ def ep_s(cfg: Config, layout: Layout, moe_layers: int, bw: float, latency: float
     m = cfg.model
     e = PRECISION_BYTES[cfg.train.precision]
     n = cfg.train.global_batch // (layout.dp * layout.microbatches) * m.seq_len // layout.cp
-    rows = m.moe_top_k * n * min(1.0, m.moe_capacity_factor)
+    rows = m.moe_top_k * n * kept_share(m)
     p = layout.ep
     one = (e * rows * m.d_model * (p - 1) / p / bw + latency) if p > 1 else 0.0
     counts = latency if p > 1 or layout.cp > 1 else 0.0  # the kept-counts all-gather(s) before dispatch

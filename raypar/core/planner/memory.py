@@ -42,7 +42,7 @@ from raypar.core.config.options import (
     ZERO_STAGES,
 )
 from raypar.core.config.schema import Config, ModelConfig
-from raypar.core.model.moe import is_moe_layer
+from raypar.core.model.moe import is_moe_layer, kept_share
 from raypar.core.observe.memory import max_in_flight
 from raypar.core.parallel.mesh import stage_layers
 from raypar.core.pipeline import schedules
@@ -112,7 +112,7 @@ def stage_params(
     for layer in layers:
         dense += 2 * d + attn // tp
         if is_moe_layer(m, layer):
-            dense += m.moe_experts * d  # the router
+            dense += m.moe_experts * d + m.moe_shared_experts * 3 * d * m.d_ff // tp  # router, shared experts
             expert += m.moe_experts // ep * 3 * d * m.d_ff // tp
         else:
             dense += 3 * d * m.d_ff // tp
@@ -161,22 +161,28 @@ def _norm_bytes(e: int, n: int, d: int, split: TokenSplit) -> int:
     return (8 * n * d + 4 * n) // split.tp + gain + e * n * d
 
 
-def moe_activation_bytes(m: ModelConfig, tp: int, n: int, precision: str) -> int:
+def moe_activation_bytes(m: ModelConfig, tp: int, n: int, precision: str, ep: int = 1) -> int:
     """What an MoE layer saves for n tokens: the router's fp32 probabilities, then per dispatched
     assignment its row twice (sent and returned), fp32 gate weight, three int64 indices and the keep mask,
     and per received row the expert's SwiGLU (input, gate, silu, up, product). Routing balanced: a rank
-    receives as many rows as it sends, k per token, fewer when capacity_factor < 1 drops some."""
+    receives as many rows as it sends, k per token, fewer when capacity_factor < 1 drops some. The grouped
+    GEMM adds per received row its two int64 places (into the order by expert and back) and the int32 end
+    of each local expert's rows (the weights it keeps are the parameters); shared experts save what a
+    dense MLP of their width does."""
     e, d, f = PRECISION_BYTES[precision], m.d_model, m.d_ff // tp
-    rows = int(m.moe_top_k * n * min(1.0, m.moe_capacity_factor))
+    rows = int(m.moe_top_k * n * kept_share(m))
     router = 4 * n * m.moe_experts + 4 * m.moe_experts  # probabilities, and the aux loss's per-expert shares
-    return router + rows * (2 * e * d + 4 + 3 * 8 + 1) + rows * (e * d + 4 * e * f)
+    grouped = 4 * (m.moe_experts // ep)
+    shared = 4 * e * n * f * m.moe_shared_experts
+    return router + rows * (2 * e * d + 4 + 3 * 8 + 1) + rows * (e * d + 4 * e * f + 16) + grouped + shared
 
 
 def block_activation_bytes(
     m: ModelConfig, tp: int, mbs: int, precision: str, device_kind: str, recompute: str,
-    split: TokenSplit | None = None, moe: bool = False,
+    split: TokenSplit | None = None, moe: bool = False, ep: int = 1,
 ) -> int:
-    """Bytes one block saves for backward per microbatch of `mbs` sequences, on one tp (and cp) rank."""
+    """Bytes one block saves for backward per microbatch of `mbs` sequences, on one tp (and cp) rank
+    holding 1/ep of the experts."""
     split = split or TokenSplit(tp)
     e = PRECISION_BYTES[precision]
     seq = m.seq_len // split.cp
@@ -205,13 +211,13 @@ def block_activation_bytes(
             core = e * bs * (2 * hq + 2 * hkv) + 4 * mbs * heads * seq
         mlp = 4 * e * bs * f  # gate, silu(gate), up, and the product
     if moe:  # selective recomputation does not reach the experts
-        mlp = moe_activation_bytes(m, tp, bs, precision)
+        mlp = moe_activation_bytes(m, tp, bs, precision, ep)
     return norms + core + wo_input + drop + mlp
 
 
 def stage_activation_bytes(
     cfg: Config, layers: range, first: bool, last: bool, tp: int, mbs: int, device_kind: str, recompute: str,
-    split: TokenSplit | None = None,
+    split: TokenSplit | None = None, ep: int = 1,
 ) -> int:
     m, t = cfg.model, cfg.train
     split = split or TokenSplit(tp)
@@ -221,7 +227,7 @@ def stage_activation_bytes(
     for index in layers:
         mode = recompute if index % t.recompute_every == 0 else NO_RECOMPUTE
         moe = is_moe_layer(m, index)
-        total += block_activation_bytes(m, tp, mbs, t.precision, device_kind, mode, split, moe)
+        total += block_activation_bytes(m, tp, mbs, t.precision, device_kind, mode, split, moe, ep)
     if split.cp > 1 and len(layers):
         total += 4 * bs // mbs * m.head_dim  # RoPE's cos and sin of this rank's positions (fp32)
     if first:
@@ -305,7 +311,8 @@ def predict_memory(
         params, states = rank_states(cfg, layout, p, chunks)
         unit_bytes = [
             stage_activation_bytes(
-                cfg, layers, first, last, layout.tp, mbs, device_kind, layout.recompute, TokenSplit.of(layout)
+                cfg, layers, first, last, layout.tp, mbs, device_kind, layout.recompute,
+                TokenSplit.of(layout), layout.ep,
             )
             for layers, (first, last) in zip(chunks, ends, strict=True)
         ]
