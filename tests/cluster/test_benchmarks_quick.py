@@ -209,3 +209,13 @@ def test_zero_bubble_split_quick():
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("|")}
     assert {"plain", "split", "rewalk"} <= set(rows)
     assert "1.000" in rows["split"].split("|")[3]  # the same FLOPs as one backward
+
+
+def test_compile_step_quick(tmp_path):
+    out = tmp_path / "compile_step.json"
+    text = ok(run("benchmarks/compile_step.py", "--quick", "--json", str(out)))
+    assert "| layout " in text and "| compile_s |" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["run"] for r in rows] == ["eager", "compiled, cold cache", "compiled, warm cache"]
+    assert rows[0]["ratio"] == 1.0 and all(r["step_ms"] > 0 for r in rows)
+    assert all(r["loss_diff"] < 1e-4 for r in rows)  # compiled regions only reorder fp32 sums
