@@ -92,14 +92,8 @@ COLUMNS = ["layout", "run", "step_ms", "ratio", "first_step_s", "compile_s", "lo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: `tiny` at (1,1,1), 1 step per run")
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run after the first")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    _common.add_ray_arguments(parser)
+    _common.add_step_arguments(parser, seq_len=256, batch=8, steps=5, warmup=2)  # warmup: after the first
     args = parser.parse_args()
     if args.quick:
         args.preset, args.seq_len, args.batch, args.steps, args.warmup = "tiny", 32, 4, 1, 0
@@ -113,12 +107,8 @@ def main() -> None:
         rows = run(args)
     finally:
         ray.shutdown()
-    print(f"\n## compiled vs eager ({args.preset}, seq_len {args.seq_len}, batch {args.batch}, median of "
-          f"{args.steps} steps)\n")
-    print(_common.table(rows, COLUMNS))
-    print(f"\nwall time {time.perf_counter() - started:.0f} s")
-    if args.json:
-        _common.dump_json(args.json, {"args": vars(args), "rows": rows})
+    title = f"compiled vs eager ({args.preset}, seq_len {args.seq_len}, batch {args.batch}, median of "
+    _common.print_results(title + f"{args.steps} steps)", rows, COLUMNS, started, args)
 
 
 if __name__ == "__main__":
