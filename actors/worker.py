@@ -194,6 +194,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         if init_from:  # this shard only, read from the files (never the whole model)
             hf.load_stage(self.model, init_from)
         self.model.set_recompute(train.recompute, train.recompute_every)
+        self.model.set_compile(train.compile)
         self.model.to(self.device)
         self.param_dtype = dtype  # the strategy keeps fp32 masters for 16-bit parameters
         self.strategy, self.expert_strategy, self._stash = None, None, None

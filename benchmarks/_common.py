@@ -292,3 +292,24 @@ def header(title: str) -> str:
 def dump_json(path: str, payload: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump({"machine": machine(), **payload}, f, indent=2, default=str)
+
+
+def print_results(title: str, rows: list[dict[str, Any]], columns: Sequence[str], started: float,
+                  args: Any) -> None:
+    """The closing table under `title`, the wall time since `started`, and the JSON file `args.json` names."""
+    print(f"\n## {title}\n")
+    print(table(rows, columns))
+    print(f"\nwall time {time.perf_counter() - started:.0f} s")
+    if args.json:
+        dump_json(args.json, {"args": vars(args), "rows": rows})
+
+
+def add_step_arguments(parser: Any, seq_len: int, batch: int, steps: int, warmup: int) -> None:
+    """The options of a benchmark that times training steps of `--preset` (default `small`)."""
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--seq-len", type=int, default=seq_len)
+    parser.add_argument("--batch", type=int, default=batch, help="global batch (sequences per step)")
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps per run first")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    add_ray_arguments(parser)

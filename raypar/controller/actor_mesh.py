@@ -42,6 +42,7 @@ from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.options import ZeroStage
 from raypar.core.config.schema import Config
 from raypar.core.dp.strategies import STRATEGIES
+from raypar.core.model.compiled import inductor_env
 from raypar.core.model.moe_balance import load_spread
 from raypar.core.observe.step_report import StepReport
 from raypar.core.parallel.mesh import Coord, Mesh, actor_name
@@ -159,7 +160,8 @@ class ActorMesh(ActorCalls):
         """Reserve and start the pp x cp x tp actors of replica `d` (all or none); a stage's cp x tp actors
         share a node."""
         gpu = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if self.resources.gpus else {}
-        env = {"env_vars": {**self.worker_env, **gpu}}
+        compiled = inductor_env(self.cfg.train.compile, self.cfg.parallel.threads_per_actor)
+        env = {"env_vars": {**self.worker_env, **gpu, **compiled}}
         placed = []
         try:
             for p in range(self.pp):

@@ -68,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GB, 141GiB")
     plan.add_argument("--device", default="h100", help="h200, h100, a100 or cpu (peaks and bandwidths)")
     plan.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation (0.4)")
+    plan.add_argument(
+        "--compile-speedup", type=float, metavar="X",
+        help="compute time eager / compiled on this device, for train.compile (default: the device's, 1.0)",
+    )
     plan.add_argument("--top", type=int, default=20, help="rows of the table (default 20)")
     plan.add_argument("--all", action="store_true", help="also list layouts that do not fit")
     plan.add_argument("--json", action="store_true", help="print JSON (every layout)")
@@ -295,7 +299,12 @@ def _plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--device-memory: {err}") from None
     if not (0 < memory < float("inf")):
         raise UsageError(f"--device-memory: must be a positive, finite size, got {args.device_memory!r}")
-    preds = plan.plan(cfg, args.devices, memory, plan.DEVICES[args.device], args.mfu)
+    device = plan.DEVICES[args.device]
+    if args.compile_speedup is not None:
+        if not 0 < args.compile_speedup < float("inf"):
+            raise UsageError(f"--compile-speedup: must be a positive factor, got {args.compile_speedup}")
+        device = dataclasses.replace(device, compile_speedup=args.compile_speedup)
+    preds = plan.plan(cfg, args.devices, memory, device, args.mfu)
     shown = preds if args.all else [p for p in preds if p.fits]
     if args.json:
         print(json.dumps([p.to_json() for p in (preds if args.all else shown)], indent=1))

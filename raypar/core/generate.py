@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.data.tokenizer import Tokenizer, from_record
-from raypar.core.model.llama import LlamaStage, apply_rope, rope_tables
+from raypar.core.model.compiled import apply_rope
+from raypar.core.model.llama import LlamaStage, rope_tables
 
 
 def check_device(device: str) -> torch.device:

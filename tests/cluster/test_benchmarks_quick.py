@@ -218,3 +218,13 @@ def test_moe_grouped_quick(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["routing"] for r in rows] == ["dropless", "capacity 1.25"]
     assert all(r["grouped_s"] > 0 and r["loop_s"] > 0 for r in rows)
+
+
+def test_compile_step_quick(tmp_path):
+    out = tmp_path / "compile_step.json"
+    text = ok(run("benchmarks/compile_step.py", "--quick", "--json", str(out)))
+    assert "| layout " in text and "| compile_s |" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["run"] for r in rows] == ["eager", "compiled, cold cache", "compiled, warm cache"]
+    assert rows[0]["ratio"] == 1.0 and all(r["step_ms"] > 0 for r in rows)
+    assert all(r["loss_diff"] < 1e-4 for r in rows)  # compiled regions only reorder fp32 sums

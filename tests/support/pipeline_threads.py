@@ -72,7 +72,7 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
     # tp, dp and cp groups (norms are not clipped); the pipeline links only for the direct transport.
     kinds = ("tp.", "dp.", "cp.", "pp.") if make_group else ("tp.", "dp.", "cp.")
     groups = {n: m for n, m in mesh.groups().items() if n.startswith(kinds)}
-    pipes = {(d, t, c): LocalPipe(topo, TIMEOUT_S) for d in range(dp) for t in range(tp) for c in range(cp)}
+    pipes = {(d, t, c): LocalPipe(topo, timeout_s) for d in range(dp) for t in range(tp) for c in range(cp)}
     dataset = data.open_dataset(cfg.data, cfg.model)
     sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
     n_mb, mbs = cfg.microbatches_at(dp), cfg.microbatch_size

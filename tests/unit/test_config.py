@@ -44,6 +44,7 @@ BAD = {
     "unknown key": (["train.stepz=3"], "train.stepz"),
     "unknown section": (["trian.steps=3"], "trian"),
     "wrong type": (['train.steps="ten"'], "train.steps"),
+    "compile not a bool": (['train.compile="inductor"'], "train.compile"),
     "negative size": (["model.d_model=-64"], "model.d_model"),
     "bad schedule": (['parallel.schedule="zigzag"'], "parallel.schedule"),
     "cp with dropout": (["parallel.cp=2", "model.dropout=0.1"], "parallel.cp"),

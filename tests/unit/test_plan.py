@@ -137,6 +137,20 @@ def test_fixed_costs_per_pass_and_per_message(overrides: list[str], passes: int,
     assert paid.comm_s - base.comm_s == pytest.approx(messages * 5e-3)
 
 
+def test_compile_divides_compute_by_the_devices_speedup() -> None:
+    """train.compile: compute (FLOPs and fixed costs) runs the device's speed-up faster; the bubble, a share
+    of compute, follows; communication does not change. Off, or at 1.0 (unmeasured), nothing changes."""
+    eager, compiled = (load_config(TINY, ["parallel.pp=2", f"train.compile={on}"])
+                       for on in ("false", "true"))
+    told = dataclasses.replace(plan.DEVICES["cpu"], compile_speedup=1.25)
+    base = plan.predict(eager, plan.current_layout(eager), told, 0.4)
+    fast = plan.predict(compiled, plan.current_layout(compiled), told, 0.4)
+    assert fast.compute_s == pytest.approx(base.compute_s / 1.25)
+    assert fast.bubble_s == pytest.approx(base.bubble_s / 1.25) and fast.comm_s == pytest.approx(base.comm_s)
+    unmeasured = plan.predict(compiled, plan.current_layout(compiled), plan.DEVICES["cpu"], 0.4)
+    assert unmeasured.compute_s == pytest.approx(base.compute_s)
+
+
 @pytest.mark.parametrize("style", ["sp", "ulysses", "ring"])
 def test_sequence_comm_bytes_are_what_raypar_sends(style: str) -> None:
     """One block, one microbatch of 2 sequences, 2 ranks, forward + backward: the planner's bytes (its time at
@@ -319,6 +333,7 @@ def test_cli_plan_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["--device-memory", "lots"], "--device-memory"),
         (["--device-memory", "1G", "--device", "tpu"], "--device"),
+        (["--device-memory", "1G", "--compile-speedup", "0"], "--compile-speedup"),
     ],
 )
 def test_cli_plan_bad_input_exits_2(

@@ -106,6 +106,7 @@ class TrainConfig:
     eval_batches: int = 4  # global batches of held-out samples, the same fixed ones every time
     recompute: str = options.NO_RECOMPUTE  # options.RECOMPUTE
     recompute_every: int = 1
+    compile: bool = False  # each block's local math through torch.compile (raypar.core.model.compiled)
     reduce_dtype: str = options.FP32.name  # options.REDUCE_DTYPES
     loss_scale: float = 2.0**32  # fp16 only: initial dynamic loss scale (Megatron-LM's defaults below)
     loss_scale_window: int = 1000

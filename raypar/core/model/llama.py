@@ -18,6 +18,9 @@ softmax, dropout, weighted sum) and the SwiGLU activation. A recomputed region r
 all-reduces, in the same order on every rank, since every rank recomputes the same blocks in the same order.
 Checkpoint restores the RNG state, so dropout masks are identical the second time and gradients are bitwise
 those of no recomputation.
+
+`set_compile` (`train.compile`) runs the blocks' norms, RoPE and SwiGLU activation through `torch.compile`;
+communication and the linears stay eager (raypar.core.model.compiled says why).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from collectives import Group
 from raypar.core.config.options import FULL, NO_RECOMPUTE, RING, SELECTIVE
 from raypar.core.config.schema import ModelConfig
+from raypar.core.model.compiled import Compilable, rms_norm, rotate, swiglu
 from raypar.core.model.moe import MoELayer, MoEStats, is_moe_layer
 from raypar.core.parallel import cp
 from raypar.core.parallel.mesh import BoundGroups
@@ -59,7 +63,7 @@ RECOMPUTE = {NO_RECOMPUTE: (False, False), FULL: (True, False), SELECTIVE: (Fals
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.Module, Compilable):
     shard_dim = None  # replicated on every tp rank
 
     def __init__(self, dim: int, eps: float):
@@ -71,10 +75,7 @@ class RMSNorm(nn.Module):
         return self._normalize(x, self.weight)
 
     def _normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # fp32 even under autocast: the mean of squares loses too much in bf16.
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (y * weight.float()).type_as(x)
+        return self.region(rms_norm)(x, weight, self.eps)
 
 
 class SequenceParallelRMSNorm(RMSNorm, TPLayer):
@@ -104,12 +105,6 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos().float(), angles.sin().float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (first half, second half) pair of x [B, H, T, hd] by its position's angle."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
-
-
 def _call(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
     return fn(*args)
 
@@ -121,7 +116,7 @@ def _recomputed(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.T
     return checkpoint(fn, *args, use_reentrant=False)
 
 
-class Attention(nn.Module, TPLayer):
+class Attention(nn.Module, TPLayer, Compilable):
     def __init__(self, cfg: ModelConfig, group: Group | None, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.head_dim, self.sp = group, cfg.head_dim, sequence_parallel
@@ -154,18 +149,14 @@ class Attention(nn.Module, TPLayer):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         attend: Attend,
     ) -> torch.Tensor:
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.region(rotate)(q, k, cos, sin)
         if attend is not None:  # context parallel (no attention dropout: config rejects it)
             return attend(q, k, v)
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
 
 
-def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-class SwiGLU(nn.Module, TPLayer):
+class SwiGLU(nn.Module, TPLayer, Compilable):
     def __init__(self, cfg: ModelConfig, group: Group | None, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.sp, self.selective = group, sequence_parallel, False
@@ -177,7 +168,7 @@ class SwiGLU(nn.Module, TPLayer):
         # once for w_gate and w_up
         x = gather_from_sp(x, self.group) if self.sp else copy_to_tp(x, self.group)
         act = _recomputed if self.selective else _call
-        return self.w_down(act(_swiglu, self.w_gate(x), self.w_up(x)))
+        return self.w_down(act(self.region(swiglu), self.w_gate(x), self.w_up(x)))
 
 
 def shared_experts(cfg: ModelConfig, group: Group | None, sequence_parallel: bool) -> SwiGLU | None:
@@ -346,6 +337,13 @@ class LlamaStage(nn.Module):
         global, so which blocks recompute does not depend on the pipeline split."""
         for index, block in self.layers.items():
             block.set_recompute(mode if int(index) % every == 0 else NO_RECOMPUTE)
+
+    def set_compile(self, on: bool) -> None:
+        """Run every block's (and the final norm's) local math compiled (`train.compile`; see
+        raypar.core.model.compiled), or eager."""
+        for module in self.modules():
+            if isinstance(module, Compilable):
+                module.compiled = on
 
     @property
     def cp_group(self) -> Group | None:

@@ -5,8 +5,9 @@ schedule
 and virtual stages, buffers).
 
 Step time = compute at an assumed MFU (recomputation adds its extra forward FLOPs) plus the device's fixed
-cost per layer and microbatch pass, plus the pipeline bubble, plus exposed communication (with a latency per
-collective and hop, and the transport's cost per pipeline message). The bubble, as a fraction of compute,
+cost per layer and microbatch pass (both divided by the device's compile speed-up under train.compile),
+plus the pipeline bubble, plus exposed communication (with a latency per collective and hop, and the
+transport's cost per pipeline message). The bubble, as a fraction of compute,
 is the schedules' own formula:
 (pp - 1)/m for GPipe and 1F1B alike, (pp - 1)/(v m) for interleaved 1F1B with v virtual stages, (pp - 1)/(3m)
 for ZB-H1 (F = B = W: the deferred W's fill all but one unit per stage of 1F1B's bubble), (pp - 1)/(6m) for
@@ -78,6 +79,9 @@ class Device:
     # Time a pipeline message costs the rank that sends or receives it, on its critical path (on CPU the
     # transport shares the compute's cores), by parallel.transport.
     hop_s: tuple[tuple[str, float], ...] = ()
+    # Compute time eager / compiled (train.compile) on this device: what benchmarks/compile_step.py
+    # measures. 1.0 (no gain counted) until measured; `raypar plan --compile-speedup` tells it.
+    compile_speedup: float = 1.0
 
 
 # Datasheet peaks (dense) and per-direction link bandwidths; CPU numbers are this project's 2-core
@@ -167,6 +171,8 @@ def predict(
     # Every rank runs all its layers' passes for every microbatch of its replica, whatever tp and cp divide.
     fixed = layout.microbatches * passes * layers * device.layer_pass_s
     compute = flops / layout.world / (peak * mfu) + fixed
+    if t.compile:  # fused norms, RoPE and SwiGLU: fewer passes over memory and fewer launches
+        compute /= device.compile_speedup
     ratio = bubble_ratio(cfg.parallel.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
     bubble = compute * ratio
     mbs = t.global_batch // (layout.dp * layout.microbatches)
