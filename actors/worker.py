@@ -51,6 +51,7 @@ from raypar.core.model.moe import is_expert_param
 from raypar.core.observe import flops, memory
 from raypar.core.observe.step_report import MoELayerReport, StepReport
 from raypar.core.parallel import ep as ep_mod
+from raypar.core.parallel.float8 import float8_for
 from raypar.core.parallel.mesh import BoundGroups, Coord, StageGroups, actor_name, stage_layers
 from raypar.core.pipeline import schedules
 from raypar.core.pipeline.evaluate import ForwardBackend, evaluate
@@ -187,6 +188,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         if init_from:  # this shard only, read from the files (never the whole model)
             hf.load_stage(self.model, init_from)
         self.model.set_recompute(train.recompute, train.recompute_every)
+        self.model.set_float8(float8_for(train))
         self.model.to(self.device)
         self.param_dtype = dtype  # the strategy keeps fp32 masters for 16-bit parameters
         self.strategy, self.expert_strategy, self._stash = None, None, None

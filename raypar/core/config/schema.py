@@ -97,6 +97,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     precision: str = options.FP32.name  # options.PRECISIONS
+    fp8_recipe: str = options.FP8_RECIPES[0]  # options.FP8_RECIPES; precision "fp8" only
     max_failures: int = 3
     eval_every: int = 0  # validation loss every N steps (and after the last); 0: never
     eval_batches: int = 4  # global batches of held-out samples, the same fixed ones every time

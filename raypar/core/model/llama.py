@@ -37,12 +37,14 @@ from raypar.core.config.options import FULL, NO_RECOMPUTE, RING, SELECTIVE
 from raypar.core.config.schema import ModelConfig
 from raypar.core.model.moe import MoELayer, MoEStats, is_moe_layer
 from raypar.core.parallel import cp
+from raypar.core.parallel.float8 import Float8Matmul
 from raypar.core.parallel.mesh import BoundGroups
 from raypar.core.parallel.sp import gather_from_sp
 from raypar.core.parallel.tp import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPLayer,
+    TPLinear,
     VocabParallelEmbedding,
     copy_to_tp,
     global_shape,
@@ -334,6 +336,16 @@ class LlamaStage(nn.Module):
         global, so which blocks recompute does not depend on the pipeline split."""
         for index, block in self.layers.items():
             block.set_recompute(mode if int(index) % every == 0 else NO_RECOMPUTE)
+
+    def set_float8(self, fp8: Float8Matmul | None) -> None:
+        """Run the GEMMs of the attention projections and dense MLPs in float8 as `fp8` says (None: in the
+        parameters' dtype); the head, routers and experts stay (raypar.core.parallel.float8 says why)."""
+        for block in self.layers.values():
+            dense = [] if isinstance(block.mlp, MoELayer) else [block.mlp]
+            for module in (block.attn, *dense):
+                for linear in module.children():
+                    if isinstance(linear, TPLinear):
+                        linear.float8 = fp8
 
     @property
     def cp_group(self) -> Group | None:
