@@ -470,6 +470,14 @@ def _matmul_params(cfg: ModelConfig, layer: int, experts: int) -> int:
     return attn + 3 * d * cfg.d_ff
 
 
+def float8_flops_per_token(cfg: ModelConfig) -> float:
+    """Of `flops_per_token`, the part `train.precision = "fp8"` runs in float8: the GEMMs of the attention
+    projections and dense MLPs (`LlamaStage.set_float8`), 6 FLOPs per weight and token."""
+    d, hd = cfg.d_model, cfg.head_dim
+    attn = 2 * d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd
+    return 6.0 * sum(attn + (0 if is_moe_layer(cfg, i) else 3 * d * cfg.d_ff) for i in range(cfg.n_layers))
+
+
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs (forward + backward) per token, the PaLM / Megatron MFU convention.
 
