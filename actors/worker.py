@@ -52,6 +52,7 @@ from raypar.core.model.moe_balance import apply_bias_updates, bias_updates
 from raypar.core.observe import flops, hangs, memory
 from raypar.core.observe.step_report import MoELayerReport, StepReport
 from raypar.core.parallel import ep as ep_mod
+from raypar.core.parallel.float8 import float8_for
 from raypar.core.parallel.mesh import BoundGroups, Coord, StageGroups, actor_name, stage_layers
 from raypar.core.pipeline import schedules
 from raypar.core.pipeline.evaluate import ForwardBackend, evaluate
@@ -195,6 +196,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             hf.load_stage(self.model, init_from)
         self.model.set_recompute(train.recompute, train.recompute_every)
         self.model.set_compile(train.compile)
+        self.model.set_float8(float8_for(train))
         self.model.to(self.device)
         self.param_dtype = dtype  # the strategy keeps fp32 masters for 16-bit parameters
         self.strategy, self.expert_strategy, self._stash = None, None, None

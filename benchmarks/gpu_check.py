@@ -27,6 +27,9 @@ machine (it says why). Sections, in order:
    raise `GroupError`; the group re-formed under a new epoch works.
 6. `step`: `llama-1b` in bf16 at (dp, pp, tp) = (1, 1, 1): raypar's losses against a plain PyTorch loop's
    on the same batches, its step time and MFU against the loop's (alternating blocks of steps).
+   `fp8`: the same step with `train.precision = "fp8"` (torchao's float8 GEMMs on the tensor cores), each
+   recipe in its own mesh: its losses within FP8_RTOL of the bf16 run's, its step time against bf16's. GPU
+   only (on a CPU torchao emulates float8, so a time says nothing): null without one.
 7. `pp2`: pp = 2 with two actors sharing the GPU (`parallel.gpus_per_actor = 0.5`), activations over the
    object store (device -> host -> plasma -> host -> device): losses equal the pp = 1 run's.
 8. `dp_shared`: dp = 2 on one GPU (two actors at 0.5 GPU each, so their groups are gloo over host memory)
@@ -69,6 +72,7 @@ try:  # on the lent GPU machine a missing wheel is the likely failure: say so in
     from collectives import GroupError, GroupSpec, LocalStoreRef, create_group
     from raypar.controller.actor_mesh import ActorMesh
     from raypar.core.checkpoint import format as checkpoint
+    from raypar.core.config.options import FP8_RECIPES
     from raypar.core.observe import flops
 except ImportError as err:
     sys.exit(
@@ -92,6 +96,9 @@ LAYOUT_RTOL = 1e-4
 # bf16 rounding of the loss itself. 2^-8 relative is therefore loose for a correct step, and a step not
 # taken or taken twice (Adam's first updates move this loss by percents; see `min_step_change`) fails it.
 BF16_RTOL = 2.0**-8
+# fp8 against bf16 over the first steps from one initialisation: see tests/unit/test_float8.py, which
+# derives the bound the CPU run is held to; the same bound here.
+FP8_RTOL = 2.0**-4
 # 50 cycles of create/op/destroy: CUDA hands out device memory in 2 MiB pages and torch's cache is warm
 # after the warm-up cycles (every cycle allocates the same sizes), so a correct destroy leaves free memory
 # within a few pages of where it was; 16 MiB allows 8. One communicator leaked per cycle would take 50
@@ -551,6 +558,29 @@ def step_loop(preset: str, device: str, rounds: int, steps: int, batch: int) -> 
         del plain  # its model and optimizer state leave the GPU before the next section's actors need it
 
 
+def float8_steps(preset: str, device: str, steps: int) -> None:
+    """bf16, then fp8 with each recipe, at (1, 1, 1) on the same batches: losses and median step times."""
+    base = [f'parallel.device="{device}"', "parallel.microbatches=1", f"parallel.timeout_s={MESH_TIMEOUT_S}",
+            "train.global_batch=4", f"train.steps={steps}"]
+    runs: dict[str, tuple[list[float], float]] = {}
+    for name, extra in (("bf16", ['train.precision="bf16"']),
+                        *((r, ['train.precision="fp8"', f'train.fp8_recipe="{r}"']) for r in FP8_RECIPES)):
+        mesh = ActorMesh(_common.make_config(preset, [*base, *extra]), f"gpu-check-{name}")
+        mesh.start()
+        try:
+            results = [mesh.step(s) for s in range(steps)]
+        finally:
+            mesh.shutdown()  # before the next mesh: it needs the same GPU
+        runs[name] = [r.loss for r in results], _common.median([r.step_time_s for r in results[1:]])
+    bf16_losses, bf16_s = runs.pop("bf16")
+    worst = max(max(_rel_diffs(bf16_losses, losses)) for losses, _ in runs.values())
+    emit(
+        "fp8", worst <= FP8_RTOL, preset=preset, max_rel_diff=worst, rtol=FP8_RTOL, bf16_losses=bf16_losses,
+        bf16_ms=bf16_s * 1e3, **{f"{r}_losses": losses for r, (losses, _) in runs.items()},
+        **{f"{r}_speedup": bf16_s / t for r, (_, t) in runs.items()},
+    )
+
+
 # -- 7-9. meshes sharing one GPU -------------------------------------------------------------------------
 def _losses(cfg_overrides: list[str], preset: str, run: str, steps: int) -> list[float]:
     mesh = ActorMesh(_common.make_config(preset, cfg_overrides), run)
@@ -800,6 +830,10 @@ def main() -> int:
             section(budget, "step", 120.0, lambda: step_loop(big, device, rounds=1, steps=2, batch=4))
         else:
             section(budget, "step", 240.0, lambda: step_loop(big, device, rounds=3, steps=3, batch=4))
+        if gpu:  # at the quick run's preset too: `tiny`'s dims are multiples of 16, as float8 GEMMs need
+            section(budget, "fp8", 240.0, lambda: float8_steps(big, device, steps=5))
+        else:
+            emit("fp8", None, unverified="no CUDA device on this machine (torchao would only emulate float8)")
         section(budget, "pp2", 120.0, lambda: pipeline(small, device, steps=3))
         dp_shared(budget, small, device, steps=3)
         section(budget, "checkpoint", 150.0, lambda: checkpoint_round_trip(small, device))

@@ -126,13 +126,13 @@ def test_gpu_check_quick():
             if ln.startswith('{"check"')]
     *checks, summary = rows
     # The GPU-only sections say they cannot tell here (null), not that they passed
-    gpu_only = ["nccl", "stream_order", "send_recv_self", "create_destroy", "abort"]
+    gpu_only = ["nccl", "stream_order", "send_recv_self", "create_destroy", "abort", "fp8"]
     assert [r["check"] for r in checks if r["ok"] is None] == gpu_only, checks
     assert [r["check"] for r in checks if r["ok"] is not None] == [
         "step", "pp2", *["dp_shared"] * 5, "checkpoint"
     ], checks
     assert all(r["ok"] for r in checks if r["ok"] is not None), checks
-    step = checks[len(gpu_only)]
+    step = next(r for r in checks if r["check"] == "step")
     assert step["max_rel_diff"] <= step["rtol"] and step["raypar_mfu"] and step["plain_mfu"]
     dp = {r["variant"]: max(r["state_bytes_per_rank"]) for r in checks if r["check"] == "dp_shared"}
     assert list(dp) == ["plain", "zero1", "zero2", "zero3", "zero2+offload"]

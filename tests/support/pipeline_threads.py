@@ -44,16 +44,25 @@ class StepOutcome:
     per_coord: dict[Coord, dict[str, Any]] = field(default_factory=dict)
 
 
-def reference_step(cfg: Config, step: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
-    """One process, the whole global batch at once: the loss and every parameter's gradient."""
+def reference_step(
+    cfg: Config, step: int = 0, microbatches: int = 1, model_hook: Callable[[LlamaStage], None] | None = None
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """One process, the global batch in `microbatches` equal parts (default: at once), their losses averaged:
+    the loss and every parameter's gradient. `model_hook(model)` may alter the model after it is built."""
     m, t = cfg.model, cfg.train
     model = LlamaStage(m, seed=t.seed)
+    if model_hook is not None:
+        model_hook(model)
     dataset = data.open_dataset(cfg.data, m)
     sampler = data.GlobalSampler(dataset.num_samples, t.global_batch, t.seed)
-    inputs, targets = data.microbatch(dataset, sampler, step, 0, t.global_batch)
-    loss = model(inputs, targets)
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    size = t.global_batch // microbatches
+    losses = []
+    for mb in range(microbatches):
+        inputs, targets = data.microbatch(dataset, sampler, step, mb, size)
+        loss = model(inputs, targets)
+        (loss / microbatches).backward()
+        losses.append(loss.item())
+    return sum(losses) / microbatches, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, bucket_bytes: int = 4096,

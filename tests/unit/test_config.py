@@ -60,6 +60,8 @@ BAD = {
         ["parallel.timeout_s=30", "train.hang_watchdog_s=30"],
         "train.hang_watchdog_s",
     ),
+    "bad fp8 recipe": (['train.precision="fp8"', 'train.fp8_recipe="blockwise"'], "train.fp8_recipe"),
+    "fp8 with cp": (['train.precision="fp8"', "parallel.cp=2"], "train.precision"),
     "elastic range": (
         ["parallel.max_dp=3", "train.global_batch=8", "parallel.microbatches=1"],
         "train.global_batch",
@@ -73,6 +75,17 @@ def test_bad_config_names_the_key(case):
     with pytest.raises(ConfigError) as info:
         load_config(TINY, overrides)
     assert str(info.value).startswith(key), str(info.value)
+
+
+def test_fp8_without_torchao_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    gone = {"torchao"}  # as if not installed
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n in gone else real(n, *a))
+    with pytest.raises(ConfigError, match=r'^train.precision: "fp8" needs torchao.*raypar\[fp8\]'):
+        load_config(TINY, ['train.precision="fp8"'])
+    load_config(TINY, ['train.precision="bf16"'])  # the others need nothing more
 
 
 @pytest.mark.parametrize(

@@ -151,6 +151,29 @@ def test_compile_divides_compute_by_the_devices_speedup() -> None:
     assert unmeasured.compute_s == pytest.approx(base.compute_s)
 
 
+def test_fp8_runs_the_converted_linears_at_the_float8_peak() -> None:
+    """fp8 keeps bf16's bytes (states, activations, traffic: the float8 copies live for one GEMM) and moves
+    the attention and dense-MLP GEMMs, 6 FLOPs per weight and token, to the float8 peak; the head and the
+    attention scores stay at bf16's. Control: a device whose float8 peak is bf16's (fp8 planned as bf16)."""
+    llama = "examples/configs/llama-1b.toml"
+    bf16, fp8 = (load_config(llama, [f'train.precision="{p}"']) for p in ("bf16", "fp8"))
+    h100, layout = plan.DEVICES["h100"], plan.current_layout(fp8)
+    m = fp8.model
+    d = m.d_model
+    linears = m.n_layers * (2 * d * d + 2 * d * m.n_kv_heads * m.head_dim + 3 * d * m.d_ff)
+    flops = fp8.train.global_batch * m.seq_len * 6 * linears / layout.world / 0.4
+
+    def check(device: plan.Device) -> None:
+        want, got = (plan.predict(c, layout, device, 0.4) for c in (bf16, fp8))
+        assert got.memory_bytes == want.memory_bytes and got.comm_s == pytest.approx(want.comm_s)
+        saved = flops * (1 / device.peak_flops_16 - 1 / h100.peak_flops_8)
+        assert want.compute_s - got.compute_s == pytest.approx(saved), "float8 GEMMs not at the float8 peak"
+
+    check(h100)
+    with pytest.raises(AssertionError, match="not at the float8 peak"):
+        check(dataclasses.replace(h100, peak_flops_8=h100.peak_flops_16))
+
+
 @pytest.mark.parametrize("style", ["sp", "ulysses", "ring"])
 def test_sequence_comm_bytes_are_what_raypar_sends(style: str) -> None:
     """One block, one microbatch of 2 sequences, 2 ranks, forward + backward: the planner's bytes (its time at

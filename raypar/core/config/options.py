@@ -110,13 +110,20 @@ class Precision:
     name: str
     bytes: int  # per element (what the planner's memory and traffic models count)
     reduces: bool  # may also be train.reduce_dtype
+    float8: bool = False  # the linears' GEMMs in float8 (raypar.core.parallel.float8), the rest in `bytes`
 
 
 FP32 = Precision("fp32", 4, reduces=True)
 BF16_PRECISION = Precision("bf16", 2, reduces=True)
 FP16 = Precision("fp16", 2, reduces=False)
-PRECISIONS: dict[str, Precision] = {p.name: p for p in (FP32, BF16_PRECISION, FP16)}
+# Parameters, gradients and saved activations stay bf16 (2 bytes): dynamic scaling casts each GEMM's
+# operands to float8 when it runs, and keeps the float8 copies only until then (W's under zero-bubble).
+FP8 = Precision("fp8", 2, reduces=False, float8=True)
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (FP32, BF16_PRECISION, FP16, FP8)}
 REDUCE_DTYPES = tuple(name for name, p in PRECISIONS.items() if p.reduces)
+# train.fp8_recipe: torchao's float8 recipes (amax per tensor, or per row with power-of-2 scales)
+FP8_RECIPES = ("tensorwise", "rowwise")
+FP8_EXTRA = "raypar[fp8]"  # what installs torchao
 
 
 # -- train.offload -------------------------------------------------------------------------------------------

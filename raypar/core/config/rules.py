@@ -7,6 +7,7 @@ failure is a ConfigError naming the key and the rule.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 
 from raypar.core.config import options
@@ -216,6 +217,7 @@ def validate(cfg: Config) -> None:
         t.precision in options.PRECISIONS,
         f"train.precision: must be {one_of(options.PRECISIONS)}, got {t.precision!r}",
     )
+    _validate_float8(cfg)
     _require(
         t.reduce_dtype in options.REDUCE_DTYPES,
         f"train.reduce_dtype: must be {one_of(options.REDUCE_DTYPES)}, got {t.reduce_dtype!r}",
@@ -278,6 +280,24 @@ def validate(cfg: Config) -> None:
         f"live on a buddy replica, got dp={cfg.dp_fixed}",
     )
     _validate_moe(cfg)
+
+
+def _validate_float8(cfg: Config) -> None:
+    t = cfg.train
+    _require(
+        t.fp8_recipe in options.FP8_RECIPES,
+        f"train.fp8_recipe: must be {one_of(options.FP8_RECIPES)}, got {t.fp8_recipe!r}",
+    )
+    if not options.PRECISIONS[t.precision].float8:
+        return
+    _require(
+        importlib.util.find_spec("torchao") is not None,
+        f'train.precision: "{t.precision}" needs torchao, not installed here: pip install '
+        f'"{options.FP8_EXTRA}"',
+    )
+    # A cp rank holds T/cp tokens: its amaxes over tokens would not be the sequence's (only tp's are reduced).
+    cp = cfg.parallel.cp
+    _require(cp == 1, f'train.precision: "{t.precision}" needs parallel.cp = 1, got cp={cp}')
 
 
 def _validate_moe(cfg: Config) -> None:

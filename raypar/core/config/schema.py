@@ -99,6 +99,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     precision: str = options.FP32.name  # options.PRECISIONS
+    fp8_recipe: str = options.FP8_RECIPES[0]  # options.FP8_RECIPES; precision "fp8" only
     max_failures: int = 3
     # a step running this long gets a hang report (hang-<step>.txt); 0: a fifth of parallel.timeout_s
     hang_watchdog_s: float = 0.0

@@ -17,11 +17,15 @@ from typing import Any
 
 import torch
 
-from raypar.core.config.options import BF16_PRECISION, FP16, FP32
+from raypar.core.config.options import BF16_PRECISION, FP8, FP16, FP32
 from raypar.core.config.schema import TrainConfig
 
-# train.precision and train.reduce_dtype -> the torch dtype; names: options.PRECISIONS
-DTYPES = {FP32.name: torch.float32, BF16_PRECISION.name: torch.bfloat16, FP16.name: torch.float16}
+# train.precision and train.reduce_dtype -> the parameters' (and activations') torch dtype; names:
+# options.PRECISIONS. fp8 keeps them in bf16: only the linears' GEMMs run in float8.
+DTYPES = {
+    FP32.name: torch.float32, BF16_PRECISION.name: torch.bfloat16, FP16.name: torch.float16,
+    FP8.name: torch.bfloat16,
+}
 
 
 @dataclass

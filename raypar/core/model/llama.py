@@ -42,12 +42,14 @@ from raypar.core.config.schema import ModelConfig
 from raypar.core.model.compiled import Compilable, rms_norm, rotate, swiglu
 from raypar.core.model.moe import MoELayer, MoEStats, is_moe_layer
 from raypar.core.parallel import cp
+from raypar.core.parallel.float8 import Float8Matmul
 from raypar.core.parallel.mesh import BoundGroups
 from raypar.core.parallel.sp import gather_from_sp
 from raypar.core.parallel.tp import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPLayer,
+    TPLinear,
     VocabParallelEmbedding,
     copy_to_tp,
     global_shape,
@@ -345,6 +347,16 @@ class LlamaStage(nn.Module):
             if isinstance(module, Compilable):
                 module.compiled = on
 
+    def set_float8(self, fp8: Float8Matmul | None) -> None:
+        """Run the GEMMs of the attention projections and dense MLPs in float8 as `fp8` says (None: in the
+        parameters' dtype); the head, routers and experts stay (raypar.core.parallel.float8 says why)."""
+        for block in self.layers.values():
+            dense = [] if isinstance(block.mlp, MoELayer) else [block.mlp]
+            for module in (block.attn, *dense):
+                for linear in module.children():
+                    if isinstance(linear, TPLinear):
+                        linear.float8 = fp8
+
     @property
     def cp_group(self) -> Group | None:
         return self._cp_group
@@ -477,6 +489,14 @@ def _matmul_params(cfg: ModelConfig, layer: int, experts: int) -> int:
     if is_moe_layer(cfg, layer):
         return attn + (experts + cfg.moe_shared_experts) * 3 * d * cfg.d_ff + d * cfg.moe_experts
     return attn + 3 * d * cfg.d_ff
+
+
+def float8_flops_per_token(cfg: ModelConfig) -> float:
+    """Of `flops_per_token`, the part `train.precision = "fp8"` runs in float8: the GEMMs of the attention
+    projections and dense MLPs (`LlamaStage.set_float8`), 6 FLOPs per weight and token."""
+    d, hd = cfg.d_model, cfg.head_dim
+    attn = 2 * d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd
+    return 6.0 * sum(attn + (0 if is_moe_layer(cfg, i) else 3 * d * cfg.d_ff) for i in range(cfg.n_layers))
 
 
 def flops_per_token(cfg: ModelConfig) -> float:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from collectives import Group
+from raypar.core.parallel.float8 import INNER, OUTER, Float8Matmul
 from raypar.core.parallel.sp import reduce_scatter_to_sp
 from raypar.core.pipeline.zb import WeightGradStore, linear
 
@@ -107,34 +108,50 @@ class TPLayer:
     group: Group | None
 
 
-class ColumnParallelLinear(nn.Module, TPLayer):
+class TPLinear(nn.Module, TPLayer):
+    """What column- and row-parallel linears share: the GEMM, plain, deferred for zero-bubble W, or in float8
+    (`float8`, set by `LlamaStage.set_float8`) with its scales' amaxes reduced over the dim tp splits."""
+
+    split: str  # the weight dim the tp group splits, by what it indexes (raypar.core.parallel.float8)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wgrad_store: WeightGradStore | None = None  # zero-bubble: weight GEMMs deferred
+        # (raypar.core.pipeline.zb)
+        self.float8: Float8Matmul | None = None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float8 is None:
+            return linear(x, self.weight, self.wgrad_store)
+        return self.float8.linear(x, self.weight, self.wgrad_store, {self.split: self.group})
+
+
+class ColumnParallelLinear(TPLinear):
     """y[..., out/tp] = x @ W_shard.T with W split by output rows; the output stays sharded on the last dim.
 
     `copy_input=False` when the caller applied copy_to_tp once to an input shared by several column layers
     (wq/wk/wv, w_gate/w_up): their input gradients are then summed locally and all-reduced once.
     """
 
-    shard_dim = 0
+    shard_dim, split = 0, OUTER
 
     def __init__(self, in_features: int, out_features: int, group: Group | None, copy_input: bool = True):
         super().__init__()
         self.group, self.copy_input = group, copy_input
         self.weight = nn.Parameter(torch.empty(_divide(out_features, group, "out_features"), in_features))
-        self.wgrad_store: WeightGradStore | None = None  # zero-bubble: weight GEMMs deferred
-        # (raypar.core.pipeline.zb)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
             x = copy_to_tp(x, self.group)
-        return linear(x, self.weight, self.wgrad_store)
+        return self.matmul(x)
 
 
-class RowParallelLinear(nn.Module, TPLayer):
+class RowParallelLinear(TPLinear):
     """y = sum over ranks of x_shard @ W_shard.T with W split by input columns; the input arrives sharded
     on its last dim (a column-parallel output) and the output is full on every rank, or, under sequence
     parallelism, this rank's tokens of it [B, T/tp, d] (a reduce-scatter instead of the all-reduce)."""
 
-    shard_dim = 1
+    shard_dim, split = 1, INNER
 
     def __init__(
         self, in_features: int, out_features: int, group: Group | None, sequence_parallel: bool = False
@@ -142,12 +159,10 @@ class RowParallelLinear(nn.Module, TPLayer):
         super().__init__()
         self.group, self.sp = group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features, _divide(in_features, group, "in_features")))
-        self.wgrad_store: WeightGradStore | None = None  # zero-bubble: weight GEMMs deferred
-        # (raypar.core.pipeline.zb)
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial product, before the reduction over tp."""
-        return linear(x, self.weight, self.wgrad_store)
+        return self.matmul(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sp:

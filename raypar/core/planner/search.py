@@ -12,7 +12,9 @@ is the schedules' own formula:
 (pp - 1)/m for GPipe and 1F1B alike, (pp - 1)/(v m) for interleaved 1F1B with v virtual stages, (pp - 1)/(3m)
 for ZB-H1 (F = B = W: the deferred W's fill all but one unit per stage of 1F1B's bubble), (pp - 1)/(6m) for
 DualPipeV (the same on chunks half the size; bubble_formula derives it). Compute divides
-over dp x cp x pp x tp actors. Tensor-parallel (or SP), context-parallel and expert collectives are on the
+over dp x cp x pp x tp actors; under `train.precision = "fp8"` the converted linears' GEMMs run at the
+device's float8 peak (`float8_flops_per_token`), while memory and traffic count bf16's 2 bytes (the float8
+copies live only for their GEMM). Tensor-parallel (or SP), context-parallel and expert collectives are on the
 critical path (raypar.core.planner.comm); the DP gradient all-reduce (over cp x dp, experts' over the
 expert-dp
 group) overlaps the last microbatch's backward; pipeline sends are exposed only while the pipeline fills
@@ -41,13 +43,14 @@ from raypar.core.config.options import (
     FULL,
     NO_RECOMPUTE,
     OBJECT_STORE,
+    PRECISIONS,
     RECOMPUTE,
     SCHEDULES,
     SELECTIVE,
     ZERO_STAGES,
 )
 from raypar.core.config.schema import Config
-from raypar.core.model.llama import flops_per_token
+from raypar.core.model.llama import float8_flops_per_token, flops_per_token
 from raypar.core.model.moe import is_moe_layer
 from raypar.core.pipeline import schedules
 from raypar.core.planner import comm as plan_comm
@@ -69,6 +72,7 @@ class Device:
     kind: str  # "cuda" or "cpu": which attention kernel runs, how dropout stores its mask
     peak_flops_16: float  # dense bf16/fp16
     peak_flops_32: float
+    peak_flops_8: float  # dense float8 GEMMs (train.precision = "fp8"); where emulated, the GEMMs' fp32 peak
     intra_bw: float  # bytes/s per direction inside a node (tensor parallelism)
     inter_bw: float  # bytes/s per device between nodes
     per_node: int = 8
@@ -90,11 +94,13 @@ class Device:
 # 0.2-0.6 ms direct, benchmarks/README.md; layer_pass_s as benchmarks/plan_step_time.py calibrates it on
 # `small` shapes). On GPUs the fixed costs are left out: not measured (no GPU here).
 DEVICES = {
-    "h200": Device("h200", "cuda", 989e12, 67e12, 450e9, 50e9),
-    "h100": Device("h100", "cuda", 989e12, 67e12, 450e9, 50e9),
-    "a100": Device("a100", "cuda", 312e12, 19.5e12, 300e9, 25e9),
+    "h200": Device("h200", "cuda", 989e12, 67e12, 1979e12, 450e9, 50e9),
+    "h100": Device("h100", "cuda", 989e12, 67e12, 1979e12, 450e9, 50e9),
+    # no float8 tensor cores: torchao's scaled GEMMs would not run; planned at bf16's rate
+    "a100": Device("a100", "cuda", 312e12, 19.5e12, 312e12, 300e9, 25e9),
+    # float8 emulated (torchao, emulate=True): the GEMMs run in fp32 on the dequantised operands
     "cpu": Device(
-        "cpu", "cpu", 210e9, 90e9, 1e9, 1e9, per_node=1024, layer_pass_s=0.65e-3, latency_s=0.54e-3,
+        "cpu", "cpu", 210e9, 90e9, 90e9, 1e9, 1e9, per_node=1024, layer_pass_s=0.65e-3, latency_s=0.54e-3,
         hop_s=((OBJECT_STORE, 3.5e-3), (DIRECT, 0.4e-3)),
     ),
 }
@@ -163,6 +169,8 @@ def predict(
     extra = {NO_RECOMPUTE: 0.0, SELECTIVE: 4.0 * d * s, FULL: 2.0 * block + 4.0 * d * s}[layout.recompute]
     flops = tokens * (flops_per_token(m) + recomputed * extra)
     peak = device.peak_flops_16 if e == 2 else device.peak_flops_32
+    # fp8: the converted linears' GEMMs at the float8 rate (their recomputed forwards left at bf16's)
+    float8 = tokens * float8_flops_per_token(m) if PRECISIONS[t.precision].float8 else 0.0
     held = [[i for chunk in chunks for i in chunk] for chunks in rank_chunks(cfg, layout)]
     layers = max(map(len, held))
     moe_layers = max(sum(map(functools.partial(is_moe_layer, m), rank)) for rank in held)
@@ -170,7 +178,7 @@ def predict(
     passes = 3 if split and layout.pp > 1 else 2  # F, B (and W)
     # Every rank runs all its layers' passes for every microbatch of its replica, whatever tp and cp divide.
     fixed = layout.microbatches * passes * layers * device.layer_pass_s
-    compute = flops / layout.world / (peak * mfu) + fixed
+    compute = ((flops - float8) / peak + float8 / device.peak_flops_8) / layout.world / mfu + fixed
     if t.compile:  # fused norms, RoPE and SwiGLU: fewer passes over memory and fewer launches
         compute /= device.compile_speedup
     ratio = bubble_ratio(cfg.parallel.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
