@@ -49,6 +49,7 @@ from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage, StageSpec, dropout_seed
 from raypar.core.model.moe import is_expert_param
 from raypar.core.observe import flops, memory
+from raypar.core.observe.profile import ActorProfile, StepProfiler
 from raypar.core.observe.step_report import MoELayerReport, StepReport
 from raypar.core.parallel import ep as ep_mod
 from raypar.core.parallel.mesh import BoundGroups, Coord, StageGroups, actor_name, stage_layers
@@ -139,6 +140,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         self.copies = BuddyCopies()
         self._buddy: Any = None  # the actor that holds this one's copies
         self._layout: tuple[int, ...] = ()  # replica ids in dp-rank order: what a snapshot is valid for
+        self.profiler = StepProfiler(None)  # train.profile_steps, set up with the config
 
     def __repr__(self) -> str:
         return self.name
@@ -171,6 +173,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         p, par = self.coord.pp, self.cfg.parallel
         self.device = self._device()
         self._use_device(self.device)
+        self.profiler = StepProfiler(self.cfg.train.profiled, cuda=self.device.type == "cuda")
         dtype = precision.DTYPES[self.cfg.train.precision]
         self.peak_flops = flops.device_peak_flops(self.device, dtype)  # measured once per process on CPU
         self.topo = schedules.Topology(par.pp, par.virtual_stages)
@@ -328,13 +331,18 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         if commit is not None:
             self.apply_step(commit)
         try:
-            result = self._train_step(step)
+            with self.profiler.step(step):
+                result = self._train_step(step)
         except Exception as err:
             for strategy in self._strategies():  # the step is discarded: nothing of it may leak into a redo
                 strategy.zero_grad()
             raise self._fail(f"step {step}", err) from err
         self.copies.wait_shared()  # so a completed step means: the buddy holds the copy from before it
         return result
+
+    def take_profile(self) -> ActorProfile | None:
+        """This actor's profile of train.profile_steps once the last of them ran here, handed over once."""
+        return self.profiler.take()
 
     def apply_step(self, step: int) -> None:
         """Phase 2 of `step`: every actor finished phase 1, so the update is applied everywhere, or skipped

@@ -209,3 +209,11 @@ def test_zero_bubble_split_quick():
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("|")}
     assert {"plain", "split", "rewalk"} <= set(rows)
     assert "1.000" in rows["split"].split("|")[3]  # the same FLOPs as one backward
+
+
+def test_trackers_overhead_quick(tmp_path):
+    out = tmp_path / "rows.json"
+    text = ok(run("benchmarks/trackers_overhead.py", "--quick", "--json", str(out)))
+    assert "| off (no sink) |" in text and "| tensorboard |" in text
+    (row,) = json.loads(out.read_text())
+    assert row["steps"] == 20 and row["values_per_step"] > 40  # the MoE record's numbers, flattened

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from raypar.core.config.schema import Config, LogConfig
+from raypar.core.observe.report import write_report
 from raypar.core.observe.tracker_backends import BACKENDS, Backend, TrackerTarget
 
 STATE = "trackers.json"  # in the run directory: {"runs": {backend: run id}, "sent_through": step}
@@ -134,6 +135,12 @@ class TrackerSink:
     def artifacts(self, paths: list[Path]) -> None:
         for backend in self.backends.values():
             backend.artifacts(paths)
+
+    def finish(self, run_dir: Path) -> None:
+        """The run ended well: the report's pictures (loss, timeline, expert load) as artifacts; close."""
+        drawn = write_report(run_dir)["files"]
+        self.artifacts([Path(f) for f in drawn])
+        self.close(ok=True)
 
     def close(self, ok: bool) -> None:
         """End every tracker run (FINISHED or FAILED where the tracker says so), each even if another
