@@ -7,6 +7,7 @@ the driver's sequence of records and sink lifetimes, not a training run.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.rules import check_tracker_packages
 from raypar.core.observe import trackers
+from raypar.core.observe.report import read_jsonl
 from raypar.core.observe.trackers import TrackerSink
 from raypar.core.run_config import load_config
 from tests.support.tracker_readback import (
@@ -72,6 +74,7 @@ def _drive(
     if png is not None:
         second.artifacts([png])
     second.close(ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     return cfg
 
 
@@ -92,14 +95,14 @@ def test_every_tracker_reads_back_metrics_once_across_recovery_and_resume(tmp_pa
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     cfg = _drive(run_dir, ["tensorboard", "mlflow", "wandb"], png=_picture(tmp_path))
-    log = cfg.log
-    assert_matches_metrics(read_tensorboard(log.dir), RECORDS, FLOAT32_REL, "tensorboard")
+    log, records = cfg.log, read_jsonl(run_dir / "metrics.jsonl")
+    assert_matches_metrics(read_tensorboard(log.dir), records, FLOAT32_REL, "tensorboard")
     ml_ids, series = read_mlflow(log.mlflow_uri, log.project)
     assert_one_run(ml_ids, "mlflow")
-    assert_matches_metrics(series, RECORDS, 0.0, "mlflow")
+    assert_matches_metrics(series, records, 0.0, "mlflow")
     ids, series, files = read_wandb(log.dir)
     assert_one_run(ids, "wandb")
-    assert_matches_metrics(series, RECORDS, 0.0, "wandb")
+    assert_matches_metrics(series, records, 0.0, "wandb")
     assert "loss.png" in files
     from mlflow.tracking import MlflowClient
 
@@ -129,7 +132,8 @@ class FreshRunSink(TrackerSink):
 def test_control_a_step_sent_again_is_caught(tmp_path):
     _drive(tmp_path, ["tensorboard"], ForgetfulSink)
     with pytest.raises(AssertionError, match=r"tensorboard: loss logged twice at steps \[2, 3, 4\]"):
-        assert_matches_metrics(read_tensorboard(tmp_path / "logs"), RECORDS, FLOAT32_REL, "tensorboard")
+        records = read_jsonl(tmp_path / "metrics.jsonl")
+        assert_matches_metrics(read_tensorboard(tmp_path / "logs"), records, FLOAT32_REL, "tensorboard")
 
 
 def test_control_a_resume_in_a_new_tracker_run_is_caught(tmp_path):

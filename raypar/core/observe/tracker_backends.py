@@ -39,7 +39,8 @@ class Backend(Protocol):
 
 class TensorBoard:
     """Event files under `<log.dir>/tensorboard`; one Summary per step holding every value (float32, as
-    TensorBoard's scalars are). The directory is the run: a resumed writer adds a file beside the others."""
+    TensorBoard's scalars are). The directory is the run: a resumed writer adds a file beside the others.
+    Each step is flushed: the sink counts it as sent, and a driver killed later must not lose it."""
 
     def __init__(self, target: TrackerTarget, run_id: str | None):
         from tensorboard.compat.proto.summary_pb2 import Summary
@@ -56,6 +57,7 @@ class TensorBoard:
     def log(self, step: int, values: dict[str, float]) -> None:
         tagged = [self.summary.Value(tag=key, simple_value=value) for key, value in values.items()]
         self.writer.file_writer.add_summary(self.summary(value=tagged), step)
+        self.writer.flush()
 
     def artifacts(self, paths: list[Path]) -> None:
         from matplotlib.image import imread

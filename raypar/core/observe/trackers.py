@@ -138,7 +138,10 @@ class TrackerSink:
 
     def finish(self, run_dir: Path) -> None:
         """The run ended well: the report's pictures (loss, timeline, expert load) as artifacts; close."""
-        drawn = write_report(run_dir)["files"]
+        try:
+            drawn = write_report(run_dir)["files"]
+        except (OSError, ValueError):  # the run's files are there for `raypar report` to say what is wrong
+            drawn = []
         self.artifacts([Path(f) for f in drawn])
         self.close(ok=True)
 
