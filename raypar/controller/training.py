@@ -325,7 +325,7 @@ class TrainingLoop:
     def _open_trackers(self) -> None:
         if self.cfg.log.backends:
             try:
-                self.trackers = trackers.TrackerSink(self.cfg, self.run_dir, self.name)
+                self.trackers = trackers.TrackerSink(self.cfg, self.run_dir, self.name, self.event)
             except trackers.TrackerError as err:
                 raise RunFailure(str(err)) from None
 

@@ -118,7 +118,7 @@ class ForgetfulSink(TrackerSink):
     """Broken on purpose: sends every record it is given, so the steps a recovery redoes go out again."""
 
     def log(self, record: dict) -> None:
-        self.state.sent_through = -1
+        self.queued_through = -1
         super().log(record)
 
 
@@ -154,3 +154,40 @@ def test_a_missing_tracker_package_names_its_extra(monkeypatch):
     extra = r'^log.backends: "wandb" needs the wandb package: pip install "raypar\[wandb\]"'
     with pytest.raises(ConfigError, match=extra):
         check_tracker_packages(cfg)
+
+
+class BrokenMidRun:
+    """Test-only tracker: takes two steps, then fails as a tracker whose server went away."""
+
+    run_id = "broken"
+
+    def __init__(self):
+        self.steps = []
+
+    def log(self, step, values):
+        if len(self.steps) == 2:
+            raise ConnectionError("server went away")
+        self.steps.append(step)
+
+    def artifacts(self, paths):
+        raise AssertionError("a dropped tracker gets nothing more")
+
+    def close(self, ok):
+        pass
+
+
+def test_a_tracker_failing_mid_run_is_dropped_with_one_line(tmp_path):
+    broken, lines = BrokenMidRun(), []
+
+    class WithBroken(TrackerSink):
+        def _open(self, name, target, run_id):
+            return broken
+
+    sink = WithBroken(_config(["tensorboard"], tmp_path), tmp_path, "demo", lines.append)
+    for record in RECORDS:
+        sink.log(record)
+    sink.artifacts([])
+    sink.close(ok=True)
+    assert broken.steps == [0, 1] and len(lines) == 1
+    assert lines[0].startswith("log.backends: tensorboard failed at step 2 (server went away)"), lines
+    assert json.loads((tmp_path / trackers.STATE).read_text())["sent_through"] == RECORDS[-1]["step"]

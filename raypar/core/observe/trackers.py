@@ -11,13 +11,20 @@ TensorBoard, MLflow and Weights & Biases (raypar.core.observe.tracker_backends),
   same run directory continues the same tracker runs: the MLflow run, the W&B run id, and TensorBoard's
   directory, where a new event file joins the old ones as one run.
 - The driver writes the records: workers never import a tracker, so only the driver needs the packages
-  (`raypar.core.config.rules.check_tracker_packages`).
+  (`raypar.core.config.rules.check_tracker_packages`). A thread of the sink writes them, so the step loop
+  pays a queue put, not the trackers' I/O (MLflow's file store writes a file per value); a step counts as
+  sent once every tracker has it. A tracker that fails mid-run is dropped, with one line; the run goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
+import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,6 +34,8 @@ from raypar.core.observe.report import write_report
 from raypar.core.observe.tracker_backends import BACKENDS, Backend, TrackerTarget
 
 STATE = "trackers.json"  # in the run directory: {"runs": {backend: run id}, "sent_through": step}
+# Records waiting for the writer thread at most; a step loop faster than the trackers then waits for them.
+QUEUE_STEPS = 64
 
 
 class TrackerError(RuntimeError):
@@ -82,11 +91,16 @@ class _State:
 
 class TrackerSink:
     """The run's trackers, fed by the driver with each metrics.jsonl record (`log`), given the report's
-    pictures at the end (`artifacts`), closed with the run (`close`). `log.backends` must be resolved."""
+    pictures at the end (`artifacts`), closed with the run (`close`). `log.backends` must be resolved.
+    `on_problem` gets the line saying a tracker failed mid-run (the driver's event log)."""
 
-    def __init__(self, cfg: Config, run_dir: Path, run_name: str):
+    def __init__(
+        self, cfg: Config, run_dir: Path, run_name: str, on_problem: Callable[[str], None] | None = None
+    ):
         self.path = Path(run_dir) / STATE
+        self.on_problem = on_problem or (lambda line: print(f"raypar: {line}", file=sys.stderr))
         self.state = self._read_state()
+        self.queued_through = self.state.sent_through  # the driver's side: the last step handed over
         target = TrackerTarget(cfg.log, run_name, hyperparameters(cfg))
         self.backends: dict[str, Backend] = {}
         try:
@@ -97,6 +111,9 @@ class TrackerSink:
             self.close(ok=False)
             raise
         self._save()
+        self._queue: queue.Queue[tuple[int, dict[str, float]] | None] = queue.Queue(QUEUE_STEPS)
+        self._writer = threading.Thread(target=self._write, name="raypar-trackers", daemon=True)
+        self._writer.start()
 
     def _open(self, name: str, target: TrackerTarget, run_id: str | None) -> Backend:
         try:
@@ -122,17 +139,38 @@ class TrackerSink:
         os.replace(staged, self.path)
 
     def log(self, record: dict[str, Any]) -> None:
-        """One step's record, sent to every tracker unless that step was sent before."""
+        """One step's record, for every tracker unless that step was handed over before."""
         step = record["step"]
-        if step <= self.state.sent_through:
+        if step <= self.queued_through:
             return
-        values = scalars(record)
-        for backend in self.backends.values():
-            backend.log(step, values)
-        self.state.sent_through = step
-        self._save()
+        self.queued_through = step
+        self._queue.put((step, scalars(record)))
+
+    def _write(self) -> None:
+        """The writer thread: each step to every tracker, then the mark saying it was sent."""
+        while (item := self._queue.get()) is not None:
+            step, values = item
+            for name, backend in list(self.backends.items()):
+                try:
+                    backend.log(step, values)
+                except Exception as err:  # noqa: BLE001 - a tracker's failure is not the run's
+                    del self.backends[name]
+                    self.on_problem(
+                        f"log.backends: {name} failed at step {step} ({err}); the run goes on without it"
+                    )
+                    with contextlib.suppress(Exception):
+                        backend.close(ok=False)
+            self.state.sent_through = step
+            self._save()
+
+    def flush(self) -> None:
+        """Wait until the writer has sent every record handed over, and end it (no records after this)."""
+        if getattr(self, "_writer", None) is not None and self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
 
     def artifacts(self, paths: list[Path]) -> None:
+        self.flush()
         for backend in self.backends.values():
             backend.artifacts(paths)
 
@@ -148,6 +186,7 @@ class TrackerSink:
     def close(self, ok: bool) -> None:
         """End every tracker run (FINISHED or FAILED where the tracker says so), each even if another
         fails to."""
+        self.flush()
         failures = []
         for name, backend in self.backends.items():
             try:
