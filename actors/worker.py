@@ -140,7 +140,6 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         self.copies = BuddyCopies()
         self._buddy: Any = None  # the actor that holds this one's copies
         self._layout: tuple[int, ...] = ()  # replica ids in dp-rank order: what a snapshot is valid for
-        self.profiler = StepProfiler(None)  # train.profile_steps, set up with the config
 
     def __repr__(self) -> str:
         return self.name

@@ -170,9 +170,13 @@ class TrackerSink:
             self._writer.join()
 
     def artifacts(self, paths: list[Path]) -> None:
+        """Files for every tracker run (after every record handed over is sent)."""
         self.flush()
-        for backend in self.backends.values():
-            backend.artifacts(paths)
+        for name, backend in self.backends.items():
+            try:
+                backend.artifacts(paths)
+            except Exception as err:  # noqa: BLE001 - the pictures are extra; the run's outcome stands
+                self.on_problem(f"log.backends: {name} did not take the pictures ({err})")
 
     def finish(self, run_dir: Path) -> None:
         """The run ended well: the report's pictures (loss, timeline, expert load) as artifacts; close."""
@@ -184,15 +188,12 @@ class TrackerSink:
         self.close(ok=True)
 
     def close(self, ok: bool) -> None:
-        """End every tracker run (FINISHED or FAILED where the tracker says so), each even if another
-        fails to."""
+        """End every tracker run (FINISHED or FAILED where the tracker says so), each even if another fails
+        to (that one said in a line: the run's own outcome stands)."""
         self.flush()
-        failures = []
         for name, backend in self.backends.items():
             try:
                 backend.close(ok)
             except Exception as err:  # noqa: BLE001 - the others still close
-                failures.append(f"{name}: {err}")
+                self.on_problem(f"log.backends: closing {name} failed ({err})")
         self.backends = {}
-        if failures:
-            raise TrackerError("closing trackers failed: " + "; ".join(failures))
