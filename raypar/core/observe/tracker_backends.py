@@ -16,8 +16,10 @@ from typing import Any, Protocol
 
 from raypar.core.config.schema import LogConfig
 
-# MLflow's client sends at most this many parameters or metrics per call (its batch limits)
+# MLflow's client sends at most this many parameters or metrics per call (its batch limits), and refuses a
+# parameter value longer than MLFLOW_PARAM_CHARS (a long list of data globs is cut there)
 MLFLOW_BATCH = 100
+MLFLOW_PARAM_CHARS = 6000
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class MLflow:
             experiment.experiment_id if experiment else self.client.create_experiment(target.log.project)
         )
         self.run_id = self.client.create_run(experiment_id, run_name=target.run_name).info.run_id
-        params = [Param(key, str(value)) for key, value in target.params.items()]
+        params = [Param(key, str(value)[:MLFLOW_PARAM_CHARS]) for key, value in target.params.items()]
         for i in range(0, len(params), MLFLOW_BATCH):
             self.client.log_batch(self.run_id, params=params[i : i + MLFLOW_BATCH])
 
