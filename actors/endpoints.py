@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar
 
 from raypar.core.observe.hangs import ActorProbe
+from raypar.core.observe.profile import ActorProfile
 from raypar.core.observe.step_report import StepReport
 from raypar.core.parallel.mesh import Coord, StageGroups
 
@@ -97,6 +98,8 @@ class WorkerEndpoints(Protocol):
     def apply_step(self, step: int) -> None: ...
 
     def abort(self, epoch: int, step: int) -> None: ...
+
+    def take_profile(self) -> ActorProfile | None: ...
 
     def deliver(self, key: tuple[str, int, int, int, int], refs: list, dtype: str) -> None: ...
 

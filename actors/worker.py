@@ -50,6 +50,7 @@ from raypar.core.model.llama import LlamaStage, StageSpec, dropout_seed
 from raypar.core.model.moe import is_expert_param
 from raypar.core.model.moe_balance import apply_bias_updates, bias_updates
 from raypar.core.observe import flops, hangs, memory
+from raypar.core.observe.profile import ActorProfile, StepProfiler
 from raypar.core.observe.step_report import MoELayerReport, StepReport
 from raypar.core.parallel import ep as ep_mod
 from raypar.core.parallel.float8 import float8_for
@@ -179,6 +180,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         p, par = self.coord.pp, self.cfg.parallel
         self.device = self._device()
         self._use_device(self.device)
+        self.profiler = StepProfiler(self.cfg.train.profiled, cuda=self.device.type == "cuda")
         dtype = precision.DTYPES[self.cfg.train.precision]
         self.peak_flops = flops.device_peak_flops(self.device, dtype)  # measured once per process on CPU
         self.topo = schedules.topology(par.schedule, par.pp, par.virtual_stages)
@@ -341,7 +343,8 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             if commit is not None:
                 self.apply_step(commit)
             try:
-                result = self._train_step(step)
+                with self.profiler.step(step):
+                    result = self._train_step(step)
             except Exception as err:
                 for strategy in self._strategies():  # the step is discarded: nothing may leak into a redo
                     strategy.zero_grad()
@@ -364,6 +367,10 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         return hangs.ActorProbe(
             self.name, self.coord.key, step, running_s, self.collective_state(), hangs.python_stacks()
         )
+
+    def take_profile(self) -> ActorProfile | None:
+        """This actor's profile of train.profile_steps once the last of them ran here, handed over once."""
+        return self.profiler.take()
 
     def apply_step(self, step: int) -> None:
         """Phase 2 of `step`: every actor finished phase 1, so the update is applied everywhere, or skipped

@@ -19,6 +19,7 @@ from typing import Any
 
 from raypar.controller import ray_env, stopping
 from raypar.core.config.errors import ConfigError
+from raypar.core.config.rules import check_tracker_packages
 from raypar.core.config.schema import Config
 from raypar.core.run_config import load_config
 
@@ -61,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--stop-at", type=int, metavar="STEP", help="stop before this step (resume later)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--profile-steps", metavar="A-B", help="torch.profiler on every actor for steps A..B "
+        "(train.profile_steps): profile.json, and in `raypar report`'s timeline.json"
+    )
 
     plan = sub.add_parser("plan", help="layouts that fit N devices, with predicted memory and step time")
     plan.add_argument("config", help="TOML config (its model, batch and precision are planned for)")
@@ -238,7 +243,9 @@ def _train(args: argparse.Namespace) -> int:
             f"--name: must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit "
             f"(it names a directory under runs/), got {args.name!r}"
         )
-    cfg = load_config(args.config, args.set)
+    profile = [f"train.profile_steps={json.dumps(args.profile_steps)}"] if args.profile_steps else []
+    cfg = load_config(args.config, args.set + profile)
+    check_tracker_packages(cfg)  # the driver alone writes to the trackers
     if args.stop_at is not None and args.stop_at <= 0:
         raise UsageError(f"--stop-at: must be a positive step, got {args.stop_at}")
     from raypar.controller import shared_paths

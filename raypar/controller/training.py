@@ -38,7 +38,7 @@ from actors.control import RunControl, control_name
 from actors.telemetry import StragglerGauges
 from collectives.group import GroupError
 from collectives.ray_store import home_node_strategy
-from raypar.controller import shared_paths, stopping
+from raypar.controller import profiles, shared_paths, stopping
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica, StepResult
 from raypar.controller.connection import NAMESPACE, RunFailure, connect
@@ -48,7 +48,7 @@ from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import Config, to_toml
 from raypar.core.data import datasets as data
-from raypar.core.observe import memory, report, stragglers
+from raypar.core.observe import memory, report, stragglers, trackers
 from raypar.core.observe.flops import mfu
 from raypar.core.parallel.mesh import Coord, Mesh
 
@@ -110,6 +110,7 @@ class TrainingLoop:
         self.tokenizer = data.tokenizer_record(cfg.data)  # in every checkpoint, for `raypar generate`
         self.val_loss: float | None = None  # the latest, for the progress bar
         self.status: dict[str, Any] = {"run": name, "step": None}  # the last posted to the control actor
+        self.trackers: trackers.TrackerSink | None = None  # [log] backends: fed what metrics.jsonl gets
 
     # -- log ---------------------------------------------------------------------------------------------
     def event(self, text: str) -> None:
@@ -303,7 +304,9 @@ class TrainingLoop:
             shared_paths.check_nodes(self.cfg, self.samples)
             control = self._claim_name()
             try:
+                self.cfg.log = trackers.resolved(self.cfg.log, self.run_dir, self.name)
                 (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
+                self._open_trackers()
                 wall = time.perf_counter()
                 try:
                     self.actor_mesh.start(self.target_dp)
@@ -319,6 +322,15 @@ class TrainingLoop:
                 self.actor_mesh.shutdown()
                 self._drop_pending()  # a stop or a failure mid-write; after shutdown, so no writer is left
                 ray.kill(control)
+                if self.trackers is not None:  # the run failed or was stopped: its tracker runs say so
+                    self.trackers.close(ok=False)
+
+    def _open_trackers(self) -> None:
+        if self.cfg.log.backends:
+            try:
+                self.trackers = trackers.TrackerSink(self.cfg, self.run_dir, self.name, self.event)
+            except trackers.TrackerError as err:
+                raise RunFailure(str(err)) from None
 
     def _claim_name(self) -> Any:
         """Create the run's control actor, whose name the cluster holds once: a live run of the same name
@@ -394,6 +406,9 @@ class TrainingLoop:
                 first_loss = result.loss if first_loss is None else first_loss
                 step += 1
         self._close_logs()
+        if self.trackers is not None:  # the report's pictures as artifacts, and the tracker runs end
+            self.trackers.finish(self.run_dir)
+            self.trackers = None
         return {
             "run": self.name,
             "steps": step,
@@ -449,6 +464,10 @@ class TrainingLoop:
         self.logs["metrics.jsonl"].write(json.dumps(record) + "\n")
         self.logs["metrics.jsonl"].flush()
         self.logs["timeline.jsonl"].writelines(json.dumps(r) + "\n" for r in rows)
+        if self.trackers is not None:
+            self.trackers.log(record)
+        if (profiled := self.cfg.train.profiled) and step == profiled[1]:
+            self.event(profiles.write(self.actor_mesh, self.run_dir))
         self.status = self._status(record, lags)
         control.update.remote(self.status)
         self.gauges.record(lags, record["straggler"], record["straggler_lag_s"])

@@ -228,3 +228,11 @@ def test_compile_step_quick(tmp_path):
     assert [r["run"] for r in rows] == ["eager", "compiled, cold cache", "compiled, warm cache"]
     assert rows[0]["ratio"] == 1.0 and all(r["step_ms"] > 0 for r in rows)
     assert all(r["loss_diff"] < 1e-4 for r in rows)  # compiled regions only reorder fp32 sums
+
+
+def test_trackers_overhead_quick(tmp_path):
+    out = tmp_path / "rows.json"
+    text = ok(run("benchmarks/trackers_overhead.py", "--quick", "--json", str(out)))
+    assert "| off (no sink) |" in text and "| tensorboard |" in text
+    (row,) = json.loads(out.read_text())
+    assert row["steps"] == 20 and row["values_per_step"] > 40  # the MoE record's numbers, flattened

@@ -13,6 +13,7 @@ import ray
 from safetensors.torch import load_file
 
 from tests.support.runs import TINY, losses, metrics
+from tests.support.tracker_readback import assert_matches_metrics, read_tensorboard
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,12 +55,24 @@ def test_train_checkpoint_inspect_export_report(address, tmp_path):
         f"checkpoint.dir='{ckpt}'",
         "--set",
         "checkpoint.every=2",
+        "--set",  # trackers and profiles end to end, on this run (no run of their own)
+        'log.backends=["tensorboard"]',
+        "--profile-steps",
+        "1-2",
         address=address,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done at step 4" in proc.stdout
     records = metrics(tmp_path / "run")
     assert [m["step"] for m in records] == [0, 1, 2, 3]
+    # TensorBoard holds every number of metrics.jsonl (float32: within 2^-24), and the pictures
+    assert_matches_metrics(read_tensorboard(tmp_path / "run" / "logs"), records, 2.0**-24, "tensorboard")
+    assert "profile of steps 1-2 from 2 actors" in proc.stderr, proc.stderr[-3000:]
+    profile = json.loads((tmp_path / "run" / "profile.json").read_text())
+    named = {e["args"]["name"] for e in profile["traceEvents"] if e["name"] == "process_name"}
+    assert named == {"raypar:cli-ok:dp0.pp0.tp0", "raypar:cli-ok:dp0.pp1.tp0"}
+    steps = [a["steps"] for a in profile["otherData"]["actors"].values()]
+    assert [sorted(s) for s in steps] == [["1", "2"], ["1", "2"]]
     for key in ("step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "dp", "pp", "tp"):
         assert key in records[0]
     assert (tmp_path / "run" / "config.toml").read_text().count("[parallel]") == 1
@@ -77,7 +90,9 @@ def test_train_checkpoint_inspect_export_report(address, tmp_path):
     assert "bubble" in report.stdout
     for name in ("timeline.json", "timeline.png", "loss.png"):
         assert (tmp_path / "run" / name).stat().st_size > 0
-    json.loads((tmp_path / "run" / "timeline.json").read_text())
+    trace = json.loads((tmp_path / "run" / "timeline.json").read_text())["traceEvents"]
+    schedule = [e for e in trace if e.get("cat") == "schedule"]  # the profiled steps' instructions, beside
+    assert {e["args"]["step"] for e in schedule} == {1, 2} and {e["pid"] for e in schedule} == {1000, 1001}
 
     # Resuming at a model the checkpoint does not hold: exit 2 naming the manifest, before any actor.
     bad = raypar("train", str(TINY), "--resume", str(ckpt), "--set", "model.d_model=128", "--no-progress")

@@ -62,6 +62,11 @@ BAD = {
     ),
     "bad fp8 recipe": (['train.precision="fp8"', 'train.fp8_recipe="blockwise"'], "train.fp8_recipe"),
     "fp8 with cp": (['train.precision="fp8"', "parallel.cp=2"], "train.precision"),
+    "unknown tracker": (['log.backends=["neptune"]'], "log.backends"),
+    "tracker twice": (['log.backends=["wandb", "wandb"]'], "log.backends"),
+    "profile range not A-B": (['train.profile_steps="3"'], "train.profile_steps"),
+    "profile range backwards": (['train.profile_steps="5-2"'], "train.profile_steps"),
+    "profile range past the run": (["train.steps=4", 'train.profile_steps="2-4"'], "train.profile_steps"),
     "elastic range": (
         ["parallel.max_dp=3", "train.global_batch=8", "parallel.microbatches=1"],
         "train.global_batch",
@@ -132,6 +137,7 @@ def test_each_registry_covers_exactly_its_options():
     from raypar.core.dp import compress, precision
     from raypar.core.dp.strategies import STRATEGIES
     from raypar.core.model import llama
+    from raypar.core.observe.tracker_backends import BACKENDS
     from raypar.core.parallel import cp
     from raypar.core.pipeline import schedules
 
@@ -139,6 +145,7 @@ def test_each_registry_covers_exactly_its_options():
         (schedules.BUILDERS, options.SCHEDULES), (STRATEGIES, options.ZERO_STAGES),
         (cp.ATTENTION, options.CP_STYLES), (compress.COMPRESSORS, options.COMPRESSIONS),
         (precision.DTYPES, options.PRECISIONS), (llama.RECOMPUTE, options.RECOMPUTE),
+        (BACKENDS, options.TRACKERS),
     ]
     for registry, names in pairs:
         assert set(registry) == set(names)

@@ -137,3 +137,21 @@ NO_RECOMPUTE = "none"
 FULL = "full"
 SELECTIVE = "selective"
 RECOMPUTE = (NO_RECOMPUTE, FULL, SELECTIVE)
+
+
+# -- log.backends: experiment trackers, each an optional extra of the package -------------------------------
+@dataclass(frozen=True)
+class Tracker:
+    name: str
+    module: str  # what must be importable on the driver
+    extra: str  # pip install "raypar[<extra>]"
+
+
+TRACKERS: dict[str, Tracker] = {
+    t.name: t
+    for t in (
+        Tracker("tensorboard", "tensorboard", "tensorboard"),
+        Tracker("mlflow", "mlflow", "mlflow"),
+        Tracker("wandb", "wandb", "wandb"),
+    )
+}

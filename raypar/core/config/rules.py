@@ -280,6 +280,40 @@ def validate(cfg: Config) -> None:
         f"live on a buddy replica, got dp={cfg.dp_fixed}",
     )
     _validate_moe(cfg)
+    _validate_observe(cfg)
+
+
+def _validate_observe(cfg: Config) -> None:
+    """[log] trackers and train.profile_steps."""
+    backends = cfg.log.backends
+    for name in backends:
+        _require(
+            name in options.TRACKERS, f"log.backends: must list {one_of(options.TRACKERS)}, got {name!r}"
+        )
+    _require(len(set(backends)) == len(backends), f"log.backends: each backend once, got {backends}")
+    try:
+        profiled = cfg.train.profiled
+    except ValueError as err:
+        raise ConfigError(f"train.profile_steps: {err}") from None
+    if profiled is not None:
+        first, last = profiled
+        _require(
+            first <= last < cfg.train.steps,
+            f"train.profile_steps: needs A <= B < train.steps={cfg.train.steps}, "
+            f"got {cfg.train.profile_steps!r}",
+        )
+
+
+def check_tracker_packages(cfg: Config) -> None:
+    """The driver, before any actor starts: every configured tracker's package is installed (its extra
+    named). Not part of `validate`, which every worker runs too: only the driver imports the trackers."""
+    for name in cfg.log.backends:
+        tracker = options.TRACKERS[name]
+        _require(
+            importlib.util.find_spec(tracker.module) is not None,
+            f'log.backends: "{name}" needs the {tracker.module} package: '
+            f'pip install "raypar[{tracker.extra}]"',
+        )
 
 
 def _validate_float8(cfg: Config) -> None:

@@ -117,6 +117,17 @@ class TrainConfig:
     loss_scale_min: float = 1.0
     # options.OFFLOADS; "cpu": masters, Adam moments and their update in host memory (sharded optimizer)
     offload: str = options.NO_OFFLOAD
+    profile_steps: str = ""  # "A-B": torch.profiler on every actor, steps A..B (raypar.core.observe.profile)
+
+    @property
+    def profiled(self) -> tuple[int, int] | None:
+        """`profile_steps` as (first, last) step, both profiled; None when unset. ValueError if malformed."""
+        if not self.profile_steps:
+            return None
+        first, dash, last = self.profile_steps.partition("-")
+        if not dash or not first.strip().isdigit() or not last.strip().isdigit():
+            raise ValueError(f"expected two step numbers as \"A-B\", got {self.profile_steps!r}")
+        return int(first), int(last)
 
 
 @dataclass
@@ -136,12 +147,24 @@ class CheckpointConfig:
 
 
 @dataclass
+class LogConfig:
+    """Experiment trackers the driver feeds with every metrics.jsonl record (raypar.core.observe.trackers).
+    Empty strings are resolved against the run directory and name when the run starts."""
+
+    backends: list[str] = field(default_factory=list)  # options.TRACKERS
+    dir: str = ""  # <run dir>/logs: TensorBoard event files, W&B's run files
+    mlflow_uri: str = ""  # file:<dir>/mlruns
+    project: str = ""  # the run name: MLflow's experiment, W&B's project
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     @property
     def dp_fixed(self) -> int:

@@ -3,7 +3,9 @@
 Reads a run directory (config.toml, metrics.jsonl, timeline.jsonl) and writes next to them:
 
 - timeline.json: one step as a Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing);
-  one process per data-parallel replica, one thread per (stage, tp rank) actor;
+  one process per data-parallel replica, one thread per (stage, tp rank) actor; with a profile of the run
+  (profile.json, `train.profile_steps`), beside it one process per actor holding its torch.profiler events
+  and the executor's instructions of the profiled steps, on one clock (raypar.core.observe.profile);
 - timeline.png: the same step as a Gantt chart, forward / backward / communication / idle per actor;
 - loss.png: loss (training, and validation where measured) and tokens/s against the step;
 - stragglers.png: actors x steps, colour = each actor's compute time (raypar.core.observe.stragglers);
@@ -33,6 +35,7 @@ from typing import Any
 
 from raypar.core.config.options import SCHEDULES
 from raypar.core.observe import stragglers
+from raypar.core.observe.profile import PID_BASE, merge_schedule
 from raypar.core.observe.step_report import StepReport
 from raypar.core.parallel.mesh import Coord
 from raypar.core.pipeline.schedules import COMPUTE_OPS, bubble_formula
@@ -493,7 +496,14 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
             bubble_theoretical=theory,
             tail_fraction=_tail_fraction(rows),
         )
-        (run_dir / "timeline.json").write_text(json.dumps(chrome_trace(rows)))
+        trace = chrome_trace(rows)
+        if (run_dir / "profile.json").is_file():
+            profiled = json.loads((run_dir / "profile.json").read_text())
+            trace["traceEvents"] += merge_schedule(profiled, all_rows)
+            trace["otherData"]["profile"] = (
+                f"processes from pid {PID_BASE}: wall clock, from the profile's start"
+            )
+        (run_dir / "timeline.json").write_text(json.dumps(trace))
         dp, tp = len({row["dp"] for row in rows}), len({row["tp"] for row in rows})
         name = SCHEDULES[schedule].title if schedule in SCHEDULES else schedule
         title = (
