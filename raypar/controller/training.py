@@ -364,6 +364,7 @@ class TrainingLoop:
             checkpointed = step  # the state before `step` is on disk already (resumed) or is the seed's
             rewrite = False  # a checkpoint lost to dead actors (or the last one): write one at this boundary
             while True:
+                stopping.check()  # a stop whose interrupt Ray swallowed ends the run here
                 completed = None  # the step's result once it is done (its validation may still fail)
                 try:  # everything that talks to the actors fails the same way and recovers the same way
                     if rewrite or (checkpointed != step and self._checkpoint_due(step, end)):
