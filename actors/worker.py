@@ -50,6 +50,7 @@ from raypar.core.model.llama import LlamaStage, StageSpec, dropout_seed
 from raypar.core.model.moe import is_expert_param
 from raypar.core.model.moe_balance import apply_bias_updates, bias_updates
 from raypar.core.observe import flops, hangs, memory
+from raypar.core.observe.hangs import ActorProbe
 from raypar.core.observe.profile import ActorProfile, StepProfiler
 from raypar.core.observe.step_report import MoELayerReport, StepReport
 from raypar.core.parallel import ep as ep_mod
@@ -358,7 +359,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         return result
 
     @ray.method(concurrency_group=INSPECT)
-    def inspect(self) -> hangs.ActorProbe:
+    def inspect(self) -> ActorProbe:
         """Where this actor is (for a hang report): its step, its groups' pending collectives, its stacks.
         Runs in a concurrency group of its own, so a step thread blocked in a collective (and the other
         threads' calls queued behind it) never delays the answer."""

@@ -35,6 +35,7 @@ ZERO_OK = {
     "model.moe_capacity_factor", "model.moe_bias_update_rate", "model.moe_shared_experts",  # 0: dropless, off
     "train.eval_every", "data.val_fraction",  # 0: no validation
     "parallel.zero",  # 0: no sharding
+    "train.hang_watchdog_s",  # 0: a fifth of parallel.timeout_s
     "parallel.compression_start_step",
 }  # fmt: skip
 

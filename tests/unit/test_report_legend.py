@@ -74,7 +74,7 @@ def test_close_dp_changes_have_labels_that_do_not_overlap(tmp_path: Path, figure
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
     report.write_report(run_dir)
-    (loss,) = (f for f in figures if not f.legends)
+    (loss,) = (f for f in figures if any(ax.get_ylabel() == "loss" for ax in f.axes))
     renderer = FigureCanvasAgg(loss).get_renderer()  # the report closed the figure: draw it afresh
     labels = {a.get_text(): a.get_window_extent(renderer) for a in loss.findobj(Annotation)}
 
