@@ -1,14 +1,15 @@
-"""MoE ranks as threads of the test process: one step of a dp x cp x tp (SP) x ep layout without Ray.
+"""MoE ranks as threads of the test process: one step of a dp x pp x cp x tp (SP) x ep layout without Ray.
 
-Each thread builds its rank's model the way the worker does (actors/worker.py: its tp group where tp >
-1,
-the EP group of its cp rank, the cp group), reduces dense gradients over the dp group (cp x dp) and expert
-gradients over the expert-dp group, divided by dp x cp, and runs one step of its schedule with an
-in-process transport. The reference forwards the global batch in the run's microbatches (the aux loss is
-per microbatch) in one process holding every expert. `assert_matches` compares the two: the loss, every
-gradient (tp shards assembled), the global gradient norm and the step's MoE figures through
-raypar.controller.actor_mesh.moe_totals. Used by tests/unit/test_moe_context_parallel.py and
-tests/unit/test_moe_sequence_parallel.py.
+Each thread builds its rank's model the way the worker does (actors/worker.py: its stage's chunks where
+the schedule's topology puts them, `train.recompute`, its tp group where tp > 1, the EP group of its cp
+rank, the cp group), reduces dense gradients over the dp group (cp x dp) and expert gradients over the
+expert-dp group, divided by dp x cp, and runs one step of its schedule with an in-process transport. The
+reference forwards the global batch in the run's microbatches (the aux loss is per microbatch) in one
+process holding every expert. `assert_matches` compares the two: the loss, every gradient (tp shards and
+stages assembled), the global gradient norm and the step's MoE figures through
+raypar.controller.actor_mesh.moe_totals. Used by tests/unit/test_moe_context_parallel.py,
+tests/unit/test_moe_sequence_parallel.py, tests/unit/test_moe_dropless.py and
+tests/unit/test_dualpipev_compose.py.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from raypar.controller.actor_mesh import moe_totals
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
-from raypar.core.model.llama import LlamaStage
+from raypar.core.model.llama import LlamaStage, StageSpec
 from raypar.core.model.moe import MoELayer, is_expert_param
 from raypar.core.observe.step_report import MoELayerReport, StepReport
-from raypar.core.parallel.mesh import Coord, Mesh
+from raypar.core.parallel.mesh import Coord, Mesh, stage_layers
 from raypar.core.pipeline import schedules
 from raypar.core.pipeline.executor import ModelBackend, StepRun
 from raypar.core.pipeline.local_transport import LocalPipe
@@ -101,28 +102,36 @@ def _reference(cfg: Config, prepare: Prepare | None) -> dict[str, Any]:
     return {"loss": loss, "grads": grads, "moe": moe_totals({whole: moe_report(whole, moe_figures(model))})}
 
 
-def parallel(cfg: Config, moe_class: type[MoELayer] = MoELayer, make_group: Any = create_group,
-             prepare: Prepare | None = None) -> dict[str, Any]:
-    """One step of `cfg`'s dp x cp x tp (SP) x ep layout on threads; `moe_class` replaces the MoE layers'
-    class (negative controls); `make_group` forms the groups (tests.support.fake_nccl for NCCL's rules);
-    `prepare` sets up each rank's model after it is built."""
+def parallel(
+    cfg: Config, moe_class: type[MoELayer] = MoELayer, make_group: Any = create_group,
+    prepare: Prepare | None = None, backend_class: type[ModelBackend] = ModelBackend,
+) -> dict[str, Any]:
+    """One step of `cfg`'s dp x pp x cp x tp (SP) x ep layout and schedule on threads; `moe_class`
+    replaces the MoE layers' class and `backend_class` the executor's backend (negative controls);
+    `make_group` forms the groups (tests.support.fake_nccl for NCCL's rules); `prepare` sets up each
+    rank's model after it is built."""
     par, m = cfg.parallel, cfg.model
-    dp = cfg.dp_fixed
-    mesh = Mesh(dp, 1, par.tp, ep=par.ep, cp=par.cp)
+    dp, pp, v = cfg.dp_fixed, par.pp, par.virtual_stages
+    topo = schedules.topology(par.schedule, pp, v)
+    mesh = Mesh(dp, pp, par.tp, ep=par.ep, ring=topo.ring, cp=par.cp)
     # tp groups only where tp > 1, as the worker: without one every layer is whole on this rank
     kinds = ("dp.", "cp.", "ep.", "edp.") + (("tp.",) if par.tp > 1 else ())
     groups = {n: mm for n, mm in mesh.groups().items() if n.startswith(kinds)}
-    topo = schedules.Topology(1, 1)
+    pipes = {(d, t, c): LocalPipe(topo, 60) for d in range(dp) for t in range(par.tp) for c in range(par.cp)}
     dataset = data.open_dataset(cfg.data, m)
     sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
     n_mb, mbs = cfg.microbatches_at(dp), cfg.microbatch_size
+    virtual = stage_layers(m.n_layers, pp * v)
 
     def member(rank: int, mine: dict[str, Any]) -> dict[str, Any]:
         coord = mesh.coord(rank)
-        model = LlamaStage(m, tp_group=mine.get(Mesh.tp_group(coord)), seed=cfg.train.seed,
+        chunks = tuple(virtual[topo.virtual(coord.pp, k)] for k in range(v))
+        model = LlamaStage(m, stage=StageSpec(chunks, coord.pp == 0, coord.pp == topo.last_rank),
+                           tp_group=mine.get(Mesh.tp_group(coord)), seed=cfg.train.seed,
                            ep_group=mine.get(Mesh.ep_group(coord, coord.dp, par.ep)),
                            sequence_parallel=par.sequence_parallel, cp_group=mine.get(Mesh.cp_group(coord)),
                            cp_style=par.cp_style)
+        model.set_recompute(cfg.train.recompute, cfg.train.recompute_every)  # as the worker
         for layer in model.moe_layers().values():
             layer.__class__ = moe_class
         if prepare is not None:
@@ -140,21 +149,25 @@ def parallel(cfg: Config, moe_class: type[MoELayer] = MoELayer, make_group: Any 
         def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
             return data.microbatch(dataset, sampler, 0, coord.dp * n_mb + mb, mbs)
 
-        backend = ModelBackend(model, 0, topo, LocalPipe(topo, 60).transport(0), like, batch, n_mb)
-        plan = schedules.build(par.schedule, 1, n_mb, 1)[0]
-        StepRun(0, topo, plan, backend, [dense, experts], model.chunk_parameters).run(time.perf_counter, 0.0)
+        transport = pipes[(coord.dp, coord.tp, coord.cp)].transport(coord.pp)
+        backend = backend_class(model, coord.pp, topo, transport, like, batch, n_mb)
+        plan = schedules.build(par.schedule, pp, n_mb, v)[coord.pp]
+        run = StepRun(coord.pp, topo, plan, backend, [dense, experts], model.chunk_parameters)
+        run.run(time.perf_counter, 0.0)
         for strategy in (dense, experts):
             strategy.finish()
+        transport.finish_step()
         specs = model.shard_specs()
         return {"coord": coord, "losses": [x.item() for x in backend.losses], "moe": moe_figures(model),
                 "grads": {n: (p.grad.clone(), *specs[n]) for n, p in model.named_parameters()}}
 
     ranks = {n: [mesh.rank(c) for c in mm] for n, mm in groups.items()}
     ranks = run_groups(mesh.world_size, ranks, member, make_group=make_group)
-    losses = [x for r in ranks if r["coord"].tp == 0 for x in r["losses"]]  # cp ranks: equal shares
+    # the loss on the last stage's tp rank 0 of each cp rank (cp ranks: equal shares)
+    losses = [x for r in ranks if r["coord"].tp == 0 and r["coord"].pp == topo.last_rank for x in r["losses"]]
     grads: dict[str, torch.Tensor] = {}
-    for r in ranks:  # tp shards into place; dense gradients from every replica (equal), experts from owners
-        for name, (local, shape, offsets) in r["grads"].items():
+    for r in ranks:  # tp shards and stages into place; dense gradients from every replica (equal), experts
+        for name, (local, shape, offsets) in r["grads"].items():  # from their owners
             full = grads.setdefault(name, torch.empty(shape))
             full[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))] = local
     return {"loss": sum(losses) / len(losses), "grads": grads,

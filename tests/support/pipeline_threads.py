@@ -1,14 +1,12 @@
 """A whole dp x pp x tp mesh as threads of the test process: the core's executor without Ray.
 
 Each coordinate is a thread that builds its shard of the model the way the actor does
-(raypar.core.parallel.mesh,
-raypar.core.model.llama chunks), joins its gloo groups (formed from `Mesh.groups`, in the global order), runs
-one step
-of its schedule on `raypar.core.pipeline.executor` with an in-process transport
-(raypar.core.pipeline.local_transport), and reduces
-gradients over dp with raypar.core.dp.strategy.DPStrategy. The results are full (tp-assembled) gradients, the
-loss and
-the bytes each pipeline hop carried: what the equivalence tests compare with one process.
+(raypar.core.parallel.mesh, raypar.core.model.llama chunks, `train.recompute`), joins its gloo groups
+(formed from `Mesh.groups`, in the global order), runs one step of its schedule on
+`raypar.core.pipeline.executor` with an in-process transport (raypar.core.pipeline.local_transport), and
+reduces gradients over dp with the strategy of `parallel.zero` (raypar.core.dp.strategies). The results
+are full (tp-assembled) gradients, the loss and the bytes each pipeline hop carried: what the equivalence
+tests compare with one process.
 """
 
 from __future__ import annotations
@@ -24,7 +22,8 @@ from actors.transport import DirectTransport
 from collectives import Group, GroupSpec
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
-from raypar.core.dp.strategy import DPStrategy, StrategySpec
+from raypar.core.dp.strategies import STRATEGIES
+from raypar.core.dp.strategy import StrategySpec
 from raypar.core.model.llama import LlamaStage, StageSpec
 from raypar.core.parallel.mesh import Coord, Mesh, stage_layers
 from raypar.core.pipeline import schedules
@@ -42,6 +41,7 @@ class StepOutcome:
     grads: dict[str, torch.Tensor]  # full gradients of replica 0 after the DP reduction
     hop_bytes: list[int] = field(default_factory=list)  # every activation/gradient message, all ranks
     per_coord: dict[Coord, dict[str, Any]] = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # replica 0's, after `lr`'s update
 
 
 def reference_step(
@@ -67,13 +67,15 @@ def reference_step(
 
 def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, bucket_bytes: int = 4096,
              model_hook: Any = None, make_group: Callable[[GroupSpec, Any], Group] | None = None,
-             timeout_s: float = TIMEOUT_S) -> StepOutcome:
+             timeout_s: float = TIMEOUT_S, lr: float | None = None) -> StepOutcome:
     """One step of `cfg`'s layout on threads. `run_class` swaps the step runner (negative controls);
     `model_hook(model, coord, groups)` may alter each shard after it is built (also negative controls).
     A small `bucket_bytes` makes DP buckets span layers and chunks. With `make_group`
     (tests.support.fake_nccl)
     every group is formed by it, and pipeline messages go over the pair groups (actors.transport's
-    DirectTransport, receives announced ahead as the actor does) instead of the in-process transport."""
+    DirectTransport, receives announced ahead as the actor does) instead of the in-process transport.
+    The strategy is `parallel.zero`'s; with `lr` every rank then takes one AdamW step (no clipping) and
+    the outcome holds the updated parameters: under ZeRO-2 whole reduced gradients exist nowhere."""
     par = cfg.parallel
     dp, pp, tp, v, cp = cfg.dp_fixed, par.pp, par.tp, par.virtual_stages, par.cp
     topo = schedules.topology(par.schedule, pp, v)
@@ -99,10 +101,11 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
             sequence_parallel=par.sequence_parallel, cp_group=mine.get(Mesh.cp_group(coord)),
             cp_style=par.cp_style,
         )
+        model.set_recompute(cfg.train.recompute, cfg.train.recompute_every)  # as the worker
         if model_hook is not None:
             model_hook(model, coord, mine)
         spec = StrategySpec(cfg.train, bucket_bytes)
-        strategy = DPStrategy(model, spec=spec, group=mine.get(Mesh.dp_group(coord)))
+        strategy = STRATEGIES[par.zero](model, spec=spec, group=mine.get(Mesh.dp_group(coord)))
         seq = cfg.model.seq_len // cp // (tp if par.sequence_parallel else 1)  # this rank's tokens
         like = torch.empty(mbs, seq, cfg.model.d_model)
         plan = schedules.build(par.schedule, pp, n_mb, v)[p]
@@ -115,6 +118,7 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
             return data.microbatch(dataset, sampler, step, d * n_mb + mb, mbs)
 
         backend = ModelBackend(model, p, topo, transport, like, batch, n_mb)
+        strategy.begin_step()  # as the worker: ZeRO-2 frees its gradient buffers after each reduction
         run_class(p, topo, plan, backend, [strategy], model.chunk_parameters).run(time.perf_counter, 0.0)
         strategy.finish()
         transport.finish_step()
@@ -123,9 +127,14 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
         specs = model.shard_specs()
         results[coord] = {
             "losses": [x.item() for x in backend.losses],
-            "grads": {n: (q.grad.clone(), *specs[n]) for n, q in model.named_parameters()},
+            "grads": {  # none where a ZeRO-2 reduction left only the owned piece
+                n: (q.grad.clone(), *specs[n]) for n, q in model.named_parameters() if q.grad is not None
+            },
             "sent_bytes": getattr(transport, "sent_bytes", []),
         }
+        if lr is not None:
+            strategy.step(lr)
+            results[coord]["params"] = {n: (t, *specs[n]) for n, t in strategy.full_parameters().items()}
 
     ranks = {n: [mesh.rank(c) for c in m] for n, m in groups.items()}
     if make_group is None:
@@ -134,14 +143,21 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
         links = [n for n in groups if Mesh.is_pipe_link(n)]
         run_groups(mesh.world_size, ranks, member, timeout_s, make_group, links)
     losses = [x for c, r in results.items() if c.pp == topo.last_rank and c.tp == 0 for x in r["losses"]]
-    grads: dict[str, torch.Tensor] = {}
-    for coord, r in results.items():
-        if coord.dp == 0 and coord.cp == 0:
-            for name, (local, shape, offsets) in r["grads"].items():
-                full = grads.setdefault(name, torch.empty(shape))
-                full[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))] = local
+    replica0 = [r for coord, r in results.items() if coord.dp == 0 and coord.cp == 0]
+    grads = _assembled([r["grads"] for r in replica0])
+    params = _assembled([r["params"] for r in replica0]) if lr is not None else {}
     hops = [b for r in results.values() for b in r["sent_bytes"]]
-    return StepOutcome(sum(losses) / len(losses), grads, hops, results)
+    return StepOutcome(sum(losses) / len(losses), grads, hops, results, params)
+
+
+def _assembled(shards: list[dict[str, tuple[torch.Tensor, tuple, tuple]]]) -> dict[str, torch.Tensor]:
+    """Whole tensors from the (local shard, global shape, offsets) of every stage and tp rank."""
+    whole: dict[str, torch.Tensor] = {}
+    for rank in shards:
+        for name, (local, shape, offsets) in rank.items():
+            full = whole.setdefault(name, torch.empty(shape))
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))] = local
+    return whole
 
 
 def _direct(mine: dict[str, Group], coord: Coord, topo: schedules.Topology, plan: list, like: torch.Tensor):
