@@ -8,18 +8,20 @@ The V at pp=2 (4 one-layer chunks, rank 0 holding layers 0 and 3, 4 microbatches
    the ring's online-softmax merge sums in yet another order, 1e-4 as tests/unit/test_context_parallel.py
    derives). Negative control at each layout: the turn at the last rank hands chunk 0 a zero gradient
    (tests.support.pipeline_controls.DropTurnGradient); the same check fails on the grad norm.
-2. dp=2 at ZeRO 0, 1 and 2. ZeRO-0 and ZeRO-1 (gradients all-reduced) leave whole gradients: the same
-   check against one process. Under ZeRO-2 whole gradients exist nowhere, so every stage takes one AdamW
-   step and its parameters must equal ZeRO-0's bit for bit: at dp=2 each reduced entry is one IEEE
+2. dp=2 at ZeRO 0, 1 and 2 (3 is refused with the V: tests/unit/test_config.py). ZeRO-0 and ZeRO-1
+   (gradients all-reduced) leave whole gradients: the same check against one process. Under ZeRO-2 whole
+   gradients exist nowhere, so every stage takes one AdamW step, and the parameters at ZeRO 1 and 2 must
+   equal ZeRO-0's bit for bit: at dp=2 each reduced entry is one IEEE
    addition of two terms, the same whichever collective (all-reduce or reduce-scatter) adds them, and
    AdamW is elementwise on the same values whatever piece a rank owns. Negative control: the reduction
    armed at each chunk's last B instead of its last W (tests.support.pipeline_controls.ReduceOnB): the
    W's of the cool-down come after the reduce-scatter, and a parameter differs.
 3. MoE under expert parallelism at dp=2 x ep=2 (dropless, a shared expert, a non-zero routing bias, MoE in
-   blocks 1 and 3: block 1 in chunk 0 of rank 1, block 3 in chunk 1 of rank 0, the last) and the same with
-   tp=2 (SP) and selective recompute (full recompute of MoE blocks is refused by the config rules):
-   the loss, every gradient, the grad norm, the aux loss and the expert load exactly against one process
-   holding every expert (tests/support/moe_threads.py; 1e-5, as tests/unit/test_moe_dropless.py says why).
+   blocks 1 and 3: block 1 in chunk 0 of rank 1, block 3 in chunk 1 of rank 0, the last), the same with
+   tp=2 (SP) and selective recompute (full recompute of MoE blocks is refused by the config rules) and
+   with cp=2 (ring): the loss, every gradient, the grad norm, the aux loss and the expert load exactly
+   against one process holding every expert (tests/support/moe_threads.py; 1e-5, as
+   tests/unit/test_moe_dropless.py says why, and the ring's 1e-4 as in 1).
    Negative control: a backend that loses the aux loss of a unit before the last chunk (block 1's joins
    no backward): the gradients upstream of block 1's router differ.
 """
@@ -115,10 +117,12 @@ def test_reduction_before_the_last_w_is_rejected_under_zero2() -> None:
 # -- 3. MoE under expert parallelism ---------------------------------------------------------------------
 MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=0", "model.moe_every=2",
        "model.moe_shared_experts=1"]  # fmt: skip
-MOE_LAYOUTS = {
-    "dp2-ep2": [],
-    "dp2-ep2-tp2-sp-selective": ["parallel.tp=2", "parallel.sequence_parallel=true",
-                                 'train.recompute="selective"'],
+MOE_LAYOUTS = {  # name -> (overrides, relative tolerance: the ring's as in section 1)
+    "dp2-ep2": ([], TOL),
+    "dp2-ep2-tp2-sp-selective": (
+        ["parallel.tp=2", "parallel.sequence_parallel=true", 'train.recompute="selective"'], TOL
+    ),
+    "dp2-ep2-cp2-ring": (["parallel.cp=2", 'parallel.cp_style="ring"'], 1e-4),
 }
 
 
@@ -147,8 +151,9 @@ class AuxLostBeforeTheLastChunk(ModelBackend):
 
 @pytest.mark.parametrize("name", list(MOE_LAYOUTS))
 def test_dualpipev_moe_matches_one_process(name: str) -> None:
-    got = moe_threads.parallel(moe_cfg(*MOE_LAYOUTS[name]), prepare=moe_threads.set_routing_biases)
-    moe_threads.assert_matches(got, moe_one_process(), TOL)
+    extra, rtol = MOE_LAYOUTS[name]
+    got = moe_threads.parallel(moe_cfg(*extra), prepare=moe_threads.set_routing_biases)
+    moe_threads.assert_matches(got, moe_one_process(), rtol)
 
 
 # what block 1's aux loss reaches: its router and everything before it (the first in the check's order fails)
@@ -157,7 +162,8 @@ UPSTREAM_OF_BLOCK_1 = r"^gradient of (embed\.weight|layers\.[01]\.\S+) differs"
 
 @pytest.mark.parametrize("name", list(MOE_LAYOUTS))
 def test_aux_loss_lost_before_the_last_chunk_is_rejected(name: str) -> None:
-    got = moe_threads.parallel(moe_cfg(*MOE_LAYOUTS[name]), prepare=moe_threads.set_routing_biases,
+    extra, rtol = MOE_LAYOUTS[name]
+    got = moe_threads.parallel(moe_cfg(*extra), prepare=moe_threads.set_routing_biases,
                                backend_class=AuxLostBeforeTheLastChunk)
     with pytest.raises(AssertionError, match=UPSTREAM_OF_BLOCK_1):
-        moe_threads.assert_matches(got, moe_one_process(), TOL)
+        moe_threads.assert_matches(got, moe_one_process(), rtol)
