@@ -25,7 +25,8 @@ from collectives import create_group
 from raypar.controller.actor_mesh import moe_totals
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
-from raypar.core.dp.strategy import DPStrategy, StrategySpec
+from raypar.core.dp.strategies import STRATEGIES
+from raypar.core.dp.strategy import StrategySpec
 from raypar.core.model.llama import LlamaStage, StageSpec
 from raypar.core.model.moe import MoELayer, is_expert_param
 from raypar.core.observe.step_report import MoELayerReport, StepReport
@@ -33,6 +34,7 @@ from raypar.core.parallel.mesh import Coord, Mesh, stage_layers
 from raypar.core.pipeline import schedules
 from raypar.core.pipeline.executor import ModelBackend, StepRun
 from raypar.core.pipeline.local_transport import LocalPipe
+from tests.support.pipeline_threads import assembled
 from tests.support.threads import run_groups
 
 
@@ -105,11 +107,13 @@ def _reference(cfg: Config, prepare: Prepare | None) -> dict[str, Any]:
 def parallel(
     cfg: Config, moe_class: type[MoELayer] = MoELayer, make_group: Any = create_group,
     prepare: Prepare | None = None, backend_class: type[ModelBackend] = ModelBackend,
+    run_class: type[StepRun] = StepRun, lr: float | None = None,
 ) -> dict[str, Any]:
     """One step of `cfg`'s dp x pp x cp x tp (SP) x ep layout and schedule on threads; `moe_class`
-    replaces the MoE layers' class and `backend_class` the executor's backend (negative controls);
-    `make_group` forms the groups (tests.support.fake_nccl for NCCL's rules); `prepare` sets up each
-    rank's model after it is built."""
+    replaces the MoE layers' class, `backend_class` the executor's backend and `run_class` its step
+    runner (negative controls); `make_group` forms the groups (tests.support.fake_nccl for NCCL's rules);
+    `prepare` sets up each rank's model after it is built. The strategies are `parallel.zero`'s; with `lr`
+    every rank then takes one AdamW step (no clipping) and "params" holds the updated parameters."""
     par, m = cfg.parallel, cfg.model
     dp, pp, v = cfg.dp_fixed, par.pp, par.virtual_stages
     topo = schedules.topology(par.schedule, pp, v)
@@ -137,12 +141,13 @@ def parallel(
         if prepare is not None:
             prepare(model)
         dense_spec = StrategySpec(cfg.train, 4096, select=lambda name: not is_expert_param(name))
-        dense = DPStrategy(model, spec=dense_spec, group=mine.get(Mesh.dp_group(coord)))
+        cls = STRATEGIES[par.zero]
+        dense = cls(model, spec=dense_spec, group=mine.get(Mesh.dp_group(coord)))
         # the worker's expert-dp group: the dp group without ep (with its cp ranks), divisor dp x cp; none
         # where dp == ep and cp == 1
         edp = mine.get(Mesh.edp_group(coord, coord.dp, par.ep) if par.ep > 1 else Mesh.dp_group(coord))
         expert_spec = StrategySpec(cfg.train, 4096, select=is_expert_param, divisor=dp * par.cp)
-        experts = DPStrategy(model, spec=expert_spec, group=edp)
+        experts = cls(model, spec=expert_spec, group=edp)
         seq = m.seq_len // par.cp // (par.tp if par.sequence_parallel else 1)  # this rank's tokens
         like = torch.empty(mbs, seq, m.d_model)
 
@@ -152,25 +157,33 @@ def parallel(
         transport = pipes[(coord.dp, coord.tp, coord.cp)].transport(coord.pp)
         backend = backend_class(model, coord.pp, topo, transport, like, batch, n_mb)
         plan = schedules.build(par.schedule, pp, n_mb, v)[coord.pp]
-        run = StepRun(coord.pp, topo, plan, backend, [dense, experts], model.chunk_parameters)
+        for strategy in (dense, experts):
+            strategy.begin_step()  # as the worker: ZeRO-2 frees its gradient buffers after each reduction
+        run = run_class(coord.pp, topo, plan, backend, [dense, experts], model.chunk_parameters)
         run.run(time.perf_counter, 0.0)
         for strategy in (dense, experts):
             strategy.finish()
         transport.finish_step()
         specs = model.shard_specs()
-        return {"coord": coord, "losses": [x.item() for x in backend.losses], "moe": moe_figures(model),
-                "grads": {n: (p.grad.clone(), *specs[n]) for n, p in model.named_parameters()}}
+        out = {"coord": coord, "losses": [x.item() for x in backend.losses], "moe": moe_figures(model),
+               "grads": {  # none where a ZeRO-2 reduction left only the owned piece
+                   n: (p.grad.clone(), *specs[n]) for n, p in model.named_parameters() if p.grad is not None
+               }}
+        if lr is not None:
+            out["params"] = {}
+            for strategy in (dense, experts):
+                strategy.step(lr)
+                out["params"] |= {n: (t, *specs[n]) for n, t in strategy.full_parameters().items()}
+        return out
 
     ranks = {n: [mesh.rank(c) for c in mm] for n, mm in groups.items()}
     ranks = run_groups(mesh.world_size, ranks, member, make_group=make_group)
     # the loss on the last stage's tp rank 0 of each cp rank (cp ranks: equal shares)
     losses = [x for r in ranks if r["coord"].tp == 0 and r["coord"].pp == topo.last_rank for x in r["losses"]]
-    grads: dict[str, torch.Tensor] = {}
-    for r in ranks:  # tp shards and stages into place; dense gradients from every replica (equal), experts
-        for name, (local, shape, offsets) in r["grads"].items():  # from their owners
-            full = grads.setdefault(name, torch.empty(shape))
-            full[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))] = local
-    return {"loss": sum(losses) / len(losses), "grads": grads,
+    # tp shards and stages into place; dense tensors from every replica (equal), experts from their owners
+    grads = assembled([r["grads"] for r in ranks])
+    params = assembled([r["params"] for r in ranks]) if lr is not None else {}
+    return {"loss": sum(losses) / len(losses), "grads": grads, "params": params,
             "moe": moe_totals({r["coord"]: moe_report(r["coord"], r["moe"]) for r in ranks})}
 
 

@@ -144,13 +144,13 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
         run_groups(mesh.world_size, ranks, member, timeout_s, make_group, links)
     losses = [x for c, r in results.items() if c.pp == topo.last_rank and c.tp == 0 for x in r["losses"]]
     replica0 = [r for coord, r in results.items() if coord.dp == 0 and coord.cp == 0]
-    grads = _assembled([r["grads"] for r in replica0])
-    params = _assembled([r["params"] for r in replica0]) if lr is not None else {}
+    grads = assembled([r["grads"] for r in replica0])
+    params = assembled([r["params"] for r in replica0]) if lr is not None else {}
     hops = [b for r in results.values() for b in r["sent_bytes"]]
     return StepOutcome(sum(losses) / len(losses), grads, hops, results, params)
 
 
-def _assembled(shards: list[dict[str, tuple[torch.Tensor, tuple, tuple]]]) -> dict[str, torch.Tensor]:
+def assembled(shards: list[dict[str, tuple[torch.Tensor, tuple, tuple]]]) -> dict[str, torch.Tensor]:
     """Whole tensors from the (local shard, global shape, offsets) of every stage and tp rank."""
     whole: dict[str, torch.Tensor] = {}
     for rank in shards:

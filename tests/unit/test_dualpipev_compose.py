@@ -23,12 +23,15 @@ The V at pp=2 (4 one-layer chunks, rank 0 holding layers 0 and 3, 4 microbatches
    against one process holding every expert (tests/support/moe_threads.py; 1e-5, as
    tests/unit/test_moe_dropless.py says why, and the ring's 1e-4 as in 1).
    Negative control: a backend that loses the aux loss of a unit before the last chunk (block 1's joins
-   no backward): the gradients upstream of block 1's router differ.
+   no backward): the gradients upstream of block 1's router differ. And MoE at dp=2 (ep=1: the experts'
+   strategy shards over the dp group as well) under ZeRO 1 and 2: its update bit for bit ZeRO-0's, as in
+   2, with the same control.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -82,7 +85,7 @@ def test_turn_without_gradient_is_rejected_at_each_layout(name: str) -> None:
 LR = 3e-3  # tiny.toml's: AdamW's first step moves every entry with a gradient by about this much
 
 
-def zero_step(zero: int, **kwargs: object) -> StepOutcome:
+def zero_step(zero: int, **kwargs: Any) -> StepOutcome:
     """One step of the V at dp=2 under ZeRO `zero`, then one AdamW update on every rank."""
     return run_step(v_cfg("parallel.dp=2", f"parallel.zero={zero}"), lr=LR, **kwargs)
 
@@ -92,11 +95,11 @@ def zero0() -> StepOutcome:
     return zero_step(0)
 
 
-def assert_same_parameters(got: StepOutcome, want: StepOutcome) -> None:
+def assert_same_parameters(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     """Bit for bit (the module docstring says why)."""
-    assert got.params.keys() == want.params.keys()
-    for name, tensor in want.params.items():
-        assert torch.equal(got.params[name], tensor), f"parameter {name} differs after the update"
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), f"parameter {name} differs after the update"
 
 
 @pytest.mark.parametrize("zero", [0, 1])
@@ -106,12 +109,12 @@ def test_dualpipev_dp2_gradients_match_one_process(zero: int) -> None:
 
 @pytest.mark.parametrize("zero", [1, 2])
 def test_dualpipev_zero_update_equals_zero0(zero: int) -> None:
-    assert_same_parameters(zero_step(zero), zero0())
+    assert_same_parameters(zero_step(zero).params, zero0().params)
 
 
 def test_reduction_before_the_last_w_is_rejected_under_zero2() -> None:
     with pytest.raises(AssertionError, match=r"^parameter \S+ differs after the update"):
-        assert_same_parameters(zero_step(2, run_class=ReduceOnB), zero0())
+        assert_same_parameters(zero_step(2, run_class=ReduceOnB).params, zero0().params)
 
 
 # -- 3. MoE under expert parallelism ---------------------------------------------------------------------
@@ -167,3 +170,29 @@ def test_aux_loss_lost_before_the_last_chunk_is_rejected(name: str) -> None:
                                backend_class=AuxLostBeforeTheLastChunk)
     with pytest.raises(AssertionError, match=UPSTREAM_OF_BLOCK_1):
         moe_threads.assert_matches(got, moe_one_process(), rtol)
+
+
+# MoE under ZeRO: at ep=1 the experts' strategy shards over the dp group too (at dp=2: the bitwise argument
+# of section 2 holds for both strategies)
+def moe_zero_step(zero: int, **kwargs: Any) -> dict:
+    cfg = v_cfg("parallel.dp=2", *MOE, f"parallel.zero={zero}")
+    return moe_threads.parallel(cfg, prepare=moe_threads.set_routing_biases, lr=LR, **kwargs)
+
+
+@functools.cache
+def moe_zero0() -> dict:
+    return moe_zero_step(0)
+
+
+def test_dualpipev_moe_dp2_zero0_matches_one_process() -> None:
+    moe_threads.assert_matches(moe_zero0(), moe_one_process(), TOL)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_dualpipev_moe_zero_update_equals_zero0(zero: int) -> None:
+    assert_same_parameters(moe_zero_step(zero)["params"], moe_zero0()["params"])
+
+
+def test_moe_reduction_before_the_last_w_is_rejected_under_zero2() -> None:
+    with pytest.raises(AssertionError, match=r"^parameter \S+ differs after the update"):
+        assert_same_parameters(moe_zero_step(2, run_class=ReduceOnB)["params"], moe_zero0()["params"])
