@@ -260,6 +260,7 @@ def _train(args: argparse.Namespace) -> int:
     resume = shared_paths.absolute(_resolve_resume(cfg, args.resume)) if args.resume else None
     name = args.name or f"{Path(args.config).stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = args.run_dir or Path("runs") / name
+    shared_paths.check_run_dir(str(run_dir))  # not in `ray job submit`'s temporary copy of the working dir
     _check_outputs(cfg, run_dir)
     from raypar.controller.connection import RunFailure  # imports Ray: only once the input is known good
     from raypar.controller.training import TrainingLoop
