@@ -58,11 +58,14 @@ class NodeCheck:
             raise UnsharedNode(f"{bad[0]} (a node that joined after the start; not used)")
 
 
-def check_autoscaled_storage(cfg: Config, address: str | None) -> None:
-    """A checkpoint.dir on the driver's own disk, on a cluster with an autoscaler: a ConfigError. Only a
-    cluster joined (not a Ray started here) can have one; its monitor's current report decides, without
-    waiting for one (no report yet: the node probe at placement still catches a node that cannot see it)."""
+def check_autoscaled_storage(cfg: Config, address: str | None, seen_elsewhere: bool) -> None:
+    """A checkpoint.dir on the driver's own disk, on a cluster with an autoscaler: a ConfigError. Not when
+    another node saw it in the start's probe (`seen_elsewhere`): then it is shared storage, whatever its
+    filesystem type says (a bind mount; nodes sharing one machine), and nodes to come are probed when
+    placed. Only a cluster joined (not a Ray started here) can have an autoscaler; its monitor's current
+    report decides, without waiting for one (no report yet: the probe at placement still catches a node
+    that cannot see it)."""
     ckpt = cfg.checkpoint.dir
-    if not ckpt or "://" in ckpt or not ray_env.target(address) or not ray.is_initialized():
+    if not ckpt or "://" in ckpt or seen_elsewhere or not ray_env.target(address) or not ray.is_initialized():
         return
     shared_paths.check_node_local(ckpt, _autoscaler_running(wait_s=0))

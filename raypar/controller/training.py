@@ -301,8 +301,8 @@ class TrainingLoop:
             stopping.install()  # again: ray.init installs a SIGTERM handler of its own
             check_device(par.device, par.gpus_per_actor)
             # before any actor: a node-local checkpoint.dir is refused, also one that nodes to come cannot see
-            node_check.check_autoscaled_storage(self.cfg, self.address)
             known = shared_paths.check_nodes(self.cfg, self.samples)
+            node_check.check_autoscaled_storage(self.cfg, self.address, seen_elsewhere=len(known) > 1)
             self.actor_mesh.node_check = node_check.NodeCheck(self.cfg, self.samples, known)
             control = self._claim_name()
             try:

@@ -116,10 +116,11 @@ def test_only_a_joined_cluster_is_asked_about_its_autoscaler(tmp_path, monkeypat
     monkeypatch.setattr(node_check.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(shared_paths, "filesystem_type", lambda path, mounts: "ext4")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    node_check.check_autoscaled_storage(cfg, None)  # a Ray this driver starts: no autoscaler to ask
+    node_check.check_autoscaled_storage(cfg, None, False)  # a Ray this driver starts: no autoscaler to ask
+    node_check.check_autoscaled_storage(cfg, "10.0.0.1:6379", True)  # another node saw it: shared
     assert asked == []
     with pytest.raises(ConfigError, match=r"^checkpoint.dir: .*/ckpt is on this node's own disk \(ext4\)"):
-        node_check.check_autoscaled_storage(cfg, "10.0.0.1:6379")
+        node_check.check_autoscaled_storage(cfg, "10.0.0.1:6379", False)
     assert asked == [0]  # its current report, without waiting
 
 
