@@ -178,3 +178,12 @@ def test_unreachable_out_uri_is_refused_before_tokenizing(tmp_path: Path, capsys
     assert cli.main(["prepare", src, "--out", "nosuchscheme://x/y", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "--out: nosuchscheme://x/y: cannot open storage" in err and "Traceback" not in err
+
+
+def test_a_uri_without_a_dataset_is_one_line_before_ray(tmp_path: Path, capsys, no_ray) -> None:
+    uri = f"file://{tmp_path}/nothing"
+    argv = ["train", str(Path(__file__).parents[2] / "examples" / "configs" / "tiny.toml"), "--no-progress"]
+    assert cli.main([*argv, "--run-dir", str(tmp_path / "run"), "--set", f"data.source={uri}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"raypar: data.source: {uri}/index.json: not found (not a prepared dataset; write one "
+                     "with `raypar prepare --out URI`)"], lines
