@@ -187,3 +187,14 @@ def test_a_uri_without_a_dataset_is_one_line_before_ray(tmp_path: Path, capsys, 
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f"raypar: data.source: {uri}/index.json: not found (not a prepared dataset; write one "
                      "with `raypar prepare --out URI`)"], lines
+
+
+def test_an_index_naming_a_file_outside_the_dataset_copies_nothing(tmp_path: Path) -> None:
+    data.prepare([write_corpus(tmp_path / "src")], tmp_path / "ds", shard_tokens=100)
+    index = json.loads((tmp_path / "ds" / "index.json").read_text())
+    index["shards"][1]["file"] = "../src/doc0.txt"  # would copy any file the index names into the cache
+    (tmp_path / "ds" / "index.json").write_text(json.dumps(index))
+    uri = f"file://{tmp_path / 'ds'}"
+    with pytest.raises(ConfigError, match=r"shards.file: '../src/doc0.txt' is not inside file://"):
+        data.open_dataset(DataConfig(source=uri, cache_dir=str(tmp_path / "c")), MODEL)
+    assert not list((tmp_path / "c").rglob("*.arrow"))  # every name is checked before any copy
