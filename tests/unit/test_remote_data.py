@@ -198,3 +198,24 @@ def test_an_index_naming_a_file_outside_the_dataset_copies_nothing(tmp_path: Pat
     with pytest.raises(ConfigError, match=r"shards.file: '../src/doc0.txt' is not inside file://"):
         data.open_dataset(DataConfig(source=uri, cache_dir=str(tmp_path / "c")), MODEL)
     assert not list((tmp_path / "c").rglob("*.arrow"))  # every name is checked before any copy
+
+
+def test_prepare_to_a_uri_keeps_one_shard_on_local_disk(tmp_path: Path, monkeypatch) -> None:
+    staged: list[int] = []  # the shards on local disk at each upload
+    put = remote._put
+
+    def counting_put(fs, path: Path, dest: str) -> None:
+        staged.append(len(list(path.parent.glob("tokens-*.arrow"))))
+        put(fs, path, dest)
+
+    monkeypatch.setattr(remote, "_put", counting_put)
+    src = write_corpus(tmp_path / "src")
+    index = data.prepare([src], f"file://{tmp_path / 'ds'}", shard_tokens=50)
+    assert len(index["shards"]) == 5 and staged == [1] * 5 + [0]  # each shard as it is done, then the index
+    local = data.open_dataset(DataConfig(source=src, cache_dir=str(tmp_path / "local")), MODEL)
+    cfg = DataConfig(source=f"file://{tmp_path / 'ds'}", cache_dir=str(tmp_path / "cache"))
+    assert samples(data.open_dataset(cfg, MODEL)) == samples(local)
+    # the control: where a dataset is already, nothing is streamed over its shards, and it is kept
+    staged.clear()
+    assert data.prepare([src], f"file://{tmp_path / 'ds'}", shard_tokens=50) == index
+    assert staged == []

@@ -36,6 +36,7 @@ import sysconfig
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -71,8 +72,9 @@ def _write_shard(path: Path, tokens: np.ndarray) -> None:
 class _ShardWriter:
     """Cuts a stream of token arrays into shards of exactly `shard_tokens` (the last one shorter)."""
 
-    def __init__(self, out_dir: Path, shard_tokens: int):
+    def __init__(self, out_dir: Path, shard_tokens: int, sink: Callable[[Path], None] | None = None):
         self.out_dir, self.shard_tokens = out_dir, shard_tokens
+        self.sink = sink  # takes each finished shard file away (remote.shard_uploader)
         self.pending: list[np.ndarray] = []
         self.pending_len = 0
         self.total = 0
@@ -99,6 +101,8 @@ class _ShardWriter:
         size, digest = remote.file_digest(self.out_dir / name)
         self.shards.append({"file": name, "tokens": self.pending_len, "bytes": size, "sha256": digest})
         self.pending, self.pending_len = [], 0
+        if self.sink is not None:
+            self.sink(self.out_dir / name)
 
 
 def prepare(
@@ -117,7 +121,7 @@ def prepare(
     batch of documents and one shard of tokens are in memory. If `out_dir` already holds a cache of the
     same tokens (a concurrent preparer won the race, or a rerun) that cache is kept and its index
     returned; a cache of different tokens is never overwritten (FileExistsError: remove it first).
-    A URI `out_dir` is built in a local temporary directory and uploaded (raypar.core.data.remote.upload).
+    A URI `out_dir` gets each shard as it is finished, then the index (raypar.core.data.remote).
     """
     from tqdm import tqdm
 
@@ -140,7 +144,7 @@ def prepare(
         staging.mkdir()
     bar = tqdm(unit="doc", disable=not progress, dynamic_ncols=True, desc="prepare")
     try:
-        writer = _ShardWriter(staging, shard_tokens)
+        writer = _ShardWriter(staging, shard_tokens, remote.shard_uploader(str(out_dir)) if to_uri else None)
         docs, read_bytes, start = 0, 0, time.perf_counter()
         for texts in corpus.batches(text=not isinstance(tok, ByteTokenizer)):
             for ids in tok.encode_batch(texts):
