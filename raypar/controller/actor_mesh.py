@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +115,8 @@ class ActorMesh(ActorCalls):
         self.resources: ActorResources | None = None
         self.uncommitted: int | None = None  # a step whose phase 1 finished everywhere, not yet applied
         self.ready: set[int] = set()  # replicas whose state is the run's (not half set up, healed, loaded)
+        # called with a replica's placement groups before its actors start: probes nodes new to the run
+        self.node_check: Callable[[list[Any]], None] | None = None
 
     @property
     def dp(self) -> int:
@@ -166,6 +169,8 @@ class ActorMesh(ActorCalls):
         try:
             for p in range(self.pp):
                 placed.append(place_stage(self.run, d, p, self.cp * self.tp, self.resources, timeout_s))
+            if self.node_check is not None:  # a node that joined since the start: probed before it writes
+                self.node_check(placed)
         except BaseException:  # a timeout, or a stop (SIGTERM, Ctrl-C): all or none of the replica's stages
             release(placed)
             raise

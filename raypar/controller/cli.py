@@ -90,7 +90,9 @@ def _parser() -> argparse.ArgumentParser:
         help="text file globs (** allowed; one document per file), or .parquet / .jsonl files, globs or "
         "pyarrow.fs URIs (one document per row of --column)",
     )
-    prepare.add_argument("--out", required=True, type=Path, help="output directory")
+    prepare.add_argument(
+        "--out", required=True, help="output directory, or a pyarrow.fs URI (s3://bucket/path, gs://, hdfs://)"
+    )
     prepare.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json (default: byte-level)")
     prepare.add_argument("--column", default="text", help="the text column of tables (default: text)")
     prepare.add_argument("--eos", metavar="TOKEN", help="the token between documents (default: found)")
@@ -258,6 +260,7 @@ def _train(args: argparse.Namespace) -> int:
     resume = shared_paths.absolute(_resolve_resume(cfg, args.resume)) if args.resume else None
     name = args.name or f"{Path(args.config).stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = args.run_dir or Path("runs") / name
+    shared_paths.check_run_dir(str(run_dir))  # not in `ray job submit`'s temporary copy of the working dir
     _check_outputs(cfg, run_dir)
     from raypar.controller.connection import RunFailure  # imports Ray: only once the input is known good
     from raypar.controller.training import TrainingLoop
@@ -327,12 +330,18 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace) -> int:
     from raypar.core.data import datasets as data
+    from raypar.core.data import remote
     from raypar.core.data.tokenizer import load
 
-    if args.out.exists() and not args.out.is_dir():
+    if "://" not in args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out: {args.out} exists and is not a directory")
+    if "://" in args.out:
+        try:
+            remote.check_storage(args.out)
+        except ValueError as err:
+            raise UsageError(f"--out: {err}") from None
     try:
-        index = data.prepare(args.sources, str(args.out), tokenizer=load(args.tokenizer, args.eos),
+        index = data.prepare(args.sources, args.out, tokenizer=load(args.tokenizer, args.eos),
                              column=args.column, progress=not args.no_progress)
     except FileExistsError as err:
         raise UsageError(f"--out: {err}") from None

@@ -9,8 +9,11 @@ in checkpoint.dir is there, next to which the node can write. A node-local check
 multi-node cluster, a disk only the head has) is refused before any actor starts, naming the node: each
 node would write its own shards of every checkpoint into its own copy, and no copy would be whole.
 
-Nodes that join later (an autoscaler, a heal) are not asked; a shard they write where the driver cannot
-see it fails that checkpoint's publish (the sizes are checked), and the run goes on.
+Nodes that join later (an autoscaler, a heal) are asked the same when a replica's actors are first placed
+on one, before those actors start (raypar.controller.node_check). On a cluster whose autoscaler adds nodes,
+a checkpoint.dir on the driver's own disk is refused at the start (`check_node_local`): the nodes to come
+cannot see it. The run directory stays on the driver's disk, never in a job's working_dir copy
+(`check_run_dir`); see raypar.core.observe.run_copy for its copy next to URI checkpoints.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import uuid
+from pathlib import Path
 
 import pyarrow as pa
 
@@ -62,6 +66,64 @@ def make_absolute(cfg: Config) -> None:
         )
 
 
+def check_run_dir(run_dir: str) -> None:
+    """Refuse a run directory inside the job's working_dir copy (`ray job submit` runs the driver there, so
+    the default runs/<name> lands in it): Ray deletes that copy with the job, and the run's metrics with it.
+    The run directory is not moved under checkpoint.dir instead: it is written line by line all run long,
+    which object storage cannot append to; with checkpoint.dir a URI, its files are copied there at the
+    end (raypar.core.observe.run_copy)."""
+    path = absolute(run_dir)
+    if _JOB_COPY.search(path + "/"):
+        raise ConfigError(
+            f"--run-dir: {path} is inside the copy of the job's working_dir that Ray deletes with the job; "
+            "give --run-dir an absolute path on a disk that stays (with checkpoint.dir a URI, the run's "
+            "files are also copied there at the end)"
+        )
+
+
+# Filesystem types other machines mount as well: a checkpoint.dir there may be one every node sees (each
+# node that hosts actors is probed anyway). "fuse.*" (s3fs, gcsfuse, mountpoint-s3, JuiceFS) counts too.
+SHARED_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "ceph", "glusterfs", "beegfs", "afs"})
+MOUNTS = "/proc/self/mounts"
+
+
+def filesystem_type(path: str, mounts: str) -> str:
+    """The type of the filesystem holding absolute `path`, from the text of /proc/self/mounts (the mount
+    with the longest mount point above it); "unknown" when none is listed."""
+    best, kind = "", "unknown"
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")  # the table escapes spaces in mount points
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+def check_node_local(checkpoint_dir: str, autoscaler: bool | None, mounts: str | None = None) -> None:
+    """On a cluster whose autoscaler adds nodes (`autoscaler` True), refuse a checkpoint.dir that is a
+    plain path on a filesystem of the driver's node alone: the nodes it adds later could not see it, and
+    each would write its shards of every checkpoint to its own disk. `mounts`: the mount table's text
+    (default: this process's)."""
+    if not checkpoint_dir or "://" in checkpoint_dir or not autoscaler:
+        return
+    if mounts is None:
+        try:
+            mounts = Path(MOUNTS).read_text()
+        except OSError:  # not Linux: nothing says the disk is shared
+            mounts = ""
+    kind = filesystem_type(os.path.realpath(checkpoint_dir), mounts)
+    if kind in SHARED_FS or kind.startswith("fuse."):
+        return
+    raise ConfigError(
+        f"checkpoint.dir: {checkpoint_dir} is on this node's own disk ({kind}), and this cluster's "
+        "autoscaler adds nodes that cannot see it; use a URI such as s3://bucket/path, or storage every "
+        "node mounts (NFS, EFS, Lustre)"
+    )
+
+
 def sample_counts(train: data.Dataset, val: data.Dataset | None) -> tuple[int, int]:
     """What the probe compares: the training and validation samples (0 without a validation set)."""
     return train.num_samples, val.num_samples if val is not None else 0
@@ -99,29 +161,49 @@ def _probe(cfg: Config, marker: str, samples: tuple[int, int]) -> str | None:
     return None
 
 
+def alive_nodes(exclude: str = "") -> dict[str, str]:
+    """Alive nodes that can host an actor (CPUs or GPUs), id -> address, but `exclude` (the driver's)."""
+    import ray
+
+    return {
+        n["NodeID"]: n["NodeManagerAddress"]
+        for n in ray.nodes()
+        if n["Alive"]
+        and n["NodeID"] != exclude
+        and (n["Resources"].get("CPU", 0) or n["Resources"].get("GPU", 0))
+    }
+
+
 def check_nodes(
     cfg: Config, samples: tuple[int, int] | None = None, timeout_s: float = PROBE_TIMEOUT_S
-) -> None:
+) -> set[str]:
     """Ask every other alive node that can host an actor whether it sees the config's inputs and
     checkpoint.dir as the driver does; a ConfigError naming the key and the node if one does not.
     `samples` are the driver's `sample_counts`, where it has opened the datasets already (the CLI's
     input check); else they are counted here. The driver's own node sees what the driver sees, so a
-    one-node cluster costs nothing."""
+    one-node cluster costs nothing. Returns the ids of the nodes known good (the driver's among them):
+    nodes that join later are probed when actors are placed there (raypar.controller.node_check)."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    nodes = alive_nodes(exclude=here)
+    for why in ask_nodes(cfg, samples, nodes, timeout_s).values():
+        raise ConfigError(why)
+    return {here, *nodes}
+
+
+def ask_nodes(
+    cfg: Config, samples: tuple[int, int] | None, nodes: dict[str, str], timeout_s: float
+) -> dict[str, str]:
+    """Probe `nodes` (id -> address); returns id -> "key: on node <address>: why" for each node that does
+    not see what the driver sees (a node gone since it was listed hosts no actor, and is left out)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from raypar.controller.connection import RunFailure
 
-    here = ray.get_runtime_context().get_node_id()
-    nodes = {
-        n["NodeID"]: n["NodeManagerAddress"]
-        for n in ray.nodes()
-        if n["Alive"]
-        and n["NodeID"] != here
-        and (n["Resources"].get("CPU", 0) or n["Resources"].get("GPU", 0))
-    }
     if not nodes:
-        return
+        return {}
     marker = ""
     if cfg.checkpoint.dir:
         marker = f"{cfg.checkpoint.dir.rstrip('/')}/.raypar-shared-{uuid.uuid4().hex}"
@@ -145,6 +227,7 @@ def check_nodes(
         if missing:
             silent = ", ".join(nodes[refs[r]] for r in missing)
             raise RunFailure(f"node {silent} did not answer the shared-path check within {timeout_s:.0f} s")
+        refused = {}
         for ref in done:
             try:
                 why = ray.get(ref)
@@ -152,7 +235,8 @@ def check_nodes(
                 continue  # gone since it was listed: it hosts no actor
             if why:
                 key, _, rest = why.partition(": ")
-                raise ConfigError(f"{key}: on node {nodes[refs[ref]]}: {rest}")
+                refused[refs[ref]] = f"{key}: on node {nodes[refs[ref]]}: {rest}"
+        return refused
     finally:
         if marker:
             _remove(marker)

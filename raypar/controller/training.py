@@ -38,7 +38,7 @@ from actors.control import RunControl, control_name
 from actors.telemetry import StragglerGauges
 from collectives.group import GroupError
 from collectives.ray_store import home_node_strategy
-from raypar.controller import profiles, shared_paths, stopping
+from raypar.controller import node_check, profiles, shared_paths, stopping
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica, StepResult
 from raypar.controller.connection import NAMESPACE, RunFailure, connect
@@ -48,7 +48,7 @@ from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import Config, to_toml
 from raypar.core.data import datasets as data
-from raypar.core.observe import memory, report, stragglers, trackers
+from raypar.core.observe import memory, report, run_copy, stragglers, trackers
 from raypar.core.observe.flops import mfu
 from raypar.core.parallel.mesh import Coord, Mesh
 
@@ -300,8 +300,10 @@ class TrainingLoop:
             connect(self.address, num_cpus=cpus)
             stopping.install()  # again: ray.init installs a SIGTERM handler of its own
             check_device(par.device, par.gpus_per_actor)
-            # before any actor: a node-local checkpoint.dir is refused
-            shared_paths.check_nodes(self.cfg, self.samples)
+            # before any actor: a node-local checkpoint.dir is refused, also one that nodes to come cannot see
+            known = shared_paths.check_nodes(self.cfg, self.samples)
+            node_check.check_autoscaled_storage(self.cfg, self.address, seen_elsewhere=len(known) > 1)
+            self.actor_mesh.node_check = node_check.NodeCheck(self.cfg, self.samples, known)
             control = self._claim_name()
             try:
                 self.cfg.log = trackers.resolved(self.cfg.log, self.run_dir, self.name)
@@ -324,6 +326,9 @@ class TrainingLoop:
                 ray.kill(control)
                 if self.trackers is not None:  # the run failed or was stopped: its tracker runs say so
                     self.trackers.close(ok=False)
+                copied = run_copy.copy_run_dir(self.run_dir, self.cfg.checkpoint.dir, self.name)
+                if copied:  # checkpoint.dir is a URI: the run's record goes next to its checkpoints
+                    self.event(copied)
 
     def _open_trackers(self) -> None:
         if self.cfg.log.backends:

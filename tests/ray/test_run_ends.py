@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -22,9 +23,10 @@ TOKENS_PER_STEP = 8 * 32  # tiny.toml: train.global_batch x the tiny preset's se
 
 @pytest.fixture(scope="module")
 def step2(ray_session, tmp_path_factory) -> str:
-    """A checkpoint at step 2, written with checkpoint.every = 0 (only the run's end)."""
+    """A checkpoint at step 2, written with checkpoint.every = 0 (only the run's end), to a URI (issue 27:
+    the run directory is copied next to it)."""
     root = tmp_path_factory.mktemp("ends")
-    cfg = tiny("train.steps=2", f"checkpoint.dir='{root / 'ckpt'}'", "checkpoint.every=0")
+    cfg = tiny("train.steps=2", f"checkpoint.dir='file://{root / 'ckpt'}'", "checkpoint.every=0")
     run(cfg, "ends", root / "run")
     return str(root / "ckpt")
 
@@ -32,6 +34,14 @@ def step2(ray_session, tmp_path_factory) -> str:
 def test_checkpoint_every_0_with_a_dir_saves_the_end(step2):
     """Before: no checkpoint at all (the run said nothing about it)."""
     assert [s for s, _ in checkpoint.list_checkpoints(step2)] == [2]
+
+
+def test_a_uri_checkpoint_dir_receives_the_run_directory_at_the_end(step2):
+    """Issue 27: under `ray job submit` the run directory is on the head's disk; with checkpoint.dir a URI
+    the run's record (metrics, config, events, the report's pictures) is copied next to the checkpoints."""
+    copied, run_dir = Path(step2) / "runs" / "ends", Path(step2).parent / "run"
+    assert (copied / "metrics.jsonl").read_bytes() == (run_dir / "metrics.jsonl").read_bytes()
+    assert {"config.toml", "timeline.jsonl", "events.jsonl", "loss.png"} <= {p.name for p in copied.iterdir()}
 
 
 def test_resuming_past_train_steps_is_refused_up_front(step2, tmp_path, capsys):

@@ -14,6 +14,7 @@ import pytest
 import ray
 
 from actors.worker import WORKER_THREADS
+from raypar.controller import node_check, shared_paths
 from raypar.controller.placement import PlacementTimeout
 from raypar.core.run_config import load_config
 from tests.support.stub_worker import StubActorMesh, _StubWorker
@@ -94,5 +95,32 @@ def test_a_partial_scale_lands_on_a_valid_dp(ray_session, start, capacity, lands
         live = {g["name"] for g in mine if g["state"] != "REMOVED"}
         assert live == {f"raypar:{run}:dp{d}.pp0" for d in mesh.replicas}
         assert set(mesh.step(0).per_actor) == set(mesh.actors)
+    finally:
+        mesh.shutdown()
+
+
+def test_a_node_new_to_the_run_is_probed_before_a_replica_starts_there(ray_session):
+    """Issue 27: a node that joins after the start is probed when a replica is first placed on it. Here the
+    session's one node stands for it (the check starts knowing no node), and the driver's sample counts are
+    off by one, so the real probe refuses it: the replica's group is released before any actor starts, and
+    the scale lands where it was, saying why. The control: the true counts pass, probed once."""
+    run = "scale-probe"
+    mesh = _mesh(run, 1, 4)
+    try:
+        right = shared_paths._samples(mesh.cfg)
+        mesh.node_check = node_check.NodeCheck(mesh.cfg, (right[0] + 1, right[1]), known=set())
+        said = mesh.scale_to(2, timeout_s=5)
+        assert mesh.dp == 1 and mesh.replicas == [0], said
+        assert "placed 0 of the 1 replica(s) asked for dp=2; dp=1 (data.source: on node " in said, said
+        assert f"{right[0]} training samples here, {right[0] + 1} on the driver" in said, said
+        assert said.endswith("(a node that joined after the start; not used))"), said
+        assert _alive_become(run, {mesh.name(c) for c in mesh.actors}) == {f"raypar:{run}:dp0.pp0.tp0"}
+        groups = ray.util.placement_group_table().values()
+        mine = [g for g in groups if g["name"].startswith(f"raypar:{run}:")]
+        assert {g["name"] for g in mine if g["state"] != "REMOVED"} == {f"raypar:{run}:dp0.pp0"}
+
+        mesh.node_check = node_check.NodeCheck(mesh.cfg, right, known=set())
+        said = mesh.scale_to(2, timeout_s=5)
+        assert mesh.dp == 2 and mesh.node_check.good and not mesh.node_check.refused, said
     finally:
         mesh.shutdown()

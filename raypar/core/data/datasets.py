@@ -2,12 +2,13 @@
 
 Cache layout (``prepare``)::
 
-    <out_dir>/index.json           vocab, files, shard token counts, total tokens, sha256 of the tokens
+    <out_dir>/index.json           vocab, files, shards (tokens, bytes, sha256), total tokens, sha256 of the tokens
     <out_dir>/tokens-00000.arrow   Arrow IPC file, one uint16 (uint32 past 65536 ids) column ``tokens``
     <out_dir>/tokenizer.json       the tokenizer, when not byte-level (recorded again in checkpoints)
 
 A cache is built in a hidden sibling directory and renamed into place, so a directory at ``out_dir`` is
-always complete. Tokenization is byte-level (token = byte value, vocab 256; documents joined by
+always complete; `out_dir` may also be a pyarrow.fs URI (s3://...), where the cache is uploaded index
+last, and from where each node copies it into `data.cache_dir` (raypar.core.data.remote). Tokenization is byte-level (token = byte value, vocab 256; documents joined by
 ``separator``) or a `tokenizers` tokenizer (documents joined by its EOS token); see raypar.core.data.tokenizer
 and, for where documents come from, raypar.core.data.corpus.
 
@@ -32,8 +33,10 @@ import os
 import platform
 import shutil
 import sysconfig
+import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,6 +46,7 @@ import torch
 
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import DataConfig, ModelConfig
+from raypar.core.data import remote
 from raypar.core.data.corpus import Corpus, expand_globs, file_inside
 from raypar.core.data.tokenizer import ByteTokenizer, Tokenizer, from_record
 
@@ -68,8 +72,9 @@ def _write_shard(path: Path, tokens: np.ndarray) -> None:
 class _ShardWriter:
     """Cuts a stream of token arrays into shards of exactly `shard_tokens` (the last one shorter)."""
 
-    def __init__(self, out_dir: Path, shard_tokens: int):
+    def __init__(self, out_dir: Path, shard_tokens: int, sink: Callable[[Path], None] | None = None):
         self.out_dir, self.shard_tokens = out_dir, shard_tokens
+        self.sink = sink  # takes each finished shard file away (remote.shard_uploader)
         self.pending: list[np.ndarray] = []
         self.pending_len = 0
         self.total = 0
@@ -92,8 +97,12 @@ class _ShardWriter:
             return
         name = f"tokens-{len(self.shards):05d}.arrow"
         _write_shard(self.out_dir / name, np.concatenate(self.pending))
-        self.shards.append({"file": name, "tokens": self.pending_len})
+        # the file's own size and hash: what a node copying the dataset from a URI verifies
+        size, digest = remote.file_digest(self.out_dir / name)
+        self.shards.append({"file": name, "tokens": self.pending_len, "bytes": size, "sha256": digest})
         self.pending, self.pending_len = [], 0
+        if self.sink is not None:
+            self.sink(self.out_dir / name)
 
 
 def prepare(
@@ -112,6 +121,7 @@ def prepare(
     batch of documents and one shard of tokens are in memory. If `out_dir` already holds a cache of the
     same tokens (a concurrent preparer won the race, or a rerun) that cache is kept and its index
     returned; a cache of different tokens is never overwritten (FileExistsError: remove it first).
+    A URI `out_dir` gets each shard as it is finished, then the index (raypar.core.data.remote).
     """
     from tqdm import tqdm
 
@@ -124,13 +134,17 @@ def prepare(
         sep = np.frombuffer(separator, dtype=np.uint8).astype(dtype)
     else:
         sep = np.array([tok.eos_id], dtype=dtype)
+    to_uri = remote.is_uri(str(out_dir))
     out = Path(out_dir).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
+    if to_uri:
+        staging = Path(tempfile.mkdtemp(prefix=".raypar-prepare-"))
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        staging.mkdir()
     bar = tqdm(unit="doc", disable=not progress, dynamic_ncols=True, desc="prepare")
     try:
-        writer = _ShardWriter(staging, shard_tokens)
+        writer = _ShardWriter(staging, shard_tokens, remote.shard_uploader(str(out_dir)) if to_uri else None)
         docs, read_bytes, start = 0, 0, time.perf_counter()
         for texts in corpus.batches(text=not isinstance(tok, ByteTokenizer)):
             for ids in tok.encode_batch(texts):
@@ -163,7 +177,7 @@ def prepare(
             (staging / TOKENIZER).write_text(record.pop("json"))
             index["tokenizer"] = {**record, "file": TOKENIZER}
         (staging / INDEX).write_text(json.dumps(index, indent=1))
-        return _publish(staging, out, index)
+        return remote.upload(staging, str(out_dir), index) if to_uri else _publish(staging, out, index)
     finally:
         bar.close()
         shutil.rmtree(staging, ignore_errors=True)
@@ -225,6 +239,9 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def prepared_vocab_size(source: str) -> int | None:
     """The tokenizer's vocabulary size if `source` is a directory prepared with a tokenizer, else None."""
+    if remote.is_uri(source):
+        index = remote.read_index(source.strip())
+        return int(index["vocab_size"]) if index.get("tokenizer") else None
     path = Path(source.strip()) / INDEX if source.strip() else None
     if path is None or not path.is_file():
         return None
@@ -237,6 +254,8 @@ def tokenizer_record(data_cfg: DataConfig) -> dict[str, Any] | None:
     source = data_cfg.source.strip()
     if source == "synthetic":
         return None
+    if remote.is_uri(source):  # a copy the dataset's opening made already; else made now
+        source = str(remote.local_copy(source, data_cfg.cache_dir))
     if source and (Path(source) / INDEX).is_file():
         entry = read_index(source).get("tokenizer")
         if entry:  # read_index checked that its file lies inside the directory
@@ -419,7 +438,8 @@ def eval_microbatch(dataset: Dataset, batch: int, mb_index: int, mb_size: int, g
 
 
 def open_dataset(data_cfg: DataConfig, model_cfg: ModelConfig, key: str = "data.source") -> Dataset:
-    """The dataset `data.source` names: "synthetic", "stdlib", a prepared directory, or text-file globs.
+    """The dataset `data.source` names: "synthetic", "stdlib", a prepared directory (local, or at a
+    pyarrow.fs URI: copied into `data.cache_dir` first), or text-file globs.
 
     Text sources are prepared on first use into `data.cache_dir` and reused afterwards; a ConfigError
     naming `key` (the config key the source came from) or `model.vocab_size` says what is wrong.
@@ -431,6 +451,11 @@ def open_dataset(data_cfg: DataConfig, model_cfg: ModelConfig, key: str = "data.
     if source == "stdlib":
         out = Path(data_cfg.cache_dir) / f"stdlib-{platform.python_version()}"
         return _prepared(stdlib_globs(), out, seq_len, vocab_size, key)
+    if remote.is_uri(source):  # a prepared dataset on storage: copied to this node once, then mapped
+        try:
+            return TokenDataset(remote.local_copy(source, data_cfg.cache_dir), seq_len, vocab_size)
+        except (ValueError, OSError) as err:
+            raise ConfigError(f"{key}: {err}") from None
     if source and (Path(source) / INDEX).is_file():
         try:
             return TokenDataset(source, seq_len, vocab_size)
