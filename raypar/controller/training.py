@@ -38,7 +38,7 @@ from actors.control import RunControl, control_name
 from actors.telemetry import StragglerGauges
 from collectives.group import GroupError
 from collectives.ray_store import home_node_strategy
-from raypar.controller import profiles, shared_paths, stopping
+from raypar.controller import capacity, profiles, shared_paths, stopping
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica, StepResult
 from raypar.controller.connection import NAMESPACE, RunFailure, connect
@@ -302,7 +302,13 @@ class TrainingLoop:
             check_device(par.device, par.gpus_per_actor)
             # before any actor: a node-local checkpoint.dir is refused
             shared_paths.check_nodes(self.cfg, self.samples)
+            # and a layout no node (or node type) can hold; one that needs more nodes says so
+            verdict = capacity.check(self.cfg, self.target_dp)
             control = self._claim_name()
+            if not verdict.fits_now:
+                self.event(verdict.line(par.timeout_s))
+                self.status = {**self.status, "waiting": verdict.describe()}  # `raypar status` shows it
+                control.update.remote(self.status)
             try:
                 self.cfg.log = trackers.resolved(self.cfg.log, self.run_dir, self.name)
                 (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
@@ -310,6 +316,9 @@ class TrainingLoop:
                 wall = time.perf_counter()
                 try:
                     self.actor_mesh.start(self.target_dp)
+                    if "waiting" in self.status:
+                        self.status = {"run": self.name, "step": None}
+                        control.update.remote(self.status)
                     step = 0
                     if self.resume:
                         step = self.actor_mesh.load(self.resume)
