@@ -191,19 +191,28 @@ def _amounts(r: Resources) -> str:
     return ", ".join(f"{_num(v)} {UNITS.get(k, k)}" for k, v in sorted(r.items()))
 
 
+# The key a refusal names when the group is one actor: the per-actor knob behind the resource it lacks.
+PER_ACTOR_KEYS = {"CPU": "parallel.threads_per_actor", "GPU": "parallel.gpus_per_actor"}
+
+
 def _too_big(need: Need, offered: list[Resources], scales: bool) -> str:
-    """A group no node and no node type holds: the first resource it lacks, with the largest amount."""
+    """A group no node and no node type holds: the first resource it lacks, with the largest amount there
+    is; or, where each resource is somewhere but never all on one node, the whole group."""
     group = need.per_group
-    short = next(k for k in sorted(group, key=lambda k: (k != "GPU", k != "CPU", k))
-                 if not any(r.get(k, 0.0) >= group[k] - 1e-9 for r in offered))  # fmt: skip
-    largest = max((r.get(short, 0.0) for r in offered), default=0.0)
-    unit = UNITS.get(short, short)
-    each = need.per_actor[short]
     tail = "the autoscaler has no larger type" if scales else "there is no autoscaler"
+    lacking = [k for k in sorted(group, key=lambda k: (k != "GPU", k != "CPU", k))
+               if not any(r.get(k, 0.0) >= group[k] - 1e-9 for r in offered)]  # fmt: skip
+    what = f"a {need.axes} group of {need.group_size}"
+    if not lacking:
+        where = f"needs {_amounts(group)} on one node for {what}; no node has all of it"
+        return f"{need.group_key}: {where} and {tail}"
+    short = lacking[0]
+    key = need.group_key if need.group_size > 1 else PER_ACTOR_KEYS.get(short, "parallel.node_type")
+    unit = UNITS.get(short, short)
+    largest = max((r.get(short, 0.0) for r in offered), default=0.0)
     return (
-        f"{need.group_key}: needs {_num(group[short])} {unit} per node for a {need.axes} group of "
-        f"{need.group_size} ({need.group_size} actors x {_num(each)}); the largest node has {_num(largest)} "
-        f"and {tail}"
+        f"{key}: needs {_num(group[short])} {unit} per node for {what} ({_num(need.per_actor[short])} per "
+        f"actor); the largest node has {_num(largest)} and {tail}"
     )
 
 

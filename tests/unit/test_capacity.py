@@ -52,7 +52,7 @@ def test_a_group_larger_than_any_node_is_refused_with_the_numbers() -> None:
     small = [{"CPU": 2.0}, {"CPU": 2.0}]  # 4 CPUs in all: enough in sum, not on one node
     tp4 = need({"CPU": 1.0}, 4, 1)
     message = (
-        r"^parallel.tp: needs 4 CPUs per node for a tp group of 4 \(4 actors x 1\); the largest node has 2 "
+        r"^parallel.tp: needs 4 CPUs per node for a tp group of 4 \(1 per actor\); the largest node has 2 "
         r"and there is no autoscaler$"
     )
     with pytest.raises(ConfigError, match=message):
@@ -63,6 +63,20 @@ def test_a_group_larger_than_any_node_is_refused_with_the_numbers() -> None:
     # A cp x tp group names parallel.cp; a GPU shortfall is named before the CPUs.
     with pytest.raises(ConfigError, match=r"^parallel.cp: needs 16 GPUs per node for a cp x tp group of 16 "):
         decide(need({"CPU": 1.0, "GPU": 1.0}, 16, 1, axes="cp x tp"), [HEAD], autoscaler=True, types=TYPES)
+    # One actor too big names its per-actor knob; resources each somewhere but never together, the group.
+    message = (
+        r"^parallel.threads_per_actor: needs 3 CPUs per node for a tp group of 1 \(3 per actor\); the "
+        r"largest node has 2 and there is no autoscaler$"
+    )
+    with pytest.raises(ConfigError, match=message):
+        decide(need({"CPU": 3.0}, 1, 1), small, autoscaler=False, types=None)
+    split = [{"CPU": 8.0}, {"CPU": 1.0, "GPU": 8.0}]
+    message = (
+        r"^parallel.tp: needs 2 CPUs, 2 GPUs on one node for a tp group of 2; no node has all of it and "
+        r"there is no autoscaler$"
+    )
+    with pytest.raises(ConfigError, match=message):
+        decide(need({"CPU": 1.0, "GPU": 1.0}, 2, 1), split, autoscaler=False, types=None)
     # Control: a type with 4 CPUs per node makes the same group a wait for one such node.
     verdict = decide(tp4, small, autoscaler=True, types=[*two_cpu_type, NodeType("big", {"CPU": 4.0}, 1)])
     assert not verdict.fits_now and verdict.nodes == {"big": 1} and verdict.describe() == "4 CPUs"
