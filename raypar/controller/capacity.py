@@ -78,7 +78,8 @@ class Verdict:
     """Fits on the nodes there are (`waits_for` empty), or only after the autoscaler adds `nodes`."""
 
     waits_for: Resources = field(default_factory=dict)  # summed over the groups left over
-    nodes: dict[str, int] = field(default_factory=dict)  # node type -> nodes to add (empty: types unknown)
+    # How the autoscaler could add them: "2 x ray.worker.p5"; or why that was not checked.
+    nodes: str = ""
 
     @property
     def fits_now(self) -> bool:
@@ -91,11 +92,9 @@ class Verdict:
 
     def line(self, timeout_s: float) -> str:
         """The one line the driver prints while it waits, with how long it waits."""
-        nodes = ", ".join(f"{n} x {t}" for t, n in sorted(self.nodes.items()))
-        added = f" ({nodes})" if nodes else " (its node types are unknown here, so not checked against them)"
         return (
-            f"waiting for the autoscaler to add nodes with {self.describe()}{added}; each placement group "
-            f"waits up to parallel.timeout_s={timeout_s:g}s"
+            f"waiting for the autoscaler to add nodes with {self.describe()} ({self.nodes}); each placement "
+            f"group waits up to parallel.timeout_s={timeout_s:g}s"
         )
 
 
@@ -158,8 +157,10 @@ def decide(
             "autoscaler to add nodes"
         )
     waits_for = {k: v * left for k, v in group.items()}
+    if autoscaler is None:
+        return Verdict(waits_for, "no autoscaler report, so neither it nor its node types were checked")
     if types is None:
-        return Verdict(waits_for)
+        return Verdict(waits_for, "its node types are unknown here, so not checked against them")
     added = _add_nodes(group, left, types)
     if added is None:
         bound = ", ".join(f"{t.name} <= {t.max_workers}" for t in types)
@@ -168,7 +169,9 @@ def decide(
             f"({_amounts(group)} each, on one node) than the cluster's nodes hold, and the autoscaler's "
             f"node types cannot add them within their max_workers ({bound})"
         )
-    return Verdict(waits_for, added)
+    # Where several types hold a group, the autoscaler picks among them: this is one way, not its plan.
+    some = "such as " if sum(_fits(group, t.resources) for t in types) > 1 else ""
+    return Verdict(waits_for, some + ", ".join(f"{n} x {t}" for t, n in sorted(added.items())))
 
 
 def _add_nodes(group: Resources, count: int, types: list[NodeType]) -> dict[str, int] | None:

@@ -79,7 +79,7 @@ def test_a_group_larger_than_any_node_is_refused_with_the_numbers() -> None:
         decide(need({"CPU": 1.0, "GPU": 1.0}, 2, 1), split, autoscaler=False, types=None)
     # Control: a type with 4 CPUs per node makes the same group a wait for one such node.
     verdict = decide(tp4, small, autoscaler=True, types=[*two_cpu_type, NodeType("big", {"CPU": 4.0}, 1)])
-    assert not verdict.fits_now and verdict.nodes == {"big": 1} and verdict.describe() == "4 CPUs"
+    assert not verdict.fits_now and verdict.nodes == "1 x big" and verdict.describe() == "4 CPUs"
 
 
 def test_gpu_groups_wait_for_nodes_the_autoscaler_adds() -> None:
@@ -87,9 +87,9 @@ def test_gpu_groups_wait_for_nodes_the_autoscaler_adds() -> None:
     verdict = decide(need({"CPU": 1.0, "GPU": 1.0}, 8, 2), [HEAD], autoscaler=True, types=TYPES)
     assert verdict.waits_for == {"CPU": 16.0, "GPU": 16.0}
     assert verdict.describe() == "16 GPUs and 16 CPUs"
-    assert sum(verdict.nodes.values()) == 2
+    assert verdict.nodes == "such as 2 x ray.worker.p5"  # g6 would do as well: the autoscaler picks
     line = verdict.line(300.0)
-    assert line.startswith("waiting for the autoscaler to add nodes with 16 GPUs and 16 CPUs (2 x ray.")
+    assert line.startswith("waiting for the autoscaler to add nodes with 16 GPUs and 16 CPUs (such as 2 x")
     assert line.endswith("each placement group waits up to parallel.timeout_s=300s")
     # Control: one group already placed on a GPU node there is leaves one node to wait for.
     gpu_node = {"CPU": 192.0, "GPU": 8.0, "g6": 1.0}
@@ -107,8 +107,9 @@ def test_more_nodes_than_max_workers_allows_is_refused() -> None:
         decide(per_type, [HEAD], autoscaler=True, types=TYPES)
     # Control: 4 fit within the bound (and without the node type, 5 fit across p5 and g6).
     four = decide(need({"CPU": 1.0, "GPU": 1.0, "p5": 0.001}, 8, 4), [HEAD], True, TYPES)
-    assert four.nodes == {"ray.worker.p5": 4}
-    assert sum(decide(need({"CPU": 1.0, "GPU": 1.0}, 8, 5), [HEAD], True, TYPES).nodes.values()) == 5
+    assert four.nodes == "4 x ray.worker.p5"
+    five = decide(need({"CPU": 1.0, "GPU": 1.0}, 8, 5), [HEAD], True, TYPES)
+    assert five.nodes == "such as 1 x ray.worker.g6, 4 x ray.worker.p5"
 
 
 def test_node_type_no_node_or_type_declares_is_refused() -> None:
@@ -121,7 +122,7 @@ def test_node_type_no_node_or_type_declares_is_refused() -> None:
         decide(g7, [HEAD], autoscaler=True, types=TYPES)
     # Control: g6, which ray.worker.g6 declares, waits for a g6 node and only that.
     g6 = decide(need({"CPU": 1.0, "GPU": 1.0, "g6": 0.001}, 8, 1), [HEAD], autoscaler=True, types=TYPES)
-    assert g6.nodes == {"ray.worker.g6": 1}
+    assert g6.nodes == "1 x ray.worker.g6"
     # Ray's per-node resources are not offered as node types.
     with pytest.raises(ConfigError, match=r"has the resource 'g6' \(known: none\)$"):
         decide(need({"CPU": 1.0, "g6": 0.001}, 1, 1), [HEAD], autoscaler=False, types=None)
@@ -131,10 +132,11 @@ def test_an_autoscaler_whose_types_are_unknown_is_waited_for() -> None:
     """A cluster started by hand with --autoscaling-config, KubeRay, a driver off the head: nothing can be
     ruled out, so the run waits (bounded by parallel.timeout_s) and says what it did not check."""
     verdict = decide(need({"CPU": 1.0, "GPU": 1.0, "g7": 0.001}, 16, 1), [HEAD], autoscaler=True, types=None)
-    assert verdict.describe() == "16 GPUs and 16 CPUs" and verdict.nodes == {}
-    assert "node types are unknown here, so not checked against them" in verdict.line(60.0)
-    # The monitor that did not report (None) is not taken for "no autoscaler".
-    assert not decide(need({"CPU": 1.0}, 4, 1), [{"CPU": 2.0}], autoscaler=None, types=None).fits_now
+    assert verdict.describe() == "16 GPUs and 16 CPUs"
+    assert "(its node types are unknown here, so not checked against them)" in verdict.line(60.0)
+    # The monitor that did not report (None) is not taken for "no autoscaler", and the line says so.
+    silent = decide(need({"CPU": 1.0}, 4, 1), [{"CPU": 2.0}], autoscaler=None, types=None)
+    assert "(no autoscaler report, so neither it nor its node types were checked)" in silent.line(60.0)
 
 
 def test_check_reads_the_nodes_and_the_bootstrap_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
@@ -145,7 +147,7 @@ def test_check_reads_the_nodes_and_the_bootstrap_config(monkeypatch: pytest.Monk
     monkeypatch.setattr(capacity, "_autoscaler_running", lambda: True)
     bootstrap = tmp_path / "ray_bootstrap_config.yaml"
     monkeypatch.setattr(capacity, "BOOTSTRAP_CONFIG", bootstrap)
-    assert capacity.check(cfg, 1).nodes == {}  # no config on this machine: wait, unchecked
+    assert capacity.check(cfg, 1).nodes.startswith("its node types are unknown")  # no config here: wait
     bootstrap.write_text((ROOT / "examples" / "cluster-local.yaml").read_text())  # 2-CPU fake node types
     with pytest.raises(ConfigError, match="largest node has 2 and the autoscaler has no larger type$"):
         capacity.check(cfg, 1)
