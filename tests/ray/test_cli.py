@@ -135,8 +135,8 @@ def test_a_layout_no_node_holds_exits_2_before_any_actor(address, tmp_path):
         f"actor); the largest node has {cpus} and there is no autoscaler"
     ], proc.stderr[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists()
-    # Control: the same layout at the node's CPUs trains (every other run of this module, at 1 CPU per
-    # actor); the other refusals, on resource dicts: tests/unit/test_capacity.py.
+    # Control: the same layout at 1 CPU per actor trains (every other run of this module); the other
+    # refusals, on resource dicts: tests/unit/test_capacity.py.
 
 
 def test_status_and_scale_errors(address):
