@@ -305,20 +305,15 @@ class TrainingLoop:
             # and a layout no node (or node type) can hold; one that needs more nodes says so
             verdict = capacity.check(self.cfg, self.target_dp)
             control = self._claim_name()
-            if not verdict.fits_now:
-                self.event(verdict.line(par.timeout_s))
-                self.status = {**self.status, "waiting": verdict.describe()}  # `raypar status` shows it
-                control.update.remote(self.status)
             try:
+                self._announce_wait(control, verdict)
                 self.cfg.log = trackers.resolved(self.cfg.log, self.run_dir, self.name)
                 (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
                 self._open_trackers()
                 wall = time.perf_counter()
                 try:
                     self.actor_mesh.start(self.target_dp)
-                    if "waiting" in self.status:
-                        self.status = {"run": self.name, "step": None}
-                        control.update.remote(self.status)
+                    self._announce_wait(control, capacity.Verdict())
                     step = 0
                     if self.resume:
                         step = self.actor_mesh.load(self.resume)
@@ -333,6 +328,18 @@ class TrainingLoop:
                 ray.kill(control)
                 if self.trackers is not None:  # the run failed or was stopped: its tracker runs say so
                     self.trackers.close(ok=False)
+
+    def _announce_wait(self, control: Any, verdict: capacity.Verdict) -> None:
+        """While the run waits for nodes the autoscaler adds, its line and `raypar status` say what for;
+        once placed (a verdict that fits), status stops saying it."""
+        if not verdict.fits_now:
+            self.event(verdict.line(self.cfg.parallel.timeout_s))
+            self.status = {**self.status, "waiting": verdict.describe()}
+        elif "waiting" in self.status:
+            self.status = {k: v for k, v in self.status.items() if k != "waiting"}
+        else:
+            return
+        control.update.remote(self.status)
 
     def _open_trackers(self) -> None:
         if self.cfg.log.backends:

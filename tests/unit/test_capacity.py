@@ -7,11 +7,12 @@ Ray's resource dictionary; a run needing nodes the autoscaler adds said nothing 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
-from raypar.controller import capacity, cli
+from raypar.controller import capacity, cli, training
 from raypar.controller.capacity import Need, NodeType, Verdict, decide
 from raypar.controller.placement import ActorResources
 from raypar.core.config.errors import ConfigError
@@ -155,12 +156,24 @@ def test_check_reads_the_nodes_and_the_bootstrap_config(monkeypatch: pytest.Monk
     assert capacity.check(from_dict({"parallel": {"tp": 2, "device": "cpu"}}), 1).fits_now
 
 
-def test_status_says_what_a_run_waits_for() -> None:
-    waiting = {"run": "demo", "step": None, "waiting": Verdict({"GPU": 16.0, "CPU": 16.0}).describe()}
-    lines = cli.status_lines([waiting])
-    assert lines == ["demo: waiting for 16 GPUs and 16 CPUs (the autoscaler adds nodes)"]
-    # Control: a run placing its actors on nodes there are is "starting".
-    assert cli.status_lines([{"run": "demo", "step": None}]) == ["demo: starting"]
+def test_the_driver_posts_the_wait_and_clears_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """What the control actor gets (and `raypar status` reads back) before and after the placement."""
+    loop = training.TrainingLoop.__new__(training.TrainingLoop)  # only what _announce_wait reads
+    loop.name, loop.status, loop.cfg = "demo", {"run": "demo", "step": None}, from_dict({})
+    shown: list[str] = []
+    monkeypatch.setattr(loop, "event", shown.append, raising=False)
+    posted: list[dict] = []
+    control = SimpleNamespace(update=SimpleNamespace(remote=posted.append))
+    loop._announce_wait(control, Verdict())  # fits now: nothing said, nothing posted
+    assert (shown, posted) == ([], [])
+    waits = Verdict({"GPU": 16.0, "CPU": 16.0}, "2 x ray.worker.p5")
+    loop._announce_wait(control, waits)
+    assert shown == [waits.line(300.0)]
+    waiting = "demo: waiting for 16 GPUs and 16 CPUs (the autoscaler adds nodes)"
+    assert cli.status_lines(posted[-1:]) == [waiting]
+    # Control: once placed, status says "starting" again (until the first step's line).
+    loop._announce_wait(control, Verdict())
+    assert cli.status_lines(posted[-1:]) == ["demo: starting"] and len(posted) == 2
 
 
 def test_node_type_asks_a_sliver_of_the_types_resource() -> None:
