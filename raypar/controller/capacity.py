@@ -11,9 +11,11 @@ autoscaler, with the node types it may launch (the `available_node_types` of its
 - a group fits on no node and no node type, or the autoscaler's bounds cannot add enough nodes, or there
   is no autoscaler: a ConfigError with the numbers (exit 2, before any actor starts).
 
-`decide` is pure (tests/unit/test_capacity.py runs it on resource dicts); `cluster_view` reads Ray.
-Totals, not what is free now: resources another run holds come back when it ends, which the placement's
-timeout bounds; this check only answers "can it ever fit".
+`decide` is pure (tests/unit/test_capacity.py runs it on resource dicts); `check` reads Ray. Totals, not
+what is free now: resources another run holds come back when it ends, which the placement's timeout
+bounds; this check only answers "can it ever fit". It is generous where it cannot know: each type's
+`max_workers` counts as free (nodes of that type already up are among the nodes there are, and are not
+subtracted), so a refusal is certain and a wait is only possible.
 """
 
 from __future__ import annotations
