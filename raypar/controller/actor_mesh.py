@@ -153,7 +153,7 @@ class ActorMesh(ActorCalls):
     def start(self, dp: int | None = None) -> None:
         self.server = RendezvousServer(timeout_s=self.cfg.parallel.timeout_s)
         par = self.cfg.parallel
-        self.resources = resources_for(par.device, par.threads_per_actor, par.gpus_per_actor)
+        self.resources = resources_for(par.device, par.threads_per_actor, par.gpus_per_actor, par.node_type)
         for d in range(dp if dp is not None else self.cfg.dp_fixed):
             self._place_replica(d, self.cfg.parallel.timeout_s)
         self._regroup(new=set(self.replicas))

@@ -406,8 +406,10 @@ def status_lines(runs: list[dict[str, Any]]) -> list[str]:
                 f"{run['run']}: step {late['step']} running for {late['running_s']:.0f} s, "
                 f"{late['answered']} of {late['actors']} actors answered"
             )
-        if run.get("step") is None:
-            lines.append(f"{run['run']}: starting")
+        if run.get("step") is None:  # placing its actors: on the nodes there are, or on nodes to come
+            waiting = run.get("waiting")
+            lines.append(f"{run['run']}: waiting for {waiting} (the autoscaler adds nodes)" if waiting
+                         else f"{run['run']}: starting")  # fmt: skip
             continue
         layout = " ".join(f"{axis}={run[axis]}" for axis in ("dp", "pp", "tp", "cp"))
         lines.append(

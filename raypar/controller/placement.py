@@ -24,21 +24,33 @@ class PlacementTimeout(RunFailure):
     """Resources for a placement group did not appear in time (a runtime failure, recovered like one)."""
 
 
+# What an actor asks of `parallel.node_type`'s custom resource, which each worker type of cluster.yaml
+# declares as 1 per node: a sliver, as Ray's own `accelerator_type` requests are (0.001 of a resource a
+# node has 1 of), so the resource picks the node type without limiting how many actors share a node.
+NODE_TYPE_SHARE = 0.001
+
+
 @dataclass(frozen=True)
 class ActorResources:
     cpus: float = 1.0
     gpus: float = 0.0
+    node_type: str = ""  # a custom resource the node must have (parallel.node_type); "" for any node
 
     def bundle(self) -> dict[str, float]:
-        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
+        return {
+            "CPU": self.cpus,
+            **({"GPU": self.gpus} if self.gpus else {}),
+            **({self.node_type: NODE_TYPE_SHARE} if self.node_type else {}),
+        }
 
 
-def resources_for(device: str, threads: int = 1, gpus: float = 1.0) -> ActorResources:
+def resources_for(device: str, threads: int = 1, gpus: float = 1.0, node_type: str = "") -> ActorResources:
     """`parallel.device`: "gpu" asks `gpus` GPUs per actor (a fraction: actors share one), "cpu" none,
-    "auto" GPUs if the cluster has any; and one CPU per torch thread of the actor."""
+    "auto" GPUs if the cluster has any; and one CPU per torch thread of the actor; on a node that has
+    the custom resource `node_type` when one is named."""
     if device == "auto":
         device = "gpu" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
-    return ActorResources(cpus=float(threads), gpus=gpus if device == "gpu" else 0.0)
+    return ActorResources(cpus=float(threads), gpus=gpus if device == "gpu" else 0.0, node_type=node_type)
 
 
 # How long `check_device` waits for the autoscaler monitor's first report. The monitor reports every 5 s

@@ -38,7 +38,7 @@ from actors.control import RunControl, control_name
 from actors.telemetry import StragglerGauges
 from collectives.group import GroupError
 from collectives.ray_store import home_node_strategy
-from raypar.controller import node_check, profiles, shared_paths, stopping
+from raypar.controller import capacity, node_check, profiles, shared_paths, stopping
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica, StepResult
 from raypar.controller.connection import NAMESPACE, RunFailure, connect
@@ -304,14 +304,18 @@ class TrainingLoop:
             known = shared_paths.check_nodes(self.cfg, self.samples)
             node_check.check_autoscaled_storage(self.cfg, self.address, seen_elsewhere=len(known) > 1)
             self.actor_mesh.node_check = node_check.NodeCheck(self.cfg, self.samples, known)
+            # and a layout no node (or node type) can hold; one that needs more nodes says so
+            verdict = capacity.check(self.cfg, self.target_dp)
             control = self._claim_name()
             try:
+                self._announce_wait(control, verdict)
                 self.cfg.log = trackers.resolved(self.cfg.log, self.run_dir, self.name)
                 (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
                 self._open_trackers()
                 wall = time.perf_counter()
                 try:
                     self.actor_mesh.start(self.target_dp)
+                    self._announce_wait(control, capacity.Verdict())
                     step = 0
                     if self.resume:
                         step = self.actor_mesh.load(self.resume)
@@ -329,6 +333,18 @@ class TrainingLoop:
                 copied = run_copy.copy_run_dir(self.run_dir, self.cfg.checkpoint.dir, self.name)
                 if copied:  # checkpoint.dir is a URI: the run's record goes next to its checkpoints
                     self.event(copied)
+
+    def _announce_wait(self, control: Any, verdict: capacity.Verdict) -> None:
+        """While the run waits for nodes the autoscaler adds, its line and `raypar status` say what for;
+        once placed (a verdict that fits), status stops saying it."""
+        if not verdict.fits_now:
+            self.event(verdict.line(self.cfg.parallel.timeout_s))
+            self.status = {**self.status, "waiting": verdict.describe()}
+        elif "waiting" in self.status:
+            self.status = {k: v for k, v in self.status.items() if k != "waiting"}
+        else:
+            return
+        control.update.remote(self.status)
 
     def _open_trackers(self) -> None:
         if self.cfg.log.backends:

@@ -309,6 +309,11 @@ def test_scale_onto_a_node_the_autoscaler_adds(tmp_path: Path) -> None:
                     240,
                     ended,
                 )
+                # The first GPU node was not there when the run started: it said it waited for one
+                # (raypar.controller.capacity); the CPU reference, which fits on the head, did not.
+                waited = "raypar: waiting for the autoscaler to add nodes with 2 GPUs and 2 CPUs"
+                assert waited in (elastic_dir / "stderr.log").read_text(), tail(elastic_dir)
+                assert "waiting for" not in (fixed_dir / "stderr.log").read_text(), tail(fixed_dir)
                 before = probe.ask(op="snapshot")
                 took = before["end"] - before["start"]
                 mark(f"first dp=1 steps (a state-API snapshot: {took:.1f}s)")

@@ -122,6 +122,23 @@ def test_worker_exception_exits_1_naming_the_actor(address, tmp_path):
     assert [m["step"] for m in metrics(tmp_path)] == [0, 1]  # the failed step was not logged
 
 
+def test_a_layout_no_node_holds_exits_2_before_any_actor(address, tmp_path):
+    """The session's Ray is one node without an autoscaler: an actor asking more CPUs than it has is refused
+    with the numbers, in one line, before the run places anything (raypar.controller.capacity)."""
+    cpus = int(ray.cluster_resources()["CPU"])
+    common = ["train", str(TINY), "--name", "cli-capacity", "--run-dir", str(tmp_path), "--no-progress"]
+    proc = raypar(*common, "--set", f"parallel.threads_per_actor={cpus + 1}", address=address)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    asked = cpus + 1
+    assert proc.stderr.strip().splitlines() == [
+        f"raypar: parallel.threads_per_actor: needs {asked} CPUs per node for a tp group of 1 ({asked} per "
+        f"actor); the largest node has {cpus} and there is no autoscaler"
+    ], proc.stderr[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
+    # Control: the same layout at 1 CPU per actor trains (every other run of this module); the other
+    # refusals, on resource dicts: tests/unit/test_capacity.py.
+
+
 def test_status_and_scale_errors(address):
     proc = raypar("status", address=address)
     assert proc.returncode == 0, proc.stderr

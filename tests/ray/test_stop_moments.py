@@ -128,11 +128,17 @@ def _check_stopped(run: Run, code: int, err: str, sig: signal.Signals) -> None:
 
 @contextlib.contextmanager
 def _placement(run: Run) -> Iterator[None]:
-    """The first replica's placement group cannot be placed: one actor asks for more CPUs than Ray has."""
-    cpus = int(ray.cluster_resources()["CPU"]) + 1
-    run.start([f"parallel.threads_per_actor={cpus}", "parallel.timeout_s=600"])
-    run.wait_until("a pending placement", lambda: run.pending(f"raypar:{run.name}:dp0.pp0"))
-    yield
+    """The first replica's placement group cannot be placed yet: every free CPU is held here. (A run asking
+    for more CPUs than the cluster has is refused before it places anything: tests/unit/test_capacity.py.)"""
+    # All of them: between runs nothing holds any (each run's leftovers are checked to be none).
+    blocker = placement_group([{"CPU": ray.cluster_resources()["CPU"]}])
+    try:
+        ray.get(blocker.ready(), timeout=60)
+        run.start(["parallel.timeout_s=600"])
+        run.wait_until("a pending placement", lambda: run.pending(f"raypar:{run.name}:dp0.pp0"))
+        yield
+    finally:
+        remove_placement_group(blocker)
 
 
 @contextlib.contextmanager

@@ -163,6 +163,11 @@ def _cases() -> list:
         "train-device-name", lambda f: train(f, "--set", "parallel.device='tpu'"), lambda f: "parallel.device"
     )
     case(
+        "train-node-type-name",
+        lambda f: train(f, "--set", "parallel.node_type='g 6'"),
+        lambda f: "parallel.node_type: must be empty or the custom resource a worker type declares",
+    )
+    case(
         "train-compression-name",
         lambda f: train(f, "--set", "parallel.grad_compression='fp8'"),
         lambda f: "parallel.grad_compression",

@@ -24,6 +24,7 @@ import jsonschema
 import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
+from ray.autoscaler._private.aws.config import _configure_subnets_and_groups_from_network_interfaces
 from ray.autoscaler._private.node_provider_availability_tracker import NodeAvailabilitySummary
 from ray.autoscaler._private.resource_demand_scheduler import _default_utilization_scorer, get_nodes_for
 from ray.autoscaler._private.util import fill_node_type_min_max_workers, prepare_config, validate_config
@@ -106,6 +107,7 @@ SET_ME = {
     "ami-SET-ME-ubuntu-22.04": "ami-0123456789abcdef0",
     "ami-SET-ME-dlami-base-ubuntu-22.04": "ami-0fedcba9876543210",
     "sg-SET-ME-raypar-sg": "sg-0123456789abcdef0",
+    "subnet-SET-ME-efa": "subnet-0123456789abcdef0",
 }
 SG_TEMPLATE = ROOT / "examples" / "aws-security-group.yaml"
 PYPROJECT = ROOT / "pyproject.toml"
@@ -152,7 +154,11 @@ def test_nodes_use_the_declared_security_group() -> None:
     0.0.0.0/0 (ray/autoscaler/_private/aws/config.py: _configure_security_group, and
     _create_default_ssh_inbound_rules). Every type names the group of examples/aws-security-group.yaml."""
     config = configured(CLUSTER_YAML.read_text())
-    groups = [t["node_config"].get("SecurityGroupIds") for t in config["available_node_types"].values()]
+    # A type with NetworkInterfaces (p5, for EFA) names its groups in each interface; Ray collects them.
+    nodes = [_configure_subnets_and_groups_from_network_interfaces(t["node_config"])
+             if "NetworkInterfaces" in t["node_config"] else t["node_config"]
+             for t in config["available_node_types"].values()]  # fmt: skip
+    groups = [sorted(set(n.get("SecurityGroupIds", []))) for n in nodes]
     assert groups[0] == [SET_ME["sg-SET-ME-raypar-sg"]] and all(g == groups[0] for g in groups), groups
     assert "security_group" not in config["provider"]  # Ray's own would add SSH from 0.0.0.0/0
 
@@ -340,6 +346,10 @@ def test_local_yaml_mirrors_cluster_yaml() -> None:
     assert worker_types(fake).keys() == worker_types(real).keys()
     for name, worker in worker_types(fake).items():
         assert worker["resources"]["GPU"] == worker_types(real)[name]["resources"]["GPU"] == 8
+        # The custom resource `parallel.node_type` asks for: the same name on the same type.
+        custom = [{k: v for k, v in w["resources"].items() if k not in ("CPU", "GPU")}
+                  for w in (worker, worker_types(real)[name])]  # fmt: skip
+        assert custom[0] == custom[1] == {name.removeprefix("ray.worker."): 1}, custom
         assert worker["resources"]["CPU"] <= 2  # fake nodes are processes on one small machine
     assert fake["available_node_types"][fake["head_node_type"]]["resources"].get("GPU", 0) == 0
     assert fake["max_workers"] <= 3

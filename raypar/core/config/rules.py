@@ -9,11 +9,17 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 
 from raypar.core.config import options
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.options import one_of
 from raypar.core.config.schema import Config, ParallelConfig
+
+# parallel.node_type names a custom resource (cluster.yaml: `g6: 1` on ray.worker.g6). Ray's own resources
+# pick no node type, and names with ":" are Ray's per-node ones (node:<ip>, accelerator_type:<name>).
+NODE_TYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
+RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -173,6 +179,11 @@ def validate(cfg: Config) -> None:
     _require(
         p.device in ("auto", "cpu", "gpu"),
         f'parallel.device: must be "auto", "cpu" or "gpu", got {p.device!r}',
+    )
+    _require(
+        not p.node_type or bool(NODE_TYPE_NAME.fullmatch(p.node_type)) and p.node_type not in RAY_RESOURCES,
+        "parallel.node_type: must be empty or the custom resource a worker type declares (a letter, then "
+        f"letters, digits, _ . -; not {', '.join(RAY_RESOURCES)}), got {p.node_type!r}",
     )
     _require(
         p.zero in options.ZERO_STAGES,

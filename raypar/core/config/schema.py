@@ -72,6 +72,7 @@ class ParallelConfig:
     microbatches: int = 1
     transport: str = options.OBJECT_STORE  # options.TRANSPORTS
     device: str = "auto"
+    node_type: str = ""  # a custom resource the actors' nodes must have (cluster.yaml: g6, p5); "" any node
     threads_per_actor: int = 1
     gpus_per_actor: float = 1.0
     stage_layers: list[int] = field(default_factory=list)
