@@ -284,8 +284,9 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         if state is not None:
             for strategy in self._strategies():
                 strategy.load_full_state(state, step_count)
-        for strategy, mine in zip(self._strategies(), owned or (), strict=True):  # gathers in the shard group
-            strategy.load_owned_state(mine, step_count)
+        if owned is not None:  # gathers the parameters in the shard group
+            for strategy, mine in zip(self._strategies(), owned, strict=True):
+                strategy.load_owned_state(mine, step_count)
 
     def _bind_groups(self, groups: BoundGroups[Group]) -> None:
         self.model.bind_groups(groups)

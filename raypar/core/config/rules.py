@@ -113,7 +113,7 @@ def _validate_hsdp(cfg: Config) -> None:
     p, dp = cfg.parallel, cfg.dp_fixed
     s = p.dp_shard
     _require(s >= 0, f"parallel.dp_shard: must be >= 0 (0 means dp), got {s}")
-    if not s or s == dp and p.dp != "auto" and not p.max_dp:
+    if not s:  # set, it holds at every dp the run scales to (raypar scale): the rules below apply at any
         return
     _require(dp % s == 0, f"parallel.dp_shard: must divide parallel.dp={dp}, got dp_shard={s}")
     _require(s >= 2, "parallel.dp_shard: 1 shards nothing; use parallel.zero = 0 for plain replicas")

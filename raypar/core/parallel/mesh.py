@@ -107,8 +107,6 @@ class Mesh:
                 raise ValueError(f"mesh {axis} must be >= 1, got {getattr(self, axis)}")
         if self.dp % self.ep:
             raise ValueError(f"mesh ep={self.ep} must divide dp={self.dp}")
-        if self.dp_shard and self.dp % self.dp_shard:
-            raise ValueError(f"mesh dp_shard={self.dp_shard} must divide dp={self.dp}")
 
     @property
     def replica_size(self) -> int:
