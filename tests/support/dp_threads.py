@@ -101,17 +101,22 @@ def hsdp_groups(dp: int, shard: int) -> dict[str, list[int]]:
     return groups
 
 
+def build_hsdp(cfg: Config, groups: dict, zero: int, cls: type[DPStrategy] | None = None):
+    """A thread rank's model and strategy under HSDP (`groups` from `hsdp_groups`)."""
+    shard_group = next(g for n, g in groups.items() if n.startswith("dps"))
+    replicate = next(g for n, g in groups.items() if n.startswith("dpr"))
+    model = LlamaStage(cfg.model, seed=cfg.train.seed)
+    spec = StrategySpec(cfg.train, BUCKET_BYTES, reduce_dtype=torch.float32)
+    return model, strategy_class(zero, cls)(model, spec=spec, group=shard_group, replicate=replicate)
+
+
 def run_hsdp(dp: int, shard: int, zero: int, cls: type[DPStrategy] | None = None) -> tuple[Run, list[dict]]:
     """`run_dp` under HSDP: ZeRO sharded over shard groups of `shard` ranks, replicated across them; also
     each rank's model-state bytes and padded parameter count after the last step."""
     cfg = make_cfg(STEPS)
 
     def rank(r: int, groups: dict) -> tuple:
-        shard_group = next(g for n, g in groups.items() if n.startswith("dps"))
-        replicate = next(g for n, g in groups.items() if n.startswith("dpr"))
-        model = LlamaStage(cfg.model, seed=cfg.train.seed)
-        spec = StrategySpec(cfg.train, BUCKET_BYTES, reduce_dtype=torch.float32)
-        strategy = strategy_class(zero, cls)(model, spec=spec, group=shard_group, replicate=replicate)
+        model, strategy = build_hsdp(cfg, groups, zero, cls)
         losses, norms = train(cfg, groups["dp"], model, strategy, range(STEPS))
         memory = {"bytes": strategy.model_state_bytes()["cpu"],
                   "padded": sum(b.padded for b in strategy.layout.buckets)}  # fmt: skip

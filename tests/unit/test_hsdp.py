@@ -1,5 +1,6 @@
 """HSDP (`parallel.dp_shard`, raypar.core.dp.hsdp) on thread ranks: dp=4 in two shard groups of 2, at ZeRO
-1, 2 and 3, against one process; per-rank model-state bytes against the planner's formula; the mesh's groups.
+1, 2 and 3, against one process; per-rank model-state bytes against the planner's formula; the mesh's
+groups; checkpoints written under HSDP and read at other layouts.
 
 Tolerances: against torch.optim.AdamW on the whole batch in one process, as tests/unit/test_dp_strategy.py
 argues for ZeRO-0 at dp=2: microbatch sums and the norm's precision differ more than the order of the DP
@@ -11,12 +12,25 @@ beyond 1e-4), and the two groups' parameters part ways.
 from __future__ import annotations
 
 import pytest
+import torch
 
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.dp.strategy import DPStrategy
 from raypar.core.parallel.mesh import Coord, Mesh
 from raypar.core.planner import memory as plan_memory
-from tests.support.dp_threads import STEPS, assert_close, make_cfg, run_hsdp
+from tests.support.dp_threads import (
+    STEPS,
+    assert_close,
+    assert_loads_exactly,
+    build_hsdp,
+    hsdp_groups,
+    make_cfg,
+    run_hsdp,
+    train,
+)
 from tests.support.reference import Run, reference_run
+from tests.support.threads import run_groups
 
 
 class NoCrossGroupReduce(DPStrategy):
@@ -59,3 +73,38 @@ def test_mesh_keeps_shard_groups_whole_when_a_group_leaves():
     assert after.named["dp"][1] == (Coord(2, 0, 0), Coord(3, 0, 0))
     with pytest.raises(ValueError, match="do not split into shard groups"):
         mesh.stage_groups(Coord(3, 0, 0), [1, 2, 3])
+
+
+def test_checkpoint_at_dp_shard_loads_at_other_layouts(tmp_path):
+    """Saved at dp=4, dp_shard=2, zero=3 (only the first shard group writes: the second holds copies), it
+    loads exactly at plain dp=2 zero=1 and dp=1 zero=0, and back at dp=4, dp_shard=2."""
+    cfg, steps = make_cfg(4), 2
+    root = str(tmp_path / "ckpt")
+    staging = checkpoint.begin(root, steps)
+
+    def save(r: int, groups: dict) -> tuple:
+        model, strategy = build_hsdp(cfg, groups, 3)
+        train(cfg, groups["dp"], model, strategy, range(steps))
+        entries = [
+            checkpoint.write_shard(staging, f"dp{r}.pp0.tp0.{k}",
+                                   checkpoint.snapshot({n: t for n, (t, _) in part.items()}),
+                                   {n: s for n, (_, s) in part.items()})  # fmt: skip
+            for k, part in enumerate(strategy.checkpoint_parts())
+        ]
+        return entries, strategy.full_state()
+
+    saved = run_groups(4, hsdp_groups(4, 2), save)
+    assert [bool(entries) for entries, _ in saved] == [True, True, False, False]
+    entries = [e for r in saved for e in r[0]]
+    uri = checkpoint.publish(root, staging, steps, entries, {"optimizer_steps": steps, "zero": 3})
+    state = saved[0][1]
+    assert_loads_exactly(uri, state, cfg, 2, 1)
+    assert_loads_exactly(uri, state, cfg, 1, 0)
+
+    def load(r: int, groups: dict) -> dict:
+        _, strategy = build_hsdp(cfg, groups, 3)
+        strategy.load(checkpoint_read.CheckpointReader(uri), steps)
+        return strategy.full_state()
+
+    for loaded in run_groups(4, hsdp_groups(4, 2), load):
+        assert loaded.keys() == state.keys() and all(torch.equal(loaded[n], t) for n, t in state.items())
