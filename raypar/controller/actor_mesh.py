@@ -34,9 +34,11 @@ from raypar.controller.placement import (
     ActorResources,
     PlacementTimeout,
     in_bundle,
+    node_of,
     place_stage,
     release,
     resources_for,
+    shard_mate,
 )
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.options import ZeroStage
@@ -164,9 +166,11 @@ class ActorMesh(ActorCalls):
         compiled = inductor_env(self.cfg.train.compile, self.cfg.parallel.threads_per_actor)
         env = {"env_vars": {**self.worker_env, **gpu, **compiled}}
         placed = []
+        mate = shard_mate(self.replicas, self.cfg.parallel.dp_shard)
         try:
             for p in range(self.pp):
-                placed.append(place_stage(self.run, d, p, self.cp * self.tp, self.resources, timeout_s))
+                near = node_of(self.pgs[(mate, p)]) if mate is not None else None
+                placed.append(place_stage(self.run, d, p, self.cp * self.tp, self.resources, timeout_s, near))
         except BaseException:  # a timeout, or a stop (SIGTERM, Ctrl-C): all or none of the replica's stages
             release(placed)
             raise
