@@ -18,7 +18,9 @@ from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.dp.strategy import DPStrategy
 from raypar.core.parallel.mesh import Coord, Mesh
+from raypar.core.planner import comm as plan_comm
 from raypar.core.planner import memory as plan_memory
+from raypar.core.planner import search as plan
 from tests.support.dp_threads import (
     STEPS,
     assert_close,
@@ -108,3 +110,21 @@ def test_checkpoint_at_dp_shard_loads_at_other_layouts(tmp_path):
 
     for loaded in run_groups(4, hsdp_groups(4, 2), load):
         assert loaded.keys() == state.keys() and all(torch.equal(loaded[n], t) for n, t in state.items())
+
+
+def test_planner_counts_hsdp_memory_and_traffic():
+    """The planner shards HSDP's model states over dp_shard (not dp), times its DP traffic as a
+    reduce-scatter and all-gather inside the shard group plus an all-reduce of 1/dp_shard across the groups,
+    and lists it where a node holds a shard group of more than one replica (2 devices a node: dp_shard=2)."""
+    cfg = make_cfg(1)
+    hsdp, plain = (plan.Layout(4, 1, 1, 3, "none", 1, dp_shard=s) for s in (2, 0))
+    params, states = plan_memory.rank_states(cfg, hsdp, 0, [range(cfg.model.n_layers)])
+    assert states == plan_memory.model_state_bytes(params.dense, "fp32", 3, 2)
+    assert plan_memory.rank_states(cfg, plain, 0, [range(cfg.model.n_layers)])[1] == states / 2
+    g, p, fast, slow = 1e9, 5e8, 100e9, 10e9
+    assert plan_comm.hsdp_s(g, p, 8, 2, 3, fast, slow) == pytest.approx(
+        2 * 7 / 8 * g / fast + 3 * 2 * 7 / 8 * p / fast + 2 * (1 / 2) * (g / 8) / slow
+    )
+    listed = {(lay.dp, lay.pp, lay.zero, lay.dp_shard) for lay, _ in plan.candidates(cfg, 4, per_node=2)}
+    assert {(4, 1, z, s) for z in (1, 2, 3) for s in (0, 2)} <= listed
+    assert (4, 1, 0, 2) not in listed and not any(s for dp, _, _, s in listed if dp < 4)
