@@ -16,6 +16,7 @@ import torch
 
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core.config.errors import ConfigError
 from raypar.core.dp.strategy import DPStrategy
 from raypar.core.parallel.mesh import Coord, Mesh
 from raypar.core.planner import comm as plan_comm
@@ -128,3 +129,12 @@ def test_planner_counts_hsdp_memory_and_traffic():
     listed = {(lay.dp, lay.pp, lay.zero, lay.dp_shard) for lay, _ in plan.candidates(cfg, 4, per_node=2)}
     assert {(4, 1, z, s) for z in (1, 2, 3) for s in (0, 2)} <= listed
     assert (4, 1, 0, 2) not in listed and not any(s for dp, _, _, s in listed if dp < 4)
+
+
+def test_live_scaling_moves_whole_shard_groups():
+    """`raypar scale --dp` is checked against cfg.valid_dps() (actors.control.RunControl): with dp_shard=2
+    only whole shard groups, and the batch rule skips the dps never taken (dp=3 would refuse the config)."""
+    extra = ("parallel.dp=2", "parallel.zero=2", "parallel.microbatches=4", "parallel.max_dp=4")
+    assert make_cfg(1, *extra, "parallel.dp_shard=2").valid_dps() == [2, 4]
+    with pytest.raises(ConfigError, match="fails at dp=3"):
+        make_cfg(1, *extra)

@@ -219,8 +219,8 @@ def validate(cfg: Config) -> None:
     )
     if p.dp == "auto" or p.max_dp:
         for dp in range(p.min_dp, max(p.max_dp, cfg.dp_fixed) + 1):
-            if p.ep > 1 and dp % p.ep:
-                continue  # never taken: expert parallelism needs dp to be a multiple of ep
+            if dp % math.lcm(p.ep, p.dp_shard or 1):
+                continue  # never taken: whole EP groups and (HSDP) whole shard groups only
             _require(
                 t.global_batch % (dp * cfg.microbatch_size) == 0,
                 f"train.global_batch: must be divisible by dp*microbatch_size for every dp in "
