@@ -124,7 +124,7 @@ def test_planner_counts_hsdp_memory_and_traffic():
     assert plan_memory.rank_states(cfg, plain, 0, [range(cfg.model.n_layers)])[1] == states / 2
     g, p, fast, slow = 1e9, 5e8, 100e9, 10e9
     assert plan_comm.hsdp_s(g, p, 8, 2, 3, fast, slow) == pytest.approx(
-        2 * 7 / 8 * g / fast + 3 * 2 * 7 / 8 * p / fast + 2 * (1 / 2) * (g / 8) / slow
+        (2 * 7 / 8 * g / fast + 3 * 2 * 7 / 8 * p / fast, 2 * (1 / 2) * (g / 8) / slow)
     )
     listed = {(lay.dp, lay.pp, lay.zero, lay.dp_shard) for lay, _ in plan.candidates(cfg, 4, per_node=2)}
     assert {(4, 1, z, s) for z in (1, 2, 3) for s in (0, 2)} <= listed

@@ -11,6 +11,10 @@ same way. Parameters are all-gathered inside the shard group only, so the slow l
 (placement keeps a shard group on as few nodes as it can) carry 1 / dp_shard of the gradients and no
 parameters.
 
+The reduce-scatter starts during backward, as a bucket's gradients become final; the all-reduce across
+groups runs when `finish` waits for the bucket (as compressed reductions do), so it does not overlap the
+backward: it is 1/dp_shard of the gradients, and the planner counts it exposed (raypar.core.planner.comm).
+
 Because every shard has a replica in each other shard group, a shard group that loses a replica is dropped
 whole and the others redo the step, as replicas do at ZeRO-0; a new shard group takes each replica's shard
 from the peer of equal shard index over the replicate group (`actors.worker_state.WorkerState.sync_state`).

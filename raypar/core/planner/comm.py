@@ -37,11 +37,13 @@ def all_reduce_s(nbytes: float, ranks: int, bw: float) -> float:
 def hsdp_s(
     grad_bytes: float, param_bytes: float, shard: int, groups: int, gathers: int, bw_shard: float,
     bw_across: float,
-) -> float:
-    """HSDP's data-parallel traffic of one rank over a step (see the module's formula): `gathers` parameter
-    all-gathers (ZeRO-3: forward and backward per microbatch, as an all-reduce's bytes) in the shard group."""
+) -> tuple[float, float]:
+    """HSDP's data-parallel traffic of one rank over a step (see the module's formula), as (inside the shard
+    group, across the groups): `gathers` parameter all-gathers (ZeRO-3: forward and backward per
+    microbatch, as an all-reduce's bytes) inside. The across part runs when the strategy's `finish` waits
+    (raypar.core.dp.hsdp), after backward: the caller counts it exposed."""
     inside = all_reduce_s(grad_bytes, shard, bw_shard) + gathers * all_reduce_s(param_bytes, shard, bw_shard)
-    return inside + all_reduce_s(grad_bytes / shard, groups, bw_across)
+    return inside, all_reduce_s(grad_bytes / shard, groups, bw_across)
 
 
 def tp_s(cfg: Config, layout: Layout, layers: int, bw: float, latency: float) -> float:

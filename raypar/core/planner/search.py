@@ -16,13 +16,12 @@ over dp x cp x pp x tp actors; under `train.precision = "fp8"` the converted lin
 device's float8 peak (`float8_flops_per_token`), while memory and traffic count bf16's 2 bytes (the float8
 copies live only for their GEMM). Tensor-parallel (or SP), context-parallel and expert collectives are on the
 critical path (raypar.core.planner.comm); the DP gradient all-reduce (over cp x dp, experts' over the
-expert-dp
-group; under HSDP reduce-scatter and all-gather in the shard group, all-reduce across groups: comm.hsdp_s)
-overlaps the last microbatch's backward; pipeline sends are exposed only while the pipeline fills
-and drains, v times as many hops under interleaving. Layouts are the config with (dp, pp, tp, zero,
-recompute, microbatches, virtual_stages, cp, cp_style, sequence_parallel, ep, and dp_shard where a node
-holds a shard group of more than one replica) replaced, kept only if
-`validate` accepts them, so the planner never lists what `raypar train` would refuse. Both cp
+expert-dp group; under HSDP the reduce-scatter and all-gather in the shard group, while its all-reduce
+across groups, after backward, is exposed: comm.hsdp_s) overlaps the last microbatch's backward; pipeline
+sends are exposed only while the pipeline fills and drains, v times as many hops under interleaving.
+Layouts are the config with (dp, pp, tp, zero, recompute, microbatches, virtual_stages, cp, cp_style,
+sequence_parallel, ep, and dp_shard where a node holds a shard group of more than one replica) replaced,
+kept only if `validate` accepts them, so the planner never lists what `raypar train` would refuse. Both cp
 styles are listed: they send different bytes and accept different shapes.
 """
 
@@ -210,10 +209,11 @@ def predict(
     if layout.shard < layout.dp:  # HSDP: a shard group packs on one node where it fits (placement)
         bw_shard = device.intra_bw if layout.shard * layout.tp <= device.per_node else device.inter_bw
         gathers = layout.microbatches if ZERO_STAGES[layout.zero].shards_parameters else 0
-        dp_comm = plan_comm.hsdp_s(
+        inside, across = plan_comm.hsdp_s(
             params.dense * 4, params.dense * e, layout.shard, layout.dp // layout.shard, gathers, bw_shard, bw
         )
-        return Prediction(layout, stages, compute, bubble, comm + _exposed(dp_comm, compute, layout), tokens)
+        dp_exposed = _exposed(inside, compute, layout) + across
+        return Prediction(layout, stages, compute, bubble, comm + dp_exposed, tokens)
     # Reduced in fp32: dense gradients over cp x dp, expert ones over the expert-dp group.
     dp_comm = plan_comm.all_reduce_s(params.dense * 4, group, bw)
     dp_comm += plan_comm.all_reduce_s(params.expert * 4, group // layout.ep, bw)
