@@ -34,7 +34,8 @@ class RunControl:
         if dp not in self.valid_dps:
             raise ValueError(
                 f"--dp {dp}: run {self.run} accepts dp in {self.valid_dps} (the global batch must split into "
-                f"whole microbatches of the run's size, within [min_dp, max_dp])"
+                "whole microbatches of the run's size, within [min_dp, max_dp], in whole EP and shard "
+                "groups)"
             )
         self.requested = dp
         return f"run {self.run}: dp={dp} requested; applied at the next step boundary"

@@ -203,6 +203,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         self.model.to(self.device)
         self.param_dtype = dtype  # the strategy keeps fp32 masters for 16-bit parameters
         self.strategy, self.expert_strategy, self._stash = None, None, None
+        self._shard_members: tuple[Coord, ...] | None = None  # whom the dense ZeRO state is sharded over
         self.scaler = precision.scaler_for(train)
         self._skip = False
         self._bias_steps: dict[str, torch.Tensor] = {}  # the routing biases' move at the step's commit
@@ -233,7 +234,12 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         # Gradients of parameters replicated across cp are reduced over cp x dp (the dp group).
         self.dp_group, self.edp_group, self.ep_group = bound.dp, bound.edp, bound.ep
         self.emb_group, self.mp_group = bound.emb, bound.mp
-        self._rebuild_strategies()
+        # HSDP (raypar.core.dp.hsdp): ZeRO shards over the shard group, copies meet in the replicate group
+        self.dps_group, self.dpr_group = bound.dps, bound.dpr
+        shard_members = groups.named.get("dps", groups.named["dp"])[1]
+        kept = shard_members == self._shard_members  # this replica keeps its shard (HSDP: survivors)
+        self._shard_members = shard_members
+        self._rebuild_strategies(kept)
         self.microbatches = self.cfg.microbatches_at(self.dp)
         self.plan = schedules.build(par.schedule, par.pp, self.microbatches, par.virtual_stages)[p]
         if self.transport is not None:
@@ -250,12 +256,17 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
     def _strategies(self) -> tuple[DPStrategy, DPStrategy]:
         return self.strategy, self.expert_strategy
 
-    def _rebuild_strategies(self) -> None:
+    def _rebuild_strategies(self, kept: bool = False) -> None:
         """New DP strategies for the new groups; the old ones' hooks go with them. Their state carries
-        over: from the stash of a planned dp change, or read locally where nothing is sharded."""
+        over: from the stash of a planned dp change, read locally where nothing is sharded, or (sharded, and
+        `kept`: the same shard group, as HSDP's surviving ones are) each rank's owned pieces."""
         par = self.cfg.parallel
         state, step_count = self._stash if self._stash is not None else (None, 0)
-        if state is None and self.strategy is not None:
+        owned = None
+        if state is None and self.strategy is not None and self.strategy.sharded and kept:
+            owned = [s.owned_state() for s in self._strategies()]
+            step_count = self.strategy.step_count
+        elif state is None and self.strategy is not None:
             if self.strategy.sharded:
                 raise RuntimeError(
                     f"parallel.zero={par.zero}: this replica's optimizer slices were sharded over a group "
@@ -265,7 +276,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         if self.strategy is not None:
             for old in self._strategies():
                 old.close()
-        self.strategy = self._make_strategy(self.dp_group)
+        self.strategy = self._make_strategy(self.dps_group or self.dp_group)
         self.expert_strategy = self._make_expert_strategy(self.edp_group)
         tied = self.model.tied_weight()
         if tied is not None:  # its bucket waits for `_sum_tied_grads`
@@ -273,6 +284,9 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         if state is not None:
             for strategy in self._strategies():
                 strategy.load_full_state(state, step_count)
+        if owned is not None:  # gathers the parameters in the shard group
+            for strategy, mine in zip(self._strategies(), owned, strict=True):
+                strategy.load_owned_state(mine, step_count)
 
     def _bind_groups(self, groups: BoundGroups[Group]) -> None:
         self.model.bind_groups(groups)
@@ -292,7 +306,8 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         )
         # dense gradients only: expert gradients are reduced over their own, smaller groups
         return STRATEGIES[par.zero](
-            self.model, spec=spec, group=dp_group, compressor=compress.build(par, self.cfg.train.seed)
+            self.model, spec=spec, group=dp_group, compressor=compress.build(par, self.cfg.train.seed),
+            replicate=self.dpr_group,
         )
 
     def _make_expert_strategy(self, edp_group: Any) -> DPStrategy:

@@ -42,6 +42,7 @@ class WorkerState:
     expert_strategy: DPStrategy
     dp_rank: int
     dp_group: Any
+    dpr_group: Any
     edp_group: Any
     copies: BuddyCopies
     _buddy: Any
@@ -65,6 +66,9 @@ class WorkerState:
         rank) and every replica keeps its part of it (all of it without ZeRO)."""
         stash, self._stash = self._stash, None
         if self.dp_group is None:
+            return
+        if self.cfg.parallel.dp_shard:  # HSDP: shard groups stay whole, shards come from their copies
+            self._sync_shard()
             return
         cp, ep = self.cfg.parallel.cp, self.cfg.parallel.ep
         # The dp and edp groups list each replica's cp ranks together: the source's cp rank 0 sends.
@@ -96,6 +100,25 @@ class WorkerState:
         with torch.no_grad():  # the routing biases: the same on every replica, sent like the dense state
             for _, bias in sorted(self.model.routing_biases().items()):
                 self.dp_group.broadcast(bias, dense_src)
+
+    def _sync_shard(self) -> None:
+        """HSDP (raypar.core.dp.hsdp): a new shard group's replicas take their shards (owned masters and
+        moments, the step count, the loss scaler) from the replica of equal shard index in the first shard
+        group, over the replicate group; the others resend theirs. Then every shard group gathers its
+        parameters from the owners."""
+        group = self.dpr_group
+        scaler = self.scaler.state() if self.scaler is not None else {}
+        counts = [self.strategy.step_count, *scaler.values()]
+        sent = torch.tensor([float(c) for c in counts], dtype=torch.float64, device=self.device)
+        steps = group.broadcast(sent, 0).tolist() if group is not None else counts
+        if self.scaler is not None:
+            self.scaler.load_state(dict(zip(scaler, steps[1:], strict=True)))
+        for strategy in self._strategies():
+            owned = {k: t.to(self.device) for k, t in strategy.owned_state().items()}
+            with torch.no_grad():
+                for name in sorted(owned) if group is not None else ():
+                    group.broadcast(owned[name], 0)
+            strategy.load_owned_state(owned, int(steps[0]))
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def parameters(self) -> dict[str, Shard]:

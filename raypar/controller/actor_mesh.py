@@ -35,9 +35,11 @@ from raypar.controller.placement import (
     ActorResources,
     PlacementTimeout,
     in_bundle,
+    node_of,
     place_stage,
     release,
     resources_for,
+    shard_mate,
 )
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.options import ZeroStage
@@ -132,6 +134,7 @@ class ActorMesh(ActorCalls):
         return Mesh(
             dp, self.pp, self.tp, self.cfg.parallel.ep, ring=topo.ring, cp=self.cp,
             tied_embeddings=self.cfg.model.tie_embeddings and topo.last_rank != 0,  # a V: both on rank 0
+            dp_shard=self.cfg.parallel.dp_shard,
         )
 
     @property
@@ -166,9 +169,11 @@ class ActorMesh(ActorCalls):
         compiled = inductor_env(self.cfg.train.compile, self.cfg.parallel.threads_per_actor)
         env = {"env_vars": {**self.worker_env, **gpu, **compiled}}
         placed = []
+        mate = shard_mate(self.replicas, self.cfg.parallel.dp_shard)
         try:
             for p in range(self.pp):
-                placed.append(place_stage(self.run, d, p, self.cp * self.tp, self.resources, timeout_s))
+                near = node_of(self.pgs[(mate, p)]) if mate is not None else None
+                placed.append(place_stage(self.run, d, p, self.cp * self.tp, self.resources, timeout_s, near))
             if self.node_check is not None:  # a node that joined since the start: probed before it writes
                 self.node_check(placed)
         except BaseException:  # a timeout, or a stop (SIGTERM, Ctrl-C): all or none of the replica's stages
@@ -351,18 +356,30 @@ class ActorMesh(ActorCalls):
         """What the replicas' data-parallel strategy keeps where (`parallel.zero`'s strategy class)."""
         return STRATEGIES[self.cfg.parallel.zero].stage
 
+    @property
+    def shard_groups(self) -> list[list[int]]:
+        """HSDP (parallel.dp_shard < dp): the replicas of each shard group, whose ZeRO state every other
+        group holds a copy of; otherwise none."""
+        s = self.cfg.parallel.dp_shard
+        if not s or s >= self.dp:
+            return []
+        return [self.replicas[i : i + s] for i in range(0, self.dp, s)]
+
     def recover(self, failure: BaseException) -> str:
         """Continue after `failure` (of a step, or of anything else between steps) with the intact
         replicas, at once and without touching disk: drop every replica that lost an actor or was not
-        completely set up, apply the last completed step on the others, re-form the groups. Raises
-        NoIntactReplica when no replica is intact, or under ZeRO (the caller restores a checkpoint)."""
+        completely set up (under HSDP its whole shard group: the other groups hold copies of every shard),
+        apply the last completed step on the others, re-form the groups. Raises NoIntactReplica when no
+        replica (shard group) is intact, or under ZeRO without HSDP (the caller restores a checkpoint)."""
         dead = set(getattr(failure, "dead", ())) or self.find_dead()
-        if not self._dp_stage.heals_from_peers:  # slices sharded over groups that cannot be trusted now
+        groups = self.shard_groups
+        if not self._dp_stage.heals_from_peers and not groups:  # slices sharded over groups not trusted now
             raise NoIntactReplica(
                 f"parallel.zero={self.cfg.parallel.zero}: the optimizer slices of every replica are sharded "
                 f"over the DP group and cannot be regrouped without a checkpoint ({failure})"
             )
         broken = {c.dp for c in dead} | (set(self.replicas) - self.ready)
+        broken = {d for g in groups if broken & set(g) for d in g} | broken  # whole shard groups
         before = list(self.replicas)
         self._drop_replicas(broken)
         if not self.replicas:
@@ -371,6 +388,8 @@ class ActorMesh(ActorCalls):
         self.commit()  # a completed step not yet applied (the failure came between steps) is applied now
         self._regroup()
         lost = f"dropped replica(s) {sorted(broken)}" if broken else "no actor lost; groups re-formed"
+        if groups and broken:
+            lost += " (whole shard groups; every shard lives on in the others)"
         return f"{lost}; continuing at dp={self.dp}"
 
     def restore_from_memory(self, failure: BaseException) -> tuple[int, str]:
@@ -433,7 +452,9 @@ class ActorMesh(ActorCalls):
         releases the others (at a dp outside the list the batch no longer splits as the run's does, and
         training changes silently). Returns what happened, in one line."""
         self.commit()
-        if dp != self.dp and self._dp_stage.shards_optimizer:  # re-shard from the whole state
+        # Re-shard from the whole state, unless the shard groups stay as they are (HSDP: whole groups come
+        # and go, and a new one takes its shards from the peers of equal shard index).
+        if dp != self.dp and self._dp_stage.shards_optimizer and not self.cfg.parallel.dp_shard:
             self._gather(self._each(WorkerEndpoints.stash_state), "stashing state")
         if dp < self.dp:
             gone = set(self.replicas[dp:])

@@ -2,7 +2,10 @@
 
 Tensor parallelism all-reduces inside every layer, so a TP group must share a node (NVLink, not the
 network); pipeline stages exchange one activation per microbatch and may span nodes; data-parallel
-replicas are independent placement groups, so adding or removing a replica never moves the others.
+replicas are independent placement groups, so adding or removing a replica never moves the others. Under
+HSDP (parallel.dp_shard) a replica's stage asks for the node of the same stage of the first replica of its
+shard group (a soft target: elsewhere when that node is full), so that a shard group's reduce-scatters
+and all-gathers stay on as few nodes as it can, and only the all-reduce across groups crosses nodes.
 """
 
 from __future__ import annotations
@@ -13,7 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raypar.controller.connection import RunFailure
@@ -133,10 +141,14 @@ def _node_types(status: bytes | None) -> dict[str, str]:
     return (json.loads(status).get("autoscaler_report") or {}).get("node_type_mapping") or {}
 
 
-def place_stage(run: str, dp: int, pp: int, tp: int, res: ActorResources, timeout_s: float) -> PlacementGroup:
-    """Reserve the `tp` actors of replica `dp`, stage `pp` on one node; waits until placed."""
+def place_stage(
+    run: str, dp: int, pp: int, tp: int, res: ActorResources, timeout_s: float, near: str | None = None
+) -> PlacementGroup:
+    """Reserve the `tp` actors of replica `dp`, stage `pp` on one node (node id `near` if it has room);
+    waits until placed."""
     name = f"raypar:{run}:dp{dp}.pp{pp}"
-    pg = placement_group([res.bundle() for _ in range(tp)], strategy="STRICT_PACK", name=name)
+    bundles = [res.bundle() for _ in range(tp)]
+    pg = placement_group(bundles, strategy="STRICT_PACK", name=name, _soft_target_node_id=near)
     try:
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     except BaseException:  # stopped while it waits (SIGTERM, Ctrl-C): no one else knows of the group
@@ -149,6 +161,19 @@ def place_stage(run: str, dp: int, pp: int, tp: int, res: ActorResources, timeou
             f"{timeout_s:g}s; available: {ray.available_resources()}"
         )
     return pg
+
+
+def shard_mate(replicas: list[int], dp_shard: int) -> int | None:
+    """The replica whose node the next replica (appended to `replicas`) should share: the first of its
+    shard group, when dp_shard > 1 and the group has one already; else None."""
+    if dp_shard < 2 or not len(replicas) % dp_shard:
+        return None
+    return replicas[len(replicas) // dp_shard * dp_shard]
+
+
+def node_of(pg: PlacementGroup) -> str:
+    """The node id a placed STRICT_PACK group's bundles are on."""
+    return placement_group_table(pg)["bundles_to_node_id"][0]
 
 
 def in_bundle(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:

@@ -102,7 +102,8 @@ class TrainingLoop:
         self.target_dp = cfg.dp_fixed
         self.dps = cfg.valid_dps()
         self.restarts = 0
-        self.memory_recoveries = 0  # of the restarts, those restored from in-memory copies (no disk)
+        # of the restarts, those restored from in-memory copies or (HSDP) shard copies in peers (no disk)
+        self.memory_recoveries = 0
         self.pending: PendingCheckpoint | None = None
         self.last_checkpoint: str | None = None
         self.events: list[str] = []
@@ -272,7 +273,9 @@ class TrainingLoop:
                 self.memory_recoveries += 1
                 self.event(f"recovered from memory: {what}")
                 return resumed
+            peers = bool(self.actor_mesh.shard_groups)  # HSDP: every shard has copies in the other groups
             self.event(self.actor_mesh.recover(failure))
+            self.memory_recoveries += peers
         except NoIntactReplica as err:
             self._drop_pending()
             ckpt = self.last_checkpoint or _latest(self.cfg.checkpoint.dir)

@@ -88,6 +88,11 @@ def test_elastic_quick():
     assert {"step_s_dp1", "scale_up_total_s", "recovery_s"} <= set(result)
 
 
+def test_hsdp_recovery_quick():
+    result = json.loads(ok(run("benchmarks/hsdp_recovery.py", "--quick", "--json")).strip().splitlines()[-1])
+    assert {"peers_recovery_s", "peers_heal_s", "checkpoint_restart_s"} <= set(result)
+
+
 def test_collectives_quick():
     rows = [json.loads(ln) for ln in ok(run("benchmarks/collectives.py", "--quick", "--json")).splitlines()
             if ln.startswith("{")]

@@ -1,4 +1,5 @@
-"""Each tensor-parallel group lands on one node of a 2-node cluster with 4 fake GPUs per node."""
+"""Each tensor-parallel group, and each HSDP shard group that fits one, lands on one node of a 2-node
+cluster with 4 fake GPUs per node."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ def test_tp_groups_packed_on_one_node():
     assert proc.returncode == 0, proc.stderr[-2000:]
     placed = json.loads(proc.stdout.strip().splitlines()[-1])
     control = placed.pop("control")
+    hsdp = placed.pop("hsdp")
+    for group in (("dp0", "dp1"), ("dp2", "dp3")):  # HSDP shard groups of 2 replicas: 4 GPUs, one node
+        bundles = {f"{d}.{i}": node for d in group for i, node in hsdp[d].items()}
+        assert _on_one_node(bundles), f"shard group {group} split across nodes: {bundles}"
     assert len(placed) == 4
     nodes_used = set()
     for stage, bundles in placed.items():

@@ -19,6 +19,7 @@ from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.parallel.mesh import Mesh
 from tests.support.faults import FaultyActorMesh
+from tests.support.reference import reference_run
 from tests.support.runs import Background, actor_pid, losses, metrics, run, tiny
 from tests.support.zero_runs import (
     assert_elastic_matches_fixed,
@@ -98,3 +99,29 @@ def test_zero2_replica_killed_restarts_from_checkpoint(ray_session, tmp_path):
     assert [m["step"] for m in metrics(run_dir)] == list(range(6))
     assert close(losses(run_dir), losses(undisturbed))
     assert all(m["model_state_bytes"] > 0 for m in metrics(run_dir))
+
+
+def test_hsdp_zero3_replica_killed_continues_from_peers(ray_session, tmp_path):
+    """kill -9 at zero=3 with dp_shard=2 (dp=4, two shard groups): every shard has a copy in the other
+    group, so the lost replica's group is dropped, the other redoes the step without reading the checkpoint
+    that exists, and the run heals back to dp=4, the new group taking each shard from the replica of equal
+    shard index (raypar.core.dp.hsdp). The losses are the one-process run's: fp32, 8 steps, only the
+    order of float sums differs (as tests/unit/test_hsdp.py argues, 1e-4 relative)."""
+    ckpt = tmp_path / "ckpt"
+    cfg = tiny("parallel.dp=4", "parallel.dp_shard=2", "parallel.zero=3", "train.steps=8",
+               "parallel.timeout_s=10", f"checkpoint.dir='{ckpt}'", "checkpoint.every=3")  # fmt: skip
+    run_dir = tmp_path / "killed"
+    bg = Background(cfg, "hsdp-killed", run_dir)
+    bg.wait_for_step(4)  # past the checkpoint of step 3: one to read, were the peers not enough
+    os.kill(actor_pid("raypar:hsdp-killed:dp3.pp0.tp0"), signal.SIGKILL)
+    result = bg.join()
+    events = (run_dir / "events.jsonl").read_text()
+    assert result["restarts"] == 1 and result["memory_recoveries"] == 1, events
+    assert "dropped replica(s) [2, 3] (whole shard groups" in events, events
+    assert "restarting all replicas" not in events and "healing: added replica(s)" in events, events
+    records = metrics(run_dir)
+    assert [m["step"] for m in records] == list(range(8)), "a step was skipped or logged twice"
+    assert records[-1]["memory_recoveries"] == 1
+    ref = reference_run(cfg, 8, microbatch_size=cfg.microbatch_size)
+    for step, (got, want) in enumerate(zip(losses(run_dir), ref.losses, strict=True)):
+        assert abs(got - want) <= 1e-4 * abs(want), f"loss at step {step}: {got} vs {want}"

@@ -19,7 +19,7 @@ from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage
 from raypar.core.run_config import load_config
 from tests.support.reference import Run
-from tests.support.threads import run_ranks
+from tests.support.threads import run_groups, run_ranks
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
 STEPS = 5
@@ -90,6 +90,44 @@ def run_dp(
         same = all(torch.equal(r[2][n], p) for n, p in results[0][2].items())
         assert same, "replicas end with different parameters"
     return Run(losses, results[0][1], results[0][2])
+
+
+def hsdp_groups(dp: int, shard: int) -> dict[str, list[int]]:
+    """Thread ranks 0..dp-1 as raypar.core.parallel.mesh lays out HSDP: shard groups of `shard` consecutive
+    ranks, replicate groups of equal shard index, and the whole dp group (the data's ranks)."""
+    groups = {"dp": list(range(dp))}
+    groups.update({f"dps{g}": list(range(g * shard, g * shard + shard)) for g in range(dp // shard)})
+    groups.update({f"dpr{i}": list(range(i, dp, shard)) for i in range(shard)})
+    return groups
+
+
+def build_hsdp(cfg: Config, groups: dict, zero: int, cls: type[DPStrategy] | None = None):
+    """A thread rank's model and strategy under HSDP (`groups` from `hsdp_groups`)."""
+    shard_group = next(g for n, g in groups.items() if n.startswith("dps"))
+    replicate = next(g for n, g in groups.items() if n.startswith("dpr"))
+    model = LlamaStage(cfg.model, seed=cfg.train.seed)
+    spec = StrategySpec(cfg.train, BUCKET_BYTES, reduce_dtype=torch.float32)
+    return model, strategy_class(zero, cls)(model, spec=spec, group=shard_group, replicate=replicate)
+
+
+def run_hsdp(dp: int, shard: int, zero: int, cls: type[DPStrategy] | None = None) -> tuple[Run, list[dict]]:
+    """`run_dp` under HSDP: ZeRO sharded over shard groups of `shard` ranks, replicated across them; also
+    each rank's model-state bytes and padded parameter count after the last step."""
+    cfg = make_cfg(STEPS)
+
+    def rank(r: int, groups: dict) -> tuple:
+        model, strategy = build_hsdp(cfg, groups, zero, cls)
+        losses, norms = train(cfg, groups["dp"], model, strategy, range(STEPS))
+        memory = {"bytes": strategy.model_state_bytes()["cpu"],
+                  "padded": sum(b.padded for b in strategy.layout.buckets)}  # fmt: skip
+        return losses, norms, strategy.full_parameters(), memory
+
+    results = run_groups(dp, hsdp_groups(dp, shard), rank)
+    losses = [sum(r[0][s] for r in results) / dp for s in range(STEPS)]
+    for r in results[1:]:
+        same = all(torch.equal(r[2][n], p) for n, p in results[0][2].items())
+        assert same, "replicas end with different parameters"
+    return Run(losses, results[0][1], results[0][2]), [r[3] for r in results]
 
 
 def assert_close(run: Run, ref: Run, atol: float = PARAM_ATOL, rtol: float = RTOL) -> None:

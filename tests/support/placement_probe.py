@@ -1,5 +1,6 @@
 """Run as a subprocess by test_placement.py: a 2-node `ray.cluster_utils.Cluster` with 4 fake GPUs per node,
-a 2x2x2 placement, and the node of every bundle printed as JSON. A separate process, because the test
+a 2x2x2 placement, then 4 replicas of tp=2 in HSDP shard groups of 2 placed as ActorMesh places them, and the
+node of every bundle printed as JSON. A separate process, because the test
 session already has its own Ray instance and one process can join only one."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, placement_group_table
 
-from raypar.controller.placement import ActorResources, place_stage, release
+from raypar.controller.placement import ActorResources, node_of, place_stage, release, shard_mate
 
 
 def main() -> None:
@@ -30,6 +31,15 @@ def main() -> None:
                 pgs.append(pg)
                 out[f"dp{d}.pp{p}"] = placement_group_table(pg)["bundles_to_node_id"]
         release(pgs)
+        replicas: list[int] = []
+        hsdp: dict[int, object] = {}
+        for d in range(4):  # as ActorMesh._place_replica: near the first replica of the shard group
+            mate = shard_mate(replicas, 2)
+            near = node_of(hsdp[mate]) if mate is not None else None
+            hsdp[d] = place_stage("probe-hsdp", d, 0, 2, res, timeout_s=60, near=near)
+            replicas.append(d)
+        out["hsdp"] = {f"dp{d}": placement_group_table(pg)["bundles_to_node_id"] for d, pg in hsdp.items()}
+        release(list(hsdp.values()))
         # Negative control for the test's check: the same bundles spread over nodes on purpose.
         spread = placement_group([res.bundle(), res.bundle()], strategy="STRICT_SPREAD")
         ray.get(spread.ready(), timeout=60)

@@ -35,6 +35,7 @@ ZERO_OK = {
     "model.moe_capacity_factor", "model.moe_bias_update_rate", "model.moe_shared_experts",  # 0: dropless, off
     "train.eval_every", "data.val_fraction",  # 0: no validation
     "parallel.zero",  # 0: no sharding
+    "parallel.dp_shard",  # 0: all dp replicas shard the state
     "train.hang_watchdog_s",  # 0: a fifth of parallel.timeout_s
     "parallel.compression_start_step",
 }  # fmt: skip
@@ -186,6 +187,18 @@ def _cases() -> list:
         lambda f: train(f, "--set", "train.offload='cpu'", "--set", "parallel.zero=0"),
         lambda f: "parallel.zero >= 1",
     )
+    # parallel.dp_shard (HSDP): whole groups of replicas, ZeRO state to shard, only what it composes with
+    hsdp = ("--set", "parallel.dp=4", "--set", "parallel.zero=3", "--set", "train.global_batch=8")
+    for label, extra, rule in (
+        ("not-dividing", ("parallel.dp_shard=3",), "parallel.dp_shard: must divide parallel.dp=4"),
+        ("one", ("parallel.dp_shard=1",), "parallel.dp_shard: 1 shards nothing"),
+        ("zero0", ("parallel.dp_shard=2", "parallel.zero=0"), "needs parallel.zero >= 1"),
+        ("cp", ("parallel.dp_shard=2", "parallel.cp=2"), "needs parallel.cp = 1"),
+        ("compression", ("parallel.dp_shard=2", "parallel.zero=1", "parallel.grad_compression='bf16'"),
+         "needs parallel.grad_compression = 'none'"),
+    ):
+        sets = [a for x in extra for a in ("--set", x)]
+        case(f"train-dp-shard-{label}", lambda f, s=sets: train(f, *hsdp, *s), lambda f, r=rule: r)
     # -- train: data -------------------------------------------------------------------------------------
     case(
         "train-data-glob-nothing",

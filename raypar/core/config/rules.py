@@ -113,6 +113,26 @@ def _validate_compression(p: ParallelConfig) -> None:
     )
 
 
+def _validate_hsdp(cfg: Config) -> None:
+    """parallel.dp_shard (raypar.core.dp.hsdp): groups of whole replicas, at every dp the run may take, and
+    only with what its two-level reduction covers (one dense strategy over a dp group of replicas)."""
+    p, dp = cfg.parallel, cfg.dp_fixed
+    s = p.dp_shard
+    _require(s >= 0, f"parallel.dp_shard: must be >= 0 (0 means dp), got {s}")
+    if not s:  # set, it holds at every dp the run scales to (raypar scale): the rules below apply at any
+        return
+    _require(dp % s == 0, f"parallel.dp_shard: must divide parallel.dp={dp}, got dp_shard={s}")
+    _require(s >= 2, "parallel.dp_shard: 1 shards nothing; use parallel.zero = 0 for plain replicas")
+    _require(
+        options.ZERO_STAGES[p.zero].shards_optimizer,
+        f"parallel.dp_shard: {s} < dp needs parallel.zero >= 1 (it shards ZeRO state), got zero={p.zero}",
+    )
+    for key, value, plain in (("parallel.cp", p.cp, 1), ("model.moe_experts", cfg.model.moe_experts, 0),
+                              ("parallel.grad_compression", p.grad_compression, options.NO_COMPRESSION.name)):
+        _require(value == plain, f"parallel.dp_shard: {s} < dp needs {key} = {plain!r}, got {value!r}")
+    # elastic runs: cfg.valid_dps() keeps multiples of dp_shard; dp_fixed (= min_dp) is one, so one exists
+
+
 def validate(cfg: Config) -> None:
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.checkpoint
     for section in dataclasses.fields(cfg):  # nan and +-inf pass comparisons in surprising ways: none allowed
@@ -198,6 +218,7 @@ def validate(cfg: Config) -> None:
     )
     _require(p.bucket_mb > 0, f"parallel.bucket_mb: must be positive, got {p.bucket_mb}")
     _validate_compression(p)
+    _validate_hsdp(cfg)
     _require(p.timeout_s > 0, f"parallel.timeout_s: must be positive, got {p.timeout_s}")
 
     _require(t.steps > 0, f"train.steps: must be positive, got {t.steps}")
@@ -209,8 +230,8 @@ def validate(cfg: Config) -> None:
     )
     if p.dp == "auto" or p.max_dp:
         for dp in range(p.min_dp, max(p.max_dp, cfg.dp_fixed) + 1):
-            if p.ep > 1 and dp % p.ep:
-                continue  # never taken: expert parallelism needs dp to be a multiple of ep
+            if dp % math.lcm(p.ep, p.dp_shard or 1):
+                continue  # never taken: whole EP groups and (HSDP) whole shard groups only
             _require(
                 t.global_batch % (dp * cfg.microbatch_size) == 0,
                 f"train.global_batch: must be divisible by dp*microbatch_size for every dp in "

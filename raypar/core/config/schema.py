@@ -10,6 +10,7 @@ the rules themselves are `raypar.core.config.rules`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,7 @@ class ParallelConfig:
     stage_layers: list[int] = field(default_factory=list)
     bucket_mb: float = 25.0
     zero: int = 0  # options.ZERO_STAGES: the data-parallel strategy (raypar.core.dp.strategies)
+    dp_shard: int = 0  # HSDP: ZeRO state sharded over groups of this many replicas (0: all dp of them)
     grad_compression: str = options.NO_COMPRESSION.name  # options.COMPRESSIONS (raypar.core.dp.compress)
     topk_ratio: float = 0.01
     powersgd_rank: int = 4
@@ -186,10 +188,10 @@ class Config:
         max_dp is unset) and splitting the global batch into whole microbatches of the run's size."""
         top = self.parallel.max_dp or self.train.global_batch // self.microbatch_size
         batch, mbs = self.train.global_batch, self.microbatch_size
-        ep = self.parallel.ep
-        return [
-            d for d in range(max(self.parallel.min_dp, 1), top + 1) if batch % (d * mbs) == 0 and d % ep == 0
-        ]
+        # whole EP groups, and whole shard groups (HSDP: replicas come and go a shard group at a time)
+        whole = math.lcm(self.parallel.ep, self.parallel.dp_shard or 1)
+        dps = range(max(self.parallel.min_dp, 1), top + 1)
+        return [d for d in dps if batch % (d * mbs) == 0 and d % whole == 0]
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

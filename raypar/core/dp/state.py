@@ -36,6 +36,7 @@ class DPState:
     stage: ClassVar[ZeroStage]
     sharded: bool
     group: Group | None
+    replicate: Group | None
     size: int
     rank: int
     device: torch.device
@@ -50,7 +51,9 @@ class DPState:
         return {n: t.to("cpu", copy=True) for n, t in self.full_state().items() if not n.startswith("optim.")}
 
     def _writes(self) -> bool:
-        return self.stage.shards_optimizer or self.rank == 0
+        """Sharded: every owner, of the first shard group only (HSDP: the others hold copies)."""
+        first_copy = self.replicate is None or self.replicate.rank == 0
+        return first_copy and (self.stage.shards_optimizer or self.rank == 0)
 
     def checkpoint_parts(self) -> list[dict[str, tuple[torch.Tensor, ShardSpec]]]:
         """What this rank writes, as live views: name -> (rectangle, its place in the global tensor), split

@@ -60,6 +60,7 @@ from torch import nn
 from collectives import Group, Work
 from raypar.core.config.options import CPU_OFFLOAD, ZERO_STAGES, ZeroStage
 from raypar.core.config.schema import TrainConfig
+from raypar.core.dp import hsdp
 from raypar.core.dp.compress import Compressor, Deferred
 from raypar.core.dp.flat import Bucket, FlatLayout, Piece, Run, Slot
 from raypar.core.dp.offload import HostUpdate, Transfer, host_zeros
@@ -111,14 +112,17 @@ class DPStrategy(DPState):
         spec: StrategySpec,
         group: Group | None = None,
         compressor: Compressor | None = None,
+        replicate: Group | None = None,
     ) -> None:
-        """`group`: the DP group (None or size 1: no reduction). `compressor`: compresses the reduction
-        from its start step (None: never)."""
+        """`group`: the DP group (None or size 1: no reduction), under HSDP the shard group, with
+        `replicate` the group holding copies of this rank's shard (raypar.core.dp.hsdp). `compressor`:
+        compresses the reduction from its start step (None: never)."""
         cfg, select, bucket_bytes = spec.train, spec.select, spec.bucket_bytes
         self.cfg, self.tp_rank, self.compressor = cfg, spec.tp_rank, compressor
         self.group = group if group is not None and group.size > 1 else None
         self.size = self.group.size if self.group else 1
         self.rank = self.group.rank if self.group else 0
+        self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         shards = self.stage.shards_optimizer
         self.sharded = shards and self.size > 1
         self.divisor = spec.divisor
@@ -289,6 +293,9 @@ class DPStrategy(DPState):
         b = self.size
         # The gradients themselves, or (another reduction dtype) one cast copy of them.
         src = bucket.grads if self.rdtype == self.dtype else bucket.grads.to(self.rdtype)
+        if self.replicate is not None:
+            bucket.reduced = None if src is bucket.grads or self.owned_grads is not None else src
+            return hsdp.reduce_bucket(self, bucket, src)
         if self.owned_grads is None:
             bucket.reduced = None if src is bucket.grads else src
             if self.group is None:
@@ -301,6 +308,11 @@ class DPStrategy(DPState):
             return None
         self.traffic["reduce_bytes"] += bucket.piece * (b - 1) * src.element_size()
         return self.group.reduce_scatter(src, self.reduce_op, async_op=True, out=out)
+
+    def reduce_across_groups(self, owned: torch.Tensor) -> None:
+        """HSDP: the owned piece of a bucket's gradients, reduced in the shard group, over the copies of this
+        shard in the other shard groups (a test subclass skips it: a negative control)."""
+        self.replicate.all_reduce(owned, self.reduce_op)
 
     def _compressed_reduce(self, bucket: Bucket) -> None:
         """`_reduce` through the compressor, run when `finish` waits for it. State is keyed by source name,

@@ -41,7 +41,7 @@ def actor_name(run: str, coord: Coord) -> str:
     """The Ray actor name: what the dashboard, `ray list actors` and error messages show."""
     return f"raypar:{run}:{coord.key}"
 
-AXES = ("tp", "cp", "dp", "edp", "ep", "mp", "emb", "pp_prev", "pp_next")
+AXES = ("tp", "cp", "dp", "dps", "dpr", "edp", "ep", "mp", "emb", "pp_prev", "pp_next")
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,8 @@ class BoundGroups(Generic[G]):
     tp: G | None = None
     cp: G | None = None
     dp: G | None = None
+    dps: G | None = None
+    dpr: G | None = None
     edp: G | None = None
     ep: G | None = None
     mp: G | None = None
@@ -97,6 +99,7 @@ class Mesh:
     ring: bool = False  # interleaved pipelines: a pair group from the last stage back to the first
     cp: int = 1
     tied_embeddings: bool = False  # adds the emb groups (first and last stage) when pp > 1
+    dp_shard: int = 0  # HSDP: replicas per shard group (0: all of them, no dps/dpr groups)
 
     def __post_init__(self) -> None:
         for axis in ("dp", "pp", "tp", "ep", "cp"):
@@ -157,6 +160,11 @@ class Mesh:
             where dp x cp > ep (else no other rank holds these experts).
         ep: (ep > 1) `ep` consecutive dp ranks at one (stage, tp rank, cp rank): tokens travel to their
             experts here; each cp rank's tokens among the same cp rank of the other replicas.
+        dps, dpr: (HSDP, 1 < dp_shard < dp) the dp group split in two directions: dps the `dp_shard`
+            consecutive dp ranks of one shard group, over which ZeRO state is sharded (reduce-scatter,
+            all-gather); dpr the ranks of equal shard index in every shard group, which hold the same shard
+            and all-reduce it (raypar.core.dp.hsdp). Every replica keeps its shard index while whole shard
+            groups come and go, so a surviving group's dps group never changes.
         mp: all ranks of one replica (model parallel); the global gradient norm is summed here.
         emb: the first and last stage at the same (tp, cp) rank, when embeddings are tied and pp > 1: the
             gradients of the two copies of the embedding are summed here (Megatron's embedding group).
@@ -174,6 +182,14 @@ class Mesh:
         if self.cp > 1:
             named["cp"] = (self.cp_group(coord), tuple(Coord(d, p, t, r) for r in cps))
         named["dp"] = (self.dp_group(coord), tuple(Coord(r, p, t, k) for r in replicas for k in cps))
+        s = self.dp_shard
+        if s and s < len(replicas):
+            if len(replicas) % s:
+                raise ValueError(f"{len(replicas)} replicas do not split into shard groups of dp_shard={s}")
+            group, index = divmod(dp_rank, s)
+            shard = replicas[group * s : group * s + s]
+            named["dps"] = (self.dps_group(coord, group), tuple(Coord(r, p, t) for r in shard))
+            named["dpr"] = (self.dpr_group(coord, index), tuple(Coord(r, p, t) for r in replicas[index::s]))
         if self.ep == 1:
             named["edp"] = named["dp"]
         else:
@@ -215,6 +231,16 @@ class Mesh:
     def dp_group(coord: Coord) -> str:
         """The replicas and cp ranks of `coord`'s (stage, tp rank): gradients are reduced here."""
         return f"dp.pp{coord.pp}.tp{coord.tp}"
+
+    @staticmethod
+    def dps_group(coord: Coord, group: int) -> str:
+        """Shard group `group` (HSDP) at `coord`'s (stage, tp rank): ZeRO state is sharded over it."""
+        return f"dps.pp{coord.pp}.tp{coord.tp}.g{group}"
+
+    @staticmethod
+    def dpr_group(coord: Coord, index: int) -> str:
+        """The replicas of shard index `index` (HSDP) at `coord`'s (stage, tp rank): they hold one shard."""
+        return f"dpr.pp{coord.pp}.tp{coord.tp}.s{index}"
 
     @staticmethod
     def mp_group(coord: Coord) -> str:

@@ -13,6 +13,10 @@ per tp rank, e bytes per element and P ranks in the group,
 - cp, ring: P-1 key/value blocks of 2·e·N/P·h_kv forward; backward P transfers carrying keys, values and
   their gradients (twice a block) but the last, gradients only: (2P-1) blocks. Counted as exposed: on CPU
   the transfers share the compute's cores, and on GPUs their overlap is not measured here.
+- dp under HSDP (`dp_shard` = s of the dp replicas, r = dp/s shard groups): G gradient bytes reduce-scattered
+  and the update all-gathered in the shard group (an all-reduce's 2·G·(s-1)/s), the owned G/s all-reduced
+  across the groups (2·G/s·(r-1)/r), and at ZeRO-3 the parameters all-gathered in the shard group for every
+  forward and backward; only the across-group part leaves a node when a shard group fits on one.
 - ep: per MoE layer and microbatch 4 all-to-alls (dispatch and combine, forward and backward) of the
   rank's k·N/cp dispatched rows of e·d_model bytes, (P-1)/P of them leaving the rank, plus the forward's
   small all-gather of per-expert counts (latency only).
@@ -28,6 +32,18 @@ from raypar.core.planner.memory import PRECISION_BYTES, Layout
 
 def all_reduce_s(nbytes: float, ranks: int, bw: float) -> float:
     return 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * nbytes / bw
+
+
+def hsdp_s(
+    grad_bytes: float, param_bytes: float, shard: int, groups: int, gathers: int, bw_shard: float,
+    bw_across: float,
+) -> tuple[float, float]:
+    """HSDP's data-parallel traffic of one rank over a step (see the module's formula), as (inside the shard
+    group, across the groups): `gathers` parameter all-gathers (ZeRO-3: forward and backward per
+    microbatch, as an all-reduce's bytes) inside. The across part runs when the strategy's `finish` waits
+    (raypar.core.dp.hsdp), after backward: the caller counts it exposed."""
+    inside = all_reduce_s(grad_bytes, shard, bw_shard) + gathers * all_reduce_s(param_bytes, shard, bw_shard)
+    return inside, all_reduce_s(grad_bytes / shard, groups, bw_across)
 
 
 def tp_s(cfg: Config, layout: Layout, layers: int, bw: float, latency: float) -> float:

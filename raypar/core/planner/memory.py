@@ -9,7 +9,7 @@ Memory per actor = model states + activations in flight + buffers, for the tight
   shard over its expert-dp group (cp x dp / ep ranks). fp32 Adam: 4 + 4 + 8; 16-bit: 2 + 4 + 12 (fp32 master
   gradients, as Megatron's main grads, where the ZeRO paper counts 2; fp32 master weights and both
   moments). zero 0: (p+g+K)Ψ; 1: (p+g)Ψ + KΨ/dp; 2: pΨ + (g+K)Ψ/dp; 3: (p+g+K)Ψ/dp, dp being the
-  sharding group's size.
+  sharding group's size: under HSDP (`dp_shard`) the shard group's dp_shard x cp ranks.
 - Activations: what autograd saves for backward per microbatch, counted per op of this model's block the
   way Korthikanti et al. (2022) count theirs (their 34·sbh + 5·as²b for a GPT layer becomes the sums below
   for RMSNorm, RoPE, grouped-query SDPA and SwiGLU), per model chunk (a rank holds `virtual_stages` of
@@ -72,6 +72,12 @@ class Layout:
     cp_style: str = RING.name  # options.CP_STYLES; unused at cp = 1
     sequence_parallel: bool = False  # Megatron-SP over the tp group (tp > 1)
     ep: int = 1  # expert parallelism, carved out of dp (MoE models only)
+    dp_shard: int = 0  # HSDP: ZeRO state sharded over this many replicas, replicated across (0: all dp)
+
+    @property
+    def shard(self) -> int:
+        """The replicas the dense ZeRO state is sharded over (raypar.core.dp.hsdp)."""
+        return self.dp_shard or self.dp
 
     @property
     def world(self) -> int:
@@ -82,7 +88,7 @@ class Layout:
             "parallel": {
                 "dp": self.dp, "pp": self.pp, "tp": self.tp, "microbatches": self.microbatches,
                 "virtual_stages": self.virtual_stages, "cp": self.cp, "cp_style": self.cp_style,
-                "sequence_parallel": self.sequence_parallel, "ep": self.ep,
+                "sequence_parallel": self.sequence_parallel, "ep": self.ep, "dp_shard": self.dp_shard,
             },
             "train": {"recompute": self.recompute},
         }
@@ -287,7 +293,7 @@ def rank_states(cfg: Config, layout: Layout, p: int, chunks: list[range]) -> tup
     last = layout_topology(cfg, layout).last_rank
     params = stage_params(cfg.model, held, p == 0, p == last, layout.tp, layout.ep)
     group = layout.dp * layout.cp  # the ranks reducing (and under ZeRO sharding) the same gradients
-    states = model_state_bytes(params.dense, cfg.train.precision, layout.zero, group)
+    states = model_state_bytes(params.dense, cfg.train.precision, layout.zero, layout.shard * layout.cp)
     states += model_state_bytes(params.expert, cfg.train.precision, layout.zero, group // layout.ep)
     return params, states
 
@@ -303,7 +309,7 @@ def predict_memory(
     plan = layout_schedule(cfg, layout)
     v = layout.virtual_stages
     out = []
-    group = layout.dp * layout.cp  # the ranks reducing (and under ZeRO sharding) the same gradients
+    group = layout.shard * layout.cp  # the ranks sharding the reduced gradients (HSDP: the shard group)
     tokens = mbs * m.seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)
     topo = layout_topology(cfg, layout)
     for p, chunks in enumerate(rank_chunks(cfg, layout)):

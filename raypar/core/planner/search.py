@@ -16,11 +16,12 @@ over dp x cp x pp x tp actors; under `train.precision = "fp8"` the converted lin
 device's float8 peak (`float8_flops_per_token`), while memory and traffic count bf16's 2 bytes (the float8
 copies live only for their GEMM). Tensor-parallel (or SP), context-parallel and expert collectives are on the
 critical path (raypar.core.planner.comm); the DP gradient all-reduce (over cp x dp, experts' over the
-expert-dp
-group) overlaps the last microbatch's backward; pipeline sends are exposed only while the pipeline fills
-and drains, v times as many hops under interleaving. Layouts are the config with (dp, pp, tp, zero,
-recompute, microbatches, virtual_stages, cp, cp_style, sequence_parallel, ep) replaced, kept only if
-`validate` accepts them, so the planner never lists what `raypar train` would refuse. Both cp
+expert-dp group; under HSDP the reduce-scatter and all-gather in the shard group, while its all-reduce
+across groups, after backward, is exposed: comm.hsdp_s) overlaps the last microbatch's backward; pipeline
+sends are exposed only while the pipeline fills and drains, v times as many hops under interleaving.
+Layouts are the config with (dp, pp, tp, zero, recompute, microbatches, virtual_stages, cp, cp_style,
+sequence_parallel, ep, and dp_shard where a node holds a shard group of more than one replica) replaced,
+kept only if `validate` accepts them, so the planner never lists what `raypar train` would refuse. Both cp
 styles are listed: they send different bytes and accept different shapes.
 """
 
@@ -205,6 +206,14 @@ def predict(
         key=lambda p: p.total,
     )
     group = layout.dp * layout.cp  # cp ranks reduce the same gradients as dp ones
+    if layout.shard < layout.dp:  # HSDP: a shard group packs on one node where it fits (placement)
+        bw_shard = device.intra_bw if layout.shard * layout.tp <= device.per_node else device.inter_bw
+        gathers = layout.microbatches if ZERO_STAGES[layout.zero].shards_parameters else 0
+        inside, across = plan_comm.hsdp_s(
+            params.dense * 4, params.dense * e, layout.shard, layout.dp // layout.shard, gathers, bw_shard, bw
+        )
+        dp_exposed = _exposed(inside, compute, layout) + across
+        return Prediction(layout, stages, compute, bubble, comm + dp_exposed, tokens)
     # Reduced in fp32: dense gradients over cp x dp, expert ones over the expert-dp group.
     dp_comm = plan_comm.all_reduce_s(params.dense * 4, group, bw)
     dp_comm += plan_comm.all_reduce_s(params.expert * 4, group // layout.ep, bw)
@@ -212,8 +221,12 @@ def predict(
         gathered = plan_comm.all_reduce_s(params.dense * e, group, bw)
         gathered += plan_comm.all_reduce_s(params.expert * e, group // layout.ep, bw)
         dp_comm += layout.microbatches * gathered
-    dp_exposed = max(0.0, dp_comm - compute / layout.microbatches * 2 / 3)
-    return Prediction(layout, stages, compute, bubble, comm + dp_exposed, tokens)
+    return Prediction(layout, stages, compute, bubble, comm + _exposed(dp_comm, compute, layout), tokens)
+
+
+def _exposed(dp_comm: float, compute: float, layout: Layout) -> float:
+    """DP traffic not hidden behind the last microbatch's backward (two thirds of its compute)."""
+    return max(0.0, dp_comm - compute / layout.microbatches * 2 / 3)
 
 
 # -- enumeration ------------------------------------------------------------------------------------------
@@ -254,7 +267,10 @@ def sequence_axes(cfg: Config, devices: int) -> list[tuple[int, str, int]]:
     return out
 
 
-def candidates(cfg: Config, devices: int) -> list[tuple[Layout, Config]]:
+def candidates(cfg: Config, devices: int, per_node: int = 0) -> list[tuple[Layout, Config]]:
+    """Every layout of `devices` the config rules accept; with `per_node` devices a node, also HSDP where it
+    fits: ZeRO sharded over the replicas whose stage shares a node (dp_shard = per_node / tp), replicated
+    across nodes, when that is more than one replica and fewer than dp."""
     out = []
     n_layers = cfg.model.n_layers
     experts = cfg.model.moe_experts
@@ -276,12 +292,15 @@ def candidates(cfg: Config, devices: int) -> list[tuple[Layout, Config]]:
                 RECOMPUTE, chunkings, (False, True) if tp > 1 else (False,),
                 [ep for ep in _divisors(dp) if experts % ep == 0] if experts else (1,),
             )
+            shard = per_node // (tp * cp)
+            hsdp = (shard,) if 2 <= shard < dp and not dp % shard else ()
             for m, zero, recompute, v, sp, ep in knobs:
-                layout = Layout(dp, pp, tp, zero, recompute, m, v, cp, cp_style, sp, ep)
-                try:
-                    out.append((layout, layout_config(cfg, layout)))
-                except ConfigError:
-                    continue  # a layout `raypar train` would refuse is never listed
+                for dp_shard in (0, *hsdp) if zero else (0,):
+                    layout = Layout(dp, pp, tp, zero, recompute, m, v, cp, cp_style, sp, ep, dp_shard)
+                    try:
+                        out.append((layout, layout_config(cfg, layout)))
+                    except ConfigError:
+                        continue  # a layout `raypar train` would refuse is never listed
     return out
 
 
@@ -291,7 +310,7 @@ def plan(cfg: Config, devices: int, memory: float, device: Device, mfu: float = 
         raise ConfigError(f"--devices: at most {MAX_DEVICES:,} (the search is over divisors of it), got "
                           f"{devices:,}")
     preds = []
-    for layout, layout_cfg in candidates(cfg, devices):
+    for layout, layout_cfg in candidates(cfg, devices, device.per_node):
         pred = predict(layout_cfg, layout, device, mfu)
         pred.fits = pred.memory_bytes <= memory
         preds.append(pred)
@@ -311,6 +330,7 @@ def current_layout(cfg: Config) -> Layout:
         cfg.parallel.cp_style,
         cfg.parallel.sequence_parallel,
         cfg.parallel.ep,
+        cfg.parallel.dp_shard,
     )
 
 
@@ -395,14 +415,16 @@ def parse_size(text: str) -> float:
 
 
 def table(preds: list[Prediction], top: int) -> str:
-    head = f"{'dp':>3} {'pp':>3} {'tp':>3} {'sp':>2} {'cp':>9} {'ep':>3} {'zero':>4} {'recompute':>9} "
+    head = f"{'dp':>3} {'dps':>3} {'pp':>3} {'tp':>3} {'sp':>2} {'cp':>9} {'ep':>3} {'zero':>4} "
+    head += f"{'recompute':>9} "
     head += f"{'mb':>4} {'v':>2} {'memory':>12} {'states':>11} {'activ.':>11} {'step s':>9} {'tokens/s':>11}"
     rows = [head]
     for p in preds[:top]:
         j = p.to_json()
         cp = f"{j['cp']} {j['cp_style']}" if j["cp"] > 1 else "1"
         rows.append(
-            f"{j['dp']:>3} {j['pp']:>3} {j['tp']:>3} {'y' if j['sequence_parallel'] else '-':>2} {cp:>9} "
+            f"{j['dp']:>3} {j['dp_shard'] or j['dp']:>3} {j['pp']:>3} {j['tp']:>3} "
+            f"{'y' if j['sequence_parallel'] else '-':>2} {cp:>9} "
             f"{j['ep']:>3} {j['zero']:>4} {j['recompute']:>9} "
             f"{j['microbatches']:>4} {j['virtual_stages']:>2} {gib(j['memory_bytes']):>12} "
             f"{gib(j['model_state_bytes']):>11} {gib(j['activation_bytes']):>11} "

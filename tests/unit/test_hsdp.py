@@ -1,0 +1,140 @@
+"""HSDP (`parallel.dp_shard`, raypar.core.dp.hsdp) on thread ranks: dp=4 in two shard groups of 2, at ZeRO
+1, 2 and 3, against one process; per-rank model-state bytes against the planner's formula; the mesh's
+groups; checkpoints written under HSDP and read at other layouts.
+
+Tolerances: against torch.optim.AdamW on the whole batch in one process, as tests/unit/test_dp_strategy.py
+argues for ZeRO-0 at dp=2: microbatch sums and the norm's precision differ more than the order of the DP
+sums does, ~1e-5 relative after 5 steps, so 1e-4. The negative control skips the all-reduce across shard
+groups: each group then steps on half the batch's gradient, a difference of the gradient's own size (far
+beyond 1e-4), and the two groups' parameters part ways.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core.config.errors import ConfigError
+from raypar.core.dp.strategy import DPStrategy
+from raypar.core.parallel.mesh import Coord, Mesh
+from raypar.core.planner import comm as plan_comm
+from raypar.core.planner import memory as plan_memory
+from raypar.core.planner import search as plan
+from tests.support.dp_threads import (
+    STEPS,
+    assert_close,
+    assert_loads_exactly,
+    build_hsdp,
+    hsdp_groups,
+    make_cfg,
+    run_hsdp,
+    train,
+)
+from tests.support.reference import Run, reference_run
+from tests.support.threads import run_groups
+
+
+class NoCrossGroupReduce(DPStrategy):
+    """Negative control: gradients reduced inside the shard group only, never across the groups."""
+
+    def reduce_across_groups(self, owned) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def one_process() -> Run:
+    return reference_run(make_cfg(), STEPS)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_hsdp_matches_one_process_and_bytes_match_the_formula(one_process, zero):
+    run, memory = run_hsdp(4, 2, zero)
+    assert_close(run, one_process, atol=1e-4, rtol=1e-4)
+    # Exact: every ZeRO buffer is a bucket padded to a multiple of the shard group (Ψ counted padded); what
+    # is sharded is divided by dp_shard = 2, not by dp = 4.
+    for rank in memory:
+        want = plan_memory.model_state_bytes(rank["padded"], "fp32", zero, 2)
+        assert rank["bytes"] == want, (rank, want)
+        assert rank["bytes"] > plan_memory.model_state_bytes(rank["padded"], "fp32", zero, 4)
+
+
+def test_skipping_the_cross_group_reduce_is_caught(one_process):
+    with pytest.raises(AssertionError, match="loss at|grad norm at|parameter .* differs|replicas end with"):
+        assert_close(run_hsdp(4, 2, 2, NoCrossGroupReduce)[0], one_process, atol=1e-4, rtol=1e-4)
+
+
+def test_mesh_keeps_shard_groups_whole_when_a_group_leaves():
+    mesh = Mesh(4, 1, 1, dp_shard=2)
+    names = {n: [c.dp for c in m] for n, m in mesh.groups().items() if n.startswith(("dps", "dpr"))}
+    assert names == {"dps.pp0.tp0.g0": [0, 1], "dps.pp0.tp0.g1": [2, 3],
+                     "dpr.pp0.tp0.s0": [0, 2], "dpr.pp0.tp0.s1": [1, 3]}  # fmt: skip
+    # shard group 0 lost: replicas 2 and 3 keep their shard group (so their shards) and shard indices
+    after = mesh.stage_groups(Coord(3, 0, 0), [2, 3])
+    assert after.named.get("dps") is None and after.name("dpr") is None  # one group left: plain ZeRO
+    assert after.named["dp"][1] == (Coord(2, 0, 0), Coord(3, 0, 0))
+    with pytest.raises(ValueError, match="do not split into shard groups"):
+        mesh.stage_groups(Coord(3, 0, 0), [1, 2, 3])
+
+
+def test_checkpoint_at_dp_shard_loads_at_other_layouts(tmp_path):
+    """Saved at dp=4, dp_shard=2, zero=3 (only the first shard group writes: the second holds copies), it
+    loads exactly at plain dp=2 zero=1 and dp=1 zero=0, and back at dp=4, dp_shard=2."""
+    cfg, steps = make_cfg(4), 2
+    root = str(tmp_path / "ckpt")
+    staging = checkpoint.begin(root, steps)
+
+    def save(r: int, groups: dict) -> tuple:
+        model, strategy = build_hsdp(cfg, groups, 3)
+        train(cfg, groups["dp"], model, strategy, range(steps))
+        entries = [
+            checkpoint.write_shard(staging, f"dp{r}.pp0.tp0.{k}",
+                                   checkpoint.snapshot({n: t for n, (t, _) in part.items()}),
+                                   {n: s for n, (_, s) in part.items()})  # fmt: skip
+            for k, part in enumerate(strategy.checkpoint_parts())
+        ]
+        return entries, strategy.full_state()
+
+    saved = run_groups(4, hsdp_groups(4, 2), save)
+    assert [bool(entries) for entries, _ in saved] == [True, True, False, False]
+    entries = [e for r in saved for e in r[0]]
+    uri = checkpoint.publish(root, staging, steps, entries, {"optimizer_steps": steps, "zero": 3})
+    state = saved[0][1]
+    assert_loads_exactly(uri, state, cfg, 2, 1)
+    assert_loads_exactly(uri, state, cfg, 1, 0)
+
+    def load(r: int, groups: dict) -> dict:
+        _, strategy = build_hsdp(cfg, groups, 3)
+        strategy.load(checkpoint_read.CheckpointReader(uri), steps)
+        return strategy.full_state()
+
+    for loaded in run_groups(4, hsdp_groups(4, 2), load):
+        assert loaded.keys() == state.keys() and all(torch.equal(loaded[n], t) for n, t in state.items())
+
+
+def test_planner_counts_hsdp_memory_and_traffic():
+    """The planner shards HSDP's model states over dp_shard (not dp), times its DP traffic as a
+    reduce-scatter and all-gather inside the shard group plus an all-reduce of 1/dp_shard across the groups,
+    and lists it where a node holds a shard group of more than one replica (2 devices a node: dp_shard=2)."""
+    cfg = make_cfg(1)
+    hsdp, plain = (plan.Layout(4, 1, 1, 3, "none", 1, dp_shard=s) for s in (2, 0))
+    params, states = plan_memory.rank_states(cfg, hsdp, 0, [range(cfg.model.n_layers)])
+    assert states == plan_memory.model_state_bytes(params.dense, "fp32", 3, 2)
+    assert plan_memory.rank_states(cfg, plain, 0, [range(cfg.model.n_layers)])[1] == states / 2
+    g, p, fast, slow = 1e9, 5e8, 100e9, 10e9
+    assert plan_comm.hsdp_s(g, p, 8, 2, 3, fast, slow) == pytest.approx(
+        (2 * 7 / 8 * g / fast + 3 * 2 * 7 / 8 * p / fast, 2 * (1 / 2) * (g / 8) / slow)
+    )
+    listed = {(lay.dp, lay.pp, lay.zero, lay.dp_shard) for lay, _ in plan.candidates(cfg, 4, per_node=2)}
+    assert {(4, 1, z, s) for z in (1, 2, 3) for s in (0, 2)} <= listed
+    assert (4, 1, 0, 2) not in listed and not any(s for dp, _, _, s in listed if dp < 4)
+
+
+def test_live_scaling_moves_whole_shard_groups():
+    """`raypar scale --dp` is checked against cfg.valid_dps() (actors.control.RunControl): with dp_shard=2
+    only whole shard groups, and the batch rule skips the dps never taken (dp=3 would refuse the config)."""
+    extra = ("parallel.dp=2", "parallel.zero=2", "parallel.microbatches=4", "parallel.max_dp=4")
+    assert make_cfg(1, *extra, "parallel.dp_shard=2").valid_dps() == [2, 4]
+    with pytest.raises(ConfigError, match="fails at dp=3"):
+        make_cfg(1, *extra)
