@@ -80,7 +80,7 @@ def _stop_mid_run(address: str, run_dir: Path, run: str, sig: signal.Signals) ->
     ids=["SIGTERM", "SIGINT"],
 )
 def test_a_signal_mid_run_ends_it_with_one_line(address, tmp_path, sig, status, line):
-    tries = 3 if sig == signal.SIGTERM else 1
+    tries = 2 if sig == signal.SIGTERM else 1  # SIGTERM twice: a race shows on one of two tries
     for i in range(tries):
         run = f"stop-{sig.name.lower()}-{i}"
         code, err = _stop_mid_run(address, tmp_path / run, run, sig)

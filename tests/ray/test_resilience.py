@@ -29,15 +29,17 @@ def close(got: list[float], want: list[float]) -> bool:
 
 @pytest.fixture(scope="module")
 def straight(ray_session, tmp_path_factory):
-    """The undisturbed reference: 8 steps at (dp, pp, tp) = (2, 2, 2)."""
+    """The undisturbed reference: 8 steps at (dp, pp, tp) = (2, 2, 1). Four actors: a failure and recovery
+    path needs a second replica and a second stage, not more ranks (recovery at other layouts:
+    tests/ray/test_in_memory.py and tests/unit/test_heal_state.py; every layout's numerics: thread ranks)."""
     run_dir = tmp_path_factory.mktemp("straight")
-    run(tiny("parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "train.steps=8"), "straight", run_dir)
+    run(tiny("parallel.dp=2", "parallel.pp=2", "train.steps=8"), "straight", run_dir)
     return losses(run_dir)
 
 
 def test_resume_continues_exactly_and_reshards(ray_session, tmp_path, straight):
     ckpt = tmp_path / "ckpt"
-    layout = ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "train.steps=8"]
+    layout = ["parallel.dp=2", "parallel.pp=2", "train.steps=8"]
     cfg = tiny(*layout, f"checkpoint.dir='{ckpt}'", "checkpoint.every=2", "checkpoint.keep=5")
     first = tmp_path / "first"
     run(cfg, "resume-a", first, stop_at=4)
@@ -47,13 +49,13 @@ def test_resume_continues_exactly_and_reshards(ray_session, tmp_path, straight):
     assert [m["step"] for m in metrics(first)] == list(range(8))
     assert losses(first) == straight  # bitwise: nothing of the state was lost or rounded
 
-    # The same checkpoint (step 4, written at 2x2x2) loaded at another layout continues the same curve: at
-    # (1,4,1) every axis differs and the stages split the layers anew. Other dp, tp, cp and zero stages:
+    # The same checkpoint (step 4, written at 2x2x1) loaded at another layout continues the same curve: at
+    # (1,1,2) every axis differs and one stage holds the layers two held. Other dp, tp, cp and zero stages:
     # tests/unit/test_checkpoint.py, test_dp_strategy.py, test_zero_cp.py (thread ranks, bit for bit).
     step4 = checkpoint.resolve(str(ckpt), 4)
     for i, other in enumerate(
         (
-            ["parallel.dp=1", "parallel.pp=4", "parallel.tp=1"],
+            ["parallel.dp=1", "parallel.pp=1", "parallel.tp=2"],
         )
     ):
         resharded = tmp_path / f"reshard{i}"
@@ -65,11 +67,11 @@ def test_resume_continues_exactly_and_reshards(ray_session, tmp_path, straight):
 
 
 def test_kill_workers_recovers_and_matches(ray_session, tmp_path, straight):
-    """kill -9 a pipeline-stage actor, then a tensor-parallel rank, while the run trains."""
+    """kill -9 the last stage of one replica, then the first stage of the other, while the run trains."""
     run_dir = tmp_path / "killed"
-    cfg = tiny("parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "train.steps=8", "parallel.timeout_s=10")
+    cfg = tiny("parallel.dp=2", "parallel.pp=2", "train.steps=8", "parallel.timeout_s=10")
     bg = Background(cfg, "killed", run_dir)
-    for step, victim in ((2, "dp1.pp1.tp0"), (5, "dp0.pp0.tp1")):
+    for step, victim in ((2, "dp1.pp1.tp0"), (5, "dp0.pp0.tp0")):
         bg.wait_for_step(step)
         os.kill(actor_pid(f"raypar:killed:{victim}"), signal.SIGKILL)
     result = bg.join()
@@ -85,7 +87,6 @@ def test_no_intact_replica_restarts_from_checkpoint(ray_session, tmp_path, strai
     cfg = tiny(
         "parallel.dp=1",
         "parallel.pp=2",
-        "parallel.tp=2",
         "train.steps=8",
         "parallel.timeout_s=10",
         "parallel.microbatches=4",
@@ -94,7 +95,7 @@ def test_no_intact_replica_restarts_from_checkpoint(ray_session, tmp_path, strai
     )
     bg = Background(cfg, "solo", run_dir)
     bg.wait_for_step(4)
-    os.kill(actor_pid("raypar:solo:dp0.pp1.tp1"), signal.SIGKILL)
+    os.kill(actor_pid("raypar:solo:dp0.pp1.tp0"), signal.SIGKILL)
     result = bg.join()
     assert result["restarts"] == 1
     assert [m["step"] for m in metrics(run_dir)] == list(range(8))
