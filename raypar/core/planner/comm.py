@@ -27,7 +27,19 @@ from raypar.core.planner.memory import PRECISION_BYTES, Layout
 
 
 def all_reduce_s(nbytes: float, ranks: int, bw: float) -> float:
+    """A ring all-reduce: each rank sends 2 (P-1)/P of the buffer (a reduce-scatter, then an all-gather)."""
     return 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * nbytes / bw
+
+
+def gather_s(nbytes: float, ranks: int, bw: float) -> float:
+    """A ring all-gather (or reduce-scatter) of a buffer of `nbytes` whole: (P-1)/P of it sent per rank."""
+    return 0.0 if ranks == 1 else (ranks - 1) / ranks * nbytes / bw
+
+
+def reduce_s(nbytes: float, ranks: int, bw: float, all_reduce: bool) -> float:
+    """The gradient reduction: an all-reduce (DDP, ZeRO-1), or a reduce-scatter into the owned pieces
+    (ZeRO-2/3): half the bytes (ZeRO paper, Rajbhandari et al. 2020, §7)."""
+    return all_reduce_s(nbytes, ranks, bw) if all_reduce else gather_s(nbytes, ranks, bw)
 
 
 def tp_s(cfg: Config, layout: Layout, layers: int, bw: float, latency: float) -> float:
