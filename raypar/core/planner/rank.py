@@ -10,9 +10,9 @@ least memory over) are shown with the one knob that would make each fit, or how 
 
 from __future__ import annotations
 
-from raypar.core.config.options import NO_OFFLOAD, NO_RECOMPUTE, ONE_F_ONE_B
+from raypar.core.config.options import FULL, NO_OFFLOAD, NO_RECOMPUTE, ONE_F_ONE_B
 from raypar.core.config.schema import Config
-from raypar.core.planner.search import Device, Layout, Prediction, fitting_knob, gib
+from raypar.core.planner.search import Device, Layout, Prediction, gib, knobs
 
 TIE = 0.03
 
@@ -75,16 +75,23 @@ def explain(order: list[tuple[int, Prediction]], memory: float) -> str:
 def nearest(
     cfg: Config, order: list[tuple[int, Prediction]], memory: float, device: Device, count: int = 5
 ) -> list[str]:
-    """For the `count` non-fitting layouts of distinct meshes with the least memory: the knob that makes it
-    fit, or the memory it lacks."""
+    """For the `count` non-fitting layouts of distinct meshes with the least memory (without the slow knobs
+    the search tries last, full recomputation and offload, where there are such): the single knob that
+    saves the most and whether it fits, or how much memory is still missing."""
+    over = [p for _, p in order if not p.fits]
+    plain = [p for p in over if p.layout.recompute != FULL and p.layout.offload in ("", NO_OFFLOAD)]
     lines, meshes = [], set()
-    for _, p in order:
+    for p in plain or over:
         mesh = (p.layout.dp, p.layout.pp, p.layout.tp, p.layout.cp, p.layout.ep)
-        if p.fits or mesh in meshes:
+        if mesh in meshes:
             continue
         meshes.add(mesh)
-        found = fitting_knob(cfg, p.layout, memory, device)
-        fix = f"fits with {found[0]}" if found else f"needs {gib(p.memory_bytes - memory)} more"
+        knob, need = min(knobs(cfg, p.layout, device), key=lambda k: k[1], default=("", p.memory_bytes))
+        if need <= memory:
+            fix = f"fits with {knob}"
+        else:
+            fix = f"needs {gib(min(need, p.memory_bytes) - memory)} more"
+            fix += f" even with {knob}" if knob else ""
         lines.append(f"  {describe(p.layout)}: {gib(p.memory_bytes)}; {fix}")
         if len(lines) == count:
             break

@@ -57,7 +57,7 @@ from raypar.core.planner.step import (
 
 __all__ = [  # the planner's interface (the CLI, benchmarks and tests import it from here)
     "DEVICES", "Device", "Layout", "Prediction", "bubble_ratio", "candidates", "check_fits",
-    "check_local_memory", "current_layout", "device_named", "fitting_knob", "gib", "layout_config",
+    "check_local_memory", "current_layout", "device_named", "fitting_knob", "gib", "knobs", "layout_config",
     "parse_size", "plan", "predict", "predict_memory",
 ]
 
@@ -210,6 +210,7 @@ def plan(
     heapq.heapify(queue)
     counter = itertools.count(len(queue))
     states: dict[tuple[object, ...], float] = {}
+    tried: set[Layout] = set()
     over: list[tuple[float, int, Layout]] = []  # (memory, or its model states alone, ...) of those over
     fitting: list[float] = []  # the `top` fastest fitting step times found, negated (a max-heap)
     best = math.inf
@@ -237,7 +238,8 @@ def plan(
             fits, need = pred.memory_bytes <= memory, pred.memory_bytes
             pred.fits = fits
         if not fits:
-            for slower in fallbacks(cfg, layout):
+            for slower in set(fallbacks(cfg, layout)) - tried:  # full+offload is reached two ways
+                tried.add(slower)
                 heapq.heappush(queue, (_bound(with_layout(cfg, slower), slower, device, mfu), next(counter),
                                        slower, None))
             if top is not None:  # not shown when some layout fits; else the nearest are
@@ -282,24 +284,30 @@ def current_layout(cfg: Config) -> Layout:
     )
 
 
-def fitting_knob(cfg: Config, layout: Layout, memory: float, device: Device) -> tuple[str, Layout] | None:
-    """The first single knob ("section.key=value") that makes `layout` fit `memory`, cheapest in time
-    first: recomputation, a higher ZeRO stage, offload, more microbatches; None if none does."""
-    tries = [dataclasses.replace(layout, recompute=r) for r in (SELECTIVE, FULL)]
+def knobs(cfg: Config, layout: Layout, device: Device) -> list[tuple[str, float]]:
+    """("section.key=value", predicted memory) for each single knob `raypar train` accepts on `layout`,
+    cheapest in time first: recomputation, a higher ZeRO stage, offload, more microbatches."""
+    tries = [dataclasses.replace(layout, recompute=r) for r in (SELECTIVE, FULL) if r != layout.recompute]
     tries += [dataclasses.replace(layout, zero=z) for z in zero_stages(cfg) if z > layout.zero]
-    tries += [dataclasses.replace(layout, offload=CPU_OFFLOAD)] if layout.offload == NO_OFFLOAD else []
+    tries += [dataclasses.replace(layout, offload=CPU_OFFLOAD)] if layout.offload in ("", NO_OFFLOAD) else []
     tries += [dataclasses.replace(layout, microbatches=layout.microbatches * 2)]
+    out = []
     for knob in tries:
         try:
             knob_cfg = layout_config(cfg, knob)
         except ConfigError:
             continue
-        if predict(knob_cfg, knob, device, 0.4).memory_bytes <= memory:
-            key = next(k for k in ("recompute", "zero", "offload", "microbatches")
-                       if getattr(knob, k) != getattr(layout, k))
-            section = "train" if key in ("recompute", "offload") else "parallel"
-            return f"{section}.{key}={getattr(knob, key)}", knob
-    return None
+        key = next(k for k in ("recompute", "zero", "offload", "microbatches")
+                   if getattr(knob, k) != getattr(layout, k))
+        section = "train" if key in ("recompute", "offload") else "parallel"
+        need = predict(knob_cfg, knob, device, 0.4).memory_bytes
+        out.append((f"{section}.{key}={getattr(knob, key)}", need))
+    return out
+
+
+def fitting_knob(cfg: Config, layout: Layout, memory: float, device: Device) -> str | None:
+    """The first single knob ("section.key=value") that makes `layout` fit `memory`; None if none does."""
+    return next((knob for knob, need in knobs(cfg, layout, device) if need <= memory), None)
 
 
 def check_fits(cfg: Config, memory: float, device: Device, where: str) -> None:
@@ -308,9 +316,8 @@ def check_fits(cfg: Config, memory: float, device: Device, where: str) -> None:
     need = predict(cfg, layout, device, 0.4).memory_bytes
     if need <= memory:
         return
-    found = fitting_knob(cfg, layout, memory, device)
-    if found:
-        knob = found[0]
+    knob = fitting_knob(cfg, layout, memory, device)
+    if knob:
         raise ConfigError(
             f"{knob.split('=')[0]}: the plan predicts {gib(need)} per actor > {gib(memory)} on {where}; set "
             f"{knob} (see `raypar plan`)"
