@@ -322,12 +322,16 @@ def _plan(args: argparse.Namespace) -> int:
         return 0
     fits = sum(p.fits for p in preds)
     where = f"{args.devices} x {args.device} with {plan.gib(memory)} each (assumed MFU {args.mfu:g})"
+    if not preds:
+        print(f"raypar plan: 0 of 0 valid layouts fit {where}: no split of them passes the config's rules")
+        return 0
     if not fits:
-        print(f"raypar plan: none of {len(preds)} valid layouts fits {where}; the nearest:")
+        print(f"raypar plan: none of the valid layouts fits {where}; the nearest:")
         print("\n".join(rank.nearest(cfg, order, memory, device)))
         return 0
-    print(f"raypar plan: {fits} layouts fit {where} (of {len(preds)} evaluated); ranked by predicted "
-          f"tokens/s, groups within {rank.TIE:.0%} by memory headroom")
+    print(f"raypar plan: {fits} fitting layouts on {where}, ranked by predicted tokens/s; groups within "
+          f"{rank.TIE:.0%}, simplest then most headroom first" + ("" if args.all else " (the search stops "
+          "where nothing left could rank: --all for every layout)"))
     print(rank.explain(order, memory))
     print(rank.table(shown, args.top))
     return 0
