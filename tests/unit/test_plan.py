@@ -120,6 +120,7 @@ def test_sequence_and_expert_layouts_config_would_refuse_are_never_listed() -> N
     [
         (["parallel.virtual_stages=2"], 1 / (2 * 4)),  # interleaved: (pp - 1) / (v m)
         (['parallel.schedule="zb-h1"'], 1 / (3 * 4)),  # (pp - 1) / (3 m)
+        (['parallel.schedule="dualpipev"', "parallel.virtual_stages=2"], 1 / (6 * 4)),  # (pp - 1) / (6 m)
         ([], 1 / 4),  # 1F1B: (pp - 1) / m
     ],
 )

@@ -58,6 +58,7 @@ from raypar.core.planner.step import (
 __all__ = [  # the planner's interface (the CLI, benchmarks and tests import it from here)
     "DEVICES", "Device", "Layout", "Prediction", "bubble_ratio", "candidates", "check_fits",
     "check_local_memory", "current_layout", "device_named", "fitting_knob", "gib", "knobs", "layout_config",
+    "rank_chunks", "rank_states",
     "parse_size", "plan", "predict", "predict_memory",
 ]
 
