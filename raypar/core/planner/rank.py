@@ -62,7 +62,8 @@ def explain(order: list[tuple[int, Prediction]], memory: float) -> str:
     """One line on the top pick: what it is, its speed and memory, why it beat its group, where time goes."""
     group, top = order[0]
     ties = sum(1 for g, _ in order if g == group) - 1
-    why = (f"{ties} more within {TIE:.0%} of the fastest; this one leaves the most memory free"
+    why = (f"{ties} more within {TIE:.0%} of the fastest; this one has the fewest axes and knobs, then the "
+           "most memory free"
            if ties else f"no other within {TIE:.0%}")
     step = top.step_time_s
     return (
