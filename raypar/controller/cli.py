@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("config", help="TOML config (its model, batch and precision are planned for)")
     plan.add_argument("--devices", required=True, type=int, help="number of devices (actors)")
     plan.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GB, 141GiB")
-    plan.add_argument("--device", default="h100", help="h200, h100, a100 or cpu (peaks and bandwidths)")
+    plan.add_argument("--device", default="h100", help="h200, h100, a100, l4 or cpu (peaks and bandwidths)")
     plan.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation (0.4)")
     plan.add_argument(
         "--compile-speedup", type=float, metavar="X",
@@ -292,6 +292,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from raypar.core.planner import rank
     from raypar.core.planner import search as plan
 
     cfg = load_config(args.config, args.set)
@@ -314,17 +315,28 @@ def _plan(args: argparse.Namespace) -> int:
         if not 0 < args.compile_speedup < float("inf"):
             raise UsageError(f"--compile-speedup: must be a positive factor, got {args.compile_speedup}")
         device = dataclasses.replace(device, compile_speedup=args.compile_speedup)
-    preds = plan.plan(cfg, args.devices, memory, device, args.mfu)
-    shown = preds if args.all else [p for p in preds if p.fits]
+    # --json and --all list every layout; the table needs only the top rows and the fastest group.
+    top = None if args.json or args.all else args.top
+    preds = plan.plan(cfg, args.devices, memory, device, args.mfu, top)
+    order = rank.ranked(preds)
+    shown = order if args.all else [(g, p) for g, p in order if p.fits]
     if args.json:
-        print(json.dumps([p.to_json() for p in (preds if args.all else shown)], indent=1))
+        print(json.dumps([{"group": g, **p.to_json()} for g, p in shown], indent=1))
         return 0
-    print(
-        f"raypar plan: {len(shown)} of {len(preds)} valid layouts fit {args.devices} x {args.device} with "
-        f"{plan.gib(memory)} each (assumed MFU {args.mfu:g}); ranked by predicted tokens/s"
-    )
-    if shown:
-        print(plan.table(shown, args.top))
+    fits = sum(p.fits for p in preds)
+    where = f"{args.devices} x {args.device} with {plan.gib(memory)} each (assumed MFU {args.mfu:g})"
+    if not preds:
+        print(f"raypar plan: 0 of 0 valid layouts fit {where}: no split of them passes the config's rules")
+        return 0
+    if not fits:
+        print(f"raypar plan: none of the valid layouts fits {where}; the nearest:")
+        print("\n".join(rank.nearest(cfg, order, memory, device)))
+        return 0
+    print(f"raypar plan: {fits} fitting layouts on {where}, ranked by predicted tokens/s; groups within "
+          f"{rank.TIE:.0%}, simplest then most headroom first" + ("" if args.all else " (the search stops "
+          "where nothing left could rank: --all for every layout)"))
+    print(rank.explain(order, memory))
+    print(rank.table(shown, args.top))
     return 0
 
 

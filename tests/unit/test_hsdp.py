@@ -122,11 +122,9 @@ def test_planner_counts_hsdp_memory_and_traffic():
     params, states = plan_memory.rank_states(cfg, hsdp, 0, [range(cfg.model.n_layers)])
     assert states == plan_memory.model_state_bytes(params.dense, "fp32", 3, 2)
     assert plan_memory.rank_states(cfg, plain, 0, [range(cfg.model.n_layers)])[1] == states / 2
-    g, p, fast, slow = 1e9, 5e8, 100e9, 10e9
-    assert plan_comm.hsdp_s(g, p, 8, 2, 3, fast, slow) == pytest.approx(
-        (2 * 7 / 8 * g / fast + 3 * 2 * 7 / 8 * p / fast, 2 * (1 / 2) * (g / 8) / slow)
-    )
-    listed = {(lay.dp, lay.pp, lay.zero, lay.dp_shard) for lay, _ in plan.candidates(cfg, 4, per_node=2)}
+    g, slow = 1e9, 10e9
+    assert plan_comm.across_groups_s(g, 8, 2, slow) == pytest.approx(2 * (1 / 2) * (g / 8) / slow)
+    listed = {(lay.dp, lay.pp, lay.zero, lay.dp_shard) for lay in plan.candidates(cfg, 4, per_node=2)}
     assert {(4, 1, z, s) for z in (1, 2, 3) for s in (0, 2)} <= listed
     assert (4, 1, 0, 2) not in listed and not any(s for dp, _, _, s in listed if dp < 4)
 

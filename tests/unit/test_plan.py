@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 
 import pytest
 import torch
@@ -29,7 +30,9 @@ from raypar.core.observe.memory import SavedActivations
 from raypar.core.pipeline import schedules
 from raypar.core.planner import comm as plan_comm
 from raypar.core.planner import memory as plan_memory
+from raypar.core.planner import rank as plan_rank
 from raypar.core.planner import search as plan
+from raypar.core.planner import step as plan_step
 from raypar.core.run_config import load_config
 from tests.support.threads import run_ranks
 
@@ -53,9 +56,15 @@ def test_model_state_formulas_by_zero_stage() -> None:
     ]
 
 
+def listed(cfg: Config, devices: int) -> list[plan.Layout]:
+    """Every layout the planner lists, the slower knobs too: on devices with no memory nothing fits, so the
+    search tries full recomputation and offload everywhere."""
+    return [p.layout for p in plan.plan(cfg, devices, 0.0, plan.DEVICES["cpu"])]
+
+
 def test_layouts_breaking_config_rules_are_never_listed() -> None:
     cfg = load_config(TINY)  # n_heads=4, n_kv_heads=2, global_batch=8
-    layouts = [layout for layout, _ in plan.candidates(cfg, 6)]
+    layouts = listed(cfg, 6)
     assert layouts and all(layout.tp in (1, 2) for layout in layouts)  # tp=3, 6 do not divide the heads
     assert all(8 % (layout.dp * layout.microbatches) == 0 for layout in layouts)
     assert {layout.recompute for layout in layouts} == set(RECOMPUTE)
@@ -64,13 +73,16 @@ def test_layouts_breaking_config_rules_are_never_listed() -> None:
 
 
 def test_layouts_with_chunks_config_would_refuse_are_never_listed() -> None:
-    cfg = load_config(TINY, ["train.global_batch=12"])  # 4 layers, 1f1b; 1, 3 microbatches possible
-    chunked = [layout for layout, _ in plan.candidates(cfg, 4) if layout.virtual_stages > 1]
+    cfg = load_config(TINY, ["train.global_batch=12"])  # 4 layers; 1, 3 microbatches possible
+    layouts = listed(cfg, 4)
+    chunked = [layout for layout in layouts if layout.virtual_stages > 1]
     assert {(layout.pp, layout.virtual_stages) for layout in chunked} == {(2, 2)}  # 4 % (4 * 2) != 0
-    assert all(layout.microbatches % layout.pp == 0 for layout in chunked)
-    for schedule in ("gpipe", "zb-h1"):  # one chunk per rank only
-        other = load_config(TINY, [f'parallel.schedule="{schedule}"'])
-        assert {layout.virtual_stages for layout, _ in plan.candidates(other, 4)} == {1}
+    # interleaved: microbatches divisible by pp; DualPipeV: at least 2 pp
+    assert all(layout.microbatches % layout.pp == 0 for layout in chunked if layout.schedule == "1f1b")
+    assert all(layout.microbatches >= 2 * layout.pp for layout in chunked if layout.schedule == "dualpipev")
+    # The planner ranks the schedules: 1F1B (interleaved), ZB-H1 and DualPipeV (one chunk, two in a V)
+    pipelined = {(layout.schedule, layout.virtual_stages) for layout in layouts if layout.pp > 1}
+    assert pipelined == {("1f1b", 1), ("1f1b", 2), ("zb-h1", 1), ("dualpipev", 2)}
     with pytest.raises(ConfigError, match="parallel.virtual_stages: model.n_layers=4"):
         plan.layout_config(cfg, plan.Layout(1, 2, 1, 0, "none", 4, 4))
     with pytest.raises(ConfigError, match="parallel.microbatches: 3 microbatches"):
@@ -81,7 +93,7 @@ def test_layouts_with_chunks_config_would_refuse_are_never_listed() -> None:
 
 def test_sequence_and_expert_layouts_config_would_refuse_are_never_listed() -> None:
     cfg = load_config(TINY, ["model.seq_len=36"])  # cp=2: 4 | 36 both styles; cp=4: only ulysses (8 ∤ 36)
-    layouts = [layout for layout, _ in plan.candidates(cfg, 4)]
+    layouts = listed(cfg, 4)
     styles = {(layout.cp, layout.cp_style) for layout in layouts if layout.cp > 1}
     assert styles == {(2, "ring"), (2, "ulysses"), (4, "ulysses")}
     assert all(layout.world == 4 for layout in layouts)
@@ -93,7 +105,7 @@ def test_sequence_and_expert_layouts_config_would_refuse_are_never_listed() -> N
     with pytest.raises(ConfigError, match="parallel.sequence_parallel: needs parallel.tp > 1"):
         plan.layout_config(cfg, plan.Layout(4, 1, 1, 0, "none", 1, sequence_parallel=True))
     moe = load_config(TINY, ["model.moe_experts=4", "model.moe_every=2"])
-    expert = [layout for layout, _ in plan.candidates(moe, 4)]
+    expert = listed(moe, 4)
     assert {layout.ep for layout in expert} == {1, 2, 4}
     assert all(layout.dp % layout.ep == 0 for layout in expert)
     assert all(layout.recompute != "full" for layout in expert)  # full recompute with MoE: refused
@@ -108,6 +120,7 @@ def test_sequence_and_expert_layouts_config_would_refuse_are_never_listed() -> N
     [
         (["parallel.virtual_stages=2"], 1 / (2 * 4)),  # interleaved: (pp - 1) / (v m)
         (['parallel.schedule="zb-h1"'], 1 / (3 * 4)),  # (pp - 1) / (3 m)
+        (['parallel.schedule="dualpipev"', "parallel.virtual_stages=2"], 1 / (6 * 4)),  # (pp - 1) / (6 m)
         ([], 1 / 4),  # 1F1B: (pp - 1) / m
     ],
 )
@@ -162,6 +175,10 @@ def test_fp8_runs_the_converted_linears_at_the_float8_peak() -> None:
     d = m.d_model
     linears = m.n_layers * (2 * d * d + 2 * d * m.n_kv_heads * m.head_dim + 3 * d * m.d_ff)
     flops = fp8.train.global_batch * m.seq_len * 6 * linears / layout.world / 0.4
+    # at the efficiency of their GEMMs' rows (a microbatch's tokens) and columns (d_model / tp)
+    rows = fp8.microbatch_size * m.seq_len
+    half = h100.gemm_half
+    flops /= plan_step.efficiency(rows, half) * plan_step.efficiency(d / layout.tp, half)
 
     def check(device: plan.Device) -> None:
         want, got = (plan.predict(c, layout, device, 0.4) for c in (bf16, fp8))
@@ -215,9 +232,10 @@ def check_in_flight(cfg: Config) -> None:
     assert predicted == expected, f"in flight per rank: predicted {predicted}, the schedule {expected}"
 
 
-def _ignoring_chunks(cfg: Config, layout: plan.Layout) -> schedules.Plan:
+def _ignoring_chunks(cfg: Config, layout: plan.Layout) -> list[frozenset[tuple[int, ...]]]:
     """The classic mistake: the schedule of one chunk per rank whatever virtual_stages says."""
-    return schedules.build(cfg.parallel.schedule, layout.pp, layout.microbatches)
+    built = schedules.build(cfg.parallel.schedule, layout.pp, layout.microbatches)
+    return [plan_memory.alive_counts(rank) for rank in built]
 
 
 @pytest.mark.parametrize("microbatches", [2, 4, 8])
@@ -230,7 +248,7 @@ def test_predicted_in_flight_of_interleaved_is_the_schedules(
     # Interleaving keeps more units alive than 1F1B on rank 0 (warm-up of (pp - 1) * 2 + (v - 1) * pp).
     assert plan.predict_memory(cfg, plan.current_layout(cfg), "cpu")[0].in_flight > cfg.parallel.pp
     # Negative control: a planner that ignores the chunks fails the same check.
-    monkeypatch.setattr(plan_memory, "layout_schedule", _ignoring_chunks)
+    monkeypatch.setattr(plan_memory, "layout_counts", _ignoring_chunks)
     with pytest.raises(AssertionError, match="in flight per rank: predicted"):
         check_in_flight(cfg)
 
@@ -344,11 +362,16 @@ def test_cli_plan_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert rows and all(r["fits"] and r["memory_bytes"] <= 2 * 2**20 for r in rows)
     assert all(r["dp"] * r["pp"] * r["tp"] * r["cp"] == 4 for r in rows)
     assert {r["cp"] for r in rows} == {1, 2, 4} and any(r["sequence_parallel"] for r in rows)
-    speeds = [r["tokens_per_s"] for r in rows]
-    assert speeds == sorted(speeds, reverse=True)
+    groups = [r["group"] for r in rows]
+    assert groups == sorted(groups) and groups[0] == 1
+    for g in set(groups):  # a group: within the tie band of its fastest, faster than every later group
+        times = [r["step_time_s"] for r in rows if r["group"] == g]
+        later = [r["step_time_s"] for r in rows if r["group"] > g]
+        assert max(times) <= min(times) * (1 + plan_rank.TIE) and max(times) <= min(later, default=math.inf)
     assert cli.main(argv) == 0
-    head = capsys.readouterr().out.splitlines()[1].split()
-    assert {"recompute", "sp", "cp", "ep"} <= set(head)
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("top pick: ")
+    assert {"grp", "recompute", "sp", "cp", "ep", "schedule", "offload"} <= set(out[2].split())
 
 
 @pytest.mark.parametrize(

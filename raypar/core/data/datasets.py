@@ -2,15 +2,16 @@
 
 Cache layout (``prepare``)::
 
-    <out_dir>/index.json           vocab, files, shards (tokens, bytes, sha256), total tokens, sha256 of the tokens
+    <out_dir>/index.json           vocab, files, shards (tokens, bytes, sha256), total tokens, their sha256
     <out_dir>/tokens-00000.arrow   Arrow IPC file, one uint16 (uint32 past 65536 ids) column ``tokens``
     <out_dir>/tokenizer.json       the tokenizer, when not byte-level (recorded again in checkpoints)
 
 A cache is built in a hidden sibling directory and renamed into place, so a directory at ``out_dir`` is
 always complete; `out_dir` may also be a pyarrow.fs URI (s3://...), where the cache is uploaded index
-last, and from where each node copies it into `data.cache_dir` (raypar.core.data.remote). Tokenization is byte-level (token = byte value, vocab 256; documents joined by
-``separator``) or a `tokenizers` tokenizer (documents joined by its EOS token); see raypar.core.data.tokenizer
-and, for where documents come from, raypar.core.data.corpus.
+last, and from where each node copies it into `data.cache_dir` (raypar.core.data.remote). Tokenization
+is byte-level (token = byte value, vocab 256; documents joined by ``separator``) or a `tokenizers`
+tokenizer (documents joined by its EOS token); see raypar.core.data.tokenizer and, for where documents
+come from, raypar.core.data.corpus.
 
 Sampling (the numerics contract): sample ``i`` is the window ``tokens[i*T : i*T + T + 1]`` (inputs the
 first T, targets the last T). ``GlobalSampler`` maps a step to a fixed, ordered global batch of sample

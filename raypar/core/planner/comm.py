@@ -31,19 +31,26 @@ from raypar.core.planner.memory import PRECISION_BYTES, Layout
 
 
 def all_reduce_s(nbytes: float, ranks: int, bw: float) -> float:
+    """A ring all-reduce: each rank sends 2 (P-1)/P of the buffer (a reduce-scatter, then an all-gather)."""
     return 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * nbytes / bw
 
 
-def hsdp_s(
-    grad_bytes: float, param_bytes: float, shard: int, groups: int, gathers: int, bw_shard: float,
-    bw_across: float,
-) -> tuple[float, float]:
-    """HSDP's data-parallel traffic of one rank over a step (see the module's formula), as (inside the shard
-    group, across the groups): `gathers` parameter all-gathers (ZeRO-3: forward and backward per
-    microbatch, as an all-reduce's bytes) inside. The across part runs when the strategy's `finish` waits
+def across_groups_s(grad_bytes: float, shard: int, groups: int, bw: float) -> float:
+    """HSDP's all-reduce across the shard groups: each rank's owned 1/`shard` of the gradients over the
+    `groups` replicas holding the same piece. It runs when the strategy's `finish` waits
     (raypar.core.dp.hsdp), after backward: the caller counts it exposed."""
-    inside = all_reduce_s(grad_bytes, shard, bw_shard) + gathers * all_reduce_s(param_bytes, shard, bw_shard)
-    return inside, all_reduce_s(grad_bytes / shard, groups, bw_across)
+    return all_reduce_s(grad_bytes / shard, groups, bw)
+
+
+def gather_s(nbytes: float, ranks: int, bw: float) -> float:
+    """A ring all-gather (or reduce-scatter) of a buffer of `nbytes` whole: (P-1)/P of it sent per rank."""
+    return 0.0 if ranks == 1 else (ranks - 1) / ranks * nbytes / bw
+
+
+def reduce_s(nbytes: float, ranks: int, bw: float, all_reduce: bool) -> float:
+    """The gradient reduction: an all-reduce (DDP, ZeRO-1), or a reduce-scatter into the owned pieces
+    (ZeRO-2/3): half the bytes (ZeRO paper, Rajbhandari et al. 2020, §7)."""
+    return all_reduce_s(nbytes, ranks, bw) if all_reduce else gather_s(nbytes, ranks, bw)
 
 
 def tp_s(cfg: Config, layout: Layout, layers: int, bw: float, latency: float) -> float:

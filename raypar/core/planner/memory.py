@@ -28,12 +28,16 @@ Memory per actor = model states + activations in flight + buffers, for the tight
 from __future__ import annotations
 
 import functools
+import operator
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from raypar.core.config.options import (
     FULL,
+    GPIPE,
+    NO_OFFLOAD,
     NO_RECOMPUTE,
     PRECISIONS,
     RING,
@@ -43,7 +47,6 @@ from raypar.core.config.options import (
 )
 from raypar.core.config.schema import Config, ModelConfig
 from raypar.core.model.moe import is_moe_layer, kept_share
-from raypar.core.observe.memory import max_in_flight
 from raypar.core.parallel.mesh import stage_layers
 from raypar.core.pipeline import schedules
 
@@ -72,6 +75,8 @@ class Layout:
     cp_style: str = RING.name  # options.CP_STYLES; unused at cp = 1
     sequence_parallel: bool = False  # Megatron-SP over the tp group (tp > 1)
     ep: int = 1  # expert parallelism, carved out of dp (MoE models only)
+    schedule: str = ""  # options.SCHEDULES; "": the config's
+    offload: str = ""  # options.OFFLOADS; "": the config's
     dp_shard: int = 0  # HSDP: ZeRO state sharded over this many replicas, replicated across (0: all dp)
 
     @property
@@ -80,18 +85,26 @@ class Layout:
         return self.dp_shard or self.dp
 
     @property
+    def mp(self) -> int:
+        """Actors per replica's stage: the tp x cp ranks that split one pipeline stage's tokens and heads."""
+        return self.tp * self.cp
+
+    @property
     def world(self) -> int:
         return self.dp * self.cp * self.pp * self.tp
 
     def overrides(self) -> dict[str, dict[str, Any]]:
-        return {
-            "parallel": {
-                "dp": self.dp, "pp": self.pp, "tp": self.tp, "microbatches": self.microbatches,
-                "virtual_stages": self.virtual_stages, "cp": self.cp, "cp_style": self.cp_style,
-                "sequence_parallel": self.sequence_parallel, "ep": self.ep, "dp_shard": self.dp_shard,
-            },
-            "train": {"recompute": self.recompute},
+        parallel: dict[str, Any] = {
+            "dp": self.dp, "pp": self.pp, "tp": self.tp, "microbatches": self.microbatches,
+            "virtual_stages": self.virtual_stages, "cp": self.cp, "cp_style": self.cp_style,
+            "sequence_parallel": self.sequence_parallel, "ep": self.ep, "dp_shard": self.dp_shard,
         }
+        train: dict[str, Any] = {"recompute": self.recompute}
+        if self.schedule:
+            parallel["schedule"] = self.schedule
+        if self.offload:
+            train["offload"] = self.offload
+        return {"parallel": parallel, "train": train}
 
 
 @dataclass
@@ -129,7 +142,10 @@ def stage_params(
     return Params(dense, expert)
 
 
-def model_state_bytes(params: int, precision: str, zero: int, dp: int) -> float:
+def model_state_bytes(params: int, precision: str, zero: int, dp: int, offload: bool = False) -> float:
+    """Device bytes of `params` parameters' states. `offload` (train.offload = "cpu", ZeRO-Offload, Ren et
+    al. 2021): the sharded optimizer part lives in host memory; under ZeRO-3 the owned piece of the
+    parameters stays on the device beside the gathered units (raypar.core.dp.zero3)."""
     p = PRECISION_BYTES[precision]
     # The optimizer's gradients are fp32 in every precision: 16-bit ones are converted one by one into
     # fp32 master gradients (unscaled) and freed, so they hold 4 bytes, not 2, once backward is done.
@@ -139,6 +155,8 @@ def model_state_bytes(params: int, precision: str, zero: int, dp: int) -> float:
     parts = ((p, stage.shards_parameters), (g, stage.reduce_scatters), (k, stage.shards_optimizer))
     full = sum(n for n, split in parts if not split)
     sharded = sum(n for n, split in parts if split)
+    if offload:
+        sharded += (p if stage.shards_parameters else 0) - k
     return params * (full + sharded / dp)
 
 
@@ -229,11 +247,15 @@ def stage_activation_bytes(
     split = split or TokenSplit(tp)
     e = PRECISION_BYTES[t.precision]
     bs = mbs * m.seq_len // split.cp
-    total = 0
-    for index in layers:
-        mode = recompute if index % t.recompute_every == 0 else NO_RECOMPUTE
-        moe = is_moe_layer(m, index)
-        total += block_activation_bytes(m, tp, mbs, t.precision, device_kind, mode, split, moe, ep)
+    # Blocks differ only by (recomputed, MoE): each kind counted once (the planner asks for thousands).
+    kinds = Counter(
+        (recompute if index % t.recompute_every == 0 else NO_RECOMPUTE, is_moe_layer(m, index))
+        for index in layers
+    )
+    total = sum(
+        n * block_activation_bytes(m, tp, mbs, t.precision, device_kind, mode, split, moe, ep)
+        for (mode, moe), n in kinds.items()
+    )
     if split.cp > 1 and len(layers):
         total += 4 * bs // mbs * m.head_dim  # RoPE's cos and sin of this rank's positions (fp32)
     if first:
@@ -266,23 +288,46 @@ def _built(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> sc
     return schedules.build(schedule, pp, microbatches, virtual_stages)
 
 
-def layout_schedule(cfg: Config, layout: Layout) -> schedules.Plan:
-    """The plan every rank runs: the config's schedule with the layout's stages, microbatches and chunks."""
-    return _built(cfg.parallel.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
-
-
-def peak_bytes(plan: list[schedules.Instr], unit_bytes: list[int]) -> int:
-    """Most activation bytes alive at once along one rank's plan, unit (chunk c, mb) holding unit_bytes[c]:
-    chunks differ (the first holds the embedding's inputs, the last the head's), so the count of units in
-    flight times the largest is not the peak."""
-    alive = peak = 0
+def alive_counts(plan: list[schedules.Instr]) -> frozenset[tuple[int, ...]]:
+    """The units alive per chunk after each forward of one rank's plan (a peak follows a forward), each
+    distinct count once: a few vectors stand for a plan of thousands of instructions."""
+    alive = [0] * (1 + max((instr.chunk for instr in plan), default=0))
+    out = set()
     for instr in plan:
         if instr.op == schedules.FORWARD:
-            alive += unit_bytes[instr.chunk]
+            alive[instr.chunk] += 1
+            out.add(tuple(alive))
         elif instr.op in schedules.WEIGHT_GRAD_OPS:
-            alive -= unit_bytes[instr.chunk]
-        peak = max(peak, alive)
-    return peak
+            alive[instr.chunk] -= 1
+    return frozenset(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _counts(schedule: str, pp: int, microbatches: int, chunks: int) -> list[frozenset[tuple[int, ...]]]:
+    return [alive_counts(rank) for rank in _built(schedule, pp, microbatches, chunks)]
+
+
+# Past 4·pp microbatches a schedule's warm-up and cool-down no longer change and its steady state only
+# repeats, so the counts alive after each forward are the same set (checked for every searched schedule
+# by tests/unit/test_planner_search.py); GPipe, which holds every microbatch, is the exception.
+STEADY_PER_STAGE = 4
+
+
+def layout_counts(cfg: Config, layout: Layout) -> list[frozenset[tuple[int, ...]]]:
+    """`alive_counts` of every rank of the plan the config's schedule builds for the layout, walked once
+    however many layouts share it (at most 4·pp microbatches: longer plans only repeat the steady state,
+    and take seconds to build)."""
+    m = layout.microbatches
+    if cfg.parallel.schedule != GPIPE.name:
+        m = min(m, STEADY_PER_STAGE * layout.pp)
+    return _counts(cfg.parallel.schedule, layout.pp, m, layout.virtual_stages)
+
+
+def peak_bytes(counts: frozenset[tuple[int, ...]], unit_bytes: list[int]) -> int:
+    """Most activation bytes alive at once along one rank's plan (its `alive_counts`), unit (chunk c, mb)
+    holding unit_bytes[c]: chunks differ (the first holds the embedding's inputs, the last the head's), so
+    the count of units in flight times the largest is not the peak."""
+    return max((sum(map(operator.mul, alive, unit_bytes)) for alive in counts), default=0)
 
 
 def rank_states(cfg: Config, layout: Layout, p: int, chunks: list[range]) -> tuple[Params, float]:
@@ -293,8 +338,10 @@ def rank_states(cfg: Config, layout: Layout, p: int, chunks: list[range]) -> tup
     last = layout_topology(cfg, layout).last_rank
     params = stage_params(cfg.model, held, p == 0, p == last, layout.tp, layout.ep)
     group = layout.dp * layout.cp  # the ranks reducing (and under ZeRO sharding) the same gradients
-    states = model_state_bytes(params.dense, cfg.train.precision, layout.zero, layout.shard * layout.cp)
-    states += model_state_bytes(params.expert, cfg.train.precision, layout.zero, group // layout.ep)
+    offload = cfg.train.offload != NO_OFFLOAD
+    shard = layout.shard * layout.cp  # the ranks the dense state is sharded over (HSDP: the shard group)
+    states = model_state_bytes(params.dense, cfg.train.precision, layout.zero, shard, offload)
+    states += model_state_bytes(params.expert, cfg.train.precision, layout.zero, group // layout.ep, offload)
     return params, states
 
 
@@ -306,7 +353,7 @@ def predict_memory(
     m, t = cfg.model, cfg.train
     mbs = t.global_batch // (layout.dp * layout.microbatches)
     e = PRECISION_BYTES[t.precision]
-    plan = layout_schedule(cfg, layout)
+    counts = layout_counts(cfg, layout)
     v = layout.virtual_stages
     out = []
     group = layout.shard * layout.cp  # the ranks sharding the reduced gradients (HSDP: the shard group)
@@ -322,8 +369,8 @@ def predict_memory(
             )
             for layers, (first, last) in zip(chunks, ends, strict=True)
         ]
-        in_flight = 1 if wrong_in_flight else max_in_flight(plan[p])
-        acts = max(unit_bytes) if wrong_in_flight else peak_bytes(plan[p], unit_bytes)
+        in_flight = 1 if wrong_in_flight else max(map(sum, counts[p]), default=0)
+        acts = max(unit_bytes) if wrong_in_flight else peak_bytes(counts[p], unit_bytes)
         sharded = ZERO_STAGES[layout.zero].shards_optimizer
         reduce = 0 if group == 1 else params.total * 4 / (group if sharded else 1)
         # Every chunk but the model's last sends its output on (interleaved: the last rank's too, to rank 0).

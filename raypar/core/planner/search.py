@@ -1,237 +1,76 @@
-"""The planner: which layouts of a config fit a device's memory, and how fast each would run.
+"""The planner's search: every layout of a config on N devices that `raypar train` would accept, the fastest
+found first, then ranked (raypar.core.planner.rank).
 
-Memory per actor: raypar.core.planner.memory (model states, activations in flight under the configured
-schedule
-and virtual stages, buffers).
+A layout is the config with (dp, pp, tp, zero, recompute, microbatches, virtual_stages, cp, cp_style,
+sequence_parallel, ep, schedule, offload) replaced; it is listed only if the config's own rules
+(`rules.validate`) accept it. Schedules searched: 1F1B (interleaved with every chunk count that splits the
+layers), ZB-H1 and DualPipeV; GPipe is left out: the same bubble as 1F1B with every microbatch in flight,
+it never ranks above it. Memory per actor: raypar.core.planner.memory; step time: raypar.core.planner.step.
 
-Step time = compute at an assumed MFU (recomputation adds its extra forward FLOPs) plus the device's fixed
-cost per layer and microbatch pass (both divided by the device's compile speed-up under train.compile),
-plus the pipeline bubble, plus exposed communication (with a latency per collective and hop, and the
-transport's cost per pipeline message). The bubble, as a fraction of compute,
-is the schedules' own formula:
-(pp - 1)/m for GPipe and 1F1B alike, (pp - 1)/(v m) for interleaved 1F1B with v virtual stages, (pp - 1)/(3m)
-for ZB-H1 (F = B = W: the deferred W's fill all but one unit per stage of 1F1B's bubble), (pp - 1)/(6m) for
-DualPipeV (the same on chunks half the size; bubble_formula derives it). Compute divides
-over dp x cp x pp x tp actors; under `train.precision = "fp8"` the converted linears' GEMMs run at the
-device's float8 peak (`float8_flops_per_token`), while memory and traffic count bf16's 2 bytes (the float8
-copies live only for their GEMM). Tensor-parallel (or SP), context-parallel and expert collectives are on the
-critical path (raypar.core.planner.comm); the DP gradient all-reduce (over cp x dp, experts' over the
-expert-dp group; under HSDP the reduce-scatter and all-gather in the shard group, while its all-reduce
-across groups, after backward, is exposed: comm.hsdp_s) overlaps the last microbatch's backward; pipeline
-sends are exposed only while the pipeline fills and drains, v times as many hops under interleaving.
-Layouts are the config with (dp, pp, tp, zero, recompute, microbatches, virtual_stages, cp, cp_style,
-sequence_parallel, ep, and dp_shard where a node holds a shard group of more than one replica) replaced,
-kept only if `validate` accepts them, so the planner never lists what `raypar train` would refuse. Both cp
-styles are listed: they send different bytes and accept different shapes.
+The search is a best-first one. A layout's compute and bubble (no communication, which only adds) bound its
+step time from below and cost microseconds, so layouts are taken in order of that bound and validated and
+predicted in full only until the bound passes both the tie band of the fastest fitting layout and the
+`top`-th fitting one: nothing left could rank above them. Knobs that only cost time are tried only where
+the cheaper ones do not fit: full recomputation (a third more compute than selective, Korthikanti et al.
+2022) where selective does not fit, and offload (host traffic every step) where ZeRO-3 alone does not.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import itertools
 import math
 import re
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator
 
 from raypar.core.checkpoint.reader import available_memory
+from raypar.core.config import rules
 from raypar.core.config.errors import ConfigError
-from raypar.core.config.load import from_dict
 from raypar.core.config.options import (
     CP_STYLES,
-    DIRECT,
+    CPU_OFFLOAD,
+    DUALPIPEV,
     FULL,
-    NO_RECOMPUTE,
-    OBJECT_STORE,
-    PRECISIONS,
+    NO_OFFLOAD,
+    ONE_F_ONE_B,
     RECOMPUTE,
     SCHEDULES,
     SELECTIVE,
+    ZB_H1,
     ZERO_STAGES,
 )
 from raypar.core.config.schema import Config
-from raypar.core.model.llama import float8_flops_per_token, flops_per_token
 from raypar.core.model.moe import is_moe_layer
-from raypar.core.pipeline import schedules
-from raypar.core.planner import comm as plan_comm
-from raypar.core.planner.memory import (
-    PRECISION_BYTES,
-    Layout,
-    StageMemory,
-    layout_topology,
-    predict_memory,
-    rank_chunks,
-    rank_states,
-    stage_params,
+from raypar.core.planner.memory import Layout, predict_memory, rank_chunks, rank_states
+from raypar.core.planner.step import (
+    DEVICES,
+    Device,
+    Prediction,
+    axes_comm_s,
+    bubble_ratio,
+    predict,
+    rank_compute_s,
+    step_times,
 )
 
+__all__ = [  # the planner's interface (the CLI, benchmarks and tests import it from here)
+    "DEVICES", "Device", "Layout", "Prediction", "bubble_ratio", "candidates", "check_fits",
+    "check_local_memory", "current_layout", "device_named", "fitting_knob", "gib", "knobs", "layout_config",
+    "rank_chunks", "rank_states",
+    "parse_size", "plan", "predict", "predict_memory",
+]
 
-@dataclass(frozen=True)
-class Device:
-    name: str
-    kind: str  # "cuda" or "cpu": which attention kernel runs, how dropout stores its mask
-    peak_flops_16: float  # dense bf16/fp16
-    peak_flops_32: float
-    peak_flops_8: float  # dense float8 GEMMs (train.precision = "fp8"); where emulated, the GEMMs' fp32 peak
-    intra_bw: float  # bytes/s per direction inside a node (tensor parallelism)
-    inter_bw: float  # bytes/s per device between nodes
-    per_node: int = 8
-    # Costs that do not scale with FLOPs or bytes: per layer and microbatch pass (forward, backward, W) the
-    # launches, Python and small-GEMM inefficiency; per collective or pipeline hop its latency.
-    layer_pass_s: float = 0.0
-    latency_s: float = 0.0
-    # Time a pipeline message costs the rank that sends or receives it, on its critical path (on CPU the
-    # transport shares the compute's cores), by parallel.transport.
-    hop_s: tuple[tuple[str, float], ...] = ()
-    # Compute time eager / compiled (train.compile) on this device: what benchmarks/compile_step.py
-    # measures. 1.0 (no gain counted) until measured; `raypar plan --compile-speedup` tells it.
-    compile_speedup: float = 1.0
-
-
-# Datasheet peaks (dense) and per-direction link bandwidths; CPU numbers are this project's 2-core
-# machine (DESIGN.md: ~90 GFLOP/s fp32 and ~210 bf16 per core, gloo over loopback ~1 GB/s; a 4-KiB gloo
-# all-reduce at 2 ranks takes 0.54 ms, and a 256 KiB-1 MiB activation hop 3.5 ms through the object store,
-# 0.2-0.6 ms direct, benchmarks/README.md; layer_pass_s as benchmarks/plan_step_time.py calibrates it on
-# `small` shapes). On GPUs the fixed costs are left out: not measured (no GPU here).
-DEVICES = {
-    "h200": Device("h200", "cuda", 989e12, 67e12, 1979e12, 450e9, 50e9),
-    "h100": Device("h100", "cuda", 989e12, 67e12, 1979e12, 450e9, 50e9),
-    # no float8 tensor cores: torchao's scaled GEMMs would not run; planned at bf16's rate
-    "a100": Device("a100", "cuda", 312e12, 19.5e12, 312e12, 300e9, 25e9),
-    # float8 emulated (torchao, emulate=True): the GEMMs run in fp32 on the dequantised operands
-    "cpu": Device(
-        "cpu", "cpu", 210e9, 90e9, 90e9, 1e9, 1e9, per_node=1024, layer_pass_s=0.65e-3, latency_s=0.54e-3,
-        hop_s=((OBJECT_STORE, 3.5e-3), (DIRECT, 0.4e-3)),
-    ),
-}
-
-
-@dataclass
-class Prediction:
-    layout: Layout
-    stages: list[StageMemory]
-    compute_s: float
-    bubble_s: float
-    comm_s: float
-    tokens_per_step: int
-    fits: bool = True
-
-    @property
-    def memory_bytes(self) -> float:
-        return max(s.total for s in self.stages)
-
-    @property
-    def step_time_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.comm_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_per_step / self.step_time_s
-
-    def to_json(self) -> dict[str, Any]:
-        worst = max(self.stages, key=lambda s: s.total)
-        return {
-            **dataclasses.asdict(self.layout),
-            "memory_bytes": self.memory_bytes,
-            "model_state_bytes": worst.model_states,
-            "activation_bytes": worst.activations,
-            "in_flight": worst.in_flight,
-            "buffer_bytes": worst.buffers,
-            "step_time_s": self.step_time_s,
-            "compute_s": self.compute_s,
-            "bubble_s": self.bubble_s,
-            "comm_s": self.comm_s,
-            "tokens_per_s": self.tokens_per_s,
-            "fits": self.fits,
-        }
-
-
-# -- time -------------------------------------------------------------------------------------------------
-def bubble_ratio(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle time of a stage over its compute: (pp-1)/m for GPipe and 1F1B, the papers' (pp-1)/(v m) for
-    interleaved 1F1B, (pp-1)/(3m) for ZB-H1 and (pp-1)/(6m) for DualPipeV on this executor
-    (raypar.core.pipeline.schedules.bubble_formula gives each as a share of the whole step instead:
-    r / (1 + r))."""
-    share = schedules.bubble_formula(schedule, pp, microbatches, virtual_stages)
-    return share / (1.0 - share)
-
-
-def predict(
-    cfg: Config, layout: Layout, device: Device, mfu: float, wrong_in_flight: bool = False
-) -> Prediction:
-    m, t = cfg.model, cfg.train
-    e = PRECISION_BYTES[t.precision]
-    stages = predict_memory(cfg, layout, device.kind, wrong_in_flight)
-    tokens = t.global_batch * m.seq_len
-    recomputed = sum(1 for i in range(m.n_layers) if i % t.recompute_every == 0)
-    d, s = m.d_model, m.seq_len
-    block = 2 * d * d + 2 * d * m.n_kv_heads * m.head_dim + 3 * d * m.d_ff
-    extra = {NO_RECOMPUTE: 0.0, SELECTIVE: 4.0 * d * s, FULL: 2.0 * block + 4.0 * d * s}[layout.recompute]
-    flops = tokens * (flops_per_token(m) + recomputed * extra)
-    peak = device.peak_flops_16 if e == 2 else device.peak_flops_32
-    # fp8: the converted linears' GEMMs at the float8 rate (their recomputed forwards left at bf16's)
-    float8 = tokens * float8_flops_per_token(m) if PRECISIONS[t.precision].float8 else 0.0
-    held = [[i for chunk in chunks for i in chunk] for chunks in rank_chunks(cfg, layout)]
-    layers = max(map(len, held))
-    moe_layers = max(sum(map(functools.partial(is_moe_layer, m), rank)) for rank in held)
-    split = SCHEDULES[cfg.parallel.schedule].splits_backward
-    passes = 3 if split and layout.pp > 1 else 2  # F, B (and W)
-    # Every rank runs all its layers' passes for every microbatch of its replica, whatever tp and cp divide.
-    fixed = layout.microbatches * passes * layers * device.layer_pass_s
-    compute = ((flops - float8) / peak + float8 / device.peak_flops_8) / layout.world / mfu + fixed
-    if t.compile:  # fused norms, RoPE and SwiGLU: fewer passes over memory and fewer launches
-        compute /= device.compile_speedup
-    ratio = bubble_ratio(cfg.parallel.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
-    bubble = compute * ratio
-    mbs = t.global_batch // (layout.dp * layout.microbatches)
-    bw = device.intra_bw if layout.world <= device.per_node else device.inter_bw
-    tp_bw = device.intra_bw if layout.tp <= device.per_node else device.inter_bw
-    cp_bw = device.intra_bw if layout.tp * layout.cp <= device.per_node else device.inter_bw
-    comm = plan_comm.tp_s(cfg, layout, layers, tp_bw, device.latency_s)
-    comm += plan_comm.cp_s(cfg, layout, layers, cp_bw, device.latency_s)
-    comm += plan_comm.ep_s(cfg, layout, moe_layers, bw, device.latency_s)
-    # A pipeline hop carries the rank's T/cp tokens (T/(cp tp) under SP). Fill and drain: pp - 1 hops each
-    # way, and v times as many with v chunks per rank (each microbatch goes round the ranks v times, and
-    # every chunk boundary is a hop).
-    hop = e * mbs * s // layout.cp * d // (layout.tp if layout.sequence_parallel else 1)
-    comm += 2 * layout.virtual_stages * (layout.pp - 1) * (hop / bw + device.latency_s)
-    if layout.pp > 1:  # every microbatch's activation and gradient, into and out of each chunk
-        comm += 2 * layout.microbatches * layout.virtual_stages * dict(device.hop_s).get(
-            cfg.parallel.transport, 0.0
-        )
-    last = layout_topology(cfg, layout).last_rank
-    params = max(
-        (stage_params(m, rank, i == 0, i == last, layout.tp, layout.ep) for i, rank in enumerate(held)),
-        key=lambda p: p.total,
-    )
-    group = layout.dp * layout.cp  # cp ranks reduce the same gradients as dp ones
-    if layout.shard < layout.dp:  # HSDP: a shard group packs on one node where it fits (placement)
-        bw_shard = device.intra_bw if layout.shard * layout.tp <= device.per_node else device.inter_bw
-        gathers = layout.microbatches if ZERO_STAGES[layout.zero].shards_parameters else 0
-        inside, across = plan_comm.hsdp_s(
-            params.dense * 4, params.dense * e, layout.shard, layout.dp // layout.shard, gathers, bw_shard, bw
-        )
-        dp_exposed = _exposed(inside, compute, layout) + across
-        return Prediction(layout, stages, compute, bubble, comm + dp_exposed, tokens)
-    # Reduced in fp32: dense gradients over cp x dp, expert ones over the expert-dp group.
-    dp_comm = plan_comm.all_reduce_s(params.dense * 4, group, bw)
-    dp_comm += plan_comm.all_reduce_s(params.expert * 4, group // layout.ep, bw)
-    if ZERO_STAGES[layout.zero].shards_parameters:  # gathered for every forward and backward
-        gathered = plan_comm.all_reduce_s(params.dense * e, group, bw)
-        gathered += plan_comm.all_reduce_s(params.expert * e, group // layout.ep, bw)
-        dp_comm += layout.microbatches * gathered
-    return Prediction(layout, stages, compute, bubble, comm + _exposed(dp_comm, compute, layout), tokens)
-
-
-def _exposed(dp_comm: float, compute: float, layout: Layout) -> float:
-    """DP traffic not hidden behind the last microbatch's backward (two thirds of its compute)."""
-    return max(0.0, dp_comm - compute / layout.microbatches * 2 / 3)
-
-
-# -- enumeration ------------------------------------------------------------------------------------------
 # The largest --devices planned for: ten times today's largest clusters, searched in seconds.
 MAX_DEVICES = 2**20
+# Layouts predicted in full where none fits, the least memory first (their model states may be all that
+# was worked out during the search), for `raypar plan` to show the nearest.
+NEAREST = 64
+# Schedules the search tries at pp > 1, with their chunk counts (None: every count that splits the layers).
+SEARCHED = ((ONE_F_ONE_B.name, None), (ZB_H1.name, (1,)), (DUALPIPEV.name, (2,)))
+
+
 def _divisors(n: int) -> list[int]:
     """The divisors of n in increasing order, in O(sqrt n): `--devices` may be any integer."""
     small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
@@ -243,17 +82,26 @@ def zero_stages(cfg: Config) -> tuple[int, ...]:
     return tuple(ZERO_STAGES) if hasattr(cfg.parallel, "zero") else (0,)
 
 
-def layout_config(cfg: Config, layout: Layout) -> Config:
-    """`cfg` with the layout's knobs; raises ConfigError where the config's own rules reject them."""
-    raw = cfg.to_dict()
-    for section, values in layout.overrides().items():
-        raw[section].update(values)
+def with_layout(cfg: Config, layout: Layout) -> Config:
+    """`cfg` with the layout's knobs, not validated (see `layout_config`). The sections are replaced field by
+    field (their types are the layout's own): thousands of layouts are built per plan."""
+    sections = {name: dict(values) for name, values in layout.overrides().items()}
     if hasattr(cfg.parallel, "zero"):
-        raw["parallel"]["zero"] = layout.zero
-    raw["parallel"]["max_dp"] = 0
+        sections["parallel"]["zero"] = layout.zero
+    sections["parallel"]["max_dp"] = 0
     if layout.pp != cfg.parallel.pp:
-        raw["parallel"]["stage_layers"] = []
-    return from_dict(raw)
+        sections["parallel"]["stage_layers"] = []
+    return dataclasses.replace(
+        cfg, **{name: dataclasses.replace(getattr(cfg, name), **values) for name, values in sections.items()}
+    )
+
+
+def layout_config(cfg: Config, layout: Layout) -> Config:
+    """`cfg` with the layout's knobs; raises ConfigError where the config's own rules reject them (the
+    rules `raypar train` runs)."""
+    out = with_layout(cfg, layout)
+    rules.validate(out)
+    return out
 
 
 def sequence_axes(cfg: Config, devices: int) -> list[tuple[int, str, int]]:
@@ -267,54 +115,162 @@ def sequence_axes(cfg: Config, devices: int) -> list[tuple[int, str, int]]:
     return out
 
 
-def candidates(cfg: Config, devices: int, per_node: int = 0) -> list[tuple[Layout, Config]]:
-    """Every layout of `devices` the config rules accept; with `per_node` devices a node, also HSDP where it
-    fits: ZeRO sharded over the replicas whose stage shares a node (dp_shard = per_node / tp), replicated
-    across nodes, when that is more than one replica and fewer than dp."""
+def _pipelines(cfg: Config, pp: int, microbatches: int) -> Iterator[tuple[str, int]]:
+    """(schedule, virtual_stages) the rules allow at pp and m microbatches per replica (the necessary
+    conditions of rules._validate_pipeline; validate still decides)."""
+    n = cfg.model.n_layers
+    if pp == 1:
+        yield ONE_F_ONE_B.name, 1
+        return
+    for schedule, chunks in SEARCHED:
+        for v in chunks or [v for v in _divisors(n) if v == 1 or n % (pp * v) == 0]:
+            if SCHEDULES[schedule].v_shape:
+                ok = n % (pp * v) == 0 and microbatches >= 2 * pp
+            elif v > 1:
+                ok = microbatches % pp == 0
+            else:
+                ok = microbatches >= pp
+            if ok:
+                yield schedule, v
+
+
+def candidates(cfg: Config, devices: int, per_node: int = 0) -> list[Layout]:
+    """Every layout on `devices` devices that passes the config rules' necessary conditions (the rules
+    themselves are run on the layouts the search evaluates), without the knobs tried only where cheaper
+    ones do not fit (full recomputation, offload: `fallbacks`). With `per_node` devices a node, also HSDP
+    where it fits: ZeRO sharded over the replicas whose stage shares a node (dp_shard = per_node / (tp cp)),
+    replicated across nodes, when that is more than one replica and fewer than dp."""
     out = []
-    n_layers = cfg.model.n_layers
-    experts = cfg.model.moe_experts
     m_cfg = cfg.model
+    experts = m_cfg.moe_experts
     for cp, cp_style, tp in sequence_axes(cfg, devices):
-        # Necessary conditions of the config rules, checked before building any config: splits the model
-        # cannot take are skipped in bulk, so the search stays small however many devices are given.
+        # Splits the model cannot take are skipped in bulk, so the search stays small however many devices.
         if m_cfg.n_heads % tp or m_cfg.n_kv_heads % tp or m_cfg.seq_len % cp:
             continue
         for pp in _divisors(devices // (tp * cp)):
             dp = devices // (tp * cp * pp)
-            if cfg.train.global_batch % dp or pp > n_layers:
+            if cfg.train.global_batch % dp or pp > m_cfg.n_layers:
                 continue
-            # Only chunkings that split the layers evenly are tried (validate's rule, which still
-            # decides, together with its schedule and microbatch rules).
-            chunkings = [v for v in _divisors(n_layers) if v == 1 or n_layers % (pp * v) == 0]
-            knobs = itertools.product(
-                _divisors(cfg.train.global_batch // dp), zero_stages(cfg) if dp * cp > 1 else (0,),
-                RECOMPUTE, chunkings, (False, True) if tp > 1 else (False,),
-                [ep for ep in _divisors(dp) if experts % ep == 0] if experts else (1,),
-            )
-            shard = per_node // (tp * cp)
-            hsdp = (shard,) if 2 <= shard < dp and not dp % shard else ()
-            for m, zero, recompute, v, sp, ep in knobs:
-                for dp_shard in (0, *hsdp) if zero else (0,):
-                    layout = Layout(dp, pp, tp, zero, recompute, m, v, cp, cp_style, sp, ep, dp_shard)
-                    try:
-                        out.append((layout, layout_config(cfg, layout)))
-                    except ConfigError:
-                        continue  # a layout `raypar train` would refuse is never listed
+            eps = [ep for ep in _divisors(dp) if experts % ep == 0] if experts else [1]
+            for microbatches in _divisors(cfg.train.global_batch // dp):
+                for (schedule, v), sp, ep, recompute in itertools.product(
+                    _pipelines(cfg, pp, microbatches), (False, True) if tp > 1 else (False,), eps,
+                    [r for r in RECOMPUTE if r != FULL],
+                ):
+                    # ZeRO-3 gathers around each unit's one forward and one backward (rules: one chunk)
+                    split = SCHEDULES[schedule].splits_backward
+                    zeros = [z for z in zero_stages(cfg) if dp * cp > 1 or z == 0]
+                    zeros = [z for z in zeros if not (ZERO_STAGES[z].shards_parameters and (v > 1 or split))]
+                    shard = per_node // (tp * cp)
+                    # (rules: HSDP without cp or experts)
+                    hsdp = (shard,) if cp == 1 and not experts and 2 <= shard < dp and not dp % shard else ()
+                    out += [
+                        Layout(dp, pp, tp, z, recompute, microbatches, v, cp, cp_style, sp, ep, schedule,
+                               NO_OFFLOAD, dp_shard)
+                        for z in zeros
+                        for dp_shard in ((0, *hsdp) if z else (0,))
+                    ]
     return out
 
 
-def plan(cfg: Config, devices: int, memory: float, device: Device, mfu: float = 0.4) -> list[Prediction]:
-    """Every valid layout on `devices` devices, fitting ones first, each group by predicted throughput."""
+def fallbacks(cfg: Config, layout: Layout) -> list[Layout]:
+    """The slower knobs, tried where `layout` does not fit: full recomputation in place of selective,
+    offload of the sharded optimizer where the layout shards it."""
+    out = []
+    if layout.recompute == SELECTIVE:
+        out.append(dataclasses.replace(layout, recompute=FULL))
+    if ZERO_STAGES[layout.zero].shards_optimizer and layout.offload == NO_OFFLOAD:
+        out.append(dataclasses.replace(layout, offload=CPU_OFFLOAD))
+    return out
+
+
+def _bound(cfg: Config, layout: Layout, device: Device, mfu: float) -> float:
+    """A lower bound of the layout's predicted step time (`cfg` has its knobs): its compute, bubble and
+    tp/cp/ep collectives, without the pipeline's hops and the exposed DP traffic, which only add."""
+    compute = rank_compute_s(cfg, layout, device, mfu)
+    ratio = bubble_ratio(cfg.parallel.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
+    held = [[i for chunk in chunks for i in chunk] for chunks in rank_chunks(cfg, layout)]
+    moe_layers = max(sum(map(functools.partial(is_moe_layer, cfg.model), rank)) for rank in held)
+    return compute * (1 + ratio) + axes_comm_s(cfg, layout, device, max(map(len, held)), moe_layers)
+
+
+def plan(
+    cfg: Config, devices: int, memory: float, device: Device, mfu: float = 0.4, top: int | None = None,
+    tie: float = 0.03,
+) -> list[Prediction]:
+    """Valid layouts on `devices` devices with their predictions, unordered (raypar.core.planner.rank
+    orders them). `top` None: every one. Else only fitting ones, and the search stops once no layout left
+    could rank among the `top` fastest or within `tie` of the fastest; if none fits, every one (the
+    nearest are wanted)."""
     if devices > MAX_DEVICES:
         raise ConfigError(f"--devices: at most {MAX_DEVICES:,} (the search is over divisors of it), got "
                           f"{devices:,}")
-    preds = []
-    for layout, layout_cfg in candidates(cfg, devices, device.per_node):
-        pred = predict(layout_cfg, layout, device, mfu)
-        pred.fits = pred.memory_bytes <= memory
-        preds.append(pred)
-    return sorted(preds, key=lambda p: (not p.fits, -p.tokens_per_s))
+    bounds: dict[tuple[object, ...], float] = {}
+    queue = []
+    for i, layout in enumerate(candidates(cfg, devices, device.per_node)):
+        # The bound depends on neither zero nor offload: computed once per the rest.
+        key = (layout.dp, layout.pp, layout.tp, layout.cp, layout.cp_style, layout.sequence_parallel,
+               layout.ep, layout.microbatches, layout.virtual_stages, layout.schedule, layout.recompute)
+        if key not in bounds:
+            bounds[key] = _bound(with_layout(cfg, layout), layout, device, mfu)
+        queue.append((bounds[key], i, layout, None))
+    heapq.heapify(queue)
+    counter = itertools.count(len(queue))
+    states: dict[tuple[object, ...], float] = {}
+    tried: set[Layout] = set()
+    over: list[tuple[float, int, Layout]] = []  # (memory, or its model states alone, ...) of those over
+    fitting: list[float] = []  # the `top` fastest fitting step times found, negated (a max-heap)
+    best = math.inf
+    out = []
+    while queue:
+        bound, _, layout, times = heapq.heappop(queue)
+        if top is not None and len(fitting) >= top and bound > max(-fitting[0], best * (1 + tie)):
+            break
+        layout_cfg = with_layout(cfg, layout)
+        if times is None:  # the bound was compute and collectives only: back in line at the whole time
+            times = step_times(layout_cfg, layout, device, mfu)
+            heapq.heappush(queue, (sum(times), next(counter), layout, times))
+            continue
+        # Model states alone, the same for every microbatch count, recompute and cp style: where they do
+        # not fit, neither schedule nor activations are worked out (in top mode).
+        key = (layout.dp, layout.pp, layout.tp, layout.cp, layout.ep, layout.zero, layout.virtual_stages,
+               SCHEDULES[layout_cfg.parallel.schedule].v_shape, layout_cfg.train.offload)
+        if key not in states:
+            chunks = rank_chunks(layout_cfg, layout)
+            states[key] = max(rank_states(layout_cfg, layout, p, held)[1] for p, held in enumerate(chunks))
+        if top is not None and states[key] > memory:
+            fits, need = False, states[key]
+        else:
+            pred = predict(layout_cfg, layout, device, mfu, times=times)
+            fits, need = pred.memory_bytes <= memory, pred.memory_bytes
+            pred.fits = fits
+        if not fits:
+            for slower in set(fallbacks(cfg, layout)) - tried:  # full+offload is reached two ways
+                tried.add(slower)
+                heapq.heappush(queue, (_bound(with_layout(cfg, slower), slower, device, mfu), next(counter),
+                                       slower, None))
+            if top is not None:  # not shown when some layout fits; else the nearest are
+                over.append((need, next(counter), layout))
+                continue
+        try:
+            rules.validate(layout_cfg)
+        except ConfigError:
+            continue  # a layout `raypar train` would refuse is never listed
+        out.append(pred)
+        if fits:
+            best = min(best, pred.step_time_s)
+            heapq.heappush(fitting, -pred.step_time_s)
+            if top is not None and len(fitting) > top:
+                heapq.heappop(fitting)
+    if top is not None and not out:  # nothing fits: the layouts needing the least memory, predicted in full
+        for _, _, layout in heapq.nsmallest(NEAREST, over):
+            try:
+                layout_cfg = layout_config(cfg, layout)
+            except ConfigError:
+                continue
+            out.append(predict(layout_cfg, layout, device, mfu))
+            out[-1].fits = False
+    return out
 
 
 def current_layout(cfg: Config) -> Layout:
@@ -330,8 +286,36 @@ def current_layout(cfg: Config) -> Layout:
         cfg.parallel.cp_style,
         cfg.parallel.sequence_parallel,
         cfg.parallel.ep,
+        cfg.parallel.schedule,
+        cfg.train.offload,
         cfg.parallel.dp_shard,
     )
+
+
+def knobs(cfg: Config, layout: Layout, device: Device) -> list[tuple[str, float]]:
+    """("section.key=value", predicted memory) for each single knob `raypar train` accepts on `layout`,
+    cheapest in time first: recomputation, a higher ZeRO stage, offload, more microbatches."""
+    tries = [dataclasses.replace(layout, recompute=r) for r in (SELECTIVE, FULL) if r != layout.recompute]
+    tries += [dataclasses.replace(layout, zero=z) for z in zero_stages(cfg) if z > layout.zero]
+    tries += [dataclasses.replace(layout, offload=CPU_OFFLOAD)] if layout.offload in ("", NO_OFFLOAD) else []
+    tries += [dataclasses.replace(layout, microbatches=layout.microbatches * 2)]
+    out = []
+    for knob in tries:
+        try:
+            knob_cfg = layout_config(cfg, knob)
+        except ConfigError:
+            continue
+        key = next(k for k in ("recompute", "zero", "offload", "microbatches")
+                   if getattr(knob, k) != getattr(layout, k))
+        section = "train" if key in ("recompute", "offload") else "parallel"
+        need = predict(knob_cfg, knob, device, 0.4).memory_bytes
+        out.append((f"{section}.{key}={getattr(knob, key)}", need))
+    return out
+
+
+def fitting_knob(cfg: Config, layout: Layout, memory: float, device: Device) -> str | None:
+    """The first single knob ("section.key=value") that makes `layout` fit `memory`; None if none does."""
+    return next((knob for knob, need in knobs(cfg, layout, device) if need <= memory), None)
 
 
 def check_fits(cfg: Config, memory: float, device: Device, where: str) -> None:
@@ -340,25 +324,12 @@ def check_fits(cfg: Config, memory: float, device: Device, where: str) -> None:
     need = predict(cfg, layout, device, 0.4).memory_bytes
     if need <= memory:
         return
-    tries = [dataclasses.replace(layout, recompute=r) for r in (SELECTIVE, FULL)]
-    tries += [dataclasses.replace(layout, zero=z) for z in zero_stages(cfg) if z > layout.zero]
-    tries += [dataclasses.replace(layout, microbatches=layout.microbatches * 2)]
-    for knob in tries:
-        try:
-            knob_cfg = layout_config(cfg, knob)
-        except ConfigError:
-            continue
-        if predict(knob_cfg, knob, device, 0.4).memory_bytes <= memory:
-            changed = next(
-                f"{key}={getattr(knob, key)}"
-                for key in ("recompute", "zero", "microbatches")
-                if getattr(knob, key) != getattr(layout, key)
-            )
-            section = "train" if changed.startswith("recompute") else "parallel"
-            raise ConfigError(
-                f"{section}.{changed.split('=')[0]}: the plan predicts {gib(need)} per actor > {gib(memory)} "
-                f"on {where}; set {section}.{changed} (see `raypar plan`)"
-            )
+    knob = fitting_knob(cfg, layout, memory, device)
+    if knob:
+        raise ConfigError(
+            f"{knob.split('=')[0]}: the plan predicts {gib(need)} per actor > {gib(memory)} on {where}; set "
+            f"{knob} (see `raypar plan`)"
+        )
     raise ConfigError(
         f"parallel.tp/pp: the plan predicts {gib(need)} per actor > {gib(memory)} on {where}, and no "
         "single knob fits; more devices (pp or tp) are needed (see `raypar plan`)"
@@ -414,20 +385,3 @@ def parse_size(text: str) -> float:
     return float(number) * (1024 if binary else 1000) ** power
 
 
-def table(preds: list[Prediction], top: int) -> str:
-    head = f"{'dp':>3} {'dps':>3} {'pp':>3} {'tp':>3} {'sp':>2} {'cp':>9} {'ep':>3} {'zero':>4} "
-    head += f"{'recompute':>9} "
-    head += f"{'mb':>4} {'v':>2} {'memory':>12} {'states':>11} {'activ.':>11} {'step s':>9} {'tokens/s':>11}"
-    rows = [head]
-    for p in preds[:top]:
-        j = p.to_json()
-        cp = f"{j['cp']} {j['cp_style']}" if j["cp"] > 1 else "1"
-        rows.append(
-            f"{j['dp']:>3} {j['dp_shard'] or j['dp']:>3} {j['pp']:>3} {j['tp']:>3} "
-            f"{'y' if j['sequence_parallel'] else '-':>2} {cp:>9} "
-            f"{j['ep']:>3} {j['zero']:>4} {j['recompute']:>9} "
-            f"{j['microbatches']:>4} {j['virtual_stages']:>2} {gib(j['memory_bytes']):>12} "
-            f"{gib(j['model_state_bytes']):>11} {gib(j['activation_bytes']):>11} "
-            f"{j['step_time_s']:>9.3g} {j['tokens_per_s']:>11,.0f}"
-        )
-    return "\n".join(rows)
