@@ -73,7 +73,10 @@ def check_top_pick(name: str) -> None:
     order = rank.ranked(plan.plan(cfg, devices, 80e9, plan.DEVICES["h100"], 0.4, top=20))
     top = order[0][1].layout
     got = (top.dp, top.pp, top.tp, top.cp, top.ep)
-    assert got == mesh and top.zero > 0, f"{name}: top pick {rank.describe(top)} differs from {mesh}"
+    # sharded over every replica (FSDP over all ranks, the distributed optimizer over dp), not HSDP
+    assert got == mesh and top.zero > 0 and top.shard == top.dp, (
+        f"{name}: top pick {rank.describe(top)} differs from {mesh}"
+    )
 
 
 @pytest.mark.parametrize("name", AGREEMENT)
@@ -82,10 +85,11 @@ def test_top_pick_agrees_with_published_layouts(name: str) -> None:
 
 
 def test_ties_by_headroom_alone_pick_an_exotic_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: ranked by headroom alone inside a tie group (no preference for less machinery), a
-    context-parallel layout with less memory and no gain comes first and the agreement check fails."""
+    """Negative control: ranked by headroom alone inside a tie group (no preference for less machinery), an
+    HSDP or context-parallel layout with less memory and no gain comes first and the agreement check fails."""
     monkeypatch.setattr(rank, "machinery", lambda layout: 0)
-    with pytest.raises(AssertionError, match=r"top pick dp\d+·cp\d.* differs from \(16, 1, 1, 1, 1\)"):
+    exotic = r"top pick dp\d+·(dps\d+|cp\d).* differs from \(16, 1, 1, 1, 1\)"
+    with pytest.raises(AssertionError, match=exotic):
         check_top_pick("llama2-7b, 16 x H100, 192 x 4096 tokens")
 
 

@@ -22,7 +22,7 @@ def machinery(layout: Layout) -> int:
     return sum((
         layout.pp > 1, layout.tp > 1, layout.cp > 1, layout.ep > 1, layout.virtual_stages > 1,
         (layout.schedule or ONE_F_ONE_B.name) != ONE_F_ONE_B.name, layout.offload not in ("", NO_OFFLOAD),
-        layout.recompute != NO_RECOMPUTE,
+        layout.recompute != NO_RECOMPUTE, layout.shard < layout.dp,
     ))
 
 
@@ -44,7 +44,7 @@ def ranked(preds: list[Prediction], tie: float = TIE) -> list[tuple[int, Predict
 
 def describe(layout: Layout) -> str:
     """A layout in one token-like phrase: dp8·tp2+SP·zero2·mb8, with only the axes that are not 1."""
-    parts = [f"dp{layout.dp}"]
+    parts = [f"dp{layout.dp}"] + ([f"dps{layout.dp_shard}"] if layout.shard < layout.dp else [])
     parts += [f"pp{layout.pp}"] if layout.pp > 1 else []
     parts += [f"tp{layout.tp}" + ("+SP" if layout.sequence_parallel else "")] if layout.tp > 1 else []
     parts += [f"cp{layout.cp}({layout.cp_style})"] if layout.cp > 1 else []
