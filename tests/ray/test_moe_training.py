@@ -26,8 +26,8 @@ from raypar.controller.actor_mesh import StepResult
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.parallel.mesh import Mesh
 from tests.support.faults import FaultyActorMesh
-from tests.support.moe_runs import FP32_STATE, STEPS, assert_params, make_cfg, train
-from tests.support.reference import Run, reference_run
+from tests.support.moe_runs import FP32_STATE, STEPS, assert_params, make_cfg, one_process, train
+from tests.support.reference import Run
 
 # aux-loss-free balancing on: the routing bias moves every step, and a checkpoint must carry it
 BIAS = "model.moe_bias_update_rate=0.05"
@@ -35,7 +35,7 @@ BIAS = "model.moe_bias_update_rate=0.05"
 
 @pytest.fixture(scope="module")
 def reference() -> Run:
-    return reference_run(make_cfg(1, 1, 1, 8), STEPS, microbatch_size=1)
+    return one_process(make_cfg(1, 1, 1, 8), STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def mesh(ray_session):
 def test_dp4_ep2_ep4_divisor_control_and_checkpoint_resharding(mesh, tmp_path):
     """dp=4 with the routing bias moving: 3 steps at ep=2 from the seed, each against the reference, a
     checkpoint there resumed at ep=4 and at ep=1 (each 2 more steps and the end parameters)."""
-    reference = reference_run(make_cfg(1, 1, 1, 8, BIAS), STEPS, microbatch_size=1)
+    reference = one_process(make_cfg(1, 1, 1, 8, BIAS), STEPS)
     # Negative control: expert gradients averaged over the expert-dp group (size 2) instead of dp=4.
     mesh.set_faults({c: ["ep_divisor_edp"] for c in Mesh(4, 1, 1).coords()})
     mesh.reconfigure(make_cfg(4, 1, 2, 2, BIAS))
