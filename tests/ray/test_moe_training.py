@@ -13,6 +13,9 @@ check rejects it. A checkpoint written at ep=2 resumes at ep=4 and at ep=1 on th
 ZeRO 1-3 at dp=4, ep=2 (experts sharded over their expert-dp group, gathered there around each block at
 stage 3): the same checks where whole gradients exist nowhere (loss, grad norm, parameters), model-state
 bytes per actor equal to the formula, and two controls (the divisor; experts not gathered for backward).
+All on one set of 4 actors. MoE at dp=2 x pp=2 x ep=2 (experts on both stages, stage 0's aux loss joining
+its backward), the layouts' gradients against one process, dropping, cp, SP and ZeRO at ep=1 on thread
+ranks: tests/unit/test_moe*.py, tests/unit/test_dualpipev_compose.py.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ import pytest
 
 from raypar.controller.actor_mesh import StepResult
 from raypar.core.checkpoint import format as checkpoint
-from raypar.core.parallel.mesh import Coord, Mesh
+from raypar.core.parallel.mesh import Mesh
 from tests.support.faults import FaultyActorMesh
-from tests.support.moe_runs import FP32_STATE, STEPS, assert_params, make_cfg, train
-from tests.support.reference import Run, reference_run
+from tests.support.moe_runs import FP32_STATE, STEPS, assert_params, make_cfg, one_process, train
+from tests.support.reference import Run
 
 # aux-loss-free balancing on: the routing bias moves every step, and a checkpoint must carry it
 BIAS = "model.moe_bias_update_rate=0.05"
@@ -32,54 +35,45 @@ BIAS = "model.moe_bias_update_rate=0.05"
 
 @pytest.fixture(scope="module")
 def reference() -> Run:
-    return reference_run(make_cfg(1, 1, 1, 8), STEPS, microbatch_size=1)
+    return one_process(make_cfg(1, 1, 1, 8), STEPS)
 
 
-def test_dp4_ep2_ep4_divisor_control_and_checkpoint_resharding(ray_session, tmp_path):
-    """One set of 4 actors (dp=4) rebuilt from the seed for each case, with the routing bias moving."""
-    reference = reference_run(make_cfg(1, 1, 1, 8, BIAS), STEPS, microbatch_size=1)
+@pytest.fixture(scope="module")
+def mesh(ray_session):
+    """One set of 4 actors (dp=4) for both tests, rebuilt from the seed (`reconfigure`) for each case: a
+    mesh start costs more than the steps."""
     mesh = FaultyActorMesh(make_cfg(4, 1, 2, 2, BIAS), "moe-dp4", faults={})
     try:
         mesh.start()
-        for ep in (2, 4):
-            mesh.reconfigure(make_cfg(4, 1, ep, 2, BIAS))
-            train(mesh, range(STEPS), reference)
-            assert_params(mesh, reference)
-
-        # Negative control: expert gradients averaged over the expert-dp group (size 2) instead of dp=4.
-        mesh.set_faults({c: ["ep_divisor_edp"] for c in Mesh(4, 1, 1).coords()})
-        mesh.reconfigure(make_cfg(4, 1, 2, 2, BIAS))
-        with pytest.raises(AssertionError, match=r"gradient of layers\.\d\.mlp\.experts"):
-            train(mesh, range(1), reference)
-        mesh.set_faults({})
-
-        # A checkpoint written at ep=2 after 3 steps, resumed at ep=4 and at ep=1: the same curve (the
-        # routing biases of step 3 come back from it: zeros would route, and so lose, differently).
-        mesh.reconfigure(make_cfg(4, 1, 2, 2, BIAS))
-        train(mesh, range(3), reference)
-        staging, writers = mesh.begin_checkpoint(str(tmp_path), 3)
-        assert sorted(c.dp for c in writers) == [0, 1]  # the first EP group writes every expert
-        entries = mesh.collect(mesh.checkpoint_writes(writers), "writing")
-        uri = checkpoint.publish(str(tmp_path), staging, 3, entries, {"optimizer_steps": 3})
-        for ep in (4, 1):
-            mesh.reconfigure(make_cfg(4, 1, ep, 2, BIAS))
-            assert mesh.load(uri) == 3
-            train(mesh, range(3, STEPS), reference)
-            assert_params(mesh, reference)
+        yield mesh
     finally:
         mesh.shutdown()
 
 
-def test_dp2_pp2_ep2(ray_session, reference):
-    """Experts on both stages: the aux loss of stage 0 joins its backward without a loss of its own."""
-    mesh = FaultyActorMesh(make_cfg(2, 2, 2, 4), "moe-dp2pp2", faults={})
-    try:
-        mesh.start()
-        train(mesh, range(STEPS), reference)
+def test_dp4_ep2_ep4_divisor_control_and_checkpoint_resharding(mesh, tmp_path):
+    """dp=4 with the routing bias moving: 3 steps at ep=2 from the seed, each against the reference, a
+    checkpoint there resumed at ep=4 and at ep=1 (each 2 more steps and the end parameters)."""
+    reference = one_process(make_cfg(1, 1, 1, 8, BIAS), STEPS)
+    # Negative control: expert gradients averaged over the expert-dp group (size 2) instead of dp=4.
+    mesh.set_faults({c: ["ep_divisor_edp"] for c in Mesh(4, 1, 1).coords()})
+    mesh.reconfigure(make_cfg(4, 1, 2, 2, BIAS))
+    with pytest.raises(AssertionError, match=r"gradient of layers\.\d\.mlp\.experts"):
+        train(mesh, range(1), reference)
+    mesh.set_faults({})
+
+    # A checkpoint written at ep=2 after 3 steps, resumed at ep=4 and at ep=1: the same curve (the
+    # routing biases of step 3 come back from it: zeros would route, and so lose, differently).
+    mesh.reconfigure(make_cfg(4, 1, 2, 2, BIAS))
+    train(mesh, range(3), reference)
+    staging, writers = mesh.begin_checkpoint(str(tmp_path), 3)
+    assert sorted(c.dp for c in writers) == [0, 1]  # the first EP group writes every expert
+    entries = mesh.collect(mesh.checkpoint_writes(writers), "writing")
+    uri = checkpoint.publish(str(tmp_path), staging, 3, entries, {"optimizer_steps": 3})
+    for ep in (4, 1):
+        mesh.reconfigure(make_cfg(4, 1, ep, 2, BIAS))
+        assert mesh.load(uri) == 3
+        train(mesh, range(3, STEPS), reference)
         assert_params(mesh, reference)
-        assert set(mesh.actors) == {Coord(d, p, 0) for d in range(2) for p in range(2)}
-    finally:
-        mesh.shutdown()
 
 
 def assert_state_bytes(results: list[StepResult], ref: Run, zero: int, dp: int, ep: int) -> None:
@@ -96,7 +90,7 @@ def assert_state_bytes(results: list[StepResult], ref: Run, zero: int, dp: int, 
             assert got == want, f"{coord.key}: model-state bytes {got} vs formula {want} at zero {zero}"
 
 
-def test_zero_shards_dense_and_expert_state(ray_session, reference, tmp_path):
+def test_zero_shards_dense_and_expert_state(mesh, reference, tmp_path):
     """ZeRO 1, 2 and 3 with experts: dense state sharded over dp=4, expert state over its expert-dp group
     (dp=4, ep=2: two ranks per group); at stage 3 each block's experts are gathered over that group around
     the block's forward and again before its backward, like its dense parameters over dp. Whole gradients
@@ -105,17 +99,17 @@ def test_zero_shards_dense_and_expert_state(ray_session, reference, tmp_path):
     at ep=4, zero 1 on the reference curve. Negative controls: the
     divisor control above, applied to the sharded reduction, and (zero 3) experts not gathered again for
     backward: both caught by the grad norm."""
-    mesh = FaultyActorMesh(make_cfg(4, 1, 2, 2, "parallel.zero=1"), "moe-zero", faults={})
+    mesh.set_faults({})
     try:
-        mesh.start()
-        for zero in (1, 2, 3):
+        for zero in (1, 2):
             mesh.reconfigure(make_cfg(4, 1, 2, 2, f"parallel.zero={zero}"))
             results = train(mesh, range(STEPS), reference, grads=False)
             assert_params(mesh, reference)
             assert_state_bytes(results, reference, zero, 4, 2)
-        # A zero-3 checkpoint (every rank writes the pieces it owns) resumes at ep=4, zero 1.
+        # Zero 3 for 3 steps; its checkpoint (every rank writes the pieces it owns) resumes at ep=4, zero 1
+        # for the last 2, which end on the reference's parameters.
         mesh.reconfigure(make_cfg(4, 1, 2, 2, "parallel.zero=3"))
-        train(mesh, range(3), reference, grads=False)
+        assert_state_bytes(train(mesh, range(3), reference, grads=False), reference, 3, 4, 2)
         staging, writers = mesh.begin_checkpoint(str(tmp_path), 3)
         assert len(writers) == 4
         entries = mesh.collect(mesh.checkpoint_writes(writers), "writing")
@@ -130,4 +124,4 @@ def test_zero_shards_dense_and_expert_state(ray_session, reference, tmp_path):
             with pytest.raises(AssertionError, match=r"grad norm at step 0"):
                 train(mesh, range(1), reference, grads=False)
     finally:
-        mesh.shutdown()
+        mesh.set_faults({})

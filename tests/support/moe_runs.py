@@ -14,7 +14,7 @@ from raypar.controller.actor_mesh import StepResult
 from raypar.core.config.schema import Config
 from raypar.core.run_config import load_config
 from tests.support.faults import FaultyActorMesh, _FaultyWorker
-from tests.support.reference import Run
+from tests.support.reference import Run, reference_run
 
 STEPS = 5
 TOL = 1e-5
@@ -39,6 +39,18 @@ def make_cfg(dp: int, pp: int, ep: int, microbatches: int, *extra: str) -> Confi
             *extra,
         ],
     )
+
+
+def one_process(cfg: Config, steps: int) -> Run:
+    """The one-process reference of `steps` steps, the global batch in microbatches of one sequence, on one
+    intra-op thread: the tiny model's matmuls gain nothing from two, and on a loaded machine their barriers
+    make it many times slower (tests/support/moe_threads.py `reference`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return reference_run(cfg, steps, microbatch_size=1)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def gather(mesh: FaultyActorMesh, endpoint: Callable[..., Any]) -> dict[str, torch.Tensor]:

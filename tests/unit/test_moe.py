@@ -7,7 +7,8 @@ slot, then rank, then token). Outputs, input gradients, router gradients (summed
 replicated, each rank's gradient comes from its own tokens) and each expert's gradient (on its owner) must
 match to 1e-5 in fp32 -- only the order of a few float sums differs. The capacity factor is small enough to
 drop tokens, so capacity and priority are exercised. Each negative control is a real bug the same check
-catches: a combine without router weights, a capacity from the local token count.
+catches: a combine without router weights, a capacity from the local token count. Last, the whole model at
+dp=2 x pp=2 x ep=2 on thread ranks against one process, with a lost aux loss as its control.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import torch
 from raypar.core.config.schema import ModelConfig
 from raypar.core.model.moe import MoELayer
 from raypar.core.parallel.tp import shard_of
+from raypar.core.pipeline.executor import ModelBackend
 from raypar.core.run_config import load_config
+from tests.support import moe_threads
 from tests.support.threads import run_groups, run_ranks
 
 E, K, CF, COEF = 4, 2, 0.75, 0.01
@@ -220,3 +223,32 @@ def test_experts_split_across_tp_with_expert_parallelism():
                 if name.startswith("experts."):
                     want = shard_of(ref["grads"][name], got["dims"][name], got["tp_group"])
                     assert (grad - want).abs().max().item() <= TOL, name
+
+
+# -- MoE on both pipeline stages ---------------------------------------------------------------------------
+class _AuxLeftOnEarlierStages(ModelBackend):
+    """The bug: a stage before the last keeps its MoE aux loss out of its backward (only the stage that ends
+    in the loss would carry the balancing term)."""
+
+    def compute(self, op: str, chunk: int, mb: int) -> None:
+        super().compute(op, chunk, mb)
+        self.aux.clear()
+
+
+def test_dp2_pp2_ep2_matches_one_process():
+    """Experts on both stages of a 1F1B pipeline at dp=2 x ep=2 (blocks 1 and 3 MoE, one per stage), one
+    step on 8 thread ranks against one process holding every expert (tests/support/moe_threads.py: loss,
+    every gradient, grad norm, aux loss, expert load; 1e-5 as tests/unit/test_moe_dropless.py says why):
+    stage 0's aux loss joins its backward without a loss of its own. Control: that aux loss left out; the
+    gradients upstream of block 1's router differ (the first checked, embed.weight, fails)."""
+    cfg = load_config("examples/configs/tiny.toml", [
+        "parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "parallel.microbatches=4", "train.global_batch=8",
+        f"model.moe_experts={E}", f"model.moe_top_k={K}", f"model.moe_capacity_factor={E / K}",
+        "model.moe_every=2",
+    ])
+    want = moe_threads.reference(cfg)
+    assert want["moe"]["dropped_tokens"] == 0 and want["moe"]["aux_loss"] > 0
+    moe_threads.assert_matches(moe_threads.parallel(cfg), want, TOL)
+    with pytest.raises(AssertionError, match=r"^gradient of embed\.weight differs"):
+        broken = moe_threads.parallel(cfg, backend_class=_AuxLeftOnEarlierStages)
+        moe_threads.assert_matches(broken, want, TOL)

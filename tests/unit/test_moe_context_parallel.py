@@ -21,7 +21,8 @@ Negative controls, each a real bug the same check rejects: the aux loss from the
 only (no reduction over cp); the reduced aux whose gradient is not scaled to the cp copies (its value is
 right, the router's gradient too small); the priority in cp-rank order instead of sequence order (other
 assignments dropped). The aux coefficient is raised to 0.1 so that the aux loss's share of the gradients is
-far above the tolerance. Last, the worker on 4 Ray actors, with the pre-cp expert divisor as its control.
+far above the tolerance. The worker on 4 Ray actors (also under ZeRO 1 and 3), with the pre-cp expert
+divisor as its control: tests/ray/test_moe_context_parallel.py.
 """
 
 from __future__ import annotations

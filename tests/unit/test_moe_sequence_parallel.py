@@ -14,7 +14,7 @@ Negative control: the MoE input gathered with the dense MLP's gather (raypar.cor
 whose
 backward reduce-scatters -- right for partial sums, but the MoE layer's input gradient is already whole on
 every tp rank, so everything below the first MoE layer gets tp times its gradient; the same check fails.
-Last, the worker on 4 Ray actors (dp=2 x ep=2 x tp=2 with SP), with that control injected into it.
+(MoE on Ray actors, through the worker and the training loop: tests/ray/test_moe_training.py.)
 """
 
 from __future__ import annotations
