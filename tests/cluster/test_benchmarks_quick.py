@@ -34,7 +34,9 @@ def shared_ray() -> Iterator[dict[str, str]]:
     the pids of that session (FakeCluster.stop), not by its process group: the raylet starts each worker
     in a process group of its own, which a killpg of the head's would miss."""
     head_env = {"RAY_worker_niceness": "0", "PYTHONPATH": REPO, "RAY_DEDUP_LOGS": "0"}
-    with FakeCluster(None, num_cpus=SHARED_CPUS, head_env=head_env, dashboard=False) as cluster:
+    # Three attempts, as start_ray gives a private Ray: a head that misses Ray's startup wait fails 13 tests.
+    head = FakeCluster(None, num_cpus=SHARED_CPUS, head_env=head_env, dashboard=False, start_attempts=3)
+    with head as cluster:
         # The head's token (RAY_AUTH_*) and address; not RAY_ADDRESS, which start_ray ignores on purpose.
         env = {k: v for k, v in cluster.env.items() if k != "RAY_ADDRESS"}
         yield {**env, BENCH_RAY_ADDRESS: cluster.address}

@@ -84,6 +84,7 @@ class FakeCluster:
         num_cpus: int = 0,
         head_env: dict[str, str] | None = None,
         dashboard: bool = True,
+        start_attempts: int = 1,
         start_timeout_s: float = 90.0,
         keep_temp_dir: bool = False,
     ) -> None:
@@ -91,6 +92,7 @@ class FakeCluster:
         self.num_cpus = num_cpus
         self.head_env = dict(head_env or {})
         self.dashboard = dashboard
+        self.start_attempts = start_attempts
         self.start_timeout_s = start_timeout_s
         self.keep_temp_dir = keep_temp_dir
         self.temp_dir: Path | None = None
@@ -117,6 +119,18 @@ class FakeCluster:
         self.stop()
 
     def start(self) -> None:
+        """Start the head; up to `start_attempts` times when it times out during startup: `ray start` waits
+        a fixed 30 s for its raylet to register with the GCS (ray._private.node), which a machine at load
+        ~100 missed. A failed attempt's processes and temp dir are gone before the next (stop())."""
+        for attempt in range(1, self.start_attempts + 1):
+            try:
+                self._start_once()
+                return
+            except RuntimeError as err:
+                if "timed out during startup" not in str(err) or attempt == self.start_attempts:
+                    raise
+
+    def _start_once(self) -> None:
         if self._head is not None:
             raise RuntimeError("FakeCluster already started")
         # Short path: Ray's unix sockets live under it and must stay below ~107 characters.
