@@ -45,15 +45,34 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # -- Ray ---------------------------------------------------------------------------------------------------
-def start_ray(num_cpus: int, worker_niceness: int = 0) -> None:
-    """A private local Ray for this process (never someone else's cluster on the same machine).
+# The one opt-in to share a Ray: a cluster's address (`ray start --head --port=P` -> "127.0.0.1:P"). Unset,
+# every script starts a private local Ray, as a user running it by hand gets. Set, start_ray joins that
+# cluster instead: the suite runs every --quick script on one Ray (tests/cluster/test_benchmarks_quick.py),
+# since a Ray start and shutdown costs seconds of a 2-core machine per script. Not RAY_ADDRESS: that one is
+# often set for other work (raypar's own CLI reads it), and a benchmark must never join a cluster by accident.
+BENCH_RAY_ADDRESS = "RAYPAR_BENCH_RAY_ADDRESS"
+# How long a joining script waits for the cluster to be idle: an earlier driver's actors and placement groups
+# are released by Ray after that driver exits, asynchronously (seconds on a loaded machine).
+IDLE_WAIT_S = 120.0
+
+
+def start_ray(num_cpus: int | None, worker_niceness: int | None = 0) -> None:
+    """A private local Ray for this process (never someone else's cluster on the same machine), of `num_cpus`
+    logical CPUs (None: Ray's count of the machine's); or, when RAYPAR_BENCH_RAY_ADDRESS names a cluster,
+    that cluster (`_join_ray`). Prints which.
 
     Ray starts its worker processes at nice 15 (`RAY_worker_niceness`), below the baselines (this process,
     torchrun's ranks: nice 0). On a machine shared with other work, a nice-15 actor gets a small share of a
     contended core, and raypar would be measured at a handicap that has nothing to do with raypar. So the
-    benchmarks start Ray with the workers at `worker_niceness` (default 0: the baselines' priority)."""
+    benchmarks start Ray with the workers at `worker_niceness` (default 0: the baselines' priority; None:
+    Ray's own default, left alone). A joined cluster's workers run at the nice its `ray start` was given."""
     os.environ.pop("RAY_ADDRESS", None)  # ray.init() would join that cluster instead of starting one
-    os.environ["RAY_worker_niceness"] = str(worker_niceness)  # read by the raylet that ray.init starts
+    address = os.environ.get(BENCH_RAY_ADDRESS, "").strip()
+    if address:
+        _join_ray(address, num_cpus, worker_niceness)
+        return
+    if worker_niceness is not None:
+        os.environ["RAY_worker_niceness"] = str(worker_niceness)  # read by the raylet that ray.init starts
     # address="local": without it, ray.init() joins a cluster that `ray start` left running on this machine
     # (/tmp/ray/ray_current_cluster), e.g. another engineer's test cluster, and rejects num_cpus.
     for attempt in range(3):
@@ -67,13 +86,46 @@ def start_ray(num_cpus: int, worker_niceness: int = 0) -> None:
                 raise
             ray.shutdown()
             print(f"local Ray did not start in time ({err}); starting it again", flush=True)
-    print(f"local Ray: {num_cpus} logical CPUs, worker processes at nice {worker_niceness}", flush=True)
+    cpus = f"{num_cpus}" if num_cpus is not None else f"{ray.cluster_resources().get('CPU', 0):g}"
+    nice = f"nice {worker_niceness}" if worker_niceness is not None else "Ray's default nice"
+    print(f"local Ray: {cpus} logical CPUs, worker processes at {nice}", flush=True)
+
+
+def _join_ray(address: str, num_cpus: int | None, worker_niceness: int | None) -> None:
+    """Join the cluster at `address` (namespace raypar, as a private Ray's), once it has `num_cpus` logical
+    CPUs and is idle: every CPU free and no placement group left, so that this script's actors neither wait
+    on an earlier driver's (which Ray releases after that driver exits) nor meet its actor names, and so that
+    an earlier script that left something behind (a detached actor or placement group) is caught here."""
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
+    total = ray.cluster_resources().get("CPU", 0.0)
+    if num_cpus is not None and total < num_cpus:
+        ray.shutdown()
+        raise RuntimeError(f"{BENCH_RAY_ADDRESS}={address}: that Ray has {total:g} logical CPUs, "
+                           f"this script asks for {num_cpus}")
+    deadline = time.monotonic() + IDLE_WAIT_S
+    while True:
+        free = ray.available_resources().get("CPU", 0.0)
+        groups = [pg for pg, info in ray.util.placement_group_table().items() if info["state"] != "REMOVED"]
+        if free >= total and not groups:
+            break
+        if time.monotonic() > deadline:
+            ray.shutdown()
+            raise TimeoutError(
+                f"{BENCH_RAY_ADDRESS}={address}: waited {IDLE_WAIT_S:g} s for that Ray to be idle (every CPU "
+                f"free, no placement group); {total - free:g} of {total:g} CPUs still held, placement "
+                f"groups {groups}: an earlier driver left actors or placement groups behind"
+            )
+        time.sleep(0.2)  # a poll of the cluster's state, bounded by the deadline above
+    nice = "" if worker_niceness in (None, 0) else f" (not --worker-niceness {worker_niceness})"
+    print(f"joined Ray at {address} ({BENCH_RAY_ADDRESS}): {total:g} logical CPUs, idle; worker processes at "
+          f"the nice of its `ray start`{nice}", flush=True)
 
 
 def add_ray_arguments(parser: Any) -> None:
     parser.add_argument(
         "--worker-niceness", type=int, default=0,
-        help="nice value of Ray's worker processes (Ray's default is 15; the baselines run at 0)",
+        help="nice value of Ray's worker processes (Ray's default is 15; the baselines run at 0); a Ray "
+             f"joined through {BENCH_RAY_ADDRESS} keeps its own",
     )
 
 

@@ -220,6 +220,7 @@ class RayparWorld:
     def close(self) -> None:
         for actor in self._actors:
             self._ray.kill(actor)
+        self._server.close()  # its store actor too: on a shared Ray (the suite's) nothing is left running
 
 
 # -- ranks as plain processes: raw torch, or raypar outside Ray (--raypar-in-processes) ---------------------
@@ -415,13 +416,13 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    # Ray starts its workers at nice 15; the torch ranks run at this process's nice 0. On a loaded machine a
-    # nice-15 rank gets a small share of a contended core, a handicap that is not raypar's (read by the
-    # raylet that ray.init starts).
-    os.environ["RAY_worker_niceness"] = str(args.worker_niceness)
     if not args.raypar_in_processes:  # without actors, no Ray at all
-        # address="local": a new Ray even when `ray start` left a cluster running on this machine
-        ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
+        from benchmarks import _common
+
+        # A private local Ray (Ray's count of logical CPUs: the ranks ask none), or the cluster
+        # RAYPAR_BENCH_RAY_ADDRESS names. Its workers at --worker-niceness: Ray's default nice 15 would
+        # give a raypar rank a small share of a contended core, a handicap the nice-0 torch ranks lack.
+        _common.start_ray(num_cpus=None, worker_niceness=args.worker_niceness)
     if not args.json:
         cores = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
         where = "in the same Ray actors, calls interleaved" if args.torch_in_actors else "plain processes"

@@ -346,6 +346,8 @@ def main() -> None:
 
     print(_common.header("raypar controller cost by actor count (light actors)"), flush=True)
     started = time.perf_counter()
+    # Or the Ray RAYPAR_BENCH_RAY_ADDRESS names (the suite's, shared): the light actors need logical CPUs only
+    # (start_ray checks that Ray has this many), and the kill -9 below ends one of this run's own actors.
     _common.start_ray(num_cpus=max(counts) + 2 * PER_REPLICA, worker_niceness=args.worker_niceness)
     _common.register_for_actors()
     try:

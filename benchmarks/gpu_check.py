@@ -820,6 +820,8 @@ def main() -> int:
             emit(check, None, unverified="no CUDA device on this machine")
 
     budget = Budget(scale=1.0 if gpu else 5.0)
+    # A private local Ray: that it starts is this section's check on a device machine. The suite's CPU run
+    # joins its shared Ray instead (RAYPAR_BENCH_RAY_ADDRESS); the sections after this one run the same there.
     section(budget, "ray", 120.0, lambda: _common.start_ray(num_cpus=max(os.cpu_count() or 1, 4)))
     ray_gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
     if ray.is_initialized() and gpu and not ray_gpus:  # the meshes would wait for a GPU that never comes

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import ray  # noqa: E402
 
+from benchmarks import _common  # noqa: E402
 from raypar.controller.actor_calls import StepFailure  # noqa: E402
 from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
 from raypar.core.checkpoint import format as checkpoint  # noqa: E402
@@ -61,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.preset, args.seq_len = "tiny", 32
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    _common.start_ray(8)
     cfg = load_config(None, [
         f"model.preset='{args.preset}'", f"model.seq_len={args.seq_len}", "parallel.dp=4",
         "parallel.dp_shard=2", "parallel.zero=3", "parallel.microbatches=2", "parallel.device='cpu'",

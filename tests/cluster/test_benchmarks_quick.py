@@ -1,7 +1,10 @@
 """Every benchmark's `--quick` run, end to end, in a subprocess (as a user runs it), so none can rot.
 
-Each script starts its own local Ray (or torchrun world); the checks are on what it prints or writes: the
-tables and JSON a reader relies on, not the numbers (a shared machine makes those noise)."""
+The scripts that use Ray join one Ray head that this module starts (`shared_ray`: a Ray start and shutdown
+per script cost seconds of a 2-core machine), through the scripts' one opt-in, RAYPAR_BENCH_RAY_ADDRESS
+(benchmarks/_common.start_ray); run by hand, a script starts a private local Ray instead, as activation_hop
+does here. ddp_baseline runs under torchrun, without Ray. The checks are on what a script prints or writes:
+the tables and JSON a reader relies on, not the numbers (a shared machine makes those noise)."""
 
 from __future__ import annotations
 
@@ -9,19 +12,55 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
+from benchmarks._common import BENCH_RAY_ADDRESS
+from tests.support.fake_cluster import FakeCluster
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 600  # a generous cap for a loaded machine; the runs take seconds to a minute or two
+# The shared Ray's logical CPUs: the most a --quick script asks for (controller_scale: 16 light actors and 2
+# spare replicas of 8), or the machine's count, which several scripts ask for (max(2, os.cpu_count())).
+SHARED_CPUS = max(32, os.cpu_count() or 1)
 
 
-def run(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": REPO, "RAY_DEDUP_LOGS": "0"}
+@pytest.fixture(scope="module")
+def shared_ray() -> Iterator[dict[str, str]]:
+    """One Ray head for the module's scripts (its own temp dir, free ports, no dashboard, as the scripts'
+    private Rays): the environment that makes a script join it. Its workers at nice 0, as start_ray runs a
+    private Ray's (RAY_worker_niceness, read by its raylet). Started in a session of its own and ended by
+    the pids of that session (FakeCluster.stop), not by its process group: the raylet starts each worker
+    in a process group of its own, which a killpg of the head's would miss."""
+    head_env = {"RAY_worker_niceness": "0", "PYTHONPATH": REPO, "RAY_DEDUP_LOGS": "0"}
+    # Three attempts, as start_ray gives a private Ray: a head that misses Ray's startup wait fails 13 tests.
+    head = FakeCluster(None, num_cpus=SHARED_CPUS, head_env=head_env, dashboard=False, start_attempts=3)
+    with head as cluster:
+        # The head's token (RAY_AUTH_*) and address; not RAY_ADDRESS, which start_ray ignores on purpose.
+        env = {k: v for k, v in cluster.env.items() if k != "RAY_ADDRESS"}
+        yield {**env, BENCH_RAY_ADDRESS: cluster.address}
+
+
+def run(*args: str, timeout: float = TIMEOUT_S, ray_env: dict[str, str] | None = None
+        ) -> subprocess.CompletedProcess:
+    """`python *args` from the repository root; `ray_env` (shared_ray's) to join the module's Ray."""
+    env = {**os.environ, "PYTHONPATH": REPO, "RAY_DEDUP_LOGS": "0", **(ray_env or {})}
     env.pop("RAY_ADDRESS", None)
     return subprocess.run(
         [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def joined(text: str) -> str:
+    """`text`, once checked that its script joined the module's Ray (not a private one of its own)."""
+    assert "joined Ray at " in text and "local Ray:" not in text, text[-3000:]
+    return text
+
+
+def on_shared(ray_env: dict[str, str], *args: str) -> str:
+    """The stdout of `python *args`, run on the module's Ray; it must exit 0 and have joined that Ray."""
+    return joined(ok(run(*args, ray_env=ray_env)))
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:
@@ -29,9 +68,9 @@ def ok(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout
 
 
-def test_controller_scale_quick(tmp_path):
+def test_controller_scale_quick(tmp_path, shared_ray):
     out = tmp_path / "cscale.json"
-    text = ok(run("benchmarks/controller_scale.py", "--quick", "--json", str(out)))
+    text = on_shared(shared_ray, "benchmarks/controller_scale.py", "--quick", "--json", str(out))
     assert "projected to 1024 actors" in text
     result = json.loads(out.read_text())
     assert {(r["design"], r["actors"], r["calls"]) for r in result["steps"]} == {
@@ -44,16 +83,17 @@ def test_controller_scale_quick(tmp_path):
     assert "start_s" in paths[8] and {"scale_up_s", "recover_s"} <= set(paths[16])
 
 
-def test_controller_scale_rejects_bad_counts_before_ray():
-    proc = run("benchmarks/controller_scale.py", "--actors", "12,16", timeout=120)
+def test_controller_scale_rejects_bad_counts_before_ray(shared_ray):
+    proc = run("benchmarks/controller_scale.py", "--actors", "12,16", timeout=120, ray_env=shared_ray)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["--actors: need >= 2 counts, multiples of 8"]
     assert "local Ray" not in proc.stdout  # nothing started
+    assert "joined Ray" not in proc.stdout  # nor the module's Ray joined
 
 
-def test_ray_transports_quick(tmp_path):
+def test_ray_transports_quick(tmp_path, shared_ray):
     out = tmp_path / "rt.json"
-    ok(run("benchmarks/ray_transports.py", "--quick", "--json", str(out)))
+    on_shared(shared_ray, "benchmarks/ray_transports.py", "--quick", "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [r["bytes"] for r in rows] == [4096, 1 << 20]
     for row in rows:
@@ -62,15 +102,20 @@ def test_ray_transports_quick(tmp_path):
 
 
 def test_activation_hop_quick():
-    assert "one activation hop" in ok(run("benchmarks/activation_hop.py", "--quick"))
+    """The one script that starts a private local Ray here, as every script does when run by hand: that path
+    stays covered (two actors: the cheapest)."""
+    text = ok(run("benchmarks/activation_hop.py", "--quick"))
+    assert "local Ray: " in text and "joined Ray" not in text
+    assert "one activation hop" in text
 
 
-def test_pipeline_bubble_quick():
-    assert "measured bubble vs theoretical" in ok(run("benchmarks/pipeline_bubble.py", "--quick"))
+def test_pipeline_bubble_quick(shared_ray):
+    text = on_shared(shared_ray, "benchmarks/pipeline_bubble.py", "--quick")
+    assert "measured bubble vs theoretical" in text
 
 
-def test_train_throughput_quick():
-    text = ok(run("benchmarks/train_throughput.py", "--quick"))
+def test_train_throughput_quick(shared_ray):
+    text = on_shared(shared_ray, "benchmarks/train_throughput.py", "--quick")
     assert "(1,1,1) vs plain PyTorch" in text and "dp=2 vs DDP" in text
     assert "Ray floor" in text  # the one-call-per-step ceiling is measured next to the ratio
 
@@ -83,32 +128,34 @@ def test_ddp_baseline_quick(tmp_path):
     assert result["world"] == 2 and len(result["step_s"]) == 1
 
 
-def test_elastic_quick():
-    result = json.loads(ok(run("benchmarks/elastic.py", "--quick", "--json")).strip().splitlines()[-1])
+def test_elastic_quick(shared_ray):
+    text = on_shared(shared_ray, "benchmarks/elastic.py", "--quick", "--json")
+    result = json.loads(text.strip().splitlines()[-1])
     assert {"step_s_dp1", "scale_up_total_s", "recovery_s"} <= set(result)
 
 
-def test_hsdp_recovery_quick():
-    result = json.loads(ok(run("benchmarks/hsdp_recovery.py", "--quick", "--json")).strip().splitlines()[-1])
+def test_hsdp_recovery_quick(shared_ray):
+    text = on_shared(shared_ray, "benchmarks/hsdp_recovery.py", "--quick", "--json")
+    result = json.loads(text.strip().splitlines()[-1])
     assert {"peers_recovery_s", "peers_heal_s", "checkpoint_restart_s"} <= set(result)
 
 
-def test_collectives_quick():
-    rows = [json.loads(ln) for ln in ok(run("benchmarks/collectives.py", "--quick", "--json")).splitlines()
-            if ln.startswith("{")]
+def test_collectives_quick(shared_ray):
+    text = on_shared(shared_ray, "benchmarks/collectives.py", "--quick", "--json")
+    rows = [json.loads(ln) for ln in text.splitlines() if ln.startswith("{")]
     assert {(r["op"], r["impl"]) for r in rows} == {
         (op, impl) for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
         for impl in ("raypar", "torch")
     }
 
 
-def test_plan_validation_quick():
-    text = ok(run("benchmarks/plan_validation.py", "--quick"))
+def test_plan_validation_quick(shared_ray):
+    text = on_shared(shared_ray, "benchmarks/plan_validation.py", "--quick")
     assert "| (2, 1, 1) microbatches=2 | dp0.pp0.tp0 |" in text
 
 
-def test_plan_step_time_quick():
-    text = ok(run("benchmarks/plan_step_time.py", "--quick"))
+def test_plan_step_time_quick(shared_ray):
+    text = on_shared(shared_ray, "benchmarks/plan_step_time.py", "--quick")
     rows = [ln for ln in text.splitlines() if ln.startswith("| (")]
     assert [r.split(" |")[0] for r in rows] == [
         "| (1, 1, 1) microbatches=1", "| (1, 1, 1) microbatches=2", "| (1, 2, 1) microbatches=2"
@@ -117,7 +164,7 @@ def test_plan_step_time_quick():
     assert rows[0].endswith("| 1.00 |")
 
 
-def test_gpu_check_quick():
+def test_gpu_check_quick(shared_ray):
     import torch
 
     if torch.cuda.is_available():
@@ -127,8 +174,8 @@ def test_gpu_check_quick():
     assert refused.returncode == 1 and refused.stdout == "", refused
     assert len(refused.stderr.strip().splitlines()) == 1 and "no CUDA device" in refused.stderr
 
-    rows = [json.loads(ln) for ln in ok(run("benchmarks/gpu_check.py", "--quick")).splitlines()
-            if ln.startswith('{"check"')]
+    text = on_shared(shared_ray, "benchmarks/gpu_check.py", "--quick")
+    rows = [json.loads(ln) for ln in text.splitlines() if ln.startswith('{"check"')]
     *checks, summary = rows
     # The GPU-only sections say they cannot tell here (null), not that they passed
     gpu_only = ["nccl", "stream_order", "send_recv_self", "create_destroy", "abort", "fp8"]
@@ -154,9 +201,9 @@ def test_sequence_bytes_quick():
     assert "ulysses" in text and "ring" in text
 
 
-def test_sequence_step_quick(tmp_path):
+def test_sequence_step_quick(tmp_path, shared_ray):
     out = tmp_path / "sequence_step.json"
-    text = ok(run("benchmarks/sequence_step.py", "--quick", "--json", str(out)))
+    text = on_shared(shared_ray, "benchmarks/sequence_step.py", "--quick", "--json", str(out))
     assert "| layout " in text and "| ratio |" in text
     rows = json.loads(out.read_text())["rows"]
     assert [r["layout"] for r in rows] == ["(1,1,1)", "tp=2", "tp=2 + SP", "cp=2 ulysses", "cp=2 ring"]
@@ -225,9 +272,9 @@ def test_moe_grouped_quick(tmp_path):
     assert all(r["grouped_s"] > 0 and r["loop_s"] > 0 for r in rows)
 
 
-def test_compile_step_quick(tmp_path):
+def test_compile_step_quick(tmp_path, shared_ray):
     out = tmp_path / "compile_step.json"
-    text = ok(run("benchmarks/compile_step.py", "--quick", "--json", str(out)))
+    text = on_shared(shared_ray, "benchmarks/compile_step.py", "--quick", "--json", str(out))
     assert "| layout " in text and "| compile_s |" in text
     rows = json.loads(out.read_text())["rows"]
     assert [r["run"] for r in rows] == ["eager", "compiled, cold cache", "compiled, warm cache"]
@@ -241,3 +288,10 @@ def test_trackers_overhead_quick(tmp_path):
     assert "| off (no sink) |" in text and "| tensorboard |" in text
     (row,) = json.loads(out.read_text())
     assert row["steps"] == 20 and row["values_per_step"] > 40  # the MoE record's numbers, flattened
+
+
+def test_the_shared_ray_is_left_idle(shared_ray):
+    """Last in the module: the last script that joined left nothing behind on the module's Ray either (each
+    one that joins checks this of those before it: start_ray waits for an idle cluster, or fails)."""
+    code = "from benchmarks import _common; _common.start_ray(num_cpus=None)"
+    joined(ok(run("-c", code, timeout=300, ray_env=shared_ray)))

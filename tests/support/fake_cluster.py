@@ -68,6 +68,10 @@ def _proc_stat(pid: int) -> tuple[str, int, int] | None:
 
 class FakeCluster:
     """Head + autoscaler on Ray's fake multinode provider, in a private temp dir, on free ports.
+    Without a config (`config_path=None`): a plain head of `num_cpus` logical CPUs and no autoscaler, e.g.
+    one Ray that a test module's subprocess drivers share; `head_env` is added to the head's environment
+    (its raylet's, which its worker processes inherit); `dashboard=False` leaves out the dashboard (and the
+    state API it serves), as a local `ray.init(include_dashboard=False)` does.
 
     On exit it ends only the processes it started (by pid, found through the session the head runs
     in), including the fake worker nodes the autoscaler launched, and removes its temp dir.
@@ -75,12 +79,20 @@ class FakeCluster:
 
     def __init__(
         self,
-        config_path: str | os.PathLike[str],
+        config_path: str | os.PathLike[str] | None,
         *,
+        num_cpus: int = 0,
+        head_env: dict[str, str] | None = None,
+        dashboard: bool = True,
+        start_attempts: int = 1,
         start_timeout_s: float = 90.0,
         keep_temp_dir: bool = False,
     ) -> None:
-        self.config_path = Path(config_path)
+        self.config_path = Path(config_path) if config_path is not None else None
+        self.num_cpus = num_cpus
+        self.head_env = dict(head_env or {})
+        self.dashboard = dashboard
+        self.start_attempts = start_attempts
         self.start_timeout_s = start_timeout_s
         self.keep_temp_dir = keep_temp_dir
         self.temp_dir: Path | None = None
@@ -107,6 +119,18 @@ class FakeCluster:
         self.stop()
 
     def start(self) -> None:
+        """Start the head; up to `start_attempts` times when it times out during startup: `ray start` waits
+        a fixed 30 s for its raylet to register with the GCS (ray._private.node), which a machine at load
+        ~100 missed. A failed attempt's processes and temp dir are gone before the next (stop())."""
+        for attempt in range(1, self.start_attempts + 1):
+            try:
+                self._start_once()
+                return
+            except RuntimeError as err:
+                if "timed out during startup" not in str(err) or attempt == self.start_attempts:
+                    raise
+
+    def _start_once(self) -> None:
         if self._head is not None:
             raise RuntimeError("FakeCluster already started")
         # Short path: Ray's unix sockets live under it and must stay below ~107 characters.
@@ -117,24 +141,30 @@ class FakeCluster:
 
         gcs_port = _free_port()
         self.address = f"127.0.0.1:{gcs_port}"
-        config: dict[str, Any] = yaml.safe_load(self.config_path.read_text())
-        config["provider"]["gcs_address"] = self.address
-        config_copy = self.temp_dir / "autoscaling.yaml"
-        config_copy.write_text(yaml.safe_dump(config, sort_keys=False))
-        head = config["available_node_types"][config["head_node_type"]]["resources"]
+        head: dict[str, Any] = {"CPU": self.num_cpus, "GPU": 0}
+        autoscaling: list[str] = []
+        if self.config_path is not None:
+            config: dict[str, Any] = yaml.safe_load(self.config_path.read_text())
+            config["provider"]["gcs_address"] = self.address
+            config_copy = self.temp_dir / "autoscaling.yaml"
+            config_copy.write_text(yaml.safe_dump(config, sort_keys=False))
+            head = config["available_node_types"][config["head_node_type"]]["resources"]
+            autoscaling = [f"--autoscaling-config={config_copy}"]
 
         self.env = {
             "RAY_ADDRESS": self.address,
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": str(token),
         }
-        head_env = {**os.environ, **self.env, "RAY_FAKE_CLUSTER": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+        head_env = {**os.environ, **self.env, "RAY_USAGE_STATS_ENABLED": "0", **self.head_env}
+        if self.config_path is not None:
+            head_env["RAY_FAKE_CLUSTER"] = "1"
         head_env.pop("RAY_ADDRESS")  # `ray start --head` must not try to join anything
         cmd = [
             sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
             f"--temp-dir={self.temp_dir}",
             f"--port={gcs_port}",
-            f"--autoscaling-config={config_copy}",
+            *autoscaling,
             f"--num-cpus={head.get('CPU', 0)}",
             f"--num-gpus={head.get('GPU', 0)}",
             # Every fixed default port moved to a free one, so other Ray instances are not hit.
@@ -142,6 +172,7 @@ class FakeCluster:
             f"--dashboard-port={_free_port()}",
             f"--dashboard-agent-listen-port={_free_port()}",
             "--dashboard-host=127.0.0.1",
+            *([] if self.dashboard else ["--include-dashboard=false"]),
             "--disable-usage-stats",
         ]  # fmt: skip
         # start_new_session: the session id then names every process of this cluster (see stop()).
