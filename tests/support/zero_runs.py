@@ -42,15 +42,7 @@ def assert_same(run: Run, ref: Run) -> None:
         assert err <= ATOL, f"parameter {name} differs by {err:.3g}"
 
 
-# -- operations: checkpoints across zero stages, elastic dp, failures ------------------------------------
-def ops_cfg(dp: int, pp: int, tp: int, zero: int, *extra: str) -> Config:
-    return load_config(
-        "examples/configs/tiny.toml",
-        [f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.zero={zero}",
-         "parallel.microbatches=2", "train.global_batch=8", "train.steps=6", "parallel.timeout_s=15", *extra],
-    )
-
-
+# -- operations: checkpoints, elastic dp ----------------------------------------------------------------
 def close(got: list[float], want: list[float]) -> bool:
     return len(got) == len(want) and all(abs(g - w) <= RTOL * abs(w) for g, w in zip(got, want, strict=True))
 
