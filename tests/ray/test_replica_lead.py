@@ -1,10 +1,13 @@
 """One driver call per replica per step (actors.replica_lead): each replica's leader fans the step out
-to its
-actors and answers for all of them; a failure still names the actor that failed, and is contained at once.
+to its actors and answers for all of them; a failure still names the actor that failed, and is contained
+at once.
 
 Model-free actors (tests.support.stub_worker) at (dp, pp, tp) = (2, 2, 1): two replicas of two actors each,
-with the call tree at its deepest (one driver call: the top leader relays to replica 1's leader) unless a test
-says otherwise."""
+with the call tree at its deepest (one driver call: the top leader relays to the other replica's leader)
+unless a test says otherwise. One set of actors serves every test (starting actors costs far more than
+their steps): each test arms them (who fails, how, how the leaders behave); a replica a test loses is
+placed again before the next one (`scale_to`), a mesh a test had to shut down is started again. So the
+roles (top leader, relaying leader, member) are taken from the replicas' order, not from fixed ids."""
 
 from __future__ import annotations
 
@@ -12,17 +15,17 @@ import concurrent.futures
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import ray
 
-from actors.endpoints import ReplicaAnswer, WorkerEndpoints, call
+from actors.endpoints import Peers, ReplicaAnswer, SetupInfo, WorkerEndpoints, call
 from actors.worker import WORKER_THREADS
 from raypar.controller.actor_calls import StepFailure
 from raypar.core.observe.step_report import StepReport
-from raypar.core.parallel.mesh import Coord
+from raypar.core.parallel.mesh import Coord, StageGroups
 from raypar.core.run_config import load_config
 from tests.support.stub_worker import StubActorMesh, _StubWorker
 
@@ -32,14 +35,26 @@ FAIL_WITHIN_S = 30.0  # the step must fail this soon: containment, not the peers
 
 
 class _Failing(_StubWorker):
-    """At FAIL_STEP the victim fails once (`raise`: an exception; `kill`: kill -9 of its own process), and the
-    other actors of its replica wait, as peers in a collective with it would, until the driver calls the
-    step off (`abort`) or kills them."""
+    """Armed (`arm`) with a victim that fails once at FAIL_STEP (`raise`: an exception; `kill`: kill -9 of
+    its own process), while the other actors of its replica wait, as peers in a collective with it would,
+    until the driver calls the step off (`abort`) or kills them."""
 
-    def __init__(self, run: str, coord: tuple[int, ...], threads: int, victim: tuple[int, ...], how: str):
-        super().__init__(run, coord, threads)
-        self.victim, self.how = Coord(*victim), how
-        self.aborted, self.waited = threading.Event(), False
+    victim, how, waited = Coord(9, 9, 9, 9), "", False
+
+    def arm(self, victim: tuple[int, ...], how: str) -> None:
+        if hasattr(self, "aborted"):
+            self.aborted.set()  # a wait a broken leader left behind (its answer dropped) ends now
+        self.victim, self.how, self.waited = Coord(*victim), how, False
+        self.aborted = threading.Event()
+
+    def setup(
+        self, cfg: dict, groups: StageGroups, peers: Peers, epoch: int, keep_copies: bool = False
+    ) -> SetupInfo:
+        self.applied = []  # from the seed: no step applied
+        return super().setup(cfg, groups, peers, epoch, keep_copies)
+
+    def sync_state(self, src_dp_rank: int) -> None:
+        """A replica placed again is healed from replica rank 0 (`scale_to`): no state to move here."""
 
     def train_step(self, step: int, commit: int | None = None) -> StepReport:
         if step == FAIL_STEP and self.coord == self.victim and self.how:
@@ -58,19 +73,23 @@ class _Failing(_StubWorker):
         self.aborted.set()
 
 
-class _SwallowingLead(_Failing):
-    """Broken: a leader that drops its members' errors and answers with the results it has."""
+class _BrokenLeads(_Failing):
+    """The leaders' broken variants, chosen by `break_lead` (the negative controls):
+    - `drop`: a leader that drops its members' errors and answers with the results it has;
+    - `wait`: a leader that runs its own part in the calling thread and then waits for every member (the
+      first prototype): a member's death leaves it stuck with the others, so no failure reaches the
+      driver."""
+
+    broken = ""
+
+    def break_lead(self, how: str) -> None:
+        self.broken = how
 
     def fan_out(self, endpoint: Callable[..., Any], args: tuple, timeout_s: float) -> ReplicaAnswer:
-        answer = super().fan_out(endpoint, args, timeout_s)
-        return ReplicaAnswer(answer.results)
-
-
-class _WaitingLead(_Failing):
-    """Broken: a leader that runs its own part in the calling thread and then waits for every member (the
-    first prototype): a member's death leaves it stuck with the others, so no failure reaches the driver."""
-
-    def fan_out(self, endpoint: Callable[..., Any], args: tuple, timeout_s: float) -> ReplicaAnswer:
+        if self.broken == "drop":
+            return ReplicaAnswer(super().fan_out(endpoint, args, timeout_s).results)
+        if self.broken != "wait":
+            return super().fan_out(endpoint, args, timeout_s)
         others = {c: call(h, endpoint, *args) for c, h in self.members.items() if c != self.coord}
         relay = WorkerEndpoints.fan_out
         others.update({c: call(h, relay, endpoint, args, timeout_s) for c, h in self.relays.items()})
@@ -80,32 +99,57 @@ class _WaitingLead(_Failing):
         return answer
 
 
-def _mesh(
-    worker: type, victim: tuple[int, ...] = (1, 1, 0, 0), how: str = "raise", driver_calls: int = 1
-) -> StubActorMesh:
-    class Mesh(StubActorMesh):
-        worker_class = ray.remote(num_cpus=0, max_concurrency=WORKER_THREADS)(worker)
-        gathered: list[tuple[str, int]] = []  # (what, refs submitted by the driver)
+class _Mesh(StubActorMesh):
+    worker_class = ray.remote(num_cpus=0, max_concurrency=WORKER_THREADS)(_BrokenLeads)
+    driver_calls = 1  # the top leader relays to the other replica's leader
 
-        def _worker_args(self, coord: Coord) -> tuple:
-            return (*super()._worker_args(coord), victim, how)
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.gathered: list[tuple[str, int]] = []  # (what, refs submitted by the driver)
 
-        def _gather(self, refs: dict[Any, Coord], what: str, step: int | None = None) -> dict[Coord, Any]:
-            self.gathered.append((what, len(refs)))
-            return super()._gather(refs, what, step)
+    def _gather(self, refs: dict[Any, Coord], what: str, step: int | None = None) -> dict[Coord, Any]:
+        self.gathered.append((what, len(refs)))
+        return super()._gather(refs, what, step)
 
-    Mesh.driver_calls = driver_calls  # 1: the top leader (0, 0, 0) relays to replica 1's leader
+    def role(self, name: str) -> Coord:
+        """`top-leader`: the first replica's first actor (the driver's one call); `relaying-leader`: the
+        second replica's first actor (the top leader relays to it); `member`: the second replica's last
+        actor."""
+        first, second = self.replicas
+        return {"top-leader": Coord(first, 0, 0), "relaying-leader": Coord(second, 0, 0),
+                "member": Coord(second, 1, 0)}[name]  # fmt: skip
+
+    def arm(self, role: str, how: str, lead: str = "") -> Coord:
+        """From the seed at dp=2 (a lost replica placed again), the tree `driver_calls` makes, the actor
+        in `role` (none: "") to fail by `how`, the leaders broken by `lead`. Returns the victim."""
+        if not self.actors:
+            self.start()
+        elif self.dp < 2:
+            assert self.scale_to(2, 60).startswith("added"), self.replicas
+        self.reconfigure(self.cfg)
+        victim = self.role(role) if role else Coord(9, 9, 9, 9)
+        ray.get([a.arm.remote(tuple(victim), how) for a in self.actors.values()])
+        ray.get([a.break_lead.remote(lead) for a in self.actors.values()])
+        self.gathered.clear()
+        return victim
+
+
+@pytest.fixture(scope="module")
+def mesh(ray_session) -> Iterator[_Mesh]:
     cfg = load_config(
         "examples/configs/tiny.toml",
         ["parallel.dp=2", "parallel.pp=2", "parallel.tp=1", "parallel.microbatches=2",
          "train.global_batch=4"],
-    )
-    mesh = Mesh(cfg, f"lead-{worker.__name__.strip('_').lower()}-{how}")
-    mesh.start()
-    return mesh
+    )  # fmt: skip
+    mesh = _Mesh(cfg, "lead")
+    try:
+        mesh.start()
+        yield mesh
+    finally:
+        mesh.shutdown()
 
 
-def _failure_of_step(mesh: StubActorMesh) -> StepFailure:
+def _failure_of_step(mesh: _Mesh) -> StepFailure:
     """Steps up to FAIL_STEP; the StepFailure of FAIL_STEP, or AssertionError saying why there is none."""
     for step in range(FAIL_STEP):
         mesh.step(step)
@@ -122,9 +166,10 @@ def _failure_of_step(mesh: StubActorMesh) -> StepFailure:
 
 
 @pytest.mark.parametrize("driver_calls, calls", [(1, 1), (2, 2), (16, 4)], ids=["tree", "leaders", "flat"])
-def test_the_driver_makes_few_calls_and_every_actor_steps(ray_session, driver_calls, calls):
-    mesh = _mesh(_Failing, victim=(9, 9, 9, 9), driver_calls=driver_calls)  # nobody fails
+def test_the_driver_makes_few_calls_and_every_actor_steps(mesh, driver_calls, calls):
+    mesh.driver_calls = driver_calls  # the tree is built by the set-up in `arm`
     try:
+        mesh.arm("", "")  # nobody fails
         mesh.step(0)
         mesh.step(1)
         assert [n for what, n in mesh.gathered if what.startswith("step ")] == [calls, calls]
@@ -133,49 +178,41 @@ def test_the_driver_makes_few_calls_and_every_actor_steps(ray_session, driver_ca
         mesh.commit()
         assert ray.get([a.applied_steps.remote() for a in mesh.actors.values()]) == [[0, 1]] * 4
     finally:
-        mesh.shutdown()
+        mesh.driver_calls = _Mesh.driver_calls
 
 
 KEPT = "no actor lost; groups re-formed; continuing at dp=2"
-DROPPED = "dropped replica(s) [1]; continuing at dp=1"
-DROPPED_TOP = "dropped replica(s) [0]; continuing at dp=1"
 
 
 @pytest.mark.parametrize(
-    "victim, how, cause, recovered",
+    "role, how, cause",
     [
-        ((1, 1, 0, 0), "raise", "injected failure", KEPT),
-        ((1, 1, 0, 0), "kill", "the actor died", DROPPED),
-        ((1, 0, 0, 0), "kill", "the actor died", DROPPED),
-        ((0, 0, 0, 0), "kill", "the actor died", DROPPED_TOP),
+        ("member", "raise", "injected failure"),
+        ("member", "kill", "the actor died"),
+        ("relaying-leader", "kill", "the actor died"),
+        ("top-leader", "kill", "the actor died"),
     ],
     ids=["member-raises", "member-killed", "relaying-leader-killed", "top-leader-killed"],
 )
-def test_failure_names_the_actor_and_the_run_goes_on(ray_session, victim, how, cause, recovered):
-    mesh = _mesh(_Failing, victim, how)
-    try:
-        failure = _failure_of_step(mesh)
-        v = Coord(*victim)
-        assert f"step {FAIL_STEP}: worker " in str(failure)
-        assert f"(run={mesh.run}, dp={v.dp}, pp={v.pp}, tp={v.tp}) failed: " in str(failure)
-        assert str(failure).endswith(f"failed: {cause}") or f"failed: {cause} (" in str(failure)
-        assert failure.dead == ({v} if how == "kill" else set())
-        assert mesh.recover(failure) == recovered
-        assert mesh.step(FAIL_STEP).step == FAIL_STEP  # redone, through the leaders
-    finally:
-        mesh.shutdown()
+def test_failure_names_the_actor_and_the_run_goes_on(mesh, role, how, cause):
+    v = mesh.arm(role, how)
+    failure = _failure_of_step(mesh)
+    assert f"step {FAIL_STEP}: worker " in str(failure)
+    assert f"(run={mesh.run}, dp={v.dp}, pp={v.pp}, tp={v.tp}) failed: " in str(failure)
+    assert str(failure).endswith(f"failed: {cause}") or f"failed: {cause} (" in str(failure)
+    assert failure.dead == ({v} if how == "kill" else set())
+    dropped = f"dropped replica(s) [{v.dp}]; continuing at dp=1"
+    assert mesh.recover(failure) == (dropped if how == "kill" else KEPT)
+    assert mesh.step(FAIL_STEP).step == FAIL_STEP  # redone, through the leaders
 
 
 @pytest.mark.parametrize(
-    "worker, how, rejected",
-    [(_SwallowingLead, "raise", f"step {FAIL_STEP} did not fail$"),
-     (_WaitingLead, "kill", f"step {FAIL_STEP} did not fail within")],
+    "lead, how, rejected",
+    [("drop", "raise", f"step {FAIL_STEP} did not fail$"),
+     ("wait", "kill", f"step {FAIL_STEP} did not fail within")],
     ids=["errors-dropped", "leader-waits-for-all"],
 )
-def test_broken_leaders_are_caught(ray_session, worker, how, rejected):
-    mesh = _mesh(worker, how=how)
-    try:
-        with pytest.raises(AssertionError, match=rejected):
-            _failure_of_step(mesh)
-    finally:
-        mesh.shutdown()
+def test_broken_leaders_are_caught(mesh, lead, how, rejected):
+    mesh.arm("member", how, lead)
+    with pytest.raises(AssertionError, match=rejected):
+        _failure_of_step(mesh)

@@ -1,4 +1,5 @@
-"""ZeRO 1-3 on Ray actors, composed with pipeline and tensor parallelism: the same training as zero=0.
+"""ZeRO 1-3 on Ray actors, composed with pipeline and tensor parallelism: the same training as zero=0; and
+a kill -9 under ZeRO-2, which restarts every replica from the checkpoint.
 
 fp32 on CPU, 5 steps, both schedules. zero=k differs from zero=0 on the same actors only in the order of
 the DP sum (reduce-scatter instead of all-reduce) and in grad-norm partial sums: relative ~1e-7 effects,
@@ -6,6 +7,10 @@ so losses and grad norms agree to 1e-5 relative and parameters to 1e-5 absolute.
 (replicas' gradients summed by the reduce-scatter, not averaged) doubles the grad norm at dp=2 and
 changes the clipped update: far outside. (The zero-3 control, a block not gathered again for backward,
 is in tests/unit/test_dp_strategy.py, on thread ranks: it needs a test subclass of the strategy.)
+
+The ZeRO suite's checkpoint on actors (a ZeRO-3 run resumed at another layout and stage) and its elastic
+run (dp changed under ZeRO-2) are in tests/ray/test_zero_cp.py, with cp; checkpoints across dp and zero
+stages and re-sharding across dp, on thread ranks, in tests/unit/test_dp_strategy.py.
 """
 
 from __future__ import annotations
@@ -15,19 +20,14 @@ import signal
 
 import pytest
 
-from raypar.controller.actor_mesh import ActorMesh
-from raypar.core.checkpoint import format as checkpoint
 from raypar.core.parallel.mesh import Mesh
 from tests.support.faults import FaultyActorMesh
 from tests.support.reference import reference_run
 from tests.support.runs import Background, actor_pid, losses, metrics, run, tiny
 from tests.support.zero_runs import (
-    assert_elastic_matches_fixed,
     assert_same,
     close,
     make_cfg,
-    ops_cfg,
-    save,
     train,
 )
 
@@ -52,34 +52,6 @@ def test_zero_stages_match_zero0(ray_session):
                 assert_same(train(trainer), plain)
     finally:
         trainer.shutdown()
-
-
-def test_zero3_checkpoint_resumes_at_other_layouts_and_stages(ray_session, tmp_path):
-    trainer = ActorMesh(ops_cfg(2, 2, 1, 3), "z3-ckpt")
-    try:
-        trainer.start()
-        straight = [trainer.step(s).loss for s in range(3)]
-        uri = save(trainer, str(tmp_path / "ckpt"), 3, 3)
-        straight += [trainer.step(s).loss for s in range(3, 6)]
-    finally:
-        trainer.shutdown()
-    manifest = checkpoint.load_manifest(uri)
-    assert manifest["meta"]["zero"] == 3
-    assert {s["file"] for s in manifest["shards"]} >= {"shard-dp1.pp0.tp0.0.safetensors"}  # every rank writes
-    for layout, zero in (((1, 2, 2), 0), ((4, 1, 1), 2)):
-        trainer = ActorMesh(ops_cfg(*layout, zero), "z3-resume-{}{}{}".format(*layout))
-        try:
-            trainer.start()
-            assert trainer.load(uri) == 3
-            resumed = [trainer.step(s).loss for s in range(3, 6)]
-        finally:
-            trainer.shutdown()
-        assert close(resumed, straight[3:]), (layout, zero, resumed, straight[3:])
-    assert not close(straight[:3], straight[3:])  # the comparison rejects a run that did not resume
-
-
-def test_elastic_dp_under_zero2_matches_fixed_dp(ray_session):
-    assert_elastic_matches_fixed(ops_cfg(2, 1, 1, 2), "z2-elastic")
 
 
 def test_zero2_replica_killed_restarts_from_checkpoint(ray_session, tmp_path):

@@ -1,6 +1,8 @@
-"""ZeRO with context parallelism on actors: a ZeRO-3 cp run checkpoints and resumes at other layouts, and
-elastic dp under ZeRO-2 with cp matches a fixed-dp run. The thread-rank equivalences and negative
-controls: tests/unit/test_zero_cp.py."""
+"""ZeRO with context parallelism on actors: a ZeRO-3 cp run checkpoints and resumes at another layout (the
+ZeRO suite's checkpoint on actors), and elastic dp under ZeRO-2 with cp matches a fixed-dp run (the ZeRO
+suite's elastic run on actors; without cp, re-sharding across dp runs on thread ranks,
+tests/unit/test_dp_strategy.py). The thread-rank equivalences and negative controls:
+tests/unit/test_zero_cp.py."""
 
 from __future__ import annotations
 
@@ -27,8 +29,10 @@ def actor_cfg(dp: int, cp: int, zero: int, *extra: str) -> Config:
 
 def test_zero3_with_cp_on_actors_checkpoints_and_resumes(ray_session, tmp_path):
     """dp=2 x cp=2 at zero 3: 3 steps on the reference curve (loss and grad norm, 1e-5), a checkpoint every
-    rank writes its part of (cp1 keys among the files), then 3 more; the checkpoint resumes at dp=2 x cp=1,
-    zero 1 on the same 3 losses."""
+    rank writes its part of (cp1 keys among the files), then 3 more; the checkpoint resumes on the same 3
+    losses at dp=1 x pp=2 x tp=2, zero 0 (every axis and the stage changed at once). The ZeRO suite's one
+    checkpoint on actors: other dp, cp and zero stages on thread ranks (tests/unit/test_zero_cp.py,
+    tests/unit/test_dp_strategy.py), other tp in the format's tests (tests/unit/test_checkpoint.py)."""
 
     ref = reference_run(actor_cfg(1, 1, 0), 3)
     trainer = ActorMesh(actor_cfg(2, 2, 3), "zcp")
@@ -41,9 +45,12 @@ def test_zero3_with_cp_on_actors_checkpoints_and_resumes(ray_session, tmp_path):
         trainer.shutdown()
     assert close([r.loss for r in results], ref.losses), ([r.loss for r in results], ref.losses)
     assert close([r.grad_norm for r in results], ref.grad_norms)
-    files = {s["file"] for s in checkpoint.load_manifest(uri)["shards"]}
-    assert "shard-dp1.pp0.tp0.cp1.0.safetensors" in files  # cp ranks write what they own
-    trainer = ActorMesh(actor_cfg(2, 1, 1), "zcp-resume")
+    manifest = checkpoint.load_manifest(uri)
+    assert manifest["meta"]["zero"] == 3
+    files = {s["file"] for s in manifest["shards"]}
+    assert "shard-dp1.pp0.tp0.cp1.0.safetensors" in files  # every rank writes, cp ranks what they own
+    trainer = ActorMesh(actor_cfg(1, 1, 0, "parallel.pp=2", "parallel.tp=2", "parallel.microbatches=2"),
+                        "zcp-resume")  # fmt: skip
     try:
         trainer.start()
         assert trainer.load(uri) == 3

@@ -4,7 +4,7 @@ offload and cp Ray tests."""
 
 from __future__ import annotations
 
-from raypar.controller.actor_mesh import ActorMesh
+from raypar.controller.actor_mesh import ActorMesh, StepResult
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.schema import Config
 from raypar.core.run_config import load_config
@@ -24,8 +24,13 @@ def make_cfg(dp: int, pp: int, tp: int, zero: int, schedule: str = "1f1b", *extr
 
 
 def train(trainer: ActorMesh) -> Run:
+    return train_steps(trainer)[0]
+
+
+def train_steps(trainer: ActorMesh) -> tuple[Run, list[StepResult]]:
+    """STEPS steps from the current state: the run, and each step's result (every actor's report)."""
     results = [trainer.step(s) for s in range(STEPS)]
-    return Run([r.loss for r in results], [r.grad_norm for r in results], trainer.parameters())
+    return Run([r.loss for r in results], [r.grad_norm for r in results], trainer.parameters()), results
 
 
 def assert_same(run: Run, ref: Run) -> None:
@@ -37,15 +42,7 @@ def assert_same(run: Run, ref: Run) -> None:
         assert err <= ATOL, f"parameter {name} differs by {err:.3g}"
 
 
-# -- operations: checkpoints across zero stages, elastic dp, failures ------------------------------------
-def ops_cfg(dp: int, pp: int, tp: int, zero: int, *extra: str) -> Config:
-    return load_config(
-        "examples/configs/tiny.toml",
-        [f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.zero={zero}",
-         "parallel.microbatches=2", "train.global_batch=8", "train.steps=6", "parallel.timeout_s=15", *extra],
-    )
-
-
+# -- operations: checkpoints, elastic dp ----------------------------------------------------------------
 def close(got: list[float], want: list[float]) -> bool:
     return len(got) == len(want) and all(abs(g - w) <= RTOL * abs(w) for g, w in zip(got, want, strict=True))
 

@@ -29,14 +29,12 @@ biases of before they moved (zeros), a checkpoint whose bias part holds zeros.
 from __future__ import annotations
 
 import dataclasses
-import types
 import zlib
 from typing import Any
 
 import pytest
 import torch
 
-from actors import buddy as buddy_module
 from actors import worker_state
 from actors.buddy import BuddyCopies, Snapshot
 from raypar.core.checkpoint import format as checkpoint
@@ -48,6 +46,7 @@ from raypar.core.model.moe import is_expert_param
 from raypar.core.parallel.mesh import Coord, Mesh, stage_layers
 from raypar.core.pipeline import schedules
 from raypar.core.run_config import load_config
+from tests.support.memory_threads import local_actor_calls
 from tests.support.moe_threads import set_routing_biases
 from tests.support.threads import run_groups
 
@@ -190,21 +189,10 @@ class BiasesBeforeTheyMoved(Replica):
         return dataclasses.replace(snap, state={**snap.state, "routing_biases": zeros})
 
 
-def _local_actor_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Actor calls as local ones: `call(handle, endpoint, ...)` runs the method, `ray.get` returns it."""
-    def call(handle: Any, endpoint: Any, *args: Any) -> Any:
-        return getattr(handle, endpoint.__name__)(*args)
-
-    local_ray = types.SimpleNamespace(get=lambda ref, timeout=None: ref)
-    for module in (worker_state, buddy_module):
-        monkeypatch.setattr(module, "call", call)
-        monkeypatch.setattr(module, "ray", local_ray)
-
-
 def restore(monkeypatch: pytest.MonkeyPatch, cls: type[Replica] = Replica) -> list[dict[str, Any]]:
     """Snapshots of step STEPS at ZeRO-1 handed to the buddies; replica 1 lost; every rank set up afresh
     (the survivor keeping its copies) and restored from memory."""
-    _local_actor_calls(monkeypatch)
+    local_actor_calls(monkeypatch)
     cfg = make_cfg(*V, "parallel.dp=2", "parallel.zero=1")
     before: dict[Coord, Replica] = {}
 

@@ -5,7 +5,9 @@ its own (not a view of the parameters), so the path that runs on GPUs (D2H of th
 AdamW, H2D into the owned parameter range, all-gather) runs here; only pinning and the side stream are
 CUDA-only. Tolerances as tests/unit/test_dp_strategy.py: fp32, 5 steps, zero=k with offload differs from
 zero=0 only in the DP sum order (the host AdamW is the same elementwise arithmetic), 1e-5. Each negative
-control (the update not copied back; a stale host gradient) is caught by the same check.
+control (the update not copied back; a stale host gradient; replicas' gradients summed, not averaged) is
+caught by the same check. On Ray actors (tests/ray/test_offload.py): zero=2 with offload against zero=0
+and the actors' host-update time.
 """
 
 from __future__ import annotations
@@ -80,7 +82,16 @@ class StaleGradient(DPStrategy):
         return Transfer(t.device_grad, t.host_grad.clone(), t.host_master, t.device_params)
 
 
-@pytest.mark.parametrize("cls", [NoCopyBack, StaleGradient], ids=["no-copy-back", "stale-grad"])
+class SumNotAverage(DPStrategy):
+    """Negative control: the replicas' gradients summed, not averaged (the actors' `dp_sum` fault, which
+    tests/ray/test_offload.py's check rejects on actors too)."""
+
+    reduce_op = "sum"
+
+
+@pytest.mark.parametrize(
+    "cls", [NoCopyBack, StaleGradient, SumNotAverage], ids=["no-copy-back", "stale-grad", "sum"]
+)
 def test_negative_controls_are_caught(zero0_dp2, cls):
     broken = run_dp(2, 2, cls, extra=offload(2))
     with pytest.raises(AssertionError, match=MISMATCH):

@@ -19,7 +19,8 @@ the formula over 2 ranks, not 4). Checkpoints written at dp=2 x cp=2 (every rank
 rectangles) load exactly at other dp, cp and zero stages.
 
 On Ray actors (the worker's groups, grad norm and checkpoint writers): zero 3 at dp=2 x cp=2 on the
-reference curve, its checkpoint resumed at dp=2 x cp=1, zero 1; elastic dp 1 -> 2 -> 1 at cp=2, zero 2.
+reference curve, its checkpoint resumed at dp=1 x pp=2 x tp=2, zero 0; elastic dp 1 -> 2 -> 1 at cp=2,
+zero 2 (tests/ray/test_zero_cp.py).
 """
 
 from __future__ import annotations
