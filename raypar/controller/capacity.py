@@ -28,7 +28,7 @@ from typing import Any
 import ray
 import yaml
 
-from raypar.controller.placement import _autoscaler_running, resources_for
+from raypar.controller.placement import autoscaler_running, resources_for
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.rules import RAY_RESOURCES
 from raypar.core.config.schema import Config
@@ -253,9 +253,9 @@ def autoscaler_node_types() -> list[NodeType] | None:
 
 def check(cfg: Config, dp: int) -> Verdict:
     """`decide` on this cluster. The autoscaler is asked about only when the nodes there are fall short:
-    its monitor may take seconds to report (placement._autoscaler_running)."""
+    its monitor may take seconds to report (placement.autoscaler_running)."""
     need = need_for(cfg, dp)
     nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
     if pack(need.per_group, need.groups, nodes) == need.groups:
         return Verdict()
-    return decide(need, nodes, _autoscaler_running(), autoscaler_node_types())
+    return decide(need, nodes, autoscaler_running(), autoscaler_node_types())

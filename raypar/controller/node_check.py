@@ -19,7 +19,7 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from raypar.controller import ray_env, shared_paths
-from raypar.controller.placement import PlacementTimeout, _autoscaler_running
+from raypar.controller.placement import PlacementTimeout, autoscaler_running
 from raypar.core.config.schema import Config
 
 
@@ -68,4 +68,4 @@ def check_autoscaled_storage(cfg: Config, address: str | None, seen_elsewhere: b
     ckpt = cfg.checkpoint.dir
     if not ckpt or "://" in ckpt or seen_elsewhere or not ray_env.target(address) or not ray.is_initialized():
         return
-    shared_paths.check_node_local(ckpt, _autoscaler_running(wait_s=0))
+    shared_paths.check_node_local(ckpt, autoscaler_running(wait_s=0))

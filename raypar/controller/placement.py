@@ -73,7 +73,7 @@ def check_device(device: str, gpus_per_actor: float) -> None:
     waits out its timeout. Unless an autoscaler runs (GPU nodes may come): then the placement waits."""
     if device != "gpu" or ray.cluster_resources().get("GPU", 0) >= gpus_per_actor:
         return
-    running = _autoscaler_running()
+    running = autoscaler_running()
     if running is None:
         raise ConfigError(
             'parallel.device: "gpu" needs GPUs, and this Ray cluster has none; its autoscaler monitor posted '
@@ -105,7 +105,7 @@ def _is_v2() -> bool:
     return is_autoscaler_v2(fetch_from_server=True)
 
 
-def _autoscaler_running(
+def autoscaler_running(
     is_v2: Callable[[], bool] = _is_v2,
     read_status: Callable[[], bytes | None] = _read_status,
     wait_s: float = AUTOSCALER_REPORT_WAIT_S,

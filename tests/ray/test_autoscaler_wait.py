@@ -13,5 +13,5 @@ def test_a_plain_local_ray_is_refused_promptly(ray_session):
     """The session's local Ray (read-only provider): its monitor reports within seconds of start, and the
     answer is "no autoscaler" without waiting out AUTOSCALER_REPORT_WAIT_S."""
     start = time.monotonic()
-    assert placement._autoscaler_running() is False
+    assert placement.autoscaler_running() is False
     assert time.monotonic() - start < 15

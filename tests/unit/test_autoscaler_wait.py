@@ -1,5 +1,5 @@
 """Whether an autoscaler runs is decided on the monitor's first report that names node types, not on
-whatever the GCS key holds at the moment of asking (raypar.controller.placement._autoscaler_running).
+whatever the GCS key holds at the moment of asking (raypar.controller.placement.autoscaler_running).
 
 Before: the key was read once; a monitor that had not yet seen the raylets' load metrics posts a status
 without `autoscaler_report`, which read as "no autoscaler", so `parallel.device = "gpu"` right after
@@ -42,7 +42,7 @@ def reader(*answers: bytes | None) -> Callable[[], bytes | None]:
 
 
 def running(read: Callable[[], bytes | None], wait_s: float = 10.0) -> bool | None:
-    return placement._autoscaler_running(is_v2=lambda: False, read_status=read, wait_s=wait_s)
+    return placement.autoscaler_running(is_v2=lambda: False, read_status=read, wait_s=wait_s)
 
 
 @pytest.mark.parametrize("early", [None, EARLY, report({})], ids=["no key", "no report", "no types"])
@@ -60,14 +60,14 @@ def test_read_only_and_real_node_types():
 
 
 def test_v2_marks_itself():
-    assert placement._autoscaler_running(is_v2=lambda: True, read_status=reader(None), wait_s=0) is True
+    assert placement.autoscaler_running(is_v2=lambda: True, read_status=reader(None), wait_s=0) is True
 
 
 def test_a_monitor_that_never_reports_is_bounded_and_named(monkeypatch):
     start = time.monotonic()
     assert running(reader(EARLY), wait_s=1.0) is None
     assert time.monotonic() - start < 5
-    monkeypatch.setattr(placement, "_autoscaler_running", lambda: None)
+    monkeypatch.setattr(placement, "autoscaler_running", lambda: None)
     monkeypatch.setattr(placement.ray, "cluster_resources", lambda: {"CPU": 2.0})
     with pytest.raises(ConfigError, match=r"parallel.device: .*no node report within 30s \(GCS key"):
         placement.check_device("gpu", 1.0)

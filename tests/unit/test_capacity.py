@@ -145,7 +145,7 @@ def test_check_reads_the_nodes_and_the_bootstrap_config(monkeypatch: pytest.Monk
     cfg = from_dict({"model": {"n_kv_heads": 4}, "parallel": {"tp": 4, "device": "cpu"}})
     nodes = [{"Alive": True, "Resources": {"CPU": 2.0}}, {"Alive": False, "Resources": {"CPU": 64.0}}]
     monkeypatch.setattr(capacity.ray, "nodes", lambda: nodes)
-    monkeypatch.setattr(capacity, "_autoscaler_running", lambda: True)
+    monkeypatch.setattr(capacity, "autoscaler_running", lambda: True)
     bootstrap = tmp_path / "ray_bootstrap_config.yaml"
     monkeypatch.setattr(capacity, "BOOTSTRAP_CONFIG", bootstrap)
     assert capacity.check(cfg, 1).nodes.startswith("its node types are unknown")  # no config here: wait

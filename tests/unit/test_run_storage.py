@@ -112,7 +112,7 @@ def test_a_node_local_checkpoint_dir_is_refused_when_an_autoscaler_adds_nodes():
 def test_only_a_joined_cluster_is_asked_about_its_autoscaler(tmp_path, monkeypatch):
     cfg = load_config(TINY, [f"checkpoint.dir={tmp_path / 'ckpt'}"])
     asked = []
-    monkeypatch.setattr(node_check, "_autoscaler_running", lambda wait_s: asked.append(wait_s) or True)
+    monkeypatch.setattr(node_check, "autoscaler_running", lambda wait_s: asked.append(wait_s) or True)
     monkeypatch.setattr(node_check.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(shared_paths, "filesystem_type", lambda path, mounts: "ext4")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
