@@ -285,6 +285,17 @@ class PlainLoop:
 
 
 # -- statistics and output ---------------------------------------------------------------------------------
+def print_seconds(out: dict[str, float], as_json: bool) -> None:
+    """A script's named durations: one JSON object, or a two-column table."""
+    if as_json:
+        print(json.dumps(out))
+        return
+    width = max(len("measure"), *map(len, out))
+    print(f"{'measure':{width}s} {'seconds':>9s}")
+    for key, value in out.items():
+        print(f"{key:{width}s} {value:9.3f}")
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

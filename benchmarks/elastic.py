@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -130,12 +129,9 @@ def main() -> None:
         trainer.shutdown()
         ray.shutdown()
 
+    _common.print_seconds(out, args.json)
     if args.json:
-        print(json.dumps(out))
         return
-    print(f"{'measure':34s} {'seconds':>9s}")
-    for key, value in out.items():
-        print(f"{key:34s} {value:9.3f}")
     print(f"checkpoint stall / step time at dp=1: {out['checkpoint_stall_s'] / out['step_s_dp1']:.2f}")
 
 

@@ -16,7 +16,6 @@ dp=4 in shard groups of 2 (`parallel.dp_shard = 2`), ZeRO-3, pp=1. After a check
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -97,12 +96,7 @@ def main() -> None:
     finally:
         trainer.shutdown()
         ray.shutdown()
-    if args.json:
-        print(json.dumps(out))
-        return
-    print(f"{'measure':24s} {'seconds':>9s}")
-    for key, value in out.items():
-        print(f"{key:24s} {value:9.3f}")
+    _common.print_seconds(out, args.json)
 
 
 if __name__ == "__main__":
