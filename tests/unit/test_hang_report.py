@@ -35,7 +35,9 @@ def _probes(absent: int) -> dict[str, hangs.ActorProbe]:
             return
         other = groups[1 - rank]
         deadline = time.monotonic() + TIMEOUT_S
-        while not other.state().pending:  # until the other rank is inside op #2 (bounded)
+        # until the other rank is inside op #2 (bounded); op #1 may still show as its pending op for a
+        # moment after this rank returned from it, so wait for the op number, not for any pending op
+        while [p.seq for p in other.state().pending] != [2]:
             assert time.monotonic() < deadline, "the other rank never entered the all-reduce"
         stacks = hangs.python_stacks()
         for r, g in groups.items():
