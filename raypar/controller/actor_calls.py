@@ -158,10 +158,14 @@ class ActorCalls:
         """`endpoint(*args)` submitted to every actor directly: its refs, for `_gather`."""
         return {call(actor, endpoint, *args): coord for coord, actor in self.actors.items()}
 
+    def _lost_with(self, broken: set[int]) -> set[int]:
+        """The replicas that end with the `broken` ones (the mesh widens this under HSDP)."""
+        return broken
+
     def _contain(self, first: Coord, err: BaseException, step: int | None) -> set[Coord]:
         dead = {first} if _died(err) else set()
         dead |= self.find_dead([c for c in self.actors if c != first])
-        broken = {c.dp for c in dead}
+        broken = self._lost_with({c.dp for c in dead})
         for coord, actor in self.actors.items():
             if coord.dp in broken:
                 # its sockets close, so intact peers fail now instead of at their timeout; and one found hung
@@ -204,11 +208,13 @@ class ActorCalls:
     def _describe_failure(self, errors: dict[Coord, BaseException], dead: set[Coord], what: str) -> str:
         def rank(item: tuple[Coord, BaseException]) -> int:
             cause = cause_of(item[1])
-            if item[0] in dead or "actor died" in cause:
+            if item[0] in dead:
                 return 0
+            if "actor died" in cause:
+                return 1  # ended by containment (`_contain`) with the replicas it broke
             if "GroupError" in cause or "Timeout" in cause or "StepAborted" in cause or "group '" in cause:
-                return 2  # a symptom: a peer of the actor that really failed
-            return 1
+                return 3  # a symptom: a peer of the actor that really failed
+            return 2
 
         coord, err = min(errors.items(), key=rank)
         if coord in dead and not _died(err):

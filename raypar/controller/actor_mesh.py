@@ -365,6 +365,16 @@ class ActorMesh(ActorCalls):
             return []
         return [self.replicas[i : i + s] for i in range(0, self.dp, s)]
 
+    def _lost_with(self, broken: set[int]) -> set[int]:
+        """Under HSDP `recover` drops a broken replica's whole shard group, so containment ends it at once:
+        its mates gave the step up alive, and their open sockets would hold their replicate peers (in the
+        other shard groups) in an all-reduce with them for parallel.timeout_s (gloo has no abort). With
+        checkpoint.in_memory every mate is kept (restore_from_memory replaces only the broken replica)."""
+        return broken if self.cfg.checkpoint.in_memory else self._whole_shard_groups(broken)
+
+    def _whole_shard_groups(self, replicas: set[int]) -> set[int]:
+        return replicas | {d for g in self.shard_groups if replicas & set(g) for d in g}
+
     def recover(self, failure: BaseException) -> str:
         """Continue after `failure` (of a step, or of anything else between steps) with the intact
         replicas, at once and without touching disk: drop every replica that lost an actor or was not
@@ -379,7 +389,7 @@ class ActorMesh(ActorCalls):
                 f"over the DP group and cannot be regrouped without a checkpoint ({failure})"
             )
         broken = {c.dp for c in dead} | (set(self.replicas) - self.ready)
-        broken = {d for g in groups if broken & set(g) for d in g} | broken  # whole shard groups
+        broken = self._whole_shard_groups(broken)
         before = list(self.replicas)
         self._drop_replicas(broken)
         if not self.replicas:

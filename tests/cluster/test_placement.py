@@ -62,14 +62,14 @@ def _device_mismatches(actors: dict) -> list[str]:
 
 
 def test_groups_are_formed_on_each_actors_assigned_gpu():
-    """Nodes with 4 and 8 (fake) GPUs: each actor's communicators live on the GPU Ray gave it, not cuda:0."""
+    """Nodes with 2 and 4 (fake) GPUs: each actor's communicators live on the GPU Ray gave it, not cuda:0."""
     probe = _gpu_probe()  # both meshes on one cluster
     actors = probe["good"]
-    assert len(actors) == 12 and all(a["groups"] for a in actors.values())
+    assert len(actors) == 6 and all(a["groups"] for a in actors.values())
     assert _device_mismatches(actors) == []
     per_node: dict[str, set[int]] = {}
     for a in actors.values():
         per_node.setdefault(a["node"], set()).add(a["gpu"][0])
-    assert sorted(map(sorted, per_node.values())) == [list(range(4)), list(range(8))]
+    assert sorted(map(sorted, per_node.values())) == [list(range(2)), list(range(4))]
     # Negative control: groups formed without devices (every one on device 0) are caught by the same check.
-    assert len(_device_mismatches(probe["broken"])) == 10  # all but the two actors holding GPU 0
+    assert len(_device_mismatches(probe["broken"])) == 4  # all but the two actors holding GPU 0

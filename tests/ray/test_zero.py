@@ -15,8 +15,10 @@ stages and re-sharding across dp, on thread ranks, in tests/unit/test_dp_strateg
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -78,18 +80,25 @@ def test_hsdp_zero3_replica_killed_continues_from_peers(ray_session, tmp_path):
     group, so the lost replica's group is dropped, the other redoes the step without reading the checkpoint
     that exists, and the run heals back to dp=4, the new group taking each shard from the replica of equal
     shard index (raypar.core.dp.hsdp). The losses are the one-process run's: fp32, 8 steps, only the
-    order of float sums differs (as tests/unit/test_hsdp.py argues, 1e-4 relative)."""
+    order of float sums differs (as tests/unit/test_hsdp.py argues, 1e-4 relative). The lost replica's
+    shard mate is ended at once (tests/unit/test_hsdp_containment.py), so no replica of the other group
+    waits out parallel.timeout_s in an all-reduce with it: the replicas are dropped well before that."""
     ckpt = tmp_path / "ckpt"
+    timeout_s = 60  # far past a containment: a peer that waited it out shows
     cfg = tiny("parallel.dp=4", "parallel.dp_shard=2", "parallel.zero=3", "train.steps=8",
-               "parallel.timeout_s=10", f"checkpoint.dir='{ckpt}'", "checkpoint.every=3")  # fmt: skip
+               f"parallel.timeout_s={timeout_s}", f"checkpoint.dir='{ckpt}'",
+               "checkpoint.every=3")  # fmt: skip
     run_dir = tmp_path / "killed"
     bg = Background(cfg, "hsdp-killed", run_dir)
     bg.wait_for_step(4)  # past the checkpoint of step 3: one to read, were the peers not enough
+    killed_at = time.time()
     os.kill(actor_pid("raypar:hsdp-killed:dp3.pp0.tp0"), signal.SIGKILL)
     result = bg.join()
     events = (run_dir / "events.jsonl").read_text()
     assert result["restarts"] == 1 and result["memory_recoveries"] == 1, events
     assert "dropped replica(s) [2, 3] (whole shard groups" in events, events
+    dropped = [json.loads(line) for line in events.splitlines() if "dropped replica(s)" in line]
+    assert dropped[0]["time"] - killed_at < timeout_s, f"a peer waited out parallel.timeout_s: {events}"
     assert "restarting all replicas" not in events and "healing: added replica(s)" in events, events
     records = metrics(run_dir)
     assert [m["step"] for m in records] == list(range(8)), "a step was skipped or logged twice"

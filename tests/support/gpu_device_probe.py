@@ -1,5 +1,5 @@
-"""Run as a subprocess by test_placement.py: a `ray.cluster_utils.Cluster` with one node of 4 and one of
-8 fake GPUs, an ActorMesh of model-free workers (tp=2, dp=6: twelve actors fill both nodes), and for
+"""Run as a subprocess by test_placement.py: a `ray.cluster_utils.Cluster` with one node of 2 and one of
+4 fake GPUs, an ActorMesh of model-free workers (tp=2, dp=3: six actors fill both nodes), and for
 every actor the GPU Ray assigned it next to the device its groups were formed on, printed as JSON: under
 "good", and under "broken" for a second mesh on the same cluster that forms its groups without devices
 (the bug: every communicator on cuda:0)."""
@@ -23,11 +23,11 @@ class _NoDevices(StubActorMesh):
 
 def main() -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for gpus in (4, 8):
+    for gpus in (2, 4):
         cluster.add_node(num_cpus=gpus, num_gpus=gpus)
     cfg = load_config(
         "examples/configs/tiny.toml",
-        ['parallel.device="gpu"', "parallel.dp=6", "parallel.tp=2", "parallel.pp=1", "train.global_batch=12"],
+        ['parallel.device="gpu"', "parallel.dp=3", "parallel.tp=2", "parallel.pp=1", "train.global_batch=6"],
     )
     try:
         ray.init(address=cluster.address, log_to_driver=False)

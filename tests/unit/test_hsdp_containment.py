@@ -1,0 +1,98 @@
+"""HSDP containment (`ActorMesh._lost_with`): a replica's death ends its whole shard group at once.
+
+dp=4 in two shard groups of 2 on thread ranks (gloo): shard groups {0, 1} and {2, 3}, replicate groups
+{0, 2} and {1, 3}. Replica 1 dies in a step (its sockets close). Its shard mate 0 fails at once in their
+shard-group op and gives the step up, alive; replica 3 fails at once in its replicate op with 1; replica
+2 waits in the replicate all-reduce with 0. Gloo has no abort for a pending op (ProcessGroupGloo.abort
+and shutdown leave it waiting), so 2 is freed only if 0's sockets close too: containment ends the
+replicas `_lost_with` names, as `ray.kill` would. The control keeps every mate (the plain mesh's rule):
+2 then waits out its whole timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from collectives import Group, GroupError, GroupTimeout
+from raypar.controller.actor_calls import ActorCalls
+from raypar.controller.actor_mesh import ActorMesh
+from tests.support.threads import run_groups
+
+GROUPS = {"dps0": [0, 1], "dps1": [2, 3], "dpr0": [0, 2], "dpr1": [1, 3]}
+TIMEOUT_S = 3.0  # what the replicate peer would wait without containment; each op's timeout
+
+
+class _Mesh(ActorMesh):
+    """The mesh's rules without Ray: its replicas and config only."""
+
+    def __init__(self, replicas: list[int], dp_shard: int, in_memory: bool = False):
+        self.replicas = replicas
+        self.cfg = SimpleNamespace(
+            parallel=SimpleNamespace(dp_shard=dp_shard), checkpoint=SimpleNamespace(in_memory=in_memory)
+        )
+
+
+class _PlainMesh(_Mesh):
+    """Negative control: the mates of a dead replica are kept alive, as without HSDP."""
+
+    _lost_with = ActorCalls._lost_with
+
+
+def _one_death(mesh: ActorMesh) -> dict[int, str]:
+    """Replica 1 dies in the step; the replicas `mesh._lost_with({1})` names end (their groups close) as
+    soon as they are out of it. Returns how each survivor's op ended."""
+    ended = mesh._lost_with({1})
+    out_of_step = {r: threading.Event() for r in range(4)}
+    outcome: dict[int, str] = {}
+
+    def replica(rank: int, mine: dict[str, Group]) -> None:
+        if rank == 1:  # kill -9: its sockets close
+            for group in mine.values():
+                group.destroy()
+            return
+        group = mine[f"dps{rank // 2}"] if rank == 0 else mine[f"dpr{rank % 2}"]
+        try:
+            group.all_reduce(torch.ones(4))
+            outcome[rank] = "completed"
+        except GroupTimeout:
+            outcome[rank] = "timed out"
+        except GroupError:
+            outcome[rank] = "failed at once"
+        out_of_step[rank].set()
+        if rank in ended:  # containment ends it (the driver's ray.kill): its sockets close too
+            for group in mine.values():
+                group.destroy()
+        elif rank == 0:  # alive and idle, as a replica waiting for the driver, until the others are done
+            assert out_of_step[2].wait(3 * TIMEOUT_S), "replica 2 neither failed nor timed out"
+
+    run_groups(4, GROUPS, replica, timeout_s=TIMEOUT_S)
+    return outcome
+
+
+def test_a_death_ends_its_shard_group_so_no_replicate_peer_waits_out_its_timeout():
+    mesh = _Mesh([0, 1, 2, 3], dp_shard=2)
+    assert mesh._lost_with({1}) == {0, 1} and mesh._lost_with({2, 3}) == {2, 3}
+    assert _one_death(mesh) == {0: "failed at once", 3: "failed at once", 2: "failed at once"}
+
+
+def test_control_keeping_the_mates_alive_holds_the_replicate_peer_for_its_timeout():
+    outcome = _one_death(_PlainMesh([0, 1, 2, 3], dp_shard=2))
+    assert outcome[2] == "timed out", outcome
+
+
+@pytest.mark.parametrize(
+    "mesh, expected",
+    [
+        (_Mesh([0, 1, 2, 3], dp_shard=4), {1}),  # one shard group: no HSDP, the replica alone
+        (_Mesh([0, 1, 2, 3], dp_shard=0), {1}),  # plain ZeRO
+        (_Mesh([0, 1, 2, 3], dp_shard=2, in_memory=True), {1}),  # restore_from_memory replaces only it
+        (_Mesh([4, 5, 6, 7], dp_shard=2), {4, 5}),  # replica ids, not dp ranks
+    ],
+    ids=["one-group", "zero", "in-memory", "replica-ids"],
+)
+def test_what_ends_with_a_broken_replica(mesh, expected):
+    assert mesh._lost_with({mesh.replicas[1]}) == expected
