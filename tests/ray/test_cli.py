@@ -12,6 +12,7 @@ import pytest
 import ray
 from safetensors.torch import load_file
 
+from raypar.controller import cli
 from tests.support.runs import TINY, losses, metrics
 from tests.support.tracker_readback import assert_matches_metrics, read_tensorboard
 
@@ -39,7 +40,7 @@ def raypar(*args: str, address: str | None = None, env: dict[str, str] | None = 
     )
 
 
-def test_train_checkpoint_inspect_export_report(address, tmp_path):
+def test_train_checkpoint_inspect_export_report(address, tmp_path, capsys, no_ray):
     ckpt = tmp_path / "ckpt"
     proc = raypar(
         "train",
@@ -77,26 +78,31 @@ def test_train_checkpoint_inspect_export_report(address, tmp_path):
         assert key in records[0]
     assert (tmp_path / "run" / "config.toml").read_text().count("[parallel]") == 1
 
-    inspect = raypar("checkpoint", "inspect", str(ckpt))
-    assert inspect.returncode == 0 and "step" in inspect.stdout and "4" in inspect.stdout, inspect.stderr
+    # The commands that need no Ray run in this process (cli.main, as `raypar` calls it): a subprocess
+    # each would spend seconds importing torch on 2 cores; the entry point itself is the train run's above.
+    assert cli.main(["checkpoint", "inspect", str(ckpt)]) == 0
+    inspect = capsys.readouterr()
+    assert "step" in inspect.out and "4" in inspect.out, inspect.err
     out = tmp_path / "model.safetensors"
-    export = raypar("checkpoint", "export", str(ckpt), str(out))
-    assert export.returncode == 0, export.stderr
+    assert cli.main(["checkpoint", "export", str(ckpt), str(out)]) == 0, capsys.readouterr().err
     tensors = load_file(out)
     assert tensors["embed.weight"].shape == (256, 64) and not any(k.startswith("optim.") for k in tensors)
 
-    report = raypar("report", str(tmp_path / "run"))
-    assert report.returncode == 0, report.stderr
-    assert "bubble" in report.stdout
+    assert cli.main(["report", str(tmp_path / "run")]) == 0
+    report = capsys.readouterr()
+    assert "bubble" in report.out, report.err
     for name in ("timeline.json", "timeline.png", "loss.png"):
         assert (tmp_path / "run" / name).stat().st_size > 0
     trace = json.loads((tmp_path / "run" / "timeline.json").read_text())["traceEvents"]
     schedule = [e for e in trace if e.get("cat") == "schedule"]  # the profiled steps' instructions, beside
     assert {e["args"]["step"] for e in schedule} == {1, 2} and {e["pid"] for e in schedule} == {1000, 1001}
 
-    # Resuming at a model the checkpoint does not hold: exit 2 naming the manifest, before any actor.
-    bad = raypar("train", str(TINY), "--resume", str(ckpt), "--set", "model.d_model=128", "--no-progress")
-    assert bad.returncode == 2 and "manifest.json" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    # Resuming at a model the checkpoint does not hold: exit 2 naming the manifest, before joining Ray
+    # (`no_ray`: joining from this process fails the test) and so before any actor.
+    argv = ["train", str(TINY), "--resume", str(ckpt), "--set", "model.d_model=128", "--no-progress"]
+    assert cli.main(argv) == 2
+    bad = capsys.readouterr().err
+    assert "manifest.json" in bad and len(bad.strip().splitlines()) == 1, bad
 
 
 def test_worker_exception_exits_1_naming_the_actor(address, tmp_path):

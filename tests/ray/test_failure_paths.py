@@ -67,22 +67,21 @@ def test_a_full_disk_does_not_use_up_max_failures(ray_session, tmp_path):
     assert not list(ckpt.glob(".tmp-*"))
 
 
-def test_actor_lost_in_snapshot_and_again_while_regrouping(ray_session, tmp_path):
+def test_actor_lost_in_snapshot_and_again_while_regrouping(tmp_path, undisturbed):
     """dp1 dies in the step-2 checkpoint snapshot; while the survivors re-form their groups, dp0 dies
     too. Before the fix the first ended the run (a failure outside the step); the second, a failure
     during recovery, ended it with a GroupError. Now: restart from the initial state (no checkpoint yet),
     the same losses as an undisturbed run, every step once, every checkpoint written."""
     ckpt = tmp_path / "ckpt"
-    shape = ["parallel.dp=2", "train.steps=6", "parallel.timeout_s=10"]
-    straight = tmp_path / "straight"
-    _run(tiny(*shape), "straight2", straight, {})
-    cfg = tiny(*shape, f"checkpoint.dir='{ckpt}'", "checkpoint.every=2", "checkpoint.keep=5")
+    shape = ["parallel.dp=2", "train.steps=6"]  # the undisturbed run's (shared: tests/ray/conftest.py)
+    cfg = tiny(*shape, "parallel.timeout_s=10", f"checkpoint.dir='{ckpt}'", "checkpoint.every=2",
+               "checkpoint.keep=5")  # fmt: skip
     faults = {Coord(1, 0, 0): ["exit_in:save_shard:1"], Coord(0, 0, 0): ["exit_in:rebind:2"]}
     trainer, result = _run(cfg, "snapdeath", tmp_path / "run", faults)
     assert [m["step"] for m in metrics(tmp_path / "run")] == list(range(6)), trainer.events
     assert result["restarts"] == 2, trainer.events
     assert any("restarting all replicas" in e for e in trainer.events), trainer.events
-    assert losses(tmp_path / "run") == losses(straight)  # restarted from the seed at the same layout
+    assert losses(tmp_path / "run") == undisturbed(*shape)  # restarted from the seed at the same layout
     assert [s for s, _ in checkpoint.list_checkpoints(str(ckpt))] == [2, 4, 6]
 
 

@@ -23,10 +23,10 @@ def offload(zero: int) -> tuple[str, ...]:
 
 
 def test_offload_on_actors_matches_zero0_and_reports_the_host_update(ray_session):
-    """zero=2 with offload against zero=0 on the same actors, 5 steps, tests/ray/test_zero.py's
-    tolerances, and the control that check rejects (replicas' gradients summed, not averaged). Each
-    step's report carries the previous step's host update: 0 at step 0, positive after; model states
-    counted (host and device together on the CPU)."""
+    """zero=2 with offload against zero=0 on the same actors, 5 steps, the ZeRO tolerances
+    (tests/support/zero_runs.py), and the control that check rejects (replicas' gradients summed, not
+    averaged). Each step's report carries the previous step's host update: 0 at step 0, positive after;
+    model states counted (host and device together on the CPU)."""
     trainer = FaultyActorMesh(actors_cfg(*LAYOUT, 0), "offload-dp2", faults={})
     try:
         trainer.start()

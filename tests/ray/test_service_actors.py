@@ -22,7 +22,7 @@ from raypar.controller.connection import NAMESPACE
 from raypar.controller.training import TrainingLoop
 from raypar.core.parallel.mesh import Coord
 from tests.support.faults import FaultyActorMesh
-from tests.support.runs import losses, metrics, run, tiny
+from tests.support.runs import losses, metrics, tiny
 
 DEATH_WAIT_S = 60.0
 RTOL = 1e-5  # a changed dp reorders floating-point sums only (see test_resilience.py)
@@ -79,10 +79,9 @@ def _close(got: list[float], want: list[float]) -> bool:
     return len(got) == len(want) and all(abs(g - w) <= RTOL * abs(w) for g, w in zip(got, want, strict=True))
 
 
-def test_control_actor_killed_mid_run(ray_session, tmp_path):
+def test_control_actor_killed_mid_run(tmp_path, undisturbed):
     cfg = tiny("train.steps=6", "train.max_failures=3")
-    straight = tmp_path / "straight"
-    run(cfg, "svc-straight", straight)
+    straight = undisturbed("train.steps=6")  # this run's config: the same losses bit for bit
     _KillingLoop.victim, _KillingLoop.at, _KillingLoop.faults = "control", 1, {}
     loop = _KillingLoop(cfg, "svc-control", tmp_path / "run", progress=False)
     result = loop.execute()
@@ -90,18 +89,18 @@ def test_control_actor_killed_mid_run(ray_session, tmp_path):
     assert new is not None and new != old, "the actor was not restarted in another process"
     assert [m["step"] for m in metrics(tmp_path / "run")] == list(range(6)), loop.events
     assert result["restarts"] == 0, loop.events  # not a failure of the run: Ray restarted the actor
-    assert losses(tmp_path / "run") == losses(straight)
+    assert losses(tmp_path / "run") == straight
     assert loop.status_after is not None and loop.status_after["step"] == 3, loop.status_after
     # Negative control for the comparison: a curve one step off is told apart.
-    assert losses(straight)[1:] != losses(straight)[:-1]
+    assert straight[1:] != straight[:-1]
 
 
-def test_store_killed_then_a_worker_dies(ray_session, tmp_path):
+def test_store_killed_then_a_worker_dies(tmp_path, undisturbed):
     """The store dies after step 1; dp1 dies in step 3, so the survivors re-form their groups (and the mesh
     heals back to dp=2) through the restarted store."""
-    cfg = tiny("parallel.dp=2", "train.steps=6", "parallel.timeout_s=10", "train.max_failures=3")
-    straight = tmp_path / "straight"
-    run(cfg, "svc-straight2", straight)
+    shape = ("parallel.dp=2", "train.steps=6")  # the undisturbed run's (shared: tests/ray/conftest.py)
+    cfg = tiny(*shape, "parallel.timeout_s=10", "train.max_failures=3")
+    straight = undisturbed(*shape)  # this run's dp goes 2 -> 1 -> 2: float sums reordered only (RTOL)
     _KillingLoop.victim, _KillingLoop.at = "store", 1
     _KillingLoop.faults = {Coord(1, 0, 0): ["exit_in:train_step:4"]}
     loop = _KillingLoop(cfg, "svc-store", tmp_path / "run", progress=False)
@@ -112,6 +111,6 @@ def test_store_killed_then_a_worker_dies(ray_session, tmp_path):
     assert [m["step"] for m in records] == list(range(6)), loop.events
     assert result["restarts"] == 1, loop.events  # the worker's death, recovered through the store
     assert min(m["dp"] for m in records) == 1 and records[-1]["dp"] == 2, "shrank and healed"
-    assert _close(losses(tmp_path / "run"), losses(straight))
+    assert _close(losses(tmp_path / "run"), straight)
     # Negative control for the comparison: a curve one step off is rejected by it.
-    assert not _close(losses(straight)[1:], losses(straight)[:-1])
+    assert not _close(straight[1:], straight[:-1])
