@@ -6,7 +6,10 @@ tests/unit/test_zero_cp.py."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.checkpoint import format as checkpoint
@@ -27,7 +30,19 @@ def actor_cfg(dp: int, cp: int, zero: int, *extra: str) -> Config:
     ])
 
 
-def test_zero3_with_cp_on_actors_checkpoints_and_resumes(ray_session, tmp_path):
+@pytest.fixture(scope="module")
+def dp2_cp2(ray_session) -> Iterator[ActorMesh]:
+    """One set of dp=2 x cp=2 actors for both tests (a mesh start costs more than the steps): the ZeRO-3
+    run that checkpoints, then the elastic run, rebuilt from the seed."""
+    trainer = ActorMesh(actor_cfg(2, 2, 3), "zcp")
+    try:
+        trainer.start()
+        yield trainer
+    finally:
+        trainer.shutdown()
+
+
+def test_zero3_with_cp_on_actors_checkpoints_and_resumes(dp2_cp2, tmp_path):
     """dp=2 x cp=2 at zero 3: 3 steps on the reference curve (loss and grad norm, 1e-5), a checkpoint every
     rank writes its part of (cp1 keys among the files), then 3 more; the checkpoint resumes on the same 3
     losses at dp=1 x pp=2 x tp=2, zero 0 (every axis and the stage changed at once). The ZeRO suite's one
@@ -35,14 +50,11 @@ def test_zero3_with_cp_on_actors_checkpoints_and_resumes(ray_session, tmp_path):
     tests/unit/test_dp_strategy.py), other tp in the format's tests (tests/unit/test_checkpoint.py)."""
 
     ref = reference_run(actor_cfg(1, 1, 0), 3)
-    trainer = ActorMesh(actor_cfg(2, 2, 3), "zcp")
-    try:
-        trainer.start()
-        results = [trainer.step(s) for s in range(3)]
-        uri = save(trainer, str(tmp_path / "ckpt"), 3, 3)
-        straight = [trainer.step(s).loss for s in range(3, 6)]
-    finally:
-        trainer.shutdown()
+    trainer = dp2_cp2
+    trainer.reconfigure(actor_cfg(2, 2, 3))
+    results = [trainer.step(s) for s in range(3)]
+    uri = save(trainer, str(tmp_path / "ckpt"), 3, 3)
+    straight = [trainer.step(s).loss for s in range(3, 6)]
     assert close([r.loss for r in results], ref.losses), ([r.loss for r in results], ref.losses)
     assert close([r.grad_norm for r in results], ref.grad_norms)
     manifest = checkpoint.load_manifest(uri)
@@ -61,8 +73,8 @@ def test_zero3_with_cp_on_actors_checkpoints_and_resumes(ray_session, tmp_path):
     assert not close(straight, [r.loss for r in results])  # the comparison rejects a run that did not resume
 
 
-def test_elastic_dp_with_cp_under_zero2(ray_session):
-    """cp=2, zero 2: dp 1 -> 2 -> 1 after steps 2 and 4 (the state re-sharded over 2, 4, 2 ranks) on the
-    losses of a fixed dp=1 run."""
-    cfg = actor_cfg(1, 2, 2, "parallel.microbatches=2")  # microbatches of 4: one per replica at dp=2
-    assert_elastic_matches_fixed(cfg, "zcp-elastic", peak_dp=2)
+def test_elastic_dp_with_cp_under_zero2(dp2_cp2):
+    """cp=2, zero 2, on the module's actors: dp 2 -> 1 -> 2 after steps 2 and 4 (the state re-sharded over
+    4, 2, 4 ranks) on the losses of a fixed dp=2 run."""
+    cfg = actor_cfg(2, 2, 2)  # one microbatch of 4 per replica; two of them at dp=1
+    assert_elastic_matches_fixed(dp2_cp2, cfg, other_dp=1)

@@ -53,19 +53,19 @@ def save(trainer: ActorMesh, root: str, step: int, zero: int) -> str:
     return checkpoint.publish(root, staging, step, entries, {"optimizer_steps": step, "zero": zero})
 
 
-def assert_elastic_matches_fixed(cfg: Config, name: str, peak_dp: int = 4) -> None:
-    """6 steps at cfg's dp, then the same 6 from the seed on the same actors with dp going to `peak_dp` and
-    back after steps 2 and 4: the same losses (only the order of float sums differs)."""
-    trainer = ActorMesh(cfg, name)
-    try:
-        trainer.start()
-        fixed = [trainer.step(s).loss for s in range(6)]
-        trainer.reconfigure(cfg)  # back to the seed's state, same actors
-        scaled = [trainer.step(s).loss for s in range(2)]
-        assert trainer.scale_to(peak_dp, 60).startswith("added")
-        scaled += [trainer.step(s).loss for s in range(2, 4)]
-        assert trainer.scale_to(cfg.dp_fixed, 60).startswith("removed")
-        scaled += [trainer.step(s).loss for s in range(4, 6)]
-    finally:
-        trainer.shutdown()
+def assert_elastic_matches_fixed(trainer: ActorMesh, cfg: Config, other_dp: int) -> None:
+    """On `trainer` (started at cfg's dp): 6 steps from the seed at cfg's dp, then the same 6 from the seed
+    with dp going to `other_dp` and back after steps 2 and 4: the same losses (only the order of float sums
+    differs)."""
+    grows = other_dp > cfg.dp_fixed
+    trainer.reconfigure(cfg)
+    fixed = [trainer.step(s).loss for s in range(6)]
+    trainer.reconfigure(cfg)  # back to the seed's state, same actors
+    scaled = [trainer.step(s).loss for s in range(2)]
+    said = trainer.scale_to(other_dp, 60)
+    assert said.startswith("added" if grows else "removed"), said
+    scaled += [trainer.step(s).loss for s in range(2, 4)]
+    said = trainer.scale_to(cfg.dp_fixed, 60)
+    assert said.startswith("removed" if grows else "added"), said
+    scaled += [trainer.step(s).loss for s in range(4, 6)]
     assert close(scaled, fixed), (scaled, fixed)
