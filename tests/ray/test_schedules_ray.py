@@ -26,6 +26,7 @@ from raypar.core.config.schema import Config
 from raypar.core.run_config import load_config
 from tests.support.equivalence import STEPS, assert_matches, train
 from tests.support.reference import reference_run
+from tests.support.runs import started
 
 RECOMPUTE_MODES = ("full", "selective")
 
@@ -40,12 +41,8 @@ def make_cfg(schedule: str, v: int, transport: str, sp: bool = False) -> Config:
 
 @pytest.fixture(scope="module")
 def mesh122(ray_session) -> Iterator[ActorMesh]:
-    trainer = ActorMesh(make_cfg("1f1b", 1, "object_store"), "eq-122")
-    try:
-        trainer.start()
+    with started(ActorMesh(make_cfg("1f1b", 1, "object_store"), "eq-122")) as trainer:
         yield trainer
-    finally:
-        trainer.shutdown()
 
 
 def test_interleaved_zero_bubble_and_sequence_parallel_on_actors(mesh122):

@@ -16,6 +16,7 @@ from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.schema import Config
 from raypar.core.run_config import load_config
 from tests.support.reference import reference_run
+from tests.support.runs import started
 from tests.support.zero_runs import assert_elastic_matches_fixed, close, save
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
@@ -34,12 +35,8 @@ def actor_cfg(dp: int, cp: int, zero: int, *extra: str) -> Config:
 def dp2_cp2(ray_session) -> Iterator[ActorMesh]:
     """One set of dp=2 x cp=2 actors for both tests (a mesh start costs more than the steps): the ZeRO-3
     run that checkpoints, then the elastic run, rebuilt from the seed."""
-    trainer = ActorMesh(actor_cfg(2, 2, 3), "zcp")
-    try:
-        trainer.start()
+    with started(ActorMesh(actor_cfg(2, 2, 3), "zcp")) as trainer:
         yield trainer
-    finally:
-        trainer.shutdown()
 
 
 def test_zero3_with_cp_on_actors_checkpoints_and_resumes(dp2_cp2, tmp_path):

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray.util.state import list_actors
 
+from raypar.controller.actor_mesh import ActorMesh
 from raypar.controller.training import TrainingLoop
 from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Coord
@@ -77,6 +80,16 @@ class Background:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+@contextlib.contextmanager
+def started(mesh: ActorMesh) -> Iterator[ActorMesh]:
+    """`mesh` started, and shut down on the way out: the one set of actors of a module-scoped fixture."""
+    try:
+        mesh.start()
+        yield mesh
+    finally:
+        mesh.shutdown()
 
 
 class FaultyLoop(TrainingLoop):
