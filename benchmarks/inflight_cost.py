@@ -30,9 +30,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 # This file's folder holds collectives.py: with it first on sys.path, `import collectives` would import that
@@ -161,26 +161,14 @@ def _rank(rank: int, ref: LocalStoreRef, sizes: list[int], rounds: int, seconds:
 
 
 def _on_threads(fn: Callable[[int], Any], join_s: float) -> list[Any]:
-    """fn(rank) on RANKS threads at once; the results in rank order, or the first rank's error."""
-    results: list[Any] = [None] * RANKS
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as err:  # re-raised in the main thread below
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(RANKS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=join_s)
-    if errors:
-        raise errors[0]
-    if any(thread.is_alive() for thread in threads):
-        raise TimeoutError(f"a rank did not finish within {join_s:g} s")
-    return results
+    """fn(rank) on RANKS threads at once; the results in rank order, or the first rank's error (a rank left
+    waiting on a failed peer ends at its group's timeout)."""
+    pool = ThreadPoolExecutor(RANKS)
+    try:
+        futures = [pool.submit(fn, rank) for rank in range(RANKS)]
+        return [future.result(timeout=join_s) for future in futures]
+    finally:
+        pool.shutdown(wait=False)
 
 
 def all_reduce_rounds(sizes: list[int], rounds: int, seconds: float, min_calls: int,
