@@ -295,3 +295,33 @@ def test_the_shared_ray_is_left_idle(shared_ray):
     one that joins checks this of those before it: start_ray waits for an idle cluster, or fails)."""
     code = "from benchmarks import _common; _common.start_ray(num_cpus=None)"
     joined(ok(run("-c", code, timeout=300, ray_env=shared_ray)))
+
+
+def test_inflight_cost_quick(tmp_path):
+    out = tmp_path / "inflight.json"
+    text = ok(run("benchmarks/inflight_cost.py", "--quick", "--json", str(out)))
+    headers = [[c.strip() for c in ln.split("|")[1:-1]] for ln in text.splitlines() if ln.startswith("| ")
+               and ln.split("|")[1].strip() in ("case", "size")]
+    assert headers == [
+        ["case", "registry_ns", "stub_ns", "added_ns"],
+        ["size", "calls", "registry_us", "stub_us", "ratio", "ratio_min", "ratio_max", "share_pct"],
+    ]
+    result = json.loads(out.read_text())
+    assert [r["case"] for r in result["registry"]] == [
+        "sync: begin + end", "async, waited: begin(handle) + end", "async, dropped: begin(handle), pruned",
+        "no-op (nothing to send): count",
+    ]
+    for row in result["registry"]:
+        assert row["registry_ns"] > 0 and row["stub_ns"] > 0, row  # measured (not nan)
+        assert row["added_ns"] == row["registry_ns"] - row["stub_ns"], row
+    rows = result["all_reduce"]
+    assert [(r["size"], r["bytes"]) for r in rows] == [
+        ("4 KiB", 4096), ("256 KiB", 1 << 18), ("4 MiB", 1 << 22)
+    ]
+    for row in rows:
+        assert row["registry_us"] > 0 and row["stub_us"] > 0, row
+        assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"] and row["share_pct"] > 0, row
+        # The two sides really differ in the registry only: every op of each registry block (a barrier and
+        # `calls` all_reduces, one block per round) numbered in it, none of a stub block
+        assert row["stub_numbered"] == 0, row
+        assert row["registry_numbered"] == row["rounds"] * (row["calls"] + 1), row
