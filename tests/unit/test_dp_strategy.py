@@ -85,7 +85,7 @@ def zero0_dp4() -> Run:
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_stage_at_dp4_matches_zero0(zero0_dp4, zero):
     """dp=4: four owners per bucket (the Ray suite's ZeRO layout on actors is (2,2,2):
-    tests/ray/test_zero.py)."""
+    tests/ray/test_equivalence.py)."""
     assert_close(run_dp(4, zero), zero0_dp4)
 
 

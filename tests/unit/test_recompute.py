@@ -4,8 +4,8 @@ Recomputation runs the same kernels on the same inputs in the same order, so on 
 kernels) every gradient must be equal bit for bit, also with dropout, because checkpoint restores the
 RNG state before replaying. The pipeline split (pp = 2) is run by hand in one process and tp = 2 by thread
 ranks; dropout is only tested in the main thread there, since threads share torch's global RNG (the Ray
-test at the end covers dropout at (1, 2, 2) with real actors, one process each). The negative control
-replays without restoring the RNG: the same check must reject it.
+test in tests/ray/test_schedules_ray.py covers dropout at (1, 2, 2) with real actors, one process each).
+The negative control replays without restoring the RNG: the same check must reject it.
 """
 
 from __future__ import annotations
