@@ -395,10 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-niceness", type=int, default=0,
                         help="nice level of the Ray actors (Ray's default is 15; the torch ranks run at 0)")
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 ranks, 4 and 64 KiB, few calls")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 ranks, 4 KiB, few calls")
     args = parser.parse_args(argv)
     if args.quick:
-        args.ranks, args.min_bytes, args.max_bytes, args.factor = "2", "4K", "64K", 16
+        args.ranks, args.min_bytes, args.max_bytes, args.factor = "2", "4K", "4K", 16
         args.iters, args.min_iters, args.warmup, args.rounds, args.seconds = 3, 2, 1, 1, 0.01
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     bad = sorted(set(ops) - set(OPS))

@@ -3,7 +3,7 @@
     python -m torch.distributed.run --nproc_per_node 2 --standalone benchmarks/ddp_baseline.py \
         --preset small --set model.seq_len=128 --set train.global_batch=8 --steps 4 --out ddp.json
     python -m torch.distributed.run --nproc_per_node 2 --standalone benchmarks/ddp_baseline.py \
-        --quick --out ddp.json                            # smoke run: tiny model, one timed step
+        --quick --out ddp.json                            # smoke run: tiny model, one step, no warm-up
 
 Each rank builds `_common.PlainLoop` (raypar's LlamaStage, same init, same global sampler, AdamW,
 clip_grad_norm_) wrapped in `DistributedDataParallel(bucket_cap_mb=--bucket-mb)` on the gloo default group,
@@ -39,10 +39,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, one timed step")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny, 1 step, no warm-up")
     args = parser.parse_args()
     if args.quick:
-        args.preset, args.steps, args.warmup = "tiny", 1, 1
+        args.preset, args.steps, args.warmup = "tiny", 1, 0
         args.set = [*args.set, "train.global_batch=4"]
 
     torch.set_num_threads(args.threads)

@@ -7,8 +7,8 @@
    epoch, healing the new replica from a live peer) and that first step.
 3. Recovery: from the kill -9 of a worker to the end of the redone step at reduced dp.
 
-    python benchmarks/elastic.py [--preset small] [--steps 6] [--json]
-    python benchmarks/elastic.py --quick                 # smoke run: tiny model, one step per phase
+    python benchmarks/elastic.py [--preset small] [--steps 6] [--pp 2] [--json]
+    python benchmarks/elastic.py --quick                 # smoke run: tiny model, pp=1, one step per phase
 """
 
 from __future__ import annotations
@@ -47,11 +47,13 @@ def main() -> None:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=6, help="plain steps to time per phase")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages per replica")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, one step per phase")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: tiny model, one actor per replica, one step per phase")
     args = parser.parse_args()
-    if args.quick:
-        args.preset, args.seq_len, args.steps = "tiny", 32, 1
+    if args.quick:  # pp=1: every phase starts half the actor processes, which are most of its cost
+        args.preset, args.seq_len, args.steps, args.pp = "tiny", 32, 1, 1
 
     # A private local Ray of 8 logical CPUs, or the cluster RAYPAR_BENCH_RAY_ADDRESS names (what the
     # suite does); the workers at Ray's own nice, as this script always ran them. The kill -9 below ends
@@ -63,7 +65,7 @@ def main() -> None:
             f"model.preset='{args.preset}'",
             f"model.seq_len={args.seq_len}",
             "parallel.dp=1",
-            "parallel.pp=2",
+            f"parallel.pp={args.pp}",
             "parallel.microbatches=4",
             "parallel.max_dp=2",
             "parallel.device='cpu'",

@@ -1,11 +1,12 @@
 """The planner's step-time predictions against raypar's measured step times, layout by layout (issue 11).
 
     python benchmarks/plan_step_time.py                 # 7 layouts of a 4-layer model, on this machine
-    python benchmarks/plan_step_time.py --quick         # smoke run: tiny model, 2 layouts, 2 steps each
+    python benchmarks/plan_step_time.py --quick         # smoke run: tiny model, 3 layouts, 1 step each
     python benchmarks/plan_step_time.py --steps 20 --json out.json
 
 Each layout trains on real actors (`ActorMesh`, as `raypar train` drives it: one driver-timed call per
-step, the previous step's update included); after `--warmup` untimed steps, the median of `--steps` step
+step, the previous step's update included; consecutive layouts of one (dp, pp, tp) share a set of actors,
+rebuilt from the seed for each); after `--warmup` untimed steps, the median of `--steps` step
 times is set against `raypar.core.planner.search.predict(...)` on the "cpu" device. Two numbers are
 calibrated, once,
 from two (1, 1, 1) layouts at 1 and 4 microbatches, where the prediction is compute only (no bubble, no
@@ -84,14 +85,9 @@ def layout_cfg(layout: tuple[int, int, int, list[str]], model: tuple[str, list[s
     return _common.make_config(preset, [*BASE, *shape, *mesh, *overrides])
 
 
-def median_step_s(cfg: Config, run: str, warmup: int, steps: int) -> float:
-    """Median driver-timed step of `steps` steps after `warmup` untimed ones, on fresh actors."""
-    trainer = ActorMesh(cfg, run)
-    try:
-        trainer.start()
-        times = [trainer.step(i).step_time_s for i in range(warmup + steps)]
-    finally:
-        trainer.shutdown()
+def median_step_s(trainer: ActorMesh, warmup: int, steps: int) -> float:
+    """Median driver-timed step of `steps` steps after `warmup` untimed ones, on `trainer` as just set up."""
+    times = [trainer.step(i).step_time_s for i in range(warmup + steps)]
     return _common.median(times[warmup:])
 
 
@@ -114,11 +110,25 @@ def measure(
     if any(layout[:3] != (1, 1, 1) for layout in layouts[:2]):
         raise ValueError("the first two layouts calibrate and must be (1, 1, 1)")
     measured = []
-    for i, layout in enumerate(layouts):
-        cfg = layout_cfg(layout, model)
-        seconds = median_step_s(cfg, f"plantime-{i}", warmup, steps)
-        measured.append((layout, cfg, seconds))
-        print(f"  {name_of(layout)}: {seconds:.4f} s/step (load {_common.loadavg():.1f})", flush=True)
+    # Consecutive layouts of one mesh shape share its actors, rebuilt from the seed for each (`reconfigure`):
+    # a mesh start costs more than the steps, and the warm-up steps come first on every layout alike.
+    trainer: ActorMesh | None = None
+    try:
+        for i, layout in enumerate(layouts):
+            cfg = layout_cfg(layout, model)
+            if trainer is not None and layout[:3] == measured[-1][0][:3]:
+                trainer.reconfigure(cfg)
+            else:
+                if trainer is not None:
+                    trainer.shutdown()
+                trainer = ActorMesh(cfg, f"plantime-{i}")
+                trainer.start()
+            seconds = median_step_s(trainer, warmup, steps)
+            measured.append((layout, cfg, seconds))
+            print(f"  {name_of(layout)}: {seconds:.4f} s/step (load {_common.loadavg():.1f})", flush=True)
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
     (_, cfg1, t1), (_, cfg2, t2) = measured[:2]
     m1, m2, layers = cfg1.parallel.microbatches, cfg2.parallel.microbatches, cfg1.model.n_layers
     per_pass = max(0.0, (t2 - t1) / ((m2 - m1) * 2 * layers))
@@ -151,7 +161,7 @@ def markdown(rows: list[Row], cores: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 2 layouts, 2 steps")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 3 layouts, 1 step")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per layout")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per layout (median)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -159,7 +169,7 @@ def main() -> None:
     args = parser.parse_args()
     layouts, model = (QUICK, QUICK_MODEL) if args.quick else (LAYOUTS, MODEL)
     if args.quick:
-        args.warmup, args.steps = 1, 2
+        args.warmup, args.steps = 0, 1
     cores = os.cpu_count() or 1
     print(_common.header("raypar plan: predicted vs measured step time"), flush=True)
     started = time.perf_counter()

@@ -5,8 +5,9 @@ parallelism, context parallelism cp=2 in its two styles (Ulysses, ring), and (1,
     python benchmarks/sequence_step.py --quick          # `tiny` at seq_len 64: a smoke run
     python benchmarks/sequence_step.py --seq-len 1024 --batch 2 --steps 8 --json out.json
 
-Each layout is a raypar run of its own (`_common.BenchActorMesh` with raypar's `Worker`, as `raypar train`
-runs it: dp=1, pp=1, one torch thread per actor), on the same model, seed and synthetic batches, so the
+Each layout is a raypar run (`_common.BenchActorMesh` with raypar's `Worker`, as `raypar train` runs it:
+dp=1, pp=1, one torch thread per actor; layouts of one shape share a set of actors, rebuilt from the seed
+for each), on the same model, seed and synthetic batches, so the
 first step's loss agrees across layouts (`loss_diff` against the single actor; tp and cp change the
 order of additions, not the result beyond rounding). Step time is the driver's (`ActorMesh.step`: both
 actor calls and everything in them), the median over `--steps` steps after `--warmup` untimed ones;
@@ -57,37 +58,48 @@ def layout_config(args: argparse.Namespace, overrides: list[str]) -> Config:
     return _common.make_config(args.preset, base)
 
 
-def measure(index: int, cfg: Config, args: argparse.Namespace) -> tuple[list[float], float]:
-    """(timed step seconds, first step's loss) of one layout, on its own set of actors."""
-    trainer = _common.BenchActorMesh(cfg, f"bench-seq-{index}", _common.TimedWorker)
-    trainer.start()
-    try:
-        times, first_loss = [], float("nan")
-        for step in range(args.warmup + args.steps):
-            result = trainer.step(step)
-            if step == 0:
-                first_loss = result.loss
-            if step >= args.warmup:  # the first steps warm allocators and the groups' connections
-                times.append(result.step_time_s)
-        return times, first_loss
-    finally:
-        trainer.shutdown()
+def measure(trainer: _common.BenchActorMesh, args: argparse.Namespace) -> tuple[list[float], float]:
+    """(timed step seconds, first step's loss) of one layout, on `trainer`'s actors rebuilt from the seed."""
+    times, first_loss = [], float("nan")
+    for step in range(args.warmup + args.steps):
+        result = trainer.step(step)
+        if step == 0:
+            first_loss = result.loss
+        if step >= args.warmup:  # the first steps warm allocators and the groups' connections
+            times.append(result.step_time_s)
+    return times, first_loss
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each layout in turn; consecutive layouts of the same shape (tp=2 with and without SP, cp=2 in both
+    styles) share one set of actors, each rebuilt from the seed (`reconfigure`): a mesh start costs more
+    than the steps, and the state a row measures is the same as on new actors."""
     rows: list[dict[str, Any]] = []
-    for index, (name, overrides) in enumerate(LAYOUTS.items()):
-        cfg = layout_config(args, overrides)
-        times, loss = measure(index, cfg, args)
-        row = {"layout": name, "actors": cfg.parallel.tp * cfg.parallel.cp,
-               "step_ms": _common.median(times) * 1e3, "min_ms": min(times) * 1e3,
-               "max_ms": max(times) * 1e3, "loss": loss, "load": _common.loadavg()}
-        reference = rows[0] if rows else row
-        row["ratio"] = row["step_ms"] / reference["step_ms"]
-        row["loss_diff"] = abs(loss - reference["loss"])
-        rows.append(row)
-        print(f"  {name:13} {row['step_ms']:8.1f} ms/step -> {row['ratio']:.2f}x the single actor "
-              f"(loss diff {row['loss_diff']:.1e}, load {row['load']:.1f})", flush=True)
+    trainer: _common.BenchActorMesh | None = None
+    try:
+        for index, (name, overrides) in enumerate(LAYOUTS.items()):
+            cfg = layout_config(args, overrides)
+            shape = (cfg.parallel.tp, cfg.parallel.cp)
+            if trainer is not None and (trainer.tp, trainer.cp) == shape:
+                trainer.reconfigure(cfg)
+            else:
+                if trainer is not None:
+                    trainer.shutdown()
+                trainer = _common.BenchActorMesh(cfg, f"bench-seq-{index}", _common.TimedWorker)
+                trainer.start()
+            times, loss = measure(trainer, args)
+            row = {"layout": name, "actors": cfg.parallel.tp * cfg.parallel.cp,
+                   "step_ms": _common.median(times) * 1e3, "min_ms": min(times) * 1e3,
+                   "max_ms": max(times) * 1e3, "loss": loss, "load": _common.loadavg()}
+            reference = rows[0] if rows else row
+            row["ratio"] = row["step_ms"] / reference["step_ms"]
+            row["loss_diff"] = abs(loss - reference["loss"])
+            rows.append(row)
+            print(f"  {name:13} {row['step_ms']:8.1f} ms/step -> {row['ratio']:.2f}x the single actor "
+                  f"(loss diff {row['loss_diff']:.1e}, load {row['load']:.1f})", flush=True)
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
     return rows
 
 
