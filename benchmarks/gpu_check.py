@@ -86,7 +86,7 @@ MESH_TIMEOUT_S = 120.0  # placement and collectives of the meshes: a missing GPU
 # pp=1 vs pp=2 and dp=1 vs dp=2 in fp32: the same model and samples; what differs is the order of fp32
 # sums (the DP reduction, the grad-norm partial sums per stage or rank, GEMMs over 4 rows instead of 8 that
 # cuBLAS may split differently), each a relative ~1e-7..1e-6 effect that three Adam steps do not grow
-# past 1e-5 (tests/ray/test_zero.py measures the same on the CPU); 1e-4 leaves a margin for GPU GEMM choices.
+# past 1e-5 (tests/ray/test_equivalence.py measures the same on the CPU); 1e-4: a margin for GPU GEMMs.
 LAYOUT_RTOL = 1e-4
 # The llama-1b step: raypar and the plain loop run the same bf16 kernels on the same weights and batches,
 # so their step-0 losses agree to fp32 rounding. Afterwards their fp32 master weights differ by an ulp or
