@@ -1,8 +1,9 @@
 """Run as a subprocess by test_placement.py: a `ray.cluster_utils.Cluster` with one node of 2 and one of
 4 fake GPUs, an ActorMesh of model-free workers (tp=2, dp=3: six actors fill both nodes), and for
 every actor the GPU Ray assigned it next to the device its groups were formed on, printed as JSON: under
-"good", and under "broken" for a second mesh on the same cluster that forms its groups without devices
-(the bug: every communicator on cuda:0)."""
+"good", and under "broken" once the same mesh has formed its groups again without devices (the bug:
+every communicator on cuda:0). The same actors serve both: a second mesh would start six more actor
+processes, the probe's largest cost."""
 
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ from raypar.core.run_config import load_config
 from tests.support.stub_worker import StubActorMesh
 
 
-class _NoDevices(StubActorMesh):
+class _Switchable(StubActorMesh):
+    """Forms its groups on each actor's GPU until `broken` is set, then without devices."""
+
+    broken = False
+
     def devices(self) -> dict[str, int]:
-        return {}
+        return {} if self.broken else super().devices()
 
 
 def main() -> None:
@@ -32,17 +37,20 @@ def main() -> None:
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
+        mesh = _Switchable(cfg, "gpu-probe")
+        mesh.start()
+        placed = {c: (n.node_id, [int(g) for g in n.gpu_ids]) for c, n in mesh.nodes.items()}
         out = {}
-        for name, mesh_cls in (("good", StubActorMesh), ("broken", _NoDevices)):
-            mesh = mesh_cls(cfg, f"gpu-probe-{name}")
-            mesh.start()
+        for name in ("good", "broken"):
+            if name == "broken":
+                mesh.broken = True
+                mesh._regroup()  # every group formed anew (a new epoch replaces the held ones)
             devices = ray.get([a.group_devices.remote() for a in mesh.actors.values()])
-            placed = {c: (n.node_id, [int(g) for g in n.gpu_ids]) for c, n in mesh.nodes.items()}
             out[name] = {
                 c.key: {"node": placed[c][0], "gpu": placed[c][1], "groups": d}
                 for c, d in zip(mesh.actors, devices, strict=True)
             }
-            mesh.shutdown()
+        mesh.shutdown()
         print(json.dumps(out))
     finally:
         ray.shutdown()
