@@ -32,6 +32,9 @@ sys.exit(cli.main(sys.argv[1:]))
 
 def test_a_cp_run_on_a_local_ray_with_fewer_cpus_than_actors_finishes(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", LOCAL_ONLY_ENV)}
+    # No idle workers started ahead for the driver (one per CPU): the run's actors, which set environment
+    # variables, cannot use them.
+    env["RAY_prestart_worker_first_driver"] = "0"
     run_dir = tmp_path / "run"
     args = ["train", "examples/configs/tiny.toml", "--set", "parallel.cp=2", "--set", "train.steps=2"]
     proc = subprocess.run(

@@ -288,7 +288,12 @@ def test_scale_onto_a_node_the_autoscaler_adds(tmp_path: Path) -> None:
     scaler = Warm(clean, tmp_path / "scale.log")  # `raypar scale`, in a process of its own
     elastic = fixed = None
     try:
-        with FakeCluster(LOCAL_YAML) as cluster:
+        # The autoscaler's monitor acts on the demand once per round, 5 s apart by default: a wait of up to a
+        # round before each of the two nodes it adds. Rounds 1 s apart (Ray reads whole seconds; 0 would spin)
+        # shorten that wait. No idle workers started ahead for the first driver: raypar's actors, which set
+        # environment variables, cannot use them.
+        head_env = {"AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_prestart_worker_first_driver": "0"}
+        with FakeCluster(LOCAL_YAML, head_env=head_env) as cluster:
             mark("cluster up")
             env = {**clean, **cluster.env, "PYTHONUNBUFFERED": "1"}
             addr = cluster.address

@@ -1,5 +1,6 @@
 """Each tensor-parallel group, and each HSDP shard group that fits one, lands on one node of a 2-node
-cluster with 4 fake GPUs per node."""
+cluster with 4 fake GPUs per node; each actor's groups are formed on the GPU Ray assigned it. One cluster for
+both (tests/support/placement_probe.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -15,7 +18,9 @@ def _on_one_node(bundles: dict) -> bool:
     return len(set(bundles.values())) == 1
 
 
-def test_tp_groups_packed_on_one_node():
+@pytest.fixture(scope="module")
+def probe() -> dict:
+    """Both checks' findings from one cluster (tests/support/placement_probe.py)."""
     proc = subprocess.run(
         [sys.executable, "-m", "tests.support.placement_probe"],
         capture_output=True,
@@ -24,7 +29,11 @@ def test_tp_groups_packed_on_one_node():
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    placed = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_tp_groups_packed_on_one_node(probe):
+    placed = dict(probe["placement"])
     control = placed.pop("control")
     hsdp = placed.pop("hsdp")
     for group in (("dp0", "dp1"), ("dp2", "dp3")):  # HSDP shard groups of 2 replicas: 4 GPUs, one node
@@ -40,18 +49,6 @@ def test_tp_groups_packed_on_one_node():
     assert len(nodes_used) == 2
 
 
-def _gpu_probe() -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.gpu_device_probe"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def _device_mismatches(actors: dict) -> list[str]:
     """Actors with a group formed on another device than the GPU Ray assigned them."""
     return [
@@ -61,10 +58,10 @@ def _device_mismatches(actors: dict) -> list[str]:
     ]
 
 
-def test_groups_are_formed_on_each_actors_assigned_gpu():
+def test_groups_are_formed_on_each_actors_assigned_gpu(probe):
     """Nodes with 2 and 4 (fake) GPUs: each actor's communicators live on the GPU Ray gave it, not cuda:0."""
-    probe = _gpu_probe()  # both meshes on one cluster
-    actors = probe["good"]
+    found = probe["devices"]
+    actors = found["good"]
     assert len(actors) == 6 and all(a["groups"] for a in actors.values())
     assert _device_mismatches(actors) == []
     per_node: dict[str, set[int]] = {}
@@ -72,4 +69,4 @@ def test_groups_are_formed_on_each_actors_assigned_gpu():
         per_node.setdefault(a["node"], set()).add(a["gpu"][0])
     assert sorted(map(sorted, per_node.values())) == [list(range(2)), list(range(4))]
     # Negative control: groups formed without devices (every one on device 0) are caught by the same check.
-    assert len(_device_mismatches(probe["broken"])) == 4  # all but the two actors holding GPU 0
+    assert len(_device_mismatches(found["broken"])) == 4  # all but the two actors holding GPU 0

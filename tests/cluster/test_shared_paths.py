@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import reader as checkpoint_read
@@ -23,9 +22,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 TINY = ROOT / "examples" / "configs" / "tiny.toml"
-
-
-LOCAL_YAML = ROOT / "examples" / "cluster-local.yaml"
 
 
 CLI = "import sys; from raypar.controller.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -45,12 +41,6 @@ def two_nodes(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("two_nodes")
     if not _can_unshare():
         pytest.skip("needs mount namespaces (unshare -m), to give one node a directory the other lacks")
-    spec = yaml.safe_load(LOCAL_YAML.read_text())
-    spec["available_node_types"]["ray.head.default"]["resources"] = {"CPU": 1, "GPU": 0}
-    for node_type in spec["available_node_types"].values():
-        node_type.update(min_workers=0, max_workers=0)
-    spec["max_workers"] = 0
-    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(spec))
     hidden = tmp_path / "hidden"
     hidden.mkdir()
     elsewhere = tmp_path / "node_cwd"  # the second node's processes start here, not where the driver runs
@@ -58,7 +48,9 @@ def two_nodes(tmp_path_factory):
     # sh -c SCRIPT ARG0 ARGS...: $0 is the directory to cover, "$@" the `ray start` command.
     cover = ["unshare", "-m", "--propagation", "private", "sh", "-c"]
     cover += ['mount -t tmpfs raypar "$0" && exec "$@"']
-    with FakeCluster(tmp_path / "cluster.yaml") as cluster:
+    # A plain head: no autoscaler (no node is added but by hand) and no dashboard (nothing reads its state
+    # API when runs succeed or are refused before any actor).
+    with FakeCluster(None, num_cpus=1, dashboard=False) as cluster:
         cluster.add_node(1, wrap=[*cover, str(hidden)], cwd=elsewhere)
         yield cluster, tmp_path
 

@@ -14,10 +14,10 @@ What was learned getting here (Ray 2.60, Linux):
 - `ray stop` ends every Ray process on the machine, including other people's. Instead the head runs
   as `ray start --block` in a new session: every process of the cluster (GCS, raylets, workers, the
   monitor and the fake nodes it spawns) stays in that session, even after being reparented, so the
-  session id finds them all, by pid. SIGTERM alone is slow (the `ray start` atexit hook waits ~30 s to
-  drain its node through a GCS that is already gone), so survivors get SIGKILL after a short grace.
-  Killed processes whose parent died become zombies of pid 1, which may reap them late: they count
-  as gone.
+  session id finds them all, by pid. They get SIGKILL at once: after SIGTERM the GCS, the raylets and
+  `ray start` itself (whose atexit hook waits ~30 s to drain its node through a GCS that is already gone)
+  were all still alive 10 s later, so a grace before SIGKILL was always waited out in full. Killed
+  processes whose parent died become zombies of pid 1, which may reap them late: they count as gone.
 - `ray start --head` with RAY_AUTH_MODE unset turns token auth on only if a token already exists
   (`~/.ray/auth_token`, e.g. left by a `ray.init()`); otherwise it warns and runs without. Here
   RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH give the cluster a token of its own, and leave
@@ -244,20 +244,21 @@ class FakeCluster:
                 raise TimeoutError(f"node not up after {self.start_timeout_s:.0f} s:\n{text[-3000:]}")
             time.sleep(0.2)
 
-    def stop(self, grace_s: float = 3.0) -> None:
-        """End every process of this cluster by pid: SIGTERM, then SIGKILL after `grace_s`."""
+    def stop(self) -> None:
+        """End every process of this cluster by pid with SIGKILL (see the module's docstring); a second round
+        for any process started meanwhile."""
         if self._head is None:
             return
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0), (signal.SIGKILL, 10.0)):
+        for _ in range(2):
             alive = self.pids()
             if not alive:
                 break
             for pid in alive:
                 try:
-                    os.kill(pid, sig)
+                    os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            deadline = time.monotonic() + wait_s
+            deadline = time.monotonic() + 10.0
             while self.pids() and time.monotonic() < deadline:
                 for child in (self._head, *self._nodes):
                     child.poll()  # reap our direct children so they do not linger as zombies

@@ -1,10 +1,13 @@
-"""Start a local Ray as `raypar train` does, form a gloo group in two actors, print every TCP listener.
+"""Start a local Ray as `raypar train` does, form a gloo group in two actors, print every TCP listener and
+what became of Ray's token file.
 
-    python -m tests.support.listen_probe    # one JSON line: {"listeners": [[pid, "ip", port], ...]}
+    python -m tests.support.listen_probe    # one JSON line: {"listeners": [[pid, "ip", port], ...],
+                                            #                 "token": ["0o600", true]}
 
 The listeners are those of this process and all its descendants: ray.init starts Ray's processes (GCS,
 raylet, agents, dashboard) as children, and the raylet starts the workers. Sockets are matched to processes
-through /proc (no `ss` needed).
+through /proc (no `ss` needed). The token: the mode of `$HOME/.ray/auth_token`, created under a typical
+umask (022), and whether Ray runs with the token in that file (not one of its own).
 """
 
 from __future__ import annotations
@@ -77,7 +80,13 @@ def main() -> None:
     from collectives.ray_store import RendezvousServer
     from raypar.controller.connection import connect
 
+    os.umask(0o022)  # a file written with the umask's mode would be readable by anyone
     connect(None, num_cpus=2)
+    from ray._raylet import AuthenticationTokenLoader
+
+    path = Path(os.environ["HOME"]) / ".ray" / "auth_token"
+    used = AuthenticationTokenLoader.instance().get_raw_token(ignore_auth_mode=True)
+    token = [oct(path.stat().st_mode & 0o777), used == path.read_text().strip()]
 
     @ray.remote(num_cpus=0.5)
     class Member(GroupHost):
@@ -86,7 +95,7 @@ def main() -> None:
     server = RendezvousServer(timeout_s=60)
     members = {"a": Member.remote(), "b": Member.remote()}
     create_groups(members, {"g": ["a", "b"]}, server.address, timeout_s=60)
-    print(json.dumps({"listeners": listeners(_descendants(os.getpid()))}), flush=True)
+    print(json.dumps({"listeners": listeners(_descendants(os.getpid())), "token": token}), flush=True)
     ray.shutdown()
 
 
