@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -38,6 +39,18 @@ def ray_session():
                     raise
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads() -> Iterator[None]:
+    """Each test starts with the process's torch thread count: a test that builds a `Worker` (whose
+    `__init__` sets the actor's count, 1 by default) would otherwise leave it for every later test."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture
