@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import time
@@ -285,6 +286,14 @@ class PlainLoop:
 
 
 # -- statistics and output ---------------------------------------------------------------------------------
+def kill_last_replica(trainer: ActorMesh) -> float:
+    """kill -9 the first actor of `trainer`'s last replica; returns when (time.perf_counter)."""
+    victim = trainer.nodes[next(c for c in trainer.actors if c.dp == trainer.replicas[-1])].pid
+    start = time.perf_counter()
+    os.kill(victim, signal.SIGKILL)
+    return start
+
+
 def print_seconds(out: dict[str, float], as_json: bool) -> None:
     """A script's named durations: one JSON object, or a two-column table."""
     if as_json:

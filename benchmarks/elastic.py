@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -118,9 +117,7 @@ def main() -> None:
         trainer.scale_to(2, 60.0)
         trainer.step(step)
         step += 1
-        victim = trainer.nodes[next(c for c in trainer.actors if c.dp == trainer.replicas[-1])].pid
-        start = time.perf_counter()
-        os.kill(victim, signal.SIGKILL)
+        start = _common.kill_last_replica(trainer)
         try:
             trainer.step(step)
         except StepFailure as failure:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -34,14 +33,6 @@ from raypar.controller.actor_calls import StepFailure  # noqa: E402
 from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
 from raypar.core.checkpoint import format as checkpoint  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
-
-
-def kill_one(trainer: ActorMesh) -> float:
-    """kill -9 the first actor of the last replica; returns when (perf_counter)."""
-    victim = trainer.nodes[next(c for c in trainer.actors if c.dp == trainer.replicas[-1])].pid
-    start = time.perf_counter()
-    os.kill(victim, signal.SIGKILL)
-    return start
 
 
 def failed_step(trainer: ActorMesh, step: int) -> StepFailure:
@@ -78,7 +69,7 @@ def main() -> None:
             entries = trainer.collect(trainer.checkpoint_writes(writers), "writing")
             uri = checkpoint.publish(root, staging, 2, entries, {"optimizer_steps": 2, "zero": 3})
 
-            start = kill_one(trainer)
+            start = _common.kill_last_replica(trainer)
             what = trainer.recover(failed_step(trainer, 2))
             trainer.step(2)
             out["peers_recovery_s"] = time.perf_counter() - start
@@ -88,7 +79,7 @@ def main() -> None:
             trainer.step(3)
             out["peers_heal_s"] = time.perf_counter() - heal
 
-            start = kill_one(trainer)
+            start = _common.kill_last_replica(trainer)
             failed_step(trainer, 4)
             step = trainer.restart_all([4], uri, 60.0)
             trainer.step(step)
