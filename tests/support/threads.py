@@ -49,16 +49,26 @@ def run_groups(
     rank order. `make_group(spec, store)` forms each group (gloo by default; tests.support.fake_nccl for
     NCCL's rules); groups named in `duplex` get a communicator per direction there."""
     ref = LocalStoreRef()
+    formed: list[Group] = []
 
     def member(rank: int) -> Any:
-        mine = {}
+        mine: dict[str, Group] = {}
         for name, ranks in sorted(groups.items()):  # every member creates its groups in one order
             if rank in ranks:
                 members = tuple(f"m{r}" for r in ranks)
                 spec = GroupSpec(
                     name, members, ranks.index(rank), ref, timeout_s=timeout_s, duplex=name in duplex
                 )
-                mine[name] = make_group(spec, ref.store)
+                mine[name] = formed_group = make_group(spec, ref.store)
+                formed.append(formed_group)
         return fn(rank, mine)
 
-    return run_threads(size, member)
+    try:
+        return run_threads(size, member)
+    finally:
+        # Once every rank is done (none can still be in an op with a peer): a group that `fn` leaves in a
+        # reference cycle through autograd hooks (a DP strategy's, on its model's parameters) is never
+        # collected, and each gloo group holds threads that wake every few ms: hundreds of leaked groups
+        # cost the unit tier more system time than its tests' own work.
+        for group in formed:
+            group.destroy()

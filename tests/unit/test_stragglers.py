@@ -21,13 +21,14 @@ from raypar.core.run_config import load_config
 from tests.support.pipeline_threads import run_step
 from tests.support.runs import TINY
 
-SLOW_S = 0.5  # added to each forward and backward of the slowed rank
+SLOW_S = 1.0  # added to each forward and backward of the slowed rank
 MICROBATCHES = 1
 # The slowed rank computes 2 units (F, B) per microbatch, each at least SLOW_S longer (a sleep never returns
-# early): its lag over its one stage peer is >= 2 * MICROBATCHES * SLOW_S = 1 s minus the difference of
-# their own compute times. Half of it as the bar leaves 500 ms for that difference. It is that large because
-# a tiny forward took 0.03 s to 1.9 s on 2 cores shared with a load of 20 (one intra-op thread per rank,
-# below, keeps the two ranks from also fighting over threads).
+# early): its lag over its one stage peer is >= 2 * MICROBATCHES * SLOW_S = 2 s minus the difference of
+# their own compute times. Half of it as the bar leaves 1 s for that difference. It is that large because
+# a tiny forward took 0.03 s to 1.9 s on 2 cores shared with a load of 20, and the unit tier runs a test
+# beside each one (one intra-op thread per rank, below, keeps the two ranks from also fighting over
+# threads); with 0.5 s of slowness, a peer 0.506 s slower than the slowed rank's own compute failed it once.
 MIN_LAG_S = MICROBATCHES * SLOW_S
 
 
