@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from actors.telemetry import per_step
+from actors.task_events import per_step
 
 
 def control_name(run: str) -> str:

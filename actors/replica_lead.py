@@ -25,7 +25,7 @@ from typing import Any
 import ray
 
 from actors.endpoints import ReplicaAnswer, WorkerEndpoints, call
-from actors.telemetry import per_step
+from actors.task_events import per_step
 from raypar.core.parallel.mesh import Coord
 
 RELAY_MARGIN_S = 5.0

@@ -19,17 +19,11 @@ import sys
 import time
 from typing import Any
 
-import ray
 import torch
 from ray.util.metrics import Gauge
 
 from raypar.core.observe import stragglers
 from raypar.core.observe.step_report import StepReport
-
-# For the methods called every step (or every pipeline message): Ray records each call's task events in
-# the GCS (the dashboard's task list, 100,000 calls kept by default), which grew a local Ray's GCS by
-# ~12 KB a step (63 to 288 MB over 20,000 steps). Set-up, checkpoint and recovery calls stay listed.
-per_step = ray.method(enable_task_events=False)
 
 TAG_KEYS = ("run", "dp", "pp", "tp", "cp")
 COMM_OPS = ("recv_act", "send_act", "recv_grad", "send_grad")

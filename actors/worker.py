@@ -33,7 +33,8 @@ from actors.buddy import BuddyCopies
 from actors.devices import OnDevice, cuda_ordinal
 from actors.endpoints import Peers, Placement, SetupInfo
 from actors.replica_lead import ReplicaLead
-from actors.telemetry import ActorMetrics, per_step
+from actors.task_events import per_step
+from actors.telemetry import ActorMetrics
 from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from actors.worker_state import WorkerState
 from collectives import Group

@@ -37,7 +37,7 @@ import ray
 from actors.control import RunControl, control_name
 from actors.telemetry import StragglerGauges
 from collectives.group import GroupError
-from collectives.ray_store import home_node_strategy
+from collectives.store_actor import home_node_strategy
 from raypar.controller import capacity, node_check, profiles, shared_paths, stopping
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica, StepResult
