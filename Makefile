@@ -24,20 +24,23 @@ demo: $(STAMP)
 ISA_TESTS := $(addprefix tests/unit/test_,precision.py compress.py dp_strategy.py offload.py model.py tp_layers.py \
 	executor_equivalence.py sequence_parallel.py)
 PYTEST := $(BIN)/python -m pytest -q -ra --durations=25
+# The unit tier's tests are one process each way (thread ranks, mostly one busy core at a time): a worker per
+# core (pytest-xdist), a file's tests on one worker so that its module fixtures are built once.
+ACROSS_CORES := -n auto --maxprocesses=4 --dist loadfile
 
 # The suite by what a test needs (README.md, "Tests"): unit (one process, thread ranks), ray (the session's one
 # local Ray), cluster (subprocess runs that start their own Ray or clusters, benchmarks' --quick runs).
 test: $(STAMP)
 	$(BIN)/ruff check raypar actors collectives tests benchmarks examples
 	$(BIN)/lint-imports
-	$(PYTEST) tests/unit
+	$(PYTEST) $(ACROSS_CORES) tests/unit
 	$(PYTEST) tests/ray
 	$(PYTEST) tests/cluster
-	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -q -ra $(ISA_TESTS)
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -q -ra $(ACROSS_CORES) $(ISA_TESTS)
 
 # The edit loop: the unit tier alone (no Ray), a few minutes.
 test-fast: $(STAMP)
-	$(PYTEST) tests/unit
+	$(PYTEST) $(ACROSS_CORES) tests/unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
