@@ -4,7 +4,7 @@ controller's model-free stand-ins (tests, benchmarks) the part they answer, with
 
 Calls go through `call(handle, WorkerEndpoints.method, *args)`: the endpoint is named by the Protocol's own
 method, so a call names one that exists and its arguments are typed against it. Ray-specific options stay
-on the implementation (`actors.telemetry.per_step` on the per-step methods). The group endpoints
+on the implementation (`actors.task_events.per_step` on the per-step methods). The group endpoints
 (`join_groups` and the rest) are `collectives.host.GroupHost`'s, called from the collectives.
 """
 
@@ -23,6 +23,15 @@ if TYPE_CHECKING:
     import torch
 
     from actors.buddy import Snapshot
+
+# One thread runs the step; on a replica's leader one more waits for its members (`fan_out`); the others
+# take `deliver` (from both neighbours at once), `abort` and `where` while they do. `inspect` has a thread
+# of its own (WORKER_GROUPS): every remote class of a Worker (subclass) declares it.
+WORKER_THREADS = 6
+
+# The concurrency group of `Worker.inspect` (a hang report's probe): a thread that no other call waits on.
+INSPECT = "inspect"
+WORKER_GROUPS = {INSPECT: 1}
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -31,7 +31,7 @@ import torch
 
 from actors.buddy import BuddyCopies
 from actors.devices import OnDevice, cuda_ordinal
-from actors.endpoints import Peers, Placement, SetupInfo
+from actors.endpoints import INSPECT, WORKER_GROUPS, WORKER_THREADS, Peers, Placement, SetupInfo
 from actors.replica_lead import ReplicaLead
 from actors.task_events import per_step
 from actors.telemetry import ActorMetrics
@@ -53,7 +53,7 @@ from raypar.core.model.moe_balance import apply_bias_updates, bias_updates
 from raypar.core.observe import flops, hangs, memory
 from raypar.core.observe.hangs import ActorProbe
 from raypar.core.observe.profile import ActorProfile, StepProfiler
-from raypar.core.observe.step_report import MoELayerReport, StepReport
+from raypar.core.observe.step_report import MemoryReport, MoELayerReport, StepReport
 from raypar.core.parallel import ep as ep_mod
 from raypar.core.parallel.float8 import float8_for
 from raypar.core.parallel.mesh import BoundGroups, Coord, StageGroups, actor_name, stage_layers
@@ -61,10 +61,6 @@ from raypar.core.pipeline import schedules
 from raypar.core.pipeline.evaluate import ForwardBackend, evaluate
 from raypar.core.pipeline.executor import ModelBackend, StepRun, busy_seconds
 from raypar.core.pipeline.instructions import network_receives
-
-# The concurrency group of `Worker.inspect` (a hang report's probe): a thread that no other call waits on.
-INSPECT = "inspect"
-WORKER_GROUPS = {INSPECT: 1}
 
 # Counting the bytes a forward saves costs a Python call per saved tensor (+15 % of a 20-ms `tiny` step,
 # measured). A dense model's counts depend only on the shapes, fixed while the model and layout are: they
@@ -513,7 +509,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         self.transport.finish_step()
         return None if loss is None else loss.item()
 
-    def _memory(self, live: memory.LiveActivations) -> memory.MemoryReport:
+    def _memory(self, live: memory.LiveActivations) -> MemoryReport:
         """Measured memory of this step: activations saved per microbatch and at most at once, microbatches
         in flight, model states, in-memory checkpoint copies (host), and the peak (GPU: the allocator's;
         CPU: model states + activations + copies)."""
@@ -523,7 +519,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             peak = torch.cuda.max_memory_allocated(self.device)
         else:  # the in-memory copies share the host memory with everything else
             peak = states + live.peak_bytes + snapshots
-        return memory.MemoryReport(
+        return MemoryReport(
             activation_bytes=live.per_microbatch,
             activation_peak_bytes=live.peak_bytes,
             in_flight=live.peak_count,
@@ -557,10 +553,6 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         return norm
 
 
-# One thread runs the step; on a replica's leader one more waits for its members (`fan_out`); the others
-# take `deliver` (from both neighbours at once), `abort` and `where` while they do. `inspect` has a thread
-# of its own (WORKER_GROUPS): every remote class of a Worker (subclass) declares it.
-WORKER_THREADS = 6
 RemoteWorker = ray.remote(max_concurrency=WORKER_THREADS, concurrency_groups=WORKER_GROUPS)(Worker)
 
 # The environment of a worker process. glibc gives each thread that allocates a malloc arena of its own, and

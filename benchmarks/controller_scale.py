@@ -4,7 +4,7 @@
     python benchmarks/controller_scale.py --quick                # smoke run: 8 and 16 actors
     python benchmarks/controller_scale.py --actors 8,16,32,64,128,256 --json out.json
 
-raypar's own `ActorMesh` drives actors that do no work (`LightWorker` below: no model, no torch, no
+raypar's own `ActorMesh` drives actors that do no work (benchmarks/light_worker.py: no model, no torch, no
 groups; every call the mesh makes answered at once), so what is timed is the controller alone: submitting
 the calls, gathering the results, placing and starting actors, and recovering. The mesh is (dp, pp, tp) =
 (n / 8, 4, 2): n actors in n / 8 replicas, like a real run that scales by replicas.
@@ -49,14 +49,12 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import numpy  # noqa: E402
 import ray  # noqa: E402
 
-from actors.endpoints import Peers, Placement, ReplicaAnswer, SetupInfo, WorkerEndpoints  # noqa: E402
-from actors.replica_lead import ReplicaLead  # noqa: E402
-from actors.worker import WORKER_THREADS  # noqa: E402
+from actors.endpoints import ReplicaAnswer, WorkerEndpoints  # noqa: E402
 from benchmarks import _common  # noqa: E402
+from benchmarks.light_worker import InstantWorker, LightWorker  # noqa: E402
 from raypar.controller.actor_calls import StepFailure  # noqa: E402
 from raypar.controller.actor_mesh import ActorMesh, StepResult  # noqa: E402
-from raypar.core.observe.step_report import StepReport  # noqa: E402
-from raypar.core.parallel.mesh import Coord, StageGroups  # noqa: E402
+from raypar.core.parallel.mesh import Coord  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
 
 PP, TP = 4, 2
@@ -67,45 +65,6 @@ PROJECT_TO = 1024
 TREE_CALLS = 4
 STEP_S = 1.0
 GOAL_S = 0.01 * STEP_S  # 1 % of a 1-second step
-
-
-class _LightWorker(ReplicaLead):
-    """Answers every call an ActorMesh makes, at no cost and without torch (a light process: ~1/3 of the
-    memory of a torch actor, so a 2-core machine holds well over a hundred). Groups are not formed: this
-    measures the controller, not gloo."""
-
-    def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
-        self.coord = tuple(coord)
-
-    def where(self) -> Placement:
-        node = ray.get_runtime_context().get_node_id()
-        return Placement(f"light:{Coord(*self.coord).key}", node, os.getpid(), "", False, [], None)
-
-    def join_groups(self, specs: Sequence[Any]) -> list[str]:
-        return [spec.name for spec in specs]
-
-    def setup(
-        self, cfg: dict, groups: StageGroups, peers: Peers, epoch: int, keep_copies: bool = False
-    ) -> SetupInfo:
-        return SetupInfo(0, None)
-
-    def rebind(self, groups: StageGroups, peers: Peers, epoch: int) -> None:
-        pass
-
-    def sync_state(self, src_dp_rank: int) -> None:
-        pass
-
-    def train_step(self, step: int, commit: int | None = None) -> StepReport:
-        return StepReport(self.coord, 0, 1.0, 1.0, 0.0, 1.0, False)
-
-    def apply_step(self, step: int) -> None:
-        pass
-
-    def abort(self, epoch: int, step: int) -> None:
-        pass
-
-
-LightWorker = ray.remote(num_cpus=0, max_concurrency=WORKER_THREADS)(_LightWorker)
 
 
 class LightMesh(ActorMesh):
@@ -231,7 +190,7 @@ def gather_cost(counts: Sequence[int]) -> list[dict[str, Any]]:
     rows = []
     for n in counts:
         coords = [Coord(i // PER_REPLICA, i % PER_REPLICA, 0) for i in range(n)]
-        answers = {c: _LightWorker("gather", c).train_step(0) for c in coords}
+        answers = {c: InstantWorker("gather", c).train_step(0) for c in coords}
         refs = {ray.put(a): c for c, a in answers.items()}
         replicas = math.ceil(n / PER_REPLICA)
         size = math.ceil(replicas / ActorMesh.driver_calls)  # replicas per top call of raypar's tree

@@ -48,7 +48,7 @@ from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import Config, to_toml
 from raypar.core.data import datasets as data
-from raypar.core.observe import memory, report, run_copy, stragglers, trackers
+from raypar.core.observe import report, run_copy, step_report, stragglers, trackers
 from raypar.core.observe.flops import mfu
 from raypar.core.parallel.mesh import Coord, Mesh
 
@@ -482,7 +482,7 @@ class TrainingLoop:
             # the actor computing longest over its stage peers' median (None: no actor lags its peers)
             "straggler": slowest and self.actor_mesh.name(slowest),
             "straggler_lag_s": lags[slowest] if slowest else 0.0,
-            **memory.worst(r.memory for r in result.per_actor.values()),
+            **step_report.worst(r.memory for r in result.per_actor.values()),
         }
         if result.moe is not None:  # aux_loss, dropped_tokens, expert_load (layer -> per expert)
             record.update(result.moe)

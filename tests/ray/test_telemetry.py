@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 
 from actors.telemetry import METRICS, ActorMetrics
-from raypar.core.observe.memory import MemoryReport
-from raypar.core.observe.step_report import StepReport
+from raypar.core.observe.step_report import MemoryReport, StepReport
 
 # The agent serves Ray's metrics with a `ray_` prefix.
 SAMPLE = re.compile(r"^ray_(raypar_\w+)\{(.*)\} (\S+)$")

@@ -1,5 +1,6 @@
-"""A run's service actors (its rendezvous store and its control actor) are processes of their own, started
-with every run and restarted by Ray: their modules must not import torch (~2 s of CPU per process)."""
+"""Actors whose classes must load without torch (~2 s of CPU and ~300 MB per process): a run's service
+actors (its rendezvous store and its control actor, processes of their own started with every run and
+restarted by Ray) and benchmarks/controller_scale.py's model-free workers (whose start it times)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-SERVICE_MODULES = ("collectives.store_actor", "actors.control")
+LIGHT_MODULES = ("collectives.store_actor", "actors.control", "benchmarks.light_worker")
 
 
 def torch_imported_by(module: str) -> bool:
@@ -19,8 +20,8 @@ def torch_imported_by(module: str) -> bool:
     return out.stdout.strip() == "True"
 
 
-@pytest.mark.parametrize("module", SERVICE_MODULES)
-def test_service_actor_modules_leave_torch_out(module: str) -> None:
+@pytest.mark.parametrize("module", LIGHT_MODULES)
+def test_light_actor_modules_leave_torch_out(module: str) -> None:
     assert not torch_imported_by(module), f"{module} imports torch"
 
 

@@ -15,7 +15,6 @@ The planner (raypar.core.planner.search) predicts the same quantities from formu
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -86,21 +85,3 @@ def max_in_flight(plan: Sequence[Instr]) -> int:
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-@dataclass(frozen=True)
-class MemoryReport:
-    """Measured memory of one actor's step (fields by the names metrics.jsonl gives them)."""
-
-    activation_bytes: int = 0  # saved by one microbatch's forward, at most
-    activation_peak_bytes: int = 0  # saved at once, at most
-    in_flight: int = 0  # microbatches whose activations were alive at once, at most
-    model_state_bytes: int = 0  # parameters, gradients, masters, optimizer moments (device and host)
-    peak_memory_bytes: int = 0  # GPU: the allocator's peak; CPU: model states + activations + copies
-    snapshot_bytes: int = 0  # checkpoint.in_memory: this actor's snapshots and the copies it holds (host)
-
-
-def worst(reports: Iterable[MemoryReport]) -> dict[str, int]:
-    """Each measured quantity's largest value over the actors of a step: what the tightest device sees."""
-    rows = list(reports)
-    return {f.name: max(getattr(r, f.name) for r in rows) for f in fields(MemoryReport)} if rows else {}

@@ -1,14 +1,34 @@
 """What one actor reports of one training step (`Worker.train_step`): the values the driver reduces into a
-step's record (metrics.jsonl), its timeline (timeline.jsonl) and the actor's Ray gauges read."""
+step's record (metrics.jsonl), its timeline (timeline.jsonl) and the actor's Ray gauges read.
+
+Plain values, no torch: the driver and the controller's model-free stand-in actors (tests, benchmarks)
+import it, and a process that imports torch spends ~2 s of CPU on it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from raypar.core.observe.memory import MemoryReport
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
 
 # (op, microbatch, start, end): one instruction of the step, seconds from the step's start
 Event = tuple[str, int, float, float]
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Measured memory of one actor's step (fields by the names metrics.jsonl gives them)."""
+
+    activation_bytes: int = 0  # saved by one microbatch's forward, at most
+    activation_peak_bytes: int = 0  # saved at once, at most
+    in_flight: int = 0  # microbatches whose activations were alive at once, at most
+    model_state_bytes: int = 0  # parameters, gradients, masters, optimizer moments (device and host)
+    peak_memory_bytes: int = 0  # GPU: the allocator's peak; CPU: model states + activations + copies
+    snapshot_bytes: int = 0  # checkpoint.in_memory: this actor's snapshots and the copies it holds (host)
+
+
+def worst(reports: Iterable[MemoryReport]) -> dict[str, int]:
+    """Each measured quantity's largest value over the actors of a step: what the tightest device sees."""
+    rows = list(reports)
+    return {f.name: max(getattr(r, f.name) for r in rows) for f in fields(MemoryReport)} if rows else {}
 
 
 @dataclass(frozen=True)
