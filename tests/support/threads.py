@@ -66,7 +66,8 @@ def run_groups(
     try:
         return run_threads(size, member)
     finally:
-        # Once every rank is done (none can still be in an op with a peer): a group that `fn` leaves in a
+        # Once every rank has returned (none is still in an op with a peer; tests/unit/
+        # test_thread_ranks_release.py checks the release): a group that `fn` leaves in a
         # reference cycle through autograd hooks (a DP strategy's, on its model's parameters) is never
         # collected, and each gloo group holds threads that wake every few ms: hundreds of leaked groups
         # cost the unit tier more system time than its tests' own work.
