@@ -158,7 +158,7 @@ class ActorMesh(ActorCalls):
         par = self.cfg.parallel
         self.resources = resources_for(par.device, par.threads_per_actor, par.gpus_per_actor, par.node_type)
         for d in range(dp if dp is not None else self.cfg.dp_fixed):
-            self._place_replica(d, self.cfg.parallel.timeout_s)
+            self._place_replica(d, par.placement_wait_s)
         self._regroup(new=set(self.replicas))
         self.ready = set(self.replicas)
 
@@ -423,7 +423,7 @@ class ActorMesh(ActorCalls):
         self.uncommitted = None
         try:
             for d in sorted(broken):
-                self._place_replica(d, self.cfg.parallel.timeout_s)
+                self._place_replica(d, self.cfg.parallel.placement_wait_s)
         except PlacementTimeout as err:
             raise NoIntactReplica(f"no room to replace replica(s) {sorted(broken)}: {err}") from None
         self.replicas = layout  # the same dp ranks: ZeRO's pieces (and so the snapshots) are per rank
@@ -509,13 +509,13 @@ class ActorMesh(ActorCalls):
         """No intact replica: start replicas again and load `ckpt_uri` (or the seed's initial state when
         there is no checkpoint yet); returns the step to continue from. Places the largest dp of `dps` (the
         valid ones, up to the target) that the cluster holds now: a lost node may not be back yet, and the
-        run heals to the target later. The first replica may wait parallel.timeout_s, the others
+        run heals to the target later. The first replica may wait parallel.placement_timeout_s, the others
         `heal_timeout_s`."""
         self._drop_replicas(set(self.replicas))
         self.uncommitted = None
         try:
             for d in range(max(dps)):
-                self._place_replica(d, self.cfg.parallel.timeout_s if d == 0 else heal_timeout_s)
+                self._place_replica(d, self.cfg.parallel.placement_wait_s if d == 0 else heal_timeout_s)
         except PlacementTimeout:
             if not self.replicas:
                 raise

@@ -1,10 +1,11 @@
 """Whether the cluster can hold the run's actors, decided before any placement group is asked for.
 
-A placement group that cannot be placed waits out `parallel.timeout_s` and then fails with Ray's resource
-dictionary; a group that no node and no node type of the autoscaler can ever hold waits for nothing. So
-the driver compares what the layout needs (one STRICT_PACK group of cp x tp actors per replica and stage,
-each actor's bundle) with the nodes' total resources (`ray.nodes()`) and, when the cluster has an
-autoscaler, with the node types it may launch (the `available_node_types` of its cluster config):
+A placement group that cannot be placed waits out `parallel.placement_timeout_s` and then fails with
+Ray's resource dictionary; a group that no node and no node type of the autoscaler can ever hold waits for
+nothing. So the driver compares what the layout needs (one STRICT_PACK group of cp x tp actors per
+replica and stage, each actor's bundle) with the nodes' total resources (`ray.nodes()`) and, when the
+cluster has an autoscaler, with the node types it may launch (the `available_node_types` of its cluster
+config):
 
 - everything fits on the nodes there are: place now;
 - some groups fit only on nodes the autoscaler can add: say so, and what for, and wait for them;
@@ -28,7 +29,7 @@ from typing import Any
 import ray
 import yaml
 
-from raypar.controller.placement import autoscaler_running, resources_for
+from raypar.controller.placement import TIMEOUT_KEY, autoscaler_running, resources_for
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.rules import RAY_RESOURCES
 from raypar.core.config.schema import Config
@@ -96,7 +97,7 @@ class Verdict:
         """The one line the driver prints while it waits, with how long it waits."""
         return (
             f"waiting for the autoscaler to add nodes with {self.describe()} ({self.nodes}); each placement "
-            f"group waits up to parallel.timeout_s={timeout_s:g}s"
+            f"group waits up to {TIMEOUT_KEY}={timeout_s:g}s"
         )
 
 

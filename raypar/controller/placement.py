@@ -32,6 +32,11 @@ class PlacementTimeout(RunFailure):
     """Resources for a placement group did not appear in time (a runtime failure, recovered like one)."""
 
 
+# The key that bounds every placement wait (ParallelConfig.placement_wait_s), as the messages about a wait
+# name it; the collectives keep parallel.timeout_s.
+TIMEOUT_KEY = "parallel.placement_timeout_s"
+
+
 # What an actor asks of `parallel.node_type`'s custom resource, which each worker type of cluster.yaml
 # declares as 1 per node: a sliver, as Ray's own `accelerator_type` requests are (0.001 of a resource a
 # node has 1 of), so the resource picks the node type without limiting how many actors share a node.
@@ -145,7 +150,7 @@ def place_stage(
     run: str, dp: int, pp: int, tp: int, res: ActorResources, timeout_s: float, near: str | None = None
 ) -> PlacementGroup:
     """Reserve the `tp` actors of replica `dp`, stage `pp` on one node (node id `near` if it has room);
-    waits until placed."""
+    waits until placed, at most `timeout_s` (parallel.placement_timeout_s, or less for a heal)."""
     name = f"raypar:{run}:dp{dp}.pp{pp}"
     bundles = [res.bundle() for _ in range(tp)]
     pg = placement_group(bundles, strategy="STRICT_PACK", name=name, _soft_target_node_id=near)
@@ -158,7 +163,8 @@ def place_stage(
         remove_placement_group(pg)
         raise PlacementTimeout(
             f"placement group {name} ({tp} x {res.bundle()} on one node) was not placed within "
-            f"{timeout_s:g}s; available: {ray.available_resources()}"
+            f"{timeout_s:g}s (a placement waits at most {TIMEOUT_KEY}); "
+            f"available: {ray.available_resources()}"
         )
     return pg
 

@@ -52,6 +52,9 @@ from raypar.core.observe import report, run_copy, step_report, stragglers, track
 from raypar.core.observe.flops import mfu
 from raypar.core.parallel.mesh import Coord, Mesh
 
+# A heal or an auto growth is tried only where the free resources show room for it (_reachable_dp): its
+# placement lands at once or lost a race, so it waits this long, not the whole placement budget, which
+# would stall training for that long at every step the room stays taken.
 HEAL_PLACEMENT_TIMEOUT_S = 10.0
 # What can fail while the run talks to its actors and its storage; all of it is recovered the same way.
 RECOVERABLE = (RunFailure, GroupError, checkpoint.CheckpointError, ray.exceptions.RayError)
@@ -227,13 +230,19 @@ class TrainingLoop:
             self.target_dp = requested
             start = time.perf_counter()
             self.event(
-                self.actor_mesh.scale_to(requested, self.cfg.parallel.timeout_s)
+                self.actor_mesh.scale_to(requested, self.cfg.parallel.placement_wait_s)
                 + f" (before step {step}, {time.perf_counter() - start:.1f}s)"
             )
         elif self.auto and (target := self._reachable_dp(max(self.dps))) > mesh.dp:
-            self.event("auto: " + mesh.scale_to(target, HEAL_PLACEMENT_TIMEOUT_S))
+            self.event("auto: " + mesh.scale_to(target, self._heal_wait_s))
         elif (target := self._reachable_dp(self.target_dp)) > mesh.dp:
-            self.event("healing: " + mesh.scale_to(target, HEAL_PLACEMENT_TIMEOUT_S))
+            self.event("healing: " + mesh.scale_to(target, self._heal_wait_s))
+
+    @property
+    def _heal_wait_s(self) -> float:
+        """HEAL_PLACEMENT_TIMEOUT_S, and never more than parallel.placement_timeout_s: that key bounds every
+        placement wait."""
+        return min(HEAL_PLACEMENT_TIMEOUT_S, self.cfg.parallel.placement_wait_s)
 
     def _reachable_dp(self, limit: int) -> int:
         """The largest dp up to `limit` that the run accepts and that the free resources could hold now: a
@@ -281,10 +290,10 @@ class TrainingLoop:
             ckpt = self.last_checkpoint or _latest(self.cfg.checkpoint.dir)
             self.event(f"{err}; restarting all replicas from {ckpt or 'the initial state (no checkpoint)'}")
             dps = [d for d in self.dps if d <= self.target_dp]
-            return self.actor_mesh.restart_all(dps, ckpt, HEAL_PLACEMENT_TIMEOUT_S)
+            return self.actor_mesh.restart_all(dps, ckpt, self._heal_wait_s)
         usable = [d for d in self.dps if d <= self.actor_mesh.dp]
         if self.actor_mesh.dp not in self.dps and usable:  # shrink further to a dp the batch splits into
-            self.event(self.actor_mesh.scale_to(max(usable), self.cfg.parallel.timeout_s))
+            self.event(self.actor_mesh.scale_to(max(usable), self.cfg.parallel.placement_wait_s))
         return step
 
     def _drop_pending(self) -> None:
@@ -341,7 +350,7 @@ class TrainingLoop:
         """While the run waits for nodes the autoscaler adds, its line and `raypar status` say what for;
         once placed (a verdict that fits), status stops saying it."""
         if not verdict.fits_now:
-            self.event(verdict.line(self.cfg.parallel.timeout_s))
+            self.event(verdict.line(self.cfg.parallel.placement_wait_s))
             self.status = {**self.status, "waiting": verdict.describe()}
         elif "waiting" in self.status:
             self.status = {k: v for k, v in self.status.items() if k != "waiting"}

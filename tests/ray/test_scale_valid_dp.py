@@ -124,3 +124,48 @@ def test_a_node_new_to_the_run_is_probed_before_a_replica_starts_there(ray_sessi
         assert mesh.dp == 2 and mesh.node_check.good and not mesh.node_check.refused, said
     finally:
         mesh.shutdown()
+
+
+class _WaitsTimeoutS(StubActorMesh):
+    """The broken variant: its placements wait parallel.timeout_s, as before placement_timeout_s."""
+
+    def _place_replica(self, d: int, timeout_s: float) -> None:
+        super()._place_replica(d, self.cfg.parallel.timeout_s)
+
+
+def _start_unplaceable(mesh_class: type[StubActorMesh], run: str, timeout_s: float) -> tuple[str, float]:
+    """Start a mesh whose group needs a node type the session's Ray lacks, with a placement budget of 1 s:
+    what the PlacementTimeout says, and how long the start took. Its groups are released after."""
+    cfg = load_config(
+        "examples/configs/tiny.toml",
+        ['parallel.node_type="absent"', f"parallel.timeout_s={timeout_s}", "parallel.placement_timeout_s=1"],
+    )
+    mesh = mesh_class(cfg, run)
+    began = time.monotonic()
+    try:
+        with pytest.raises(PlacementTimeout) as failure:
+            mesh.start()
+        took = time.monotonic() - began
+    finally:
+        mesh.shutdown()
+    groups = ray.util.placement_group_table().values()
+    assert all(g["state"] == "REMOVED" for g in groups if g["name"].startswith(f"raypar:{run}:"))
+    return str(failure.value), took
+
+
+def _waited_the_placement_budget(said: str, took: float, timeout_s: float) -> None:
+    assert "was not placed within 1s (a placement waits at most parallel.placement_timeout_s)" in said, said
+    assert took < timeout_s, took
+
+
+def test_a_placement_waits_placement_timeout_s_not_timeout_s(ray_session):
+    """Issue 27: a group no node can hold fails after parallel.placement_timeout_s (1 s), naming the key,
+    though parallel.timeout_s (the collectives') is 600 s. The control: the variant whose placements wait
+    timeout_s, given one short enough to wait out here (4 s), fails the same check on the wait it names."""
+    said, took = _start_unplaceable(StubActorMesh, "placement-budget", timeout_s=600)
+    _waited_the_placement_budget(said, took, timeout_s=600)
+    assert "raypar:placement-budget:dp0.pp0 (1 x {'CPU': 1.0, 'absent': 0.001} on one node)" in said, said
+
+    said, took = _start_unplaceable(_WaitsTimeoutS, "placement-budget-old", timeout_s=4)
+    with pytest.raises(AssertionError, match=r"was not placed within 4s \(a placement waits at most"):
+        _waited_the_placement_budget(said, took, timeout_s=4)

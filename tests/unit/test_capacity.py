@@ -91,7 +91,7 @@ def test_gpu_groups_wait_for_nodes_the_autoscaler_adds() -> None:
     assert verdict.nodes == "such as 2 x ray.worker.p5"  # g6 would do as well: the autoscaler picks
     line = verdict.line(300.0)
     assert line.startswith("waiting for the autoscaler to add nodes with 16 GPUs and 16 CPUs (such as 2 x")
-    assert line.endswith("each placement group waits up to parallel.timeout_s=300s")
+    assert line.endswith("each placement group waits up to parallel.placement_timeout_s=300s")
     # Control: one group already placed on a GPU node there is leaves one node to wait for.
     gpu_node = {"CPU": 192.0, "GPU": 8.0, "g6": 1.0}
     one_left = decide(need({"CPU": 1.0, "GPU": 1.0}, 8, 2), [HEAD, gpu_node], True, TYPES)
@@ -131,7 +131,7 @@ def test_node_type_no_node_or_type_declares_is_refused() -> None:
 
 def test_an_autoscaler_whose_types_are_unknown_is_waited_for() -> None:
     """A cluster started by hand with --autoscaling-config, KubeRay, a driver off the head: nothing can be
-    ruled out, so the run waits (bounded by parallel.timeout_s) and says what it did not check."""
+    ruled out, so the run waits (bounded by parallel.placement_timeout_s) and says what it did not check."""
     verdict = decide(need({"CPU": 1.0, "GPU": 1.0, "g7": 0.001}, 16, 1), [HEAD], autoscaler=True, types=None)
     assert verdict.describe() == "16 GPUs and 16 CPUs"
     assert "(its node types are unknown here, so not checked against them)" in verdict.line(60.0)
@@ -174,6 +174,10 @@ def test_the_driver_posts_the_wait_and_clears_it(monkeypatch: pytest.MonkeyPatch
     # Control: once placed, status says "starting" again (until the first step's line).
     loop._announce_wait(control, Verdict())
     assert cli.status_lines(posted[-1:]) == ["demo: starting"] and len(posted) == 2
+    # The wait it names is the placement budget, not the collectives' timeout_s (issue 27).
+    loop.cfg = from_dict({"parallel": {"timeout_s": 60, "placement_timeout_s": 1200}})
+    loop._announce_wait(control, waits)
+    assert shown[-1].endswith("each placement group waits up to parallel.placement_timeout_s=1200s")
 
 
 def test_node_type_asks_a_sliver_of_the_types_resource() -> None:

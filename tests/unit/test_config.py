@@ -60,6 +60,7 @@ BAD = {
         ["parallel.timeout_s=30", "train.hang_watchdog_s=30"],
         "train.hang_watchdog_s",
     ),
+    "negative placement timeout": (["parallel.placement_timeout_s=-1"], "parallel.placement_timeout_s"),
     "bad fp8 recipe": (['train.precision="fp8"', 'train.fp8_recipe="blockwise"'], "train.fp8_recipe"),
     "fp8 with cp": (['train.precision="fp8"', "parallel.cp=2"], "train.precision"),
     "unknown tracker": (['log.backends=["neptune"]'], "log.backends"),
@@ -82,6 +83,17 @@ def test_bad_config_names_the_key(case):
     assert str(info.value).startswith(key), str(info.value)
 
 
+def test_placement_timeout_rule_and_its_default():
+    """parallel.placement_timeout_s: >= 0, one line naming the rule; 0 (the default) waits timeout_s."""
+    rule = r"^parallel.placement_timeout_s: must be >= 0 \(0: parallel.timeout_s\), got -0.5$"
+    with pytest.raises(ConfigError, match=rule):
+        load_config(TINY, ["parallel.placement_timeout_s=-0.5"])
+    # Control: 0 and a budget of 20 minutes pass, each waited as its comment says.
+    assert load_config(TINY, ["parallel.timeout_s=45"]).parallel.placement_wait_s == 45
+    budget = load_config(TINY, ["parallel.timeout_s=45", "parallel.placement_timeout_s=1200"]).parallel
+    assert (budget.placement_wait_s, budget.timeout_s) == (1200, 45)
+
+
 def test_fp8_without_torchao_names_the_extra(monkeypatch):
     import importlib.util
 
@@ -102,6 +114,7 @@ def test_fp8_without_torchao_names_the_extra(monkeypatch):
         "wrong type",
         "negative size",
         "global_batch not divisible by dp*microbatches",
+        "negative placement timeout",
     ],
 )
 def test_cli_exit_2_one_line(case, tmp_path):

@@ -1,11 +1,17 @@
 """Healing lands only on a dp the run accepts: the choice of the next dp, without Ray. A partial scale on
-the session's Ray: tests/ray/test_scale_valid_dp.py."""
+the session's Ray: tests/ray/test_scale_valid_dp.py. And how long each placement the driver asks for may
+wait (parallel.placement_timeout_s, issue 27); a real one that cannot be placed: the same Ray file."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from raypar.controller.placement import ActorResources
+import pytest
+
+from raypar.controller.actor_mesh import ActorMesh
+from raypar.controller.placement import ActorResources, PlacementTimeout
+from raypar.core.config.load import from_dict
+from raypar.core.config.schema import ParallelConfig
 from raypar.core.parallel.mesh import Mesh
 
 
@@ -21,3 +27,62 @@ def test_the_run_heals_only_toward_a_valid_dp(monkeypatch):
         monkeypatch.setattr(training.ray, "available_resources", lambda f=free_cpus: {"CPU": float(f)})
         assert loop._reachable_dp(4) == want, free_cpus
     assert loop._reachable_dp(2) == 2
+
+
+class _PreKey(ParallelConfig):
+    """The broken variant: every placement waits parallel.timeout_s, as before placement_timeout_s."""
+
+    @property
+    def placement_wait_s(self) -> float:
+        return self.timeout_s
+
+
+class _RecordsWaits(ActorMesh):
+    """A mesh with no room at all, which keeps the wait each placement was given (no Ray)."""
+
+    waits: list[float]
+
+    def _place_replica(self, d: int, timeout_s: float) -> None:
+        self.waits.append(timeout_s)
+        raise PlacementTimeout(f"replica {d}: no room")
+
+
+def _waits(parallel: dict[str, float], variant: type[ParallelConfig] = ParallelConfig) -> list[float]:
+    """The placement waits the driver gives `raypar scale`, a heal and a restart from a checkpoint."""
+    from raypar.controller import training
+
+    cfg = from_dict({"parallel": parallel})
+    cfg.parallel = variant(**vars(cfg.parallel))
+    asked: list[float] = []
+    loop = training.TrainingLoop.__new__(training.TrainingLoop)  # only what _membership reads
+    loop.cfg, loop.dps, loop.auto, loop.event = cfg, [1, 2], False, lambda line: None
+    loop.actor_mesh = SimpleNamespace(
+        dp=1, mesh=Mesh(1, 1, 1), resources=ActorResources(cpus=1.0),
+        scale_to=lambda dp, timeout_s: asked.append(timeout_s) or "",
+    )
+    requests = iter([2, None])  # `raypar scale --dp 2`, then nothing: the heal toward target_dp=2
+    control = SimpleNamespace(take_request=SimpleNamespace(remote=lambda: next(requests)))
+    loop.target_dp = 1
+    loop._membership(control, step=0)
+    loop.actor_mesh.dp = 1  # the scale did not land: the next step heals
+    loop._membership(control, step=1)
+    mesh = _RecordsWaits(cfg, "waits")
+    mesh.waits = asked
+    with pytest.raises(PlacementTimeout, match="^replica 0: no room$"):
+        mesh.restart_all([1, 2], None, loop._heal_wait_s)
+    return asked
+
+
+def test_every_placement_wait_is_the_placement_budget_not_the_collectives(monkeypatch):
+    """parallel.placement_timeout_s bounds the placements of `raypar scale`, a heal and a restart, while
+    parallel.timeout_s (the collectives') is far larger or smaller; a heal tried on free room stays short."""
+    from raypar.controller import training
+
+    monkeypatch.setattr(training.ray, "get", lambda ref, timeout=None: ref)  # take_request's answer
+    monkeypatch.setattr(training.ray, "available_resources", lambda: {"CPU": 1.0})  # room for the heal
+    heal = training.HEAL_PLACEMENT_TIMEOUT_S
+    assert _waits({"timeout_s": 600, "placement_timeout_s": 2}) == [2, 2, 2]
+    assert _waits({"timeout_s": 30, "placement_timeout_s": 1200}) == [1200, heal, 1200]
+    assert _waits({"timeout_s": 45}) == [45, heal, 45]  # 0, the default: timeout_s, as before the key
+    # Control: the variant whose placements wait timeout_s fails the first check, on the waits it gives.
+    assert _waits({"timeout_s": 600, "placement_timeout_s": 2}, _PreKey) == [600, heal, 600]

@@ -220,6 +220,10 @@ def validate(cfg: Config) -> None:
     _validate_compression(p)
     _validate_hsdp(cfg)
     _require(p.timeout_s > 0, f"parallel.timeout_s: must be positive, got {p.timeout_s}")
+    _require(
+        p.placement_timeout_s >= 0,
+        f"parallel.placement_timeout_s: must be >= 0 (0: parallel.timeout_s), got {p.placement_timeout_s:g}",
+    )
 
     _require(t.steps > 0, f"train.steps: must be positive, got {t.steps}")
     _require(t.global_batch > 0, f"train.global_batch: must be a positive size, got {t.global_batch}")

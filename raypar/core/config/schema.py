@@ -86,7 +86,20 @@ class ParallelConfig:
     compression_start_step: int = 0
     min_dp: int = 1
     max_dp: int = 0
+    # Bounds every collective (a peer silent this long is lost) and, with a margin, the driver's waits on
+    # its actors' calls.
     timeout_s: float = 300.0
+    # How long a replica's placement groups may wait to be placed (at the start, on `raypar scale`, when
+    # replacing lost replicas), apart from timeout_s so that waiting 5-15 minutes for autoscaled GPU nodes
+    # does not also make every hang take that long to detect. 0, the default: timeout_s, as before the key
+    # existed, so a config that raised timeout_s to wait for nodes (docs/cluster.md advised it) keeps
+    # waiting as long; a fixed default (300 s) would cut such a run's wait short without a word.
+    placement_timeout_s: float = 0.0
+
+    @property
+    def placement_wait_s(self) -> float:
+        """The seconds a placement waits: placement_timeout_s, or timeout_s where it is 0."""
+        return self.placement_timeout_s or self.timeout_s
 
 
 @dataclass
