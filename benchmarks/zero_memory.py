@@ -18,6 +18,11 @@ bucket piece q = padded/s of w bytes (s = dp_shard, r = dp/s groups): (s-1)·q·
 one), then (s-1)·q·w all-gathered in the group (ZeRO-1/2: the update; ZeRO-3: every unit's parameters for
 the forward and again for the backward).
 
+HSDP overlap rows: the all-reduce across groups chained after each bucket's reduce-scatter during backward
+(raypar.core.dp.hsdp) against started in `finish` after the whole backward (the behaviour before; the
+test suite's negative control), alternated on the same ranks; the slowest rank's forward + backward + finish
+per step and the part `finish` waits (the reduction the backward did not hide).
+
 Offload rows (`train.offload = "cpu"`, stages 1-3): the host holds a separate master (4Ψ/d), the moments
 (8Ψ/d) and a gradient buffer (4Ψ/d); the device keeps parameters and gradients: 8Ψ at stage 1, 4Ψ+4Ψ/d at
 stage 2, and at stage 3 the owned gradient and a copy of the owned parameters (8Ψ/d). Totals 8Ψ+16Ψ/d,
@@ -27,6 +32,7 @@ stage 2, and at stage 3 the owned gradient and a copy of the owned parameters (8
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,11 +46,11 @@ import dataclasses  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
 from raypar.core.data import datasets as data  # noqa: E402
 from raypar.core.dp.strategies import STRATEGIES  # noqa: E402
-from raypar.core.dp.strategy import StrategySpec  # noqa: E402
+from raypar.core.dp.strategy import DPStrategy, StrategySpec  # noqa: E402
 from raypar.core.model.llama import LlamaStage, StageSpec  # noqa: E402
 from raypar.core.parallel.mesh import stage_layers  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
-from tests.support.dp_threads import hsdp_groups  # noqa: E402
+from tests.support.dp_threads import AcrossAtFinish, hsdp_groups, strategy_class  # noqa: E402
 from tests.support.threads import run_groups, run_ranks  # noqa: E402
 
 FP32_FORMULA = {0: lambda d: 16.0, 1: lambda d: 8 + 8 / d, 2: lambda d: 4 + 12 / d, 3: lambda d: 16 / d}
@@ -87,9 +93,12 @@ def measure(cfg: Config, dp: int, pp: int, zero: int, steps: int, offload: str) 
     return {"psi": psi, "bytes": measured, "formula": formula * psi, "step_s": step_s, "moved": moved}
 
 
-def measure_hsdp(cfg: Config, dp: int, shard: int, zero: int) -> dict[str, float]:
-    """One step at dp in shard groups of `shard` on thread ranks; rank 0's bytes and DP traffic against the
-    formulas (exact: Ψ counted padded, as the strategy lays it out)."""
+def hsdp_steps(
+    cfg: Config, dp: int, shard: int, zero: int, steps: int, control: type[DPStrategy] | None = None
+) -> list[tuple]:
+    """`steps` steps at dp in shard groups of `shard` on thread ranks (`control`: a strategy's overrides);
+    per rank: model-state bytes, DP traffic of the last step, bucket pieces, and per step the seconds of
+    forward + backward + `finish` and of `finish` alone (what the backward left of the reduction)."""
     m = cfg.model
 
     def rank(r: int, groups: dict) -> tuple:
@@ -97,21 +106,34 @@ def measure_hsdp(cfg: Config, dp: int, shard: int, zero: int) -> dict[str, float
         replicate = next(g for n, g in groups.items() if n.startswith("dpr"))
         model = LlamaStage(m, seed=cfg.train.seed)
         spec = StrategySpec(cfg.train, int(cfg.parallel.bucket_mb * 2**20))
-        strategy = STRATEGIES[zero](model, spec=spec, group=shard_group, replicate=replicate)
+        strategy = strategy_class(zero, control)(model, spec=spec, group=shard_group, replicate=replicate)
         dataset = data.open_dataset(cfg.data, m)
         sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
-        strategy.begin_step()
-        strategy.arm()
-        inputs, targets = data.microbatch(dataset, sampler, 0, r, cfg.train.global_batch // dp)
-        model(inputs, targets).backward()
-        strategy.finish()
-        strategy.clip_(strategy.grad_sq_norm().sqrt().item(), 1.0)
-        strategy.step(cfg.train.lr)
+        times = []
+        for step in range(steps):
+            strategy.take_traffic()
+            strategy.begin_step()
+            strategy.arm()
+            inputs, targets = data.microbatch(dataset, sampler, step, r, cfg.train.global_batch // dp)
+            start = time.perf_counter()
+            model(inputs, targets).backward()
+            reduce_from = time.perf_counter()
+            strategy.finish()
+            end = time.perf_counter()
+            times.append((end - start, end - reduce_from))
+            strategy.clip_(strategy.grad_sq_norm().sqrt().item(), 1.0)
+            strategy.step(cfg.train.lr)
         moved = strategy.take_traffic()
         pieces = [b.padded // shard for b in strategy.layout.buckets]
-        return sum(strategy.model_state_bytes().values()), moved, pieces
+        return sum(strategy.model_state_bytes().values()), moved, pieces, times
 
-    measured, moved, pieces = run_groups(dp, hsdp_groups(dp, shard), rank)[0]
+    return run_groups(dp, hsdp_groups(dp, shard), rank)
+
+
+def measure_hsdp(cfg: Config, dp: int, shard: int, zero: int) -> dict[str, float]:
+    """One step at dp in shard groups of `shard` on thread ranks; rank 0's bytes and DP traffic against the
+    formulas (exact: Ψ counted padded, as the strategy lays it out)."""
+    measured, moved, pieces, _ = hsdp_steps(cfg, dp, shard, zero, 1)[0]
     w, groups = 4, dp // shard
     across = sum(2 * q * (groups - 1) // groups * w for q in pieces)
     gathers = 2 if STRATEGIES[zero].stage.shards_parameters else 1
@@ -142,6 +164,27 @@ def hsdp_table(cfg: Config) -> float:
     return worst
 
 
+def hsdp_overlap_table(cfg: Config, rounds: int, steps: int) -> None:
+    """HSDP's all-reduce across groups chained during backward (raypar.core.dp.hsdp) against started in
+    `finish` (tests.support.dp_threads.AcrossAtFinish, the behaviour before), alternated `rounds` times;
+    per step the slowest rank's forward + backward + finish and its finish alone, medians after the first
+    step of each run (warm-up)."""
+    print("\n| dp | dp_shard | zero | fwd+bwd+finish s: chained | at finish | ratio "
+          "| finish wait s: chained | at finish |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for zero in (2, 3):
+        got: dict[str, list[tuple[float, float]]] = {"chained": [], "at finish": []}
+        for _ in range(rounds):
+            for name, control in (("chained", None), ("at finish", AcrossAtFinish)):
+                ranks = [r[3] for r in hsdp_steps(cfg, 4, 2, zero, steps, control)]
+                got[name] += [max(per_rank) for per_rank in zip(*ranks, strict=True)][1:]
+        step = {k: statistics.median(t for t, _ in v) for k, v in got.items()}
+        wait = {k: statistics.median(f for _, f in v) for k, v in got.items()}
+        chained, at_finish = step["chained"], step["at finish"]
+        print(f"| 4 | 2 | {zero} | {chained:.3f} | {at_finish:.3f} | {at_finish / chained:.2f}x "
+              f"| {wait['chained']:.4f} | {wait['at finish']:.4f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -169,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"largest deviation from the formula: {100 * worst:.2f} %")
     hsdp = hsdp_table(cfg)
     print(f"HSDP: largest deviation from the formulas: {100 * hsdp:.2f} % (Ψ counted padded)")
+    hsdp_overlap_table(cfg, *((1, 2) if args.quick else (3, 6)))
     return 0 if worst <= 0.05 and hsdp == 0 else 1
 
 

@@ -368,9 +368,9 @@ class ActorMesh(ActorCalls):
     def _lost_with(self, broken: set[int]) -> set[int]:
         """Under HSDP `recover` drops a broken replica's whole shard group, so containment ends it at once:
         its mates gave the step up alive, and their open sockets would hold their replicate peers (in the
-        other shard groups) in an all-reduce with them for parallel.timeout_s (gloo has no abort). With
-        checkpoint.in_memory every mate is kept (restore_from_memory replaces only the broken replica)."""
-        return broken if self.cfg.checkpoint.in_memory else self._whole_shard_groups(broken)
+        other shard groups) in an all-reduce with them for parallel.timeout_s (gloo has no abort). (The
+        config rules refuse checkpoint.in_memory under HSDP: its restore would keep the mates.)"""
+        return self._whole_shard_groups(broken)
 
     def _whole_shard_groups(self, replicas: set[int]) -> set[int]:
         return replicas | {d for g in self.shard_groups if replicas & set(g) for d in g}

@@ -4,6 +4,7 @@ tests/unit/test_offload.py."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
+from raypar.core.dp import hsdp
 from raypar.core.dp.optim import lr_at
 from raypar.core.dp.strategies import STRATEGIES
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
@@ -99,6 +101,40 @@ def hsdp_groups(dp: int, shard: int) -> dict[str, list[int]]:
     groups.update({f"dps{g}": list(range(g * shard, g * shard + shard)) for g in range(dp // shard)})
     groups.update({f"dpr{i}": list(range(i, dp, shard)) for i in range(shard)})
     return groups
+
+
+class HeldAcross(hsdp.AcrossGroups):
+    """The chains held until `release`: each all-reduce across groups starts only when `finish` runs it."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.held: list[tuple[concurrent.futures.Future, tuple]] = []
+
+    def after(self, first, strategy, out) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.held.append((future, (first, strategy, out)))
+        return future
+
+    def release(self) -> None:
+        for future, (first, strategy, out) in self.held:
+            first.wait()
+            future.set_result(strategy.reduce_across_groups(out))
+        self.held.clear()
+
+
+class AcrossAtFinish(DPStrategy):
+    """HSDP with each bucket's all-reduce across groups started in `finish`, after the whole backward, as
+    before raypar.core.dp.hsdp chained it: a negative control, and the baseline benchmarks/zero_memory.py
+    times the chain against."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.across.close()
+        self.across = HeldAcross(self.device)
+
+    def finish(self) -> None:
+        self.across.release()
+        super().finish()
 
 
 def build_hsdp(cfg: Config, groups: dict, zero: int, cls: type[DPStrategy] | None = None):

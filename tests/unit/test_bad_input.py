@@ -196,6 +196,8 @@ def _cases() -> list:
         ("cp", ("parallel.dp_shard=2", "parallel.cp=2"), "needs parallel.cp = 1"),
         ("compression", ("parallel.dp_shard=2", "parallel.zero=1", "parallel.grad_compression='bf16'"),
          "needs parallel.grad_compression = 'none'"),
+        ("in-memory", ("parallel.dp_shard=2", "checkpoint.in_memory=true"),
+         "recovers from the shard copies in the other groups; checkpoint.in_memory must be false"),
     ):
         sets = [a for x in extra for a in ("--set", x)]
         case(f"train-dp-shard-{label}", lambda f, s=sets: train(f, *hsdp, *s), lambda f, r=rule: r)

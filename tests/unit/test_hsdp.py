@@ -1,6 +1,7 @@
 """HSDP (`parallel.dp_shard`, raypar.core.dp.hsdp) on thread ranks: dp=4 in two shard groups of 2, at ZeRO
 1, 2 and 3, against one process; per-rank model-state bytes against the planner's formula; the mesh's
-groups; checkpoints written under HSDP and read at other layouts.
+groups; checkpoints written under HSDP and read at other layouts; the all-reduce across groups starting
+during backward.
 
 Tolerances: against torch.optim.AdamW on the whole batch in one process, as tests/unit/test_dp_strategy.py
 argues for ZeRO-0 at dp=2: microbatch sums and the norm's precision differ more than the order of the DP
@@ -11,12 +12,15 @@ beyond 1e-4), and the two groups' parameters part ways.
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 import torch
 
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.config.errors import ConfigError
+from raypar.core.dp import hsdp
 from raypar.core.dp.strategy import DPStrategy
 from raypar.core.parallel.mesh import Coord, Mesh
 from raypar.core.planner import comm as plan_comm
@@ -24,6 +28,7 @@ from raypar.core.planner import memory as plan_memory
 from raypar.core.planner import search as plan
 from tests.support.dp_threads import (
     STEPS,
+    AcrossAtFinish,
     assert_close,
     assert_loads_exactly,
     build_hsdp,
@@ -41,6 +46,36 @@ class NoCrossGroupReduce(DPStrategy):
 
     def reduce_across_groups(self, owned) -> None:
         pass
+
+
+class ProbedChain(DPStrategy):
+    """Records, as `finish` is entered, how many of the buckets the backward launched have started their
+    all-reduce across groups: waited for up to `wait_s` (the chain needs every shard-group member's
+    reduce-scatter, so it may still be on its way), never helped by `finish` itself."""
+
+    wait_s = 60.0
+    records: list[tuple[int, int]] = []  # (started, launched) per rank and step
+
+    def probe(self) -> None:
+        chains = [b.work for b in self.layout.buckets if isinstance(b.work, hsdp.ChainedReduction)]
+        started, _ = concurrent.futures.wait([c.launch for c in chains], timeout=self.wait_s)
+        self.records.append((len(started), len(chains)))
+
+    def finish(self) -> None:
+        self.probe()
+        super().finish()
+
+
+class ProbedAtFinish(ProbedChain, AcrossAtFinish):
+    """Negative control: the across-group all-reduces started in `finish` (before this change's chain)."""
+
+    wait_s = 0.0  # nothing can start before `finish` releases it: waiting longer could change nothing
+
+
+def assert_chained_during_backward(records: list[tuple[int, int]]) -> None:
+    assert records and all(launched > 1 for _, launched in records), records  # several buckets a step
+    for started, launched in records:
+        assert started == launched, f"across-group all-reduces started before finish: {started} of {launched}"
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +98,22 @@ def test_hsdp_matches_one_process_and_bytes_match_the_formula(one_process, zero)
 def test_skipping_the_cross_group_reduce_is_caught(one_process):
     with pytest.raises(AssertionError, match="loss at|grad norm at|parameter .* differs|replicas end with"):
         assert_close(run_hsdp(4, 2, 2, NoCrossGroupReduce)[0], one_process, atol=1e-4, rtol=1e-4)
+
+
+def test_across_group_all_reduce_starts_during_backward():
+    """Every bucket's all-reduce across groups starts without `finish` (so it overlaps the rest of the
+    backward), and when it starts changes no number: the run equals the control's bit for bit, whose
+    all-reduces start in `finish` and which the same check rejects."""
+    runs = {}
+    for cls in (ProbedChain, ProbedAtFinish):
+        cls.records = []
+        runs[cls] = run_hsdp(4, 2, 2, cls)[0]
+    assert_chained_during_backward(ProbedChain.records)
+    with pytest.raises(AssertionError, match="started before finish: 0 of"):
+        assert_chained_during_backward(ProbedAtFinish.records)
+    chained, at_finish = runs[ProbedChain], runs[ProbedAtFinish]
+    assert chained.losses == at_finish.losses and chained.grad_norms == at_finish.grad_norms
+    assert all(torch.equal(p, at_finish.params[n]) for n, p in chained.params.items())
 
 
 def test_mesh_keeps_shard_groups_whole_when_a_group_leaves():

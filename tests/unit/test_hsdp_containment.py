@@ -29,11 +29,9 @@ TIMEOUT_S = 3.0  # what the replicate peer would wait without containment; each 
 class _Mesh(ActorMesh):
     """The mesh's rules without Ray: its replicas and config only."""
 
-    def __init__(self, replicas: list[int], dp_shard: int, in_memory: bool = False):
+    def __init__(self, replicas: list[int], dp_shard: int):
         self.replicas = replicas
-        self.cfg = SimpleNamespace(
-            parallel=SimpleNamespace(dp_shard=dp_shard), checkpoint=SimpleNamespace(in_memory=in_memory)
-        )
+        self.cfg = SimpleNamespace(parallel=SimpleNamespace(dp_shard=dp_shard))
 
 
 class _PlainMesh(_Mesh):
@@ -89,10 +87,9 @@ def test_control_keeping_the_mates_alive_holds_the_replicate_peer_for_its_timeou
     [
         (_Mesh([0, 1, 2, 3], dp_shard=4), {1}),  # one shard group: no HSDP, the replica alone
         (_Mesh([0, 1, 2, 3], dp_shard=0), {1}),  # plain ZeRO
-        (_Mesh([0, 1, 2, 3], dp_shard=2, in_memory=True), {1}),  # restore_from_memory replaces only it
         (_Mesh([4, 5, 6, 7], dp_shard=2), {4, 5}),  # replica ids, not dp ranks
     ],
-    ids=["one-group", "zero", "in-memory", "replica-ids"],
+    ids=["one-group", "zero", "replica-ids"],
 )
 def test_what_ends_with_a_broken_replica(mesh, expected):
     assert mesh._lost_with({mesh.replicas[1]}) == expected

@@ -130,6 +130,15 @@ def _validate_hsdp(cfg: Config) -> None:
     for key, value, plain in (("parallel.cp", p.cp, 1), ("model.moe_experts", cfg.model.moe_experts, 0),
                               ("parallel.grad_compression", p.grad_compression, options.NO_COMPRESSION.name)):
         _require(value == plain, f"parallel.dp_shard: {s} < dp needs {key} = {plain!r}, got {value!r}")
+    # A restore from in-memory copies keeps a lost replica's shard mates alive, and gloo cannot abort their
+    # pending all-reduces across groups: every other group would wait parallel.timeout_s for them. HSDP's
+    # own recovery (the shard's copies in the other groups, raypar.controller.actor_mesh.recover) needs
+    # no snapshots.
+    _require(
+        not cfg.checkpoint.in_memory,
+        f"parallel.dp_shard: {s} < dp recovers from the shard copies in the other groups; "
+        "checkpoint.in_memory must be false with it",
+    )
     # elastic runs: cfg.valid_dps() keeps multiples of dp_shard; dp_fixed (= min_dp) is one, so one exists
 
 

@@ -11,9 +11,10 @@ same way. Parameters are all-gathered inside the shard group only, so the slow l
 (placement keeps a shard group on as few nodes as it can) carry 1 / dp_shard of the gradients and no
 parameters.
 
-The reduce-scatter starts during backward, as a bucket's gradients become final; the all-reduce across
-groups runs when `finish` waits for the bucket (as compressed reductions do), so it does not overlap the
-backward: it is 1/dp_shard of the gradients, and the planner counts it exposed (raypar.core.planner.comm).
+Both run during backward. A bucket's reduce-scatter starts when its gradients become final; its
+all-reduce across the groups starts as soon as that reduce-scatter is done (`AcrossGroups`), while the
+backward goes on computing the next buckets' gradients, so only the last bucket's chain is left for `finish`
+to wait on (FSDP2's HSDP chains the two the same way, on one stream).
 
 Because every shard has a replica in each other shard group, a shard group that loses a replica is dropped
 whole and the others redo the step, as replicas do at ZeRO-0; a new shard group takes each replica's shard
@@ -22,12 +23,13 @@ from the peer of equal shard index over the replicate group (`actors.worker_stat
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 from typing import Protocol
 
 import torch
 
-from collectives import Group
-from raypar.core.dp.compress import Deferred
+from collectives import Group, Work
 from raypar.core.dp.flat import Bucket
 
 
@@ -41,15 +43,77 @@ class Sharded(Protocol):
     owned_grads: torch.Tensor | None
     traffic: dict[str, int]
     reduce_op: str
+    across: AcrossGroups
 
-    def reduce_across_groups(self, owned: torch.Tensor) -> None: ...
+    def reduce_across_groups(self, owned: torch.Tensor) -> Work | None: ...
 
 
-def reduce_bucket(strategy: Sharded, bucket: Bucket, src: torch.Tensor) -> Deferred:
+class AcrossGroups:
+    """Starts each bucket's all-reduce across the shard groups once its reduce-scatter in the shard group is
+    done, in the order the buckets were launched, on one thread of its own.
+
+    Why a thread: the all-reduce must wait for the reduce-scatter, and they run on two groups (two gloo
+    contexts, two NCCL communicators), which no single async handle chains. A gloo wait blocks the host: on
+    the backward's thread it would stall the backward, and left to `finish` (as before) the whole
+    across-group traffic came after the backward. One worker keeps the launch order of the replicate group's
+    all-reduces the bucket order, the same on every member, as a group's collectives must be. On a GPU the
+    worker waits on a side stream of its own, so the compute stream never waits for the reduce-scatter (an
+    NCCL wait only makes the current stream wait)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsdp-across")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def after(self, first: Work, strategy: Sharded, out: torch.Tensor) -> concurrent.futures.Future:
+        """Wait for `first` (bounded by its group's timeout), then start the all-reduce of `out`."""
+
+        def chain() -> Work | None:
+            side = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+            with side:
+                first.wait()
+                return strategy.reduce_across_groups(out)
+
+        return self._pool.submit(chain)
+
+    def close(self) -> None:
+        """Let the worker go (a rebind builds a new strategy); a chain still waiting ends with its group."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class ChainedReduction:
+    """The handle `DPStrategy.finish` waits for: the bucket's reduce-scatter and all-reduce across groups
+    done, and at ZeRO-1 the result back in the bucket's owned range."""
+
+    def __init__(
+        self, strategy: Sharded, started: concurrent.futures.Future, out: torch.Tensor, src: torch.Tensor
+    ) -> None:
+        self._strategy, self._out, self._src = strategy, out, src
+        self.launch = started  # done once the all-reduce across groups has started (or its chain failed)
+
+    def wait(self) -> None:
+        s = self._strategy
+        # The chain's own waits are bounded by the groups' timeouts and raise their errors; this bound is a
+        # backstop naming the chain should its thread never run.
+        bound = s.group.info.timeout_s + s.replicate.info.timeout_s + 60
+        try:
+            across = self.launch.result(timeout=bound)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"HSDP: the reduction of a bucket over {s.group.name!r} then {s.replicate.name!r} did not "
+                f"start within {bound:g}s"
+            ) from None
+        if across is not None:
+            across.wait()
+        if s.owned_grads is None:
+            piece = self._out.numel()
+            self._src[s.rank * piece : (s.rank + 1) * piece].copy_(self._out)
+
+
+def reduce_bucket(strategy: Sharded, bucket: Bucket, src: torch.Tensor) -> ChainedReduction:
     """Reduce `src` (the bucket's gradients in the reduction dtype) into this rank's owned piece:
-    reduce-scatter over the shard group, launched now, then (when `finish` waits) all-reduce across shard
-    groups. At ZeRO-1 the result goes back into the bucket's owned range, the only range the update and
-    the norm read."""
+    reduce-scatter over the shard group, launched now, then all-reduce across the shard groups, launched by
+    `strategy.across` when the first is done. At ZeRO-1 the result goes back into the bucket's owned range,
+    the only range the update and the norm read."""
     piece, lo = bucket.piece, bucket.own_offset
     if strategy.owned_grads is not None:
         out = strategy.owned_grads[lo : lo + piece]
@@ -59,12 +123,4 @@ def reduce_bucket(strategy: Sharded, bucket: Bucket, src: torch.Tensor) -> Defer
     across = 2 * piece * (copies - 1) // copies * width  # a ring all-reduce of the owned piece
     strategy.traffic["reduce_bytes"] += piece * (size - 1) * width + across
     first = strategy.group.reduce_scatter(src, strategy.reduce_op, async_op=True, out=out)
-
-    def rest() -> None:
-        first.wait()
-        strategy.reduce_across_groups(out)
-        if strategy.owned_grads is None:
-            src[strategy.rank * piece : (strategy.rank + 1) * piece].copy_(out)
-
-    return Deferred(rest)
-
+    return ChainedReduction(strategy, strategy.across.after(first, strategy, out), out, src)

@@ -188,6 +188,8 @@ class DPStrategy(DPState):
         self._free_after_reduce = scatters or self.rdtype != self.dtype
         if not self._free_after_reduce:
             self._allocate_grads()
+        # HSDP: starts each bucket's all-reduce across the shard groups after its reduce-scatter
+        self.across = hsdp.AcrossGroups(self.device) if self.replicate is not None else None
         self._handles = [
             slot.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, slot))
             for slot in self.layout.slots.values()
@@ -287,7 +289,7 @@ class DPStrategy(DPState):
     def _bucket_done(self, bucket: Bucket) -> None:
         """Every gradient of `bucket` accumulated once more (final or not): ZeRO-3 frees its parameters."""
 
-    def _reduce(self, bucket: Bucket) -> Work | Deferred | None:
+    def _reduce(self, bucket: Bucket) -> Work | Deferred | hsdp.ChainedReduction | None:
         if self.group is not None and self.compressor is not None and self.compressor.active(self.step_count):
             return Deferred(functools.partial(self._compressed_reduce, bucket))
         b = self.size
@@ -309,10 +311,10 @@ class DPStrategy(DPState):
         self.traffic["reduce_bytes"] += bucket.piece * (b - 1) * src.element_size()
         return self.group.reduce_scatter(src, self.reduce_op, async_op=True, out=out)
 
-    def reduce_across_groups(self, owned: torch.Tensor) -> None:
-        """HSDP: the owned piece of a bucket's gradients, reduced in the shard group, over the copies of this
-        shard in the other shard groups (a test subclass skips it: a negative control)."""
-        self.replicate.all_reduce(owned, self.reduce_op)
+    def reduce_across_groups(self, owned: torch.Tensor) -> Work | None:
+        """HSDP: start reducing the owned piece of a bucket's gradients, reduced in the shard group, over the
+        copies of this shard in the other shard groups (a test subclass skips it: a negative control)."""
+        return self.replicate.all_reduce(owned, self.reduce_op, async_op=True)
 
     def _compressed_reduce(self, bucket: Bucket) -> None:
         """`_reduce` through the compressor, run when `finish` waits for it. State is keyed by source name,
@@ -492,6 +494,8 @@ class DPStrategy(DPState):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self.across is not None:
+            self.across.close()
 
 
 def _materialized(t: torch.Tensor) -> bool:

@@ -37,8 +37,9 @@ def all_reduce_s(nbytes: float, ranks: int, bw: float) -> float:
 
 def across_groups_s(grad_bytes: float, shard: int, groups: int, bw: float) -> float:
     """HSDP's all-reduce across the shard groups: each rank's owned 1/`shard` of the gradients over the
-    `groups` replicas holding the same piece. It runs when the strategy's `finish` waits
-    (raypar.core.dp.hsdp), after backward: the caller counts it exposed."""
+    `groups` replicas holding the same piece. Each bucket's starts once its reduce-scatter is done
+    (raypar.core.dp.hsdp), during backward: the caller adds it to the reduction the backward hides. Added, not
+    maxed with it: when a shard group spans nodes, both cross the same links."""
     return all_reduce_s(grad_bytes / shard, groups, bw)
 
 

@@ -313,9 +313,9 @@ def dp_exposed_s(cfg: Config, layout: Layout, device: Device, per_mb: float) -> 
     for n, ranks, link in parts:
         reduce += plan_comm.reduce_s(n * r, ranks, link, all_reduce=not zero.reduce_scatters)
         gather += plan_comm.gather_s(n * e, ranks, link)
+    if hsdp:  # each bucket's owned piece across the shard groups, chained after its reduce-scatter
+        reduce += plan_comm.across_groups_s(params.dense * r, layout.shard, layout.dp // layout.shard, bw)
     exposed = max(0.0, reduce - per_mb * 2 / 3)  # under the last microbatch's backward
-    if hsdp:  # then the owned pieces across the shard groups, after backward
-        exposed += plan_comm.across_groups_s(params.dense * r, layout.shard, layout.dp // layout.shard, bw)
     if zero.shards_parameters:  # each unit gathered for every forward and backward, prefetched
         exposed += layout.microbatches * (max(0.0, gather - per_mb / 3) + max(0.0, gather - per_mb * 2 / 3))
     elif zero.shards_optimizer:  # the updated owned pieces, all-gathered after the step
