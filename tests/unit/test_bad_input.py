@@ -37,6 +37,7 @@ ZERO_OK = {
     "parallel.zero",  # 0: no sharding
     "parallel.dp_shard",  # 0: all dp replicas shard the state
     "train.hang_watchdog_s",  # 0: a fifth of parallel.timeout_s
+    "parallel.placement_timeout_s",  # 0: parallel.timeout_s
     "parallel.compression_start_step",
 }  # fmt: skip
 
