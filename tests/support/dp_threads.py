@@ -1,6 +1,7 @@
 """DP strategies on thread ranks (one process, a gloo group): build a model and its strategy, train it,
-compare runs, and write and reload checkpoints. Used by tests/unit/test_dp_strategy.py and
-tests/unit/test_offload.py."""
+compare runs, and write and reload checkpoints; `NoCopyBack`, an offload control. Used by
+tests/unit/test_dp_strategy.py, tests/unit/test_offload.py and (`strategy_class`, the control)
+tests/support/pipeline_threads.py."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.dp import hsdp
+from raypar.core.dp.offload import Transfer
 from raypar.core.dp.optim import lr_at
 from raypar.core.dp.strategies import STRATEGIES
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
@@ -40,6 +42,14 @@ def strategy_class(zero: int, control: type[DPStrategy] | None = None) -> type[D
     control's overrides on top of the stage's class."""
     stage = STRATEGIES[zero]
     return stage if control is None else type(control.__name__, (control, stage), {})
+
+
+class NoCopyBack(DPStrategy):
+    """Negative control: the host update lands in a scratch tensor, not in the device parameters."""
+
+    def _transfer(self, bucket):  # noqa: ANN001, ANN202 - DPStrategy's
+        t = super()._transfer(bucket)
+        return Transfer(t.device_grad, t.host_grad, t.host_master, t.device_params.clone())
 
 
 def build(cfg: Config, group, zero: int, cls: type[DPStrategy] | None = None, dtype=None):

@@ -8,8 +8,8 @@ reference forwards the global batch in the run's microbatches (the aux loss is p
 process holding every expert. `assert_matches` compares the two: the loss, every gradient (tp shards and
 stages assembled), the global gradient norm and the step's MoE figures through
 raypar.controller.actor_mesh.moe_totals. Used by tests/unit/test_moe_context_parallel.py,
-tests/unit/test_moe_sequence_parallel.py, tests/unit/test_moe_dropless.py and
-tests/unit/test_dualpipev_compose.py.
+tests/unit/test_moe_sequence_parallel.py, tests/unit/test_moe_dropless.py,
+tests/unit/test_dualpipev_compose.py and tests/unit/test_dualpipev_features.py.
 """
 
 from __future__ import annotations

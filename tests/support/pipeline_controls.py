@@ -1,6 +1,7 @@
 """Deliberately broken step runners: the negative controls of the thread-rank pipeline tests
-(tests/unit/test_executor_equivalence.py, tests/unit/test_dualpipev_compose.py). Each is a subclass of
-the core's executor with one bug a schedule could have; the equivalence check must reject it."""
+(tests/unit/test_executor_equivalence.py, tests/unit/test_dualpipev_compose.py,
+tests/unit/test_dualpipev_features.py). Each is a subclass of the core's executor with one bug a schedule
+could have; the equivalence check must reject it."""
 
 from __future__ import annotations
 

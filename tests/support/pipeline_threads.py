@@ -4,7 +4,8 @@ Each coordinate is a thread that builds its shard of the model the way the actor
 (raypar.core.parallel.mesh, raypar.core.model.llama chunks, `train.recompute`), joins its gloo groups
 (formed from `Mesh.groups`, in the global order), runs one step of its schedule on
 `raypar.core.pipeline.executor` with an in-process transport (raypar.core.pipeline.local_transport), and
-reduces gradients over dp with the strategy of `parallel.zero` (raypar.core.dp.strategies). The results
+reduces gradients over dp with the strategy of `parallel.zero` (raypar.core.dp.strategies), compressed as
+`parallel.grad_compression` says and offloaded as `train.offload` says, as the worker builds it. The results
 are full (tp-assembled) gradients, the loss and the bytes each pipeline hop carried: what the equivalence
 tests compare with one process.
 """
@@ -22,14 +23,15 @@ from actors.transport import DirectTransport
 from collectives import Group, GroupSpec
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
-from raypar.core.dp.strategies import STRATEGIES
-from raypar.core.dp.strategy import StrategySpec
+from raypar.core.dp import compress
+from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage, StageSpec
 from raypar.core.parallel.mesh import Coord, Mesh, stage_layers
 from raypar.core.pipeline import schedules
 from raypar.core.pipeline.executor import ModelBackend, StepRun
 from raypar.core.pipeline.instructions import network_receives
 from raypar.core.pipeline.local_transport import LocalPipe
+from tests.support.dp_threads import strategy_class
 from tests.support.threads import run_groups
 
 TIMEOUT_S = 60
@@ -41,7 +43,7 @@ class StepOutcome:
     grads: dict[str, torch.Tensor]  # full gradients of replica 0 after the DP reduction
     hop_bytes: list[int] = field(default_factory=list)  # every activation/gradient message, all ranks
     per_coord: dict[Coord, dict[str, Any]] = field(default_factory=dict)
-    params: dict[str, torch.Tensor] = field(default_factory=dict)  # replica 0's, after `lr`'s update
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # replica 0's model's, after `lr`'s update
 
 
 def reference_step(
@@ -67,15 +69,17 @@ def reference_step(
 
 def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, bucket_bytes: int = 4096,
              model_hook: Any = None, make_group: Callable[[GroupSpec, Any], Group] | None = None,
-             timeout_s: float = TIMEOUT_S, lr: float | None = None) -> StepOutcome:
-    """One step of `cfg`'s layout on threads. `run_class` swaps the step runner (negative controls);
+             timeout_s: float = TIMEOUT_S, lr: float | None = None,
+             strategy_control: type[DPStrategy] | None = None) -> StepOutcome:
+    """One step of `cfg`'s layout on threads. `run_class` swaps the step runner and `strategy_control`'s
+    overrides go on top of the strategy's class (negative controls);
     `model_hook(model, coord, groups)` may alter each shard after it is built (also negative controls).
     A small `bucket_bytes` makes DP buckets span layers and chunks. With `make_group`
     (tests.support.fake_nccl)
     every group is formed by it, and pipeline messages go over the pair groups (actors.transport's
     DirectTransport, receives announced ahead as the actor does) instead of the in-process transport.
     The strategy is `parallel.zero`'s; with `lr` every rank then takes one AdamW step (no clipping) and
-    the outcome holds the updated parameters: under ZeRO-2 whole reduced gradients exist nowhere."""
+    the outcome holds the model's updated parameters: under ZeRO-2 whole reduced gradients exist nowhere."""
     par = cfg.parallel
     dp, pp, tp, v, cp = cfg.dp_fixed, par.pp, par.tp, par.virtual_stages, par.cp
     topo = schedules.topology(par.schedule, pp, v)
@@ -105,7 +109,10 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
         if model_hook is not None:
             model_hook(model, coord, mine)
         spec = StrategySpec(cfg.train, bucket_bytes)
-        strategy = STRATEGIES[par.zero](model, spec=spec, group=mine.get(Mesh.dp_group(coord)))
+        compressor = compress.build(par, cfg.train.seed)  # as the worker: None unless configured
+        strategy = strategy_class(par.zero, strategy_control)(
+            model, spec=spec, group=mine.get(Mesh.dp_group(coord)), compressor=compressor
+        )
         seq = cfg.model.seq_len // cp // (tp if par.sequence_parallel else 1)  # this rank's tokens
         like = torch.empty(mbs, seq, cfg.model.d_model)
         plan = schedules.build(par.schedule, pp, n_mb, v)[p]
@@ -134,7 +141,9 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
         }
         if lr is not None:
             strategy.step(lr)
-            results[coord]["params"] = {n: (t, *specs[n]) for n, t in strategy.full_parameters().items()}
+            # what the next forward reads, not the masters: offloaded, the H2D's copy of the host master
+            updated = {n: (q.detach().clone(), *specs[n]) for n, q in model.named_parameters()}
+            results[coord]["params"] = updated
 
     ranks = {n: [mesh.rank(c) for c in m] for n, m in groups.items()}
     if make_group is None:

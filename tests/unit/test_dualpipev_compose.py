@@ -26,6 +26,8 @@ The V at pp=2 (4 one-layer chunks, rank 0 holding layers 0 and 3, 4 microbatches
    no backward): the gradients upstream of block 1's router differ. And MoE at dp=2 (ep=1: the experts'
    strategy shards over the dp group as well) under ZeRO 1 and 2: its update bit for bit ZeRO-0's, as in
    2, with the same control.
+
+fp8, gradient compression, CPU offload and MoE at dp=4 with the V: tests/unit/test_dualpipev_features.py.
 """
 
 from __future__ import annotations
@@ -85,14 +87,18 @@ def test_turn_without_gradient_is_rejected_at_each_layout(name: str) -> None:
 LR = 3e-3  # tiny.toml's: AdamW's first step moves every entry with a gradient by about this much
 
 
-def zero_step(zero: int, **kwargs: Any) -> StepOutcome:
-    """One step of the V at dp=2 under ZeRO `zero`, then one AdamW update on every rank."""
-    return run_step(v_cfg("parallel.dp=2", f"parallel.zero={zero}"), lr=LR, **kwargs)
+def zero_step(zero: int, *extra: str, **kwargs: Any) -> StepOutcome:
+    """One step of the V at dp=2 under ZeRO `zero` (and the overrides `extra`), then one AdamW update on
+    every rank."""
+    return run_step(v_cfg("parallel.dp=2", f"parallel.zero={zero}", *extra), lr=LR, **kwargs)
 
 
 @functools.cache
 def zero0() -> StepOutcome:
     return zero_step(0)
+
+
+UPDATE_DIFFERS = r"^parameter \S+ differs after the update"  # what `assert_same_parameters` says
 
 
 def assert_same_parameters(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -113,7 +119,7 @@ def test_dualpipev_zero_update_equals_zero0(zero: int) -> None:
 
 
 def test_reduction_before_the_last_w_is_rejected_under_zero2() -> None:
-    with pytest.raises(AssertionError, match=r"^parameter \S+ differs after the update"):
+    with pytest.raises(AssertionError, match=UPDATE_DIFFERS):
         assert_same_parameters(zero_step(2, run_class=ReduceOnB).params, zero0().params)
 
 
@@ -174,8 +180,8 @@ def test_aux_loss_lost_before_the_last_chunk_is_rejected(name: str) -> None:
 
 # MoE under ZeRO: at ep=1 the experts' strategy shards over the dp group too (at dp=2: the bitwise argument
 # of section 2 holds for both strategies)
-def moe_zero_step(zero: int, **kwargs: Any) -> dict:
-    cfg = v_cfg("parallel.dp=2", *MOE, f"parallel.zero={zero}")
+def moe_zero_step(zero: int, *extra: str, **kwargs: Any) -> dict:
+    cfg = v_cfg("parallel.dp=2", *MOE, f"parallel.zero={zero}", *extra)  # `extra` may set another dp
     return moe_threads.parallel(cfg, prepare=moe_threads.set_routing_biases, lr=LR, **kwargs)
 
 
@@ -194,5 +200,5 @@ def test_dualpipev_moe_zero_update_equals_zero0(zero: int) -> None:
 
 
 def test_moe_reduction_before_the_last_w_is_rejected_under_zero2() -> None:
-    with pytest.raises(AssertionError, match=r"^parameter \S+ differs after the update"):
+    with pytest.raises(AssertionError, match=UPDATE_DIFFERS):
         assert_same_parameters(moe_zero_step(2, run_class=ReduceOnB)["params"], moe_zero0()["params"])

@@ -22,6 +22,7 @@ from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.dp.zero3 import Zero3Strategy
 from tests.support.dp_threads import (
     BUCKET_BYTES,
+    NoCopyBack,
     _checkpoint,
     assert_close,
     assert_loads_exactly,
@@ -61,14 +62,6 @@ def test_offload_bf16_parameters_match(zero0_dp2):
     # bf16 parameters: the H2D casts the fp32 host master, as the in-device update casts its master
     want = run_dp(2, 2, dtype=torch.bfloat16)
     assert_close(run_dp(2, 2, dtype=torch.bfloat16, extra=offload(2)), want)
-
-
-class NoCopyBack(DPStrategy):
-    """Negative control: the host update lands in a scratch tensor, not in the device parameters."""
-
-    def _transfer(self, bucket):  # noqa: ANN001, ANN202 - DPStrategy's
-        t = super()._transfer(bucket)
-        return Transfer(t.device_grad, t.host_grad, t.host_master, t.device_params.clone())
 
 
 class StaleGradient(DPStrategy):
