@@ -79,13 +79,14 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
     every group is formed by it, and pipeline messages go over the pair groups (actors.transport's
     DirectTransport, receives announced ahead as the actor does) instead of the in-process transport.
     The strategy is `parallel.zero`'s; with `lr` every rank then takes one AdamW step (no clipping) and
-    the outcome holds the model's updated parameters: under ZeRO-2 whole reduced gradients exist nowhere."""
+    the outcome holds the model's updated parameters: under ZeRO-2 whole reduced gradients exist nowhere
+    (`reduced_gradients` puts them together from their owners)."""
     par = cfg.parallel
     dp, pp, tp, v, cp = cfg.dp_fixed, par.pp, par.tp, par.virtual_stages, par.cp
     topo = schedules.topology(par.schedule, pp, v)
-    mesh = Mesh(dp, pp, tp, ring=topo.ring, cp=cp)
-    # tp, dp and cp groups (norms are not clipped); the pipeline links only for the direct transport.
-    kinds = ("tp.", "dp.", "cp.", "pp.") if make_group else ("tp.", "dp.", "cp.")
+    mesh = Mesh(dp, pp, tp, ring=topo.ring, cp=cp, dp_shard=par.dp_shard)
+    # tp, dp, cp and HSDP's groups (norms are not clipped); the pipeline links only for the direct transport.
+    kinds = ("tp.", "dp.", "cp.", "dps.", "dpr.") + (("pp.",) if make_group else ())
     groups = {n: m for n, m in mesh.groups().items() if n.startswith(kinds)}
     pipes = {(d, t, c): LocalPipe(topo, timeout_s) for d in range(dp) for t in range(tp) for c in range(cp)}
     dataset = data.open_dataset(cfg.data, cfg.model)
@@ -110,8 +111,11 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
             model_hook(model, coord, mine)
         spec = StrategySpec(cfg.train, bucket_bytes)
         compressor = compress.build(par, cfg.train.seed)  # as the worker: None unless configured
+        stage = mesh.stage_groups(coord)  # as the worker: under HSDP the shard group shards, dpr holds copies
+        dp_group = mine.get(stage.name("dps") or Mesh.dp_group(coord))
+        replicate = mine.get(stage.name("dpr")) if stage.name("dpr") else None
         strategy = strategy_class(par.zero, strategy_control)(
-            model, spec=spec, group=mine.get(Mesh.dp_group(coord)), compressor=compressor
+            model, spec=spec, group=dp_group, compressor=compressor, replicate=replicate
         )
         seq = cfg.model.seq_len // cp // (tp if par.sequence_parallel else 1)  # this rank's tokens
         like = torch.empty(mbs, seq, cfg.model.d_model)
@@ -132,12 +136,16 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
         for group in mine.values():
             group.check()
         specs = model.shard_specs()
+        reduced = {n: torch.full_like(q, float("nan")) for n, q in model.named_parameters()}
+        for piece in strategy.layout.pieces:  # this rank's pieces of the reduced gradients; NaN elsewhere
+            reduced[piece.slot.name].view(-1)[piece.lo : piece.hi] = strategy._grad(piece)
         results[coord] = {
             "losses": [x.item() for x in backend.losses],
             "grads": {  # none where a ZeRO-2 reduction left only the owned piece
                 n: (q.grad.clone(), *specs[n]) for n, q in model.named_parameters() if q.grad is not None
             },
             "sent_bytes": getattr(transport, "sent_bytes", []),
+            "reduced": {n: (g, *specs[n]) for n, g in reduced.items()},
         }
         if lr is not None:
             strategy.step(lr)
@@ -157,6 +165,24 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
     params = assembled([r["params"] for r in replica0]) if lr is not None else {}
     hops = [b for r in results.values() for b in r["sent_bytes"]]
     return StepOutcome(sum(losses) / len(losses), grads, hops, results, params)
+
+
+def reduced_gradients(outcome: StepOutcome, replicas: range) -> dict[str, torch.Tensor]:
+    """The whole gradients as the DP reduction left them in the strategies' owned pieces (all a ZeRO-2
+    reduction leaves), from the ranks of `replicas`, which between them must own every element (a shard
+    group, or one replica at ZeRO-0)."""
+    stages: dict[tuple[int, int], dict[str, tuple[torch.Tensor, tuple, tuple]]] = {}
+    for coord, result in sorted(outcome.per_coord.items()):
+        if coord.dp not in replicas:
+            continue
+        stage = stages.setdefault((coord.pp, coord.tp), {})
+        for name, (piece, shape, offsets) in result["reduced"].items():
+            have = stage.get(name, (torch.full_like(piece, float("nan")), shape, offsets))[0]
+            stage[name] = (torch.where(piece.isnan(), have, piece), shape, offsets)
+    whole = assembled(list(stages.values()))
+    unowned = [n for n, g in whole.items() if g.isnan().any()]
+    assert not unowned, f"replicas {list(replicas)} own no reduced gradient for part of {unowned[:3]}"
+    return whole
 
 
 def assembled(shards: list[dict[str, tuple[torch.Tensor, tuple, tuple]]]) -> dict[str, torch.Tensor]:

@@ -194,7 +194,6 @@ def _cases() -> list:
         ("not-dividing", ("parallel.dp_shard=3",), "parallel.dp_shard: must divide parallel.dp=4"),
         ("one", ("parallel.dp_shard=1",), "parallel.dp_shard: 1 shards nothing"),
         ("zero0", ("parallel.dp_shard=2", "parallel.zero=0"), "needs parallel.zero >= 1"),
-        ("cp", ("parallel.dp_shard=2", "parallel.cp=2"), "needs parallel.cp = 1"),
         ("compression", ("parallel.dp_shard=2", "parallel.zero=1", "parallel.grad_compression='bf16'"),
          "needs parallel.grad_compression = 'none'"),
         ("in-memory", ("parallel.dp_shard=2", "checkpoint.in_memory=true"),

@@ -1,7 +1,7 @@
 """HSDP (`parallel.dp_shard`, raypar.core.dp.hsdp) on thread ranks: dp=4 in two shard groups of 2, at ZeRO
 1, 2 and 3, against one process; per-rank model-state bytes against the planner's formula; the mesh's
 groups; checkpoints written under HSDP and read at other layouts; the all-reduce across groups starting
-during backward.
+during backward; HSDP with context parallelism (a shard group's cp ranks shard with it).
 
 Tolerances: against torch.optim.AdamW on the whole batch in one process, as tests/unit/test_dp_strategy.py
 argues for ZeRO-0 at dp=2: microbatch sums and the norm's precision differ more than the order of the DP
@@ -13,6 +13,7 @@ beyond 1e-4), and the two groups' parameters part ways.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 
 import pytest
 import torch
@@ -26,8 +27,10 @@ from raypar.core.parallel.mesh import Coord, Mesh
 from raypar.core.planner import comm as plan_comm
 from raypar.core.planner import memory as plan_memory
 from raypar.core.planner import search as plan
+from raypar.core.run_config import load_config
 from tests.support.dp_threads import (
     STEPS,
+    TINY,
     AcrossAtFinish,
     assert_close,
     assert_loads_exactly,
@@ -37,6 +40,7 @@ from tests.support.dp_threads import (
     run_hsdp,
     train,
 )
+from tests.support.pipeline_threads import assert_step_matches, reduced_gradients, reference_step, run_step
 from tests.support.reference import Run, reference_run
 from tests.support.threads import run_groups
 
@@ -187,3 +191,40 @@ def test_live_scaling_moves_whole_shard_groups():
     assert make_cfg(1, *extra, "parallel.dp_shard=2").valid_dps() == [2, 4]
     with pytest.raises(ConfigError, match="fails at dp=3"):
         make_cfg(1, *extra)
+
+
+# -- with context parallelism: cp ranks reduce the same gradients as dp ones, so they shard with them ------
+HSDP_CP = ["train.global_batch=8", "parallel.dp=4", "parallel.dp_shard=2", "parallel.cp=2",
+           'parallel.cp_style="ulysses"']  # fmt: skip
+
+
+def test_mesh_hsdp_groups_with_cp():
+    groups = Mesh(4, 1, 1, cp=2, dp_shard=2).groups()
+    shard_group = [Coord(2, 0, 0, 0), Coord(2, 0, 0, 1), Coord(3, 0, 0, 0), Coord(3, 0, 0, 1)]
+    assert groups["dps.pp0.tp0.g1"] == shard_group
+    # a rank's copies hold its place (dp rank in the shard group, cp rank) in the other shard groups
+    assert groups["dpr.pp0.tp0.s1.cp1"] == [Coord(1, 0, 0, 1), Coord(3, 0, 0, 1)]
+    assert groups["dpr.pp0.tp0.s0"] == [Coord(0, 0, 0, 0), Coord(2, 0, 0, 0)]
+
+
+@pytest.fixture(scope="module")
+def one_process_step() -> tuple[float, dict[str, torch.Tensor]]:
+    return reference_step(load_config(TINY, ["train.global_batch=8"]))
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_hsdp_with_cp_reduces_like_one_process(one_process_step, zero):
+    """dp=4 in shard groups of 2 x cp=2 (Ulysses), one step on 8 thread ranks: the gradients the reduction
+    leaves in each shard group's owned pieces against one process's (fp32 sums in another order: ~1e-7
+    relative, so 1e-5, tests/support/pipeline_threads.assert_step_matches); both groups hold the same."""
+    got = run_step(load_config(TINY, [*HSDP_CP, f"parallel.zero={zero}"]))
+    first, second = reduced_gradients(got, range(2)), reduced_gradients(got, range(2, 4))
+    assert_step_matches(dataclasses.replace(got, grads=first), one_process_step)
+    assert all(torch.equal(g, second[n]) for n, g in first.items()), "the shard groups' copies differ"
+
+
+def test_hsdp_with_cp_skipping_the_cross_group_reduce_is_caught(one_process_step):
+    got = run_step(load_config(TINY, [*HSDP_CP, "parallel.zero=2"]), strategy_control=NoCrossGroupReduce)
+    first = reduced_gradients(got, range(2))
+    with pytest.raises(AssertionError, match="grad norm|gradient of .* differs"):
+        assert_step_matches(dataclasses.replace(got, grads=first), one_process_step)

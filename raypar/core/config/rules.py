@@ -127,7 +127,7 @@ def _validate_hsdp(cfg: Config) -> None:
         options.ZERO_STAGES[p.zero].shards_optimizer,
         f"parallel.dp_shard: {s} < dp needs parallel.zero >= 1 (it shards ZeRO state), got zero={p.zero}",
     )
-    for key, value, plain in (("parallel.cp", p.cp, 1), ("model.moe_experts", cfg.model.moe_experts, 0),
+    for key, value, plain in (("model.moe_experts", cfg.model.moe_experts, 0),
                               ("parallel.grad_compression", p.grad_compression, options.NO_COMPRESSION.name)):
         _require(value == plain, f"parallel.dp_shard: {s} < dp needs {key} = {plain!r}, got {value!r}")
     # A restore from in-memory copies keeps a lost replica's shard mates alive, and gloo cannot abort their

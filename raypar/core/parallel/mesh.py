@@ -161,10 +161,11 @@ class Mesh:
         ep: (ep > 1) `ep` consecutive dp ranks at one (stage, tp rank, cp rank): tokens travel to their
             experts here; each cp rank's tokens among the same cp rank of the other replicas.
         dps, dpr: (HSDP, 1 < dp_shard < dp) the dp group split in two directions: dps the `dp_shard`
-            consecutive dp ranks of one shard group, over which ZeRO state is sharded (reduce-scatter,
-            all-gather); dpr the ranks of equal shard index in every shard group, which hold the same shard
-            and all-reduce it (raypar.core.dp.hsdp). Every replica keeps its shard index while whole shard
-            groups come and go, so a surviving group's dps group never changes.
+            consecutive dp ranks of one shard group with their cp ranks, over which ZeRO state is sharded
+            (reduce-scatter, all-gather); dpr the ranks of equal shard index (dp rank in the group, cp rank)
+            in every shard group, which hold the same shard and all-reduce it (raypar.core.dp.hsdp). Every
+            replica keeps its shard index while whole shard groups come and go, so a surviving group's dps
+            group never changes.
         mp: all ranks of one replica (model parallel); the global gradient norm is summed here.
         emb: the first and last stage at the same (tp, cp) rank, when embeddings are tied and pp > 1: the
             gradients of the two copies of the embedding are summed here (Megatron's embedding group).
@@ -188,8 +189,11 @@ class Mesh:
                 raise ValueError(f"{len(replicas)} replicas do not split into shard groups of dp_shard={s}")
             group, index = divmod(dp_rank, s)
             shard = replicas[group * s : group * s + s]
-            named["dps"] = (self.dps_group(coord, group), tuple(Coord(r, p, t) for r in shard))
-            named["dpr"] = (self.dpr_group(coord, index), tuple(Coord(r, p, t) for r in replicas[index::s]))
+            # with cp, a shard group's cp ranks shard with it (they reduce the same gradients, as in dp)
+            members = tuple(Coord(r, p, t, k) for r in shard for k in cps)
+            named["dps"] = (self.dps_group(coord, group), members)
+            copies = tuple(Coord(r, p, t, c) for r in replicas[index::s])  # equal place in their shard groups
+            named["dpr"] = (self.dpr_group(coord, index), copies)
         if self.ep == 1:
             named["edp"] = named["dp"]
         else:
@@ -239,8 +243,9 @@ class Mesh:
 
     @staticmethod
     def dpr_group(coord: Coord, index: int) -> str:
-        """The replicas of shard index `index` (HSDP) at `coord`'s (stage, tp rank): they hold one shard."""
-        return f"dpr.pp{coord.pp}.tp{coord.tp}.s{index}"
+        """The replicas of shard index `index` (HSDP) at `coord`'s (stage, tp rank, cp rank): they hold one
+        shard."""
+        return f"dpr.pp{coord.pp}.tp{coord.tp}.s{index}" + _cp(coord.cp)
 
     @staticmethod
     def mp_group(coord: Coord) -> str:
