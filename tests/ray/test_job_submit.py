@@ -1,0 +1,79 @@
+"""`ray job submit`, end to end on the session's Ray (its dashboard serves Ray's job API, the one the
+`ray job submit` CLI calls): the driver runs as a job in the node's copy of the job's working_dir, which
+Ray deletes with the job (docs/cluster.md's walkthrough submits this way).
+
+1. `--run-dir` an absolute path outside the copy: the job's driver joins this cluster, the job succeeds and
+   every step is in metrics.jsonl there, which outlives the job.
+2. The default run directory (runs/<name>, relative to the driver's working directory, so inside the copy):
+   the job fails with the one-line refusal and exit 2 before any actor starts. It is the negative control
+   of 1: the same job but for `--run-dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from ray.job_submission import JobStatus, JobSubmissionClient
+from ray.util.state import list_actors
+
+from tests.support.runs import TINY
+
+REPO = Path(__file__).resolve().parents[2]
+JOB_TIMEOUT_S = 240  # a tiny 2-step run, and a refusal before any actor, on a loaded 2-core machine
+DONE = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+
+
+@pytest.fixture(scope="module")
+def jobs(ray_session) -> JobSubmissionClient:
+    # The session's dashboard address: ray.init returned it, and no public call returns it later.
+    return JobSubmissionClient(f"http://{ray_session._private.worker.get_dashboard_url()}")
+
+
+def _submit(
+    jobs: JobSubmissionClient, working_dir: Path, name: str, *args: str
+) -> tuple[JobStatus, str, str]:
+    """Submit `raypar train tiny.toml --name <name> *args` with `working_dir` as the job's; returns the
+    final status, the job's message and its logs."""
+    entrypoint = " ".join([sys.executable, "-m", "raypar.controller.cli", "train", "tiny.toml",
+                           "--name", name, "--set", "train.steps=2", *args])  # fmt: skip
+    runtime_env = {"working_dir": str(working_dir), "env_vars": {"PYTHONPATH": str(REPO)}}
+    job = jobs.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while (status := jobs.get_job_status(job)) not in DONE:
+        assert time.monotonic() < deadline, f"job {job} ({name}) still {status} after {JOB_TIMEOUT_S}s"
+        time.sleep(0.5)  # polling Ray's job API: it offers no blocking wait
+    return status, jobs.get_job_info(job).message or "", jobs.get_job_logs(job)
+
+
+@pytest.fixture
+def working_dir(tmp_path: Path) -> Path:
+    """What a user's `--working-dir .` holds here: the run's config."""
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    shutil.copy(TINY, wd / "tiny.toml")
+    return wd
+
+
+def test_a_job_with_its_run_dir_outside_the_copy_trains_and_keeps_its_metrics(jobs, working_dir, tmp_path):
+    run_dir = tmp_path / "kept" / "job-a"
+    status, message, logs = _submit(jobs, working_dir, "job-a", "--run-dir", str(run_dir))
+    assert status == JobStatus.SUCCEEDED, (message, logs[-3000:])
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]
+    # the job's driver joined this cluster (RAY_ADDRESS, set by Ray's job supervisor), not a Ray of its own
+    address = ray.get_runtime_context().gcs_address
+    assert list_actors(address=address, filters=[("name", "=", "raypar:job-a:dp0.pp0.tp0")]), logs[-3000:]
+
+
+def test_control_the_default_run_dir_inside_the_copy_is_refused(jobs, working_dir):
+    status, message, logs = _submit(jobs, working_dir, "job-b")
+    assert status == JobStatus.FAILED and "exit code 2" in message, (message, logs[-3000:])
+    refusal = [line for line in logs.splitlines() if "--run-dir:" in line]
+    assert len(refusal) == 1 and "inside the copy of the job's working_dir" in refusal[0], logs[-3000:]
+    assert "Traceback" not in logs, logs[-3000:]
