@@ -594,9 +594,16 @@ def local_ray_cpus(mesh: Mesh, threads_per_actor: int) -> int:
 
 
 def _replicas_with_room(actor_mesh: ActorMesh) -> int:
-    """How many more replicas the free resources could hold (the placement itself decides for sure)."""
+    """How many more replicas the free resources could hold (the placement itself decides for sure). Not
+    on nodes the run refused (node_check.NodeCheck: they cannot see its storage): a heal would land there,
+    be released again, and say so at every step while they stay free."""
     per_replica = actor_mesh.mesh.replica_size
-    free = ray.available_resources()
+    free = dict(ray.available_resources())
+    refused = actor_mesh.node_check.refused if actor_mesh.node_check is not None else {}
+    for node in ray.nodes() if refused else ():
+        if node["NodeID"] in refused and node["Alive"]:
+            for key, total in node["Resources"].items():
+                free[key] = max(0.0, free.get(key, 0.0) - total)
     res = actor_mesh.resources
     fits = int(free.get("CPU", 0) // (per_replica * res.cpus))
     if res.gpus:

@@ -40,7 +40,9 @@ def test_a_local_ray_never_offers_fewer_cpus_than_the_machine(monkeypatch: pytes
 @pytest.mark.parametrize(("pp", "tp", "cp"), [(1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 1)])
 def test_room_for_a_replica_counts_its_cp_ranks(monkeypatch: pytest.MonkeyPatch, pp: int, tp: int, cp: int):
     per_replica = pp * tp * cp
-    actor_mesh = SimpleNamespace(mesh=Mesh(1, pp, tp, cp=cp), resources=ActorResources(cpus=1.0))
+    actor_mesh = SimpleNamespace(
+        mesh=Mesh(1, pp, tp, cp=cp), resources=ActorResources(cpus=1.0), node_check=None
+    )
     for free in (per_replica - 1, per_replica, 3 * per_replica - 1):
         monkeypatch.setattr(training.ray, "available_resources", lambda f=free: {"CPU": float(f)})
         assert training._replicas_with_room(actor_mesh) == free // per_replica, (free, per_replica)

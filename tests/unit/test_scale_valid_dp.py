@@ -22,11 +22,33 @@ def test_the_run_heals_only_toward_a_valid_dp(monkeypatch):
 
     loop = training.TrainingLoop.__new__(training.TrainingLoop)  # only its dps and mesh are read
     loop.dps = [1, 2, 4]
-    loop.actor_mesh = SimpleNamespace(dp=2, mesh=Mesh(2, 1, 1), resources=ActorResources(cpus=1.0))
+    loop.actor_mesh = SimpleNamespace(
+        dp=2, mesh=Mesh(2, 1, 1), resources=ActorResources(cpus=1.0), node_check=None
+    )
     for free_cpus, want in ((0, 2), (1, 2), (2, 4), (5, 4)):
         monkeypatch.setattr(training.ray, "available_resources", lambda f=free_cpus: {"CPU": float(f)})
         assert loop._reachable_dp(4) == want, free_cpus
     assert loop._reachable_dp(2) == 2
+
+
+def test_a_refused_node_is_not_room_to_heal_into(monkeypatch):
+    """A node that joined later and cannot see the run's storage (node_check.NodeCheck refused it) is free,
+    but a replica placed there is released again: the heal does not count it, so it is not tried (and said)
+    at every step. Control: the same free CPUs on a node that was not refused are room for dp=4."""
+    from raypar.controller import training
+
+    loop = training.TrainingLoop.__new__(training.TrainingLoop)
+    loop.dps = [1, 2, 4]
+    nodes = [{"NodeID": "late", "Alive": True, "Resources": {"CPU": 2.0}},
+             {"NodeID": "first", "Alive": True, "Resources": {"CPU": 2.0}}]  # fmt: skip
+    monkeypatch.setattr(training.ray, "available_resources", lambda: {"CPU": 2.0})  # the late node's
+    monkeypatch.setattr(training.ray, "nodes", lambda: nodes)
+    for refused, want in (({"late": "cannot see /ckpt"}, 2), ({}, 4)):
+        check = SimpleNamespace(refused=refused)
+        loop.actor_mesh = SimpleNamespace(
+            dp=2, mesh=Mesh(2, 1, 1), resources=ActorResources(cpus=1.0), node_check=check
+        )
+        assert loop._reachable_dp(4) == want, refused
 
 
 class _PreKey(ParallelConfig):
@@ -57,7 +79,7 @@ def _waits(parallel: dict[str, float], variant: type[ParallelConfig] = ParallelC
     loop = training.TrainingLoop.__new__(training.TrainingLoop)  # only what _membership reads
     loop.cfg, loop.dps, loop.auto, loop.event = cfg, [1, 2], False, lambda line: None
     loop.actor_mesh = SimpleNamespace(
-        dp=1, mesh=Mesh(1, 1, 1), resources=ActorResources(cpus=1.0),
+        dp=1, mesh=Mesh(1, 1, 1), resources=ActorResources(cpus=1.0), node_check=None,
         scale_to=lambda dp, timeout_s: asked.append(timeout_s) or "",
     )
     requests = iter([2, None])  # `raypar scale --dp 2`, then nothing: the heal toward target_dp=2
