@@ -60,6 +60,15 @@ def build(cfg: Config, group, zero: int, cls: type[DPStrategy] | None = None, dt
     return model, strategy
 
 
+def owned_gradients(model: torch.nn.Module, strategy: DPStrategy) -> dict[str, torch.Tensor]:
+    """This rank's pieces of the reduced gradients (all a ZeRO-2 reduction leaves), shaped like the
+    parameters, NaN where another rank owns them."""
+    reduced = {n: torch.full_like(q, float("nan")) for n, q in model.named_parameters()}
+    for piece in strategy.layout.pieces:
+        reduced[piece.slot.name].view(-1)[piece.lo : piece.hi] = strategy._grad(piece)
+    return reduced
+
+
 def train(cfg, group, model, strategy, steps: range, microbatches: int = 2):
     """One replica's steps: microbatches, the reduction armed for the last, clip, update."""
     dp, rank = (group.size, group.rank) if group is not None else (1, 0)

@@ -31,7 +31,7 @@ from raypar.core.pipeline import schedules
 from raypar.core.pipeline.executor import ModelBackend, StepRun
 from raypar.core.pipeline.instructions import network_receives
 from raypar.core.pipeline.local_transport import LocalPipe
-from tests.support.dp_threads import strategy_class
+from tests.support.dp_threads import owned_gradients, strategy_class
 from tests.support.threads import run_groups
 
 TIMEOUT_S = 60
@@ -136,9 +136,7 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
         for group in mine.values():
             group.check()
         specs = model.shard_specs()
-        reduced = {n: torch.full_like(q, float("nan")) for n, q in model.named_parameters()}
-        for piece in strategy.layout.pieces:  # this rank's pieces of the reduced gradients; NaN elsewhere
-            reduced[piece.slot.name].view(-1)[piece.lo : piece.hi] = strategy._grad(piece)
+        reduced = owned_gradients(model, strategy)
         results[coord] = {
             "losses": [x.item() for x in backend.losses],
             "grads": {  # none where a ZeRO-2 reduction left only the owned piece

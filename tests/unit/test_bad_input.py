@@ -194,8 +194,8 @@ def _cases() -> list:
         ("not-dividing", ("parallel.dp_shard=3",), "parallel.dp_shard: must divide parallel.dp=4"),
         ("one", ("parallel.dp_shard=1",), "parallel.dp_shard: 1 shards nothing"),
         ("zero0", ("parallel.dp_shard=2", "parallel.zero=0"), "needs parallel.zero >= 1"),
-        ("compression", ("parallel.dp_shard=2", "parallel.zero=1", "parallel.grad_compression='bf16'"),
-         "needs parallel.grad_compression = 'none'"),
+        ("compression", ("parallel.dp_shard=2", "parallel.zero=1", "parallel.grad_compression='topk'"),
+         "needs parallel.grad_compression in ['none', 'bf16'], got 'topk'"),
         ("in-memory", ("parallel.dp_shard=2", "checkpoint.in_memory=true"),
          "recovers from the shard copies in the other groups; checkpoint.in_memory must be false"),
     ):

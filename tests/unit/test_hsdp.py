@@ -1,7 +1,8 @@
 """HSDP (`parallel.dp_shard`, raypar.core.dp.hsdp) on thread ranks: dp=4 in two shard groups of 2, at ZeRO
 1, 2 and 3, against one process; per-rank model-state bytes against the planner's formula; the mesh's
 groups; checkpoints written under HSDP and read at other layouts; the all-reduce across groups starting
-during backward; HSDP with context parallelism (a shard group's cp ranks shard with it).
+during backward; HSDP with context parallelism (a shard group's cp ranks shard with it); HSDP with bf16
+compression of both levels, within bf16's rounding bound.
 
 Tolerances: against torch.optim.AdamW on the whole batch in one process, as tests/unit/test_dp_strategy.py
 argues for ZeRO-0 at dp=2: microbatch sums and the norm's precision differ more than the order of the DP
@@ -21,14 +22,18 @@ import torch
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.config.errors import ConfigError
-from raypar.core.dp import hsdp
-from raypar.core.dp.strategy import DPStrategy
+from raypar.core.data import datasets as data
+from raypar.core.dp import compress, hsdp
+from raypar.core.dp.strategies import STRATEGIES
+from raypar.core.dp.strategy import DPStrategy, StrategySpec
+from raypar.core.model.llama import LlamaStage
 from raypar.core.parallel.mesh import Coord, Mesh
 from raypar.core.planner import comm as plan_comm
 from raypar.core.planner import memory as plan_memory
 from raypar.core.planner import search as plan
 from raypar.core.run_config import load_config
 from tests.support.dp_threads import (
+    BUCKET_BYTES,
     STEPS,
     TINY,
     AcrossAtFinish,
@@ -37,6 +42,7 @@ from tests.support.dp_threads import (
     build_hsdp,
     hsdp_groups,
     make_cfg,
+    owned_gradients,
     run_hsdp,
     train,
 )
@@ -228,3 +234,72 @@ def test_hsdp_with_cp_skipping_the_cross_group_reduce_is_caught(one_process_step
     first = reduced_gradients(got, range(2))
     with pytest.raises(AssertionError, match="grad norm|gradient of .* differs"):
         assert_step_matches(dataclasses.replace(got, grads=first), one_process_step)
+
+
+# -- with bf16 compression: the shard group's reduce-scatter and the across-group all-reduce both in bf16 --
+class Bf16ShardGroupOnly(compress.Bf16):
+    """Negative control: the across-group all-reduce (HSDP's only use of `all_reduce`) sends nothing."""
+
+    def all_reduce(self, group, flat, slots, op) -> int:
+        return 0
+
+
+def bf16_reduced(zero: int, compressor: type[compress.Compressor]) -> tuple[torch.Tensor, ...]:
+    """dp=4 in shard groups of 2 on thread ranks, one microbatch each: every rank's own gradients (before
+    any reduction), and what the compressed HSDP reduction leaves in shard group 0's and group 1's owned
+    pieces, all flattened."""
+    cfg = make_cfg(1)
+
+    def rank(r: int, groups: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        dataset = data.open_dataset(cfg.data, cfg.model)
+        sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
+        inputs, targets = data.microbatch(dataset, sampler, 0, r, cfg.train.global_batch // 4)
+        model = LlamaStage(cfg.model, seed=cfg.train.seed)
+        model(inputs, targets).backward()
+        local = torch.cat([p.grad.reshape(-1) for _, p in model.named_parameters()])
+        model.zero_grad(set_to_none=True)
+        shard = next(g for n, g in groups.items() if n.startswith("dps"))
+        replicate = next(g for n, g in groups.items() if n.startswith("dpr"))
+        spec = StrategySpec(cfg.train, BUCKET_BYTES, reduce_dtype=torch.float32)
+        strategy = STRATEGIES[zero](
+            model, spec=spec, group=shard, replicate=replicate, compressor=compressor()
+        )
+        strategy.begin_step()
+        strategy.arm()
+        model(inputs, targets).backward()
+        strategy.finish()
+        return local, owned_gradients(model, strategy)
+
+    ranks = run_groups(4, hsdp_groups(4, 2), rank)
+
+    def group_of(members: list) -> torch.Tensor:
+        owned = torch.stack([torch.cat([g.reshape(-1) for g in pieces.values()]) for _, pieces in members])
+        assert bool(((~owned.isnan()).sum(0) == 1).all()), "an element is owned by none or by two"
+        return owned.nan_to_num(0.0).sum(0)
+
+    return torch.stack([r[0] for r in ranks]), group_of(ranks[:2]), group_of(ranks[2:])
+
+
+def assert_within_bf16_bound(local: torch.Tensor, got: torch.Tensor) -> None:
+    """Each rank's gradient is rounded once to bf16 (unit roundoff 2^-8) for the reduce-scatter, each
+    shard group's mean once for the across-group all-reduce, and the result once for its all-gather: within
+    2^-8 (mean_i |x_i| + mean_g |m_g| + |result|) <= 2^-8 (2 mean_i |x_i| + |want|) of the fp32 mean, plus
+    1 % for the fp32 sums and second-order terms (tests/unit/test_compress.py's bound, one level more)."""
+    want = local.mean(0)
+    bound = 2**-8 * (2 * local.abs().mean(0) + want.abs()) * 1.01
+    worst = ((got - want).abs() - bound).max().item()
+    assert worst <= 0, f"an element differs beyond bf16's bound by {worst:.3g}"
+    assert (got - want).abs().max().item() > 0  # it is lossy: the bound is doing the work
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_hsdp_with_bf16_compression_within_bound_and_copies_agree(zero):
+    local, first, second = bf16_reduced(zero, compress.Bf16)
+    assert_within_bf16_bound(local, first)
+    assert torch.equal(first, second), "the shard groups' copies differ"
+
+
+def test_hsdp_with_bf16_skipping_the_across_group_reduce_is_caught():
+    local, first, _ = bf16_reduced(2, Bf16ShardGroupOnly)
+    with pytest.raises(AssertionError, match="differs beyond bf16's bound"):
+        assert_within_bf16_bound(local, first)

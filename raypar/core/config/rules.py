@@ -127,9 +127,18 @@ def _validate_hsdp(cfg: Config) -> None:
         options.ZERO_STAGES[p.zero].shards_optimizer,
         f"parallel.dp_shard: {s} < dp needs parallel.zero >= 1 (it shards ZeRO state), got zero={p.zero}",
     )
-    for key, value, plain in (("model.moe_experts", cfg.model.moe_experts, 0),
-                              ("parallel.grad_compression", p.grad_compression, options.NO_COMPRESSION.name)):
-        _require(value == plain, f"parallel.dp_shard: {s} < dp needs {key} = {plain!r}, got {value!r}")
+    _require(
+        cfg.model.moe_experts == 0,
+        f"parallel.dp_shard: {s} < dp needs model.moe_experts = 0, got {cfg.model.moe_experts!r}",
+    )
+    # bf16 compresses both levels; top-k and PowerSGD keep error feedback per whole parameter, which a
+    # shard's piece of the across-group reduction does not have.
+    hsdp_compressions = (options.NO_COMPRESSION.name, options.BF16.name)
+    _require(
+        p.grad_compression in hsdp_compressions,
+        f"parallel.dp_shard: {s} < dp needs parallel.grad_compression in {list(hsdp_compressions)}, "
+        f"got {p.grad_compression!r}",
+    )
     # A restore from in-memory copies keeps a lost replica's shard mates alive, and gloo cannot abort their
     # pending all-reduces across groups: every other group would wait parallel.timeout_s for them. HSDP's
     # own recovery (the shard's copies in the other groups, raypar.controller.actor_mesh.recover) needs

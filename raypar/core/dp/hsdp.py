@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 
 from collectives import Group, Work
+from raypar.core.dp.compress import Compressor
 from raypar.core.dp.flat import Bucket
 
 
@@ -44,6 +45,7 @@ class Sharded(Protocol):
     traffic: dict[str, int]
     reduce_op: str
     across: AcrossGroups
+    compressor: Compressor | None
 
     def reduce_across_groups(self, owned: torch.Tensor) -> Work | None: ...
 
@@ -104,9 +106,34 @@ class ChainedReduction:
             ) from None
         if across is not None:
             across.wait()
-        if s.owned_grads is None:
-            piece = self._out.numel()
-            self._src[s.rank * piece : (s.rank + 1) * piece].copy_(self._out)
+        _back_in_bucket(s, self._out, self._src)
+
+
+def _owned_out(strategy: Sharded, bucket: Bucket, src: torch.Tensor) -> torch.Tensor:
+    """Where this rank's reduced piece of `bucket` goes: its owned gradients, or (ZeRO-1, which keeps full
+    gradient buffers and no owned one) a transient copied back by `_back_in_bucket`."""
+    if strategy.owned_grads is not None:
+        return strategy.owned_grads[bucket.own_offset : bucket.own_offset + bucket.piece]
+    return torch.empty(bucket.piece, dtype=src.dtype, device=src.device)
+
+
+def _back_in_bucket(strategy: Sharded, out: torch.Tensor, src: torch.Tensor) -> None:
+    """ZeRO-1: the reduced piece into the bucket's owned range, the only range the update and norm read."""
+    if strategy.owned_grads is None:
+        piece = out.numel()
+        src[strategy.rank * piece : (strategy.rank + 1) * piece].copy_(out)
+
+
+def compressed_reduce(strategy: Sharded, bucket: Bucket, src: torch.Tensor) -> int:
+    """HSDP with a compressor (bf16: the config rules refuse the others, whose state is per whole
+    parameter): the reduce-scatter in the shard group and the all-reduce of the owned piece across the
+    groups, both compressed (the across-group links are the slow ones), run when `finish` waits, as every
+    compressed reduction. Returns the bytes sent."""
+    out = _owned_out(strategy, bucket, src)
+    sent = strategy.compressor.reduce_scatter(strategy.group, src, out, strategy.reduce_op)
+    sent += strategy.compressor.all_reduce(strategy.replicate, out, (), strategy.reduce_op)
+    _back_in_bucket(strategy, out, src)
+    return sent
 
 
 def reduce_bucket(strategy: Sharded, bucket: Bucket, src: torch.Tensor) -> ChainedReduction:
@@ -114,11 +141,7 @@ def reduce_bucket(strategy: Sharded, bucket: Bucket, src: torch.Tensor) -> Chain
     reduce-scatter over the shard group, launched now, then all-reduce across the shard groups, launched by
     `strategy.across` when the first is done. At ZeRO-1 the result goes back into the bucket's owned range,
     the only range the update and the norm read."""
-    piece, lo = bucket.piece, bucket.own_offset
-    if strategy.owned_grads is not None:
-        out = strategy.owned_grads[lo : lo + piece]
-    else:  # transient: ZeRO-1 keeps full gradient buffers and no owned one
-        out = torch.empty(piece, dtype=src.dtype, device=src.device)
+    piece, out = bucket.piece, _owned_out(strategy, bucket, src)
     size, copies, width = strategy.size, strategy.replicate.size, src.element_size()
     across = 2 * piece * (copies - 1) // copies * width  # a ring all-reduce of the owned piece
     strategy.traffic["reduce_bytes"] += piece * (size - 1) * width + across

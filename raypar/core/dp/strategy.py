@@ -320,6 +320,10 @@ class DPStrategy(DPState):
         """`_reduce` through the compressor, run when `finish` waits for it. State is keyed by source name,
         so a tied copy compresses exactly as the tensor it copies."""
         src = bucket.grads if self.rdtype == self.dtype else bucket.grads.to(self.rdtype)
+        if self.replicate is not None:
+            bucket.reduced = None if src is bucket.grads or self.owned_grads is not None else src
+            self.traffic["reduce_bytes"] += hsdp.compressed_reduce(self, bucket, src)
+            return
         if self.owned_grads is None:
             bucket.reduced = None if src is bucket.grads else src
             slots = [dataclasses.replace(s, name=self.source(s.name)) for s in bucket.slots]
