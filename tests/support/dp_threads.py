@@ -165,10 +165,12 @@ def build_hsdp(cfg: Config, groups: dict, zero: int, cls: type[DPStrategy] | Non
     return model, strategy_class(zero, cls)(model, spec=spec, group=shard_group, replicate=replicate)
 
 
-def run_hsdp(dp: int, shard: int, zero: int, cls: type[DPStrategy] | None = None) -> tuple[Run, list[dict]]:
+def run_hsdp(
+    dp: int, shard: int, zero: int, cls: type[DPStrategy] | None = None, extra: tuple[str, ...] = ()
+) -> tuple[Run, list[dict]]:
     """`run_dp` under HSDP: ZeRO sharded over shard groups of `shard` ranks, replicated across them; also
     each rank's model-state bytes and padded parameter count after the last step."""
-    cfg = make_cfg(STEPS)
+    cfg = make_cfg(STEPS, *extra)
 
     def rank(r: int, groups: dict) -> tuple:
         model, strategy = build_hsdp(cfg, groups, zero, cls)

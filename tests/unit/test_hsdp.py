@@ -105,6 +105,16 @@ def test_hsdp_matches_one_process_and_bytes_match_the_formula(one_process, zero)
         assert rank["bytes"] > plan_memory.model_state_bytes(rank["padded"], "fp32", zero, 4)
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_hsdp_with_cpu_offload_matches_one_process(one_process, zero):
+    """The owned pieces' update on the host (train.offload = "cpu") under HSDP: the same AdamW on the same
+    reduced values, so the same bound as without offload."""
+    run, memory = run_hsdp(4, 2, zero, extra=("parallel.zero=1", "train.offload='cpu'"))  # zero: the rules'
+    assert_close(run, one_process, atol=1e-4, rtol=1e-4)
+    for rank in memory:  # offloaded: a host master and gradient buffer of its own (16Ψ/d more on the host)
+        assert rank["bytes"] > plan_memory.model_state_bytes(rank["padded"], "fp32", zero, 2), rank
+
+
 def test_skipping_the_cross_group_reduce_is_caught(one_process):
     with pytest.raises(AssertionError, match="loss at|grad norm at|parameter .* differs|replicas end with"):
         assert_close(run_hsdp(4, 2, 2, NoCrossGroupReduce)[0], one_process, atol=1e-4, rtol=1e-4)
