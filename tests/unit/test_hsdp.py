@@ -109,7 +109,8 @@ def test_hsdp_matches_one_process_and_bytes_match_the_formula(one_process, zero)
 def test_hsdp_with_cpu_offload_matches_one_process(one_process, zero):
     """The owned pieces' update on the host (train.offload = "cpu") under HSDP: the same AdamW on the same
     reduced values, so the same bound as without offload."""
-    run, memory = run_hsdp(4, 2, zero, extra=("parallel.zero=1", "train.offload='cpu'"))  # zero: the rules'
+    # parallel.zero=1 only satisfies the offload rule; the strategies are stage `zero`'s (run_hsdp)
+    run, memory = run_hsdp(4, 2, zero, extra=("parallel.zero=1", "train.offload='cpu'"))
     assert_close(run, one_process, atol=1e-4, rtol=1e-4)
     for rank in memory:  # offloaded: a host master and gradient buffer of its own (16Ψ/d more on the host)
         assert rank["bytes"] > plan_memory.model_state_bytes(rank["padded"], "fp32", zero, 2), rank

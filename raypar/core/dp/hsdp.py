@@ -111,9 +111,12 @@ class ChainedReduction:
 
 def _owned_out(strategy: Sharded, bucket: Bucket, src: torch.Tensor) -> torch.Tensor:
     """Where this rank's reduced piece of `bucket` goes: its owned gradients, or (ZeRO-1, which keeps full
-    gradient buffers and no owned one) a transient copied back by `_back_in_bucket`."""
+    gradient buffers and no owned one) a transient copied back by `_back_in_bucket` into `src`, which the
+    update then reads (`bucket.reduced`, when `src` is a cast copy of the gradients)."""
     if strategy.owned_grads is not None:
+        bucket.reduced = None
         return strategy.owned_grads[bucket.own_offset : bucket.own_offset + bucket.piece]
+    bucket.reduced = None if src is bucket.grads else src
     return torch.empty(bucket.piece, dtype=src.dtype, device=src.device)
 
 

@@ -296,7 +296,6 @@ class DPStrategy(DPState):
         # The gradients themselves, or (another reduction dtype) one cast copy of them.
         src = bucket.grads if self.rdtype == self.dtype else bucket.grads.to(self.rdtype)
         if self.replicate is not None:
-            bucket.reduced = None if src is bucket.grads or self.owned_grads is not None else src
             return hsdp.reduce_bucket(self, bucket, src)
         if self.owned_grads is None:
             bucket.reduced = None if src is bucket.grads else src
@@ -321,7 +320,6 @@ class DPStrategy(DPState):
         so a tied copy compresses exactly as the tensor it copies."""
         src = bucket.grads if self.rdtype == self.dtype else bucket.grads.to(self.rdtype)
         if self.replicate is not None:
-            bucket.reduced = None if src is bucket.grads or self.owned_grads is not None else src
             self.traffic["reduce_bytes"] += hsdp.compressed_reduce(self, bucket, src)
             return
         if self.owned_grads is None:
