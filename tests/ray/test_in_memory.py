@@ -30,11 +30,10 @@ from pathlib import Path
 import pytest
 
 from raypar.controller.actor_calls import StepFailure
-from raypar.controller.training import TrainingLoop
 from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Coord
 from tests.support.faults import FaultyActorMesh
-from tests.support.runs import Background, FaultyLoop, actor_pid, losses, metrics, tiny
+from tests.support.runs import FaultyLoop, killing, losses, metrics, run, tiny
 
 RTOL = 1e-5
 STEPS = 6
@@ -114,22 +113,16 @@ def undisturbed(two_actors) -> list[float]:
     return [two_actors.step(s).loss for s in range(cfg.train.steps)]
 
 
-class _StaleLoop(TrainingLoop):
+class _StaleLoop(FaultyLoop):
     """Every actor hands its buddy a copy one step old."""
 
-    def __init__(self, *args, **kwargs):
-        self.mesh_class = lambda cfg, name: FaultyActorMesh(
-            cfg, name, {Coord(d, 0, 0): ["stale_buddy"] for d in range(2)}
-        )
-        super().__init__(*args, **kwargs)
+    faults = {Coord(d, 0, 0): ["stale_buddy"] for d in range(2)}
 
 
-def _kill_run(name: str, run_dir: Path, loop: type = TrainingLoop) -> dict:
-    """No checkpoint directory at all: a recovery that is not from memory restarts from step 0."""
-    bg = Background(run_cfg("checkpoint.in_memory=true"), name, run_dir, loop)
-    bg.wait_for_step(2)
-    os.kill(actor_pid(f"raypar:{name}:dp1.pp0.tp0"), signal.SIGKILL)
-    result = bg.join()
+def _kill_run(name: str, run_dir: Path, loop: type[FaultyLoop] = FaultyLoop) -> dict:
+    """Replica 1 killed (kill -9) as step 3 starts. No checkpoint directory at all: a recovery that is not
+    from memory restarts from step 0."""
+    result = run(run_cfg("checkpoint.in_memory=true"), name, run_dir, killing(3, Coord(1, 0, 0), base=loop))
     events = (run_dir / "events.jsonl").read_text()
     assert result["restarts"] == 1 and result["memory_recoveries"] == 1, events
     assert "recovered from memory: replaced replica(s) [1]; resumed at step" in events, events

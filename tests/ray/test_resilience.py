@@ -8,17 +8,15 @@ losses match within 1e-5 relative (see test_equivalence.py for why).
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 import ray
 
 from raypar.controller import connection as control
 from raypar.controller.actor_mesh import RunFailure
 from raypar.core.checkpoint import format as checkpoint
+from raypar.core.parallel.mesh import Coord
 from tests.support.faults import FaultyActorMesh
-from tests.support.runs import Background, actor_pid, losses, metrics, run, tiny
+from tests.support.runs import Background, killing, losses, metrics, run, tiny
 
 RTOL = 1e-5
 
@@ -53,11 +51,7 @@ def test_resume_continues_exactly_and_reshards(ray_session, tmp_path, straight):
     # (1,1,2) every axis differs and one stage holds the layers two held. Other dp, tp, cp and zero stages:
     # tests/unit/test_checkpoint.py, test_dp_strategy.py, test_zero_cp.py (thread ranks, bit for bit).
     step4 = checkpoint.resolve(str(ckpt), 4)
-    for i, other in enumerate(
-        (
-            ["parallel.dp=1", "parallel.pp=1", "parallel.tp=2"],
-        )
-    ):
+    for i, other in enumerate((["parallel.dp=1", "parallel.pp=1", "parallel.tp=2"],)):
         resharded = tmp_path / f"reshard{i}"
         run(tiny(*other, "train.steps=8"), f"reshard{i}", resharded, resume=step4)
         assert [m["step"] for m in metrics(resharded)] == [4, 5, 6, 7]
@@ -74,11 +68,7 @@ def test_kill_workers_recovers_and_matches(ray_session, tmp_path, straight):
     run_dir = tmp_path / "killed"
     v = ['parallel.schedule="dualpipev"', "parallel.virtual_stages=2", "parallel.microbatches=4"]
     cfg = tiny("parallel.dp=2", "parallel.pp=2", "train.steps=8", "parallel.timeout_s=10", *v)
-    bg = Background(cfg, "killed", run_dir)
-    for step, victim in ((2, "dp1.pp1.tp0"), (5, "dp0.pp0.tp0")):
-        bg.wait_for_step(step)
-        os.kill(actor_pid(f"raypar:killed:{victim}"), signal.SIGKILL)
-    result = bg.join()
+    result = run(cfg, "killed", run_dir, killing(2, Coord(1, 1, 0), base=killing(5, Coord(0, 0, 0))))
     records = metrics(run_dir)
     assert [m["step"] for m in records] == list(range(8)), "a step was skipped or applied twice"
     assert result["restarts"] == 2 and records[-1]["restarts"] == 2
@@ -97,10 +87,7 @@ def test_no_intact_replica_restarts_from_checkpoint(ray_session, tmp_path, strai
         f"checkpoint.dir='{ckpt}'",
         "checkpoint.every=3",
     )
-    bg = Background(cfg, "solo", run_dir)
-    bg.wait_for_step(4)
-    os.kill(actor_pid("raypar:solo:dp0.pp1.tp0"), signal.SIGKILL)
-    result = bg.join()
+    result = run(cfg, "solo", run_dir, killing(5, Coord(0, 1, 0)))
     assert result["restarts"] == 1
     assert [m["step"] for m in metrics(run_dir)] == list(range(8))
     assert close(losses(run_dir), straight)
@@ -108,11 +95,8 @@ def test_no_intact_replica_restarts_from_checkpoint(ray_session, tmp_path, strai
 
 def test_max_failures_ends_the_run(ray_session, tmp_path):
     cfg = tiny("parallel.dp=2", "train.steps=50", "train.max_failures=0", "parallel.timeout_s=10")
-    bg = Background(cfg, "fragile", tmp_path)
-    bg.wait_for_step(1)
-    os.kill(actor_pid("raypar:fragile:dp1.pp0.tp0"), signal.SIGKILL)
     with pytest.raises(RunFailure, match="giving up after 1 failures"):
-        bg.join()
+        run(cfg, "fragile", tmp_path, killing(2, Coord(1, 0, 0)))
 
 
 def test_elastic_dp_matches_fixed_dp(ray_session, tmp_path):

@@ -11,12 +11,11 @@ thread ranks, in tests/unit/test_dp_strategy.py.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 
+from raypar.core.parallel.mesh import Coord
 from tests.support.reference import reference_run
-from tests.support.runs import Background, actor_pid, losses, metrics, tiny
+from tests.support.runs import killing, losses, metrics, run, tiny
 from tests.support.zero_runs import close
 
 
@@ -32,10 +31,8 @@ def test_zero2_replica_killed_restarts_from_checkpoint(tmp_path, undisturbed):
     cfg = tiny(*shape, "parallel.zero=2", "parallel.timeout_s=10", f"checkpoint.dir='{ckpt}'",
                "checkpoint.every=3")  # fmt: skip
     run_dir = tmp_path / "killed"
-    bg = Background(cfg, "z2-killed", run_dir)
-    bg.wait_for_step(4)  # past the checkpoint of step 3 (a kill while one is taken ends the run today)
-    os.kill(actor_pid("raypar:z2-killed:dp1.pp0.tp0"), signal.SIGKILL)
-    result = bg.join()
+    # kill -9 as step 5 starts: past the checkpoint of step 3
+    result = run(cfg, "z2-killed", run_dir, killing(5, Coord(1, 0, 0)))
     assert result["restarts"] == 1
     assert [m["step"] for m in metrics(run_dir)] == list(range(6))
     assert close(losses(run_dir), undisturbed(*shape))
@@ -51,21 +48,19 @@ def test_hsdp_zero3_replica_killed_continues_from_peers(ray_session, tmp_path):
     shard mate is ended at once (tests/unit/test_hsdp_containment.py), so no replica of the other group
     waits out parallel.timeout_s in an all-reduce with it: the replicas are dropped well before that."""
     ckpt = tmp_path / "ckpt"
-    timeout_s = 60  # far past a containment: a peer that waited it out shows
+    timeout_s = 120  # far past a start-up, 5 steps and a containment: a peer that waited it out shows
     cfg = tiny("parallel.dp=4", "parallel.dp_shard=2", "parallel.zero=3", "train.steps=8",
                f"parallel.timeout_s={timeout_s}", f"checkpoint.dir='{ckpt}'",
                "checkpoint.every=3")  # fmt: skip
     run_dir = tmp_path / "killed"
-    bg = Background(cfg, "hsdp-killed", run_dir)
-    bg.wait_for_step(4)  # past the checkpoint of step 3: one to read, were the peers not enough
-    killed_at = time.time()
-    os.kill(actor_pid("raypar:hsdp-killed:dp3.pp0.tp0"), signal.SIGKILL)
-    result = bg.join()
+    # kill -9 as step 5 starts: past the checkpoint of step 3, one to read were the peers not enough
+    started_at = time.time()  # before the kill, by the run's start-up and 5 steps: well under timeout_s
+    result = run(cfg, "hsdp-killed", run_dir, killing(5, Coord(3, 0, 0)))
     events = (run_dir / "events.jsonl").read_text()
     assert result["restarts"] == 1 and result["memory_recoveries"] == 1, events
     assert "dropped replica(s) [2, 3] (whole shard groups" in events, events
     dropped = [json.loads(line) for line in events.splitlines() if "dropped replica(s)" in line]
-    assert dropped[0]["time"] - killed_at < timeout_s, f"a peer waited out parallel.timeout_s: {events}"
+    assert dropped[0]["time"] - started_at < timeout_s, f"a peer waited out parallel.timeout_s: {events}"
     assert "restarting all replicas" not in events and "healing: added replica(s)" in events, events
     records = metrics(run_dir)
     assert [m["step"] for m in records] == list(range(8)), "a step was skipped or logged twice"

@@ -11,6 +11,9 @@ here, not in production code. Faults are strings per actor coordinate:
 - `moe_sp_summed_gather`: (sequence parallelism) MoE layers gather their input with the dense MLP's gather,
   whose backward sums the tp ranks' gradients (already whole in an MoE layer: tp times too large);
 - `raise_at_step:N`: phase 1 of step N raises.
+- `kill_at_step:N`: at the start of phase 1 of step N the process sends itself SIGKILL (kill -9); only the
+  first actor started at a coordinate carries it. A kill at a known step: a test that polls metrics.jsonl
+  and kills from outside cannot time it on a machine fast enough to finish the run first;
 - `stop_at_step:N`: at the start of phase 1 of step N the process stops itself (SIGSTOP), as a frozen
   node or a debugger would: it never enters the step's collectives and answers nothing, not even pings;
 - `exit_in:METHOD:N`: the process exits (as if killed) at the start of its N-th call of METHOD
@@ -204,14 +207,14 @@ class _FaultyWorker(Worker):
     def _train_step(self, step: int) -> StepReport:
         if f"raise_at_step:{step}" in self.faults:
             raise RuntimeError("fault injected by the test suite")
+        if f"kill_at_step:{step}" in self.faults:
+            os.kill(os.getpid(), signal.SIGKILL)
         if f"stop_at_step:{step}" in self.faults:
             os.kill(os.getpid(), signal.SIGSTOP)  # until ray.kill's SIGKILL ends it
         return super()._train_step(step)
 
 
-FaultyWorker = ray.remote(
-    max_concurrency=WORKER_THREADS, concurrency_groups=WORKER_GROUPS
-)(_FaultyWorker)
+FaultyWorker = ray.remote(max_concurrency=WORKER_THREADS, concurrency_groups=WORKER_GROUPS)(_FaultyWorker)
 
 
 class FaultyActorMesh(ActorMesh):
@@ -228,7 +231,7 @@ class FaultyActorMesh(ActorMesh):
     def _worker_args(self, coord: Coord) -> tuple:
         faults = self.faults.get(coord, [])
         if coord in self.started:  # a rebuilt actor: the process that was to die has died
-            faults = [f for f in faults if not f.startswith("exit_in:")]
+            faults = [f for f in faults if not f.startswith(("exit_in:", "kill_at_step:"))]
         self.started.add(coord)
         return (*super()._worker_args(coord), tuple(faults))
 

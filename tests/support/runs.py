@@ -10,9 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import ray
-from ray.util.state import list_actors
-
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.controller.training import TrainingLoop
 from raypar.core.config.schema import Config
@@ -41,9 +38,7 @@ def losses(run_dir: Path) -> list[float]:
     return [m["loss"] for m in metrics(run_dir)]
 
 
-def run(
-    cfg: Config, name: str, run_dir: Path, loop: type = TrainingLoop, **kwargs: Any
-) -> dict[str, Any]:
+def run(cfg: Config, name: str, run_dir: Path, loop: type = TrainingLoop, **kwargs: Any) -> dict[str, Any]:
     return loop(cfg, name, run_dir, progress=False, **kwargs).execute()
 
 
@@ -99,7 +94,7 @@ class FaultyLoop(TrainingLoop):
 
     def __init__(self, *args, **kwargs):
         self.mesh_class = lambda cfg, name: FaultyActorMesh(cfg, name, self.faults)
-        super().__init__(*args, progress=False, **kwargs)
+        super().__init__(*args, **{"progress": False, **kwargs})
         self.leftovers: list[list[str]] = []
 
     def event(self, text: str) -> None:
@@ -109,8 +104,12 @@ class FaultyLoop(TrainingLoop):
         super().event(text)
 
 
-def actor_pid(name: str) -> int:
-    """The process id of the live actor called `name` in this process's Ray."""
-    address = ray.get_runtime_context().gcs_address  # other Ray instances may run on this machine
-    (actor,) = list_actors(address=address, filters=[("name", "=", name), ("state", "=", "ALIVE")])
-    return actor.pid
+def killing(at_step: int, *victims: Coord, base: type[FaultyLoop] = FaultyLoop) -> type[FaultyLoop]:
+    """A run (`base`, with its faults) in which each of `victims` is killed with SIGKILL as it enters
+    step `at_step` (the `kill_at_step` fault)."""
+    faults = {c: list(f) for c, f in base.faults.items()}
+    for victim in victims:
+        faults.setdefault(victim, []).append(f"kill_at_step:{at_step}")
+    return type("KillingLoop", (base,), {"faults": faults})
+
+
