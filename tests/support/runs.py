@@ -111,5 +111,3 @@ def killing(at_step: int, *victims: Coord, base: type[FaultyLoop] = FaultyLoop) 
     for victim in victims:
         faults.setdefault(victim, []).append(f"kill_at_step:{at_step}")
     return type("KillingLoop", (base,), {"faults": faults})
-
-
