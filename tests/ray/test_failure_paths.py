@@ -20,14 +20,13 @@ from raypar.controller.placement import PlacementTimeout
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.parallel.mesh import Coord
 from tests.support.faults import FaultyActorMesh
-from tests.support.runs import TINY, FaultyLoop, losses, metrics, tiny
+from tests.support.runs import TINY, FaultyLoop, losses, metrics, tiny, with_faults
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(cfg, name, run_dir, faults, loop=FaultyLoop):
-    loop.faults = faults
-    trainer = loop(cfg, name, run_dir)
+    trainer = with_faults(faults, loop)(cfg, name, run_dir)
     return trainer, trainer.execute()
 
 

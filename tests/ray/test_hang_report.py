@@ -7,14 +7,13 @@ step, the stopped actor is found hung and killed, and the run goes on at dp=1, a
 from __future__ import annotations
 
 from raypar.core.parallel.mesh import Coord
-from tests.support.runs import FaultyLoop, metrics, tiny
+from tests.support.runs import metrics, tiny, with_faults
 
 
 def test_a_stopped_peer_is_named_in_the_hang_report_and_the_run_recovers(ray_session, tmp_path):
     # watchdog 1 s: a tiny step takes milliseconds; timeout 4 s: the step fails soon after the report
     cfg = tiny("parallel.dp=2", "train.steps=3", "parallel.timeout_s=4", "train.hang_watchdog_s=1")
-    FaultyLoop.faults = {Coord(1, 0, 0): ["stop_at_step:2"]}
-    trainer = FaultyLoop(cfg, "hang", tmp_path / "run")
+    trainer = with_faults({Coord(1, 0, 0): ["stop_at_step:2"]})(cfg, "hang", tmp_path / "run")
     result = trainer.execute()
 
     report = (tmp_path / "run" / "hang-2.txt").read_text()

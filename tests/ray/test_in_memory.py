@@ -33,7 +33,7 @@ from raypar.controller.actor_calls import StepFailure
 from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Coord
 from tests.support.faults import FaultyActorMesh
-from tests.support.runs import FaultyLoop, killing, losses, metrics, run, tiny
+from tests.support.runs import FaultyLoop, killing, losses, metrics, run, tiny, with_faults
 
 RTOL = 1e-5
 STEPS = 6
@@ -154,8 +154,8 @@ def test_both_holders_lost_falls_back_to_the_checkpoint(ray_session, tmp_path, u
     round, so the run says why memory cannot do it and restores the disk checkpoint of step 2."""
     ckpt, run_dir = tmp_path / "ckpt", tmp_path / "run"
     cfg = run_cfg("checkpoint.in_memory=true", f"checkpoint.dir='{ckpt}'", "checkpoint.every=2")
-    FaultyLoop.faults = {Coord(d, 0, 0): ["exit_in:train_step:4"] for d in range(2)}
-    result = FaultyLoop(cfg, "mem-both", run_dir).execute()
+    both_exit = with_faults({Coord(d, 0, 0): ["exit_in:train_step:4"] for d in range(2)})
+    result = run(cfg, "mem-both", run_dir, both_exit)
     events = (run_dir / "events.jsonl").read_text()
     assert result["memory_recoveries"] == 0 and result["restarts"] >= 1, events
     assert "the in-memory copies cannot restore the run: " in events, events

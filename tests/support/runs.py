@@ -104,10 +104,16 @@ class FaultyLoop(TrainingLoop):
         super().event(text)
 
 
+def with_faults(faults: dict[Coord, list[str]], base: type[FaultyLoop] = FaultyLoop) -> type[FaultyLoop]:
+    """`base` with `faults` added to its own, as a new subclass: assigning `FaultyLoop.faults` instead would
+    carry the faults into every later test of the session."""
+    merged = {c: list(f) for c, f in base.faults.items()}
+    for coord, names in faults.items():
+        merged.setdefault(coord, []).extend(names)
+    return type(f"{base.__name__}WithFaults", (base,), {"faults": merged})
+
+
 def killing(at_step: int, *victims: Coord, base: type[FaultyLoop] = FaultyLoop) -> type[FaultyLoop]:
     """A run (`base`, with its faults) in which each of `victims` is killed with SIGKILL as it enters
     step `at_step` (the `kill_at_step` fault)."""
-    faults = {c: list(f) for c, f in base.faults.items()}
-    for victim in victims:
-        faults.setdefault(victim, []).append(f"kill_at_step:{at_step}")
-    return type("KillingLoop", (base,), {"faults": faults})
+    return with_faults({victim: [f"kill_at_step:{at_step}"] for victim in victims}, base)
