@@ -13,6 +13,12 @@ node, or a replaced actor, pays). Step time is the driver's, the median over `--
 row's first step minus eager's first step: what compiling (or loading) cost that step. `loss_diff`: the
 first step's loss against eager's (fp32 reassociation only, ~1e-6). Timing on a shared machine is noise
 unless the load (printed per row) is low.
+
+The `bound` row (at (1,1,1) only) is Amdahl's law for what `train.compile` leaves eager: one eager step of
+the same model in this process (one thread, the same microbatches, AdamW's update), profiled; `step_ms` is
+the time in the GEMM and attention kernels alone, and `ratio` = the step's time / theirs, the speed-up a
+compile of everything else could reach if that took no time at all. The profiler's own overhead falls on
+the many small operations, outside those kernels, so the bound errs on compile's side.
 """
 
 from __future__ import annotations
@@ -29,14 +35,20 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import ray  # noqa: E402
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
 from raypar.core.model.compiled import CACHE_ENV  # noqa: E402
+from raypar.core.model.llama import LlamaStage  # noqa: E402
 
 LAYOUTS: dict[str, list[str]] = {"(1,1,1)": [], "(1,2,2)": ["parallel.pp=2", "parallel.tp=2"]}
 # (row name, train.compile): the cold row starts from an empty cache, the warm one reuses it
 RUNS = (("eager", False), ("compiled, cold cache", True), ("compiled, warm cache", True))
+# What compile does not touch (raypar.core.model.compiled): the GEMMs (MKL or oneDNN on a CPU) and SDPA's
+# fused attention, forward and backward; names as torch.profiler reports them
+KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product")
 
 
 def layout_config(args: argparse.Namespace, overrides: list[str], compile_: bool) -> Config:
@@ -65,6 +77,32 @@ def measure(name: str, cfg: Config, args: argparse.Namespace) -> tuple[list[floa
         trainer.shutdown()
 
 
+def kernel_bound(cfg: Config) -> dict[str, Any]:
+    """The `bound` row: Amdahl's law over one profiled eager step of `cfg`'s model (see the docstring)."""
+    torch.set_num_threads(1)  # as each actor runs (parallel.threads_per_actor = 1)
+    torch.manual_seed(cfg.train.seed)
+    model = LlamaStage(cfg.model, seed=cfg.train.seed)
+    rows = cfg.microbatch_size
+    shape = (2, rows, cfg.model.seq_len)  # (tokens, targets) of one microbatch
+    batches = [torch.randint(0, cfg.model.vocab_size, shape) for _ in range(cfg.parallel.microbatches)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
+
+    def step() -> None:  # the optimizer's update too: eager in both runs, so it counts as compile's share
+        for tokens, targets in batches:
+            (model(tokens, targets) / len(batches)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # first-call allocations and oneDNN's primitive caches, as the benchmark's warm-up steps do
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    kernels = sum(e.self_cpu_time_total for e in events if e.key.startswith(KERNELS))
+    return {"layout": "(1,1,1)", "run": "bound: all but GEMM and attention free", "step_ms": kernels / 1e3,
+            "ratio": total / kernels, "load": _common.loadavg()}
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for index, layout in enumerate(args.layouts):
@@ -83,6 +121,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(row)
             print(f"  {layout} {name:21} {row['step_ms']:8.1f} ms/step, {row['ratio']:.2f}x eager, "
                   f"first step {first_s:.1f} s (load {row['load']:.1f})", flush=True)
+        if layout == "(1,1,1)":
+            rows.append(kernel_bound(layout_config(args, LAYOUTS[layout], False)))
+            print(f"  {layout} bound: at most {rows[-1]['ratio']:.2f}x eager", flush=True)
     return rows
 
 
