@@ -232,7 +232,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         self.dp_group, self.edp_group, self.ep_group = bound.dp, bound.edp, bound.ep
         self.emb_group, self.mp_group = bound.emb, bound.mp
         # HSDP (raypar.core.dp.hsdp): ZeRO shards over the shard group, copies meet in the replicate group
-        self.dps_group, self.dpr_group = bound.dps, bound.dpr
+        self.dps_group, self.dpr_group, self.edpr_group = bound.dps, bound.dpr, bound.edpr
         shard_members = groups.named.get("dps", groups.named["dp"])[1]
         kept = shard_members == self._shard_members  # this replica keeps its shard (HSDP: survivors)
         self._shard_members = shard_members
@@ -309,11 +309,13 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
 
     def _make_expert_strategy(self, edp_group: Any) -> DPStrategy:
         """Expert parameters: summed over the expert-dp group, divided by dp x cp (raypar.core.parallel.ep
-        says why);
-        sharded over that group under ZeRO, at stage 3 the experts themselves too (gathered around their
-        block)."""
+        says why); sharded over that group under ZeRO, at stage 3 the experts themselves too (gathered
+        around their block)."""
         spec = self._strategy_spec(select=is_expert_param, divisor=self.dp * self.cfg.parallel.cp)
-        return self._expert_strategy_class()(self.model, spec=spec, group=edp_group)
+        # under HSDP the expert-dp group is the holders within the shard group, their copies meet in edpr
+        # (raypar.core.parallel.mesh)
+        cls = self._expert_strategy_class()
+        return cls(self.model, spec=spec, group=edp_group, replicate=self.edpr_group)
 
     def _expert_strategy_class(self) -> type[DPStrategy]:
         """The experts' strategy class (a seam: a test swaps in a broken ZeRO-3 one)."""

@@ -134,7 +134,7 @@ class ActorMesh(ActorCalls):
         return Mesh(
             dp, self.pp, self.tp, self.cfg.parallel.ep, ring=topo.ring, cp=self.cp,
             tied_embeddings=self.cfg.model.tie_embeddings and topo.last_rank != 0,  # a V: both on rank 0
-            dp_shard=self.cfg.parallel.dp_shard,
+            dp_shard=self.cfg.parallel.dp_shard, experts=self.cfg.model.moe_experts > 0,
         )
 
     @property

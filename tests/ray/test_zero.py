@@ -40,16 +40,19 @@ def test_zero2_replica_killed_restarts_from_checkpoint(tmp_path, undisturbed):
 
 
 def test_hsdp_zero3_replica_killed_continues_from_peers(ray_session, tmp_path):
-    """kill -9 at zero=3 with dp_shard=2 (dp=4, two shard groups): every shard has a copy in the other
-    group, so the lost replica's group is dropped, the other redoes the step without reading the checkpoint
-    that exists, and the run heals back to dp=4, the new group taking each shard from the replica of equal
-    shard index (raypar.core.dp.hsdp). The losses are the one-process run's: fp32, 8 steps, only the
-    order of float sums differs (as tests/unit/test_hsdp.py argues, 1e-4 relative). The lost replica's
+    """kill -9 at zero=3 with dp_shard=2 (dp=4, two shard groups) of an MoE model at ep=2 (an EP group in
+    each shard group): every shard, dense and expert, has a copy in the other group, so the lost replica's
+    group is dropped, the other redoes the step without reading the checkpoint that exists, and the run
+    heals back to dp=4, the new group taking each shard from the replica of equal shard index
+    (raypar.core.dp.hsdp). The losses are the one-process run's (every expert in one process, dropless
+    routing): fp32, 8 steps, only the order of float sums differs (as tests/unit/test_hsdp.py and
+    tests/unit/test_hsdp_moe.py argue, 1e-4 relative). The lost replica's
     shard mate is ended at once (tests/unit/test_hsdp_containment.py), so no replica of the other group
     waits out parallel.timeout_s in an all-reduce with it: the replicas are dropped well before that."""
     ckpt = tmp_path / "ckpt"
     timeout_s = 120  # far past a start-up, 5 steps and a containment: a peer that waited it out shows
-    cfg = tiny("parallel.dp=4", "parallel.dp_shard=2", "parallel.zero=3", "train.steps=8",
+    moe = ("model.moe_experts=4", "model.moe_every=2", "model.moe_capacity_factor=0", "parallel.ep=2")
+    cfg = tiny("parallel.dp=4", "parallel.dp_shard=2", "parallel.zero=3", "train.steps=8", *moe,
                f"parallel.timeout_s={timeout_s}", f"checkpoint.dir='{ckpt}'",
                "checkpoint.every=3")  # fmt: skip
     run_dir = tmp_path / "killed"

@@ -26,7 +26,7 @@ from raypar.controller.actor_mesh import moe_totals
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.dp.strategies import STRATEGIES
-from raypar.core.dp.strategy import StrategySpec
+from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage, StageSpec
 from raypar.core.model.moe import MoELayer, is_expert_param
 from raypar.core.observe.step_report import MoELayerReport, StepReport
@@ -34,6 +34,7 @@ from raypar.core.parallel.mesh import Coord, Mesh, stage_layers
 from raypar.core.pipeline import schedules
 from raypar.core.pipeline.executor import ModelBackend, StepRun
 from raypar.core.pipeline.local_transport import LocalPipe
+from tests.support.dp_threads import owned_gradients, strategy_class
 from tests.support.pipeline_threads import assembled
 from tests.support.threads import run_groups
 
@@ -108,18 +109,22 @@ def parallel(
     cfg: Config, moe_class: type[MoELayer] = MoELayer, make_group: Any = create_group,
     prepare: Prepare | None = None, backend_class: type[ModelBackend] = ModelBackend,
     run_class: type[StepRun] = StepRun, lr: float | None = None,
+    expert_control: type[DPStrategy] | None = None,
 ) -> dict[str, Any]:
     """One step of `cfg`'s dp x pp x cp x tp (SP) x ep layout and schedule on threads; `moe_class`
     replaces the MoE layers' class, `backend_class` the executor's backend and `run_class` its step
-    runner (negative controls); `make_group` forms the groups (tests.support.fake_nccl for NCCL's rules);
-    `prepare` sets up each rank's model after it is built. The strategies are `parallel.zero`'s; with `lr`
-    every rank then takes one AdamW step (no clipping) and "params" holds the updated parameters."""
+    runner, `expert_control`'s overrides go on top of the experts' strategy (negative controls);
+    `make_group` forms the groups (tests.support.fake_nccl for NCCL's rules); `prepare` sets up each rank's
+    model after it is built. The strategies are `parallel.zero`'s, under HSDP (`parallel.dp_shard`) on the
+    shard and replicate groups as the worker's; "reduced" per rank: its owned pieces of the reduced
+    gradients (NaN elsewhere), all a ZeRO-2 reduction leaves. With `lr` every rank then takes one AdamW
+    step (no clipping) and "params" holds the updated parameters."""
     par, m = cfg.parallel, cfg.model
     dp, pp, v = cfg.dp_fixed, par.pp, par.virtual_stages
     topo = schedules.topology(par.schedule, pp, v)
-    mesh = Mesh(dp, pp, par.tp, ep=par.ep, ring=topo.ring, cp=par.cp)
+    mesh = Mesh(dp, pp, par.tp, ep=par.ep, ring=topo.ring, cp=par.cp, dp_shard=par.dp_shard, experts=True)
     # tp groups only where tp > 1, as the worker: without one every layer is whole on this rank
-    kinds = ("dp.", "cp.", "ep.", "edp.") + (("tp.",) if par.tp > 1 else ())
+    kinds = ("dp.", "cp.", "ep.", "edp.", "dps.", "dpr.", "edpr.") + (("tp.",) if par.tp > 1 else ())
     groups = {n: mm for n, mm in mesh.groups().items() if n.startswith(kinds)}
     pipes = {(d, t, c): LocalPipe(topo, 60) for d in range(dp) for t in range(par.tp) for c in range(par.cp)}
     dataset = data.open_dataset(cfg.data, m)
@@ -141,13 +146,19 @@ def parallel(
         if prepare is not None:
             prepare(model)
         dense_spec = StrategySpec(cfg.train, 4096, select=lambda name: not is_expert_param(name))
-        cls = STRATEGIES[par.zero]
-        dense = cls(model, spec=dense_spec, group=mine.get(Mesh.dp_group(coord)))
-        # the worker's expert-dp group: the dp group without ep (with its cp ranks), divisor dp x cp; none
-        # where dp == ep and cp == 1
-        edp = mine.get(Mesh.edp_group(coord, coord.dp, par.ep) if par.ep > 1 else Mesh.dp_group(coord))
+        stage = mesh.stage_groups(coord)  # as the worker: the groups that exist, by axis
+
+        def group(axis: str) -> Any:
+            name = stage.name(axis)
+            return mine[name] if name is not None else None
+
+        dense = STRATEGIES[par.zero](model, spec=dense_spec, group=group("dps") or group("dp"),
+                                     replicate=group("dpr"))  # HSDP: the copies of this rank's shard
+        # the worker's expert-dp group: the dp group without ep (with its cp ranks; HSDP: of the shard
+        # group), divisor dp x cp; none where no other rank there holds these experts
         expert_spec = StrategySpec(cfg.train, 4096, select=is_expert_param, divisor=dp * par.cp)
-        experts = cls(model, spec=expert_spec, group=edp)
+        experts = strategy_class(par.zero, expert_control)(model, spec=expert_spec, group=group("edp"),
+                                                           replicate=group("edpr"))
         seq = m.seq_len // par.cp // (par.tp if par.sequence_parallel else 1)  # this rank's tokens
         like = torch.empty(mbs, seq, m.d_model)
 
@@ -165,7 +176,11 @@ def parallel(
             strategy.finish()
         transport.finish_step()
         specs = model.shard_specs()
+        reduced = owned_gradients(model, experts)  # NaN but for the experts' owned pieces
+        for name, piece in owned_gradients(model, dense).items():
+            reduced[name] = torch.where(piece.isnan(), reduced[name], piece)
         out = {"coord": coord, "losses": [x.item() for x in backend.losses], "moe": moe_figures(model),
+               "reduced": {n: (g, *specs[n]) for n, g in reduced.items()},
                "grads": {  # none where a ZeRO-2 reduction left only the owned piece
                    n: (p.grad.clone(), *specs[n]) for n, p in model.named_parameters() if p.grad is not None
                }}
@@ -184,6 +199,7 @@ def parallel(
     grads = assembled([r["grads"] for r in ranks])
     params = assembled([r["params"] for r in ranks]) if lr is not None else {}
     return {"loss": sum(losses) / len(losses), "grads": grads, "params": params,
+            "reduced": {r["coord"]: r["reduced"] for r in ranks},
             "moe": moe_totals({r["coord"]: moe_report(r["coord"], r["moe"]) for r in ranks})}
 
 

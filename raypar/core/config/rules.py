@@ -127,9 +127,12 @@ def _validate_hsdp(cfg: Config) -> None:
         options.ZERO_STAGES[p.zero].shards_optimizer,
         f"parallel.dp_shard: {s} < dp needs parallel.zero >= 1 (it shards ZeRO state), got zero={p.zero}",
     )
+    # Experts shard among their holders in the shard group and keep copies in the others: an EP group
+    # must lie inside a shard group (raypar.core.parallel.mesh, edp)
     _require(
-        cfg.model.moe_experts == 0,
-        f"parallel.dp_shard: {s} < dp needs model.moe_experts = 0, got {cfg.model.moe_experts!r}",
+        s % p.ep == 0,
+        f"parallel.dp_shard: must be a multiple of parallel.ep={p.ep} (whole EP groups in a shard group), "
+        f"got {s}",
     )
     # bf16 compresses both levels; top-k and PowerSGD keep error feedback per whole parameter, which a
     # shard's piece of the across-group reduction does not have.

@@ -37,7 +37,7 @@ from raypar.core.dp.flat import Bucket
 class Sharded(Protocol):
     """What the reduction uses of a `raypar.core.dp.strategy.DPStrategy` (which imports this module)."""
 
-    group: Group  # the shard group
+    group: Group | None  # the shard group (None: this rank alone holds its piece there)
     replicate: Group  # the copies of this rank's shard
     size: int
     rank: int
@@ -96,13 +96,14 @@ class ChainedReduction:
         s = self._strategy
         # The chain's own waits are bounded by the groups' timeouts and raise their errors; this bound is a
         # backstop naming the chain should its thread never run.
-        bound = s.group.info.timeout_s + s.replicate.info.timeout_s + 60
+        groups = [g for g in (s.group, s.replicate) if g is not None]
+        bound = sum(g.info.timeout_s for g in groups) + 60
         try:
             across = self.launch.result(timeout=bound)
         except concurrent.futures.TimeoutError:
+            names = " then ".join(repr(g.name) for g in groups)
             raise TimeoutError(
-                f"HSDP: the reduction of a bucket over {s.group.name!r} then {s.replicate.name!r} did not "
-                f"start within {bound:g}s"
+                f"HSDP: the reduction of a bucket over {names} did not start within {bound:g}s"
             ) from None
         if across is not None:
             across.wait()
@@ -148,5 +149,10 @@ def reduce_bucket(strategy: Sharded, bucket: Bucket, src: torch.Tensor) -> Chain
     size, copies, width = strategy.size, strategy.replicate.size, src.element_size()
     across = 2 * piece * (copies - 1) // copies * width  # a ring all-reduce of the owned piece
     strategy.traffic["reduce_bytes"] += piece * (size - 1) * width + across
+    if strategy.group is None:  # a shard group of one holder (experts with ep = dp_shard): nothing to chain
+        out.copy_(src)
+        started: concurrent.futures.Future = concurrent.futures.Future()
+        started.set_result(strategy.reduce_across_groups(out))
+        return ChainedReduction(strategy, started, out, src)
     first = strategy.group.reduce_scatter(src, strategy.reduce_op, async_op=True, out=out)
     return ChainedReduction(strategy, strategy.across.after(first, strategy, out), out, src)

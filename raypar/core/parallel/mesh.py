@@ -41,7 +41,7 @@ def actor_name(run: str, coord: Coord) -> str:
     """The Ray actor name: what the dashboard, `ray list actors` and error messages show."""
     return f"raypar:{run}:{coord.key}"
 
-AXES = ("tp", "cp", "dp", "dps", "dpr", "edp", "ep", "mp", "emb", "pp_prev", "pp_next")
+AXES = ("tp", "cp", "dp", "dps", "dpr", "edp", "edpr", "ep", "mp", "emb", "pp_prev", "pp_next")
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,7 @@ class BoundGroups(Generic[G]):
     dps: G | None = None
     dpr: G | None = None
     edp: G | None = None
+    edpr: G | None = None
     ep: G | None = None
     mp: G | None = None
     emb: G | None = None
@@ -100,6 +101,7 @@ class Mesh:
     cp: int = 1
     tied_embeddings: bool = False  # adds the emb groups (first and last stage) when pp > 1
     dp_shard: int = 0  # HSDP: replicas per shard group (0: all of them, no dps/dpr groups)
+    experts: bool = False  # an MoE model: under HSDP the experts' copies get a group of their own (edpr)
 
     def __post_init__(self) -> None:
         for axis in ("dp", "pp", "tp", "ep", "cp"):
@@ -157,7 +159,12 @@ class Mesh:
             parameter is replicated across cp, and each cp rank's loss is its equal share's mean).
         edp: the dp ranks holding the same experts, with their cp ranks (which hold the same experts too):
             expert gradients are summed here. Without expert parallelism the dp group itself; with it, only
-            where dp x cp > ep (else no other rank holds these experts).
+            where dp x cp > ep (else no other rank holds these experts). Under HSDP only those of the shard
+            group (the experts' ZeRO state is sharded over it).
+        edpr: (HSDP with experts) dpr's members again, where the experts' shards are all-reduced across the
+            shard groups: the dense and the expert strategy each start theirs from a thread of their own
+            during backward, and two threads' collectives on one group could interleave differently on
+            each member.
         ep: (ep > 1) `ep` consecutive dp ranks at one (stage, tp rank, cp rank): tokens travel to their
             experts here; each cp rank's tokens among the same cp rank of the other replicas.
         dps, dpr: (HSDP, 1 < dp_shard < dp) the dp group split in two directions: dps the `dp_shard`
@@ -184,26 +191,33 @@ class Mesh:
             named["cp"] = (self.cp_group(coord), tuple(Coord(d, p, t, r) for r in cps))
         named["dp"] = (self.dp_group(coord), tuple(Coord(r, p, t, k) for r in replicas for k in cps))
         s = self.dp_shard
-        if s and s < len(replicas):
+        hsdp = bool(s and s < len(replicas))
+        shard, shard_group = replicas, None  # where ZeRO shards: the dp group, or (HSDP) a shard group
+        if hsdp:
             if len(replicas) % s:
                 raise ValueError(f"{len(replicas)} replicas do not split into shard groups of dp_shard={s}")
-            group, index = divmod(dp_rank, s)
-            shard = replicas[group * s : group * s + s]
+            shard_group, index = divmod(dp_rank, s)
+            shard = replicas[shard_group * s : shard_group * s + s]
             # with cp, a shard group's cp ranks shard with it (they reduce the same gradients, as in dp)
             members = tuple(Coord(r, p, t, k) for r in shard for k in cps)
-            named["dps"] = (self.dps_group(coord, group), members)
+            named["dps"] = (self.dps_group(coord, shard_group), members)
             copies = tuple(Coord(r, p, t, c) for r in replicas[index::s])  # equal place in their shard groups
             named["dpr"] = (self.dpr_group(coord, index), copies)
+            if self.experts:  # the experts' chains run beside the dense ones: one group each, no interleaving
+                named["edpr"] = (self.edpr_group(coord, index), copies)
         if self.ep == 1:
-            named["edp"] = named["dp"]
+            named["edp"] = named["dps"] if hsdp else named["dp"]
         else:
             group = dp_rank // self.ep * self.ep
             members = tuple(Coord(r, p, t, c) for r in replicas[group : group + self.ep])
             named["ep"] = (self.ep_group(coord, dp_rank, self.ep), members)
-            if len(replicas) * self.cp > self.ep:
-                holders = replicas[dp_rank % self.ep :: self.ep]
+            # Under HSDP (ep divides dp_shard: EP groups lie inside shard groups) only the holders in this
+            # shard group: the experts' state is sharded there too, and its copies are at this rank's place
+            # in the other shard groups (edpr: the same experts, the same piece of them).
+            if len(shard) * self.cp > self.ep:
+                holders = shard[shard.index(d) % self.ep :: self.ep]
                 members = tuple(Coord(r, p, t, k) for r in holders for k in cps)
-                named["edp"] = (self.edp_group(coord, dp_rank, self.ep), members)
+                named["edp"] = (self.edp_group(coord, dp_rank, self.ep, shard_group), members)
         replica = tuple(Coord(d, s, r, k) for s in range(self.pp) for k in cps for r in range(self.tp))
         named["mp"] = (self.mp_group(coord), replica)
         if self.pp > 1:
@@ -248,6 +262,11 @@ class Mesh:
         return f"dpr.pp{coord.pp}.tp{coord.tp}.s{index}" + _cp(coord.cp)
 
     @staticmethod
+    def edpr_group(coord: Coord, index: int) -> str:
+        """The dpr group's members (HSDP) as the group the experts' shards meet in across shard groups."""
+        return f"edpr.pp{coord.pp}.tp{coord.tp}.s{index}" + _cp(coord.cp)
+
+    @staticmethod
     def mp_group(coord: Coord) -> str:
         """Every rank of `coord`'s replica: the global gradient norm is summed here."""
         return f"mp.dp{coord.dp}"
@@ -258,9 +277,11 @@ class Mesh:
         return f"ep.pp{coord.pp}.tp{coord.tp}.g{dp_rank // ep}" + _cp(coord.cp)
 
     @staticmethod
-    def edp_group(coord: Coord, dp_rank: int, ep: int) -> str:
-        """The dp ranks holding the same experts as `coord` (dp rank `dp_rank`): expert grads meet here."""
-        return f"edp.pp{coord.pp}.tp{coord.tp}.e{dp_rank % ep}"
+    def edp_group(coord: Coord, dp_rank: int, ep: int, shard_group: int | None = None) -> str:
+        """The dp ranks holding the same experts as `coord` (dp rank `dp_rank`), under HSDP those of its
+        shard group `shard_group`: expert grads meet here."""
+        within = "" if shard_group is None else f".g{shard_group}"
+        return f"edp.pp{coord.pp}.tp{coord.tp}.e{dp_rank % ep}{within}"
 
     @staticmethod
     def pipe_group(dp: int, tp: int, stage: int, n_stages: int = 0, cp: int = 0) -> str:

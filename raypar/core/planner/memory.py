@@ -6,10 +6,11 @@ Memory per actor = model states + activations in flight + buffers, for the tight
 - Model states (ZeRO paper, Ψ = parameters on this actor): bytes per parameter of parameter + gradient +
   optimizer state, sharded by the ZeRO stage over the cp x dp ranks that reduce the same gradients (cp ranks
   hold the same parameters); with experts, an actor holds 1/ep of each MoE layer's experts, whose states
-  shard over its expert-dp group (cp x dp / ep ranks). fp32 Adam: 4 + 4 + 8; 16-bit: 2 + 4 + 12 (fp32 master
-  gradients, as Megatron's main grads, where the ZeRO paper counts 2; fp32 master weights and both
-  moments). zero 0: (p+g+K)Ψ; 1: (p+g)Ψ + KΨ/dp; 2: pΨ + (g+K)Ψ/dp; 3: (p+g+K)Ψ/dp, dp being the
-  sharding group's size: under HSDP (`dp_shard`) the shard group's dp_shard x cp ranks.
+  shard over its expert-dp group (cp x dp / ep ranks; HSDP: cp x dp_shard / ep). fp32 Adam: 4 + 4 + 8;
+  16-bit: 2 + 4 + 12 (fp32 master gradients, as Megatron's main grads, where the ZeRO paper counts 2;
+  fp32 master weights and both moments). zero 0: (p+g+K)Ψ; 1: (p+g)Ψ + KΨ/dp; 2: pΨ + (g+K)Ψ/dp;
+  3: (p+g+K)Ψ/dp, dp being the sharding group's size: under HSDP (`dp_shard`) the shard group's
+  dp_shard x cp ranks.
 - Activations: what autograd saves for backward per microbatch, counted per op of this model's block the
   way Korthikanti et al. (2022) count theirs (their 34·sbh + 5·as²b for a GPT layer becomes the sums below
   for RMSNorm, RoPE, grouped-query SDPA and SwiGLU), per model chunk (a rank holds `virtual_stages` of
@@ -337,11 +338,12 @@ def rank_states(cfg: Config, layout: Layout, p: int, chunks: list[range]) -> tup
     held = [i for chunk in chunks for i in chunk]
     last = layout_topology(cfg, layout).last_rank
     params = stage_params(cfg.model, held, p == 0, p == last, layout.tp, layout.ep)
-    group = layout.dp * layout.cp  # the ranks reducing (and under ZeRO sharding) the same gradients
     offload = cfg.train.offload != NO_OFFLOAD
     shard = layout.shard * layout.cp  # the ranks the dense state is sharded over (HSDP: the shard group)
     states = model_state_bytes(params.dense, cfg.train.precision, layout.zero, shard, offload)
-    states += model_state_bytes(params.expert, cfg.train.precision, layout.zero, group // layout.ep, offload)
+    # experts over their holders among those ranks (HSDP: of the shard group, ep dividing dp_shard)
+    experts = max(1, shard // layout.ep)
+    states += model_state_bytes(params.expert, cfg.train.precision, layout.zero, experts, offload)
     return params, states
 
 

@@ -162,8 +162,8 @@ def candidates(cfg: Config, devices: int, per_node: int = 0) -> list[Layout]:
                     zeros = [z for z in zero_stages(cfg) if dp * cp > 1 or z == 0]
                     zeros = [z for z in zeros if not (ZERO_STAGES[z].shards_parameters and (v > 1 or split))]
                     shard = per_node // (tp * cp)
-                    # (rules: HSDP without cp or experts)
-                    hsdp = (shard,) if not experts and 2 <= shard < dp and not dp % shard else ()
+                    # (rules: whole EP groups in a shard group)
+                    hsdp = (shard,) if 2 <= shard < dp and not dp % shard and not shard % ep else ()
                     out += [
                         Layout(dp, pp, tp, z, recompute, microbatches, v, cp, cp_style, sp, ep, schedule,
                                NO_OFFLOAD, dp_shard)
