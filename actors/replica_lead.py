@@ -1,7 +1,7 @@
 """Few driver calls per step: a replica's leader fans an all-actor call out to its members.
 
 Submitting an actor call and reading its answer costs the driver hundreds of µs of CPU (benchmarks/README.md,
-"The controller at scale"). With one call per actor per step, the driver's work grows with the actor count
+`controller_scale.py`). With one call per actor per step, the driver's work grows with the actor count
 and cannot stay under 1 % of a step at a thousand actors. So, beyond a few actors, the driver calls each
 replica's leader (its first actor) once; the leader calls every actor of its replica, itself included,
 and answers for all of them. Where even one call per replica would be too many, the driver calls one

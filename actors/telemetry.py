@@ -51,9 +51,9 @@ METRICS = {
     "raypar_moe_dropped_tokens": "Expert assignments over capacity at the last step (this stage)",
 }
 LOAD_METRIC = "raypar_moe_expert_load"  # tagged also by layer and expert
-# Ray exports gauges every report interval (10 s by default): setting seven of them after every 15 ms step
-# (0.4 ms each time, 2.6 % of a `tiny` step) would only overwrite values nobody sees. Steps closer than this
-# to the last recorded one are not recorded; slower steps always are.
+# Ray exports gauges every report interval (10 s by default): setting them after every step of a short run
+# costs a share of it (benchmarks/README.md, `train_throughput.py`) only to overwrite values nobody sees.
+# Steps closer than this to the last recorded one are not recorded; slower steps always are.
 MIN_INTERVAL_S = 0.25
 
 

@@ -62,9 +62,10 @@ from raypar.core.pipeline.evaluate import ForwardBackend, evaluate
 from raypar.core.pipeline.executor import ModelBackend, StepRun, busy_seconds
 from raypar.core.pipeline.instructions import network_receives
 
-# Counting the bytes a forward saves costs a Python call per saved tensor (+15 % of a 20-ms `tiny` step,
-# measured). A dense model's counts depend only on the shapes, fixed while the model and layout are: they
-# are measured on a unit's first step after every (re)build and every METER_EVERY steps, and reused between.
+# Counting the bytes a forward saves costs a Python call per saved tensor, a share of a short step
+# (benchmarks/README.md, `train_throughput.py`). A dense model's counts depend only on the shapes, fixed while
+# the model and layout are: they are measured on a unit's first step after every (re)build and every
+# METER_EVERY steps, and reused between.
 METER_EVERY = 100
 
 
@@ -560,7 +561,7 @@ RemoteWorker = ray.remote(max_concurrency=WORKER_THREADS, concurrency_groups=WOR
 # The environment of a worker process. glibc gives each thread that allocates a malloc arena of its own, and
 # Ray runs each call of a threaded actor on whichever of its threads is free: every step took its tensors
 # from another arena, which glibc had trimmed back to the OS since, and faulted its working set in again
-# (41,000 page faults per `small` step against 1,300 on one thread: 8 % of the step). One arena, and
+# (benchmarks/README.md, `train_throughput.py`, has the count). One arena, and
 # thresholds that keep freed blocks of up to 256 MiB in it, make a step reuse the last step's memory.
 _KEEP = 256 << 20
 _MALLOC = {"arena_max": 1, "mmap_threshold": _KEEP, "trim_threshold": _KEEP}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The wheels `make gpu-check` needs on the lent GPU machine, in .whl/ at the repository root, for one device
-# call (`run` with carry [".whl"]; the command lines are in benchmarks/README.md, "GPU check").
+# call (`run` with carry [".whl"]; the command lines are in docs/gpu.md).
 #
 # That machine has Python 3.12, CUDA torch, CuPy 14, ml-dtypes, pyarrow, safetensors, tqdm, tokenizers,
 # numpy, protobuf, grpcio, aiohttp, click, filelock, msgpack, packaging, pyyaml, requests and attrs

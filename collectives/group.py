@@ -200,7 +200,8 @@ class Group:
         self, op: str, out: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...]
     ) -> torch.Tensor:
         """The caller's `out` after checking that it fits, or a new tensor. Passing `out` keeps a hot loop
-        from allocating (and page-faulting in) a fresh output on every call: ~40 ms for 64 MiB on 2 cores."""
+        from allocating (and page-faulting in) a fresh output on every call (benchmarks/README.md,
+        `collectives.py`, `--raypar-alloc`)."""
         if out is None:
             return like.new_empty(shape)
         if tuple(out.shape) != shape or out.dtype != like.dtype or out.device != like.device:

@@ -97,9 +97,10 @@ def moe_totals(per_actor: dict[Coord, StepReport]) -> dict[str, Any] | None:
 class ActorMesh(ActorCalls):
     worker_class: Any = RemoteWorker  # tests and benchmarks swap in instrumented subclasses
     worker_env: dict[str, str] = WORKER_ENV  # environment variables of every worker process
-    # The most calls the driver makes for one all-actor call of a step (_lead). Each costs it ~0.2-0.8 ms of
-    # CPU (benchmarks/README.md); 16 keeps it near 1 % of a 1-second step while a flat call is still the
-    # lowest latency for small meshes (every actor called directly up to 16).
+    # The most calls the driver makes for one all-actor call of a step (_lead). Each costs it CPU
+    # (benchmarks/README.md, `controller_scale.py`, has the fit per call); 16 keeps it near 1 % of a
+    # 1-second step while a flat call is still the lowest latency for small meshes (every actor called
+    # directly up to 16).
     driver_calls = 16
 
     def __init__(self, cfg: Config, run: str):

@@ -60,7 +60,7 @@ class Run:
     """Everything this rank owns of one bucket: elements [start, start + numel) of the bucket's flat
     tensors, held at [pos, pos + numel) of the owned buffer. Its pieces, one after the other: an elementwise
     update (AdamW, clipping, unscaling) runs on it as one tensor, one kernel per bucket instead of one per
-    parameter (a dispatch each: 12 % of a `tiny` step went to per-parameter AdamW)."""
+    parameter (a dispatch each, which shows in short steps: benchmarks/README.md, `train_throughput.py`)."""
 
     bucket: int
     start: int
