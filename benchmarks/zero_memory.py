@@ -18,6 +18,10 @@ bucket piece q = padded/s of w bytes (s = dp_shard, r = dp/s groups): (s-1)·q·
 one), then (s-1)·q·w all-gathered in the group (ZeRO-1/2: the update; ZeRO-3: every unit's parameters for
 the forward and again for the backward).
 
+HSDP rows of an MoE model (4 experts in every other block, ep=2): the dense and the expert strategy each
+against the same formulas, the experts' d being their holders in the shard group (dp_shard / ep; at d = 1 the
+shard group holds one copy, which is all-reduced across the groups, nothing gathered).
+
 HSDP overlap rows: the all-reduce across groups chained after each bucket's reduce-scatter during backward
 (raypar.core.dp.hsdp) against started in `finish` after the whole backward (the behaviour before; the
 test suite's negative control), alternated on the same ranks; the slowest rank's forward + backward + finish
@@ -48,8 +52,9 @@ from raypar.core.data import datasets as data  # noqa: E402
 from raypar.core.dp.strategies import STRATEGIES  # noqa: E402
 from raypar.core.dp.strategy import DPStrategy, StrategySpec  # noqa: E402
 from raypar.core.model.llama import LlamaStage, StageSpec  # noqa: E402
-from raypar.core.parallel.mesh import stage_layers  # noqa: E402
+from raypar.core.parallel.mesh import Coord, stage_layers  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
+from tests.support import moe_threads  # noqa: E402
 from tests.support.dp_threads import AcrossAtFinish, hsdp_groups, strategy_class  # noqa: E402
 from tests.support.threads import run_groups, run_ranks  # noqa: E402
 
@@ -164,6 +169,42 @@ def hsdp_table(cfg: Config) -> float:
     return worst
 
 
+def hsdp_moe_table(cfg: Config) -> float:
+    """Prints the HSDP rows of an MoE model (tests/support/moe_threads.py, one step and one update): each
+    strategy's bytes on rank 0 against the formula with d = its sharding group (dense: dp_shard; experts:
+    their holders in the shard group, dp_shard / ep), and the experts' DP bytes sent against the same
+    reduce-scatter + across-group all-reduce + all-gather count as the dense rows'. Returns the largest
+    relative deviation (0: exact). One microbatch per replica, the global batch of `cfg`."""
+    print("\n| dp | dp_shard | ep | zero | part | Ψ (padded) | d | measured MiB | formula MiB "
+          "| DP reduce B/step (formula) | DP gather B/step (formula) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    worst = 0.0
+    for dp, shard, ep in ((4, 2, 2), (8, 4, 2)):
+        for zero in (1, 2, 3):
+            moe = dataclasses.replace(cfg.model, moe_experts=4, moe_every=2, moe_capacity_factor=0.0)
+            par = dataclasses.replace(cfg.parallel, dp=dp, dp_shard=shard, ep=ep, zero=zero, microbatches=1)
+            run_cfg = dataclasses.replace(cfg, model=moe, parallel=par)
+            got = moe_threads.parallel(run_cfg, lr=1e-3)
+            (state,) = [s for coord, s in got["state"].items() if coord == Coord(0, 0, 0)]
+            for part, d in (("dense", shard), ("experts", shard // ep)):
+                measured, padded, moved = state[part]
+                q, w, groups = padded // d, 4, dp // shard
+                # the update's all-gather; ZeRO-3: each unit's forward and backward, per microbatch
+                units = 2 * run_cfg.microbatches_at(dp)
+                gathers = (units if STRATEGIES[zero].stage.shards_parameters else 1) if d > 1 else 0
+                across = 2 * q * (groups - 1) // groups * w
+                within = q * (d - 1) * w  # a reduce-scatter's (or an all-gather's) bytes in the group
+                formula = (FP32_FORMULA[zero](d) * padded, within + across, gathers * within)
+                pairs = ((measured, formula[0]), (moved["reduce_bytes"], formula[1]),
+                         (moved["gather_bytes"], formula[2]))  # fmt: skip
+                worst = max([worst] + [abs(a / b - 1) if b else float(a != 0) for a, b in pairs])
+                print(f"| {dp} | {shard} | {ep} | {zero} | {part} | {padded:,} | {d} "
+                      f"| {measured / 2**20:.3f} | {formula[0] / 2**20:.3f} "
+                      f"| {moved['reduce_bytes']:,} ({formula[1]:,}) "
+                      f"| {moved['gather_bytes']:,} ({formula[2]:,}) |")
+    return worst
+
+
 def hsdp_overlap_table(cfg: Config, rounds: int, steps: int) -> None:
     """HSDP's all-reduce across groups chained during backward (raypar.core.dp.hsdp) against started in
     `finish` (tests.support.dp_threads.AcrossAtFinish, the behaviour before), alternated `rounds` times;
@@ -212,8 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"largest deviation from the formula: {100 * worst:.2f} %")
     hsdp = hsdp_table(cfg)
     print(f"HSDP: largest deviation from the formulas: {100 * hsdp:.2f} % (Ψ counted padded)")
+    hsdp_moe = hsdp_moe_table(cfg)
+    print(f"HSDP with experts: largest deviation from the formulas: {100 * hsdp_moe:.2f} %")
     hsdp_overlap_table(cfg, *((1, 2) if args.quick else (3, 6)))
-    return 0 if worst <= 0.05 and hsdp == 0 else 1
+    return 0 if worst <= 0.05 and hsdp == 0 and hsdp_moe == 0 else 1
 
 
 if __name__ == "__main__":

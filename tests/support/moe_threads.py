@@ -118,7 +118,8 @@ def parallel(
     model after it is built. The strategies are `parallel.zero`'s, under HSDP (`parallel.dp_shard`) on the
     shard and replicate groups as the worker's; "reduced" per rank: its owned pieces of the reduced
     gradients (NaN elsewhere), all a ZeRO-2 reduction leaves. With `lr` every rank then takes one AdamW
-    step (no clipping) and "params" holds the updated parameters."""
+    step (no clipping) and "params" holds the updated parameters; "state" per rank and strategy: its
+    model-state bytes, its parameters as laid out and its DP bytes sent."""
     par, m = cfg.parallel, cfg.model
     dp, pp, v = cfg.dp_fixed, par.pp, par.virtual_stages
     topo = schedules.topology(par.schedule, pp, v)
@@ -189,6 +190,12 @@ def parallel(
             for strategy in (dense, experts):
                 strategy.step(lr)
                 out["params"] |= {n: (t, *specs[n]) for n, t in strategy.full_parameters().items()}
+        # per strategy: (model-state bytes, parameters as laid out (buckets padded), DP bytes sent)
+        out["state"] = {
+            part: (strategy.model_state_bytes()["cpu"], sum(b.padded for b in strategy.layout.buckets),
+                   dict(strategy.traffic))
+            for part, strategy in (("dense", dense), ("experts", experts))
+        }
         return out
 
     ranks = {n: [mesh.rank(c) for c in mm] for n, mm in groups.items()}
@@ -200,6 +207,7 @@ def parallel(
     params = assembled([r["params"] for r in ranks]) if lr is not None else {}
     return {"loss": sum(losses) / len(losses), "grads": grads, "params": params,
             "reduced": {r["coord"]: r["reduced"] for r in ranks},
+            "state": {r["coord"]: r["state"] for r in ranks},
             "moe": moe_totals({r["coord"]: moe_report(r["coord"], r["moe"]) for r in ranks})}
 
 
