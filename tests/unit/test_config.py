@@ -62,7 +62,6 @@ BAD = {
     ),
     "negative placement timeout": (["parallel.placement_timeout_s=-1"], "parallel.placement_timeout_s"),
     "bad fp8 recipe": (['train.precision="fp8"', 'train.fp8_recipe="blockwise"'], "train.fp8_recipe"),
-    "fp8 with cp": (['train.precision="fp8"', "parallel.cp=2"], "train.precision"),
     "unknown tracker": (['log.backends=["neptune"]'], "log.backends"),
     "tracker twice": (['log.backends=["wandb", "wandb"]'], "log.backends"),
     "profile range not A-B": (['train.profile_steps="3"'], "train.profile_steps"),

@@ -1,9 +1,9 @@
 """train.precision = "fp8": float8 GEMMs (torchao, emulated on the CPU) that every layout scales alike.
 
 Why the layouts can agree tightly: a float8 cast is elementwise once its scale is fixed, and the scale comes
-from an amax, a max, which is exact; so with the amaxes of tp-split tensors MAX-reduced over the tp group,
-every rank casts every element to the same float8 value as one process, and what is left is the order of
-the GEMMs' sums. The layout tests therefore run fp32 around the float8 GEMMs (train.precision = "fp8"
+from an amax, a max, which is exact; so with the amaxes of tp- or cp-split tensors MAX-reduced over their
+group, every rank casts every element to the same float8 value as one process, and what is left is the order
+of the GEMMs' sums. The layout tests therefore run fp32 around the float8 GEMMs (train.precision = "fp8"
 itself is bf16 there; the bf16 rounding of partial sums would blur a tight comparison): a per-shard amax,
 the negative control, re-rounds every element of a split tensor with another scale (an e4m3 step is 2^-3
 relative), which no fp32 reassociation comes near.
@@ -148,6 +148,26 @@ def test_pp2_zero_bubble_matches_one_process(recipe: str) -> None:
     if recipe == FP8_RECIPES[0]:
         with pytest.raises(AssertionError, match="grad norm|gradient of"):
             assert_step_matches(run_step(cfg, model_hook=_converter(Float8Matmul, recipe, (0,))), want)
+
+
+# cp=2 against one process: a rank holds half of each sequence's tokens, so a tensorwise amax (and a rowwise
+# one along the tokens: the weight GEMM's operands) spans both halves only once MAX-reduced over cp. The casts
+# then agree, and what regroups is fp32 feeding later casts, as at tp: the attention (ring: the online
+# softmax's merges; Ulysses: the all-to-alls, no sums) and the weight gradients summed over cp. The same
+# flips as above, the same bound. Control: each rank's own amax, tensorwise. Not rowwise: torchao's rowwise
+# recipe rounds scales to powers of two, so a half's amax gives the same scale or one a power of two away,
+# whose float8 values differ from the whole's only below float8's smallest normal: no check could see it.
+@pytest.mark.parametrize(
+    "style, recipe", [("ulysses", "tensorwise"), ("ring", "tensorwise"), ("ring", "rowwise")]
+)
+def test_cp2_matches_one_process(style: str, recipe: str) -> None:
+    cfg = _cfg("parallel.cp=2", f'parallel.cp_style="{style}"', "parallel.microbatches=1")
+    want = reference_step(cfg, model_hook=lambda m: m.set_float8(Float8Matmul(recipe)))
+    assert_step_matches(run_step(cfg, model_hook=_converter(Float8Matmul, recipe)), want, rtol=TP_RTOL)
+    if recipe == "tensorwise":
+        per_shard = run_step(cfg, model_hook=_converter(PerShardAmax, recipe))
+        with pytest.raises(AssertionError, match="grad norm|gradient of"):
+            assert_step_matches(per_shard, want, rtol=TP_RTOL)
 
 
 # -- fp8 against bf16 over 50 steps ----------------------------------------------------------------------

@@ -386,9 +386,6 @@ def _validate_float8(cfg: Config) -> None:
         f'train.precision: "{t.precision}" needs torchao, not installed here: pip install '
         f'"{options.FP8_EXTRA}"',
     )
-    # A cp rank holds T/cp tokens: its amaxes over tokens would not be the sequence's (only tp's are reduced).
-    cp = cfg.parallel.cp
-    _require(cp == 1, f'train.precision: "{t.precision}" needs parallel.cp = 1, got cp={cp}')
 
 
 def _validate_moe(cfg: Config) -> None:

@@ -363,10 +363,14 @@ class LlamaStage(nn.Module):
 
     @cp_group.setter
     def cp_group(self, group: Group | None) -> None:
-        """Also the MoE layers' (re-bound with the stage's): capacity and the aux loss span the cp group."""
+        """Also the MoE layers' (re-bound with the stage's): capacity and the aux loss span the cp group; and
+        every linear's: a float8 scale over tokens spans the sequence (raypar.core.parallel.float8)."""
         self._cp_group = group
         for layer in self.moe_layers().values():
             layer.cp_group, layer.cp_style = group, self.cp_style
+        for module in self.modules():
+            if isinstance(module, TPLinear):
+                module.tokens_group = group
 
     # -- mixture of experts -----------------------------------------------------------------------------
     def moe_layers(self) -> dict[str, MoELayer]:

@@ -5,9 +5,11 @@ weight, output gradient) to float8 with dynamic scaling: each cast takes the ama
 tensor, "tensorwise", or each row along one dim, "rowwise"), turns it into a scale and multiplies it in; the
 GEMM divides it out (emulated in fp32 on the CPU, `torch._scaled_mm` on GPUs). Under tensor parallelism a
 rank holds only a slice of a weight, of a row-parallel linear's input or of a column-parallel linear's output
-gradient: the amax of its slice is not the amax of the tensor, and the rank would round with another scale
-than one process does. Here such an amax is MAX-reduced over the group that splits it first, so every layout
-casts every element to the same float8 value as one process (only the order of the GEMM's sums differs).
+gradient; under context parallelism only T/cp of a sequence's tokens, of every input and output gradient.
+The amax of its slice is not the amax of the tensor, and the rank would round with another scale than one
+process does. Here such an amax is MAX-reduced over the groups that split it first (tp for a weight dim, cp
+for the tokens: a rowwise amax along the features of one token needs neither), so every layout casts every
+element to the same float8 value as one process (only the order of the GEMM's sums differs).
 
 Written here, and why: torchao's own reduction (`reduce_amax`) all-reduces over torch.distributed's default
 group, which raypar does not have (its groups are standalone gloo or CuPy-NCCL `Group`s), and torchao's

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from collectives import Group
-from raypar.core.parallel.float8 import INNER, OUTER, Float8Matmul
+from raypar.core.parallel.float8 import INNER, OUTER, TOKENS, Float8Matmul
 from raypar.core.parallel.sp import reduce_scatter_to_sp
 from raypar.core.pipeline.zb import WeightGradStore, linear
 
@@ -110,7 +110,8 @@ class TPLayer:
 
 class TPLinear(nn.Module, TPLayer):
     """What column- and row-parallel linears share: the GEMM, plain, deferred for zero-bubble W, or in float8
-    (`float8`, set by `LlamaStage.set_float8`) with its scales' amaxes reduced over the dim tp splits."""
+    (`float8`, set by `LlamaStage.set_float8`) with its scales' amaxes reduced over the groups that split
+    its operands: tp the weight dim `split`, cp the tokens (`tokens_group`, set with the stage's cp group)."""
 
     split: str  # the weight dim the tp group splits, by what it indexes (raypar.core.parallel.float8)
 
@@ -119,11 +120,13 @@ class TPLinear(nn.Module, TPLayer):
         self.wgrad_store: WeightGradStore | None = None  # zero-bubble: weight GEMMs deferred
         # (raypar.core.pipeline.zb)
         self.float8: Float8Matmul | None = None
+        self.tokens_group: Group | None = None  # cp: this rank holds T/cp tokens of each sequence
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.float8 is None:
             return linear(x, self.weight, self.wgrad_store)
-        return self.float8.linear(x, self.weight, self.wgrad_store, {self.split: self.group})
+        splits = {self.split: self.group, TOKENS: self.tokens_group}
+        return self.float8.linear(x, self.weight, self.wgrad_store, splits)
 
 
 class ColumnParallelLinear(TPLinear):
