@@ -8,8 +8,10 @@ rank holds only a slice of a weight, of a row-parallel linear's input or of a co
 gradient; under context parallelism only T/cp of a sequence's tokens, of every input and output gradient.
 The amax of its slice is not the amax of the tensor, and the rank would round with another scale than one
 process does. Here such an amax is MAX-reduced over the groups that split it first (tp for a weight dim, cp
-for the tokens: a rowwise amax along the features of one token needs neither), so every layout casts every
-element to the same float8 value as one process (only the order of the GEMM's sums differs).
+for the tokens: a rowwise amax along the features of one token needs neither), so every layout scales every
+element as one process does: the same operand gives the same float8 values, and only the order of the
+GEMM's sums differs. (Inside a model the operands themselves carry fp32 regrouping, and an element at a
+rounding midpoint may round the other way: tests.support.float8_ledger checks the layouts teacher-forced.)
 
 Written here, and why: torchao's own reduction (`reduce_amax`) all-reduces over torch.distributed's default
 group, which raypar does not have (its groups are standalone gloo or CuPy-NCCL `Group`s), and torchao's
