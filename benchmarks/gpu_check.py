@@ -96,9 +96,11 @@ LAYOUT_RTOL = 1e-4
 # bf16 rounding of the loss itself. 2^-8 relative is therefore loose for a correct step, and a step not
 # taken or taken twice (Adam's first updates move this loss by percents; see `min_step_change`) fails it.
 BF16_RTOL = 2.0**-8
-# fp8 against bf16 over the first steps from one initialisation: see tests/unit/test_float8.py, which
-# derives the bound the CPU run is held to; the same bound here.
-FP8_RTOL = 2.0**-4
+# fp8 against bf16 over the first steps from one initialisation: tests/unit/test_float8.py derives 2^-7 for
+# a loss averaged over >= 256 tokens (here 4 sequences of llama-1b's); the same bound here. The tensor cores'
+# fast accumulation in the output GEMM (torchao's tensorwise recipe) adds per-element errors that are, like
+# the operands' rounding, zero-mean and independent, so the loss's average shrinks them alike (not yet run).
+FP8_RTOL = 2.0**-7
 # 50 cycles of create/op/destroy: CUDA hands out device memory in 2 MiB pages and torch's cache is warm
 # after the warm-up cycles (every cycle allocates the same sizes), so a correct destroy leaves free memory
 # within a few pages of where it was; 16 MiB allows 8. One communicator leaked per cycle would take 50

@@ -284,6 +284,18 @@ def test_compile_step_quick(tmp_path, shared_ray):
     assert rows[3]["ratio"] > 1  # Amdahl: the kernels' time is a part of the step's
 
 
+def test_fp8_loss_quick(tmp_path, shared_ray):
+    """fp8 from the config keys on raypar's actors, both recipes, beside bf16 from the same start."""
+    out = tmp_path / "fp8_loss.json"
+    text = on_shared(shared_ray, "benchmarks/fp8_loss.py", "--quick", "--json", str(out))
+    assert "| run " in text and "| max_rel_diff |" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["run"] for r in rows] == ["bf16", "fp8 tensorwise", "fp8 rowwise"]
+    assert rows[0]["max_rel_diff"] == 0 and all(r["step_ms"] > 0 for r in rows)
+    # float8 GEMMs really ran (their rounding moves the loss) and stayed within the derived bound
+    assert all(0 < r["max_rel_diff"] <= r["bound"] for r in rows[1:])
+
+
 def test_trackers_overhead_quick(tmp_path):
     out = tmp_path / "rows.json"
     text = ok(run("benchmarks/trackers_overhead.py", "--quick", "--json", str(out)))
