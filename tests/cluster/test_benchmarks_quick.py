@@ -290,10 +290,12 @@ def test_fp8_loss_quick(tmp_path, shared_ray):
     text = on_shared(shared_ray, "benchmarks/fp8_loss.py", "--quick", "--json", str(out))
     assert "| run " in text and "| max_rel_diff |" in text
     rows = json.loads(out.read_text())["rows"]
-    assert [r["run"] for r in rows] == ["bf16", "fp8 tensorwise", "fp8 rowwise"]
-    assert rows[0]["max_rel_diff"] == 0 and all(r["step_ms"] > 0 for r in rows)
-    # float8 GEMMs really ran (their rounding moves the loss) and stayed within the derived bound
-    assert all(0 < r["max_rel_diff"] <= r["bound"] for r in rows[1:])
+    assert [r["run"] for r in rows] == ["bf16", "fp8 tensorwise", "fp8 rowwise"]  # --quick: no fp32
+    assert [r.get("against") for r in rows] == [None, "bf16", "bf16"]
+    assert all(r["step_ms"] > 0 and len(r["losses"]) == 4 for r in rows)
+    # float8 GEMMs really ran (their rounding moves the loss) and, over tiny's first steps, where the loss
+    # barely moves, stayed within tests/unit/test_float8.py's per-step bound
+    assert all(0 < r["max_rel_diff"] <= 2.0**-7 for r in rows[1:])
 
 
 def test_trackers_overhead_quick(tmp_path):
