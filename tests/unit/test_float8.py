@@ -197,7 +197,10 @@ STEPS = 50
 # gradients), zero-mean and independent from element to element. The loss is a mean over 256 tokens, so
 # those errors reach it averaged down by sqrt(256) = 16: ~u/16 = 2^-8 of the loss, and the two runs' weights
 # then drift apart only as far as Adam's normalised steps let such noise carry them: 2^-7 relative at every
-# step (this CPU: <= 2^-9.6 over the 50 steps). A saturating scale clips the largest values of every operand
+# step (this CPU: <= 2^-9.6 over the 50 steps). That holds where the loss falls slowly, as one layer's does;
+# at `small`, whose loss falls from 5.6 to 1.3 in 50 steps, the drift grows with the descent (up to 2.3e-2 at
+# a step, measured) and benchmarks/fp8_loss.py holds it to bf16's own drift from fp32 times e4m3's unit
+# roundoff over bf16's. A saturating scale clips the largest values of every operand
 # the same way, step after step: the loss leaves the bound within 20 steps (here at 6, 8, 10, ...).
 FP8_VS_BF16_RTOL = 2.0**-7
 
