@@ -137,7 +137,8 @@ def test_resume_is_bitwise(tmp_path):
 
 
 def test_full_state_reshards_across_dp(tmp_path):
-    """dp 2 -> 4 -> 2 under zero=2 through full_state/load_full_state: the state comes back unchanged."""
+    """dp 2 -> 4 -> 2 under zero=2 through full_state/load_full_state: every rank's full state, at 4 and back
+    at 2, is the one it started from, bit for bit."""
     cfg = make_cfg()
 
     def two(group):
@@ -147,13 +148,24 @@ def test_full_state_reshards_across_dp(tmp_path):
 
     first = run_ranks(2, two)[0]
 
-    def four(group):
-        model, strategy = build(cfg, group, 2)
-        strategy.load_full_state(first, 2)
-        return strategy.full_state(), strategy.model_state_bytes()
+    def reloaded(state):
+        def rank(group):
+            model, strategy = build(cfg, group, 2)
+            strategy.load_full_state(state, 2)
+            return strategy.full_state(), strategy.model_state_bytes()
 
-    again = run_ranks(4, four)
-    assert all(torch.equal(again[0][0][n], t) for n, t in first.items())
+        return rank
+
+    def check(states: list[dict[str, torch.Tensor]], dp: int) -> None:
+        assert len(states) == dp
+        for rank, state in enumerate(states):
+            assert state.keys() == first.keys(), f"dp={dp} rank {rank}: {state.keys() ^ first.keys()}"
+            changed = [n for n, t in first.items() if not torch.equal(state[n], t)]
+            assert not changed, f"dp={dp} rank {rank}: {changed} changed"
+
+    again = run_ranks(4, reloaded(first))
+    check([state for state, _ in again], 4)
+    check([state for state, _ in run_ranks(2, reloaded(again[3][0]))], 2)  # from the last rank of four
     unsharded = DPStrategy(build(cfg, None, 0)[0], spec=StrategySpec(cfg.train)).model_state_bytes()
     assert again[0][1]["cpu"] < unsharded["cpu"]
 

@@ -171,6 +171,7 @@ def _one_process(recipe: str) -> tuple[Ledger, tuple[float, dict[str, torch.Tens
 
 
 def _assert_cast_as_one_process(ranks: list[Forced], ledger: Ledger) -> None:
+    assert len(ranks) == 2, f"{len(ranks)} ranks cast, each layout has 2"  # none would pass the loop below
     for r in ranks:
         assert not r.mismatches, f"{r.where}: {r.mismatches[0]} ({len(r.mismatches)} casts)"
         want = len(ledger.casts)

@@ -211,5 +211,7 @@ def test_hf_export_refuses_experts_naming_the_field(tmp_path, shared, field):
 def test_generate_loads_the_routing_biases(tmp_path):
     step, stage = moe_checkpoint(tmp_path, 1)
     model, _ = generate.load(step)
+    # 4 layers, MoE every 2nd: the layers the loop below checks, listed (an empty dict would pass it)
+    assert sorted(stage.routing_biases()) == ["layers.1.mlp.expert_bias", "layers.3.mlp.expert_bias"]
     for name, bias in stage.routing_biases().items():
         assert bias.abs().max() > 0 and torch.equal(model.routing_biases()[name], bias), name
