@@ -277,29 +277,43 @@ class _Replica(WorkerState):
         return state, strategy.step_count
 
 
-def _heal(make, src: int = 0) -> list[dict[str, torch.Tensor]]:
+State = dict[str, torch.Tensor]
+
+
+def _heal(make, src: int = 0) -> list[tuple[State, State]]:
+    """Each rank's (state before, state after) a heal from replica `src`; rank 0 trained, rank 1 fresh."""
     cfg = load_config("examples/configs/tiny.toml", ["parallel.dp=2", "train.global_batch=8"])
+
+    def state(replica: _Replica) -> State:  # copies: full_state's tensors are the live ones
+        full = {n: t.clone() for n, t in replica.strategy.full_state().items()}
+        return {**full, "steps": torch.tensor(replica.strategy.step_count)}
 
     def rank_fn(rank, groups):
         replica = _Replica(cfg, groups["dp"], 0, trained=rank == 0)
+        before = state(replica)
         replica.sync_state(src)
-        return {**replica.strategy.full_state(), "steps": torch.tensor(replica.strategy.step_count)}
+        return before, state(replica)
 
     return run_groups(2, {"dp": [0, 1]}, rank_fn, 20, make)
 
 
+def assert_both_hold_the_trained_state(healed: list[tuple[State, State]]) -> None:
+    trained = healed[0][0]
+    assert int(trained["steps"]) == 2, trained["steps"]  # it did train: moments and a count to lose
+    for rank, (_, after) in enumerate(healed):
+        for name, want in trained.items():
+            assert torch.equal(after[name], want), f"rank {rank}: {name} is not the trained replica's"
+
+
 def test_a_heal_over_nccl_gives_the_new_replica_the_live_one_s_state():
-    healed = _heal(make_group)
-    assert int(healed[1]["steps"]) == 2
-    for name, want in healed[0].items():
-        assert torch.equal(healed[1][name], want), name
+    assert_both_hold_the_trained_state(_heal(make_group))
 
 
 def test_a_heal_from_the_wrong_replica_is_seen():
-    """Negative control: the fresh replica broadcasts (src 1): the trained one is overwritten, the counts
-    and moments are those of nothing."""
-    healed = _heal(make_group, src=1)
-    assert int(healed[0]["steps"]) == 0
+    """Negative control, the same check: the fresh replica broadcasts (src 1), so the trained one is
+    overwritten with parameters, moments and a step count of nothing."""
+    with pytest.raises(AssertionError, match="rank 0: .* is not the trained replica's"):
+        assert_both_hold_the_trained_state(_heal(make_group, src=1))
 
 
 # -- failure: abort, a peer's abort, timeouts --------------------------------------------------------------
