@@ -135,7 +135,7 @@ def assert_tracks_fp32(losses: list[float], fp32: list[float], precision: str) -
     u = UNIT_ROUNDOFF[precision]
     for step, (got, want) in enumerate(zip(losses, fp32, strict=True)):
         gap, bound = abs(got - want) / want, math.sqrt(step + 1) * u
-        assert gap <= bound, f"{precision}: loss at step {step}: {got} vs fp32 {want}, {gap:.2e} > {bound:.2e}"
+        assert gap <= bound, f"{precision}: loss at step {step} {got} vs fp32 {want}: {gap:.2e} > {bound:.2e}"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
