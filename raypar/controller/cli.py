@@ -250,7 +250,7 @@ def _train(args: argparse.Namespace) -> int:
     check_tracker_packages(cfg)  # the driver alone writes to the trackers
     if args.stop_at is not None and args.stop_at <= 0:
         raise UsageError(f"--stop-at: must be a positive step, got {args.stop_at}")
-    from raypar.controller import shared_paths
+    from raypar.controller import run_records, shared_paths
     from raypar.core.planner import search as plan
 
     shared_paths.make_absolute(cfg)  # actors run in other directories, and on other nodes
@@ -262,6 +262,7 @@ def _train(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or Path("runs") / name
     shared_paths.check_run_dir(str(run_dir))  # not in `ray job submit`'s temporary copy of the working dir
     _check_outputs(cfg, run_dir)
+    run_records.check(cfg, run_dir, resume)  # never over another run's records or checkpoints
     from raypar.controller.connection import RunFailure  # imports Ray: only once the input is known good
     from raypar.controller.training import TrainingLoop
 
