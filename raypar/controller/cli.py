@@ -143,7 +143,8 @@ def _check_data(cfg: Config) -> tuple[int, int]:
     from raypar.core.data import datasets as data
 
     try:
-        dataset, val = data.open_datasets(cfg.data, cfg.model)
+        dataset, val = data.open_datasets(cfg.data, cfg.model, VERIFY_HASHES_BYTES)
+        data.tokenizer_record(cfg.data)  # what every checkpoint will record: checked to be the tokenizer
         data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
     except ConfigError:
         raise
@@ -182,7 +183,8 @@ def _check_outputs(cfg: Config, run_dir: Path) -> None:
 
 
 # Resuming reads every shard's bytes up front (sha256) when the checkpoint is at most this big; above it
-# only sizes (the actors verify hashes as they load).
+# only sizes (the actors verify hashes as they load). So does opening a local prepared dataset (sha256 and
+# token ids up to it; sizes always): a start-up bounded to ~1 s of reading.
 VERIFY_HASHES_BYTES = 2**30
 
 
