@@ -10,10 +10,12 @@ file beside the target and renamed over it (`os.replace` replaces a symlink, nev
 from __future__ import annotations
 
 import errno
+import io
 import os
 import stat
 import uuid
 from pathlib import Path
+from typing import Any
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -33,22 +35,23 @@ def kind(mode: int) -> str:
     return "a regular file" if stat.S_ISREG(mode) else "not a regular file"
 
 
-def refuse_unless_regular(path: str | os.PathLike[str], what: str) -> None:
-    """NotRegularFile naming `path` and `what` it should be, unless it is absent or a regular file (lstat:
-    a symlink is refused, not followed)."""
+def refuse_unless_regular(path: str | os.PathLike[str], what: str, follow_symlinks: bool = False) -> None:
+    """NotRegularFile naming `path` and `what` it should be, unless it is absent or a regular file (a
+    symlink is refused, unless `follow_symlinks`: then what it points at must be one)."""
     try:
-        mode = os.lstat(path).st_mode
+        mode = os.stat(path, follow_symlinks=follow_symlinks).st_mode
     except FileNotFoundError:
         return
     if not stat.S_ISREG(mode):
         raise NotRegularFile(f"{path}: is {kind(mode)}, not a regular file ({what} must be one); refused")
 
 
-def read_regular(path: str | os.PathLike[str], what: str) -> bytes:
-    """The bytes of `path`, a regular file (not a symlink to one); NotRegularFile otherwise, at once (a
-    FIFO is opened without waiting for a writer). FileNotFoundError and other OSErrors pass through."""
+def read_regular(path: str | os.PathLike[str], what: str, follow_symlinks: bool = False) -> bytes:
+    """The bytes of `path`, a regular file (not a symlink to one, unless `follow_symlinks`); NotRegularFile
+    otherwise, at once (a FIFO is opened without waiting for a writer). FileNotFoundError and other
+    OSErrors pass through."""
     try:
-        fd = os.open(path, _READ_FLAGS)
+        fd = os.open(path, _READ_FLAGS & ~(os.O_NOFOLLOW if follow_symlinks else 0))
     except OSError as err:
         if err.errno == errno.ELOOP:  # O_NOFOLLOW on a symlink
             raise NotRegularFile(
@@ -61,6 +64,13 @@ def read_regular(path: str | os.PathLike[str], what: str) -> bytes:
             raise NotRegularFile(f"{path}: is {kind(mode)}, not a regular file ({what} must be one); refused")
         os.set_blocking(fd, True)
         return f.read()
+
+
+def write_figure(figure: Any, path: str | os.PathLike[str]) -> None:
+    """A matplotlib figure saved as `write_aside` writes (its format from the suffix)."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format=Path(path).suffix.lstrip(".") or "png")
+    write_aside(path, buffer.getvalue())
 
 
 def write_aside(path: str | os.PathLike[str], data: bytes) -> None:
