@@ -34,6 +34,7 @@ from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import ModelConfig
 from raypar.core.data.corpus import file_inside
 from raypar.core.data.tokenizer import HFTokenizer, from_record
+from raypar.core.plain_files import NotRegularFile, read_regular, refuse_unless_regular
 
 CONFIG, INDEX = "config.json", "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 2**30  # per exported file; a larger model is split into files with an index
@@ -74,9 +75,12 @@ def hf_name(name: str) -> str:
 def _read_config(path: str) -> dict[str, Any]:
     file = Path(path) / CONFIG
     try:
-        hf = json.loads(file.read_text(encoding="utf-8"))
+        # a Hugging Face cache links its files to blobs: followed; a FIFO is refused, not waited on
+        hf = json.loads(read_regular(file, "a model's config.json", follow_symlinks=True).decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"model.init_from: {file} not found (a Hugging Face model directory)") from None
+    except NotRegularFile as err:
+        raise ConfigError(f"model.init_from: {err}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise ConfigError(f"model.init_from: {file}: cannot read: {str(err)[:120]}") from None
     if not isinstance(hf, dict):
@@ -230,8 +234,9 @@ class HFWeights:
 def _weight_map(index: Path) -> dict[str, Any]:
     """The weight_map of a model.safetensors.index.json; ConfigError naming the file if it has none."""
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, AttributeError) as err:
+        body = read_regular(index, "a weight index", follow_symlinks=True)
+        weight_map = json.loads(body.decode("utf-8")).get("weight_map")
+    except (OSError, ValueError, RecursionError, AttributeError) as err:  # ValueError: JSON, UTF-8, FIFO
         raise ConfigError(f"model.init_from: {index}: not a weight index: {str(err)[:80]}") from None
     if not isinstance(weight_map, dict):
         raise ConfigError(f"model.init_from: {index}: weight_map must map tensor names to files")
@@ -242,10 +247,13 @@ def _header(file: Path) -> dict[str, list[int]]:
     """Tensor name -> shape from a safetensors file's header (also checks that the file holds every byte
     the header promises); ConfigError naming the file."""
     try:
+        refuse_unless_regular(file, "a weight file", follow_symlinks=True)  # safe_open would wait on a FIFO
         with safe_open(file, "pt") as f:
             return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
     except FileNotFoundError:
         raise ConfigError(f"model.init_from: {file}: not found") from None
+    except NotRegularFile as err:
+        raise ConfigError(f"model.init_from: {err}") from None
     except (OSError, SafetensorError) as err:
         raise ConfigError(f"model.init_from: {file}: not a readable safetensors file ({err})") from None
 

@@ -35,6 +35,7 @@ from raypar.core.checkpoint.format import (
     STEP_RE,
     CheckpointError,
     ShardSpec,
+    SpecialFileError,
     join_uri,
     load_manifest,
     read_bytes,
@@ -300,6 +301,8 @@ def newest_intact(root: str, hash_limit_bytes: int = 0) -> tuple[str, list[str]]
     notes = []
     try:
         named = read_bytes(join_uri(root, LATEST)).decode().strip()
+    except SpecialFileError:
+        raise
     except (CheckpointError, UnicodeDecodeError):
         named = None
     steps = sorted(

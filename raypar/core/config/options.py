@@ -143,15 +143,16 @@ RECOMPUTE = (NO_RECOMPUTE, FULL, SELECTIVE)
 @dataclass(frozen=True)
 class Tracker:
     name: str
-    module: str  # what must be importable on the driver
+    modules: tuple[str, ...]  # what must be importable on the driver
     extra: str  # pip install "raypar[<extra>]"
 
 
 TRACKERS: dict[str, Tracker] = {
     t.name: t
     for t in (
-        Tracker("tensorboard", "tensorboard", "tensorboard"),
-        Tracker("mlflow", "mlflow", "mlflow"),
-        Tracker("wandb", "wandb", "wandb"),
+        Tracker("tensorboard", ("tensorboard",), "tensorboard"),
+        # the default store is SQLite (mlflow.db in log.dir): MLflow's SqlAlchemyStore needs both
+        Tracker("mlflow", ("mlflow", "sqlalchemy", "alembic"), "mlflow"),
+        Tracker("wandb", ("wandb",), "wandb"),
     )
 }

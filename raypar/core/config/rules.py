@@ -366,11 +366,11 @@ def check_tracker_packages(cfg: Config) -> None:
     named). Not part of `validate`, which every worker runs too: only the driver imports the trackers."""
     for name in cfg.log.backends:
         tracker = options.TRACKERS[name]
-        _require(
-            importlib.util.find_spec(tracker.module) is not None,
-            f'log.backends: "{name}" needs the {tracker.module} package: '
-            f'pip install "raypar[{tracker.extra}]"',
-        )
+        for module in tracker.modules:
+            _require(
+                importlib.util.find_spec(module) is not None,
+                f'log.backends: "{name}" needs the {module} package: pip install "raypar[{tracker.extra}]"',
+            )
 
 
 def _validate_float8(cfg: Config) -> None:
