@@ -15,7 +15,14 @@ from collectives.group import Group, GroupInfo
 from collectives.host import GroupHost
 from collectives.nccl import NcclBackend
 from collectives.rendezvous import GroupSpec
-from tests.support.fake_nccl import FAKE_NCCL, FakeNcclBackend, FakeNcclError, FakeRuntime, FakeStream
+from tests.support.fake_nccl import (
+    FAKE_NCCL,
+    FakeCudaError,
+    FakeNcclBackend,
+    FakeNcclError,
+    FakeRuntime,
+    FakeStream,
+)
 
 
 def _pair(backend: type[NcclBackend], fn, timeout_s: float = 20.0, duplex: bool = False) -> list:
@@ -191,3 +198,31 @@ def test_a_synchronous_op_whose_wait_returned_is_listed_until_it_completes():
     assert group.state().pending == ()
     group.abort("done")
     made[0].abort("done")
+
+
+# -- the stand-in's own strictness: mismatched collectives and faulted streams are named -------------------
+def test_members_that_disagree_on_a_reduction_s_op_are_told():
+    """NCCL matches collectives by order alone: a SUM meeting a MAX is garbage (or a hang), reported here as
+    misuse through the asynchronous error, naming both."""
+
+    def fn(rank: int, group: Group) -> str:
+        group.all_reduce(torch.ones(2), "sum" if rank == 0 else "max")
+        group._backend.poll()  # the watchdog's look, now
+        told = r"differs across members.*float32, (max|sum).*float32, (sum|max)"
+        with pytest.raises(GroupError, match=told):
+            group.check()
+        return "told"
+
+    assert _pair(FakeNcclBackend, fn) == ["told", "told"]
+
+
+def test_a_kernel_that_raises_faults_its_stream_by_name():
+    runtime = FakeRuntime()
+    stream = runtime.new_stream(torch.device("cpu"))
+    stream.enqueue(lambda: 1 / 0)
+    event = runtime.record(stream)
+    with pytest.raises(FakeCudaError, match=r"a kernel on stream \d+ failed \(ZeroDivisionError"):
+        event.block("the test")
+    with pytest.raises(FakeCudaError, match="ZeroDivisionError"):
+        runtime.record(stream).query()
+    runtime.release(stream)
