@@ -5,6 +5,7 @@ communicator's lifecycle, a peer's failure that NCCL never reports, and hang rep
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from collectives import GroupError, LocalStoreRef, create_group, rendezvous
 from collectives.group import Group, GroupInfo
 from collectives.host import GroupHost
-from collectives.nccl import NcclBackend
+from collectives.nccl import BackendUnavailable, NcclBackend, cupy_nccl
 from collectives.rendezvous import GroupSpec
 from tests.support.fake_nccl import (
     FAKE_NCCL,
@@ -226,3 +227,15 @@ def test_a_kernel_that_raises_faults_its_stream_by_name():
     with pytest.raises(FakeCudaError, match="ZeroDivisionError"):
         runtime.record(stream).query()
     runtime.release(stream)
+
+
+def test_cupy_without_nccl_s_library_is_named_not_an_attribute_error(monkeypatch):
+    """CuPy sets `nccl.available = False` when libnccl did not load; the names are missing then."""
+    import types
+
+    cupy, cuda, nccl = (types.ModuleType(n) for n in ("cupy", "cupy.cuda", "cupy.cuda.nccl"))
+    nccl.available, cuda.nccl, cupy.cuda = False, nccl, cuda
+    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", nccl)):
+        monkeypatch.setitem(sys.modules, name, module)
+    with pytest.raises(BackendUnavailable, match="CuPy loaded but NCCL did not"):
+        cupy_nccl()
