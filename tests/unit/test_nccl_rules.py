@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -239,3 +242,53 @@ def test_cupy_without_nccl_s_library_is_named_not_an_attribute_error(monkeypatch
         monkeypatch.setitem(sys.modules, name, module)
     with pytest.raises(BackendUnavailable, match="CuPy loaded but NCCL did not"):
         cupy_nccl()
+
+
+# -- 4: the watchdog's look happens on the group's device --------------------------------------------------
+class _Devices(FakeRuntime):
+    """CUDA's current device per host thread (0 until set), and events that must be queried on theirs: on a
+    GPU a query from another device's context opens a context there (~500 MiB on GPU 0 per actor)."""
+
+    def __init__(self) -> None:
+        self.index, self.current, self.wrong = 0, threading.local(), []
+
+    def device(self, index: int) -> torch.device:
+        self.index = index
+        return super().device(index)
+
+    @contextmanager
+    def guard(self, device: torch.device) -> Iterator[None]:
+        before = getattr(self.current, "index", 0)
+        self.current.index = self.index
+        try:
+            yield
+        finally:
+            self.current.index = before
+
+    def record(self, stream: Any) -> Any:
+        event, runtime = super().record(stream), self
+        query = event.query
+
+        def on_its_device() -> bool:
+            if getattr(runtime.current, "index", 0) != runtime.index:
+                runtime.wrong.append(threading.current_thread().name)
+            return query()
+
+        event.query = on_its_device
+        return event
+
+
+class OnDevice3(FakeNcclBackend):
+    def _runtime(self) -> FakeRuntime:
+        return _Devices()
+
+
+def test_the_watchdog_polls_on_the_group_s_device():
+    backend = OnDevice3(torch.distributed.HashStore(), "dev3/0", 0, 1, 30.0, 3)
+    out = torch.zeros(2)
+    backend.all_reduce(torch.ones(2), "sum", out=out).wait(30.0)
+    poller = threading.Thread(target=backend.poll, name="a-watchdog", daemon=True)  # a thread of device 0
+    poller.start()
+    poller.join(30)
+    assert backend.runtime.wrong == [] and out.tolist() == [1.0, 1.0]
+    backend.abort("done")
