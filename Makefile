@@ -66,9 +66,9 @@ bench: $(STAMP)
 
 # On a GPU machine, with that machine's own python3 and its CUDA torch, CuPy and ml_dtypes: no venv and no
 # install (the venv's pinned torch is a CPU wheel where this workplace's registry serves it, and the lent
-# GPU machine reaches no registry). Ray must be importable: on the lent H200 it travels as wheels
-# (benchmarks/gpu_wheels.sh; docs/gpu.md has the commands). Fails at once without CUDA. One JSON line per
-# row; < 8 minutes on one H200.
+# GPU machine reaches no registry). Ray must be importable: on the lent GPU machine it travels as wheels
+# (benchmarks/gpu_wheels.sh), and the check is split over two device calls there (docs/gpu.md has the
+# commands). Fails at once without CUDA. One JSON line per row.
 gpu-check:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) benchmarks/gpu_check.py --require-gpu
 

@@ -39,6 +39,7 @@ import itertools
 import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -75,9 +76,11 @@ class FakeEvent:
         self._done.set()
 
     def block(self, what: str) -> None:
-        self._stream.raise_failure()
-        if not self._done.wait(HOST_WAIT_CAP_S):
-            raise AssertionError(f"fake CUDA: {what} waited {HOST_WAIT_CAP_S:g}s for an event (a hang)")
+        deadline = time.monotonic() + HOST_WAIT_CAP_S
+        while not self._done.wait(0.05):  # looking at the stream too: a faulted one never gets here
+            self._stream.raise_failure()
+            if time.monotonic() > deadline:
+                raise AssertionError(f"fake CUDA: {what} waited {HOST_WAIT_CAP_S:g}s for an event (a hang)")
 
 
 class FakeStream:

@@ -5,7 +5,11 @@ communicator's lifecycle, a peer's failure that NCCL never reports, and hang rep
 
 from __future__ import annotations
 
+import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -13,9 +17,16 @@ import torch
 from collectives import GroupError, LocalStoreRef, create_group, rendezvous
 from collectives.group import Group, GroupInfo
 from collectives.host import GroupHost
-from collectives.nccl import NcclBackend
+from collectives.nccl import BackendUnavailable, NcclBackend, cupy_nccl
 from collectives.rendezvous import GroupSpec
-from tests.support.fake_nccl import FAKE_NCCL, FakeNcclBackend, FakeNcclError, FakeRuntime, FakeStream
+from tests.support.fake_nccl import (
+    FAKE_NCCL,
+    FakeCudaError,
+    FakeNcclBackend,
+    FakeNcclError,
+    FakeRuntime,
+    FakeStream,
+)
 
 
 def _pair(backend: type[NcclBackend], fn, timeout_s: float = 20.0, duplex: bool = False) -> list:
@@ -191,3 +202,93 @@ def test_a_synchronous_op_whose_wait_returned_is_listed_until_it_completes():
     assert group.state().pending == ()
     group.abort("done")
     made[0].abort("done")
+
+
+# -- the stand-in's own strictness: mismatched collectives and faulted streams are named -------------------
+def test_members_that_disagree_on_a_reduction_s_op_are_told():
+    """NCCL matches collectives by order alone: a SUM meeting a MAX is garbage (or a hang), reported here as
+    misuse through the asynchronous error, naming both."""
+
+    def fn(rank: int, group: Group) -> str:
+        group.all_reduce(torch.ones(2), "sum" if rank == 0 else "max")
+        group._backend.poll()  # the watchdog's look, now
+        told = r"differs across members.*float32, (max|sum).*float32, (sum|max)"
+        with pytest.raises(GroupError, match=told):
+            group.check()
+        return "told"
+
+    assert _pair(FakeNcclBackend, fn) == ["told", "told"]
+
+
+def test_a_kernel_that_raises_faults_its_stream_by_name():
+    runtime = FakeRuntime()
+    stream = runtime.new_stream(torch.device("cpu"))
+    stream.enqueue(lambda: 1 / 0)
+    event = runtime.record(stream)
+    with pytest.raises(FakeCudaError, match=r"a kernel on stream \d+ failed \(ZeroDivisionError"):
+        event.block("the test")
+    with pytest.raises(FakeCudaError, match="ZeroDivisionError"):
+        runtime.record(stream).query()
+    runtime.release(stream)
+
+
+def test_cupy_without_nccl_s_library_is_named_not_an_attribute_error(monkeypatch):
+    """CuPy sets `nccl.available = False` when libnccl did not load; the names are missing then."""
+    import types
+
+    cupy, cuda, nccl = (types.ModuleType(n) for n in ("cupy", "cupy.cuda", "cupy.cuda.nccl"))
+    nccl.available, cuda.nccl, cupy.cuda = False, nccl, cuda
+    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", nccl)):
+        monkeypatch.setitem(sys.modules, name, module)
+    with pytest.raises(BackendUnavailable, match="CuPy loaded but NCCL did not"):
+        cupy_nccl()
+
+
+# -- 4: the watchdog's look happens on the group's device --------------------------------------------------
+class _Devices(FakeRuntime):
+    """CUDA's current device per host thread (0 until set), and events that must be queried on theirs: on a
+    GPU a query from another device's context opens a context there (~500 MiB on GPU 0 per actor)."""
+
+    def __init__(self) -> None:
+        self.index, self.current, self.wrong = 0, threading.local(), []
+
+    def device(self, index: int) -> torch.device:
+        self.index = index
+        return super().device(index)
+
+    @contextmanager
+    def guard(self, device: torch.device) -> Iterator[None]:
+        before = getattr(self.current, "index", 0)
+        self.current.index = self.index
+        try:
+            yield
+        finally:
+            self.current.index = before
+
+    def record(self, stream: Any) -> Any:
+        event, runtime = super().record(stream), self
+        query = event.query
+
+        def on_its_device() -> bool:
+            if getattr(runtime.current, "index", 0) != runtime.index:
+                runtime.wrong.append(threading.current_thread().name)
+            return query()
+
+        event.query = on_its_device
+        return event
+
+
+class OnDevice3(FakeNcclBackend):
+    def _runtime(self) -> FakeRuntime:
+        return _Devices()
+
+
+def test_the_watchdog_polls_on_the_group_s_device():
+    backend = OnDevice3(torch.distributed.HashStore(), "dev3/0", 0, 1, 30.0, 3)
+    out = torch.zeros(2)
+    backend.all_reduce(torch.ones(2), "sum", out=out).wait(30.0)
+    poller = threading.Thread(target=backend.poll, name="a-watchdog", daemon=True)  # a thread of device 0
+    poller.start()
+    poller.join(30)
+    assert backend.runtime.wrong == [] and out.tolist() == [1.0, 1.0]
+    backend.abort("done")
