@@ -141,7 +141,7 @@ def test_resume_is_bitwise(tmp_path):
 
 def test_full_state_reshards_across_dp(tmp_path):
     """dp 2 -> 4 -> 2 under zero=2 through full_state/load_full_state: every rank's full state, at 4 and back
-    at 2, is the one it started from, bit for bit."""
+    at 2, is the one it started from, bit for bit. Control: a load that leaves the Adam moments at zero."""
     cfg = make_cfg()
 
     def two(group):
@@ -151,10 +151,14 @@ def test_full_state_reshards_across_dp(tmp_path):
 
     first = run_ranks(2, two)[0]
 
-    def reloaded(state):
+    def reloaded(state, drop_moments: bool = False):
         def rank(group):
             model, strategy = build(cfg, group, 2)
             strategy.load_full_state(state, 2)
+            if drop_moments:
+                with torch.no_grad():
+                    for moment in strategy.moments.values():
+                        moment.zero_()
             return strategy.full_state(), strategy.model_state_bytes()
 
         return rank
@@ -169,6 +173,9 @@ def test_full_state_reshards_across_dp(tmp_path):
     again = run_ranks(4, reloaded(first))
     check([state for state, _ in again], 4)
     check([state for state, _ in run_ranks(2, reloaded(again[3][0]))], 2)  # from the last rank of four
+    dropped = [state for state, _ in run_ranks(2, reloaded(first, drop_moments=True))]
+    with pytest.raises(AssertionError, match=r"dp=2 rank 0: \['optim\.exp_avg\."):
+        check(dropped, 2)
     unsharded = DPStrategy(build(cfg, None, 0)[0], spec=StrategySpec(cfg.train)).model_state_bytes()
     assert again[0][1]["cpu"] < unsharded["cpu"]
 
