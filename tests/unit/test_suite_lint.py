@@ -52,17 +52,16 @@ def raises_without_match(source: str, filename: str = "<planted>") -> list[str]:
     a check on `info.value`). `raises` imported from pytest is refused (the lint reads `pytest.raises`)."""
     tree = ast.parse(source, filename)
     problems = []
-    inspected: set[int] = set()  # the raises calls whose exception a later line reads
+    # each `with` in its innermost function (ast.walk goes outside in, so inner scopes overwrite outer ones)
     scopes = [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef))]
-    for scope in scopes:
-        for node in ast.walk(scope):
-            if not isinstance(node, ast.With | ast.AsyncWith):
-                continue
-            for item in node.items:
-                bound = item.optional_vars
-                if _is_pytest_raises(item.context_expr) and isinstance(bound, ast.Name):
-                    if _read_after(scope, bound.id, node.end_lineno or node.lineno):
-                        inspected.add(id(item.context_expr))
+    innermost = {id(w): (scope, w) for scope in scopes for w in ast.walk(scope) if isinstance(w, ast.With | ast.AsyncWith)}
+    inspected: set[int] = set()  # the raises calls whose exception a later line of the same function reads
+    for scope, node in innermost.values():
+        for item in node.items:
+            bound = item.optional_vars
+            if _is_pytest_raises(item.context_expr) and isinstance(bound, ast.Name):
+                if _read_after(scope, bound.id, node.end_lineno or node.lineno):
+                    inspected.add(id(item.context_expr))
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "pytest":
             if any(alias.name == "raises" for alias in node.names):
@@ -99,6 +98,7 @@ def test_the_raises_lint_rejects_planted_controls() -> None:
         "imported bare": "from pytest import raises\n",
         "bound, never read": f"{BOUND}        run()\n",
         "bound, read only inside": f"{BOUND}        run()\n        print(failure)\n",
+        "bound, read in another function": f"{BOUND}        run()\ndef other():\n    print(failure)\n",
     }
     for name, source in planted.items():
         assert raises_without_match(source), f"{name}: not rejected"
