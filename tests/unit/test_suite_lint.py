@@ -54,7 +54,8 @@ def raises_without_match(source: str, filename: str = "<planted>") -> list[str]:
     problems = []
     # each `with` in its innermost function (ast.walk goes outside in, so inner scopes overwrite outer ones)
     scopes = [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef))]
-    innermost = {id(w): (scope, w) for scope in scopes for w in ast.walk(scope) if isinstance(w, ast.With | ast.AsyncWith)}
+    withs = ast.With | ast.AsyncWith
+    innermost = {id(w): (scope, w) for scope in scopes for w in ast.walk(scope) if isinstance(w, withs)}
     inspected: set[int] = set()  # the raises calls whose exception a later line of the same function reads
     for scope, node in innermost.values():
         for item in node.items:
