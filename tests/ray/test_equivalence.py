@@ -79,6 +79,7 @@ def test_3d_layout_all_schedules_and_transports(mesh222, reference):
         ("tp_drop_allreduce", "all", "loss at step 0"),  # row-parallel outputs not all-reduced
         ("tp_drop_allreduce", "one stage", "loss at step 0"),  # ... in one stage of one replica only
     ],
+    ids=["dp_sum-all", "pp_zero_grad-all", "tp_drop_allreduce-all", "tp_drop_allreduce-one stage"],
 )
 def test_negative_controls_are_rejected(mesh222, reference, fault, where, seen):
     # every member of a collective must take the same broken path, else it hangs instead of computing

@@ -95,7 +95,10 @@ def test_a_heal_that_drops_the_adam_moments_is_rejected(ray_session, tmp_path, s
     records = metrics(run_dir)
     assert [m["step"] for m in records] == list(range(8)) and result["restarts"] == 1
     assert min(m["dp"] for m in records) == 1 and records[-1]["dp"] == 2, "shrank and healed"
-    with pytest.raises(AssertionError, match="PLACEHOLDER"):
+    # the first step back at dp=2 updates with the healed replica's zero moments: the next loss shows it
+    healed_at = next(m["step"] for m in records if m["step"] > 2 and m["dp"] == 2)
+    assert healed_at < 7, f"healed at step {healed_at}: no loss after it to show the moments"
+    with pytest.raises(AssertionError, match=f"loss at step {healed_at + 1}:"):
         assert_same_curve(losses(run_dir), straight)
 
 
