@@ -25,10 +25,14 @@ CuPy's enum values; tests/unit/test_cupy_api.py compares the two where CuPy is i
 - A communicator is not thread-safe: a call entering one that another host thread is inside raises.
 - Memory is reached through raw pointers, as NCCL does: a pointer that is not a tensor's data is a crash.
 
-The caller's current stream is the calling thread itself (host-synchronous): waiting on an event blocks the
-caller, bounded by `HOST_WAIT_CAP_S` so that a broken watchdog fails a test instead of hanging it. (An
-asynchronous current stream is not modelled: the host's own torch ops on CPU tensors cannot be ordered
-after a stream's wait, so every host read would race.)
+By default the caller's current stream is the calling thread itself (host-synchronous): waiting on an event
+blocks the caller, bounded by `HOST_WAIT_CAP_S` so that a broken watchdog fails a test instead of hanging it.
+That is more lenient than CUDA: work queued on the current stream is done before NCCL's stream could read
+it, and a wait blocks the host. `AsyncHostRuntime` (opt-in, `AsyncHostBackend`) gives each host thread a
+current stream of its own, as CUDA does; a test on it reaches its tensors only through that stream
+(`launch`, `to_host`), because the host's own torch ops on CPU tensors cannot be ordered after a stream's
+wait. `hold` keeps a stream busy until the test releases it and `FakeStream.settle` waits until a stream can
+go no further by itself: together they make a missing wait read stale data every time, not by chance.
 """
 
 from __future__ import annotations
@@ -75,6 +79,9 @@ class FakeEvent:
     def complete(self) -> None:
         self._done.set()
 
+    def done(self) -> bool:
+        return self._done.is_set()
+
     def block(self, what: str) -> None:
         deadline = time.monotonic() + HOST_WAIT_CAP_S
         while not self._done.wait(0.05):  # looking at the stream too: a faulted one never gets here
@@ -92,20 +99,51 @@ class FakeStream:
         self.id = next(self._ids)
         self.failure: str | None = None
         self._kernels: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._state = threading.Condition()  # what `settle` looks at: kernels not yet run, a wait in progress
+        self._queued = 0
+        self._waiting: FakeEvent | None = None
         self._thread = threading.Thread(target=self._run, name=f"fake-stream-{self.id}", daemon=True)
         self._thread.start()
 
     def enqueue(self, kernel: Callable[[], None]) -> None:
+        with self._state:
+            self._queued += 1
         self._kernels.put(kernel)
+
+    def wait_event(self, event: FakeEvent) -> None:
+        """cudaStreamWaitEvent: the kernels enqueued after this one run once `event` completed."""
+
+        def kernel() -> None:
+            with self._state:
+                self._waiting = event
+                self._state.notify_all()
+            try:
+                event.block(f"stream {self.id}")
+            finally:
+                with self._state:
+                    self._waiting = None
+
+        self.enqueue(kernel)
+
+    def settle(self) -> None:
+        """Block the host until this stream can go no further by itself: it ran every kernel enqueued so far,
+        or it waits on an event that has not completed. (A kernel blocked inside NCCL, say a receive waiting
+        for its send, still counts as running.)"""
+        with self._state:
+            stalled = lambda: not self._queued or (self._waiting is not None and not self._waiting.done())  # noqa: E731
+            if not self._state.wait_for(stalled, HOST_WAIT_CAP_S):
+                raise AssertionError(f"fake CUDA: stream {self.id} still busy after {HOST_WAIT_CAP_S:g}s")
 
     def _run(self) -> None:
         while (kernel := self._kernels.get()) is not None:
-            if self.failure is not None:
-                continue  # a faulted stream runs nothing more, as a CUDA context after a kernel fault
-            try:
-                kernel()  # a kernel's misuse of NCCL is the communicator's error (FakeCommunicator)
-            except Exception as err:  # noqa: BLE001 - a fault: named by every later query of this stream
-                self.failure = f"{type(err).__name__}: {err}"
+            if self.failure is None:  # a faulted stream runs nothing more, as a CUDA context after a fault
+                try:
+                    kernel()  # a kernel's misuse of NCCL is the communicator's error (FakeCommunicator)
+                except Exception as err:  # noqa: BLE001 - a fault: named by every later query of this stream
+                    self.failure = f"{type(err).__name__}: {err}"
+            with self._state:
+                self._queued -= 1
+                self._state.notify_all()
 
     def raise_failure(self) -> None:
         if self.failure is not None:
@@ -125,6 +163,9 @@ class HostStream:
 
     def enqueue(self, kernel: Callable[[], None]) -> None:
         kernel()
+
+    def wait_event(self, event: FakeEvent) -> None:
+        event.block("the host")
 
 
 HOST = HostStream()
@@ -159,11 +200,62 @@ class FakeRuntime:
         return event
 
     def wait(self, stream: FakeStream | HostStream, event: FakeEvent) -> None:
-        stream.enqueue(lambda: event.block(f"stream {stream.id}"))
+        stream.wait_event(event)
 
     def release(self, stream: FakeStream) -> None:
         self.streams.pop(stream.id, None)
         stream.close()
+
+
+class AsyncHostRuntime(FakeRuntime):
+    """Opt-in: the current stream does not block the host, as CUDA's. Each host thread has a current stream of
+    its own (per runtime: one runtime per rank, each rank its own device); a wait only queues on it, and an
+    event recorded on it completes when it gets there. Work produced on the current stream is a kernel
+    enqueued there (`launch`); the host sees a tensor only through `to_host`."""
+
+    def __init__(self) -> None:
+        self._mine = threading.local()
+        self._current: list[FakeStream] = []
+
+    def current_stream(self, device: torch.device) -> FakeStream:
+        if not hasattr(self._mine, "stream"):
+            self._mine.stream = self.new_stream(device)
+            self._current.append(self._mine.stream)
+        return self._mine.stream
+
+    def launch(self, kernel: Callable[[], None]) -> None:
+        """A kernel on this thread's current stream (say, the layer that writes a collective's input)."""
+        self.current_stream(torch.device("cpu")).enqueue(kernel)
+
+    def to_host(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """`tensor.to("cpu", non_blocking=True)` on the current stream: the copy is queued now, and the call
+        returned synchronises with it and gives it (`.tolist()` of a CUDA tensor does both at once)."""
+        stream, copy = self.current_stream(torch.device("cpu")), []
+        stream.enqueue(lambda: copy.append(tensor.clone()))
+        copied = self.record(stream)
+
+        def synchronize() -> torch.Tensor:
+            copied.block("a copy to the host")
+            return copy[0]
+
+        return synchronize
+
+    def close(self) -> None:
+        for stream in self._current:
+            self.release(stream)
+
+
+def hold(stream: FakeStream) -> threading.Event:
+    """Keep `stream` busy until the returned gate is set: what is enqueued behind is late (a slow producer, an
+    NCCL stream still busy with earlier work)."""
+    gate = threading.Event()
+
+    def kernel() -> None:
+        if not gate.wait(HOST_WAIT_CAP_S):
+            raise AssertionError(f"fake CUDA: stream {stream.id} was held and never released")
+
+    stream.enqueue(kernel)
+    return gate
 
 
 # -- NCCL --------------------------------------------------------------------------------------------------
@@ -513,6 +605,15 @@ class FakeNcclBackend(NcclBackend):
 
     def _runtime(self) -> Any:
         return FakeRuntime()
+
+
+class AsyncHostBackend(FakeNcclBackend):
+    """The production backend over the stand-in with CUDA's asynchronous current stream."""
+
+    runtime: AsyncHostRuntime
+
+    def _runtime(self) -> Any:
+        return AsyncHostRuntime()
 
 
 class SimplexNcclBackend(FakeNcclBackend):

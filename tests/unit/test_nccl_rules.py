@@ -21,11 +21,11 @@ from collectives.nccl import BackendUnavailable, NcclBackend, cupy_nccl
 from collectives.rendezvous import GroupSpec
 from tests.support.fake_nccl import (
     FAKE_NCCL,
+    AsyncHostBackend,
     FakeCudaError,
     FakeNcclBackend,
     FakeNcclError,
     FakeRuntime,
-    FakeStream,
 )
 
 
@@ -165,23 +165,6 @@ def test_a_peer_s_abort_is_not_an_async_error_the_driver_s_abort_ends_the_wait()
 
 
 # -- 5: a synchronous op stays in the hang report while it runs --------------------------------------------
-class _AsyncHost(FakeRuntime):
-    """A current stream that does not block the host, as CUDA's: a wait only queues on it."""
-
-    def __init__(self) -> None:
-        self._mine = threading.local()
-
-    def current_stream(self, device: torch.device) -> FakeStream:
-        if not hasattr(self._mine, "stream"):
-            self._mine.stream = self.new_stream(device)
-        return self._mine.stream
-
-
-class AsyncHostBackend(FakeNcclBackend):
-    def _runtime(self) -> FakeRuntime:
-        return _AsyncHost()
-
-
 def test_a_synchronous_op_whose_wait_returned_is_listed_until_it_completes():
     store = torch.distributed.HashStore()
 
