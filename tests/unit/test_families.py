@@ -1,0 +1,51 @@
+"""The presets of today's open models have the published shapes: their family's cost counts the parameters
+that transformers' own model of the exported config.json has, and that the family's stage builds (both on the
+meta device: shapes without memory). Exact integers, so no tolerance; the control is a variant's switch
+turned off in the cost, which the same check rejects."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from raypar.core.config.load import from_dict
+from raypar.core.config.schema import ModelConfig
+from raypar.core.model import families
+
+# preset -> a field of its shape changed (the control: the same check rejects the count)
+PRESETS = {
+    "llama3.2-1b": {"tie_embeddings": False},
+    "llama3.1-8b": {"n_kv_heads": 32},
+    "qwen3-0.6b": {"head_dim_override": 0},  # 1024 / 16 = 64, not its 128
+    "qwen3-8b": {"qk_norm": False},
+    "mistral-7b": {"d_ff": 11008},
+}
+
+
+def hf_param_count(m: ModelConfig) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    body = families.family(m).hf.config_json(dataclasses.asdict(m))
+    config = AutoConfig.for_model(body.pop("model_type"), **body)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())  # a tied head is the embedding: counted once
+
+
+def assert_counts_match(got: int, want: int) -> None:
+    assert got == want, f"parameters: the family's cost counts {got:,}, transformers' model has {want:,}"
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_preset_parameters_are_transformers(preset):
+    m = from_dict({"model": {"preset": preset}}).model
+    want = hf_param_count(m)
+    cost = families.family(m).cost
+    assert_counts_match(cost.count_params(m), want)
+    with torch.device("meta"):
+        stage = families.build_stage(m, init=False)
+    assert_counts_match(sum(p.numel() for p in stage.parameters()), want)
+    with pytest.raises(AssertionError, match="^parameters: the family's cost counts"):
+        assert_counts_match(cost.count_params(dataclasses.replace(m, **PRESETS[preset])), want)
