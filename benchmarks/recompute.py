@@ -3,7 +3,7 @@
     python benchmarks/recompute.py            # `small` (12.8M), microbatch 8 x 128 tokens, 1 thread
     python benchmarks/recompute.py --quick    # `tiny`, a few iterations (the test suite runs this)
 
-One process, raypar's `LlamaStage` (the whole model as one stage) with `set_recompute(mode)`; each
+One process, raypar's stage (the whole model as one) with `set_recompute(mode)`; each
 iteration is one microbatch's forward and backward. The three modes run in alternating blocks of
 iterations (so load from other processes hits all alike); reported: the median iteration time, its ratio
 to `none`, and the bytes autograd saved for backward in the forward
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raypar.core.model.llama import LlamaStage  # noqa: E402
+from raypar.core.model import families  # noqa: E402
 from raypar.core.observe.memory import SavedActivations  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
 
@@ -39,7 +39,7 @@ def measure(preset: str, batch: int, blocks: int, per_block: int) -> list[dict[s
     cfg = load_config(ROOT / "examples/configs/tiny.toml", [f'model.preset="{preset}"'])
     m = cfg.model
     torch.manual_seed(0)
-    stages = {mode: LlamaStage(m, seed=cfg.train.seed) for mode in MODES}
+    stages = {mode: families.build_stage(m, seed=cfg.train.seed) for mode in MODES}
     for mode, stage in stages.items():
         stage.set_recompute(mode, 1)
     gen = torch.Generator().manual_seed(1)
