@@ -1,4 +1,5 @@
-"""The presets of today's open models have the published shapes: their family's cost counts the parameters
+"""The registry's families provide the seam's protocols, and the presets of today's open models have the
+published shapes: their family's cost counts the parameters
 that transformers' own model of the exported config.json has, and that the family's stage builds (both on the
 meta device: shapes without memory). Exact integers, so no tolerance; the control is a variant's switch
 turned off in the cost, which the same check rejects."""
@@ -13,6 +14,7 @@ import torch
 from raypar.core.config.load import from_dict
 from raypar.core.config.schema import ModelConfig
 from raypar.core.model import families
+from raypar.core.model.stage import Cost, HFMapping, Stage
 
 # preset -> a field of its shape changed (the control: the same check rejects the count)
 PRESETS = {
@@ -49,3 +51,15 @@ def test_preset_parameters_are_transformers(preset):
     assert_counts_match(sum(p.numel() for p in stage.parameters()), want)
     with pytest.raises(AssertionError, match="^parameters: the family's cost counts"):
         assert_counts_match(cost.count_params(dataclasses.replace(m, **PRESETS[preset])), want)
+
+
+@pytest.mark.parametrize("name", list(families.FAMILIES))
+def test_family_provides_the_protocols(name):
+    """Each registered family's stage, HF mapping and cost have every member the code outside its folder
+    uses; a module without one of them fails the same check (its control)."""
+    fam = families.FAMILIES[name]
+    m = dataclasses.replace(from_dict({"model": {}}).model, family=name)
+    with torch.device("meta"):
+        stage = families.build_stage(m, init=False)
+    assert isinstance(stage, Stage) and isinstance(fam.hf, HFMapping) and isinstance(fam.cost, Cost)
+    assert not isinstance(torch.nn.Linear(1, 1), Stage)
