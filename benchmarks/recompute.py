@@ -15,9 +15,7 @@ al. 2022), a few percent of the FLOPs.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -27,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import _alternating  # noqa: E402
 from raypar.core.model import families  # noqa: E402
 from raypar.core.observe.memory import SavedActivations  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
@@ -77,20 +76,9 @@ def measure(preset: str, batch: int, blocks: int, per_block: int) -> list[dict[s
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, few iterations: seconds")
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per microbatch")
-    parser.add_argument("--blocks", type=int, default=6, help="alternating blocks per mode")
-    parser.add_argument("--per-block", type=int, default=3, help="iterations per block")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--json", type=Path, help="also write the rows here")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    preset, blocks, per_block = ("tiny", 2, 2) if args.quick else (args.preset, args.blocks, args.per_block)
+    args, preset, blocks, per_block = _alternating.parse(__doc__.split("\n")[0], "mode", argv)
     rows = measure(preset, args.batch, blocks, per_block)
-    print(f"preset {preset}, microbatch {args.batch}, {args.threads} thread(s), load average "
-          f"{os.getloadavg()[0]:.1f}")
+    print(_alternating.header(args, preset))
     print("| recompute | ms per forward+backward | vs none | saved activations MiB | vs none |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for row in rows:
