@@ -4,7 +4,8 @@ sliding window. For each, a tiny random
 model built and saved by transformers (tests.support.hf_models.FAMILY_KINDS) is read with `model.init_from`:
 
 - logits at (1,1,1) within LOGITS_ATOL of transformers' fp32 forward, and the loss of a training batch;
-- one training step at pp=2 x tp=2 and at cp=2 (thread ranks on the core's executor) equal to one process;
+- one training step at pp=2 x tp=2, at cp=2 and at ZB-H1 pp=2 x tp=2 with SP (thread ranks on the core's
+  executor) equal to one process;
 - `--format hf` export -> `from_pretrained` gives transformers' logits again;
 - `generate_ids`' greedy tokens equal transformers' greedy `generate`.
 
@@ -48,7 +49,13 @@ SWITCH_OFF = {
     "qwen3": {"qk_norm": False},
     "mistral": {"rope_theta": 10000.0},  # nothing to switch off: Llama's computation; a wrong theta instead
 }
-LAYOUTS = {"pp2-tp2": ("parallel.pp=2", "parallel.tp=2"), "cp2-ring": ("parallel.cp=2",)}
+LAYOUTS = {
+    "pp2-tp2": ("parallel.pp=2", "parallel.tp=2"),
+    "cp2-ring": ("parallel.cp=2",),
+    # zero-bubble's split backward (biases and q/k norms in B, the linears' weight GEMMs in W) under SP
+    "zbh1-pp2-tp2-sp": ("parallel.pp=2", 'parallel.schedule="zb-h1"', "parallel.tp=2",
+                        "parallel.sequence_parallel=true"),
+}
 
 
 @pytest.fixture(scope="module", params=list(FAMILY_KINDS))
