@@ -193,7 +193,7 @@ def export_refusal(model: dict[str, Any]) -> str | None:
     """Why `model` has no HF model type (None: it has one)."""
     for key in ("moe_shared_experts", "moe_experts"):  # the most specific field first
         if model.get(key):
-            return f"model.{key}={model[key]}: Hugging Face's dense decoders have no experts"
+            return f"model.{key}={model[key]}: Hugging Face's LlamaForCausalLM has no experts"
     if model.get("qk_norm") and model.get("qkv_bias"):
         return "model.qkv_bias with model.qk_norm: Qwen3's attention_bias would add an o_proj bias too"
     return None
