@@ -63,3 +63,23 @@ def test_family_provides_the_protocols(name):
         stage = families.build_stage(m, init=False)
     assert isinstance(stage, Stage) and isinstance(fam.hf, HFMapping) and isinstance(fam.cost, Cost)
     assert not isinstance(torch.nn.Linear(1, 1), Stage)
+
+
+def test_stage_classes_are_named_only_in_their_family_folder():
+    """The seam holds: outside its family's folder (and the registry, which names no class), production
+    code builds and reads a stage only through raypar.core.model.families and the protocols."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for name, fam in families.FAMILIES.items():
+        cls = fam.stage.__name__
+        folder = root / "raypar" / "core" / "model" / name
+        named = [
+            str(p.relative_to(root))
+            for package in ("raypar", "actors")
+            for p in (root / package).rglob("*.py")
+            if folder not in p.parents and cls in p.read_text(encoding="utf-8")
+        ]
+        assert not named, f"{cls} named outside {folder.relative_to(root)}: {named}"
+        # the scan finds the name where it is (it is not vacuous)
+        assert any(cls in p.read_text(encoding="utf-8") for p in folder.rglob("*.py"))
