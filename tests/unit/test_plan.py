@@ -375,6 +375,25 @@ def test_expert_states_shard_over_the_expert_dp_group() -> None:
     assert states.model_states == 8 * (dense + experts // 2) + 8 * dense / 4 + 8 * (experts // 2) / 2
 
 
+QWEN_VARIANTS = [["model.qkv_bias=true"], ["model.qk_norm=true", "model.head_dim_override=32"]]
+
+
+@pytest.mark.parametrize("variant", QWEN_VARIANTS)
+def test_stage_params_of_the_llama_variants_on_a_tp_rank(variant: list[str]) -> None:
+    """Qwen2's q/k/v biases (split by tp) and Qwen3's q/k norms (replicated) and wider heads, through the
+    family's cost: the planner's per-rank count is what a tp=2 stage holds; without the switch (the
+    control) it is not."""
+    m = load_config(TINY, variant).model
+    plain = load_config(TINY, [v for v in variant if "head_dim" in v]).model
+
+    def rank(group: Group) -> int:
+        return sum(p.numel() for p in families.build_stage(m, tp_group=group).parameters())
+
+    held = run_ranks(2, rank)
+    assert held[0] == held[1] == plan_memory.stage_params(m, range(m.n_layers), True, True, 2).dense
+    assert held[0] != plan_memory.stage_params(plain, range(m.n_layers), True, True, 2).dense
+
+
 def test_cli_plan_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", TINY, "--devices", "4", "--device-memory", "2MiB", "--device", "cpu"]
     assert cli.main([*argv, "--json"]) == 0
