@@ -61,6 +61,10 @@ FAMILY_KINDS: dict[str, tuple[str, str, dict]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {
         "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
     }),
+    # Mistral 7B v0.2+: no sliding window (one is refused until raypar computes it)
+    "mistral": ("MistralConfig", "MistralForCausalLM", {
+        "sliding_window": None, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+    }),
     # head_dim 16, not hidden/heads = 8
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {
         "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
