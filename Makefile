@@ -67,10 +67,10 @@ bench: $(STAMP)
 # On a GPU machine, with that machine's own python3 and its CUDA torch, CuPy and ml_dtypes: no venv and no
 # install (the venv's pinned torch is a CPU wheel where this workplace's registry serves it, and the lent
 # GPU machine reaches no registry). Ray must be importable: on the lent GPU machine it travels as wheels
-# (benchmarks/gpu_wheels.sh), and the check is split over two device calls there (docs/gpu.md has the
+# (tests/gpu/gpu_wheels.sh), and the check is split over two device calls there (docs/gpu.md has the
 # commands). Fails at once without CUDA. One JSON line per row.
 gpu-check:
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) benchmarks/gpu_check.py --require-gpu
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) tests/gpu/gpu_check.py --require-gpu
 
 # The NCCL stand-in (tests/support/fake_nccl.py) against the real CuPy and NCCL, which import without a GPU:
 # installed into a folder of their own (~500 MB, not into the venv: `make test` stays as fast as it is), the

@@ -31,6 +31,8 @@ class UsageError(Exception):
 # A run name is one path component under runs/ and part of actor names (`raypar:<run>:...`): no separators,
 # no leading '.' (so never '.' or '..'), no ':'.
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+# The model FLOPs utilisation `raypar plan` assumes unless told (--mfu), and `raypar train --dry-run` with it.
+PLAN_MFU = 0.4
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--stop-at", type=int, metavar="STEP", help="stop before this step (resume later)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument(
+        "--dry-run", action="store_true", help="resolve and check the config, print it with the plan's "
+        "prediction for its layout, and exit without starting Ray"
+    )
+    train.add_argument(
         "--profile-steps", metavar="A-B", help="torch.profiler on every actor for steps A..B "
         "(train.profile_steps): profile.json, and in `raypar report`'s timeline.json"
     )
@@ -72,7 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--devices", required=True, type=int, help="number of devices (actors)")
     plan.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GB, 141GiB")
     plan.add_argument("--device", default="h100", help="h200, h100, a100, l4 or cpu (peaks and bandwidths)")
-    plan.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation (0.4)")
+    plan.add_argument(
+        "--mfu", type=float, default=PLAN_MFU, help=f"assumed model FLOPs utilisation ({PLAN_MFU})"
+    )
     plan.add_argument(
         "--compile-speedup", type=float, metavar="X",
         help="compute time eager / compiled on this device, for train.compile (default: the device's, 1.0)",
@@ -263,6 +271,9 @@ def _train(args: argparse.Namespace) -> int:
     name = args.name or f"{Path(args.config).stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = args.run_dir or Path("runs") / name
     shared_paths.check_run_dir(str(run_dir))  # not in `ray job submit`'s temporary copy of the working dir
+    if args.dry_run:  # every check above and the records' below, but nothing created (_check_outputs mkdirs)
+        run_records.check(cfg, run_dir, resume)
+        return _dry_run(cfg, args.address)
     _check_outputs(cfg, run_dir)
     run_records.check(cfg, run_dir, resume)  # never over another run's records or checkpoints
     from raypar.controller.connection import RunFailure  # imports Ray: only once the input is known good
@@ -290,6 +301,40 @@ def _train(args: argparse.Namespace) -> int:
         f"{resumed} in "
         f"{summary['wall_s']:.1f}s ({tokens_s:,.0f} tokens/s overall), {summary['restarts']} restarts; "
         f"{summary['run_dir']}/metrics.jsonl"
+    )
+    return 0
+
+
+def _dry_run(cfg: Config, address: str | None) -> int:
+    """Print the resolved config and the planner's prediction for its own layout on the device it would run
+    on here: the driver's GPU, else this machine's CPU, which a local Ray's actors all share."""
+    import torch
+
+    from raypar.core.checkpoint.reader import available_memory
+    from raypar.core.config.schema import to_toml
+    from raypar.core.planner import rank
+    from raypar.core.planner import search as plan
+
+    layout = plan.current_layout(cfg)
+    gpu = cfg.parallel.device != "cpu" and torch.cuda.is_available()
+    device = plan.device_named(torch.cuda.get_device_properties(0).name) if gpu else plan.DEVICES["cpu"]
+    pred = plan.predict(cfg, layout, device, PLAN_MFU)
+    if gpu:
+        need, memory = pred.memory_bytes, torch.cuda.get_device_properties(0).total_memory
+        where = "per GPU"
+    else:  # every actor on this machine: each pipeline rank's bytes times the actors holding that rank
+        need = sum(s.total for s in pred.stages) * layout.dp * layout.cp * layout.tp
+        memory = available_memory()
+        cluster = ray_env.target(address) is not None
+        where = "on this machine" + (" (a cluster's nodes are not checked)" if cluster else "")
+    step = pred.step_time_s
+    print(to_toml(cfg), end="")
+    print(
+        f"raypar train --dry-run: config valid, Ray not started. {rank.describe(layout)} on {layout.world} "
+        f"actors: the plan predicts {plan.gib(need)} of {plan.gib(memory)} {where}: "
+        f"{'fits' if need <= memory else 'does NOT fit'}; a step of {step:.3g} s, {pred.tokens_per_s:,.0f} "
+        f"tokens/s on {device.name} at an assumed MFU of {PLAN_MFU:g} ({pred.compute_s / step:.0%} compute, "
+        f"{pred.bubble_s / step:.0%} bubble, {pred.comm_s / step:.0%} communication)"
     )
     return 0
 

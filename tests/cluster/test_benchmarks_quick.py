@@ -171,11 +171,11 @@ def test_gpu_check_quick(shared_ray):
     if torch.cuda.is_available():
         pytest.skip("checks what gpu_check does without a GPU")
     # --require-gpu refuses at once, in one line, instead of passing on the CPU parts
-    refused = run("benchmarks/gpu_check.py", "--require-gpu", timeout=120)
+    refused = run("tests/gpu/gpu_check.py", "--require-gpu", timeout=120)
     assert refused.returncode == 1 and refused.stdout == "", refused
     assert len(refused.stderr.strip().splitlines()) == 1 and "no CUDA device" in refused.stderr
 
-    text = on_shared(shared_ray, "benchmarks/gpu_check.py", "--quick")
+    text = on_shared(shared_ray, "tests/gpu/gpu_check.py", "--quick")
     rows = [json.loads(ln) for ln in text.splitlines() if ln.startswith('{"check"')]
     *checks, summary = rows
     # The GPU-only sections say they cannot tell here (null), not that they passed

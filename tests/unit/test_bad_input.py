@@ -452,6 +452,18 @@ def _cases() -> list:
     # -- scale (status and --address: issue 9's other half) ---------------------------------------------
     for value in ("0", "-2", "nan"):
         case(f"scale-dp-{value}", lambda f, v=value: ["scale", "--run", "x", "--dp", v], lambda f: "--dp")
+    # -- train --dry-run (issue 48): refused as the real run would be -------------------------------------
+    def finished_run(f: Files) -> list[str]:  # the run directory of a run that completed a step
+        (f.root / "run").mkdir()
+        (f.root / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+        return train(f, "--dry-run")
+
+    case(
+        "train-dry-run-rule",
+        lambda f: train(f, "--dry-run", "--set", "parallel.tp=3"),
+        lambda f: "parallel.tp",
+    )
+    case("train-dry-run-rerun", finished_run, lambda f: "--run-dir")
     return cases
 
 

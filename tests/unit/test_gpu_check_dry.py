@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py's plumbing on the CPU, where its GPU rows cannot run: the call's deadline and a
+"""tests/gpu/gpu_check.py's plumbing on the CPU, where its GPU rows cannot run: the call's deadline and a
 section's budget print every remaining row as null with the reason, and `--nccl-only` (the first device
 call, which carries no wheels) runs without Ray importable. Subprocesses: a cut ends its process."""
 
@@ -18,7 +18,7 @@ PLAN = """
 import sys, threading
 sys.modules["ray"] = None  # the plumbing needs no Ray
 sys.argv = ["gpu_check.py"]
-from benchmarks import gpu_check as g
+from tests.gpu import gpu_check as g
 budget = g.Budget(deadline_s={deadline}, planned=["first", "hung", "later"])
 g.section(budget, "first", 60.0, lambda: g.emit("first", True))
 g.section(budget, "hung", {budget_s}, lambda: threading.Event().wait())
@@ -54,7 +54,7 @@ def test_a_cut_prints_the_running_and_every_later_section_as_a_row(deadline, bud
 
 def test_nccl_only_runs_without_ray():
     code = ("import sys; sys.modules['ray'] = None; sys.argv = ['gpu_check.py', '--nccl-only']\n"
-            "import runpy; runpy.run_path('benchmarks/gpu_check.py', run_name='__main__')")
+            "import runpy; runpy.run_path('tests/gpu/gpu_check.py', run_name='__main__')")
     rc, rows = _rows(code)
     assert rc == 0
     assert [r["check"] for r in rows] == ["nccl", "stream_order", "send_recv_self", "create_destroy", "abort",

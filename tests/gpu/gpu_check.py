@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))  # the repository root, two levels up
 
 import torch  # noqa: E402 - after the path fix above, as every import of the project
 
@@ -910,7 +910,7 @@ def main() -> int:
             emit("fp8", None, unverified="no CUDA device on this machine (torchao would only emulate float8)")
         elif importlib.util.find_spec("torchao") is None:
             budget.skip("fp8")
-            emit("fp8", None, unverified="torchao is not installed (benchmarks/gpu_wheels.sh carries it)")
+            emit("fp8", None, unverified="torchao is not installed (tests/gpu/gpu_wheels.sh carries it)")
         else:  # at the quick run's preset too: `tiny`'s dims are multiples of 16, as float8 GEMMs need
             section(budget, "fp8", 240.0, lambda: float8_steps(big, device, steps=5))
         steps = 2 if args.quick else 3  # two: the second step's loss already depends on the first's update

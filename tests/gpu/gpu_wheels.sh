@@ -10,13 +10,13 @@
 # carry, so it is repacked without what a raypar worker never loads (PRUNE below): then everything fits in
 # one call.
 #
-# Usage: benchmarks/gpu_wheels.sh [PYVER]   (PYVER 3.12 for the device; 3.11 builds the same set for this
+# Usage: tests/gpu/gpu_wheels.sh [PYVER]   (PYVER 3.12 for the device; 3.11 builds the same set for this
 # machine's Python, to test the pruned Ray here). PY=... picks the Python whose pip downloads; DEST=...
 # another folder than .whl.
 set -euo pipefail
 
 PYVER=${1:-3.12}
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${PY:-$([ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || echo python3)}
 DEST=${DEST:-$ROOT/.whl}  # the folder the device call carries
 # Pinned to the versions raypar's own environment resolves (pyproject.toml), so the device runs what the
