@@ -1,22 +1,32 @@
-# Two entry points for a fresh machine: `make demo` trains, `make test` runs the suite.
-# Both create .venv when it is missing and install the project (with its pinned deps) into it.
+# Two entry points for a fresh machine: `make demo` trains, `make test` runs the suite. Each creates .venv
+# when it is missing; the demo installs the project alone, the suite the project with its `dev` extra.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: demo test test-fast lint bench gpu-check check-cupy-api clean
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
-	touch $(STAMP)
 
-# Trains, checkpoints the last step, then prints what the model writes after "def ".
-demo: $(STAMP)
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+# Trains `small` into runs/demo, checkpoints the last step, draws the pictures (`wrote runs/demo/loss.png`)
+# and prints what the model writes after the prompt. A second `make demo` is refused in one line: runs/demo
+# holds the first run (`rm -rf runs/demo` trains it again; `raypar train ... --resume latest` continues it).
+demo: $(DEMO_STAMP)
 	$(BIN)/raypar train examples/configs/small.toml --name demo --run-dir runs/demo \
 		--set checkpoint.dir=runs/demo/checkpoints --set checkpoint.every=1000000
+	$(BIN)/raypar report runs/demo
 	$(BIN)/raypar generate runs/demo/checkpoints --prompt "def " --max-tokens 300 --temperature 0.7
 
 # The thread-rank numerics that a CPU's instruction set can move (bf16 rounding, GEMM blocking) run once more
@@ -37,7 +47,7 @@ ACROSS_CORES := -n auto --maxprocesses=4 --dist loadfile
 SOURCES := raypar actors collectives tests benchmarks
 BYTECODE := $(BIN)/python -m compileall -q $(SOURCES)
 
-# The suite by what a test needs (README.md, "Tests"): unit (one process, thread ranks), ray (the session's one
+# The suite by what a test needs (docs/testing.md): unit (one process, thread ranks), ray (the session's one
 # local Ray), cluster (subprocess runs that start their own Ray or clusters, benchmarks' --quick runs).
 test: $(STAMP)
 	$(BIN)/ruff check raypar actors collectives tests benchmarks examples
