@@ -11,7 +11,7 @@
 
     python benchmarks/moe.py [--quick] [--json]
 
-The numbers in benchmarks/README.md need a quiet machine; --quick only proves the script runs.
+The numbers in benchmarks/results/moe.md need a quiet machine; --quick only proves the script runs.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ running the MoE layers alone on the same tokens, so that no timer sits inside th
 
     python benchmarks/moe_grouped.py [--quick] [--repeats N] [--threads N] [--json FILE]
 
-The numbers in benchmarks/README.md need a quiet machine; --quick (the tiny model) only proves the script
-runs.
+The numbers in benchmarks/results/moe_grouped.md need a quiet machine; --quick (the tiny model) only proves
+the script runs.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ The two models, and why (this machine has 2 cores):
   instruction is padded to a fixed, known duration (`_common._PaddedBackend`: it sleeps out the rest of
   `--fwd-ms` after a forward and of `--bwd-ms` after a backward, a device kernel that does not need a
   core, as on a GPU). The units then cost the same on every stage, as the formulas assume (see
-  benchmarks/README.md, pipeline_bubble.py, for what unequal units did to earlier tables). Stages
+  benchmarks/results/pipeline_bubble.md, for what unequal units did to earlier tables). Stages
   do not compete for the cores, so p=4 is measured as honestly as p=2, and everything that is not the
   schedule itself -- actor calls, object-store or gloo hops, Python between instructions -- shows up as
   bubble on top of the formula. Here the ideal step is (m+p-1)(F+B), printed as `ideal_ms`.

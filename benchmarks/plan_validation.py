@@ -1,7 +1,8 @@
 """The planner's memory predictions against what raypar's actors measure, layout by layout.
 
-    python benchmarks/plan_validation.py    # the table in benchmarks/README.md (tests/unit/test_plan.py runs
-                                            # the same `measure()` and checks its tolerances)
+    python benchmarks/plan_validation.py    # the table in benchmarks/results/plan_validation.md
+                                            # (tests/unit/test_plan.py runs the same `measure()` and checks
+                                            # its tolerances)
     python benchmarks/plan_validation.py --quick            # smoke run: one layout
 
 For each layout the tiny model trains two steps on real actors; the second step's per-actor measurements

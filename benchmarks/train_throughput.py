@@ -207,7 +207,7 @@ class _Spinner:
 def ray_floor_ms(spinner: Any, seconds: float, calls: int) -> float:
     """Median driver round trip of one call of `spinner.spin(seconds)` minus the spin itself: what any
     design with one actor call per step pays, whatever the actor does. It grows with the call's length
-    (measured: benchmarks/README.md, train_throughput.py)."""
+    (measured: benchmarks/results/train_throughput.md)."""
     over = []
     for _ in range(calls):
         start = time.perf_counter()
