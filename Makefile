@@ -27,6 +27,7 @@ demo: $(DEMO_STAMP)
 	$(BIN)/raypar train examples/configs/small.toml --name demo --run-dir runs/demo \
 		--set checkpoint.dir=runs/demo/checkpoints --set checkpoint.every=1000000
 	$(BIN)/raypar report runs/demo
+	@echo "What 120 steps taught the model to write after \"def \" (byte-level; expect Python's letters and layout, not code):"
 	$(BIN)/raypar generate runs/demo/checkpoints --prompt "def " --max-tokens 300 --temperature 0.7
 
 # The thread-rank numerics that a CPU's instruction set can move (bf16 rounding, GEMM blocking) run once more
