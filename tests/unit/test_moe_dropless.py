@@ -189,7 +189,7 @@ def test_broken_bias_updates_are_rejected(update, symptom):
         assert_balanced(balance(update))
 
 
-# -- checkpoints out: Hugging Face refuses experts, sampling routes with the biases -----------------------
+# -- checkpoints out: Mixtral refuses what it cannot compute, sampling routes with the biases -------------
 def moe_checkpoint(tmp_path, shared: int) -> tuple[str, LlamaStage]:
     """A one-process checkpoint of an MoE model with non-zero routing biases, as a run writes it."""
     cfg = make_cfg(moe_shared_experts=shared).model
@@ -201,10 +201,13 @@ def moe_checkpoint(tmp_path, shared: int) -> tuple[str, LlamaStage]:
     return checkpoint.save(str(tmp_path / "ckpt"), 1, {"dp0.pp0.tp0": (tensors, specs)}, meta), stage
 
 
-@pytest.mark.parametrize("shared, field", [(1, "model.moe_shared_experts=1"), (0, "model.moe_experts=4")])
-def test_hf_export_refuses_experts_naming_the_field(tmp_path, shared, field):
+@pytest.mark.parametrize("shared, refusal", [
+    (1, "model.moe_shared_experts=1: MixtralForCausalLM has no shared experts"),
+    (0, "model.moe_renormalize=False: MixtralForCausalLM always renormalises"),
+])
+def test_hf_export_refuses_what_mixtral_cannot_compute_naming_the_field(tmp_path, shared, refusal):
     step, _ = moe_checkpoint(tmp_path, shared)
-    with pytest.raises(checkpoint.CheckpointError, match=f"{field}: Hugging Face's LlamaForCausalLM has no"):
+    with pytest.raises(checkpoint.CheckpointError, match=refusal):
         hf.export(step, str(tmp_path / "hf"))
 
 

@@ -1,4 +1,5 @@
-"""Hugging Face Llama weights in and out: config.json <-> ModelConfig, tensor names, sliced loading, export.
+"""Hugging Face Llama (and Mixtral) weights in and out: config.json <-> ModelConfig, tensor names, sliced
+loading, export. Mixtral is Llama's blocks with experts: raypar.core.model.moe_hf names its experts.
 
 raypar's blocks are `LlamaForCausalLM`'s: RMSNorm, SwiGLU, grouped-query attention, and RoPE applied by
 rotating (first half, second half) pairs of each head (HF's `rotate_half`), so HF's q_proj/k_proj rows
@@ -34,9 +35,12 @@ from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import ModelConfig
 from raypar.core.data.corpus import file_inside
 from raypar.core.data.tokenizer import HFTokenizer, from_record
+from raypar.core.model import moe_hf
 
 CONFIG, INDEX = "config.json", "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 2**30  # per exported file; a larger model is split into files with an index
+ROUTING_BIAS = ".mlp.expert_bias"  # raypar.core.model.moe's aux-loss-free balancing state
+RUN_MAY_SET = moe_hf.RUN_MAY_SET  # model fields config.json implies that a run's config may still change
 
 # raypar module path inside a block -> HF's.
 _BLOCK = {
@@ -58,8 +62,10 @@ _TOP = {
 _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)\.weight")
 
 
-def hf_name(name: str) -> str:
-    """raypar parameter name -> Hugging Face Llama tensor name."""
+def hf_name(name: str, moe: moe_hf.MoEFormat | None = None) -> str:
+    """raypar parameter name -> Hugging Face tensor name (Llama's, or `moe`'s for routers and experts)."""
+    if moe is not None and (expert := moe_hf.hf_name(moe, name)) is not None:
+        return expert
     if name in _TOP:
         return _TOP[name]
     m = _LAYER_RE.fullmatch(name)
@@ -93,8 +99,9 @@ def model_fields(path: str) -> dict[str, Any]:
     def refuse(field: str, rule: str) -> ConfigError:
         return ConfigError(f"{where}: {field}={hf.get(field)!r} is not supported ({rule})")
 
-    if hf.get("model_type") != "llama":
-        raise refuse("model_type", 'only "llama" is')
+    model_type = hf.get("model_type")
+    if model_type not in ("llama", moe_hf.MIXTRAL.model_type):
+        raise refuse("model_type", f'only "llama" and "{moe_hf.MIXTRAL.model_type}" are')
     if hf.get("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", "raypar's MLP is SwiGLU with silu")
     for field in ("attention_bias", "mlp_bias", "use_sliding_window", "qk_norm"):
@@ -144,14 +151,28 @@ def model_fields(path: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: missing field {err.args[0]}") from None
     if hf.get("head_dim") not in (None, d // heads):
         raise refuse("head_dim", f"must be hidden_size/num_attention_heads={d // heads}")
+    if model_type in moe_hf.FORMATS:
+        fields.update(moe_hf.model_fields(moe_hf.FORMATS[model_type], hf, refuse))
     return fields
 
 
+def moe_format(path: str) -> moe_hf.MoEFormat | None:
+    """The expert naming of the HF model at `path` (None: a dense Llama)."""
+    return moe_hf.FORMATS.get(_read_config(path).get("model_type"))
+
+
+def export_moe_format(model: dict[str, Any]) -> moe_hf.MoEFormat | None:
+    """The HF family a raypar model with experts exports as (Mixtral: Llama's blocks with experts)."""
+    return moe_hf.MIXTRAL if model["moe_experts"] else None
+
+
 def config_json(model: dict[str, Any]) -> dict[str, Any]:
-    """The config.json of a raypar model config (a ModelConfig as a dict)."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    """The config.json of a raypar model config (a ModelConfig as a dict); ValueError naming a key that
+    the Hugging Face model cannot express."""
+    moe = export_moe_format(model)
+    body = {
+        "architectures": [moe.architecture if moe else "LlamaForCausalLM"],
+        "model_type": moe.model_type if moe else "llama",
         "hidden_act": "silu",
         "hidden_size": model["d_model"],
         "intermediate_size": model["d_ff"],
@@ -170,6 +191,7 @@ def config_json(model: dict[str, Any]) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "dtype": "float32",
     }
+    return {**body, **moe_hf.config_json(moe, model)} if moe else body
 
 
 # -- weights in -----------------------------------------------------------------------------------------
@@ -257,10 +279,11 @@ def check_weights(cfg: ModelConfig) -> None:
     from raypar.core.model.llama import LlamaStage  # heavier; only this check and the actors need it
 
     shapes = HFWeights(cfg.init_from).shapes()
+    moe = moe_format(cfg.init_from)
     with torch.device("meta"):  # shapes without memory: the model may not fit this machine
         model = LlamaStage(cfg, init=False)
     for name, (global_shape, _) in model.shard_specs().items():
-        source = hf_name(model.init_source(name))
+        source = hf_name(model.init_source(name), moe)
         if source not in shapes:
             raise ConfigError(f"model.init_from: {cfg.init_from} has no tensor {source}")
         if tuple(shapes[source]) != tuple(global_shape):
@@ -273,11 +296,12 @@ def check_weights(cfg: ModelConfig) -> None:
 @torch.no_grad()
 def load_stage(stage: torch.nn.Module, path: str) -> None:
     """Copy this stage's shard of every parameter from the HF model at `path` (a `LlamaStage`, any
-    stage and tp rank). A tied head reads the embedding (HF files of tied models have no lm_head)."""
-    weights = HFWeights(path)
+    stage, tp rank and ep rank: its experts by their global ids). A tied head reads the embedding (HF
+    files of tied models have no lm_head)."""
+    weights, moe = HFWeights(path), moe_format(path)
     for name, (global_shape, offsets) in stage.shard_specs().items():
         param = stage.get_parameter(name)
-        source = hf_name(stage.init_source(name))
+        source = hf_name(stage.init_source(name), moe)
         param.copy_(weights.read_slice(source, global_shape, offsets, tuple(param.shape)))
 
 
@@ -293,13 +317,19 @@ def export(ckpt_uri: str, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES) 
 
     reader = checkpoint_read.CheckpointReader(ckpt_uri)
     model = dataclasses.asdict(checkpoint_read.model_config(reader))  # agrees with the tensors' shapes
-    for key in ("moe_shared_experts", "moe_experts"):  # the most specific field first
-        if model[key]:
-            raise checkpoint.CheckpointError(
-                f"{reader._where}: model.{key}={model[key]}: Hugging Face's LlamaForCausalLM has no experts "
-                "(export the raypar tensors with --format safetensors)"
-            )
+    try:
+        config = config_json(model)
+    except ValueError as err:
+        raise checkpoint.CheckpointError(
+            f"{reader._where}: {err} (export the raypar tensors with --format safetensors)"
+        ) from None
     names = [n for n in reader.names() if not n.startswith(checkpoint.OPTIM_PREFIX)]
+    for name in [n for n in names if n.endswith(ROUTING_BIAS)]:  # state HF's routers have no place for
+        if reader.read_full(name).any():
+            raise checkpoint.CheckpointError(
+                f"{reader._where}: {name} is not zero: {config['architectures'][0]} routes without a bias"
+            )
+        names.remove(name)
     files: list[list[str]] = [[]]
     size, largest = 0, 0
     for name in names:
@@ -321,7 +351,7 @@ def export(ckpt_uri: str, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES) 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
-        _write_hf_dir(reader, staging, files, model, tokenizer)
+        _write_hf_dir(reader, staging, files, config, tokenizer)
         os.rename(staging, out)
     except OSError as err:  # a read-only or full disk: the output is bad, not the checkpoint
         raise checkpoint.CheckpointError(f"{out}: cannot write: {err.strerror or err}") from None
@@ -348,12 +378,13 @@ def _tokenizer(reader: Any) -> HFTokenizer | None:
 
 
 def _write_hf_dir(
-    reader: Any, staging: Path, files: list[list[str]], model: dict[str, Any], tokenizer: HFTokenizer | None
+    reader: Any, staging: Path, files: list[list[str]], config: dict[str, Any], tokenizer: HFTokenizer | None
 ) -> None:
+    moe = moe_hf.FORMATS.get(config["model_type"])
     weight_map, total = {}, 0
     for k, group in enumerate(files):
         file = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" if len(files) > 1 else "model.safetensors"
-        tensors = {hf_name(n): reader.read_full(n).contiguous() for n in group}
+        tensors = {hf_name(n, moe): reader.read_full(n).contiguous() for n in group}
         safetensors.torch.save_file(tensors, staging / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -361,7 +392,6 @@ def _write_hf_dir(
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (staging / INDEX).write_text(json.dumps(index, indent=1))
-    config = config_json(model)
     if tokenizer is not None:
         # The EOS the documents were joined by, named where transformers looks: AutoTokenizer's eos_token
         # (tokenizer.json alone names no EOS) and the model's, which generate() stops at.

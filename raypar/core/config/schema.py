@@ -16,7 +16,7 @@ from typing import Any
 
 from raypar.core.config import options
 
-PRESETS: dict[str, dict[str, int]] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256, seq_len=32),
     # ~12.7M parameters: big enough that the loss curve means something, small enough for 2 CPU cores.
     "small": dict(n_layers=8, d_model=384, n_heads=6, n_kv_heads=2, d_ff=1024, vocab_size=256, seq_len=256),
@@ -26,6 +26,12 @@ PRESETS: dict[str, dict[str, int]] = {
     ),
     "llama-7b": dict(
         n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, d_ff=11008, vocab_size=32000, seq_len=4096
+    ),
+    # Mixtral-8x7B's published shape and routing, dropless (seq_len: a training context, not its 32k limit)
+    "mixtral-8x7b": dict(
+        n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=32000, seq_len=4096,
+        rope_theta=1e6, norm_eps=1e-5, moe_experts=8, moe_top_k=2, moe_renormalize=True,
+        moe_capacity_factor=0.0,
     ),
 }
 
@@ -53,10 +59,17 @@ class ModelConfig:
     moe_every: int = 1
     moe_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing by a per-expert routing bias
     moe_shared_experts: int = 0  # dense experts every token passes through beside the routed ones
+    moe_d_ff: int = 0  # each expert's hidden size (Qwen3-MoE's moe_intermediate_size); 0: d_ff
+    moe_renormalize: bool = False  # top-k router weights divided by their sum (Mixtral; norm_topk_prob)
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def expert_d_ff(self) -> int:
+        """The hidden size of one routed or shared expert."""
+        return self.moe_d_ff or self.d_ff
 
 
 @dataclass

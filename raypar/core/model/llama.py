@@ -175,10 +175,11 @@ class SwiGLU(nn.Module, TPLayer, Compilable):
 
 def shared_experts(cfg: ModelConfig, group: Group | None, sequence_parallel: bool) -> SwiGLU | None:
     """An MoE block's shared experts (raypar.core.model.moe): moe_shared_experts SwiGLUs side by side, i.e.
-    one of moe_shared_experts x d_ff hidden units, split over tp like the dense MLP; None without."""
+    one of moe_shared_experts x expert_d_ff hidden units, split over tp like the dense MLP; None without."""
     if not cfg.moe_shared_experts:
         return None
-    return SwiGLU(dataclasses.replace(cfg, d_ff=cfg.moe_shared_experts * cfg.d_ff), group, sequence_parallel)
+    width = cfg.moe_shared_experts * cfg.expert_d_ff
+    return SwiGLU(dataclasses.replace(cfg, d_ff=width), group, sequence_parallel)
 
 
 class Block(nn.Module):
@@ -491,7 +492,7 @@ def _matmul_params(cfg: ModelConfig, layer: int, experts: int) -> int:
     d, hd = cfg.d_model, cfg.head_dim
     attn = 2 * d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd
     if is_moe_layer(cfg, layer):
-        return attn + (experts + cfg.moe_shared_experts) * 3 * d * cfg.d_ff + d * cfg.moe_experts
+        return attn + (experts + cfg.moe_shared_experts) * 3 * d * cfg.expert_d_ff + d * cfg.moe_experts
     return attn + 3 * d * cfg.d_ff
 
 

@@ -1,0 +1,236 @@
+"""Hugging Face mixture-of-experts models in and out (raypar.core.model.moe_hf), against tiny random models
+that transformers builds and saves here: Mixtral.
+
+1. Logits from `model.init_from` at (1,1,1), at pp=2 x tp=2 and at dp=2 x ep=2 x tp=2 (each actor reading
+   only its experts' slices, by global id) within 1e-5 of transformers' fp32 forward (tests/support/
+   hf_models.py derives the bound: the same fp32 operations in nearly the same order; the experts'
+   outputs are summed in expert order as HF's loop sums them; tp splits d_ff's sums into two halves).
+2. One training step from the imported weights at dp=2 x ep=2 x tp=2 (SP) and pp=2 x tp=2 equals one
+   process (tests/support/moe_threads.py, its 1e-5 relative tolerance and derivation in
+   tests/unit/test_moe_dropless.py).
+3. The step's parameters, written as a checkpoint in the ep ranks' shards and exported with
+   `--format hf`, load with `from_pretrained` into logits within 1e-5 of raypar's, and raypar's greedy
+   generation (`raypar generate`'s decoder on the checkpoint) gives transformers' greedy tokens.
+
+Negative controls, each rejected by the same check on its message: the router not renormalised (1 and
+generation), experts read by their local id at ep=2 (2), the export's gate and up projections swapped (3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from raypar.core import generate
+from raypar.core.checkpoint import format as checkpoint
+from raypar.core.checkpoint import hf
+from raypar.core.model import moe_hf
+from raypar.core.model.llama import LlamaStage, StageSpec
+from raypar.core.model.moe import MoELayer
+from tests.support.hf_models import IDS, cfg_for, hf_logits
+from tests.support.hf_moe_models import EXPERTS, assert_logits, make_hf_mixtral
+from tests.support.moe_threads import assert_matches, parallel, reference
+from tests.support.threads import run_groups, run_ranks
+
+TOL = 1e-5
+
+
+class NotRenormalised(MoELayer):
+    """The top-k router weights as they are: Switch's routing, not Mixtral's."""
+
+    def gate_weights(self, top: torch.Tensor) -> torch.Tensor:
+        return top
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory) -> tuple[Path, object]:
+    path = tmp_path_factory.mktemp("hf-moe") / "mixtral"
+    return path, make_hf_mixtral(path)
+
+
+def loaded(path: Path, moe_class: type[MoELayer] = MoELayer, **stage) -> LlamaStage:
+    model = LlamaStage(cfg_for(path).model, init=False, **stage)
+    hf.load_stage(model, str(path))
+    for layer in model.moe_layers().values():
+        layer.__class__ = moe_class
+    return model.eval()
+
+
+def test_config_fields(mixtral):
+    m = cfg_for(mixtral[0]).model
+    assert (m.moe_experts, m.moe_top_k, m.moe_every, m.moe_d_ff, m.d_ff) == (EXPERTS, 2, 1, 0, 64)
+    assert m.moe_renormalize and m.moe_capacity_factor == 0
+    # a run may still train with a capacity (config.json implies dropless, it does not forbid it)
+    assert cfg_for(mixtral[0], "model.moe_capacity_factor=1.25").model.moe_capacity_factor == 1.25
+
+
+@pytest.mark.parametrize("moe_class", [MoELayer, NotRenormalised])
+def test_logits_match_hf(mixtral, moe_class):
+    path, model = mixtral
+    got = loaded(path, moe_class)(IDS).detach()
+    if moe_class is MoELayer:
+        assert_logits(got, hf_logits(model))
+    else:
+        with pytest.raises(AssertionError, match="logits differ by"):
+            assert_logits(got, hf_logits(model))
+
+
+def test_logits_at_pp2_tp2_match_hf(mixtral):
+    path, model = mixtral
+
+    def rank(group) -> torch.Tensor:
+        first = loaded(path, stage=StageSpec((range(0, 1),), True, False), tp_group=group)
+        last = loaded(path, stage=StageSpec((range(1, 2),), False, True), tp_group=group)
+        with torch.no_grad():
+            return last(first(IDS))
+
+    assert_logits(torch.cat(run_ranks(2, rank), dim=-1), hf_logits(model))
+
+
+def test_logits_at_dp2_ep2_tp2_match_hf(mixtral):
+    """Replica d holds sequence d and experts 2d, 2d+1 (on two tp ranks): its tokens go to the other
+    replica's experts and back."""
+    path, model = mixtral
+    groups = {"tp0": [0, 1], "tp1": [2, 3], "ep0": [0, 2], "ep1": [1, 3]}
+
+    def rank(r: int, mine: dict) -> torch.Tensor:
+        dp, tp = divmod(r, 2)
+        stage = loaded(path, tp_group=mine[f"tp{dp}"], ep_group=mine[f"ep{tp}"])
+        assert sorted(map(int, stage.moe_layers()["0"].experts)) == [2 * dp, 2 * dp + 1]
+        with torch.no_grad():
+            return stage(IDS[dp : dp + 1])
+
+    logits = run_groups(4, groups, rank)
+    got = torch.cat([torch.cat(logits[2 * d : 2 * d + 2], dim=-1) for d in range(2)])
+    assert_logits(got, hf_logits(model))
+
+
+# -- training from the imported weights, on thread ranks ---------------------------------------------------
+# Microbatches of one sequence in every layout: the aux loss is per microbatch, so one reference serves all.
+LAYOUTS = {
+    "dp2-ep2-tp2": ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                    "parallel.microbatches=2"],
+    "pp2-tp2": ["parallel.pp=2", "parallel.tp=2", "parallel.microbatches=4"],
+}
+
+
+def train_cfg(path: Path, layout: str):
+    return cfg_for(path, *LAYOUTS[layout], "train.global_batch=4")
+
+
+def import_weights(path: Path):
+    return lambda model: hf.load_stage(model, str(path))
+
+
+def import_by_local_id(path: Path):
+    """Each rank's experts read by their index on the rank, not their global id: every ep rank holds
+    experts 0 and 1's weights."""
+    weights, moe = hf.HFWeights(str(path)), hf.moe_format(str(path))
+
+    def load(model: LlamaStage) -> None:
+        hf.load_stage(model, str(path))
+        with torch.no_grad():
+            for i, layer in model.moe_layers().items():
+                for name, param in layer.experts.named_parameters():
+                    e, rest = name.split(".", 1)
+                    local = f"layers.{i}.mlp.experts.{int(e) - layer.first_expert}.{rest}"
+                    spec = model.shard_specs()[f"layers.{i}.mlp.experts.{name}"]
+                    param.copy_(weights.read_slice(hf.hf_name(local, moe), *spec, tuple(param.shape)))
+
+    return load
+
+
+@pytest.fixture(scope="module")
+def one_process(mixtral) -> dict:
+    path = mixtral[0]
+    return reference(train_cfg(path, "pp2-tp2"), import_weights(path))  # one layout-free reference
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_training_step_matches_one_process(mixtral, one_process, layout):
+    path = mixtral[0]
+    got = parallel(train_cfg(path, layout), prepare=import_weights(path))
+    print(f"{layout}: max relative differences {assert_matches(got, one_process, TOL)}")
+
+
+def test_experts_read_by_local_id_are_rejected(mixtral, one_process):
+    path = mixtral[0]
+    got = parallel(train_cfg(path, "dp2-ep2-tp2"), prepare=import_by_local_id(path))
+    with pytest.raises(AssertionError, match=r"^loss [\d.]+ vs [\d.]+$"):
+        assert_matches(got, one_process, TOL)
+
+
+# -- export --format hf and generation ---------------------------------------------------------------------
+def trained_checkpoint(path: Path, root: Path) -> tuple[str, LlamaStage]:
+    """One AdamW step at dp=2 x ep=2 x tp=2, its parameters written as the ranks write them: dense tensors
+    by replica 0, each ep rank's experts in its own shard; and the stepped model in one process."""
+    cfg = train_cfg(path, "dp2-ep2-tp2")
+    params = parallel(cfg, prepare=import_weights(path), lr=1e-2)["params"]
+    per_rank = cfg.model.moe_experts // 2
+    shards: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in params.items():  # experts.<global id>: ep rank id // per_rank, replica of that rank
+        ep_rank = int(name.split(".")[4]) // per_rank if ".experts." in name else None
+        key = "dp0.pp0.tp0.0" if ep_rank is None else f"dp{ep_rank}.pp0.tp0.e0"
+        shards.setdefault(key, {})[name] = tensor
+    full = checkpoint.ShardSpec.full
+    entries = {k: (t, {n: full(x.shape) for n, x in t.items()}) for k, t in shards.items()}
+    step = checkpoint.save(str(root / "ckpt"), 1, entries, {"model": dataclasses.asdict(cfg.model)})
+    model = LlamaStage(cfg.model, init=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+    return step, model.eval()
+
+
+@pytest.fixture(scope="module")
+def trained(mixtral, tmp_path_factory) -> tuple[str, LlamaStage]:
+    return trained_checkpoint(mixtral[0], tmp_path_factory.mktemp("trained"))
+
+
+def from_pretrained(out: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
+def test_export_loads_in_transformers(trained, tmp_path):
+    step, model = trained
+    out = hf.export(step, str(tmp_path / "hf"))
+    exported = from_pretrained(out)
+    assert type(exported).__name__ == "MixtralForCausalLM"
+    with torch.no_grad():
+        assert_logits(exported(IDS).logits, model(IDS))
+
+
+def test_export_with_gate_and_up_swapped_is_rejected(trained, tmp_path, monkeypatch):
+    step, model = trained
+    swapped = {"w_gate": "w3", "w_up": "w1", "w_down": "w2"}
+    monkeypatch.setitem(moe_hf.FORMATS, "mixtral", dataclasses.replace(moe_hf.MIXTRAL, projections=swapped))
+    exported = from_pretrained(hf.export(step, str(tmp_path / "hf")))
+    with torch.no_grad(), pytest.raises(AssertionError, match="logits differ by"):
+        assert_logits(exported(IDS).logits, model(IDS))
+
+
+def greedy_tokens_equal(raypar: list[int], transformers: list[int]) -> None:
+    assert raypar == transformers, f"greedy tokens differ: raypar {raypar}, transformers {transformers}"
+
+
+@pytest.mark.parametrize("moe_class", [MoELayer, NotRenormalised])
+def test_greedy_generation_matches_transformers(trained, tmp_path, moe_class):
+    step, _ = trained
+    exported = from_pretrained(hf.export(step, str(tmp_path / "hf")))
+    prompt, n = IDS[0, :5].tolist(), 10
+    with torch.no_grad():
+        want = exported.generate(IDS[:1, :5], max_new_tokens=n, do_sample=False, min_new_tokens=n)[0, 5:]
+    model, _ = generate.load(step)
+    for layer in model.moe_layers().values():
+        layer.__class__ = moe_class
+    got = generate.generate_ids(model, prompt, n)
+    if moe_class is MoELayer:
+        greedy_tokens_equal(got, want.tolist())
+    else:
+        with pytest.raises(AssertionError, match="greedy tokens differ"):
+            greedy_tokens_equal(got, want.tolist())
