@@ -1,5 +1,5 @@
 """Tiny random Hugging Face mixture-of-experts models written by `transformers` inside the tests (nothing
-downloaded): Mixtral, and the checks tests/unit/test_hf_moe.py runs on each.
+downloaded): Mixtral and Qwen3-MoE, and the logits check tests/unit/test_hf_moe.py runs on each.
 
 Draws that make a mapping error show: norm gains away from 1 (a norm on the wrong tensor); router weights
 large enough that each token's top k are clear winners and differ between tokens (with HF's
@@ -21,7 +21,11 @@ ROUTER_STD = 0.3  # router logits ~ sqrt(d_model) * 0.3 ~ 1.7 apart: decisive, r
 BLOCK_STD = 0.15  # an expert's output ~ sqrt(d_ff) * 0.5 * 0.15 ~ 0.6, the stream's embedding ~ 0.02
 
 
-def _randomise(model: Any) -> None:
+def _saved(model_class: Any, cfg: Any, path: Path, seed: int) -> Any:
+    """A random `model_class(cfg)` (eval, fp32), its weights drawn as the module docstring says, saved to
+    `path` with save_pretrained."""
+    torch.manual_seed(seed)
+    model = model_class(cfg).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -30,11 +34,12 @@ def _randomise(model: Any) -> None:
                 p.normal_(0.0, ROUTER_STD)
             elif ".layers." in name:
                 p.normal_(0.0, BLOCK_STD)
+    model.save_pretrained(path)
+    return model
 
 
 def make_hf_mixtral(path: Path, layers: int = 2, seed: int = 0) -> Any:
-    """A random MixtralForCausalLM (GQA: 4 heads, 2 kv heads; 4 experts, top 2) saved to `path`; returns the
-    model (eval, fp32)."""
+    """A random MixtralForCausalLM (GQA: 4 heads, 2 kv heads; 4 experts, top 2) saved to `path`."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     cfg = MixtralConfig(
@@ -43,11 +48,26 @@ def make_hf_mixtral(path: Path, layers: int = 2, seed: int = 0) -> Any:
         num_experts_per_tok=TOP_K, max_position_embeddings=64, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0},
     )
-    torch.manual_seed(seed)
-    model = MixtralForCausalLM(cfg).float().eval()
-    _randomise(model)
-    model.save_pretrained(path)
-    return model
+    return _saved(MixtralForCausalLM, cfg, path, seed)
+
+
+def make_hf_qwen3_moe(path: Path, layers: int = 2, seed: int = 0) -> Any:
+    """A random Qwen3MoeForCausalLM saved to `path`: Qwen3's attention (q/k norms, head_dim 16 against
+    hidden/heads = 8), experts of their own width (16 against the dense MLP's 64) in every second block
+    (block 0 dense), 4 experts, top 2, `norm_topk_prob` on."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=EXPERTS, num_experts_per_tok=TOP_K, decoder_sparse_step=2, norm_topk_prob=True,
+        max_position_embeddings=64, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    )
+    return _saved(Qwen3MoeForCausalLM, cfg, path, seed)
+
+
+MAKERS = {"mixtral": make_hf_mixtral, "qwen3_moe": make_hf_qwen3_moe}
 
 
 def assert_logits(got: torch.Tensor, want: torch.Tensor) -> float:

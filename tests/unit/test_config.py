@@ -148,7 +148,8 @@ def test_each_registry_covers_exactly_its_options():
     from raypar.core.config import options
     from raypar.core.dp import compress, precision
     from raypar.core.dp.strategies import STRATEGIES
-    from raypar.core.model import llama
+    from raypar.core.model import families
+    from raypar.core.model.llama import blocks, rope
     from raypar.core.observe.tracker_backends import BACKENDS
     from raypar.core.parallel import cp
     from raypar.core.pipeline import schedules
@@ -156,8 +157,9 @@ def test_each_registry_covers_exactly_its_options():
     pairs = [
         (schedules.BUILDERS, options.SCHEDULES), (STRATEGIES, options.ZERO_STAGES),
         (cp.ATTENTION, options.CP_STYLES), (compress.COMPRESSORS, options.COMPRESSIONS),
-        (precision.DTYPES, options.PRECISIONS), (llama.RECOMPUTE, options.RECOMPUTE),
-        (BACKENDS, options.TRACKERS),
+        (precision.DTYPES, options.PRECISIONS), (blocks.RECOMPUTE, options.RECOMPUTE),
+        (BACKENDS, options.TRACKERS), (families.FAMILIES, options.FAMILIES),
+        ({"none", *rope.SCALED}, options.ROPE_SCALINGS),
     ]
     for registry, names in pairs:
         assert set(registry) == set(names)

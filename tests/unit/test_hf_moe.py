@@ -1,5 +1,6 @@
 """Hugging Face mixture-of-experts models in and out (raypar.core.model.moe_hf), against tiny random models
-that transformers builds and saves here: Mixtral.
+that transformers builds and saves here: Mixtral, and Qwen3-MoE (q/k norms, its own head_dim and expert
+width, a dense block 0, norm_topk_prob), each test for both.
 
 1. Logits from `model.init_from` at (1,1,1), at pp=2 x tp=2 and at dp=2 x ep=2 x tp=2 (each actor reading
    only its experts' slices, by global id) within 1e-5 of transformers' fp32 forward (tests/support/
@@ -13,12 +14,15 @@ that transformers builds and saves here: Mixtral.
    generation (`raypar generate`'s decoder on the checkpoint) gives transformers' greedy tokens.
 
 Negative controls, each rejected by the same check on its message: the router not renormalised (1 and
-generation), experts read by their local id at ep=2 (2), the export's gate and up projections swapped (3).
+generation), Qwen3-MoE's norm_topk_prob flipped in config.json (1), experts read by their local id at ep=2
+(2), the export's gate and up projections swapped (3).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -27,11 +31,11 @@ import torch
 from raypar.core import generate
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import hf
-from raypar.core.model import moe_hf
-from raypar.core.model.llama import LlamaStage, StageSpec
+from raypar.core.model import families
 from raypar.core.model.moe import MoELayer
+from raypar.core.model.stage import Stage, StageSpec
 from tests.support.hf_models import IDS, cfg_for, hf_logits
-from tests.support.hf_moe_models import EXPERTS, assert_logits, make_hf_mixtral
+from tests.support.hf_moe_models import EXPERTS, MAKERS, assert_logits
 from tests.support.moe_threads import assert_matches, parallel, reference
 from tests.support.threads import run_groups, run_ranks
 
@@ -45,31 +49,35 @@ class NotRenormalised(MoELayer):
         return top
 
 
-@pytest.fixture(scope="module")
-def mixtral(tmp_path_factory) -> tuple[Path, object]:
-    path = tmp_path_factory.mktemp("hf-moe") / "mixtral"
-    return path, make_hf_mixtral(path)
+@pytest.fixture(scope="module", params=MAKERS)
+def hf_moe(request, tmp_path_factory) -> tuple[Path, object]:
+    path = tmp_path_factory.mktemp("hf-moe") / request.param
+    return path, MAKERS[request.param](path)
 
 
-def loaded(path: Path, moe_class: type[MoELayer] = MoELayer, **stage) -> LlamaStage:
-    model = LlamaStage(cfg_for(path).model, init=False, **stage)
+def loaded(path: Path, moe_class: type[MoELayer] = MoELayer, **stage) -> Stage:
+    model = families.build_stage(cfg_for(path).model, init=False, **stage)
     hf.load_stage(model, str(path))
     for layer in model.moe_layers().values():
         layer.__class__ = moe_class
     return model.eval()
 
 
-def test_config_fields(mixtral):
-    m = cfg_for(mixtral[0]).model
-    assert (m.moe_experts, m.moe_top_k, m.moe_every, m.moe_d_ff, m.d_ff) == (EXPERTS, 2, 1, 0, 64)
+def test_config_fields(hf_moe):
+    m = cfg_for(hf_moe[0]).model
+    qwen = m.family == "qwen3_moe"
+    assert m.family == hf_moe[0].name
+    assert (m.moe_experts, m.moe_top_k, m.d_ff) == (EXPERTS, 2, 64)
+    want = (2, 16, True, 16) if qwen else (1, 0, False, 8)
+    assert (m.moe_every, m.moe_d_ff, m.qk_norm, m.head_dim) == want
     assert m.moe_renormalize and m.moe_capacity_factor == 0
     # a run may still train with a capacity (config.json implies dropless, it does not forbid it)
-    assert cfg_for(mixtral[0], "model.moe_capacity_factor=1.25").model.moe_capacity_factor == 1.25
+    assert cfg_for(hf_moe[0], "model.moe_capacity_factor=1.25").model.moe_capacity_factor == 1.25
 
 
 @pytest.mark.parametrize("moe_class", [MoELayer, NotRenormalised])
-def test_logits_match_hf(mixtral, moe_class):
-    path, model = mixtral
+def test_logits_match_hf(hf_moe, moe_class):
+    path, model = hf_moe
     got = loaded(path, moe_class)(IDS).detach()
     if moe_class is MoELayer:
         assert_logits(got, hf_logits(model))
@@ -78,8 +86,21 @@ def test_logits_match_hf(mixtral, moe_class):
             assert_logits(got, hf_logits(model))
 
 
-def test_logits_at_pp2_tp2_match_hf(mixtral):
-    path, model = mixtral
+def test_norm_topk_prob_flipped_is_rejected(hf_moe, tmp_path):
+    """Qwen3-MoE's config.json flag is read: flipped, the same weights give other logits."""
+    path, model = hf_moe
+    if path.name != "qwen3_moe":
+        pytest.skip("Mixtral always renormalises: config.json has no flag")
+    flipped = tmp_path / "flipped"
+    shutil.copytree(path, flipped)
+    body = json.loads((flipped / "config.json").read_text())
+    (flipped / "config.json").write_text(json.dumps({**body, "norm_topk_prob": not body["norm_topk_prob"]}))
+    with pytest.raises(AssertionError, match="logits differ by"):
+        assert_logits(loaded(flipped)(IDS).detach(), hf_logits(model))
+
+
+def test_logits_at_pp2_tp2_match_hf(hf_moe):
+    path, model = hf_moe
 
     def rank(group) -> torch.Tensor:
         first = loaded(path, stage=StageSpec((range(0, 1),), True, False), tp_group=group)
@@ -90,16 +111,16 @@ def test_logits_at_pp2_tp2_match_hf(mixtral):
     assert_logits(torch.cat(run_ranks(2, rank), dim=-1), hf_logits(model))
 
 
-def test_logits_at_dp2_ep2_tp2_match_hf(mixtral):
+def test_logits_at_dp2_ep2_tp2_match_hf(hf_moe):
     """Replica d holds sequence d and experts 2d, 2d+1 (on two tp ranks): its tokens go to the other
     replica's experts and back."""
-    path, model = mixtral
+    path, model = hf_moe
     groups = {"tp0": [0, 1], "tp1": [2, 3], "ep0": [0, 2], "ep1": [1, 3]}
 
     def rank(r: int, mine: dict) -> torch.Tensor:
         dp, tp = divmod(r, 2)
         stage = loaded(path, tp_group=mine[f"tp{dp}"], ep_group=mine[f"ep{tp}"])
-        assert sorted(map(int, stage.moe_layers()["0"].experts)) == [2 * dp, 2 * dp + 1]
+        assert all(sorted(map(int, m.experts)) == [2 * dp, 2 * dp + 1] for m in stage.moe_layers().values())
         with torch.no_grad():
             return stage(IDS[dp : dp + 1])
 
@@ -128,9 +149,10 @@ def import_weights(path: Path):
 def import_by_local_id(path: Path):
     """Each rank's experts read by their index on the rank, not their global id: every ep rank holds
     experts 0 and 1's weights."""
-    weights, moe = hf.HFWeights(str(path)), hf.moe_format(str(path))
+    weights = hf.HFWeights(str(path))
 
-    def load(model: LlamaStage) -> None:
+    def load(model: Stage) -> None:
+        hf_name = families.family(model.cfg).hf.hf_name
         hf.load_stage(model, str(path))
         with torch.no_grad():
             for i, layer in model.moe_layers().items():
@@ -138,33 +160,33 @@ def import_by_local_id(path: Path):
                     e, rest = name.split(".", 1)
                     local = f"layers.{i}.mlp.experts.{int(e) - layer.first_expert}.{rest}"
                     spec = model.shard_specs()[f"layers.{i}.mlp.experts.{name}"]
-                    param.copy_(weights.read_slice(hf.hf_name(local, moe), *spec, tuple(param.shape)))
+                    param.copy_(weights.read_slice(hf_name(local), *spec, tuple(param.shape)))
 
     return load
 
 
 @pytest.fixture(scope="module")
-def one_process(mixtral) -> dict:
-    path = mixtral[0]
+def one_process(hf_moe) -> dict:
+    path = hf_moe[0]
     return reference(train_cfg(path, "pp2-tp2"), import_weights(path))  # one layout-free reference
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_training_step_matches_one_process(mixtral, one_process, layout):
-    path = mixtral[0]
+def test_training_step_matches_one_process(hf_moe, one_process, layout):
+    path = hf_moe[0]
     got = parallel(train_cfg(path, layout), prepare=import_weights(path))
     print(f"{layout}: max relative differences {assert_matches(got, one_process, TOL)}")
 
 
-def test_experts_read_by_local_id_are_rejected(mixtral, one_process):
-    path = mixtral[0]
+def test_experts_read_by_local_id_are_rejected(hf_moe, one_process):
+    path = hf_moe[0]
     got = parallel(train_cfg(path, "dp2-ep2-tp2"), prepare=import_by_local_id(path))
     with pytest.raises(AssertionError, match=r"^loss [\d.]+ vs [\d.]+$"):
         assert_matches(got, one_process, TOL)
 
 
 # -- export --format hf and generation ---------------------------------------------------------------------
-def trained_checkpoint(path: Path, root: Path) -> tuple[str, LlamaStage]:
+def trained_checkpoint(path: Path, root: Path) -> tuple[str, Stage]:
     """One AdamW step at dp=2 x ep=2 x tp=2, its parameters written as the ranks write them: dense tensors
     by replica 0, each ep rank's experts in its own shard; and the stepped model in one process."""
     cfg = train_cfg(path, "dp2-ep2-tp2")
@@ -178,7 +200,7 @@ def trained_checkpoint(path: Path, root: Path) -> tuple[str, LlamaStage]:
     full = checkpoint.ShardSpec.full
     entries = {k: (t, {n: full(x.shape) for n, x in t.items()}) for k, t in shards.items()}
     step = checkpoint.save(str(root / "ckpt"), 1, entries, {"model": dataclasses.asdict(cfg.model)})
-    model = LlamaStage(cfg.model, init=False)
+    model = families.build_stage(cfg.model, init=False)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(params[name])
@@ -186,8 +208,8 @@ def trained_checkpoint(path: Path, root: Path) -> tuple[str, LlamaStage]:
 
 
 @pytest.fixture(scope="module")
-def trained(mixtral, tmp_path_factory) -> tuple[str, LlamaStage]:
-    return trained_checkpoint(mixtral[0], tmp_path_factory.mktemp("trained"))
+def trained(hf_moe, tmp_path_factory) -> tuple[str, Stage]:
+    return trained_checkpoint(hf_moe[0], tmp_path_factory.mktemp("trained"))
 
 
 def from_pretrained(out: str):
@@ -200,15 +222,17 @@ def test_export_loads_in_transformers(trained, tmp_path):
     step, model = trained
     out = hf.export(step, str(tmp_path / "hf"))
     exported = from_pretrained(out)
-    assert type(exported).__name__ == "MixtralForCausalLM"
+    assert type(exported).__name__ == families.family(model.cfg).hf.fmt.architecture
     with torch.no_grad():
         assert_logits(exported(IDS).logits, model(IDS))
 
 
 def test_export_with_gate_and_up_swapped_is_rejected(trained, tmp_path, monkeypatch):
     step, model = trained
-    swapped = {"w_gate": "w3", "w_up": "w1", "w_down": "w2"}
-    monkeypatch.setitem(moe_hf.FORMATS, "mixtral", dataclasses.replace(moe_hf.MIXTRAL, projections=swapped))
+    mapping = families.family(model.cfg).hf
+    gate, up = mapping.fmt.projections["w_gate"], mapping.fmt.projections["w_up"]
+    swapped = {**mapping.fmt.projections, "w_gate": up, "w_up": gate}
+    monkeypatch.setattr(mapping, "fmt", dataclasses.replace(mapping.fmt, projections=swapped))
     exported = from_pretrained(hf.export(step, str(tmp_path / "hf")))
     with torch.no_grad(), pytest.raises(AssertionError, match="logits differ by"):
         assert_logits(exported(IDS).logits, model(IDS))

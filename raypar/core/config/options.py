@@ -19,6 +19,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+# model.family: the model families (raypar.core.model.families registers each by this name)
+FAMILIES = ("llama", "mixtral", "qwen3_moe")
+# model.rope_scaling: how RoPE's frequencies are stretched (raypar.core.model.llama.rope computes each as
+# transformers does); "none": the original frequencies
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+
 
 def one_of(names: Iterable[object], quote: bool = True) -> str:
     """'"a", "b" or "c"': the names an error message offers (numbers unquoted)."""

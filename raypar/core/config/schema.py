@@ -29,8 +29,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # Mixtral-8x7B's published shape and routing, dropless (seq_len: a training context, not its 32k limit)
     "mixtral-8x7b": dict(
-        n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=32000, seq_len=4096,
-        rope_theta=1e6, norm_eps=1e-5, moe_experts=8, moe_top_k=2, moe_renormalize=True,
+        family="mixtral", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=32000,
+        seq_len=4096, rope_theta=1e6, norm_eps=1e-5, moe_experts=8, moe_top_k=2, moe_renormalize=True,
         moe_capacity_factor=0.0,
     ),
 }
@@ -39,6 +39,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 @dataclass
 class ModelConfig:
     preset: str = "tiny"
+    family: str = "llama"  # options.FAMILIES (raypar.core.model.families)
     n_layers: int = 0
     d_model: int = 0
     n_heads: int = 0
@@ -49,6 +50,19 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # Switches on the llama family's blocks (Qwen2: qkv_bias; Qwen3: qk_norm and its own head_dim)
+    head_dim_override: int = 0  # the width of a head; 0: d_model / n_heads
+    qkv_bias: bool = False  # biases on the q, k and v projections (not on the output projection)
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before RoPE
+    # RoPE scaling (options.ROPE_SCALINGS), the fields of Hugging Face's rope_scaling / rope_parameters
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0  # linear, llama3, yarn: how much longer the context is than trained on
+    rope_original_max_len: int = 0  # llama3, yarn: original_max_position_embeddings
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_beta_fast: float = 32.0  # yarn
+    rope_beta_slow: float = 1.0  # yarn
+    rope_attention_factor: float = 0.0  # yarn: cos and sin scaled by it; 0: 0.1 ln(factor) + 1 (HF's)
     init_from: str = ""  # a Hugging Face Llama directory: config.json sets the shape, its weights the start
     dropout: float = 0.0
     # Mixture of experts (raypar.core.model.moe): 0 experts = dense.
@@ -64,7 +78,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_dim_override or self.d_model // self.n_heads
 
     @property
     def expert_d_ff(self) -> int:

@@ -1,5 +1,5 @@
-"""Hugging Face mixture-of-experts checkpoints (Mixtral, Qwen3-MoE): the expert fields of config.json and
-the expert tensors' names, both ways.
+"""Hugging Face mixture-of-experts models (the mixtral and qwen3_moe families): the llama family's
+mapping for everything but the experts, plus the experts' config.json fields and tensor names, both ways.
 
 What `save_pretrained` writes in transformers 5 (which fuses the experts into 3-D `gate_up_proj` and
 `down_proj` parameters in memory and converts back on save; from_pretrained takes either form) is one
@@ -24,18 +24,21 @@ config.json implies; a run may still set a capacity factor (a training choice, n
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from raypar.core.config.errors import ConfigError
+from raypar.core.model.llama import hf as llama_hf
 
-Refuse = Callable[[str, str], ConfigError]  # (config.json field, rule) -> the error naming both
+# Written by transformers 5 (an alias of the attribute); earlier Qwen3-MoE configs say num_experts.
+EXPERT_FIELDS = ("num_local_experts", "num_experts")
+_EXPERT_RE = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
+_ROUTER_RE = re.compile(r"layers\.(\d+)\.mlp\.router\.weight")
 
 
 @dataclass(frozen=True)
 class MoEFormat:
-    """How one Hugging Face family spells its experts."""
+    """How one Hugging Face family spells its experts, and which of the llama family's attention it has."""
 
     model_type: str
     architecture: str
@@ -44,101 +47,107 @@ class MoEFormat:
     d_ff_field: str  # config.json's field of one expert's hidden size
     renormalize_field: str | None  # config.json's flag for renormalising the top k; None: always on
     sparse_step: bool  # config.json says which blocks have experts (decoder_sparse_step); else all do
+    qk_norm: bool  # per-head q/k RMSNorm (Qwen3's attention) or none (Llama's)
 
 
-MIXTRAL = MoEFormat(
-    model_type="mixtral", architecture="MixtralForCausalLM", block="block_sparse_moe",
-    projections={"w_gate": "w1", "w_up": "w3", "w_down": "w2"}, d_ff_field="intermediate_size",
-    renormalize_field=None, sparse_step=False,
-)
-QWEN3_MOE = MoEFormat(
-    model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM", block="mlp",
-    projections={"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"},
-    d_ff_field="moe_intermediate_size", renormalize_field="norm_topk_prob", sparse_step=True,
-)
-FORMATS = {f.model_type: f for f in (MIXTRAL, QWEN3_MOE)}
-# Written by transformers 5 (an alias of the attribute); earlier Qwen3-MoE configs say num_experts.
-EXPERT_FIELDS = ("num_local_experts", "num_experts")
-# Fields config.json implies that a run may still change (the user's value wins over the file's).
-RUN_MAY_SET = frozenset({"moe_capacity_factor"})
+class MoEMapping:
+    """The `HFMapping` (raypar.core.model.stage) of family `family` in format `fmt`."""
 
-_EXPERT_RE = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
-_ROUTER_RE = re.compile(r"layers\.(\d+)\.mlp\.router\.weight")
+    def __init__(self, fmt: MoEFormat, family: str):
+        self.fmt, self.family = fmt, family
+        self.MODEL_TYPES = (fmt.model_type,)
+        self.dense_type = "qwen3" if fmt.qk_norm else "llama"  # the llama family's model with its attention
 
+    def hf_name(self, name: str) -> str:
+        """raypar parameter name -> Hugging Face tensor name: routers and experts here, the rest llama's."""
+        fmt = self.fmt
+        if m := _ROUTER_RE.fullmatch(name):
+            return f"model.layers.{m[1]}.{fmt.block}.gate.weight"
+        if (m := _EXPERT_RE.fullmatch(name)) and m[3] in fmt.projections:
+            return f"model.layers.{m[1]}.{fmt.block}.experts.{m[2]}.{fmt.projections[m[3]]}.weight"
+        return llama_hf.hf_name(name)
 
-def hf_name(fmt: MoEFormat, name: str) -> str | None:
-    """raypar parameter name -> the Hugging Face tensor of `fmt`, for a router or expert weight; None for
-    any other parameter (the dense mapping's)."""
-    if m := _ROUTER_RE.fullmatch(name):
-        return f"model.layers.{m[1]}.{fmt.block}.gate.weight"
-    if (m := _EXPERT_RE.fullmatch(name)) and m[3] in fmt.projections:
-        return f"model.layers.{m[1]}.{fmt.block}.experts.{m[2]}.{fmt.projections[m[3]]}.weight"
-    return None
+    def model_fields(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
+        """The llama family's fields of the attention and dense parts, and the experts'; what raypar's
+        MoE layer would compute differently is refused, naming the field."""
+        fmt = self.fmt
 
+        def refuse(field: str, rule: str) -> ConfigError:
+            return ConfigError(f"{where}: {field}={hf.get(field)!r} is not supported ({rule})")
 
-def model_fields(fmt: MoEFormat, hf: dict[str, Any], refuse: Refuse) -> dict[str, Any]:
-    """The ModelConfig MoE fields of config.json `hf`; what raypar's MoE layer would compute differently
-    is refused through `refuse` (naming the field)."""
-    if hf.get("router_jitter_noise", 0.0):
-        raise refuse("router_jitter_noise", "raypar's router has no jitter")
-    if hf.get("mlp_only_layers"):
-        raise refuse("mlp_only_layers", "MoE blocks are every decoder_sparse_step-th; no list of dense ones")
-    for field in ("shared_expert_intermediate_size", "n_shared_experts", "moe_layer_freq"):
-        if hf.get(field):  # another family's experts: say so rather than load half of the model
-            raise refuse(field, f"not a {fmt.model_type} field")
-    experts_field = next((f for f in EXPERT_FIELDS if f in hf), EXPERT_FIELDS[0])
-    renorm = True if fmt.renormalize_field is None else hf.get(fmt.renormalize_field, False)
-    if not isinstance(renorm, bool):
-        raise refuse(fmt.renormalize_field or "", "must be true or false")
-    fields = {
-        "moe_experts": _positive(hf, experts_field, refuse),
-        "moe_top_k": _positive(hf, "num_experts_per_tok", refuse),
-        "moe_every": _positive(hf, "decoder_sparse_step", refuse, default=1) if fmt.sparse_step else 1,
-        "moe_renormalize": renorm,
-        "moe_capacity_factor": 0.0,  # dropless, as the HF model computes
-        "moe_shared_experts": 0,
-    }
-    if fmt.d_ff_field != "intermediate_size":
-        fields["moe_d_ff"] = _positive(hf, fmt.d_ff_field, refuse)
-    return fields
+        def positive(field: str, default: int | None = None) -> int:
+            value = hf.get(field, default)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise refuse(field, "must be a positive integer")
+            return value
 
+        if hf.get("router_jitter_noise", 0.0):
+            raise refuse("router_jitter_noise", "raypar's router has no jitter")
+        if hf.get("mlp_only_layers"):
+            raise refuse("mlp_only_layers", "MoE blocks are every decoder_sparse_step-th, not listed")
+        for field in ("shared_expert_intermediate_size", "n_shared_experts", "moe_layer_freq"):
+            if hf.get(field):  # another family's experts: say so rather than load half of the model
+                raise refuse(field, f"not a {fmt.model_type} field")
+        renormalize = True if fmt.renormalize_field is None else hf.get(fmt.renormalize_field, False)
+        if fmt.renormalize_field is not None and not isinstance(renormalize, bool):
+            raise refuse(fmt.renormalize_field, "must be true or false")
+        dense = llama_hf.model_fields({**hf, "model_type": self.dense_type}, where)
+        fields = {
+            **dense,
+            "family": self.family,
+            "moe_experts": positive(next((f for f in EXPERT_FIELDS if f in hf), EXPERT_FIELDS[0])),
+            "moe_top_k": positive("num_experts_per_tok"),
+            "moe_every": positive("decoder_sparse_step", 1) if fmt.sparse_step else 1,
+            "moe_renormalize": renormalize,
+            "moe_capacity_factor": 0.0,  # dropless, as the HF model computes
+        }
+        if fmt.d_ff_field != "intermediate_size":
+            fields["moe_d_ff"] = positive(fmt.d_ff_field)
+        return fields
 
-def config_json(fmt: MoEFormat, model: dict[str, Any]) -> dict[str, Any]:
-    """The expert fields of `fmt`'s config.json for a raypar model config (a ModelConfig as a dict);
-    ValueError naming the model key that `fmt` cannot express."""
-    def cannot(key: str, rule: str) -> ValueError:
-        return ValueError(f"model.{key}={model[key]!r}: {fmt.architecture} {rule}")
+    def export_refusal(self, model: dict[str, Any]) -> str | None:
+        """Why a model of this config is not a `fmt.architecture` (None: it is), naming the key."""
+        fmt, arch = self.fmt, self.fmt.architecture
 
-    if model["moe_shared_experts"]:
-        raise cannot("moe_shared_experts", "has no shared experts")
-    if model["moe_bias_update_rate"]:
-        raise cannot("moe_bias_update_rate", "routes without a per-expert bias")
-    if fmt.renormalize_field is None and not model["moe_renormalize"]:
-        raise cannot("moe_renormalize", "always renormalises the top-k router weights")
-    if fmt.d_ff_field == "intermediate_size" and model["moe_d_ff"] not in (0, model["d_ff"]):
-        raise cannot("moe_d_ff", "experts have the dense MLP's hidden size, intermediate_size")
-    out = {
-        EXPERT_FIELDS[0]: model["moe_experts"],
-        "num_experts_per_tok": model["moe_top_k"],
-        "router_aux_loss_coef": model["moe_aux_loss_coef"],
-        "output_router_logits": False,
-    }
-    if fmt.renormalize_field is not None:
-        out[fmt.renormalize_field] = bool(model["moe_renormalize"])
-    if fmt.d_ff_field != "intermediate_size":
-        out[fmt.d_ff_field] = model["moe_d_ff"] or model["d_ff"]
-    if fmt.sparse_step:
-        out.update(decoder_sparse_step=model["moe_every"], mlp_only_layers=[])
-    elif model["moe_every"] != 1:
-        raise cannot("moe_every", "has experts in every block")
-    else:
-        out["router_jitter_noise"] = 0.0
-    return out
+        def why(key: str, rule: str) -> str:
+            return f"model.{key}={model[key]!r}: {arch} {rule}"
 
+        if not model["moe_experts"]:
+            return why("moe_experts", "has experts")
+        if model["moe_shared_experts"]:
+            return why("moe_shared_experts", "has no shared experts")
+        if model["moe_bias_update_rate"]:
+            return why("moe_bias_update_rate", "routes without a per-expert bias")
+        if fmt.renormalize_field is None and not model["moe_renormalize"]:
+            return why("moe_renormalize", "always renormalises the top-k router weights")
+        if fmt.d_ff_field == "intermediate_size" and model["moe_d_ff"] not in (0, model["d_ff"]):
+            return why("moe_d_ff", "experts have the dense MLP's hidden size, intermediate_size")
+        if not fmt.sparse_step and model["moe_every"] != 1:
+            return why("moe_every", "has experts in every block")
+        if model["qk_norm"] != fmt.qk_norm:
+            return why("qk_norm", "has it" if fmt.qk_norm else "has no q/k norm")
+        if model["qkv_bias"]:
+            return why("qkv_bias", "has no q/k/v biases")
+        return None
 
-def _positive(hf: dict[str, Any], field: str, refuse: Refuse, default: int | None = None) -> int:
-    value = hf.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise refuse(field, "must be a positive integer")
-    return value
-
+    def config_json(self, model: dict[str, Any]) -> dict[str, Any]:
+        """The llama family's config.json of the attention, with `fmt`'s model type and experts."""
+        fmt = self.fmt
+        out = {
+            **llama_hf.config_json(model),
+            "architectures": [fmt.architecture],
+            "model_type": fmt.model_type,
+            EXPERT_FIELDS[0]: model["moe_experts"],
+            "num_experts_per_tok": model["moe_top_k"],
+            "router_aux_loss_coef": model["moe_aux_loss_coef"],
+            "output_router_logits": False,
+        }
+        if fmt.renormalize_field is not None:
+            out[fmt.renormalize_field] = bool(model["moe_renormalize"])
+        if fmt.d_ff_field != "intermediate_size":
+            out[fmt.d_ff_field] = model["moe_d_ff"] or model["d_ff"]
+        if fmt.sparse_step:
+            out |= {"decoder_sparse_step": model["moe_every"], "mlp_only_layers": []}
+        else:
+            out["router_jitter_noise"] = 0.0
+        return out
