@@ -34,6 +34,7 @@ from raypar.core.checkpoint import hf
 from raypar.core.model import families
 from raypar.core.model.moe import MoELayer
 from raypar.core.model.stage import Stage, StageSpec
+from raypar.core.run_config import load_config
 from tests.support.hf_models import IDS, cfg_for, hf_logits
 from tests.support.hf_moe_models import EXPERTS, MAKERS, assert_logits
 from tests.support.moe_threads import assert_matches, parallel, reference
@@ -258,3 +259,19 @@ def test_greedy_generation_matches_transformers(trained, tmp_path, moe_class):
     else:
         with pytest.raises(AssertionError, match="greedy tokens differ"):
             greedy_tokens_equal(got, want.tolist())
+
+
+# -- presets ------------------------------------------------------------------------------------------------
+# Parameters of the published checkpoints (transformers' num_parameters() of Mixtral-8x7B-v0.1 and
+# Qwen3-30B-A3B): the presets' shapes are theirs if the family's count and the stage's tensors both say so.
+PUBLISHED = {"mixtral-8x7b": 46_702_792_704, "qwen3-30b-a3b": 30_532_122_624}
+
+
+@pytest.mark.parametrize("preset", PUBLISHED)
+def test_presets_have_the_published_parameter_counts(preset):
+    cfg = load_config(None, [f'model.preset="{preset}"']).model
+    with torch.device("meta"):  # shapes without memory
+        stage = families.build_stage(cfg, init=False)
+    assert sum(p.numel() for p in stage.parameters()) == PUBLISHED[preset]
+    assert families.family(cfg).cost.count_params(cfg) == PUBLISHED[preset]
+    assert cfg.moe_renormalize and cfg.moe_capacity_factor == 0  # their routing: renormalised, dropless

@@ -33,6 +33,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         seq_len=4096, rope_theta=1e6, norm_eps=1e-5, moe_experts=8, moe_top_k=2, moe_renormalize=True,
         moe_capacity_factor=0.0,
     ),
+    # Qwen3-30B-A3B's: Qwen3's attention (q/k norms, 128-wide heads), 128 experts of 768, top 8 renormalised
+    "qwen3-30b-a3b": dict(
+        family="qwen3_moe", n_layers=48, d_model=2048, n_heads=32, n_kv_heads=4, head_dim_override=128,
+        qk_norm=True, d_ff=6144, vocab_size=151936, seq_len=4096, rope_theta=1e6, norm_eps=1e-6,
+        moe_experts=128, moe_top_k=8, moe_d_ff=768, moe_renormalize=True, moe_capacity_factor=0.0,
+    ),
 }
 
 

@@ -18,7 +18,9 @@ the mapping is names only, no reshaping and no gathering across ep.
 Routing: both routers are a softmax (fp32) over E router logits, then top-k, then a division of the k
 weights by their sum (Mixtral always, Qwen3-MoE when `norm_topk_prob`), every assignment computed (no
 capacity): `moe_renormalize` and `moe_capacity_factor = 0` in raypar.core.model.moe. Dropless is what
-config.json implies; a run may still set a capacity factor (a training choice, not the model's).
+config.json implies; a run may still set a capacity factor (a training choice, not the model's). The
+load-balancing loss is raypar's (Switch's, per layer; HF's sums over layers otherwise), so its coefficient
+is the run's `moe_aux_loss_coef`, neither read from config.json's router_aux_loss_coef nor written to it.
 """
 
 from __future__ import annotations
@@ -139,7 +141,6 @@ class MoEMapping:
             "model_type": fmt.model_type,
             EXPERT_FIELDS[0]: model["moe_experts"],
             "num_experts_per_tok": model["moe_top_k"],
-            "router_aux_loss_coef": model["moe_aux_loss_coef"],
             "output_router_logits": False,
         }
         if fmt.renormalize_field is not None:
