@@ -37,7 +37,7 @@ from raypar.controller.connection import NAMESPACE
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.dp.optim import ADAM_EPS, lr_at
-from raypar.core.model.llama import LlamaStage
+from raypar.core.model import families
 from raypar.core.observe.step_report import StepReport
 from raypar.core.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from raypar.core.run_config import load_config
@@ -239,7 +239,7 @@ def make_config(preset: str, overrides: Sequence[str] = ()) -> Config:
 
 # -- the plain PyTorch loop (the baselines' side) ------------------------------------------------------------
 class PlainLoop:
-    """The training loop one writes without raypar: the same `LlamaStage` (same seeded init), the same
+    """The training loop one writes without raypar: the same stage (same seeded init), the same
     batches (raypar's global sampler over the same synthetic data), `torch.optim.AdamW` with raypar's
     hyper-parameters and decay groups, `clip_grad_norm_`, raypar's learning-rate schedule. `wrap` turns the
     model into what is called (e.g. `DistributedDataParallel`); `rank`/`world` pick this process's rows.
@@ -251,7 +251,7 @@ class PlainLoop:
         self.cfg, self.rank = cfg, rank
         self.device = torch.device(device or "cpu")
         self.rows = cfg.train.global_batch // world
-        self.model = LlamaStage(cfg.model, seed=cfg.train.seed)
+        self.model = families.build_stage(cfg.model, seed=cfg.train.seed)
         self.model.to(self.device)
         bf16 = cfg.train.precision == "bf16"
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)

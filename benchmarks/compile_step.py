@@ -40,8 +40,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
+from raypar.core.model import families  # noqa: E402
 from raypar.core.model.compiled import CACHE_ENV  # noqa: E402
-from raypar.core.model.llama import LlamaStage  # noqa: E402
 
 LAYOUTS: dict[str, list[str]] = {"(1,1,1)": [], "(1,2,2)": ["parallel.pp=2", "parallel.tp=2"]}
 # (row name, train.compile): the cold row starts from an empty cache, the warm one reuses it
@@ -81,7 +81,7 @@ def kernel_bound(cfg: Config) -> dict[str, Any]:
     """The `bound` row: Amdahl's law over one profiled eager step of `cfg`'s model (see the docstring)."""
     torch.set_num_threads(1)  # as each actor runs (parallel.threads_per_actor = 1)
     torch.manual_seed(cfg.train.seed)
-    model = LlamaStage(cfg.model, seed=cfg.train.seed)
+    model = families.build_stage(cfg.model, seed=cfg.train.seed)
     rows = cfg.microbatch_size
     shape = (2, rows, cfg.model.seq_len)  # (tokens, targets) of one microbatch
     batches = [torch.randint(0, cfg.model.vocab_size, shape) for _ in range(cfg.parallel.microbatches)]

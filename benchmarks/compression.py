@@ -31,7 +31,7 @@ from raypar.core.data import datasets as data  # noqa: E402
 from raypar.core.dp import compress  # noqa: E402
 from raypar.core.dp.optim import lr_at  # noqa: E402
 from raypar.core.dp.strategy import DPStrategy, StrategySpec  # noqa: E402
-from raypar.core.model.llama import LlamaStage  # noqa: E402
+from raypar.core.model import families  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
 from tests.support.threads import run_ranks  # noqa: E402
 
@@ -41,7 +41,7 @@ def train(cfg: Config, dp: int, name: str, steps: int) -> dict[str, float]:
     m, par = cfg.model, cfg.parallel
 
     def rank(group):
-        model = LlamaStage(m, seed=cfg.train.seed)
+        model = families.build_stage(m, seed=cfg.train.seed)
         compressor = compress.build(dataclasses.replace(par, grad_compression=name), cfg.train.seed)
         spec = StrategySpec(cfg.train, int(par.bucket_mb * 2**20))
         strategy = DPStrategy(model, spec=spec, group=group, compressor=compressor)

@@ -5,7 +5,7 @@
     python -m torch.distributed.run --nproc_per_node 2 --standalone benchmarks/ddp_baseline.py \
         --quick --out ddp.json                            # smoke run: tiny model, one step, no warm-up
 
-Each rank builds `_common.PlainLoop` (raypar's LlamaStage, same init, same global sampler, AdamW,
+Each rank builds `_common.PlainLoop` (raypar's stage, same init, same global sampler, AdamW,
 clip_grad_norm_) wrapped in `DistributedDataParallel(bucket_cap_mb=--bucket-mb)` on the gloo default group,
 with `torch.set_num_threads(--threads)`, and takes rows [rank * B/world, (rank + 1) * B/world) of every global
 batch, as raypar's replica `rank` does. After `--warmup` untimed steps it times `--steps` steps; rank 0 writes

@@ -3,7 +3,7 @@
     python benchmarks/recompute.py            # `small` (12.8M), microbatch 8 x 128 tokens, 1 thread
     python benchmarks/recompute.py --quick    # `tiny`, a few iterations (the test suite runs this)
 
-One process, raypar's `LlamaStage` (the whole model as one stage) with `set_recompute(mode)`; each
+One process, raypar's stage (the whole model as one) with `set_recompute(mode)`; each
 iteration is one microbatch's forward and backward. The three modes run in alternating blocks of
 iterations (so load from other processes hits all alike); reported: the median iteration time, its ratio
 to `none`, and the bytes autograd saved for backward in the forward
@@ -15,9 +15,7 @@ al. 2022), a few percent of the FLOPs.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -27,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raypar.core.model.llama import LlamaStage  # noqa: E402
+from benchmarks import _alternating  # noqa: E402
+from raypar.core.model import families  # noqa: E402
 from raypar.core.observe.memory import SavedActivations  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
 
@@ -39,7 +38,7 @@ def measure(preset: str, batch: int, blocks: int, per_block: int) -> list[dict[s
     cfg = load_config(ROOT / "examples/configs/tiny.toml", [f'model.preset="{preset}"'])
     m = cfg.model
     torch.manual_seed(0)
-    stages = {mode: LlamaStage(m, seed=cfg.train.seed) for mode in MODES}
+    stages = {mode: families.build_stage(m, seed=cfg.train.seed) for mode in MODES}
     for mode, stage in stages.items():
         stage.set_recompute(mode, 1)
     gen = torch.Generator().manual_seed(1)
@@ -77,20 +76,9 @@ def measure(preset: str, batch: int, blocks: int, per_block: int) -> list[dict[s
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, few iterations: seconds")
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per microbatch")
-    parser.add_argument("--blocks", type=int, default=6, help="alternating blocks per mode")
-    parser.add_argument("--per-block", type=int, default=3, help="iterations per block")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--json", type=Path, help="also write the rows here")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    preset, blocks, per_block = ("tiny", 2, 2) if args.quick else (args.preset, args.blocks, args.per_block)
+    args, preset, blocks, per_block = _alternating.parse(__doc__.split("\n")[0], "mode", argv)
     rows = measure(preset, args.batch, blocks, per_block)
-    print(f"preset {preset}, microbatch {args.batch}, {args.threads} thread(s), load average "
-          f"{os.getloadavg()[0]:.1f}")
+    print(_alternating.header(args, preset))
     print("| recompute | ms per forward+backward | vs none | saved activations MiB | vs none |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for row in rows:

@@ -7,7 +7,7 @@
 Part `single` -- raypar at (dp, pp, tp) = (1, 1, 1) vs a plain PyTorch loop. raypar runs as `raypar train`
 runs it: a `ActorMesh` driving one `Worker` actor, step by step (`ActorMesh.step`, timed at the driver: both
 actor calls of a step, `train_step` and `apply_step`, and everything the worker does are in it). The plain
-loop (`_common.PlainLoop`) runs in this driver process: the same `LlamaStage` with the same seeded init, the
+loop (`_common.PlainLoop`) runs in this driver process: the same stage with the same seeded init, the
 same batches from the same sampler, AdamW with the same hyper-parameters and decay groups,
 `clip_grad_norm_`, the same learning-rate schedule, and the same torch intra-op thread count
 (`Worker(threads=...)`; raypar's `ActorMesh` itself always builds its actors with 1 thread). The first step's
@@ -82,9 +82,9 @@ def tokens_per_step(cfg: Config) -> int:
 
 
 def params_of(cfg: Config) -> int:
-    from raypar.core.model.llama import count_params
+    from raypar.core.model import families
 
-    return count_params(cfg.model)
+    return families.family(cfg.model).cost.count_params(cfg.model)
 
 
 class RayparSide:

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
-from raypar.core.model.llama import LlamaStage  # noqa: E402
+from raypar.core.model import families  # noqa: E402
 from raypar.core.pipeline.executor import ModelBackend  # noqa: E402
 from raypar.core.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Topology  # noqa: E402
 
@@ -71,7 +71,7 @@ def one_stage_backend(preset: str, batch: int, way: str = "plain") -> ModelBacke
     """A backend holding the whole `preset` model as one stage, fed one fixed microbatch of `batch` rows."""
     cfg = _common.make_config(preset)
     m = cfg.model
-    model = LlamaStage(m, seed=0)
+    model = families.build_stage(m, seed=0)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, m.vocab_size, (batch, m.seq_len), generator=gen)
     targets = torch.randint(0, m.vocab_size, (batch, m.seq_len), generator=gen)

@@ -51,7 +51,8 @@ from raypar.core.config.schema import Config  # noqa: E402
 from raypar.core.data import datasets as data  # noqa: E402
 from raypar.core.dp.strategies import STRATEGIES  # noqa: E402
 from raypar.core.dp.strategy import DPStrategy, StrategySpec  # noqa: E402
-from raypar.core.model.llama import LlamaStage, StageSpec  # noqa: E402
+from raypar.core.model import families  # noqa: E402
+from raypar.core.model.stage import StageSpec  # noqa: E402
 from raypar.core.parallel.mesh import Coord, stage_layers  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
 from tests.support import moe_threads  # noqa: E402
@@ -68,7 +69,7 @@ def measure(cfg: Config, dp: int, pp: int, zero: int, steps: int, offload: str) 
     layers = stage_layers(m.n_layers, pp)[0]
 
     def rank(group):
-        model = LlamaStage(m, stage=StageSpec((layers,), True, pp == 1), seed=cfg.train.seed)
+        model = families.build_stage(m, stage=StageSpec((layers,), True, pp == 1), seed=cfg.train.seed)
         psi = sum(p.numel() for p in model.parameters())
         spec = StrategySpec(train, int(cfg.parallel.bucket_mb * 2**20))
         strategy = STRATEGIES[zero](model, spec=spec, group=group)
@@ -109,7 +110,7 @@ def hsdp_steps(
     def rank(r: int, groups: dict) -> tuple:
         shard_group = next(g for n, g in groups.items() if n.startswith("dps"))
         replicate = next(g for n, g in groups.items() if n.startswith("dpr"))
-        model = LlamaStage(m, seed=cfg.train.seed)
+        model = families.build_stage(m, seed=cfg.train.seed)
         spec = StrategySpec(cfg.train, int(cfg.parallel.bucket_mb * 2**20))
         strategy = strategy_class(zero, control)(model, spec=spec, group=shard_group, replicate=replicate)
         dataset = data.open_dataset(cfg.data, m)

@@ -228,6 +228,16 @@ def test_recompute_quick(tmp_path):
     assert rows["full"]["saved_mib"] < rows["selective"]["saved_mib"] < rows["none"]["saved_mib"]
 
 
+def test_families_quick(tmp_path):
+    out = tmp_path / "families.json"
+    ok(run("benchmarks/families.py", "--quick", "--json", str(out)))
+    rows = {row["variant"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {"llama", "llama3", "qwen2", "qwen3"}
+    # counts, not timing: tiny's 4 blocks gain q, k and v biases (64 + 2 x 32 each); llama3 only its tables
+    assert rows["qwen2"]["params"] - rows["llama"]["params"] == 4 * (64 + 2 * 32)
+    assert rows["llama3"]["params"] == rows["llama"]["params"]
+
+
 def _read(path: str) -> str:
     with open(path) as f:
         return f.read()

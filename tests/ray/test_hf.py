@@ -22,6 +22,7 @@ from tests.support.hf_models import (
     VOCAB,
     cfg_for,
     hf_logits,
+    make_hf_family_model,
 )
 from tests.support.reference import Run, reference_run
 
@@ -79,12 +80,26 @@ def test_imported_model_trains_the_same_at_1_2_2(ray_session, untied):
         assert_matches(seeded, ref)
 
 
-@pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.dp=2", "parallel.zero=2")])
-def test_tied_pp2_copies_stay_equal(ray_session, tied, layout):
+def qwen3_tied(root):
+    """(path, model): Qwen3-0.6B's variant in small: tied embeddings, per-head q/k norms, head_dim 16."""
+    path = root / "qwen3-tied"
+    return path, make_hf_family_model(path, "qwen3", tied=True)
+
+
+@pytest.mark.parametrize(
+    "model, layout",
+    [
+        ("llama", ("parallel.tp=2",)),
+        ("llama", ("parallel.dp=2", "parallel.zero=2")),
+        ("qwen3", ("parallel.tp=2",)),
+    ],
+)
+def test_tied_pp2_copies_stay_equal(ray_session, tied, tmp_path, model, layout):
     """Tied embeddings split over 2 stages (x tp=2, or x dp=2 under ZeRO-2, whose full gradients live only
     until the DP reduction) train as the one-process tied model, the two copies stay equal, and the norm
-    counts them once; with the gradients not summed, both checks fail."""
-    path, _ = tied
+    counts them once; with the gradients not summed, both checks fail. Qwen3's variant (the worker building
+    its stage through the family registry, q/k norms split over tp) the same way."""
+    path, _ = tied if model == "llama" else qwen3_tied(tmp_path)
     ref = reference_run(cfg_for(path), STEPS)
     assert "head.weight" not in ref.params  # one tensor at pp=1
     cfg = cfg_for(path, "parallel.pp=2", *layout)

@@ -14,7 +14,7 @@ from raypar.core.checkpoint import hf
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.dp.optim import ADAM_EPS, lr_at
-from raypar.core.model.llama import LlamaStage
+from raypar.core.model import families
 from raypar.core.model.moe_balance import apply_bias_updates, bias_updates
 
 
@@ -32,7 +32,7 @@ def reference_run(cfg: Config, steps: int, microbatch_size: int | None = None) -
     their (cross-entropy + MoE aux) losses, as the parallel run defines it; the default is one forward."""
     torch.manual_seed(0)
     m, t = cfg.model, cfg.train
-    model = LlamaStage(m, seed=t.seed)
+    model = families.build_stage(m, seed=t.seed, init=not m.init_from)
     if m.init_from:
         hf.load_stage(model, m.init_from)
     params = [p for p in model.parameters()]

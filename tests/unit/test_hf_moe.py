@@ -263,15 +263,13 @@ def test_greedy_generation_matches_transformers(trained, tmp_path, moe_class):
 
 # -- presets ------------------------------------------------------------------------------------------------
 # Parameters of the published checkpoints (transformers' num_parameters() of Mixtral-8x7B-v0.1 and
-# Qwen3-30B-A3B): the presets' shapes are theirs if the family's count and the stage's tensors both say so.
+# Qwen3-30B-A3B); tests/unit/test_families.py checks that the stage and transformers' model of the exported
+# config.json count what the cost counts.
 PUBLISHED = {"mixtral-8x7b": 46_702_792_704, "qwen3-30b-a3b": 30_532_122_624}
 
 
 @pytest.mark.parametrize("preset", PUBLISHED)
 def test_presets_have_the_published_parameter_counts(preset):
     cfg = load_config(None, [f'model.preset="{preset}"']).model
-    with torch.device("meta"):  # shapes without memory
-        stage = families.build_stage(cfg, init=False)
-    assert sum(p.numel() for p in stage.parameters()) == PUBLISHED[preset]
     assert families.family(cfg).cost.count_params(cfg) == PUBLISHED[preset]
     assert cfg.moe_renormalize and cfg.moe_capacity_factor == 0  # their routing: renormalised, dropless

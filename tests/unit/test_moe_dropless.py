@@ -202,8 +202,8 @@ def moe_checkpoint(tmp_path, shared: int, **model: object) -> tuple[str, LlamaSt
 
 
 @pytest.mark.parametrize("shared, model, refusal", [
-    (1, {}, "model.moe_shared_experts=1: Hugging Face's dense decoders have no experts"),
-    (0, {}, "model.moe_experts=4: Hugging Face's dense decoders have no experts"),
+    (1, {}, "model.moe_shared_experts=1: Hugging Face's LlamaForCausalLM has no experts"),
+    (0, {}, "model.moe_experts=4: Hugging Face's LlamaForCausalLM has no experts"),
     (1, {"family": '"mixtral"'}, "model.moe_shared_experts=1: MixtralForCausalLM has no shared experts"),
     (0, {"family": '"mixtral"'}, "model.moe_renormalize=False: MixtralForCausalLM always renormalises"),
     (0, {"family": '"mixtral"', "moe_renormalize": "true", "moe_every": 1},

@@ -155,34 +155,34 @@ def _validate_hsdp(cfg: Config) -> None:
 
 
 def _rope_scaling(m: ModelConfig) -> None:
+    """The scaling's fields must be usable numbers whether or not a scaling is on (a value set for nothing
+    is refused as any other); a scaling that needs the original context length must have it."""
     _require(
         m.rope_scaling in options.ROPE_SCALINGS,
         f"model.rope_scaling: must be {one_of(options.ROPE_SCALINGS)}, got {m.rope_scaling!r}",
     )
-    if m.rope_scaling == "none":
-        return
-    _require(m.rope_factor >= 1, f"model.rope_factor: must be >= 1 with rope_scaling, got {m.rope_factor}")
+    _require(m.rope_factor >= 1, f"model.rope_factor: must be >= 1, got {m.rope_factor}")
+    _require(
+        m.rope_original_max_len >= 0,
+        f"model.rope_original_max_len: must be >= 0 (0: unset), got {m.rope_original_max_len}",
+    )
+    low = m.rope_low_freq_factor
+    _require(low > 0, f"model.rope_low_freq_factor: must be positive, got {low}")
+    _require(
+        m.rope_high_freq_factor > m.rope_low_freq_factor,
+        f"model.rope_high_freq_factor: must be > rope_low_freq_factor={m.rope_low_freq_factor}, got "
+        f"{m.rope_high_freq_factor}",
+    )
+    for key in ("rope_beta_fast", "rope_beta_slow"):
+        _require(getattr(m, key) > 0, f"model.{key}: must be positive, got {getattr(m, key)}")
+    _require(
+        m.rope_attention_factor >= 0,
+        f"model.rope_attention_factor: must be >= 0 (0: HF's default), got {m.rope_attention_factor}",
+    )
     if m.rope_scaling in ("llama3", "yarn"):
         _require(
             m.rope_original_max_len > 0,
-            f"model.rope_original_max_len: must be a positive length with rope_scaling = "
-            f'"{m.rope_scaling}", got {m.rope_original_max_len}',
-        )
-    if m.rope_scaling == "llama3":
-        _require(
-            0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
-            f"model.rope_high_freq_factor: must be > rope_low_freq_factor > 0, got {m.rope_high_freq_factor} "
-            f"and {m.rope_low_freq_factor}",
-        )
-    if m.rope_scaling == "yarn":
-        _require(
-            m.rope_beta_fast > 0 and m.rope_beta_slow > 0,
-            f"model.rope_beta_fast: must be positive with rope_beta_slow, got {m.rope_beta_fast} and "
-            f"{m.rope_beta_slow}",
-        )
-        _require(
-            m.rope_attention_factor >= 0,
-            f"model.rope_attention_factor: must be >= 0 (0: HF's default), got {m.rope_attention_factor}",
+            f"model.rope_original_max_len: must be set (> 0) with rope_scaling = \"{m.rope_scaling}\"",
         )
 
 

@@ -16,6 +16,10 @@ from typing import Any
 
 from raypar.core.config import options
 
+# Llama 3.1/3.2's rope_scaling ("factor" differs: 8 for 3.1, 32 for 3.2)
+_LLAMA3_ROPE = dict(
+    rope_scaling="llama3", rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192
+)
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256, seq_len=32),
     # ~12.7M parameters: big enough that the loss curve means something, small enough for 2 CPU cores.
@@ -26,6 +30,29 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     "llama-7b": dict(
         n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, d_ff=11008, vocab_size=32000, seq_len=4096
+    ),
+    # The published shapes of today's open models (their config.json), each its family's variant
+    # (tests/unit/test_families.py counts their parameters against transformers' own models).
+    "llama3.2-1b": dict(
+        n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, d_ff=8192, vocab_size=128256, seq_len=8192,
+        rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True, **_LLAMA3_ROPE, rope_factor=32.0,
+    ),
+    "llama3.1-8b": dict(
+        n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=128256, seq_len=8192,
+        rope_theta=500000.0, norm_eps=1e-5, **_LLAMA3_ROPE, rope_factor=8.0,
+    ),
+    "qwen3-0.6b": dict(
+        n_layers=28, d_model=1024, n_heads=16, n_kv_heads=8, head_dim_override=128, d_ff=3072,
+        vocab_size=151936, seq_len=4096, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True,
+        qk_norm=True,
+    ),
+    "qwen3-8b": dict(
+        n_layers=36, d_model=4096, n_heads=32, n_kv_heads=8, head_dim_override=128, d_ff=12288,
+        vocab_size=151936, seq_len=4096, rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True,
+    ),
+    "mistral-7b": dict(  # v0.3: no sliding window
+        n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=32768, seq_len=4096,
+        rope_theta=1000000.0, norm_eps=1e-5,
     ),
     # Mixtral-8x7B's published shape and routing, dropless (seq_len: a training context, not its 32k limit)
     "mixtral-8x7b": dict(

@@ -118,7 +118,7 @@ _REGIONS = {fn: Region(fn) for fn in REGIONS}
 
 class Compilable:
     """A module whose local math runs through `region(fn)`: `fn` compiled when `compiled` is set
-    (`LlamaStage.set_compile`), `fn` itself otherwise."""
+    (a stage's `set_compile`), `fn` itself otherwise."""
 
     compiled: bool = False
 

@@ -190,7 +190,7 @@ class MoELayer(nn.Module, TPLayer):
         self.first_expert = rank * self.per_rank
         self.ep_group = ep_group
         self.cp_group: Group | None = None  # set with the stage's
-        # (raypar.core.model.llama.LlamaStage.cp_group)
+        # (the stage's cp_group, raypar.core.model.stage.Stage)
         self.cp_style = RING.name
         ids = range(self.first_expert, self.first_expert + self.per_rank)
         self.experts = nn.ModuleDict({str(e): Expert(cfg, tp_group) for e in ids})

@@ -17,7 +17,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -48,8 +48,10 @@ def dropout_seed(seed: int, step: int, global_mb: int, stage: int) -> int:
     return zlib.crc32(f"dropout:{seed}:{step}:{global_mb}:{stage}".encode())
 
 
+@runtime_checkable
 class Stage(Protocol):
-    """Every method and attribute that code outside a family's folder uses on a stage (an `nn.Module`)."""
+    """Every method and attribute that code outside a family's folder uses on a stage (an `nn.Module`);
+    `isinstance(stage, Stage)` checks that all are there (tests/unit/test_families.py)."""
 
     cfg: ModelConfig
     first: bool
@@ -137,6 +139,7 @@ class Stage(Protocol):
     def eval(self) -> Any: ...
 
 
+@runtime_checkable
 class HFMapping(Protocol):
     """A family's Hugging Face format: config.json fields both ways and tensor names."""
 
@@ -155,6 +158,7 @@ class HFMapping(Protocol):
         """Why a model of this config cannot be written in the HF format (None: it can)."""
 
 
+@runtime_checkable
 class Cost(Protocol):
     """A family's counts for the planner and MFU."""
 

@@ -15,13 +15,23 @@ the model type that computes what the switches say: Qwen3 for qk_norm, Qwen2 for
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any
 
 from raypar.core.config.errors import ConfigError
+from raypar.core.config.schema import ModelConfig
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# Mistral without a sliding window (7B v0.2 on) is Llama's computation; with one it is refused.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The variant's fields, all returned by model_fields (defaults where config.json implies them), so that
+# nothing of a preset's variant is left under an init_from model.
+_SWITCHES = (
+    "head_dim_override", "qkv_bias", "qk_norm", "rope_scaling", "rope_factor", "rope_original_max_len",
+    "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow",
+    "rope_attention_factor",
+)
 
 # raypar module path inside a block -> HF's.
 _BLOCK = {
@@ -84,7 +94,8 @@ def model_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     for field in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases are implied by its model type
         if hf.get(field):
             raise refuse(field, "raypar's o_proj and MLP have no biases")
-    if hf.get("use_sliding_window") or (model_type == "llama" and hf.get("sliding_window") is not None):
+    windowed = model_type in ("llama", "mistral") and hf.get("sliding_window") is not None
+    if hf.get("use_sliding_window") or windowed:
         field = "use_sliding_window" if hf.get("use_sliding_window") else "sliding_window"
         raise refuse(field, "attention is full causal")
     if hf.get("attention_dropout", 0.0):
@@ -110,7 +121,8 @@ def model_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
 
     try:
         d, heads = size("hidden_size"), size("num_attention_heads")
-        fields = {
+        fields = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in _SWITCHES}
+        fields |= {
             "family": "llama",
             "n_layers": size("num_hidden_layers"),
             "d_model": d,
@@ -181,7 +193,7 @@ def export_refusal(model: dict[str, Any]) -> str | None:
     """Why `model` has no HF model type (None: it has one)."""
     for key in ("moe_shared_experts", "moe_experts"):  # the most specific field first
         if model.get(key):
-            return f"model.{key}={model[key]}: Hugging Face's dense decoders have no experts"
+            return f"model.{key}={model[key]}: Hugging Face's LlamaForCausalLM has no experts"
     if model.get("qk_norm") and model.get("qkv_bias"):
         return "model.qkv_bias with model.qk_norm: Qwen3's attention_bias would add an o_proj bias too"
     return None
