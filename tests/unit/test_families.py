@@ -86,3 +86,101 @@ def test_stage_classes_are_named_only_in_their_family_folder():
         assert not named, f"{cls} named outside {folder.relative_to(root)}: {named}"
         # the scan finds the name where it is (it is not vacuous)
         assert any(cls in p.read_text(encoding="utf-8") for p in folder.rglob("*.py"))
+
+
+# The published config.json of two presets' models (fields that matter here, as the hub serves them, with
+# the transformers 4.x `rope_scaling` and the null/false window fields they carry) and one of Qwen2.5's.
+PUBLISHED = {
+    "llama3.2-1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "max_position_embeddings": 131072,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 16,
+        "num_key_value_heads": 8,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "tie_word_embeddings": True,
+        "vocab_size": 128256,
+    },
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 28,
+        "model_type": "qwen3",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "max_position_embeddings": 32768,
+        "max_window_layers": 24,
+        "model_type": "qwen2",
+        "num_attention_heads": 14,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+}
+
+
+def assert_preset_is(fields: dict, preset_name: str) -> None:
+    preset = from_dict({"model": {"preset": preset_name}}).model
+    differ = {k: (v, getattr(preset, k)) for k, v in fields.items() if getattr(preset, k) != v}
+    assert not differ, f"config.json vs preset {preset_name}: {differ}"
+
+
+# published model -> its preset (None: none, its variant checked) and a sibling preset it must not pass as
+SIBLING = {"llama3.2-1b": "llama3.1-8b", "qwen3-0.6b": "qwen3-8b", "qwen2.5-0.5b": None}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_configs_load_as_the_presets(name):
+    """What init_from reads from each published config.json is the preset of that name (shape and
+    variant), Qwen2.5's unused window notwithstanding; the sibling preset (the control) fails the check."""
+    body = PUBLISHED[name]
+    fields = families.for_model_type(body["model_type"], name).hf.model_fields(body, name)
+    if SIBLING[name] is None:  # no preset: its variant
+        assert fields["qkv_bias"] and not fields["qk_norm"] and fields["tie_embeddings"]
+        return
+    assert_preset_is(fields, name)
+    with pytest.raises(AssertionError, match=f"config.json vs preset {SIBLING[name]}"):
+        assert_preset_is(fields, SIBLING[name])

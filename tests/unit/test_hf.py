@@ -121,7 +121,7 @@ def test_tp2_slices_match_hf(untied, tmp_path):
         ("mlp_bias", True, "mlp_bias=True"),
         ("sliding_window", 4096, "sliding_window=4096"),
         ("hidden_act", "gelu", "hidden_act='gelu'"),
-        ("model_type", "mistral", "model_type='mistral'"),
+        ("model_type", "gemma2", "model_type='gemma2'"),
     ],
 )
 def test_unsupported_field_refused(untied, tmp_path, field, value, message):

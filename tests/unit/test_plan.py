@@ -12,7 +12,6 @@ the classic mistake of forgetting that a pipeline stage holds several microbatch
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 
@@ -25,6 +24,7 @@ from raypar.controller import cli
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.options import RECOMPUTE
 from raypar.core.config.schema import Config
+from raypar.core.model import families
 from raypar.core.model.llama import LlamaStage, StageSpec
 from raypar.core.observe.memory import SavedActivations
 from raypar.core.pipeline import schedules
@@ -261,13 +261,10 @@ SPLITS = {  # what LlamaStage takes on 2 ranks, the split the formula is told, a
 }
 
 
-@pytest.mark.parametrize("kind", SPLITS)
-@pytest.mark.parametrize("mode", RECOMPUTE)
-def test_activation_formula_counts_what_autograd_saves_on_two_ranks(kind: str, mode: str) -> None:
-    """tp=2, tp=2 with SP, cp=2 of each style: the formula equals what autograd saves on every rank for a
-    first and a last stage; the formula without the axis (the negative control) does not."""
-    cfg = load_config(TINY, [f'train.recompute="{mode}"'])
-    m = cfg.model
+def measured_and_predicted(cfg: Config, kind: str, wrong: Config | None = None) -> list[tuple[int, int, int]]:
+    """(bytes autograd saves, the formula's, the formula's without the axis or told `wrong`'s model) for a
+    first and a last stage on each of 2 ranks split by `kind`."""
+    m, mode = cfg.model, cfg.train.recompute
     ids = torch.randint(0, m.vocab_size, (2, m.seq_len), generator=torch.Generator().manual_seed(0))
     axes, split, ignoring = SPLITS[kind]
     tokens = m.seq_len // split.cp // (split.tp if split.sp else 1)
@@ -278,18 +275,41 @@ def test_activation_formula_counts_what_autograd_saves_on_two_ranks(kind: str, m
         out = []
         for layers, first, last in ((range(0, 2), True, False), (range(2, 4), False, True)):
             spec = StageSpec((layers,), first, last)
-            stage = LlamaStage(m, stage=spec, sequence_parallel="sp" in axes, **kwargs)
+            stage = families.build_stage(m, stage=spec, sequence_parallel="sp" in axes, **kwargs)
             stage.set_recompute(mode)
             x = ids if first else torch.randn(2, tokens, m.d_model, requires_grad=True)
             with SavedActivations([*stage.parameters(), *stage.buffers()]) as meter:
                 stage(x, ids if last else None)
-            predict = functools.partial(plan_memory.stage_activation_bytes, cfg, layers, first, last)
-            out.append((meter.bytes, *(predict(s.tp, 2, "cpu", mode, s) for s in (split, ignoring))))
+            def predict(c: Config, s: plan_memory.TokenSplit, layers=layers, first=first, last=last) -> int:
+                return plan_memory.stage_activation_bytes(c, layers, first, last, s.tp, 2, "cpu", mode, s)
+
+            other = predict(wrong, split) if wrong is not None else predict(cfg, ignoring)
+            out.append((meter.bytes, predict(cfg, split), other))
         return out
 
-    for measured, predicted, wrong in sum(run_ranks(2, rank), []):
+    return sum(run_ranks(2, rank), [])
+
+
+@pytest.mark.parametrize("kind", SPLITS)
+@pytest.mark.parametrize("mode", RECOMPUTE)
+def test_activation_formula_counts_what_autograd_saves_on_two_ranks(kind: str, mode: str) -> None:
+    """tp=2, tp=2 with SP, cp=2 of each style: the formula equals what autograd saves on every rank for a
+    first and a last stage; the formula without the axis (the negative control) does not."""
+    cfg = load_config(TINY, [f'train.recompute="{mode}"'])
+    for measured, predicted, wrong in measured_and_predicted(cfg, kind):
         assert measured == predicted
         assert measured != wrong
+
+
+@pytest.mark.parametrize("kind", ["tp", "sp", "ring"])
+def test_activation_formula_counts_qwen3s_qk_norms(kind: str) -> None:
+    """The llama family's Qwen3 variant (per-head q/k norms, a head twice as wide): the formula equals what
+    autograd saves; told the model without the norms (the negative control), it does not."""
+    cfg = load_config(TINY, ["model.qk_norm=true", "model.head_dim_override=32"])
+    wrong = load_config(TINY, ["model.head_dim_override=32"])
+    for measured, predicted, without in measured_and_predicted(cfg, kind, wrong):
+        assert measured == predicted
+        assert measured != without
 
 
 def test_cp_halves_activations_and_sp_divides_the_norms() -> None:
@@ -353,6 +373,25 @@ def test_expert_states_shard_over_the_expert_dp_group() -> None:
     (states,) = plan.predict_memory(cfg, plan.current_layout(cfg), "cpu")
     # fp32 zero 1: parameters and gradients (4 + 4) whole, Adam's moments (8) sharded
     assert states.model_states == 8 * (dense + experts // 2) + 8 * dense / 4 + 8 * (experts // 2) / 2
+
+
+QWEN_VARIANTS = [["model.qkv_bias=true"], ["model.qk_norm=true", "model.head_dim_override=32"]]
+
+
+@pytest.mark.parametrize("variant", QWEN_VARIANTS)
+def test_stage_params_of_the_llama_variants_on_a_tp_rank(variant: list[str]) -> None:
+    """Qwen2's q/k/v biases (split by tp) and Qwen3's q/k norms (replicated) and wider heads, through the
+    family's cost: the planner's per-rank count is what a tp=2 stage holds; without the switch (the
+    control) it is not."""
+    m = load_config(TINY, variant).model
+    plain = load_config(TINY, [v for v in variant if "head_dim" in v]).model
+
+    def rank(group: Group) -> int:
+        return sum(p.numel() for p in families.build_stage(m, tp_group=group).parameters())
+
+    held = run_ranks(2, rank)
+    assert held[0] == held[1] == plan_memory.stage_params(m, range(m.n_layers), True, True, 2).dense
+    assert held[0] != plan_memory.stage_params(plain, range(m.n_layers), True, True, 2).dense
 
 
 def test_cli_plan_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:

@@ -220,9 +220,10 @@ def block_activation_bytes(
     if split.cp > 1 and split.cp_style == ULYSSES.name and (m.n_kv_heads // tp) % split.cp:
         hkv = hq  # Ulysses repeats kv heads that do not split over cp up to the query heads
     norms = 2 * _norm_bytes(e, bs, d, split)
-    if m.qk_norm:  # Qwen3's per-head q and k norms: rows of head_dim, on every token (after the SP gather)
+    if m.qk_norm:  # Qwen3's per-head q and k norms: rows of head_dim, on every token (after the SP gather);
+        # RoPE keeps the norm's output in place of the projection's, so not the output again
         rows = bs * (hq + hkv) // m.head_dim
-        norms += _norm_bytes(e, rows, m.head_dim, TokenSplit())
+        norms += _norm_bytes(e, rows, m.head_dim, TokenSplit()) - e * rows * m.head_dim
     mask = e if device_kind == "cpu" else 1  # CPU dropout saves its scaled noise, CUDA a bool mask
     # After attention and after the MLP, on T/tp tokens under SP.
     drop = 2 * mask * bs * d // (tp if split.sp else 1) if m.dropout > 0 else 0
