@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -31,6 +32,7 @@ import torch
 from raypar.core import generate
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import hf
+from raypar.core.config.errors import ConfigError
 from raypar.core.model import families
 from raypar.core.model.moe import MoELayer
 from raypar.core.model.stage import Stage, StageSpec
@@ -74,6 +76,22 @@ def test_config_fields(hf_moe):
     assert m.moe_renormalize and m.moe_capacity_factor == 0
     # a run may still train with a capacity (config.json implies dropless, it does not forbid it)
     assert cfg_for(hf_moe[0], "model.moe_capacity_factor=1.25").model.moe_capacity_factor == 1.25
+
+
+def test_a_missing_expert_is_named_before_any_actor(hf_moe, tmp_path):
+    """The last expert's down projection dropped from the files: config loading names that tensor."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "missing"
+    shutil.copytree(hf_moe[0], path)
+    cfg = cfg_for(hf_moe[0]).model
+    last = f"layers.{cfg.n_layers - 1}.mlp.experts.{EXPERTS - 1}.w_down.weight"
+    name = families.family(cfg).hf.hf_name(last)
+    tensors = load_file(path / "model.safetensors")
+    del tensors[name]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=f"model.init_from: .* has no tensor {re.escape(name)}$"):
+        cfg_for(path)
 
 
 @pytest.mark.parametrize("moe_class", [MoELayer, NotRenormalised])
