@@ -6,9 +6,11 @@ width, a dense block 0, norm_topk_prob), each test for both.
    only its experts' slices, by global id) within 1e-5 of transformers' fp32 forward (tests/support/
    hf_models.py derives the bound: the same fp32 operations in nearly the same order; the experts'
    outputs are summed in expert order as HF's loop sums them; tp splits d_ff's sums into two halves).
-2. One training step from the imported weights at dp=2 x ep=2 x tp=2 (SP) and pp=2 x tp=2 equals one
-   process (tests/support/moe_threads.py, its 1e-5 relative tolerance and derivation in
-   tests/unit/test_moe_dropless.py).
+2. One training step from the imported weights at dp=2 x ep=2 x tp=2 (SP), pp=2 x tp=2, dp=2 x ep=2 x
+   cp=2 (Ulysses) and ZB-H1 pp=2 x cp=2 (ring) equals one process (tests/support/moe_threads.py, its 1e-5
+   relative tolerance and derivation in tests/unit/test_moe_dropless.py; ring's online softmax adds a few
+   rescalings per output, each a rounding of 2^-24 relative, over 2 blocks: still far under 1e-5, where
+   tests/unit/test_moe_context_parallel.py's longer ring sequences need 1e-4).
 3. The step's parameters, written as a checkpoint in the ep ranks' shards and exported with
    `--format hf`, load with `from_pretrained` into logits within 1e-5 of raypar's, and raypar's greedy
    generation (`raypar generate`'s decoder on the checkpoint) gives transformers' greedy tokens.
@@ -154,6 +156,10 @@ LAYOUTS = {
     "dp2-ep2-tp2": ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                     "parallel.microbatches=2"],
     "pp2-tp2": ["parallel.pp=2", "parallel.tp=2", "parallel.microbatches=4"],
+    "dp2-ep2-cp2-ulysses": ["parallel.dp=2", "parallel.ep=2", "parallel.cp=2", 'parallel.cp_style="ulysses"',
+                            "parallel.microbatches=2"],
+    "pp2-zbh1-cp2-ring": ["parallel.pp=2", 'parallel.schedule="zb-h1"', "parallel.cp=2",
+                          "parallel.microbatches=4"],
 }
 
 
