@@ -233,10 +233,14 @@ def test_families_quick(tmp_path):
     out = tmp_path / "families.json"
     ok(run("benchmarks/families.py", "--quick", "--json", str(out)))
     rows = {row["variant"]: row for row in json.loads(out.read_text())}
-    assert set(rows) == {"llama", "llama3", "qwen2", "qwen3"}
+    assert set(rows) == {"llama", "llama3", "qwen2", "qwen3", "mixtral", "qwen3_moe"}
     # counts, not timing: tiny's 4 blocks gain q, k and v biases (64 + 2 x 32 each); llama3 only its tables
     assert rows["qwen2"]["params"] - rows["llama"]["params"] == 4 * (64 + 2 * 32)
     assert rows["llama3"]["params"] == rows["llama"]["params"]
+    # Mixtral's 4 blocks: 7 more SwiGLUs of 3 x 64 x 128 and a router of 8 x 64; 2 of the 8 run per token
+    assert rows["mixtral"]["params"] - rows["llama"]["params"] == 4 * (7 * 3 * 64 * 128 + 8 * 64)
+    extra_flops = rows["mixtral"]["flops_per_token"] - rows["llama"]["flops_per_token"]
+    assert extra_flops == 6 * 4 * (3 * 64 * 128 + 8 * 64)
 
 
 def _read(path: str) -> str:

@@ -33,6 +33,7 @@ ZERO_OK = {
     "train.beta1", "train.beta2", "train.grad_clip", "checkpoint.every", "parallel.max_dp",
     "model.dropout", "model.moe_experts", "model.moe_aux_loss_coef",
     "model.moe_capacity_factor", "model.moe_bias_update_rate", "model.moe_shared_experts",  # 0: dropless, off
+    "model.moe_d_ff",  # 0: d_ff
     "train.eval_every", "data.val_fraction",  # 0: no validation
     "parallel.zero",  # 0: no sharding
     "parallel.dp_shard",  # 0: all dp replicas shard the state
@@ -108,6 +109,17 @@ def _truncate(path: Path) -> None:
 
 def _shard(step_dir: Path) -> Path:
     return next(step_dir.glob("shard-*.safetensors"))
+
+
+def _mixtral_config(f: Files, field: str, value: object) -> Path:
+    """A directory whose config.json is a Mixtral's with `field` set to `value` (refused before weights)."""
+    out = f.root / f"mixtral-{field}"
+    out.mkdir()
+    body = {"model_type": "mixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "num_local_experts": 4,
+            "num_experts_per_tok": 2, field: value}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(body))
+    return out
 
 
 def train(f: Files, *args: str) -> list[str]:
@@ -416,6 +428,23 @@ def _cases() -> list:
         lambda f: ["checkpoint", "export", str(f.ckpt("ok")), str(f.file / "m.safetensors")],
         lambda f: str(f.file),
     )
+    # -- MoE routing and Hugging Face MoE models (issue 43) ------------------------------------------------
+    case(
+        "train-moe-renormalize-dense",
+        lambda f: train(f, "--set", "model.moe_renormalize=true"),
+        lambda f: "model.moe_renormalize: needs model.moe_experts > 0",
+    )
+    case(
+        "train-moe-d-ff-grouped-rows",
+        lambda f: train(f, "--set", "model.moe_experts=4", "--set", "model.moe_d_ff=12"),
+        lambda f: "model.moe_d_ff: moe_d_ff/tp must be a multiple of 8",
+    )
+    for field, value in (("router_jitter_noise", 0.1), ("mlp_only_layers", [0])):
+        case(
+            f"train-init-from-mixtral-{field}",
+            lambda f, k=field, v=value: train(f, "--set", f"model.init_from='{_mixtral_config(f, k, v)}'"),
+            lambda f, k=field: f"config.json: {k}=",
+        )
     # -- plan --------------------------------------------------------------------------------------------
     plan = lambda f, *a: ["plan", str(TINY), "--devices", "4", "--device-memory", "80GB", *a]  # noqa: E731
     for kind in ("missing", "dir", "random", "garbage", "deep_toml"):

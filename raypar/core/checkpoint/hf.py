@@ -37,6 +37,10 @@ from raypar.core.plain_files import NotRegularFile, read_regular, refuse_unless_
 
 CONFIG, INDEX = "config.json", "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 2**30  # per exported file; a larger model is split into files with an index
+# Model fields config.json implies that a run may still change: HF's MoE routes dropless, a run may train
+# with a capacity factor (the user's value wins over the file's).
+RUN_MAY_SET = frozenset({"moe_capacity_factor"})
+ROUTING_BIAS = ".mlp.expert_bias"  # raypar.core.model.moe's aux-loss-free balancing state
 
 
 # -- config ---------------------------------------------------------------------------------------------
@@ -199,6 +203,12 @@ are
             f"{reader._where}: {refusal} (export the raypar tensors with --format safetensors)"
         )
     names = [n for n in reader.names() if not n.startswith(checkpoint.OPTIM_PREFIX)]
+    for name in [n for n in names if n.endswith(ROUTING_BIAS)]:  # state HF's routers have no place for
+        if reader.read_full(name).any():
+            raise checkpoint.CheckpointError(
+                f"{reader._where}: {name} is not zero: Hugging Face's routers route without a bias"
+            )
+        names.remove(name)
     files: list[list[str]] = [[]]
     size, largest = 0, 0
     for name in names:

@@ -187,10 +187,11 @@ class SwiGLU(nn.Module, TPLayer, Compilable):
 
 def shared_experts(cfg: ModelConfig, group: Group | None, sequence_parallel: bool) -> SwiGLU | None:
     """An MoE block's shared experts (raypar.core.model.moe): moe_shared_experts SwiGLUs side by side, i.e.
-    one of moe_shared_experts x d_ff hidden units, split over tp like the dense MLP; None without."""
+    one of moe_shared_experts x expert_d_ff hidden units, split over tp like the dense MLP; None without."""
     if not cfg.moe_shared_experts:
         return None
-    return SwiGLU(dataclasses.replace(cfg, d_ff=cfg.moe_shared_experts * cfg.d_ff), group, sequence_parallel)
+    width = cfg.moe_shared_experts * cfg.expert_d_ff
+    return SwiGLU(dataclasses.replace(cfg, d_ff=width), group, sequence_parallel)
 
 
 class Block(nn.Module):
