@@ -482,7 +482,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
         elif args.format == "hf":
             from raypar.core.checkpoint import hf
 
-            print(f"raypar: wrote {hf.export(uri, args.out)}")
+            print(f"raypar: wrote {hf.export(uri, args.out, say=lambda line: print(f'raypar: {line}'))}")
         else:
             print(f"raypar: wrote {checkpoint_read.export(uri, args.out)}")
     except (checkpoint.CheckpointError, FileExistsError) as err:  # the checkpoint named, or the output
