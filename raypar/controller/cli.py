@@ -188,6 +188,19 @@ def _check_outputs(cfg: Config, run_dir: Path) -> None:
 VERIFY_HASHES_BYTES = 2**30
 
 
+def _check_compile_cache(cfg: Config) -> None:
+    """train.compile: the inductor cache this node's actors will load kernels from is this user's alone
+    (created 0700 here); other nodes' actors check theirs before they compile."""
+    if not cfg.train.compile:
+        return
+    from raypar.core.model import compiled
+
+    try:
+        compiled.own_cache_dir(compiled.inductor_cache_dir())
+    except OSError as err:
+        raise ConfigError(f"train.compile: {err}") from None
+
+
 def _check_fits(cfg: Config) -> None:
     """On GPUs, refuse a layout the planner predicts will not fit (ConfigError naming the knob to turn).
     The driver's GPU stands for the workers': a driver without one cannot tell, and checks nothing."""
@@ -257,6 +270,7 @@ def _train(args: argparse.Namespace) -> int:
 
     shared_paths.make_absolute(cfg)  # actors run in other directories, and on other nodes
     samples = _check_data(cfg)
+    _check_compile_cache(cfg)
     _check_fits(cfg)
     plan.check_local_memory(cfg, ray_env.target(args.address))  # a local Ray's actors all live here
     resume = shared_paths.absolute(_resolve_resume(cfg, args.resume)) if args.resume else None
@@ -468,7 +482,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
         elif args.format == "hf":
             from raypar.core.checkpoint import hf
 
-            print(f"raypar: wrote {hf.export(uri, args.out)}")
+            print(f"raypar: wrote {hf.export(uri, args.out, say=lambda line: print(f'raypar: {line}'))}")
         else:
             print(f"raypar: wrote {checkpoint_read.export(uri, args.out)}")
     except (checkpoint.CheckpointError, FileExistsError) as err:  # the checkpoint named, or the output

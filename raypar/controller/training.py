@@ -44,6 +44,7 @@ from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica, StepResult
 from raypar.controller.connection import NAMESPACE, RunFailure, connect
 from raypar.controller.hang_watch import HangWatch
 from raypar.controller.placement import check_device
+from raypar.controller.run_records import RUN_LOCK
 from raypar.core import plain_files
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.errors import ConfigError
@@ -552,9 +553,6 @@ class TrainingLoop:
                 for c, w in sorted(placed.items())
             },
         }
-
-
-RUN_LOCK = ".lock"  # in the run directory
 
 
 @contextlib.contextmanager

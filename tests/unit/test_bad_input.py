@@ -122,6 +122,26 @@ def _mixtral_config(f: Files, field: str, value: object) -> Path:
     return out
 
 
+def _fifo(path: Path) -> Path:
+    """A FIFO at `path` (replacing a file there): what blocks a reader that opens it until a writer comes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+def _fifo_latest(root: Path) -> Path:
+    _fifo(root / checkpoint.LATEST)
+    return root
+
+
+def _report_dir(f: Files) -> Path:
+    d = f.root / "fifo-report"
+    d.mkdir(exist_ok=True)
+    (d / "config.toml").write_bytes(b'[parallel]\nschedule = "1f1b"\npp = 1\n')
+    return d
+
+
 def train(f: Files, *args: str) -> list[str]:
     return ["train", str(TINY), "--run-dir", str(f.root / "run"), "--no-progress", *args]
 
@@ -326,6 +346,35 @@ def _cases() -> list:
         case(f"train-stop-at-{value}", lambda f, v=value: train(f, "--stop-at", v), lambda f: "--stop-at")
     case("train-unknown-flag", lambda f: train(f, "--frobnicate"), lambda f: "--frobnicate")
     case("no-command", lambda f: [], lambda f: "command")
+    # -- FIFOs where a file is read (issue #45, 6): one line at once, not a reader blocked forever ---------
+    case(
+        "train-fifo-dataset-shard",
+        lambda f: train(
+            f, "--set", f"data.source='{f.prepared('fifo', lambda o: _fifo(o / 'tokens-00000.arrow'))}'"
+        ),
+        lambda f: f"{f.root / 'fifo' / 'tokens-00000.arrow'}: is a FIFO",
+    )
+    case(
+        "train-fifo-init-from-config",
+        lambda f: train(f, "--set", f"model.init_from='{_fifo(f.root / 'hf' / 'config.json').parent}'"),
+        lambda f: f"model.init_from: {f.root / 'hf' / 'config.json'}: is a FIFO",
+    )
+    case(
+        "train-fifo-ckpt-latest",
+        lambda f: train(f, "--resume", str(_fifo_latest(f.ckpt("fifo-latest")))),
+        lambda f: f"{f.root / 'fifo-latest' / 'latest'}: is a FIFO",
+    )
+    for name in ("metrics", "timeline"):
+        case(
+            f"train-fifo-run-dir-{name}",
+            lambda f, n=name: train(f) if _fifo(f.root / "run" / f"{n}.jsonl") else [],
+            lambda f, n=name: f"--run-dir: {f.root / 'run' / n}.jsonl: is a FIFO",
+        )
+        case(
+            f"report-fifo-{name}",
+            lambda f, n=name: ["report", str(_fifo(_report_dir(f) / f"{n}.jsonl").parent)],
+            lambda f, n=name: f"{f.root / 'fifo-report' / n}.jsonl: is a FIFO",
+        )
     # -- prepare -----------------------------------------------------------------------------------------
     out = lambda f: str(f.root / "out")  # noqa: E731
     case(
