@@ -56,7 +56,7 @@ def _reaches_actors(source: str, tmp_path: Path) -> None:
     argv = ["train", str(TINY), "--run-dir", str(tmp_path / "ok"), "--no-progress",
             "--set", f"data.source='{source}'", "--set", f"data.cache_dir='{tmp_path / 'cache-ok'}'",
             "--set", "model.vocab_size=512", "--set", "model.seq_len=16"]  # fmt: skip
-    with pytest.raises(ActorsStarted):
+    with pytest.raises(ActorsStarted, match="every input check passed"):
         cli.main(argv)
 
 
