@@ -65,5 +65,5 @@ def test_the_cli_refuses_it_in_one_line_before_any_actor(cache, tmp_path, capsys
     assert err.startswith(f"raypar: train.compile: {cache}: the compile cache is writable by others"), err
     assert len(err.splitlines()) == 1
     cache.chmod(0o700)
-    with pytest.raises(ActorsStarted):  # control
+    with pytest.raises(ActorsStarted, match="every input check passed"):  # control
         cli.main(argv)
