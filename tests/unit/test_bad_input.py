@@ -39,6 +39,7 @@ ZERO_OK = {
     "train.hang_watchdog_s",  # 0: a fifth of parallel.timeout_s
     "parallel.placement_timeout_s",  # 0: parallel.timeout_s
     "parallel.compression_start_step",
+    "model.sliding_window",  # 0: no window (issue 47)
 }  # fmt: skip
 
 
@@ -437,6 +438,13 @@ def _cases() -> list:
     # -- scale (status and --address: issue 9's other half) ---------------------------------------------
     for value in ("0", "-2", "nan"):
         case(f"scale-dp-{value}", lambda f, v=value: ["scale", "--run", "x", "--dp", v], lambda f: "--dp")
+    # -- issue 47: masked attention (document masking, sliding windows) ----------------------------------
+    for key in ("model.sliding_window=4", "data.document_masking=true"):
+        case(
+            f"train-{key.split('=')[0]}-with-dropout",
+            lambda f, k=key: train(f, "--set", k, "--set", "model.dropout=0.1"),
+            lambda f, k=key: f"{k.split('=')[0]}: needs model.dropout = 0",
+        )
     return cases
 
 

@@ -53,6 +53,7 @@ class ModelConfig:
     moe_every: int = 1
     moe_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing by a per-expert routing bias
     moe_shared_experts: int = 0  # dense experts every token passes through beside the routed ones
+    sliding_window: int = 0  # > 0: a token attends to the last this many (itself included); 0 unbounded
 
     @property
     def head_dim(self) -> int:
@@ -152,6 +153,9 @@ class DataConfig:
     cache_dir: str = "data"
     val_fraction: float = 0.0  # the last samples of `source` (whole documents but one) held out
     val_source: str = ""  # or a separate source, any kind `source` takes
+    # packed documents attend only within themselves, RoPE positions restarting at each (a source whose
+    # shards record document boundaries: raypar prepare --format chat / --pack documents)
+    document_masking: bool = False
 
 
 @dataclass
