@@ -35,8 +35,11 @@ def dense(q, k, v, mask: am.AttentionMask) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.visible(index, index), enable_gqa=True)
 
 
-MASKS = {"documents": am.AttentionMask(DOCS), "window": am.AttentionMask(None, 6),
-         "documents-window": am.AttentionMask(DOCS, 6)}
+MASKS = {
+    "documents": am.AttentionMask(DOCS),
+    "window": am.AttentionMask(None, 6),
+    "documents-window": am.AttentionMask(DOCS, 6),
+}
 
 
 @pytest.mark.parametrize("name", MASKS)

@@ -438,6 +438,17 @@ def _cases() -> list:
     # -- scale (status and --address: issue 9's other half) ---------------------------------------------
     for value in ("0", "-2", "nan"):
         case(f"scale-dp-{value}", lambda f, v=value: ["scale", "--run", "x", "--dp", v], lambda f: "--dp")
+    # -- issue 47: packed and chat data (rows: tests/unit/test_chat_data.py, which also checks nothing is
+    # written) -----------------------------------------------------------------------------------------------
+    case("prepare-chat-no-seq-len", lambda f: ["prepare", str(f.text), "--out", str(f.root / "o"), "--format",
+                                               "chat"], lambda f: "--seq-len")
+    case("prepare-pack-seq-len-0", lambda f: ["prepare", str(f.text), "--out", str(f.root / "o"), "--pack",
+                                              "documents", "--seq-len", "0"], lambda f: "--seq-len")
+    case(
+        "prepare-chat-no-tokenizer",
+        lambda f: ["prepare", str(f.text), "--out", str(f.root / "o"), "--format", "chat", "--seq-len", "64"],
+        lambda f: "--tokenizer",
+    )
     # -- issue 47: masked attention (document masking, sliding windows) ----------------------------------
     for key in ("model.sliding_window=4", "data.document_masking=true"):
         case(

@@ -23,7 +23,7 @@ _REFERENCE: list[tuple] = []
 
 
 def make_cfg(*overrides: str):
-    return load_config("examples/configs/tiny.toml", ["train.global_batch=8", *overrides])
+    return load_config("examples/configs/tiny.toml", ["train.global_batch=16", *overrides])
 
 
 def dataset(cls: type[PackedDocuments] = PackedDocuments) -> PackedDocuments:
@@ -41,7 +41,7 @@ LAYOUTS = {
     "dp2-pp2-tp2": ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "parallel.microbatches=2"],
     "dp2-cp2-ring": ["parallel.dp=2", "parallel.cp=2", 'parallel.cp_style="ring"'],
     "dp2-cp2-ulysses": ["parallel.dp=2", "parallel.cp=2", 'parallel.cp_style="ulysses"'],
-    "dp4-mb4": ["parallel.dp=4", "parallel.microbatches=2"],  # 4 replicas x 2 = 8 microbatches of 1
+    "dp4-mb4": ["parallel.dp=4", "parallel.microbatches=4"],  # 4 replicas x 4 microbatches of 1 sample
 }
 
 
@@ -58,7 +58,9 @@ class MeanOfMeans(ModelBackend):
 
 
 def test_mean_of_microbatch_means_is_rejected():
-    with pytest.raises(AssertionError, match="^loss"):
+    """At initialisation every token's loss is close to ln(vocab), so reweighting tokens moves the loss by
+    less than the bound; their gradients differ, and the same check fails there."""
+    with pytest.raises(AssertionError, match="^grad norm"):
         assert_step_matches(
             run_step(make_cfg(*LAYOUTS["dp4-mb4"]), dataset=dataset(), backend_class=MeanOfMeans), reference()
         )

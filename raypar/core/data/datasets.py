@@ -403,6 +403,12 @@ class SampleRange:
         _check_index(i, self.num_samples)
         return self.base.sample(self.start + i)
 
+    def __getattr__(self, name: str) -> Any:
+        """`documents(i)` where the base has it (packed data: raypar.core.data.documents), renumbered."""
+        if name != "documents" or not callable(getattr(self.base, "documents", None)):
+            raise AttributeError(name)
+        return lambda i: self.base.documents(self.start + i)
+
 
 def open_datasets(data_cfg: DataConfig, model_cfg: ModelConfig) -> tuple[Dataset, Dataset | None]:
     """(training, validation) data. `data.val_fraction` holds out the last samples of the source: a
@@ -454,12 +460,12 @@ def open_dataset(data_cfg: DataConfig, model_cfg: ModelConfig, key: str = "data.
         return _prepared(stdlib_globs(), out, seq_len, vocab_size, key)
     if remote.is_uri(source):  # a prepared dataset on storage: copied to this node once, then mapped
         try:
-            return TokenDataset(remote.local_copy(source, data_cfg.cache_dir), seq_len, vocab_size)
+            return _open_prepared(remote.local_copy(source, data_cfg.cache_dir), seq_len, vocab_size)
         except (ValueError, OSError) as err:
             raise ConfigError(f"{key}: {err}") from None
     if source and (Path(source) / INDEX).is_file():
         try:
-            return TokenDataset(source, seq_len, vocab_size)
+            return _open_prepared(source, seq_len, vocab_size)
         except (ValueError, OSError) as err:  # a broken or incomplete prepared directory
             raise ConfigError(f"{key}: {err}") from None
     if source and Path(source).is_dir():
@@ -477,6 +483,15 @@ def open_dataset(data_cfg: DataConfig, model_cfg: ModelConfig, key: str = "data.
     cache_key = json.dumps([[f, os.path.getsize(f)] for f in files]).encode()
     out = Path(data_cfg.cache_dir) / f"text-{hashlib.sha256(cache_key).hexdigest()[:16]}"
     return _prepared(globs, out, seq_len, vocab_size, key)
+
+
+def _open_prepared(path: str | os.PathLike[str], seq_len: int, vocab_size: int) -> Dataset:
+    """A prepared directory: a token stream, or packed documents with loss masks (raypar.core.data.packed)."""
+    if "packed" in read_index(path):
+        from raypar.core.data.packed import PackedDataset  # a module that imports this one
+
+        return PackedDataset(path, seq_len, vocab_size)
+    return TokenDataset(path, seq_len, vocab_size)
 
 
 def _prepared(globs: list[str], out: Path, seq_len: int, vocab_size: int, key: str) -> TokenDataset:

@@ -48,3 +48,20 @@ def target_tokens(dataset: Any, sampler: Any, step: int, seq_len: int) -> int:
 def loss_share(target_count: int, units: int) -> float:
     """What one of `units` (microbatches x dp x cp) loss units divides its target-token sum by."""
     return max(target_count, 1) / units
+
+
+def eval_documents(
+    dataset: Any, batch: int, mb_index: int, mb_size: int, global_batch: int
+) -> torch.Tensor | None:
+    """Document ids of `datasets.eval_microbatch`'s rows for the same arguments (None without documents)."""
+    if not has_documents(dataset):
+        return None
+    first = batch * global_batch + mb_index * mb_size
+    return torch.stack([dataset.documents(first + i) for i in range(mb_size)])
+
+
+def eval_target_tokens(dataset: Any, batches: int, global_batch: int, seq_len: int) -> int:
+    """Target tokens of the first `batches` validation batches (datasets.eval_microbatch's samples)."""
+    if not has_documents(dataset):
+        return batches * global_batch * seq_len
+    return sum(int((dataset.sample(i)[1] != IGNORE).sum()) for i in range(batches * global_batch))

@@ -89,10 +89,15 @@ def masked_attention(
         first = mask.first_key(start)  # non-decreasing in the query: the chunk's first query reaches furthest
         queries, keys = torch.arange(start, stop, device=device), torch.arange(first, stop, device=device)
         allowed = mask.visible(queries, keys)
-        out.append(F.scaled_dot_product_attention(
-            q[:, :, start:stop], k[:, :, first:stop], v[:, :, first:stop], attn_mask=allowed.to(device),
-            enable_gqa=True,
-        ))
+        out.append(
+            F.scaled_dot_product_attention(
+                q[:, :, start:stop],
+                k[:, :, first:stop],
+                v[:, :, first:stop],
+                attn_mask=allowed.to(device),
+                enable_gqa=True,
+            )
+        )
     return torch.cat(out, dim=2)
 
 
@@ -112,8 +117,12 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def attention_layout(
-    cos_table: torch.Tensor, sin_table: torch.Tensor, seq: int, mask: AttentionMask,
-    group: Group | None, style: str,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    seq: int,
+    mask: AttentionMask,
+    group: Group | None,
+    style: str,
 ) -> tuple[torch.Tensor, torch.Tensor, Attend]:
     """For this rank's tokens of a `seq`-token sequence (all of them, or its cp share over `group` in
     `style`): the RoPE tables at their positions within their documents ([B, 1, T_local, hd/2] with

@@ -1,0 +1,133 @@
+"""`raypar prepare --format chat / prompt-completion / --pack documents` (raypar.core.data.chat, .packed):
+the tokens are transformers' apply_chat_template's for the Llama 3 and Qwen templates, the loss mask covers
+exactly the assistant turns (and what ends them), packing keeps documents whole, and bad rows are one line
+naming file, row and field with nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from raypar.controller import cli
+from raypar.core.data import chat
+from raypar.core.data.packed import PackedDataset
+from raypar.core.model.attention_masks import IGNORE
+from tests.support.chat_tokenizers import TEMPLATES, chat_tokenizer
+
+CONVERSATIONS = [
+    [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "def return class"},
+        {"role": "assistant", "content": "lambda yield async"},
+        {"role": "user", "content": "while for"},
+        {"role": "assistant", "content": "if else elif try except"},
+    ],
+    [
+        {"role": "user", "content": "import lambda"},
+        {"role": "assistant", "content": "await while", "train": False},
+        {"role": "user", "content": "class def"},
+        {"role": "assistant", "content": "yield return"},
+    ],
+]
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_tokens_are_apply_chat_templates_and_the_mask_is_the_assistant_turns(tmp_path, name):
+    from transformers import AutoTokenizer
+
+    path = chat_tokenizer(tmp_path / name, name)
+    hf = AutoTokenizer.from_pretrained(str(path.parent))
+    renderer = chat.ChatRenderer(str(path))
+    end = TEMPLATES[name][4]
+    for messages in CONVERSATIONS:
+        ids, mask = renderer.render(chat.check_messages({"messages": messages}, "row"), "row")
+        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        want = hf.apply_chat_template(plain, tokenize=True)
+        want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+        assert ids.tolist() == list(want)
+        trained = [m["content"] + end for m in messages if m["role"] == "assistant" and m.get("train", True)]
+        assert hf.decode(ids[mask == 1].tolist()) == "".join(trained)
+        untrained = hf.decode(ids[mask == 0].tolist())
+        assert not any(t in untrained for t in trained)
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_prepare_chat_packs_whole_conversations(tmp_path, capsys):
+    tokenizer = chat_tokenizer(tmp_path / "tok", "qwen")
+    rows = [{"messages": m} for m in CONVERSATIONS] * 3 + [
+        {"messages": [{"role": "user", "content": "def " * 400}, {"role": "assistant", "content": "yield"}]}
+    ]
+    source = write_jsonl(tmp_path / "chat.jsonl", rows)
+    out = tmp_path / "packed"
+    argv = [
+        "prepare",
+        source,
+        "--out",
+        str(out),
+        "--tokenizer",
+        str(tokenizer),
+        "--format",
+        "chat",
+        "--seq-len",
+        "256",
+        "--no-progress",
+    ]
+    assert cli.main(argv) == 0
+    said = capsys.readouterr().out
+    assert "7 documents (1 truncated, 0 dropped" in said, said
+    data = PackedDataset(out, 256, 400)
+    assert 1 < data.num_samples < 7  # several conversations to a sample
+    for i in range(data.num_samples):
+        inputs, targets = data.sample(i)
+        docs = data.documents(i)
+        same = docs[1:] == docs[:-1]
+        assert (targets[:-1][~same] == IGNORE).all()  # no target across a document boundary
+        trained = targets != IGNORE
+        assert torch.equal(targets[:-1][trained[:-1]], inputs[1:][trained[:-1]])
+    assert cli.main([*argv[:3], str(tmp_path / "dropped"), *argv[4:], "--overflow", "drop"]) == 0
+    assert "1 dropped by --overflow drop" in capsys.readouterr().out
+
+
+BAD_ROWS = {
+    "not-jsonl": ("{not json\n", "row 1: not JSON"),
+    "missing-messages": ('{"text": "hi"}\n', "row 1: field 'messages': missing"),
+    "role-not-a-string": ('{"messages": [{"role": 3, "content": "x"}]}\n', "field 'messages[0].role'"),
+    "empty-conversation": ('{"messages": []}\n', "field 'messages': must be a non-empty list"),
+    "no-assistant-turn": ('{"messages": [{"role": "user", "content": "x"}]}\n', "no assistant turn"),
+}
+
+
+def prepare_fails(tmp_path, capsys, tokenizer, body: str) -> str:
+    """`raypar prepare --format chat` on a JSONL of `body`: exit 2, one line (returned), nothing written."""
+    (tmp_path / "chat.jsonl").write_text(body)
+    out = tmp_path / "out"
+    argv = ["prepare", str(tmp_path / "chat.jsonl"), "--out", str(out), "--tokenizer", str(tokenizer)]
+    rc = cli.main([*argv, "--format", "chat", "--seq-len", "64", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+    return err[0]
+
+
+@pytest.mark.parametrize("case", BAD_ROWS)
+def test_bad_rows_are_one_line_and_nothing_is_written(tmp_path, capsys, case):
+    body, expect = BAD_ROWS[case]
+    tokenizer = chat_tokenizer(tmp_path / "tok", "llama3")
+    good = json.dumps({"messages": CONVERSATIONS[0]}) + "\n"  # row 1 is good: rows are checked before writing
+    line = prepare_fails(tmp_path, capsys, tokenizer, good + body)
+    assert "chat.jsonl: row 2: " in line and expect.split(": ", 1)[-1] in line, line
+
+
+def test_a_template_that_raises_is_one_line(tmp_path, capsys):
+    tokenizer = chat_tokenizer(tmp_path / "tok", "llama3")
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ raise_exception('roles must alternate') }}"
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+    line = prepare_fails(tmp_path, capsys, tokenizer, json.dumps({"messages": CONVERSATIONS[0]}) + "\n")
+    assert "row 1: field 'messages': the chat template raised" in line, line
