@@ -137,6 +137,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     gen.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
+    gen.add_argument(
+        "--chat", action="store_true",
+        help="answer --prompt as a user turn, rendered by the chat template the data was prepared with; "
+        "stop at the end-of-turn token",
+    )
 
     ckpt = sub.add_parser("checkpoint", help="inspect or export a checkpoint")
     ckpt_sub = ckpt.add_subparsers(dest="action", required=True, parser_class=_Parser)
@@ -419,10 +424,12 @@ def _prepare_packed(args: argparse.Namespace) -> int:
         files = expand_globs(args.sources)
         if not files:
             raise UsageError(f"sources: {' '.join(args.sources)} match no file")
-        docs = chat.documents(files, args.format, chat.ChatRenderer(args.tokenizer))
+        renderer = chat.ChatRenderer(args.tokenizer)
+        docs = chat.documents(files, args.format, renderer)
     samples, counts = packed.pack(docs, args.seq_len, args.overflow, tok.eos_id or 0)
     try:
-        packed.write(samples, counts, args.out, args.seq_len, tok, files)
+        template = renderer.record() if args.format == "chat" else None  # for raypar generate --chat
+        packed.write(samples, counts, args.out, args.seq_len, tok, files, template)
     except FileExistsError as err:
         raise UsageError(f"--out: {err}") from None
     except ValueError as err:
@@ -548,15 +555,17 @@ def _generate(args: argparse.Namespace) -> int:
     from raypar.core.checkpoint import format as checkpoint
 
     try:
-        model, tok = generate.load(checkpoint.resolve(args.path), args.device)
+        uri = checkpoint.resolve(args.path)
+        model, tok = generate.load(uri, args.device)
+        chat = generate.load_chat(uri) if args.chat else None
         text = generate.sample(
-            model, tok, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed
+            model, tok, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed, chat
         )
     except checkpoint.CheckpointError as err:  # the checkpoint named is bad: usage
         raise UsageError(str(err)) from None
     except ValueError as err:
         raise UsageError(str(err)) from None
-    print(args.prompt + text)
+    print(text if args.chat else args.prompt + text)
     return 0
 
 

@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core.data.chat import ChatRenderer
 from raypar.core.data.tokenizer import Tokenizer, from_record
+from raypar.core.model import attention_masks
 from raypar.core.model.compiled import apply_rope
 from raypar.core.model.llama import LlamaStage, rope_tables
 
@@ -93,9 +95,20 @@ class Decoder:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             if self.cache[i] is not None:
                 k, v = torch.cat([self.cache[i][0], k], dim=2), torch.cat([self.cache[i][1], v], dim=2)
-            self.cache[i] = (k, v)
-            # Prefill is causal over the prompt; a single new token attends to everything cached.
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=True)
+            # -- sliding window (attention_masks): the cache keeps the last `window` positions --
+            window = self.model.cfg.sliding_window
+            if window:
+                if seq > 1:
+                    y = attention_masks.masked_attention(q, k, v, attention_masks.AttentionMask(None, window))
+                else:
+                    k_seen, v_seen = k[:, :, -window:], v[:, :, -window:]
+                    y = F.scaled_dot_product_attention(q, k_seen, v_seen, enable_gqa=True)
+                self.cache[i] = (k[:, :, -window:], v[:, :, -window:])
+            # -- sliding window: end --
+            else:
+                self.cache[i] = (k, v)
+                # Prefill is causal over the prompt; a single new token attends to everything cached.
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=True)
             h = h + attn.wo(y.transpose(1, 2).reshape(batch, seq, attn.n_heads * attn.head_dim))
             h = h + block.mlp(block.mlp_norm(h))
         self.advance(seq)
@@ -153,10 +166,23 @@ def generate_ids(
 
 def sample(
     model: LlamaStage, tok: Tokenizer, prompt: str, max_tokens: int, temperature: float = 0.8,
-    top_p: float = 0.95, seed: int = 0,
+    top_p: float = 0.95, seed: int = 0, chat: ChatRenderer | None = None,
 ) -> str:
-    ids = [int(i) for i in tok.encode_batch([prompt])[0]]
+    """A continuation of `prompt`; with `chat`, the answer to it as a user turn rendered by the chat
+    template, stopped at the end-of-turn token."""
+    if chat is None:
+        ids, stop = [int(i) for i in tok.encode_batch([prompt])[0]], tok.eos_id
+    else:
+        ids, stop = chat.prompt([{"role": "user", "content": prompt}]), chat.end_of_turn
     if not ids:
         raise ValueError("--prompt: encodes to no token; give some text")
-    new = generate_ids(model, ids, max_tokens, temperature, top_p, seed, tok.vocab_size, tok.eos_id)
+    new = generate_ids(model, ids, max_tokens, temperature, top_p, seed, tok.vocab_size, stop)
     return tok.decode(new)
+
+
+def load_chat(ckpt_uri: str) -> ChatRenderer:
+    """The chat template the checkpoint's data was prepared with (raypar prepare --format chat)."""
+    record = checkpoint_read.CheckpointReader(ckpt_uri).meta.get("tokenizer") or {}
+    if not record.get("chat_template"):
+        raise ValueError(f"--chat: {ckpt_uri} records no chat template (its data was not --format chat)")
+    return ChatRenderer.from_record(record)

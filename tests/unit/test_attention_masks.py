@@ -56,6 +56,17 @@ def test_chunked_attention_matches_the_dense_mask(name):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_an_id_that_comes_back_is_another_document():
+    """Boundaries are where the id changes: [0, 0, 1, 1, 0, 0] is three documents, on both paths."""
+    docs = torch.tensor([[0] * 10 + [1] * 12 + [0] * 10] * 2)
+    q, k, v = qkv()
+    mask = am.AttentionMask(docs)
+    index = torch.arange(T)
+    assert not mask.visible(index, index)[0, 0, 25, 3]
+    torch.testing.assert_close(am.masked_attention(q, k, v, mask), dense(q, k, v, mask), rtol=1e-5, atol=1e-6)
+    assert am.document_positions(docs)[0, 22].item() == 0
+
+
 def test_the_mask_separates_documents():
     """Control: the same comparison against causal attention over the whole sample fails."""
     q, k, v = qkv()

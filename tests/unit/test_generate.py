@@ -81,3 +81,19 @@ def test_generate_command_on_a_checkpoint(tmp_path, capsys):
     greedy = greedy_by_full_forward(m.eval(), list(b"def f"), 8)
     assert out == "def f" + bytes(greedy).decode("utf-8", errors="replace") + "\n"
     assert cli.main(["generate", str(tmp_path / "ckpt"), "--prompt", "x", "--max-tokens", "0"]) == 2
+
+
+def test_kv_cache_with_a_sliding_window_equals_full_forward():
+    """model.sliding_window: the cache keeps the last `window` positions, and greedy decoding past the
+    window equals full forwards under the same window; control: the unwindowed model decodes otherwise."""
+    import dataclasses
+
+    windowed = model()
+    windowed.cfg = dataclasses.replace(windowed.cfg, sliding_window=4)
+    prompt = [3, 17, 5, 9, 30, 2]
+    got = generate.generate_ids(windowed, prompt, 12)
+    assert got == greedy_by_full_forward(windowed, prompt, 12)
+    decoder = generate.Decoder(windowed, 32)
+    decoder.prefill(torch.tensor([prompt]))
+    assert all(k.shape[2] == 4 for k, _ in decoder.cache)
+    assert got != generate.generate_ids(model(), prompt, 12)

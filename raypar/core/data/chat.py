@@ -81,16 +81,25 @@ def check_messages(row: Any, where: str) -> list[dict[str, Any]]:
     ]
 
 
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("--format chat, --chat: need transformers (pip install 'raypar[chat]')") from None
+    return transformers
+
+
 class ChatRenderer:
     """The chat template of the tokenizer at `tokenizer_path` (a tokenizer.json with its
-    tokenizer_config.json beside it), through transformers."""
+    tokenizer_config.json beside it), through transformers; or (`from_record`) the one a prepared
+    directory, and so a checkpoint, recorded (`record`)."""
 
-    def __init__(self, tokenizer_path: str):
-        try:
-            from transformers import AutoTokenizer
-        except ImportError:
-            raise ConfigError("--format chat: needs transformers (pip install 'raypar[chat]')") from None
-        folder = Path(tokenizer_path).parent
+    def __init__(self, tokenizer_path: str | None = None, tok: Any = None):
+        if tok is not None:
+            self.tok = tok
+            return
+        AutoTokenizer = _transformers().AutoTokenizer  # noqa: N806 - the library's class
+        folder = Path(str(tokenizer_path)).parent
         if not (folder / "tokenizer_config.json").is_file():
             raise ConfigError(f"--tokenizer: no tokenizer_config.json beside {tokenizer_path}")
         try:
@@ -100,6 +109,31 @@ class ChatRenderer:
             raise ConfigError(f"--tokenizer: {folder} is not a Hugging Face tokenizer: {why}") from None
         if not getattr(self.tok, "chat_template", None):
             raise ConfigError(f"--tokenizer: {folder}/tokenizer_config.json has no chat_template")
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> ChatRenderer:
+        from tokenizers import Tokenizer
+
+        fast = _transformers().PreTrainedTokenizerFast(
+            tokenizer_object=Tokenizer.from_str(record["json"]), chat_template=record["chat_template"],
+            bos_token=record.get("bos_token"), eos_token=record.get("eos_token"),
+        )
+        return cls(tok=fast)
+
+    def record(self) -> dict[str, Any]:
+        """What `from_record` needs besides the tokenizer JSON: into the prepared index, then checkpoints."""
+        return {"chat_template": self.tok.chat_template, "bos_token": self.tok.bos_token,
+                "eos_token": self.tok.eos_token}
+
+    @property
+    def end_of_turn(self) -> int:
+        """The template's EOS token (an instruct model's end of turn: <|eot_id|>, <|im_end|>)."""
+        return int(self.tok.eos_token_id)
+
+    def prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of `messages` followed by the generation prompt (what the model answers)."""
+        text = self.text(messages, "--prompt", generation_prompt=True)
+        return list(self.tok.backend_tokenizer.encode(text, add_special_tokens=False).ids)
 
     def text(self, messages: list[dict[str, Any]], where: str, generation_prompt: bool = False) -> str:
         try:

@@ -89,8 +89,10 @@ def write(
     seq_len: int,
     tokenizer: Tokenizer,
     sources: list[str],
+    chat_template: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write the packed samples as a prepared directory at `out_dir` (atomic, as datasets.prepare)."""
+    """Write the packed samples as a prepared directory at `out_dir` (atomic, as datasets.prepare), the
+    tokenizer's record with `chat_template` (chat.ChatRenderer.record: on to checkpoints and generate)."""
     if not samples:
         raise ValueError("no documents to pack (every one was dropped, or the sources are empty)")
     out = Path(out_dir)
@@ -123,7 +125,7 @@ def write(
         }
         if record["kind"] != "bytes":
             (staging / TOKENIZER).write_text(record.pop("json"), encoding="utf-8")
-            index["tokenizer"] = {**record, "file": TOKENIZER}
+            index["tokenizer"] = {**record, **(chat_template or {}), "file": TOKENIZER}
         (staging / INDEX).write_text(json.dumps(index, indent=1))
         return _publish(staging, out, index)
     finally:

@@ -8,13 +8,15 @@ position within the document, so a document reads the same wherever packing put 
 
 Three executions of the same mask, one per layout (`attention_layout` picks):
 
-- all tokens here: `masked_attention`, SDPA over query chunks of `QUERY_CHUNK` rows, each against only the
-  keys some query of the chunk can see (from the earliest document start / window edge in the chunk), with
-  that chunk's boolean mask. Attention memory is O(chunk x reach) rather than O(T^2): a dense T x T mask
-  would send SDPA to its math path over the whole square. FlexAttention (`create_block_mask`, as torchtitan
-  masks documents) is the other way, but torch 2.13 has no FlexAttention backward on CPU
-  ("FlexAttention does not support backward on CPU", eager and compiled alike), so the chunked SDPA path
-  is the one that trains everywhere.
+- all tokens here: `masked_attention`. Documents alone: one causal SDPA call per document, no mask (the
+  flash kernel, as without documents). With a window: SDPA over query chunks of `QUERY_CHUNK` rows, each
+  against only the keys some query of the chunk can see (from the earliest document start / window edge in
+  the chunk), with that chunk's boolean mask: O(chunk x reach) mask memory. A dense T x T mask instead
+  costs the mask (saved for backward, as floats: 64 MiB at T = 4,096) on CPU and rules out the flash
+  kernel on GPUs (benchmarks/attention_masks.py measures it). FlexAttention (`create_block_mask`, as
+  torchtitan masks documents) is the other way, but torch 2.13 has no FlexAttention backward on CPU
+  ("FlexAttention does not support backward on CPU", eager and compiled alike), so the SDPA paths
+  are the ones that train everywhere.
 - ring cp (raypar.core.parallel.cp): `MaskedRing` answers the ring's per-block mask from global indices; a
   key/value block no query of this rank can see (another document, outside the window) is skipped.
 - Ulysses cp: after the all-to-all every rank holds all tokens of its heads, in global order, so the same
@@ -38,12 +40,17 @@ IGNORE = -100  # a target that is not trained on (torch's cross_entropy ignore_i
 QUERY_CHUNK = 512  # query rows per SDPA call in masked_attention: bounds the mask and scores it holds
 
 
+def _starts(documents: torch.Tensor) -> torch.Tensor:
+    """[B, T] True where a document starts (the first token, and wherever the id changes)."""
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return starts
+
+
 def document_positions(documents: torch.Tensor) -> torch.Tensor:
     """[B, T] document ids -> each token's position within its document (0 at every document start)."""
     index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    return index - torch.where(starts, index, 0).cummax(dim=1).values
+    return index - torch.where(_starts(documents), index, 0).cummax(dim=1).values
 
 
 @dataclass(frozen=True)
@@ -61,9 +68,10 @@ class AttentionMask:
         if self.window:
             allowed = allowed & (gap < self.window)
         allowed = allowed[None, None]
-        if self.documents is not None:
-            q_doc = self.documents[:, q_index.to(self.documents.device)]
-            k_doc = self.documents[:, k_index.to(self.documents.device)]
+        if self.documents is not None:  # by document number: ids that come back later are another document
+            number = _starts(self.documents).cumsum(dim=1)
+            q_doc = number[:, q_index.to(number.device)]
+            k_doc = number[:, k_index.to(number.device)]
             allowed = allowed.to(q_doc.device) & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
         return allowed
 
@@ -79,8 +87,11 @@ class AttentionMask:
 def masked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, chunk: int = QUERY_CHUNK
 ) -> torch.Tensor:
-    """Attention of q [B, Hq, T, hd] over k, v [B, Hkv, T, hd] (the whole sequence) under `mask`, one SDPA
-    call per chunk of queries against the keys the chunk can reach (see the module docstring)."""
+    """Attention of q [B, Hq, T, hd] over k, v [B, Hkv, T, hd] (the whole sequence) under `mask`: documents
+    without a window, one causal SDPA call per document (no mask at all: SDPA's flash kernel); with a
+    window, one call per chunk of queries against the keys the chunk can reach, with the chunk's mask."""
+    if mask.documents is not None and not mask.window:
+        return _per_document(q, k, v, mask.documents)
     seq = q.shape[2]
     device = q.device
     out = []
@@ -99,6 +110,25 @@ def masked_attention(
             )
         )
     return torch.cat(out, dim=2)
+
+
+def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+    """Causal attention within each document of each sample. `split`, not slicing: its backward is one
+    concatenation, where each slice's would be a zero-filled tensor of the whole sequence."""
+    rows = []
+    for b, (qb, kb, vb) in enumerate(zip(*(t.split(1) for t in (q, k, v)), strict=True)):
+        lengths = torch.unique_consecutive(documents[b], return_counts=True)[1].tolist()
+        parts = zip(*(t.split(lengths, dim=2) for t in (qb, kb, vb)), strict=True)
+        rows.append(
+            torch.cat(
+                [
+                    F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+                    for qd, kd, vd in parts
+                ],
+                dim=2,
+            )
+        )
+    return torch.cat(rows)
 
 
 class MaskedRing(cp.RingAttention):
