@@ -164,6 +164,7 @@ def _check_data(cfg: Config) -> tuple[int, int]:
     Returns its sample counts, which the other nodes' shared-path probe compares with theirs."""
     from raypar.controller import shared_paths
     from raypar.core.data import datasets as data
+    from raypar.core.data import documents
 
     try:
         dataset, val = data.open_datasets(cfg.data, cfg.model)
@@ -172,6 +173,11 @@ def _check_data(cfg: Config) -> tuple[int, int]:
         raise
     except (OSError, ValueError) as err:  # a broken prepared directory or an unreadable source file
         raise ConfigError(f"data.source: {err}") from None
+    if cfg.data.document_masking and not documents.has_documents(dataset):
+        raise ConfigError(
+            f"data.document_masking: data.source {cfg.data.source!r} records no document boundaries (prepare "
+            "it with --format chat, --format prompt-completion or --pack documents)"
+        )
     if cfg.train.eval_every:
         data.check_eval(val, cfg.train.eval_batches, cfg.train.global_batch)
     return shared_paths.sample_counts(dataset, val)

@@ -51,8 +51,9 @@ def reference_step(
     cfg: Config, step: int = 0, microbatches: int = 1, model_hook: Callable[[LlamaStage], None] | None = None,
     dataset: Any = None,
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    """One process, the global batch in `microbatches` equal parts (default: at once), their losses averaged:
-    the loss and every parameter's gradient. `model_hook(model)` may alter the model after it is built.
+    """One process, the global batch in `microbatches` equal parts (default: at once), each part's loss its
+    share of the sum over target tokens over their global count, averaged: the loss and every parameter's
+    gradient. `model_hook(model)` may alter the model after it is built.
     `dataset` replaces the config's (packed documents: tests.support.documents)."""
     m, t = cfg.model, cfg.train
     model = LlamaStage(m, seed=t.seed)
@@ -61,11 +62,14 @@ def reference_step(
     dataset = dataset or data.open_dataset(cfg.data, m)
     sampler = data.GlobalSampler(dataset.num_samples, t.global_batch, t.seed)
     size = t.global_batch // microbatches
+    share = docs.loss_share(docs.target_tokens(dataset, sampler, step, m.seq_len), microbatches)
     losses = []
     for mb in range(microbatches):
         inputs, targets = data.microbatch(dataset, sampler, step, mb, size)
-        loss = model(inputs, targets, documents=docs.microbatch_documents(dataset, sampler, step, mb, size))
-        (loss / microbatches).backward()
+        documents = docs.microbatch_documents(dataset, sampler, step, mb, size)
+        loss = model(inputs, targets, documents=documents, loss_tokens=share)
+        aux = model.take_aux_loss()  # MoE balancing: trained, not reported (as the executor)
+        ((loss if aux is None else loss + aux) / microbatches).backward()
         losses.append(loss.item())
     return sum(losses) / microbatches, {n: p.grad.clone() for n, p in model.named_parameters()}
 

@@ -450,6 +450,11 @@ def _cases() -> list:
         lambda f: "--tokenizer",
     )
     # -- issue 47: masked attention (document masking, sliding windows) ----------------------------------
+    case(
+        "train-document-masking-without-documents",
+        lambda f: train(f, "--set", "data.document_masking=true"),
+        lambda f: "data.document_masking: data.source 'synthetic' records no document boundaries",
+    )
     for key in ("model.sliding_window=4", "data.document_masking=true"):
         case(
             f"train-{key.split('=')[0]}-with-dropout",

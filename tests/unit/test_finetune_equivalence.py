@@ -50,6 +50,19 @@ def test_packed_documents_match_one_process(layout):
     assert_step_matches(run_step(make_cfg(*LAYOUTS[layout]), dataset=dataset()), reference())
 
 
+MOE = ["model.moe_experts=4", "model.moe_capacity_factor=0"]  # dropless: no capacity that layouts cut
+
+
+@pytest.mark.parametrize("style", ["ring", "ulysses"])
+def test_moe_with_packed_documents_under_cp_matches_dp(style):
+    """MoE routes tokens one by one, so documents change its attention only: dp=2 x cp=2 equals dp=2 (the
+    same microbatches; the balancing loss is a statistic of each microbatch's routing). MoE against one
+    process is tests/support/moe_threads.py's domain."""
+    base = run_step(make_cfg(*MOE, "parallel.dp=2"), dataset=dataset())
+    got = run_step(make_cfg(*MOE, *LAYOUTS[f"dp2-cp2-{style}"]), dataset=dataset())
+    assert_step_matches(got, (base.loss, base.grads))
+
+
 class MeanOfMeans(ModelBackend):
     """Each microbatch's loss the mean over its own target tokens, averaged: short answers weigh more."""
 
