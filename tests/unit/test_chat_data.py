@@ -131,3 +131,31 @@ def test_a_template_that_raises_is_one_line(tmp_path, capsys):
     (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
     line = prepare_fails(tmp_path, capsys, tokenizer, json.dumps({"messages": CONVERSATIONS[0]}) + "\n")
     assert "row 1: field 'messages': the chat template raised" in line, line
+
+
+def test_prompt_completion_and_packed_text(tmp_path, capsys):
+    """--format prompt-completion: the loss on the completion and its EOS only; --pack documents on text:
+    every next token of a document a target, none across documents."""
+    tokenizer = chat_tokenizer(tmp_path / "tok", "qwen")
+    source = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "def return", "completion": " yield class"}] * 4)
+    out = tmp_path / "pc"
+    argv = ["prepare", source, "--out", str(out), "--tokenizer", str(tokenizer), "--no-progress"]
+    assert cli.main([*argv, "--format", "prompt-completion", "--seq-len", "64"]) == 0
+    data = PackedDataset(out, 64, 400)
+    inputs, targets = data.sample(0)
+    renderer = chat.ChatRenderer(str(tokenizer))
+    ids, mask = renderer.prompt_completion({"prompt": "def return", "completion": " yield class"}, "row")
+    trained = targets[: len(ids) - 1] != IGNORE
+    assert trained.tolist() == (mask[1:] == 1).tolist()
+    assert renderer.tok.decode(ids[mask == 1].tolist()) == " yield class<|im_end|>"
+    (tmp_path / "texts").mkdir()
+    for i, text in enumerate(["def return class", "import lambda yield async"]):
+        (tmp_path / "texts" / f"{i}.txt").write_text(text)
+    out = tmp_path / "texts-packed"
+    argv = ["prepare", str(tmp_path / "texts" / "*.txt"), "--out", str(out), "--pack", "documents"]
+    assert cli.main([*argv, "--seq-len", "64", "--no-progress"]) == 0  # byte-level
+    inputs, targets = PackedDataset(out, 64, 256).sample(0)
+    docs = PackedDataset(out, 64, 256).documents(0)
+    first = len("def return class")
+    assert docs[:first].eq(0).all() and docs[first : first + 25].eq(1).all()
+    assert targets[first - 1] == IGNORE and torch.equal(targets[: first - 1], inputs[1:first])

@@ -50,6 +50,16 @@ def test_packed_documents_match_one_process(layout):
     assert_step_matches(run_step(make_cfg(*LAYOUTS[layout]), dataset=dataset()), reference())
 
 
+@pytest.mark.parametrize("layout", ["dp2-cp2-ring", "dp2-pp2-tp2"])
+def test_sliding_window_matches_one_process(layout):
+    """model.sliding_window (Mistral's) with packed documents: ring cp skips blocks outside the window."""
+    window = "model.sliding_window=6"
+    want = reference_step(make_cfg(window), dataset=dataset())
+    assert_step_matches(run_step(make_cfg(window, *LAYOUTS[layout]), dataset=dataset()), want)
+    with pytest.raises(AssertionError, match="^loss"):  # control: the window changes the model
+        assert_step_matches(run_step(make_cfg(*LAYOUTS[layout]), dataset=dataset()), want)
+
+
 MOE = ["model.moe_experts=4", "model.moe_capacity_factor=0"]  # dropless: no capacity that layouts cut
 
 
