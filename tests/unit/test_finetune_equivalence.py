@@ -42,6 +42,8 @@ LAYOUTS = {
     "dp2-cp2-ring": ["parallel.dp=2", "parallel.cp=2", 'parallel.cp_style="ring"'],
     "dp2-cp2-ulysses": ["parallel.dp=2", "parallel.cp=2", 'parallel.cp_style="ulysses"'],
     "dp4-mb4": ["parallel.dp=4", "parallel.microbatches=4"],  # 4 replicas x 4 microbatches of 1 sample
+    "dp2-pp2-tp2-sp-cp2-ring": ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2",
+                                "parallel.sequence_parallel=true", 'parallel.cp_style="ring"'],  # 16 ranks
 }
 
 
