@@ -97,3 +97,30 @@ def test_kv_cache_with_a_sliding_window_equals_full_forward():
     decoder.prefill(torch.tensor([prompt]))
     assert all(k.shape[2] == 4 for k, _ in decoder.cache)
     assert got != generate.generate_ids(model(), prompt, 12)
+
+
+def test_chat_prompt_is_the_template_with_a_generation_prompt_and_stops_at_end_of_turn(tmp_path, monkeypatch):
+    """`raypar generate --chat`: the prompt rendered as a user turn by the recorded template, with the
+    generation prompt (transformers' own tokens), and the end-of-turn token as the stop."""
+    from transformers import AutoTokenizer
+
+    from raypar.core.data import chat
+    from raypar.core.data.tokenizer import load
+    from tests.support.chat_tokenizers import chat_tokenizer
+
+    path = chat_tokenizer(tmp_path / "tok", "llama3")
+    record = {**load(str(path)).record(), **chat.ChatRenderer(str(path)).record()}  # as a checkpoint holds
+    renderer = chat.ChatRenderer.from_record(record)
+    seen = {}
+
+    def fake_generate_ids(model, ids, max_tokens, temperature, top_p, seed, vocab, stop):
+        seen.update(ids=ids, stop=stop)
+        return []
+
+    monkeypatch.setattr(generate, "generate_ids", fake_generate_ids)
+    generate.sample(None, load(str(path)), "def return", 4, chat=renderer)
+    hf = AutoTokenizer.from_pretrained(str(path.parent))
+    messages = [{"role": "user", "content": "def return"}]
+    want = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    assert seen["ids"] == list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert seen["stop"] == hf.convert_tokens_to_ids("<|eot_id|>")
