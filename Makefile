@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench gpu-check clean
+.PHONY: demo test test-fast lint bench gpu-check check-cupy-api clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -66,11 +66,21 @@ bench: $(STAMP)
 
 # On a GPU machine, with that machine's own python3 and its CUDA torch, CuPy and ml_dtypes: no venv and no
 # install (the venv's pinned torch is a CPU wheel where this workplace's registry serves it, and the lent
-# GPU machine reaches no registry). Ray must be importable: on the lent H200 it travels as wheels
-# (benchmarks/gpu_wheels.sh; docs/gpu.md has the commands). Fails at once without CUDA. One JSON line per
-# row; < 8 minutes on one H200.
+# GPU machine reaches no registry). Ray must be importable: on the lent GPU machine it travels as wheels
+# (benchmarks/gpu_wheels.sh), and the check is split over two device calls there (docs/gpu.md has the
+# commands). Fails at once without CUDA. One JSON line per row.
 gpu-check:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) benchmarks/gpu_check.py --require-gpu
 
+# The NCCL stand-in (tests/support/fake_nccl.py) against the real CuPy and NCCL, which import without a GPU:
+# installed into a folder of their own (~500 MB, not into the venv: `make test` stays as fast as it is), the
+# NCCL pin the one CuPy 14.2's wheel was built with (cupy/.data/_wheel.json); --no-deps keeps the venv's numpy
+# the only one. No GPU needed.
+CUPY_SITE ?= .cupy-site
+check-cupy-api: $(STAMP)
+	test -f $(CUPY_SITE)/.installed || ( $(BIN)/python -m pip install -q --no-deps --target $(CUPY_SITE) \
+		cupy-cuda13x==14.2.0 nvidia-nccl-cu13==2.27.7 cuda-pathfinder==1.9.1 && touch $(CUPY_SITE)/.installed )
+	PYTHONPATH=$(CURDIR):$(abspath $(CUPY_SITE)) $(PYTEST) -p no:cacheprovider tests/unit/test_cupy_api.py
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs $(CUPY_SITE)

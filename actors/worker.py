@@ -48,9 +48,10 @@ from raypar.core.dp import compress, precision
 from raypar.core.dp.optim import lr_at
 from raypar.core.dp.strategies import STRATEGIES
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
-from raypar.core.model.llama import LlamaStage, StageSpec, dropout_seed
+from raypar.core.model import families
 from raypar.core.model.moe import is_expert_param
 from raypar.core.model.moe_balance import apply_bias_updates, bias_updates
+from raypar.core.model.stage import StageSpec, dropout_seed
 from raypar.core.observe import flops, hangs, memory
 from raypar.core.observe.hangs import ActorProbe
 from raypar.core.observe.profile import ActorProfile, StepProfiler
@@ -194,7 +195,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         self.first, self.last = p == 0, p == self.topo.last_rank
         bound = groups.bind(self.group)  # tp shapes the shards, ep says which experts live here
         train, init_from = self.cfg.train, self.cfg.model.init_from
-        self.model = LlamaStage(
+        self.model = families.build_stage(
             self.cfg.model, stage=StageSpec(tuple(chunks), self.first, self.last), tp_group=bound.tp,
             ep_group=bound.ep, cp_group=bound.cp, sequence_parallel=par.sequence_parallel,
             cp_style=par.cp_style, seed=train.seed, init=not init_from,

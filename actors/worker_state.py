@@ -24,7 +24,7 @@ from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.config.schema import Config
 from raypar.core.dp.precision import LossScaler
 from raypar.core.dp.strategy import DPStrategy
-from raypar.core.model.llama import LlamaStage
+from raypar.core.model.stage import Stage
 from raypar.core.parallel.mesh import Coord
 
 
@@ -36,7 +36,7 @@ class WorkerState:
     cfg: Config
     coord: Coord
     device: torch.device
-    model: LlamaStage
+    model: Stage
     scaler: LossScaler | None
     strategy: DPStrategy
     expert_strategy: DPStrategy

@@ -1,19 +1,19 @@
-"""`make gpu-check`: raypar's GPU path, checked in one run on a machine with one GPU (< 8 minutes on an H200).
+"""`make gpu-check`: raypar's GPU path, checked on a machine with one GPU (two device calls on the lent one).
 
 Prints one JSON line per row, `{"check": ..., "ok": ..., ...}`, then a summary row; exits 1 if any row failed.
 `ok` is true only where the row saw the behaviour it names, false where it saw otherwise (or its section
 raised: the section prints a failed row and the run goes on), and null where the row cannot tell on this
 machine (it says why). Sections, in order:
 
-1. `nccl`: every op (all_reduce sum/max, reduce_scatter sum/max/avg, all_gather, all_to_all even and
+1. `nccl`: every op (all_reduce sum/max, reduce_scatter sum/max, all_gather, all_to_all even and
    uneven, broadcast, grouped send/recv, barrier) in every dtype (fp32, bf16, fp16, int64), straight on
-   `collectives.nccl.NcclBackend` and through `Group`, each writing OUT OF PLACE into an output filled
-   with
-   a sentinel (-7): at world size 1 every op is an identity, so only an overwritten sentinel shows NCCL (or
-   Group) wrote the result. NCCL refuses two ranks on one GPU, so these are world-size-1 checks; reductions
-   over several ranks need several GPUs. The backend's all_reduce and broadcast are called with their
-   `out` tensor (NCCL's separate send and receive buffers); Group answers its in-place ops at world size 1
-   itself, so avg is checked through reduce_scatter.
+   `collectives.nccl.NcclBackend`, each writing OUT OF PLACE into an output filled with a sentinel (-7): at
+   world size 1 every op is an identity, so only an overwritten sentinel shows NCCL wrote the result. NCCL
+   refuses two ranks on one GPU, so these are world-size-1 checks; reductions over several ranks need
+   several GPUs. The backend's all_reduce and broadcast are called with their `out` tensor (NCCL's separate
+   send and receive buffers). Through `Group` only send_recv: Group answers its collectives at world size 1
+   itself (and `create_group` builds no communicator for a group of one), so a Group row for them could
+   not fail because of NCCL.
    `handoff`: a CPU tensor and a non-contiguous one are refused with an error, not read as device memory.
 2. `stream_order`: a delayed producer (`torch.cuda._sleep`, then an in-place fill on the current stream);
    NCCL's output must hold the filled value (it waited for the producer), and a consumer queued on the
@@ -23,8 +23,10 @@ machine (it says why). Sections, in order:
    ungrouped one deadlocks), 64 MiB.
 4. `create_destroy`: 50 create/op/destroy cycles of an NCCL group leave device memory, threads and file
    descriptors where they were (bounds below, with what one leaked communicator would cost).
-5. `abort`: an op pending behind a delayed producer, then `Group.abort`: the pending op and a later one
-   raise `GroupError`; the group re-formed under a new epoch works.
+5. `abort`: a synchronous and an async op pending behind a delayed producer, then `Group.abort`: the
+   hang report (`Group.state().pending`) lists both before the abort and still after it (without
+   raising), the pending op and a later one raise `GroupError`; the group re-formed under a new epoch
+   works.
 6. `step`: `llama-1b` in bf16 at (dp, pp, tp) = (1, 1, 1): raypar's losses against a plain PyTorch loop's
    on the same batches, its step time and MFU against the loop's (alternating blocks of steps).
    `fp8`: the same step with `train.precision = "fp8"` (torchao's float8 GEMMs on the tensor cores), each
@@ -40,15 +42,18 @@ machine (it says why). Sections, in order:
    equal the ones the saved run went on to compute (the second depends on the restored Adam moments).
 
 Sections 1-5 run in a child process (a broken CUDA context or a hang there spares the rest), 6-9 over a
-local Ray. `--require-gpu` exits 1 at once (one line) when torch sees no CUDA device. Without a GPU,
-`--quick` runs the sections that need none (6-9 on the CPU at the `tiny` preset; the NCCL rows are null):
-the test suite does that so the script cannot rot. A section that hangs past its budget ends the run with
-a failed row.
+local Ray. On the lent GPU machine they are two device calls (docs/gpu.md): `--nccl-only` (1-5 in this
+process, Ray never imported) and `--skip-nccl` (6-9). `--require-gpu` exits 1 at once (one line) when
+torch sees no CUDA device. Without a GPU, `--quick` runs the sections that need none (6-9 on the CPU at
+the `tiny` preset; the NCCL rows are null): the test suite does that so the script cannot rot. A section
+that hangs past its budget ends the run with a failed row; `--deadline-s` ends the call in time with the
+running section null. Either way every section left prints a null row saying why, then the summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import os
@@ -57,27 +62,36 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
-try:  # on the lent GPU machine a missing wheel is the likely failure: say so in one line
-    import ray
-    import torch
+import torch  # noqa: E402 - after the path fix above, as every import of the project
 
-    from benchmarks import _common
-    from collectives import GroupError, GroupSpec, LocalStoreRef, create_group
+from collectives import GroupError, LocalStoreRef  # noqa: E402
+from collectives.group import Group, GroupInfo  # noqa: E402
+
+if TYPE_CHECKING:
     from raypar.controller.actor_mesh import ActorMesh
-    from raypar.core.checkpoint import format as checkpoint
-    from raypar.core.config.options import FP8_RECIPES
-    from raypar.core.observe import flops
-except ImportError as err:
-    sys.exit(
-        f"gpu_check: {err} (on the lent GPU machine Ray travels as wheels: benchmarks/README.md, GPU check)"
-    )
+
+
+def _import_ray_side() -> None:
+    """Ray and what the mesh sections use, imported only for them: `--nccl-only` runs where Ray is not
+    installed (the lent GPU machine's first call carries no wheels)."""
+    global ray, _common, ActorMesh, checkpoint, FP8_RECIPES, flops
+    try:  # on the lent GPU machine a missing wheel is the likely failure: say so in one line
+        import ray
+
+        from benchmarks import _common
+        from raypar.controller.actor_mesh import ActorMesh
+        from raypar.core.checkpoint import format as checkpoint
+        from raypar.core.config.options import FP8_RECIPES
+        from raypar.core.observe import flops
+    except ImportError as err:
+        sys.exit(f"gpu_check: {err} (on the lent GPU machine Ray travels as wheels: docs/gpu.md)")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int64": torch.int64}
 SENTINEL = -7  # exact in every dtype above, and never one of the values an op should write
@@ -132,32 +146,61 @@ def summary() -> dict[str, Any]:
 
 class Budget:
     """A section that hangs (a collective that never returns, a placement that waits on a GPU) would eat the
-    whole device call: past its budget, print a failed row and the summary, and end the process. Budgets
-    are for one H200; `scale` stretches them on a shared CPU machine, where the suite runs `--quick`."""
+    whole device call: past its budget, print a failed row. Past the call's deadline (`deadline_s`, set
+    under the device call's timeout_s so that the rows come back), print the running section as null. Either
+    way every section still planned is printed as null with the reason, then the summary, and the process
+    ends. Budgets are for one H200; `scale` stretches them on a shared CPU machine (`--quick`)."""
 
-    def __init__(self, scale: float = 1.0) -> None:
-        self.scale = scale
+    def __init__(
+        self, scale: float = 1.0, deadline_s: float | None = None, planned: Sequence[str] = ()
+    ) -> None:
+        self.scale, self.deadline_s = scale, deadline_s
+        self._end = None if deadline_s is None else time.monotonic() + deadline_s
+        self.planned = list(planned)  # sections not yet entered, in order
         self._lock = threading.Lock()
         self._section: tuple[str, float, float] | None = None
         threading.Thread(target=self._watch, name="gpu-check-budget", daemon=True).start()
 
     def enter(self, name: str, seconds: float) -> None:
         with self._lock:
+            if name in self.planned:
+                self.planned.remove(name)
             self._section = (name, time.monotonic() + seconds * self.scale, seconds * self.scale)
 
     def leave(self) -> None:
         with self._lock:
             self._section = None
 
+    def skip(self, name: str) -> None:
+        """`name` will not run (its null row says why): not among the rows a cut prints."""
+        with self._lock:
+            if name in self.planned:
+                self.planned.remove(name)
+
+    def left_s(self) -> float | None:
+        return None if self._end is None else self._end - time.monotonic()
+
     def _watch(self) -> None:
         while True:
-            time.sleep(1.0)
+            time.sleep(0.2)  # a polling period, not a synchronisation
+            now = time.monotonic()
             with self._lock:
-                late = self._section if self._section and time.monotonic() > self._section[1] else None
+                late = self._section if self._section and now > self._section[1] else None
+                cut = self._end is not None and now > self._end
+                if late is None and not cut:
+                    continue
+                running, rest = self._section, list(self.planned)
             if late is not None:
                 emit(late[0], False, error=f"did not finish within its budget of {late[2]:g}s; run ended")
-                print(json.dumps(summary()), flush=True)
-                os._exit(1)
+                reason = f"not run: section {late[0]!r} hung past its budget and ended the run"
+            else:
+                reason = f"not run: the call's deadline of {self.deadline_s:g}s passed"
+                if running is not None:
+                    emit(running[0], None, unverified=f"cut at the call's deadline of {self.deadline_s:g}s")
+            for name in rest:
+                emit(name, None, unverified=reason)
+            print(json.dumps({**summary(), "cut": reason}), flush=True)
+            os._exit(1)
 
 
 def section(budget: Budget, name: str, seconds: float, run: Callable[[], None]) -> None:
@@ -185,8 +228,14 @@ def _sentinel(like: torch.Tensor) -> torch.Tensor:
     return torch.full_like(like, SENTINEL)
 
 
-def _spec(name: str, store: LocalStoreRef, epoch: int, device: int) -> GroupSpec:
-    return GroupSpec(name, ("gpu-check",), 0, store, epoch, "nccl", NCCL_TIMEOUT_S, device)
+def _group(name: str, store: LocalStoreRef, epoch: int, device: int) -> Group:
+    """A Group over an NCCL communicator of one member. Formed on the backend directly: `create_group` builds
+    no communicator for a group of one (Group answers its collectives itself), so only the ops Group hands
+    to the backend at any size (send/recv) reach NCCL through it here."""
+    from collectives.nccl import NcclBackend
+
+    info = GroupInfo(name, epoch, 0, ("gpu-check",), "nccl", NCCL_TIMEOUT_S)
+    return Group(info, NcclBackend(store.store, f"{name}/{epoch}/", 0, 1, NCCL_TIMEOUT_S, device))
 
 
 def nccl_ops(device: int) -> None:
@@ -195,7 +244,7 @@ def nccl_ops(device: int) -> None:
     dev = torch.device("cuda", device)
     store = LocalStoreRef()
     raw = NcclBackend(store.store, "gpu-check-raw/0/", 0, 1, NCCL_TIMEOUT_S, device)
-    group = create_group(_spec("gpu-check-ops", store, 0, device))
+    group = _group("gpu-check-ops", store, 0, device)
     T = NCCL_TIMEOUT_S
 
     def backend(op: str) -> Callable[[torch.dtype], tuple[torch.Tensor, torch.Tensor]]:
@@ -229,17 +278,7 @@ def nccl_ops(device: int) -> None:
     def via_group(op: str) -> Callable[[torch.dtype], tuple[torch.Tensor, torch.Tensor]]:
         def run(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
             x = _values((6, 2), dtype, dev)
-            if op.startswith("reduce_scatter"):
-                out = _sentinel(x)
-                return group.reduce_scatter(x, op.rsplit("_", 1)[1], out=out), x
-            if op == "all_gather":
-                return group.all_gather(x, out=_sentinel(x)), x
-            if op == "all_to_all_even":
-                return group.all_to_all(x, out=_sentinel(x)), x
-            if op == "all_to_all_uneven":  # input splits only: the output sizes are exchanged first
-                x = _values((7, 3), dtype, dev)
-                return group.all_to_all(x, input_splits=[7], out=_sentinel(x)), x
-            out = _sentinel(x)  # send_recv
+            out = _sentinel(x)  # send_recv: what Group hands to NCCL at world size 1
             return group.send_recv(x, 0, out, 0), x
 
         return run
@@ -257,16 +296,7 @@ def nccl_ops(device: int) -> None:
         "send_recv",
     ):
         cases[("backend", op)] = backend(op)
-    for op in (
-        "reduce_scatter_sum",
-        "reduce_scatter_avg",
-        "reduce_scatter_max",
-        "all_gather",
-        "all_to_all_even",
-        "all_to_all_uneven",
-        "send_recv",
-    ):
-        cases[("group", op)] = via_group(op)
+    cases[("group", "send_recv")] = via_group("send_recv")
     for (path, op), run in cases.items():
         failed: dict[str, str] = {}
         start = time.perf_counter()
@@ -330,7 +360,7 @@ def stream_order(device: int) -> None:
     dev = torch.device("cuda", device)
     store = LocalStoreRef()
     raw = NcclBackend(store.store, "gpu-check-order/0/", 0, 1, NCCL_TIMEOUT_S, device)
-    group = create_group(_spec("gpu-check-order", store, 1, device))
+    group = _group("gpu-check-order", store, 1, device)
     sleep_ms = 200.0
     cycles = sleep_cycles(dev, sleep_ms)
     # NCCL connects a communicator's peers at their first op, on the host: done here, untimed, so that it
@@ -390,7 +420,7 @@ def stream_order(device: int) -> None:
 
 def send_recv_self(device: int) -> None:
     dev = torch.device("cuda", device)
-    group = create_group(_spec("gpu-check-self", LocalStoreRef(), 0, device))
+    group = _group("gpu-check-self", LocalStoreRef(), 0, device)
     x = _values((16 << 20,), torch.float32, dev)  # 64 MiB: several of NCCL's chunks
     group.send_recv(x[:1024], 0, _sentinel(x[:1024]), 0)  # untimed: NCCL connects the peers at a first op
     out = _sentinel(x)
@@ -408,15 +438,22 @@ def abort_and_reform(device: int) -> None:
     dev = torch.device("cuda", device)
     store = LocalStoreRef()
     x = _values((1 << 20,), torch.float32, dev)
-    first = create_group(_spec("gpu-check-abort", store, 1, device))
+    first = _group("gpu-check-abort", store, 1, device)
     out = _sentinel(x)
     first.send_recv(x, 0, out, 0)
     torch.cuda.synchronize(dev)
     worked = torch.equal(out, x)
 
-    torch.cuda._sleep(sleep_cycles(dev, 200.0))  # keeps the op below pending when the abort comes
+    torch.cuda._sleep(sleep_cycles(dev, 200.0))  # keeps the ops below pending when the abort comes
+    first.send_recv(x, 0, _sentinel(x), 0)  # synchronous: returns to the host while it waits on the GPU
     pending = first.send_recv(x, 0, _sentinel(x), 0, async_op=True)
+    # a hang report's view: both ops listed while they run, and still after the abort (it must not raise)
+    listed_before = [p.op for p in first.state().pending]
     first.abort("gpu-check: abort test")
+    try:
+        listed_after: list[str] | str = [p.op for p in first.state().pending]
+    except Exception as err:  # noqa: BLE001 - the row reports it
+        listed_after = f"{type(err).__name__}: {err}"
     raised: dict[str, str | None] = {}
     for what, call in {
         "pending": pending.wait,
@@ -429,19 +466,22 @@ def abort_and_reform(device: int) -> None:
             raised[what] = str(err)[:200]
     torch.cuda.synchronize(dev)  # the aborted communicator's work ends: nothing is left spinning
 
-    second = create_group(_spec("gpu-check-abort", store, 2, device))
+    second = _group("gpu-check-abort", store, 2, device)
     again = _sentinel(x)
     second.send_recv(x, 0, again, 0)
     torch.cuda.synchronize(dev)
     second.check()
     reformed = torch.equal(again, x)
     second.destroy()
+    both = ["send to 0 / recv from 0"] * 2
     emit(
         "abort",
-        worked and all(raised.values()) and reformed,
+        worked and all(raised.values()) and reformed and listed_before == both and listed_after == both,
         before_abort=worked,
         raised=raised,
         reformed_epoch_2=reformed,
+        pending_before_abort=listed_before,
+        pending_after_abort=listed_after,
     )
 
 
@@ -458,7 +498,7 @@ def create_destroy(device: int, cycles: int) -> None:
     epoch = itertools.count()
 
     def formed(name: str) -> Any:
-        group = create_group(_spec(name, store, next(epoch), device))
+        group = _group(name, store, next(epoch), device)
         group.send_recv(x, 0, out, 0)
         torch.cuda.synchronize(dev)
         group.check()
@@ -752,10 +792,14 @@ def checkpoint_round_trip(preset: str, device: str) -> None:
     )
 
 
-def nccl_sections(quick: bool) -> None:
-    """Sections 1-5, run in the child process (`--nccl-only`). Abort comes last: an aborted communicator is
-    the one thing here that could leave the CUDA context broken for what follows."""
-    budget = Budget()
+NCCL_SECTIONS = ("nccl", "stream_order", "send_recv_self", "create_destroy", "abort")
+RAY_SECTIONS = ("ray", "step", "fp8", "pp2", *["dp_shared"] * (1 + len(DP_VARIANTS)), "checkpoint")
+
+
+def nccl_sections(quick: bool, deadline_s: float | None) -> None:
+    """Sections 1-5 (`--nccl-only`: the first device call, or the child process of a whole run). Abort comes
+    last: an aborted communicator is the one thing here that could leave the CUDA context broken."""
+    budget = Budget(deadline_s=deadline_s, planned=NCCL_SECTIONS)
     section(budget, "nccl", 60.0, lambda: nccl_ops(0))
     section(budget, "stream_order", 30.0, lambda: stream_order(0))
     section(budget, "send_recv_self", 30.0, lambda: send_recv_self(0))
@@ -766,11 +810,12 @@ def nccl_sections(quick: bool) -> None:
 NCCL_CHILD_S = 300.0  # the budgets above and the start; past it the child is stuck in a call no budget ends
 
 
-def nccl_child(quick: bool) -> None:
+def nccl_child(quick: bool, deadline_s: float | None) -> None:
     """Sections 1-5 in a child process, its rows relayed: a sticky CUDA error or a hang there leaves this
     process's CUDA context and the later sections alone, and its GPU memory is gone before the llama-1b step.
     """
-    cmd = [sys.executable, os.path.abspath(__file__), "--nccl-only", *(["--quick"] if quick else [])]
+    cmd = [sys.executable, os.path.abspath(__file__), "--nccl-only", *(["--quick"] if quick else []),
+           *(["--deadline-s", str(deadline_s)] if deadline_s is not None else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     seen: list[str] = []
 
@@ -786,7 +831,7 @@ def nccl_child(quick: bool) -> None:
     reader = threading.Thread(target=relay, daemon=True)
     reader.start()
     try:
-        rc = proc.wait(timeout=NCCL_CHILD_S)
+        rc = proc.wait(timeout=NCCL_CHILD_S if deadline_s is None else min(NCCL_CHILD_S, deadline_s + 10))
     except subprocess.TimeoutExpired:
         proc.kill()
         rc = proc.wait()
@@ -800,18 +845,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny models, few steps (CPU without a GPU)")
     parser.add_argument("--require-gpu", action="store_true", help="exit 1 at once if torch sees no GPU")
-    parser.add_argument("--nccl-only", action="store_true", help=argparse.SUPPRESS)  # the child's part
+    parser.add_argument("--nccl-only", action="store_true",
+                        help="sections 1-5 alone, in this process, without importing Ray (device call 1)")
+    parser.add_argument("--skip-nccl", action="store_true", help="sections 6-9 alone (device call 2)")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="end by then: the running and every later section print null rows, saying why")
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
-    if (args.require_gpu or args.nccl_only) and not gpu:
+    if args.require_gpu and not gpu:
         print(f"gpu_check: --require-gpu, and torch {torch.__version__} sees no CUDA device", file=sys.stderr)
         return 1
     if args.nccl_only:
-        nccl_sections(args.quick)
+        if gpu:
+            nccl_sections(args.quick, args.deadline_s)
+        else:
+            for check in NCCL_SECTIONS:
+                emit(check, None, unverified="no CUDA device on this machine")
         final = summary()
         print(json.dumps(final), flush=True)
         return 0 if final["ok"] else 1
 
+    _import_ray_side()
     device = "gpu" if gpu else "cpu"
     info: dict[str, Any] = {
         "torch": torch.__version__,
@@ -830,13 +884,15 @@ def main() -> int:
     print(json.dumps({"info": info}), flush=True)
 
     start = time.perf_counter()
-    if gpu:
-        nccl_child(args.quick)
+    budget = Budget(scale=1.0 if gpu else 5.0, deadline_s=args.deadline_s, planned=RAY_SECTIONS)
+    if args.skip_nccl:
+        pass  # the first device call's rows
+    elif gpu:
+        nccl_child(args.quick, budget.left_s())
     else:
-        for check in ("nccl", "stream_order", "send_recv_self", "create_destroy", "abort"):
+        for check in NCCL_SECTIONS:
             emit(check, None, unverified="no CUDA device on this machine")
 
-    budget = Budget(scale=1.0 if gpu else 5.0)
     # A private local Ray: that it starts is this section's check on a device machine. The suite's CPU run
     # joins its shared Ray instead (RAYPAR_BENCH_RAY_ADDRESS); the sections after this one run the same there.
     section(budget, "ray", 120.0, lambda: _common.start_ray(num_cpus=max(os.cpu_count() or 1, 4)))
@@ -849,10 +905,14 @@ def main() -> int:
             section(budget, "step", 120.0, lambda: step_loop(big, device, rounds=1, steps=2, batch=4))
         else:
             section(budget, "step", 240.0, lambda: step_loop(big, device, rounds=3, steps=3, batch=4))
-        if gpu:  # at the quick run's preset too: `tiny`'s dims are multiples of 16, as float8 GEMMs need
-            section(budget, "fp8", 240.0, lambda: float8_steps(big, device, steps=5))
-        else:
+        if not gpu:
+            budget.skip("fp8")
             emit("fp8", None, unverified="no CUDA device on this machine (torchao would only emulate float8)")
+        elif importlib.util.find_spec("torchao") is None:
+            budget.skip("fp8")
+            emit("fp8", None, unverified="torchao is not installed (benchmarks/gpu_wheels.sh carries it)")
+        else:  # at the quick run's preset too: `tiny`'s dims are multiples of 16, as float8 GEMMs need
+            section(budget, "fp8", 240.0, lambda: float8_steps(big, device, steps=5))
         steps = 2 if args.quick else 3  # two: the second step's loss already depends on the first's update
         section(budget, "pp2", 120.0, lambda: pipeline(small, device, steps=steps))
         dp_shared(budget, small, device, steps=steps)

@@ -6,8 +6,9 @@
 # numpy, protobuf, grpcio, aiohttp, click, filelock, msgpack, packaging, pyyaml, requests and attrs
 # (/work/.library/device/KINDS.md), no package registry and no Ray. What raypar still lacks there:
 # Ray itself and the one part of Ray's core requirements the image does not hold, jsonschema with its three
-# dependencies. Ray's cp312 wheel is 79 MB, over the 64 MiB one device call may carry, so it is repacked
-# without what a raypar worker never loads (PRUNE below): then everything fits in one call.
+# dependencies, and torchao for the fp8 row. Ray's cp312 wheel is 79 MB, over the 64 MiB one device call may
+# carry, so it is repacked without what a raypar worker never loads (PRUNE below): then everything fits in
+# one call.
 #
 # Usage: benchmarks/gpu_wheels.sh [PYVER]   (PYVER 3.12 for the device; 3.11 builds the same set for this
 # machine's Python, to test the pruned Ray here). PY=... picks the Python whose pip downloads; DEST=...
@@ -20,8 +21,11 @@ PY=${PY:-$([ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || e
 DEST=${DEST:-$ROOT/.whl}  # the folder the device call carries
 # Pinned to the versions raypar's own environment resolves (pyproject.toml), so the device runs what the
 # suite tests. rpds-py is the only compiled one besides Ray.
+# torchao for the fp8 row: 0.18.0 (the project's pin) needs torch >= 2.11 (its own import check,
+# torchao/__init__.py: older torch skips its kernels) and the device has 2.11.0; one abi3 wheel, 3.4 MB, no
+# runtime dependencies. Only the second device call (the Ray sections) installs these.
 WHEELS=(ray==2.60.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
-  rpds-py==2026.9.1)
+  rpds-py==2026.9.1 torchao==0.18.0)
 # Parts of Ray's wheel that a raypar run never imports or executes (paths inside the wheel):
 #   ray/jars/                   31 MB compressed: the Java worker (raypar's workers are Python)
 #   ray/dashboard/client/build/ 2.4 MB: the dashboard's web front end (the device has no dashboard deps,

@@ -60,12 +60,13 @@ class _NoInFlight(InFlight):
     def begin(self, op: str, handle: Any = None) -> int:
         return 0
 
-    def end(self, seq: int) -> None:
+    def end(self, seq: int, handle: Any = None) -> None:
         return None
 
 
 class _Done:
-    """An async op's handle that has completed (what a waited or dropped Work is by the time it is pruned)."""
+    """An op's handle that has completed (what a waited or dropped Work is by the time it is pruned, and a
+    sync op's backend work once its wait returned on the CPU)."""
 
     def is_completed(self) -> bool:
         return True
@@ -73,14 +74,15 @@ class _Done:
 
 # -- (a) the registry calls alone ----------------------------------------------------------------------------
 def _sync(reg: InFlight, n: int) -> None:
+    handle = _Done()  # a sync op retires with its backend work, listed on until that completed
     for _ in range(n):
-        reg.end(reg.begin("all_reduce"))
+        reg.end(reg.begin("all_reduce"), handle)
 
 
 def _async_waited(reg: InFlight, n: int) -> None:
     handle = _Done()
     for _ in range(n):
-        reg.end(reg.begin("all_reduce", handle))
+        reg.end(reg.begin("all_reduce", handle), handle)
 
 
 def _async_dropped(reg: InFlight, n: int) -> None:

@@ -62,6 +62,20 @@ class Backend(Protocol):
     def abort(self, reason: str = "aborted by its owner") -> None: ...
 
 
+class NoPeers:
+    """The backend of a group of one: Group answers every op itself, so no communicator is built for it (an
+    NCCL communicator costs an init rendezvous and device memory, for nothing)."""
+
+    def check(self, what: str = "") -> None:
+        pass
+
+    def abort(self, reason: str = "aborted by its owner") -> None:
+        pass
+
+    def __getattr__(self, op: str) -> Any:
+        raise GroupError(f"a group of one has no peer for {op}")
+
+
 @dataclass(frozen=True)
 class GroupInfo:
     name: str
@@ -102,7 +116,7 @@ class Work:
                 for work in self._works:
                     self._group._wait(work, self._op, max(deadline - time.monotonic(), 0.001))
             finally:
-                self._group.in_flight.end(self.seq)
+                self._group.in_flight.end(self.seq, self)
             self._result, self._done = self._finish(), True
         return self._result
 
@@ -166,10 +180,12 @@ class Group:
     ):
         if not async_op and len(starts) == 1:  # the common sync case: no handle, no deadline arithmetic
             seq = self.in_flight.begin(op)
+            work = None
             try:
-                self._wait(self._launch(op, starts[0]), op, self.info.timeout_s)
+                work = self._launch(op, starts[0])
+                self._wait(work, op, self.info.timeout_s)
             finally:
-                self.in_flight.end(seq)
+                self.in_flight.end(seq, work)
             return finish()
         works = [self._launch(op, start) for start in starts]
         handle = Work(self, op, works, finish)

@@ -58,15 +58,22 @@ class InFlight:
         """Number the next op and list it as pending until `end`; an async op passes its handle, so that
         one completed but never waited is not taken for pending."""
         self.started += 1
-        if handle is not None and len(self._pending) >= PRUNE_AT:
+        if len(self._pending) >= PRUNE_AT:
             for seq, (_, _, h) in list(self._pending.items()):
-                if h is not None and h.is_completed():
+                if h is not None and _finished(h):
                     self._pending.pop(seq, None)
         self._pending[self.started] = (op, time.monotonic(), handle)
         return self.started
 
-    def end(self, seq: int) -> None:
-        self._pending.pop(seq, None)
+    def end(self, seq: int, handle: _Handle | None = None) -> None:
+        """Retire op `seq` once its wait returned; with its `handle`, only once that completed too. NCCL's
+        wait returns at once (the caller's stream waits, not the host): such an op stays listed while it
+        runs, so that a hang report shows it."""
+        entry = self._pending.get(seq)
+        if handle is not None and entry is not None and not _finished(handle):
+            self._pending[seq] = (entry[0], entry[1], handle)
+        else:
+            self._pending.pop(seq, None)
 
     def pending(self) -> tuple[PendingOp, ...]:
         """The ops still pending, oldest first (safe to call from another thread while one blocks)."""
@@ -74,5 +81,13 @@ class InFlight:
         return tuple(
             PendingOp(seq, op, now - since)
             for seq, (op, since, handle) in sorted(dict(self._pending).items())
-            if handle is None or not handle.is_completed()
+            if handle is None or not _finished(handle)
         )
+
+
+def _finished(handle: _Handle) -> bool:
+    """Completed; an op whose query raises (its communicator was aborted) never finished: it stays listed."""
+    try:
+        return handle.is_completed()
+    except Exception:  # noqa: BLE001 - NcclAborted and the like: the report must not fail when needed most
+        return False

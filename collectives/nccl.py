@@ -17,9 +17,12 @@ What NCCL does not do for us, and this module does:
   import of bf16 fails or needs `ml_dtypes`; a CPU tensor's pointer would be read as device memory).
 - **Failure.** NCCL never times out and, once aborted, completes its pending kernels as if they had
   succeeded. A process-wide watchdog polls every live communicator's asynchronous error
-  (`ncclCommGetAsyncError`: a peer that died or aborted) and the deadline of its oldest pending op; on
-  either it aborts the backend, after which every pending and later op raises. `abort()` is how a caller
-  (the actor, when the driver calls a step off) stops a step at once instead of waiting out the timeout.
+  (`ncclCommGetAsyncError`: this rank's own failure; a peer's death or abort is not reported there, its
+  ops here just never complete) and the deadline of its oldest pending op; on either it aborts the backend,
+  after which every pending and later op raises. `abort()` is how a caller (the actor, when the driver
+  calls a step off because a member failed) stops a step at once instead of waiting out the timeout.
+- **First contact.** NCCL connects two ranks inside their first send/recv, on the host, which waits for
+  the peer's first op: a duplex pair connects both directions when it is formed (`_connect`).
 - **Host.** Waiting for an op makes the caller's current stream wait on the op's event: the host goes on
   launching kernels (as torch's ProcessGroupNCCL does); the watchdog enforces the timeout. `check()` tells
   whether everything up to now ran on a healthy communicator: call it before trusting a step's results.
@@ -54,13 +57,18 @@ class NcclAborted(RuntimeError):
     """An op on a communicator that was aborted (by the watchdog, a timeout or the caller)."""
 
 
-def _cupy_nccl() -> Any:
+def cupy_nccl() -> Any:
+    """`cupy.cuda.nccl`, or BackendUnavailable saying what is missing (CuPy, NCCL's library or a GPU)."""
     try:
         from cupy.cuda import nccl
     except ImportError as err:
         raise BackendUnavailable(
             f"backend 'nccl' needs CuPy with NCCL (pip install 'raypar[gpu]'): {err}"
         ) from None
+    if not nccl.available:  # CuPy imports without libnccl and says so here, not at the first call
+        raise BackendUnavailable(
+            "backend 'nccl': CuPy loaded but NCCL did not (pip install 'raypar[gpu]' brings nvidia-nccl-cu13)"
+        )
     if not torch.cuda.is_available():
         raise BackendUnavailable("backend 'nccl' needs a CUDA GPU, and torch sees none (use backend 'gloo')")
     return nccl
@@ -95,10 +103,6 @@ class CudaRuntime:
     def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         stream.wait_event(event)
 
-    def keep(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        # The caller's allocator must not hand this memory out again before the op on `stream` is done.
-        tensor.record_stream(stream)
-
     def release(self, stream: torch.cuda.Stream) -> None:
         pass  # torch pools its streams
 
@@ -116,8 +120,13 @@ _DTYPES = {
 
 
 class _NcclWork:
-    def __init__(self, backend: NcclBackend, event: Any, what: str):
-        self._backend, self.event, self.what = backend, event, what
+    """One enqueued op. It holds the op's tensors until its event completes (the watchdog then drops it from
+    the backend's pending list): the caller's allocator cannot hand their memory out again while NCCL's stream
+    still reads or writes it. PyTorch does the same instead of `record_stream`, which would keep the memory
+    until the side stream's next allocation after the op, however long that is."""
+
+    def __init__(self, backend: NcclBackend, event: Any, what: str, tensors: list[torch.Tensor]):
+        self._backend, self.event, self.what, self.tensors = backend, event, what, tensors
         self.deadline = time.monotonic() + backend.timeout_s
 
     def is_completed(self) -> bool:
@@ -134,6 +143,20 @@ class _NcclWork:
         rt = backend.runtime
         rt.wait(rt.current_stream(backend.device), self.event)
         backend.check(self.what)  # aborted meanwhile: what the stream waits for is garbage
+
+
+class _BothWork:
+    """Two ops that finish together (a duplex group's send and receive, each on its direction's stream)."""
+
+    def __init__(self, *works: _NcclWork):
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self, timeout_s: float) -> None:
+        for work in self.works:
+            work.wait(timeout_s)
 
 
 class NcclBackend:
@@ -153,6 +176,10 @@ class NcclBackend:
         self.error: str | None = None
         # A communicator is not thread-safe: one host thread enqueues on it at a time.
         self._enqueue = threading.Lock()
+        # Abort, the watchdog's async-error poll and destroy, one at a time: CuPy's abort() frees the handle
+        # in ncclCommAbort and clears it only after, so a poll or a second abort racing it reads freed memory.
+        # Not `_enqueue`: an abort must reach a communicator whose enqueueing thread is blocked inside NCCL.
+        self._lifecycle = threading.Lock()
         self._pending_lock = threading.Lock()  # never held across an NCCL call: the watchdog takes it
         self._pending: list[_NcclWork] = []
         # (what, deadline) while a host thread is inside an NCCL call: a first send can block the host until
@@ -164,10 +191,12 @@ class NcclBackend:
             self._comms.append(self._join(store, f"{prefix}nccl_unique_id/{i}"))
             self._streams.append(self.runtime.new_stream(self.device))
         watchdog().watch(self)
+        if duplex:
+            self._connect()
 
     # -- seams: where NCCL and the device come from ---------------------------------------------------------
     def _nccl_module(self) -> Any:
-        return _cupy_nccl()
+        return cupy_nccl()
 
     def _runtime(self) -> Any:
         return CudaRuntime()
@@ -179,9 +208,9 @@ class NcclBackend:
         cancel a blocking init), and this member gets a clear error after the group's timeout."""
         nccl = self.nccl
         if self.rank == 0:
-            store.set(key, bytes(bytearray(b % 256 for b in nccl.get_unique_id())))
+            store.set(key, nccl.get_unique_id())  # CuPy 14: 128 bytes (a tuple of ints before)
         store.wait([key], timedelta(seconds=self.timeout_s))
-        uid = tuple(int(b) if b < 128 else int(b) - 256 for b in store.get(key))
+        uid = bytes(store.get(key))
         made: list[Any] = []
         failed: list[BaseException] = []
 
@@ -203,6 +232,19 @@ class NcclBackend:
             )
         return made[0]
 
+    def _connect(self) -> None:
+        """Make NCCL connect both directions of a duplex pair now. NCCL connects a pair of ranks inside their
+        first send/recv, on the host, and the first op waits there for the peer's: if each end's first op were
+        a receive on a different direction (a pipeline posts its receives ahead), both hosts would wait for a
+        peer that is waiting too. Here both ends visit the directions in one order, one element each way."""
+        for direction in (0, 1):
+            one = torch.zeros(1, device=self.device)
+            if self.rank == direction:
+                work = self.send(one, 1 - self.rank)
+            else:
+                work = self.recv(one, 1 - self.rank)
+            work.wait(self.timeout_s)
+
     # -- state ----------------------------------------------------------------------------------------------
     def check(self, what: str = "") -> None:
         """Raise NcclAborted if this communicator failed: everything enqueued on it may hold garbage."""
@@ -211,7 +253,12 @@ class NcclBackend:
 
     def abort(self, reason: str = "aborted by its owner") -> None:
         """Abort the communicators: their pending kernels end (with garbage) and every op raises from now on.
-        Safe from any thread, also while another thread is blocked enqueueing on them."""
+        Safe from any thread, also while another thread is blocked enqueueing on them; the first reason
+        wins."""
+        with self._lifecycle:
+            self._abort(reason)
+
+    def _abort(self, reason: str) -> None:  # holding _lifecycle
         if self.error is not None:
             return
         self.error = reason
@@ -221,20 +268,23 @@ class NcclBackend:
             self.runtime.release(stream)
 
     def poll(self) -> None:
-        """The watchdog's look: a peer's failure (async error) or an op past its deadline aborts."""
-        if self.error is not None:
-            return
-        for comm in list(self._comms):
-            try:
-                comm.check_async_error()
-            except Exception as err:  # noqa: BLE001 - NcclError: a peer died, aborted or broke the link
-                self.abort(f"NCCL reported an asynchronous error ({' '.join(str(err).split())[:200]})")
+        """The watchdog's look: a local asynchronous error or an op past its deadline aborts. A peer's abort
+        or death is not among NCCL's asynchronous errors (its ops here just never complete): the driver aborts
+        the survivors (actors/worker.py `abort`), and the deadline is the backstop."""
+        with self._lifecycle, self.runtime.guard(self.device):  # the event queries on this group's GPU
+            if self.error is not None:
                 return
-        with self._pending_lock:
-            self._pending = [w for w in self._pending if not w.event.query()]
-            late = (self._pending[0].what, self._pending[0].deadline) if self._pending else self._in_call
-        if late is not None and time.monotonic() > late[1]:
-            self.abort(f"{late[0]} timed out after {self.timeout_s:g}s waiting for the other members")
+            for comm in self._comms:
+                try:
+                    comm.check_async_error()
+                except Exception as err:  # noqa: BLE001 - NcclError: this rank's own failure (a CUDA error)
+                    self._abort(f"NCCL reported an asynchronous error ({' '.join(str(err).split())[:200]})")
+                    return
+            with self._pending_lock:
+                self._pending = [w for w in self._pending if not w.event.query()]
+                late = (self._pending[0].what, self._pending[0].deadline) if self._pending else self._in_call
+            if late is not None and time.monotonic() > late[1]:
+                self._abort(f"{late[0]} timed out after {self.timeout_s:g}s waiting for the other members")
 
     # -- launching ------------------------------------------------------------------------------------------
     def _ptr(self, tensor: torch.Tensor) -> int:
@@ -261,15 +311,16 @@ class NcclBackend:
             self.check(what)
             stream = self._streams[index]
             rt.wait(stream, rt.record(rt.current_stream(device)))
-            for t in tensors:
-                rt.keep(t, stream)
             self._in_call = (what, time.monotonic() + self.timeout_s)
             try:
                 body(self._comms[index], rt.handle(stream))
+            except Exception:
+                self.check(what)  # aborted while blocked in NCCL (a first contact): say why, not NCCL's code
+                raise
             finally:
                 self._in_call = None
             self.check(what)  # aborted while enqueueing: what was enqueued will not run
-            work = _NcclWork(self, rt.record(stream), what)
+            work = _NcclWork(self, rt.record(stream), what, tensors)
             with self._pending_lock:
                 self._pending.append(work)
         return work
@@ -348,12 +399,11 @@ class NcclBackend:
             lambda c, s: c.recv(ptr, tensor.numel(), dtype, src, s),
         )
 
-    def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> _NcclWork:
+    def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> _NcclWork | _BothWork:
         """Send `send` to `dst` and receive `recv` from `src` as one grouped call: NCCL matches it as a
         unit, so every member may send before it receives (ungrouped, that deadlocks)."""
         if self.duplex:  # each direction has its own stream already: nothing to fuse
-            self.send(send, dst)
-            return self.recv(recv, src)
+            return _BothWork(self.send(send, dst), self.recv(recv, src))
         nccl = self.nccl
         sptr, rptr = self._ptr(send), self._ptr(recv)
         sdtype, rdtype = self._dtype(send.dtype), self._dtype(recv.dtype)

@@ -16,8 +16,8 @@ from typing import Protocol
 import torch.distributed as dist
 
 from collectives.gloo import GlooBackend
-from collectives.group import Group, GroupError, GroupInfo
-from collectives.nccl import BackendUnavailable, NcclBackend
+from collectives.group import Group, GroupError, GroupInfo, NoPeers
+from collectives.nccl import BackendUnavailable, NcclBackend, cupy_nccl
 
 
 class StoreRef(Protocol):
@@ -80,7 +80,10 @@ def create_group(spec: GroupSpec, store: dist.Store | None = None, host: str | N
     store = store if store is not None else connect_store(spec.store, spec.timeout_s)
     prefix = f"{spec.name}/{spec.epoch}"
     try:
-        if spec.backend == "nccl":
+        if spec.backend == "nccl" and info.size == 1:  # Group answers every op of a group of one itself
+            cupy_nccl()  # but a run asking for NCCL where it cannot run hears so at once
+            backend = NoPeers()
+        elif spec.backend == "nccl":
             backend = NcclBackend(
                 store, prefix, spec.rank, info.size, spec.timeout_s, spec.device, duplex=spec.duplex
             )

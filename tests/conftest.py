@@ -73,7 +73,7 @@ def no_actors(monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.support.runs import ActorsStarted
 
     def start(*args: object, **kwargs: object) -> None:
-        raise ActorsStarted
+        raise ActorsStarted("the run's actors would start here: every input check passed")
 
     monkeypatch.setattr(training, "TrainingLoop", start)
 

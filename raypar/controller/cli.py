@@ -167,7 +167,8 @@ def _check_data(cfg: Config) -> tuple[int, int]:
     from raypar.core.data import documents
 
     try:
-        dataset, val = data.open_datasets(cfg.data, cfg.model)
+        dataset, val = data.open_datasets(cfg.data, cfg.model, VERIFY_HASHES_BYTES)
+        data.tokenizer_record(cfg.data)  # what every checkpoint will record: checked to be the tokenizer
         data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
     except ConfigError:
         raise
@@ -211,7 +212,8 @@ def _check_outputs(cfg: Config, run_dir: Path) -> None:
 
 
 # Resuming reads every shard's bytes up front (sha256) when the checkpoint is at most this big; above it
-# only sizes (the actors verify hashes as they load).
+# only sizes (the actors verify hashes as they load). So does opening a local prepared dataset (sha256 and
+# token ids up to it; sizes always): a start-up bounded to ~1 s of reading.
 VERIFY_HASHES_BYTES = 2**30
 
 
@@ -279,7 +281,7 @@ def _train(args: argparse.Namespace) -> int:
     check_tracker_packages(cfg)  # the driver alone writes to the trackers
     if args.stop_at is not None and args.stop_at <= 0:
         raise UsageError(f"--stop-at: must be a positive step, got {args.stop_at}")
-    from raypar.controller import shared_paths
+    from raypar.controller import run_records, shared_paths
     from raypar.core.planner import search as plan
 
     shared_paths.make_absolute(cfg)  # actors run in other directories, and on other nodes
@@ -291,6 +293,7 @@ def _train(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or Path("runs") / name
     shared_paths.check_run_dir(str(run_dir))  # not in `ray job submit`'s temporary copy of the working dir
     _check_outputs(cfg, run_dir)
+    run_records.check(cfg, run_dir, resume)  # never over another run's records or checkpoints
     from raypar.controller.connection import RunFailure  # imports Ray: only once the input is known good
     from raypar.controller.training import TrainingLoop
 

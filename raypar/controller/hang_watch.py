@@ -64,12 +64,7 @@ class HangWatch:
 
     def probe(self, actors: Mapping[Coord, Any]) -> dict[str, hangs.ActorProbe | None]:
         """Every actor's probe by member label; None where none came within `probe_s`."""
-        refs = {}
-        for coord, actor in actors.items():
-            try:
-                refs[call(actor, WorkerEndpoints.inspect)] = coord.key
-            except AttributeError:  # a model-free stand-in (tests, benchmarks) has nothing to say
-                pass
+        refs = {call(actor, WorkerEndpoints.inspect): coord.key for coord, actor in actors.items()}
         probes: dict[str, hangs.ActorProbe | None] = {c.key: None for c in actors}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.probe_s)
         for ref in ready:

@@ -44,6 +44,7 @@ from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica, StepResult
 from raypar.controller.connection import NAMESPACE, RunFailure, connect
 from raypar.controller.hang_watch import HangWatch
 from raypar.controller.placement import check_device
+from raypar.core import plain_files
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import Config, to_toml
@@ -131,12 +132,18 @@ class TrainingLoop:
 
     def _open_logs(self, start_step: int) -> None:
         """(Re)open metrics.jsonl and timeline.jsonl keeping only the records of steps before `start_step`:
-        a resumed run continues its own files, and a run rolled back to a checkpoint logs each step once."""
+        a resumed run continues its own files, and a run rolled back to a checkpoint logs each step once.
+        The records of the steps redone are moved to <name>.rewound.jsonl, not dropped: nothing shortens
+        the record of what ran. Rewritten aside and renamed into place (a crash keeps the old file)."""
         self._close_logs()
         for name in ("metrics.jsonl", "timeline.jsonl"):
             path = self.run_dir / name
-            kept = [line for line in _lines(path) if json.loads(line)["step"] < start_step]
-            path.write_text("".join(kept))
+            lines = _lines(path)
+            kept = [line for line in lines if json.loads(line)["step"] < start_step]
+            if len(kept) < len(lines):
+                with open(path.with_suffix(".rewound.jsonl"), "a") as rewound:
+                    rewound.writelines(line for line in lines if json.loads(line)["step"] >= start_step)
+            plain_files.write_aside(path, "".join(kept).encode())
             self.logs[name] = open(path, "a")
 
     def _close_logs(self) -> None:

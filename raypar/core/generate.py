@@ -6,25 +6,22 @@ with the tokenizer recorded in the checkpoint's manifest (byte-level when none w
     model, tok = load(ckpt_uri)
     text = sample(model, tok, "def ", max_tokens=100, temperature=0.8, top_p=0.95, seed=0)
 
-The decoder runs the same modules as training (`LlamaStage`'s embedding, blocks, norm and head); only
-attention differs: keys and values of earlier positions come from the cache, and RoPE rotates the new
-token by its absolute position.
+The decoder runs the same modules as training (the stage's embedding, blocks, norm and head, through its
+family's `decode`: raypar.core.model.stage.Stage); only attention differs: keys and values of earlier
+positions come from the cache, and RoPE rotates the new token by its absolute position.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 
 from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.data.chat import ChatRenderer
 from raypar.core.data.tokenizer import Tokenizer, from_record
-from raypar.core.model import attention_masks
-from raypar.core.model.compiled import apply_rope
-from raypar.core.model.llama import LlamaStage, rope_tables
+from raypar.core.model import families
+from raypar.core.model.stage import KVCache, Stage
 
 
 def check_device(device: str) -> torch.device:
@@ -42,7 +39,7 @@ def check_device(device: str) -> torch.device:
     return dev
 
 
-def load(ckpt_uri: str, device: str = "cpu") -> tuple[LlamaStage, Tokenizer]:
+def load(ckpt_uri: str, device: str = "cpu") -> tuple[Stage, Tokenizer]:
     """The checkpoint's whole model on `device`, and its tokenizer. The manifest's model config is checked
     against its tensors, and its size against this machine's memory, before anything is allocated."""
     dev = check_device(device)
@@ -53,7 +50,7 @@ def load(ckpt_uri: str, device: str = "cpu") -> tuple[LlamaStage, Tokenizer]:
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         checkpoint_read.check_memory(checkpoint_read.model_bytes(cfg), f"{ckpt_uri} on {dev}", free)
-    model = LlamaStage(cfg, init=False)
+    model = families.build_stage(cfg, init=False)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(reader.read_full(model.init_source(name)))
@@ -65,12 +62,10 @@ class Decoder:
     """Incremental forward with a KV cache: `prefill(ids)` once, then `extend(token)` per new token; both
     return the logits of the last position. `pos` is the number of positions cached."""
 
-    def __init__(self, model: LlamaStage, max_len: int):
+    def __init__(self, model: Stage, max_len: int):
         self.model = model
-        cos, sin = rope_tables(dataclasses.replace(model.cfg, seq_len=max_len))
-        device = next(model.parameters()).device
-        self.cos, self.sin = cos.to(device), sin.to(device)
-        self.cache: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(model.layers)
+        self.cos, self.sin = model.rope_tables(max_len)
+        self.cache: KVCache = [None] * model.cfg.n_layers
         self.pos = 0
 
     @torch.no_grad()
@@ -84,35 +79,11 @@ class Decoder:
         return self._forward(token.view(-1, 1))
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
-        batch, seq = ids.shape
+        seq = ids.shape[1]
         cos, sin = self.cos[self.pos : self.pos + seq], self.sin[self.pos : self.pos + seq]
-        h = self.model.embed(ids)
-        for i, block in enumerate(self.model.layers.values()):
-            attn, x = block.attn, block.attn_norm(h)
-            q = attn.wq(x).view(batch, seq, attn.n_heads, attn.head_dim).transpose(1, 2)
-            k = attn.wk(x).view(batch, seq, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-            v = attn.wv(x).view(batch, seq, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            if self.cache[i] is not None:
-                k, v = torch.cat([self.cache[i][0], k], dim=2), torch.cat([self.cache[i][1], v], dim=2)
-            # -- sliding window (attention_masks): the cache keeps the last `window` positions --
-            window = self.model.cfg.sliding_window
-            if window:
-                if seq > 1:
-                    y = attention_masks.masked_attention(q, k, v, attention_masks.AttentionMask(None, window))
-                else:
-                    k_seen, v_seen = k[:, :, -window:], v[:, :, -window:]
-                    y = F.scaled_dot_product_attention(q, k_seen, v_seen, enable_gqa=True)
-                self.cache[i] = (k[:, :, -window:], v[:, :, -window:])
-            # -- sliding window: end --
-            else:
-                self.cache[i] = (k, v)
-                # Prefill is causal over the prompt; a single new token attends to everything cached.
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=True)
-            h = h + attn.wo(y.transpose(1, 2).reshape(batch, seq, attn.n_heads * attn.head_dim))
-            h = h + block.mlp(block.mlp_norm(h))
+        logits = self.model.decode(ids, cos, sin, self.cache)
         self.advance(seq)
-        return self.model.head(self.model.norm(h[:, -1]))
+        return logits
 
     def advance(self, n: int) -> None:
         self.pos += n
@@ -132,7 +103,7 @@ def pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gene
 
 
 def generate_ids(
-    model: LlamaStage, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+    model: Stage, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
     seed: int = 0, vocab: int | None = None, eos_id: int | None = None,
 ) -> list[int]:
     """New token ids after `prompt`; ids >= `vocab` (padding rows of the embedding) are never drawn.
@@ -165,7 +136,7 @@ def generate_ids(
 
 
 def sample(
-    model: LlamaStage, tok: Tokenizer, prompt: str, max_tokens: int, temperature: float = 0.8,
+    model: Stage, tok: Tokenizer, prompt: str, max_tokens: int, temperature: float = 0.8,
     top_p: float = 0.95, seed: int = 0, chat: ChatRenderer | None = None,
 ) -> str:
     """A continuation of `prompt`; with `chat`, the answer to it as a user turn rendered by the chat

@@ -9,6 +9,7 @@ the tables and JSON a reader relies on, not the numbers (a shared machine makes 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -290,7 +291,9 @@ def test_compile_step_quick(tmp_path, shared_ray):
     assert [r["run"] for r in rows] == runs
     assert rows[0]["ratio"] == 1.0 and all(r["step_ms"] > 0 for r in rows)
     assert all(r["loss_diff"] < 1e-4 for r in rows[:3])  # compiled regions only reorder fp32 sums
-    assert rows[3]["ratio"] > 1  # Amdahl: the kernels' time is a part of the step's
+    # Amdahl: the profiled step's time over its kernels' part of it, so at least 1 however loaded the
+    # machine (how far above 1 is the benchmark's to measure, alone: not asserted here)
+    assert math.isfinite(rows[3]["ratio"]) and rows[3]["ratio"] >= 1.0, rows[3]
 
 
 def test_fp8_loss_quick(tmp_path, shared_ray):
@@ -316,8 +319,10 @@ def test_trackers_overhead_quick(tmp_path):
 
 
 def test_the_shared_ray_is_left_idle(shared_ray):
-    """Last in the module: the last script that joined left nothing behind on the module's Ray either (each
-    one that joins checks this of those before it: start_ray waits for an idle cluster, or fails)."""
+    """After every test above that joins the module's Ray (pytest runs a module's tests in file order; the
+    ones below this do not join it, and a new one that does belongs above): the last script that joined left
+    nothing behind on it either (each one that joins checks this of those before it: start_ray waits for an
+    idle cluster, or fails)."""
     code = "from benchmarks import _common; _common.start_ray(num_cpus=None)"
     joined(ok(run("-c", code, timeout=300, ray_env=shared_ray)))
 

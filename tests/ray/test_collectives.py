@@ -178,9 +178,11 @@ def test_missing_member_times_out_naming_group_op_and_members(pool, ray_session)
     try:
         _, err, elapsed = ray_session.get(pool.actors["a1"].try_all_reduce.remote("lonely"), timeout=60)
         assert isinstance(err, GroupTimeout), repr(err)
-        for part in ("'lonely'", "all_reduce", "'a1'", "'a3'"):
+        # the group's own timeout ended the wait (its message names it), not an early failure; the upper
+        # end is the ray.get above (a wall-clock bound near timeout_s would fail on a loaded machine)
+        for part in ("'lonely'", "all_reduce", "'a1'", "'a3'", f"timed out after {timeout_s:g}s"):
             assert part in str(err), (part, str(err))
-        assert 0.8 * timeout_s <= elapsed <= timeout_s + 2.0, elapsed
+        assert elapsed >= 0.8 * timeout_s, elapsed
     finally:
         ray_session.get([pool.actors[m].leave_groups.remote(["lonely"]) for m in ("a1", "a3")], timeout=60)
 
@@ -198,13 +200,13 @@ def test_dead_member_fails_fast_and_the_group_reforms_without_it(pool, ray_sessi
         ray_session.kill(actors["d2"])
         assert select.select([victim], [], [], 60)[0], "the killed actor's process did not exit"
         os.close(victim)  # the process is gone before the survivors start
-        start = time.monotonic()
         failed = ray_session.get([a.try_all_reduce.remote("trio") for a in survivors.values()], timeout=60)
-        assert time.monotonic() - start < timeout_s + 10  # actor calls included; no hang
-        for res, err, elapsed in failed:
+        # fast: the survivors learn of the death from the broken connection, not from the group's timeout
+        # (a GroupTimeout); told apart by the error, not by a wall-clock bound that load would stretch
+        for res, err, _ in failed:
             assert res is None and isinstance(err, GroupError), repr(err)
+            assert not isinstance(err, GroupTimeout), repr(err)
             assert "'trio'" in str(err) and "all_reduce" in str(err), str(err)
-            assert elapsed <= timeout_s + 2.0, elapsed
 
         create_groups(survivors, {"trio": list(survivors)}, pool.server.address, epoch=1, timeout_s=timeout_s)
         reformed = ray_session.get([a.try_all_reduce.remote("trio") for a in survivors.values()], timeout=60)

@@ -71,21 +71,23 @@ def test_3d_layout_all_schedules_and_transports(mesh222, reference):
 
 
 @pytest.mark.parametrize(
-    "fault, where",
+    "fault, where, seen",
     [
-        ("dp_sum", "all"),  # DP gradients summed instead of averaged (the grad norm doubles)
-        ("pp_zero_grad", "all"),  # stage 1 sends zeros instead of its input gradient
-        ("tp_drop_allreduce", "all"),  # row-parallel outputs not all-reduced
-        ("tp_drop_allreduce", "one stage"),  # ... in one stage of one replica only
+        # `seen`: the first quantity assert_matches compares (losses, then grad norms) that the fault breaks
+        ("dp_sum", "all", "grad norm at step 0"),  # DP gradients summed instead of averaged (it doubles)
+        ("pp_zero_grad", "all", "loss at step 1"),  # stage 1 sends zeros instead of its input gradient
+        ("tp_drop_allreduce", "all", "loss at step 0"),  # row-parallel outputs not all-reduced
+        ("tp_drop_allreduce", "one stage", "loss at step 0"),  # ... in one stage of one replica only
     ],
+    ids=["dp_sum-all", "pp_zero_grad-all", "tp_drop_allreduce-all", "tp_drop_allreduce-one stage"],
 )
-def test_negative_controls_are_rejected(mesh222, reference, fault, where):
+def test_negative_controls_are_rejected(mesh222, reference, fault, where, seen):
     # every member of a collective must take the same broken path, else it hangs instead of computing
     coords = Mesh(2, 2, 2).coords() if where == "all" else [Coord(1, 0, t) for t in range(2)]
     mesh222.set_faults({coord: [fault] for coord in coords})
     try:
         mesh222.reconfigure(make_cfg(2, 2, 2))
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError, match=seen):
             assert_matches(train(mesh222), reference)
     finally:
         mesh222.set_faults({})

@@ -92,7 +92,9 @@ def test_fp16_overflow_on_one_actor_skips_the_step_everywhere(ray_session) -> No
         ray.get([a.set_local_only.remote(True) for a in trainer.actors.values()])
         trainer.reconfigure(fp16_cfg("parallel.timeout_s=5"))
         trainer.step(0)
-        with pytest.raises(StepFailure):
+        # the step fails at (1, 0, 0), waiting in its model-parallel group for (1, 0, 1)'s grad norm
+        stuck = r"dp=1, pp=0, tp=0\) failed: .*GroupTimeout: group 'mp\.dp1'.*waiting for the other members"
+        with pytest.raises(StepFailure, match=stuck):
             trainer.step(INF_STEP)
     finally:
         trainer.shutdown()

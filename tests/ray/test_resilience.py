@@ -16,13 +16,16 @@ from raypar.controller.actor_mesh import RunFailure
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.parallel.mesh import Coord
 from tests.support.faults import FaultyActorMesh
-from tests.support.runs import Background, killing, losses, metrics, run, tiny
+from tests.support.runs import Background, killing, losses, metrics, run, tiny, with_faults
 
 RTOL = 1e-5
 
 
-def close(got: list[float], want: list[float]) -> bool:
-    return len(got) == len(want) and all(abs(g - w) <= RTOL * abs(w) for g, w in zip(got, want, strict=True))
+def assert_same_curve(got: list[float], want: list[float], first_step: int = 0) -> None:
+    """The losses of steps first_step, first_step + 1, ... within RTOL of `want`'s."""
+    assert len(got) == len(want), f"{len(got)} losses, expected {len(want)}"
+    for step, (g, w) in enumerate(zip(got, want, strict=True), first_step):
+        assert abs(g - w) <= RTOL * abs(w), f"loss at step {step}: {g} vs {w}"
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +58,14 @@ def test_resume_continues_exactly_and_reshards(ray_session, tmp_path, straight):
         resharded = tmp_path / f"reshard{i}"
         run(tiny(*other, "train.steps=8"), f"reshard{i}", resharded, resume=step4)
         assert [m["step"] for m in metrics(resharded)] == [4, 5, 6, 7]
-        assert close(losses(resharded), straight[4:]), (other, losses(resharded), straight[4:])
-    # Negative control for the comparison: continuing from the initial state is rejected by it.
-    assert not close(straight[:4], straight[4:])
+        assert_same_curve(losses(resharded), straight[4:], first_step=4)
+    # Negative control, the same check: a load that leaves the Adam moments at zero (parameters, step
+    # count and data position right) is rejected from the first update on, step 4's (its loss is step 5's).
+    dropped = tmp_path / "reshard-no-moments"
+    no_moments = with_faults({Coord(0, 0, t): ["load_drops_moments"] for t in range(2)})
+    run(tiny(*other, "train.steps=8"), "reshard-no-moments", dropped, no_moments, resume=step4)
+    with pytest.raises(AssertionError, match="loss at step 5"):
+        assert_same_curve(losses(dropped), straight[4:], first_step=4)
 
 
 def test_kill_workers_recovers_and_matches(ray_session, tmp_path, straight):
@@ -73,7 +81,25 @@ def test_kill_workers_recovers_and_matches(ray_session, tmp_path, straight):
     assert [m["step"] for m in records] == list(range(8)), "a step was skipped or applied twice"
     assert result["restarts"] == 2 and records[-1]["restarts"] == 2
     assert min(m["dp"] for m in records) == 1 and records[-1]["dp"] == 2, "shrank and healed"
-    assert close(losses(run_dir), straight)
+    assert_same_curve(losses(run_dir), straight)
+
+
+def test_a_heal_that_drops_the_adam_moments_is_rejected(ray_session, tmp_path, straight):
+    """Negative control for the recovery check above (and the elastic one below: growing dp heals the new
+    replicas the same way, `sync_state`): one kill -9 at the reference's layout and schedule, and a heal that
+    gives the new replica everything but the Adam moments. The run goes on as before, its curve does not."""
+    run_dir = tmp_path / "badheal"
+    cfg = tiny("parallel.dp=2", "parallel.pp=2", "train.steps=8", "parallel.timeout_s=10")
+    everywhere = {Coord(d, p, 0): ["heal_drops_moments"] for d in range(2) for p in range(2)}
+    result = run(cfg, "badheal", run_dir, with_faults(everywhere, killing(2, Coord(1, 1, 0))))
+    records = metrics(run_dir)
+    assert [m["step"] for m in records] == list(range(8)) and result["restarts"] == 1
+    assert min(m["dp"] for m in records) == 1 and records[-1]["dp"] == 2, "shrank and healed"
+    # the first step back at dp=2 updates with the healed replica's zero moments: the next loss shows it
+    healed_at = next(m["step"] for m in records if m["step"] > 2 and m["dp"] == 2)
+    assert healed_at < 7, f"healed at step {healed_at}: no loss after it to show the moments"
+    with pytest.raises(AssertionError, match=f"loss at step {healed_at + 1}:"):
+        assert_same_curve(losses(run_dir), straight)
 
 
 def test_no_intact_replica_restarts_from_checkpoint(ray_session, tmp_path, straight):
@@ -90,7 +116,7 @@ def test_no_intact_replica_restarts_from_checkpoint(ray_session, tmp_path, strai
     result = run(cfg, "solo", run_dir, killing(5, Coord(0, 1, 0)))
     assert result["restarts"] == 1
     assert [m["step"] for m in metrics(run_dir)] == list(range(8))
-    assert close(losses(run_dir), straight)
+    assert_same_curve(losses(run_dir), straight)
 
 
 def test_max_failures_ends_the_run(ray_session, tmp_path):
@@ -119,7 +145,7 @@ def test_elastic_dp_matches_fixed_dp(ray_session, tmp_path):
     records = metrics(elastic_dir)
     assert [m["step"] for m in records] == list(range(10))
     assert {m["dp"] for m in records} == {1, 2, 4}
-    assert close(losses(elastic_dir), losses(fixed_dir))
+    assert_same_curve(losses(elastic_dir), losses(fixed_dir))
     assert not ray.util.list_named_actors(all_namespaces=True) or all(
         "elastic" not in a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
     ), "shrinking and shutdown release every actor"

@@ -25,6 +25,8 @@ here, not in production code. Faults are strings per actor coordinate:
 - `stall_write:N:S`: the shards of the N-th checkpoint are written, then their writes take S seconds more
   (meanwhile the staging directory holds shards and no manifest);
 - `disk_full:N`: writing its N-th checkpoint shard fails with ENOSPC;
+- `heal_drops_moments`: a heal (`sync_state`) gives the new replica everything but the Adam moments (zeros);
+- `load_drops_moments`: loading a checkpoint (`load_state`) leaves the Adam moments at zero;
 - `stale_buddy`: (checkpoint.in_memory) the buddy receives each snapshot under its step but with the
   contents of the one before: a copy one step old. `stale_buddy:PART`: only that part of the snapshot's
   state (`experts`, `loss_scaler`, ...) is the one before's.
@@ -132,6 +134,20 @@ class _FaultyWorker(Worker):
     def sync_state(self, src_dp_rank: int) -> None:
         self._count("sync_state")
         super().sync_state(src_dp_rank)
+        if "heal_drops_moments" in self.faults and self.dp_rank != src_dp_rank:
+            self._zero_moments()
+
+    def load_state(self, ckpt_uri: str) -> int:
+        step_count = super().load_state(ckpt_uri)
+        if "load_drops_moments" in self.faults:
+            self._zero_moments()
+        return step_count
+
+    def _zero_moments(self) -> None:
+        with torch.no_grad():
+            for strategy in self._strategies():
+                for moment in strategy.moments.values():
+                    moment.zero_()
 
     def rng_state(self) -> dict[str, str]:
         self._count("rng_state")

@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face Llama models written by `transformers` inside the tests (nothing downloaded)."""
+"""Tiny random Hugging Face models written by `transformers` inside the tests (nothing downloaded): Llama,
+and one per variant of the llama family (`FAMILY_KINDS`: Llama 3.x's RoPE scalings, Qwen2, Qwen3)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,52 @@ def make_hf_llama(
                 p.uniform_(0.5, 1.5)
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(path, **kwargs)
+    return model
+
+
+# kind -> (transformers config class, model class, config fields): each a switch of raypar's llama family.
+# RoPE scalings with original_max_position_embeddings 16 (the test's sequence length) and head_dim 8 so
+# that every frequency moves (llama3: 3 of 4 divided by the factor, 1 smoothed; yarn: 3 interpolated).
+FAMILY_KINDS: dict[str, tuple[str, str, dict]] = {
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500.0, "factor": 4.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+    }}),
+    "yarn": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 16,
+    }}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+    }),
+    # head_dim 16, not hidden/heads = 8
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {
+        "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+    }),
+}
+
+
+def make_hf_family_model(path: Path, kind: str, tied: bool = False, seed: int = 0):
+    """A random 2-layer model of `kind` (GQA: 4 heads, 2 kv heads) saved to `path`; (eval, fp32). Norm
+    gains (q/k norms too) are drawn away from 1 and biases away from 0, so that one dropped shows; weights
+    with std 0.1 (not HF's 0.02) so that logits are peaked enough for a wrong variant to change greedy
+    tokens; no EOS, so greedy generation runs its whole length."""
+    import transformers
+
+    config_class, model_class, fields = FAMILY_KINDS[kind]
+    cfg = getattr(transformers, config_class)(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, initializer_range=0.1, **fields,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
     return model
 
 

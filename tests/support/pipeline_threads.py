@@ -1,7 +1,7 @@
 """A whole dp x pp x tp mesh as threads of the test process: the core's executor without Ray.
 
 Each coordinate is a thread that builds its shard of the model the way the actor does
-(raypar.core.parallel.mesh, raypar.core.model.llama chunks, `train.recompute`), joins its gloo groups
+(raypar.core.parallel.mesh, its family's stage, `train.recompute`), joins its gloo groups
 (formed from `Mesh.groups`, in the global order), runs one step of its schedule on
 `raypar.core.pipeline.executor` with an in-process transport (raypar.core.pipeline.local_transport), and
 reduces gradients over dp with the strategy of `parallel.zero` (raypar.core.dp.strategies), compressed as
@@ -21,12 +21,14 @@ import torch
 
 from actors.transport import DirectTransport
 from collectives import Group, GroupSpec
+from raypar.core.checkpoint import hf
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
 from raypar.core.data import documents as docs
 from raypar.core.dp import compress
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
-from raypar.core.model.llama import LlamaStage, StageSpec
+from raypar.core.model import families
+from raypar.core.model.stage import Stage, StageSpec
 from raypar.core.parallel.mesh import Coord, Mesh, stage_layers
 from raypar.core.pipeline import schedules
 from raypar.core.pipeline.executor import ModelBackend, StepRun
@@ -47,8 +49,18 @@ class StepOutcome:
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # replica 0's model's, after `lr`'s update
 
 
+def build(cfg: Config, **placement: Any) -> Stage:
+    """The stage of `cfg`'s family at `placement`, as the worker builds it: seeded, or read from
+    `model.init_from`'s Hugging Face files."""
+    init_from = cfg.model.init_from
+    model = families.build_stage(cfg.model, seed=cfg.train.seed, init=not init_from, **placement)
+    if init_from:
+        hf.load_stage(model, init_from)
+    return model
+
+
 def reference_step(
-    cfg: Config, step: int = 0, microbatches: int = 1, model_hook: Callable[[LlamaStage], None] | None = None,
+    cfg: Config, step: int = 0, microbatches: int = 1, model_hook: Callable[[Stage], None] | None = None,
     dataset: Any = None,
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """One process, the global batch in `microbatches` equal parts (default: at once), each part's loss its
@@ -56,7 +68,7 @@ def reference_step(
     gradient. `model_hook(model)` may alter the model after it is built.
     `dataset` replaces the config's (packed documents: tests.support.documents)."""
     m, t = cfg.model, cfg.train
-    model = LlamaStage(m, seed=t.seed)
+    model = build(cfg)
     if model_hook is not None:
         model_hook(model)
     dataset = dataset or data.open_dataset(cfg.data, m)
@@ -112,9 +124,8 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
         d, p, t, c = coord
         tp_group = mine.get(Mesh.tp_group(coord))
         chunks = [virtual[topo.virtual(p, k)] for k in range(v)]
-        model = LlamaStage(
-            cfg.model, stage=StageSpec(tuple(chunks), p == 0, p == topo.last_rank), tp_group=tp_group,
-            seed=cfg.train.seed,
+        model = build(
+            cfg, stage=StageSpec(tuple(chunks), p == 0, p == topo.last_rank), tp_group=tp_group,
             sequence_parallel=par.sequence_parallel, cp_group=mine.get(Mesh.cp_group(coord)),
             cp_style=par.cp_style,
         )

@@ -25,6 +25,9 @@ class ActorsStarted(Exception):
     input check passed."""
 
 
+ACTORS_START = "the run's actors would start here"  # ActorsStarted's message, for pytest.raises(match=)
+
+
 def tiny(*overrides: str) -> Config:
     return load_config(TINY, ["parallel.timeout_s=15", *overrides])
 

@@ -40,6 +40,7 @@ ZERO_OK = {
     "parallel.placement_timeout_s",  # 0: parallel.timeout_s
     "parallel.compression_start_step",
     "model.sliding_window",  # 0: no window (issue 47)
+    "model.head_dim_override", "model.rope_original_max_len", "model.rope_attention_factor",  # 0: unset
 }  # fmt: skip
 
 
@@ -435,6 +436,20 @@ def _cases() -> list:
             case(
                 f"plan{flag}={value}", lambda f, fl=flag, v=value: plan(f, f"{fl}={v}"), lambda f, fl=flag: fl
             )
+    # -- model families (issue 43) -----------------------------------------------------------------------
+    for name, sets, expect in (
+        ("family", ["model.family='gpt'"], "model.family"),
+        ("rope-scaling", ["model.rope_scaling='longrope'"], "model.rope_scaling"),
+        ("rope-no-original", ["model.rope_scaling='llama3'"], "model.rope_original_max_len"),
+        ("rope-freq-order", ["model.rope_low_freq_factor=4.0", "model.rope_high_freq_factor=2.0"],
+         "model.rope_high_freq_factor"),
+        ("head-dim-odd", ["model.head_dim_override=7"], "model.head_dim_override"),
+    ):  # fmt: skip
+        case(
+            f"train-family-{name}",
+            lambda f, s=sets: train(f, *[a for x in s for a in ("--set", x)]),
+            lambda f, e=expect: e,
+        )
     # -- scale (status and --address: issue 9's other half) ---------------------------------------------
     for value in ("0", "-2", "nan"):
         case(f"scale-dp-{value}", lambda f, v=value: ["scale", "--run", "x", "--dp", v], lambda f: "--dp")

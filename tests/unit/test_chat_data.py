@@ -159,3 +159,27 @@ def test_prompt_completion_and_packed_text(tmp_path, capsys):
     first = len("def return class")
     assert docs[:first].eq(0).all() and docs[first : first + 25].eq(1).all()
     assert targets[first - 1] == IGNORE and torch.equal(targets[: first - 1], inputs[1:first])
+
+
+def test_packed_shards_are_checked_against_their_index_as_token_shards(tmp_path):
+    """A packed directory goes through the token stream's checks: sizes on every open, sha256 and token ids
+    below vocab_size where the driver hashes (hash_limit_bytes); control: the actors' open, sizes only."""
+    from raypar.core.config.schema import DataConfig, ModelConfig
+    from raypar.core.data import datasets
+
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "0.txt").write_text("def return class import lambda yield async")
+    out = tmp_path / "packed"
+    argv = ["prepare", str(tmp_path / "texts" / "*.txt"), "--out", str(out), "--pack", "documents"]
+    assert cli.main([*argv, "--seq-len", "64", "--no-progress"]) == 0
+    model = ModelConfig(n_layers=1, d_model=8, n_heads=1, n_kv_heads=1, d_ff=8, vocab_size=256, seq_len=64)
+    source = DataConfig(source=str(out))
+    opened = datasets.open_dataset(source, model, hash_limit_bytes=2**30)  # control: as prepared
+    assert isinstance(opened, PackedDataset)
+    shard = next(out.glob("*.arrow"))
+    body = bytearray(shard.read_bytes())
+    body[body.index(b"d\0\0\0e\0\0\0f\0\0\0")] ^= 1  # "def" (uint32 tokens) -> "eef": only the sha256 tells
+    shard.write_bytes(bytes(body))
+    assert datasets.open_dataset(source, model).num_samples == 1  # an actor's open: sizes only
+    with pytest.raises(datasets.ConfigError, match=f"{shard.name}: sha256 "):
+        datasets.open_dataset(source, model, hash_limit_bytes=2**30)

@@ -13,6 +13,7 @@ as many terms; rtol 1e-5 leaves room for those two compounding, while a region c
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import tempfile
@@ -128,7 +129,8 @@ def test_only_a_new_kind_of_input_takes_the_compile_lock(monkeypatch: pytest.Mon
 def test_the_compile_lock_excludes_other_holders(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     monkeypatch.setenv(compiled.CACHE_ENV, str(tmp_path))
     with compiled.compile_lock(), open(tmp_path / "raypar-compile.lock", "a") as other:
-        with pytest.raises(BlockingIOError):
+        # held: refused at once (LOCK_NB), not waited for
+        with pytest.raises(BlockingIOError, match=f"\\[Errno {errno.EWOULDBLOCK}\\]"):
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
     with open(tmp_path / "raypar-compile.lock", "a") as other:  # released on leaving
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pkgutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,15 @@ TINY = ROOT / "examples" / "configs" / "tiny.toml"
 
 
 def test_example_configs_are_valid():
-    for path in (ROOT / "examples" / "configs").glob("*.toml"):
-        load_config(path)
+    """Each shipped config loads, and the loaded config holds every value its file sets (a key dropped or
+    renamed on the way, or a preset overriding the file, would show)."""
+    paths = sorted((ROOT / "examples" / "configs").glob("*.toml"))
+    assert len(paths) >= 6, paths  # tiny, small, moe-small, llama-1b, llama-7b-3d, mixtral-8x7b at least
+    for path in paths:
+        loaded = load_config(path).to_dict()
+        for section, body in tomllib.loads(path.read_text()).items():
+            for key, value in body.items():
+                assert loaded[section][key] == value, f"{path.name}: {section}.{key}"
 
 
 def test_overrides_and_presets():
@@ -148,7 +156,8 @@ def test_each_registry_covers_exactly_its_options():
     from raypar.core.config import options
     from raypar.core.dp import compress, precision
     from raypar.core.dp.strategies import STRATEGIES
-    from raypar.core.model import llama
+    from raypar.core.model import families
+    from raypar.core.model.llama import blocks, rope
     from raypar.core.observe.tracker_backends import BACKENDS
     from raypar.core.parallel import cp
     from raypar.core.pipeline import schedules
@@ -156,8 +165,9 @@ def test_each_registry_covers_exactly_its_options():
     pairs = [
         (schedules.BUILDERS, options.SCHEDULES), (STRATEGIES, options.ZERO_STAGES),
         (cp.ATTENTION, options.CP_STYLES), (compress.COMPRESSORS, options.COMPRESSIONS),
-        (precision.DTYPES, options.PRECISIONS), (llama.RECOMPUTE, options.RECOMPUTE),
-        (BACKENDS, options.TRACKERS),
+        (precision.DTYPES, options.PRECISIONS), (blocks.RECOMPUTE, options.RECOMPUTE),
+        (BACKENDS, options.TRACKERS), (families.FAMILIES, options.FAMILIES),
+        ({"none", *rope.SCALED}, options.ROPE_SCALINGS),
     ]
     for registry, names in pairs:
         assert set(registry) == set(names)
@@ -182,7 +192,7 @@ def test_mesh_round_trip_and_groups():
 def test_stage_layers():
     assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
     assert stage_layers(4, 2, [1, 3]) == [range(0, 1), range(1, 4)]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"stage layer counts \[2, 3\] do not split 4 layers into 2 stages"):
         stage_layers(4, 2, [2, 3])
 
 

@@ -73,7 +73,7 @@ def test_prepare_round_trips_bytes_across_shard_boundaries(tmp_path: Path) -> No
         crossing += (i * seq_len) // 7 != (i * seq_len + seq_len) // 7
     assert crossing > 5  # the windows really did span shards
     assert bytes(ds.tokens(0, ds.total_tokens).astype(np.uint8)) == stream
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=rf"sample {ds.num_samples} out of range \[0, {ds.num_samples}\)"):
         ds.sample(ds.num_samples)
 
 

@@ -82,5 +82,5 @@ def test_call_submits_the_protocol_method_by_its_name():
 def test_step_reports_default_only_their_measurements():
     report = StepReport((0, 1, 0, 0), 0, None, 1.0, 0.1, 1.0, False)
     assert report.events == [] and report.memory.model_state_bytes == 0 and report.moe == {}
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="missing 4 required positional arguments"):
         StepReport((0, 1, 0, 0), 0, None)  # type: ignore[call-arg]  # the outcome is always given

@@ -111,14 +111,16 @@ def test_tp2_slices_match_hf(untied, tmp_path):
     [
         (
             "rope_parameters",
-            {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
-            "rope_parameters type 'yarn'",
+            {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0},
+            "rope_parameters type 'longrope'",
         ),
+        ("final_logit_softcapping", 30.0, "final_logit_softcapping=30.0"),
+        ("kv_lora_rank", 16, "kv_lora_rank=16"),
+        ("partial_rotary_factor", 0.5, "partial_rotary_factor=0.5"),
         ("attention_bias", True, "attention_bias=True"),
         ("mlp_bias", True, "mlp_bias=True"),
         ("sliding_window", 4096, "sliding_window=4096"),
         ("hidden_act", "gelu", "hidden_act='gelu'"),
-        ("head_dim", 16, "head_dim=16"),
         ("model_type", "mistral", "model_type='mistral'"),
     ],
 )

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from raypar.core.config.schema import ModelConfig
+from raypar.core.model import moe
 from raypar.core.model.moe import MoELayer
 from raypar.core.parallel.tp import shard_of
 from raypar.core.pipeline.executor import ModelBackend
@@ -180,12 +181,13 @@ def test_no_drop_capacity_keeps_every_token():
     assert run_ranks(2, rank) == [0, 0]
 
 
-def test_experts_split_across_tp_with_expert_parallelism():
-    """tp=2 x ep=2 on 4 threads (rank = 2 * ep_rank + tp_rank): each expert's gate/up rows and down columns
-    split across the tp pair, the router replicated; both tp ranks route the same tokens."""
-    ep, tp = 2, 2
+TP_EP = 2, 2  # (ep, tp)
+
+
+def run_tp_ep() -> list[dict]:
+    """tp=2 x ep=2 on 4 threads (rank = 2 * ep_rank + tp_rank): each rank's outputs and gradients."""
+    ep, tp = TP_EP
     xs, cs = inputs(ep, UNEVEN)
-    ref = reference(ep)
     groups = {f"tp{e}": [2 * e, 2 * e + 1] for e in range(ep)} | {f"ep{t}": [t, 2 + t] for t in range(tp)}
 
     def rank(r: int, mine: dict) -> dict:
@@ -210,19 +212,40 @@ def test_experts_split_across_tp_with_expert_parallelism():
             "tp_group": tp_group,
         }
 
-    ranks = run_groups(ep * tp, groups, rank)
+    return run_groups(ep * tp, groups, rank)
+
+
+def assert_tp_ep_matches(ranks: list[dict], ref: dict) -> None:
+    ep, tp = TP_EP
     for t in range(tp):  # each tp rank's EP group sees the whole computation
         same_tp = [ranks[2 * e + t] for e in range(ep)]
         for e, got in enumerate(same_tp):
-            assert (got["y"] - ref["y"][e]).abs().max().item() <= TOL
-            assert (got["x_grad"] - ref["x_grad"][e]).abs().max().item() <= TOL
+            err = (got["y"] - ref["y"][e]).abs().max().item()
+            assert err <= TOL, f"output of ep rank {e}, tp rank {t} off by {err:.3g}"
+            err = (got["x_grad"] - ref["x_grad"][e]).abs().max().item()
+            assert err <= TOL, f"input gradient of ep rank {e}, tp rank {t} off by {err:.3g}"
         router = sum(got["grads"]["router.weight"] for got in same_tp)
-        assert (router - ref["grads"]["router.weight"]).abs().max().item() <= TOL
+        err = (router - ref["grads"]["router.weight"]).abs().max().item()
+        assert err <= TOL, f"router gradient over tp rank {t}'s EP group off by {err:.3g}"
         for got in same_tp:
             for name, grad in got["grads"].items():
                 if name.startswith("experts."):
                     want = shard_of(ref["grads"][name], got["dims"][name], got["tp_group"])
                     assert (grad - want).abs().max().item() <= TOL, name
+
+
+def test_experts_split_across_tp_with_expert_parallelism():
+    """Each expert's gate/up rows and down columns split across the tp pair, the router replicated; both tp
+    ranks route the same tokens: every rank's output and gradients as one process's."""
+    assert_tp_ep_matches(run_tp_ep(), reference(TP_EP[0]))
+
+
+def test_experts_without_their_tp_reduction_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: the experts' outputs left as the tp ranks' partial sums (the all-reduce after the
+    down projection dropped)."""
+    monkeypatch.setattr(moe, "reduce_from_tp", lambda x, group: x)
+    with pytest.raises(AssertionError, match="output of ep rank 0, tp rank 0 off by"):
+        assert_tp_ep_matches(run_tp_ep(), reference(TP_EP[0]))
 
 
 # -- MoE on both pipeline stages ---------------------------------------------------------------------------

@@ -204,12 +204,14 @@ def moe_checkpoint(tmp_path, shared: int) -> tuple[str, LlamaStage]:
 @pytest.mark.parametrize("shared, field", [(1, "model.moe_shared_experts=1"), (0, "model.moe_experts=4")])
 def test_hf_export_refuses_experts_naming_the_field(tmp_path, shared, field):
     step, _ = moe_checkpoint(tmp_path, shared)
-    with pytest.raises(checkpoint.CheckpointError, match=f"{field}: Hugging Face's LlamaForCausalLM has no"):
+    with pytest.raises(checkpoint.CheckpointError, match=f"{field}: Hugging Face's dense decoders have no"):
         hf.export(step, str(tmp_path / "hf"))
 
 
 def test_generate_loads_the_routing_biases(tmp_path):
     step, stage = moe_checkpoint(tmp_path, 1)
     model, _ = generate.load(step)
+    # 4 layers, MoE every 2nd: the layers the loop below checks, listed (an empty dict would pass it)
+    assert sorted(stage.routing_biases()) == ["layers.1.mlp.expert_bias", "layers.3.mlp.expert_bias"]
     for name, bias in stage.routing_biases().items():
         assert bias.abs().max() > 0 and torch.equal(model.routing_biases()[name], bias), name

@@ -1,12 +1,11 @@
 """The planner: its formulas, the layouts it may list, its command line, and its predictions against what
 actors measure.
 
-Tolerances (issue 11): model states within 5 %, activations within 15 %. Both are counted per op, so on
-this CPU the predictions are exact (0 bytes off, see benchmarks/README.md) except an MoE rank's
-activations, which follow its routing (the planner counts balanced rows: -1 to -3 % here); the tolerances
-leave room for that and for allocator and kernel differences on other devices. The negative control is
-the classic mistake of forgetting that a pipeline stage holds several microbatches' activations at once
-(1F1B's first stage: pp of them, GPipe: all): the same check must reject it.
+Against actors (tests/ray/test_plan.py): model states and activations exactly (both are counted per op,
+0 bytes off, see benchmarks/README.md), except an MoE rank's activations, which follow its routing (the
+planner counts balanced rows: -1 to -3 % here; that test says why its bound is measured). The negative
+control is the classic mistake of forgetting that a pipeline stage holds several microbatches'
+activations at once (1F1B's first stage: pp of them, GPipe: all): the same check must reject it.
 """
 
 from __future__ import annotations

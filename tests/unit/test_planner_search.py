@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ from raypar.core.planner import rank
 from raypar.core.planner import search as plan
 from raypar.core.run_config import load_config
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 TINY = "examples/configs/tiny.toml"
 PLAN_LINE = "# raypar plan "
 
@@ -39,7 +41,8 @@ def check_fits(cfg: Config, devices: int, device: str, memory: float) -> None:
     assert need <= memory, f"predicted {plan.gib(need)} per device > {plan.gib(memory)} on {device}"
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob("examples/configs/*.toml")))
+# relative to this file, not to the directory pytest runs in (from elsewhere, a relative glob finds nothing)
+@pytest.mark.parametrize("path", sorted(glob.glob(str(EXAMPLES / "*.toml"))))
 def test_example_configs_fit_their_stated_hardware(path: str) -> None:
     devices, device, memory = stated_hardware(path)
     check_fits(load_config(path), devices, device, memory)

@@ -18,8 +18,8 @@ from torch.utils import checkpoint as torch_checkpoint
 
 from collectives import Group
 from raypar.core.config.schema import ModelConfig
-from raypar.core.model import llama as model
 from raypar.core.model.llama import LlamaStage, StageSpec
+from raypar.core.model.llama import blocks as model
 from raypar.core.observe.memory import SavedActivations
 from tests.support.threads import run_ranks
 

@@ -130,17 +130,19 @@ def test_corrupted_or_short_shard_is_refused_naming_it(tmp_path: Path) -> None:
         data.open_dataset(DataConfig(source=uri, cache_dir=str(tmp_path / "c2")), MODEL)
 
 
-def test_an_index_without_shard_hashes_opens_locally_but_not_from_a_uri(tmp_path: Path) -> None:
+def test_an_index_without_shard_hashes_is_refused_locally_and_from_a_uri(tmp_path: Path) -> None:
+    """Local datasets are verified as copies from a URI are (issue #45, 4): an index without the shards'
+    sizes and hashes is refused both ways, saying to prepare it again."""
     data.prepare([write_corpus(tmp_path / "src")], tmp_path / "ds", shard_tokens=100)
     index_path = tmp_path / "ds" / "index.json"
     index = json.loads(index_path.read_text())
     for shard in index["shards"]:  # as raypar wrote indexes before shards had hashes
         del shard["bytes"], shard["sha256"]
     index_path.write_text(json.dumps(index))
-    assert data.open_dataset(DataConfig(source=str(tmp_path / "ds")), MODEL).num_samples > 0
-    cfg = DataConfig(source=f"file://{tmp_path / 'ds'}", cache_dir=str(tmp_path / "c"))
-    with pytest.raises(ConfigError, match=r"'tokens-00000.arrow' has no bytes and sha256 .*prepare it again"):
-        data.open_dataset(cfg, MODEL)
+    for source in (str(tmp_path / "ds"), f"file://{tmp_path / 'ds'}"):
+        cfg = DataConfig(source=source, cache_dir=str(tmp_path / "c"))
+        with pytest.raises(ConfigError, match=r"'tokens-00000.arrow' has no bytes and sha256 .*prepare it"):
+            data.open_dataset(cfg, MODEL)
 
 
 def test_prepare_to_s3_then_train_data_from_it(tmp_path: Path, s3: str, capsys) -> None:

@@ -17,7 +17,7 @@ from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint.format import ShardSpec
 from raypar.core.model.llama import LlamaStage
 from raypar.core.run_config import load_config
-from tests.support.runs import ActorsStarted
+from tests.support.runs import ACTORS_START, ActorsStarted
 
 TINY = "examples/configs/tiny.toml"
 
@@ -67,7 +67,7 @@ def resume(tmp_path: Path, path: Path) -> int:
 
 def test_an_intact_checkpoint_reaches_the_actors(tmp_path: Path, no_actors: None) -> None:
     """Control: the checkpoint as written resumes (the stub stands where actors start)."""
-    with pytest.raises(ActorsStarted):
+    with pytest.raises(ActorsStarted, match=ACTORS_START):
         resume(tmp_path, write_checkpoint(tmp_path / "ckpt", 2))
 
 
@@ -95,7 +95,7 @@ def test_resume_from_a_root_passes_over_a_gappy_newest(
 ) -> None:
     write_checkpoint(tmp_path / "ckpt", 2)
     write_checkpoint(tmp_path / "ckpt", 3, embed_gap)
-    with pytest.raises(ActorsStarted):
+    with pytest.raises(ActorsStarted, match=ACTORS_START):
         resume(tmp_path, tmp_path / "ckpt")
     err = capsys.readouterr().err
     assert "skipped step_00000003" in err and "'embed.weight'" in err and "using" in err, err

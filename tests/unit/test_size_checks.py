@@ -15,9 +15,10 @@ from raypar.core.config.schema import Config
 from raypar.core.model.llama import LlamaStage
 from raypar.core.planner import search as plan
 from raypar.core.run_config import load_config
-from tests.support.runs import ActorsStarted
+from tests.support.runs import ACTORS_START, ActorsStarted
 
 TINY = "examples/configs/tiny.toml"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 GIB = 2**30
 
 
@@ -42,7 +43,7 @@ def test_a_model_too_big_for_this_machine_is_one_line_before_actors(
 
 def test_the_test_models_config_reaches_the_actors(tmp_path: Path, no_actors: None) -> None:
     """Control: the stub stands where actors start, and an ordinary config gets there."""
-    with pytest.raises(ActorsStarted):
+    with pytest.raises(ActorsStarted, match=ACTORS_START):
         cli.main(["train", TINY, "--run-dir", str(tmp_path / "run")])
 
 
@@ -83,8 +84,7 @@ def test_runs_whose_actors_are_not_here_are_not_judged_by_this_machine(
 
 @pytest.mark.parametrize(
     "example",
-    sorted(Path("examples/configs").glob("llama-7b*.toml"))
-    + sorted(Path("examples/configs").glob("mixtral*.toml")),
+    sorted(EXAMPLES.glob("llama-7b*.toml")) + sorted(EXAMPLES.glob("mixtral*.toml")),
 )
 def test_shipped_gpu_examples_pass_on_this_cpu_machine(
     monkeypatch: pytest.MonkeyPatch, example: Path

@@ -38,8 +38,9 @@ def _swallowed(sig: signal.Signals) -> None:
 def test_a_swallowed_stop_is_raised_again_at_the_step_boundary(handlers, sig, raised):
     stopping.install()
     _swallowed(sig)
-    with pytest.raises(raised):
+    with pytest.raises(raised) as info:
         stopping.check()
+    assert type(info.value) is raised, info.value  # SIGINT's KeyboardInterrupt is no Terminated
     assert stopping.terminated() == (sig == signal.SIGTERM)
 
 

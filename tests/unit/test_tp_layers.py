@@ -26,6 +26,9 @@ from raypar.core.parallel.tp import (
 from tests.support.threads import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-5)
+# assert_close's message for values that differ (a shape or dtype mismatch reads otherwise): what each
+# negative control below must produce.
+NOT_CLOSE = "Tensor-likes are not close|Scalars are not close"
 B, T, D_IN, D_HID, D_OUT, VOCAB = 2, 3, 16, 32, 24, 64
 
 
@@ -81,7 +84,7 @@ def test_column_parallel_linear_matches_linear(tp_size: int) -> None:
 
 
 def test_column_parallel_linear_without_backward_all_reduce_is_rejected() -> None:
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=NOT_CLOSE):
         check_column(run_column(2, broken=True))
 
 
@@ -115,7 +118,7 @@ def test_row_parallel_linear_matches_linear() -> None:
 
 
 def test_row_parallel_linear_without_all_reduce_is_rejected() -> None:
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=NOT_CLOSE):
         check_row(run_row(broken=True))
 
 
@@ -172,7 +175,7 @@ def test_vocab_parallel_embedding_matches_embedding() -> None:
 
 def test_vocab_parallel_embedding_without_all_reduce_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tp, "reduce_from_tp", lambda x, group: x)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=NOT_CLOSE):
         check_embedding(run_embedding(2))
 
 
@@ -225,7 +228,7 @@ def test_cross_entropy_missing_an_all_reduce_is_rejected(
         return t.clone() if op == dropped else real(t, group, op)
 
     monkeypatch.setattr(tp, "_all_reduce", all_reduce_except)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=NOT_CLOSE):
         check_cross_entropy(run_cross_entropy(2))
 
 

@@ -21,6 +21,7 @@ from raypar.core.run_config import load_config
 from tests.support.tracker_readback import (
     assert_matches_metrics,
     assert_one_run,
+    expected_series,
     read_mlflow,
     read_tensorboard,
     read_wandb,
@@ -112,6 +113,23 @@ def test_every_tracker_reads_back_metrics_once_across_recovery_and_resume(tmp_pa
     assert run.data.params["train.global_batch"] == str(cfg.train.global_batch)
     assert [a.path for a in client.list_artifacts(ml_ids[0])] == ["loss.png"]
     assert Path(log.dir, "tensorboard").is_dir() and log.dir == str(run_dir / "logs")
+
+
+def test_the_read_back_expects_every_field_by_its_flat_key() -> None:
+    """The read-back's expectation, against RECORDS' fields listed by hand: nested `expert_load` flattened
+    to `expert_load/<layer>/<expert>`, a bool as 0/1, a None (`mfu`, odd `val_loss`) left out at its step."""
+    expected = expected_series(RECORDS)
+    numbers = ["loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "dp", "pp", "tp", "cp",
+               "restarts", "loss_scale", "aux_loss"]  # fmt: skip
+    flat = {"skipped", "val_loss", "expert_load/1/0", "expert_load/1/1"}
+    assert set(expected) == set(numbers) | flat, set(expected) ^ (set(numbers) | flat)
+    steps = list(range(6))
+    for key in numbers:
+        assert expected[key] == [(s, float(RECORDS[s][key])) for s in steps], key
+    assert expected["skipped"] == [(0, 0.0), (1, 0.0), (2, 0.0), (3, 0.0), (4, 1.0), (5, 0.0)]
+    assert expected["val_loss"] == [(1, 4.0), (3, 4.0), (5, 4.0)]
+    assert expected["expert_load/1/0"] == [(s, 0.25 + s / 100) for s in steps]
+    assert expected["expert_load/1/1"] == [(s, 0.75 - s / 100) for s in steps]
 
 
 class ForgetfulSink(TrackerSink):

@@ -11,7 +11,12 @@ global batch, torch.optim.AdamW, clip_grad_norm_): losses and grad norms within 
 measured 7e-8 and 9e-7 at worst). Parameters: within 1e-4 absolute of the reference (AdamW's first steps
 move an entry by ~lr whatever its gradient's size, so tiny gradients summed in another order move
 parameters by ~3e-5 already at zero 0: measured 2.7e-5 Ulysses, 2.0e-5 ring, the same at every stage),
-and within 1e-5 of zero 0 at the same layout (measured 1.5e-6 at worst, zero 3 ring). Model-state bytes
+and within 1e-5 of zero 0 at the same layout (measured 1.5e-6 at worst, zero 3 ring). Why these are
+measured bounds: the ring's, as tests/unit/test_context_parallel.py says (softmax's backward cancels as
+far as the data makes it); the parameters', because AdamW divides each gradient by its own magnitude: an
+entry whose gradient is within rounding of zero can have its sign flipped by another summation order and
+then moves 2 lr (6e-3) apart in one step. Rounding alone bounds nothing there; how many entries sit that
+close to zero is the data's, so the bound is the measured worst with ~4x room. Model-state bytes
 per rank equal the fp32 ZeRO formulas over cp*dp ranks (exactly, counting the padding elements that even
 out each bucket across the owners; none for the tiny model). Negative controls: gradients summed over
 cp x dp but divided by dp only (the grad norm doubles), and the state sharded over dp only (the bytes are

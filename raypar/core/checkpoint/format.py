@@ -43,6 +43,8 @@ import pyarrow.fs as pafs
 import safetensors.torch
 import torch
 
+from raypar.core.plain_files import NotRegularFile, refuse_unless_regular
+
 FORMAT, VERSION, MANIFEST, LATEST, OPTIM_PREFIX = "raypar-checkpoint", 1, "manifest.json", "latest", "optim."
 _ATOMIC_RENAME_FS = frozenset({"local", "hdfs"})  # filesystems where moving a directory is one rename
 STEP_RE = re.compile(r"step_(\d{8,})")
@@ -131,8 +133,18 @@ def write_bytes(uri: str, data: bytes) -> None:
         raise CheckpointError(f"{uri}: write failed: {e}") from e
 
 
+class SpecialFileError(CheckpointError):
+    """A FIFO, socket or device where a checkpoint file should be: refused, never read (a FIFO would block
+    its reader forever), and never passed over as a merely corrupt file would be."""
+
+
 def read_bytes(uri: str) -> bytes:
     fs, path = resolve_fs(uri)
+    if isinstance(fs, pafs.LocalFileSystem):
+        try:
+            refuse_unless_regular(path, "a checkpoint file", follow_symlinks=True)
+        except NotRegularFile as e:
+            raise SpecialFileError(str(e)) from None
     try:
         with fs.open_input_stream(path) as f:
             return f.read()
@@ -384,6 +396,8 @@ def resolve(path_or_root: str, which: str | int = "latest") -> str:
         if STEP_RE.fullmatch(name):
             load_manifest(join_uri(path_or_root, name))
             return join_uri(path_or_root, name)
+    except SpecialFileError:
+        raise
     except (CheckpointError, UnicodeDecodeError):
         pass  # fall back to the listing
     if not (found := list_checkpoints(path_or_root)):

@@ -1,16 +1,14 @@
-"""Hugging Face Llama weights in and out: config.json <-> ModelConfig, tensor names, sliced loading, export.
+"""Hugging Face weights in and out: config.json <-> ModelConfig, sliced loading, export, for every family.
 
-raypar's blocks are `LlamaForCausalLM`'s: RMSNorm, SwiGLU, grouped-query attention, and RoPE applied by
-rotating (first half, second half) pairs of each head (HF's `rotate_half`), so HF's q_proj/k_proj rows
-are used as they are, with no permutation (the permutation HF's conversion script applies to Meta's
-interleaved checkpoints is already in the weights). Heads are contiguous row blocks of q/k/v_proj, so a
-tensor-parallel rank's heads are one contiguous slice, as `ColumnParallelLinear` expects.
+What is a family's own (config.json fields both ways, tensor names) is its `hf` mapping
+(raypar.core.model.stage.HFMapping, e.g. raypar.core.model.llama.hf); config.json's `model_type` picks the
+family (raypar.core.model.families.for_model_type). This module reads and writes the files.
 
 Loading reads each actor's own slice of each tensor straight from the safetensors files
 (`safe_open(...).get_slice`), memory-mapped: no process ever holds the whole model.
 
     fields = model_fields(path)            # ModelConfig fields; ConfigError names an unsupported field
-    load_stage(stage, path)                # fill one LlamaStage (any stage, any tp rank) from the files
+    load_stage(stage, path)                # fill one stage (any stage, any tp rank) from the files
     export(ckpt_uri, out_dir)              # raypar checkpoint -> config.json + model*.safetensors
                                            # (+ the run's tokenizer, its EOS named, if it had one)
 """
@@ -21,7 +19,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -34,38 +31,12 @@ from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import ModelConfig
 from raypar.core.data.corpus import file_inside
 from raypar.core.data.tokenizer import HFTokenizer, from_record
+from raypar.core.model import families
+from raypar.core.model.stage import Stage
+from raypar.core.plain_files import NotRegularFile, read_regular, refuse_unless_regular
 
 CONFIG, INDEX = "config.json", "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 2**30  # per exported file; a larger model is split into files with an index
-
-# raypar module path inside a block -> HF's.
-_BLOCK = {
-    "attn_norm": "input_layernorm",
-    "attn.wq": "self_attn.q_proj",
-    "attn.wk": "self_attn.k_proj",
-    "attn.wv": "self_attn.v_proj",
-    "attn.wo": "self_attn.o_proj",
-    "mlp_norm": "post_attention_layernorm",
-    "mlp.w_gate": "mlp.gate_proj",
-    "mlp.w_up": "mlp.up_proj",
-    "mlp.w_down": "mlp.down_proj",
-}
-_TOP = {
-    "embed.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "head.weight": "lm_head.weight",
-}
-_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)\.weight")
-
-
-def hf_name(name: str) -> str:
-    """raypar parameter name -> Hugging Face Llama tensor name."""
-    if name in _TOP:
-        return _TOP[name]
-    m = _LAYER_RE.fullmatch(name)
-    if not m or m[2] not in _BLOCK:
-        raise KeyError(f"{name}: no Hugging Face Llama counterpart")
-    return f"model.layers.{m[1]}.{_BLOCK[m[2]]}.weight"
 
 
 # -- config ---------------------------------------------------------------------------------------------
@@ -74,9 +45,12 @@ def hf_name(name: str) -> str:
 def _read_config(path: str) -> dict[str, Any]:
     file = Path(path) / CONFIG
     try:
-        hf = json.loads(file.read_text(encoding="utf-8"))
+        # a Hugging Face cache links its files to blobs: followed; a FIFO is refused, not waited on
+        hf = json.loads(read_regular(file, "a model's config.json", follow_symlinks=True).decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"model.init_from: {file} not found (a Hugging Face model directory)") from None
+    except NotRegularFile as err:
+        raise ConfigError(f"model.init_from: {err}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise ConfigError(f"model.init_from: {file}: cannot read: {str(err)[:120]}") from None
     if not isinstance(hf, dict):
@@ -85,91 +59,11 @@ def _read_config(path: str) -> dict[str, Any]:
 
 
 def model_fields(path: str) -> dict[str, Any]:
-    """ModelConfig fields from `path`/config.json. Anything raypar's blocks would compute differently
-    (another rope type, biases, sliding windows, another activation...) is refused, naming the field."""
+    """ModelConfig fields from `path`/config.json, by the family its `model_type` names. Anything that
+    family's blocks would compute differently is refused, naming the field."""
     hf = _read_config(path)
     where = f"model.init_from: {Path(path) / CONFIG}"
-
-    def refuse(field: str, rule: str) -> ConfigError:
-        return ConfigError(f"{where}: {field}={hf.get(field)!r} is not supported ({rule})")
-
-    if hf.get("model_type") != "llama":
-        raise refuse("model_type", 'only "llama" is')
-    if hf.get("hidden_act", "silu") != "silu":
-        raise refuse("hidden_act", "raypar's MLP is SwiGLU with silu")
-    for field in ("attention_bias", "mlp_bias", "use_sliding_window", "qk_norm"):
-        if hf.get(field):
-            raise refuse(field, "raypar's linears have no biases, attention is full causal, no qk norm")
-    if hf.get("sliding_window") is not None:
-        raise refuse("sliding_window", "attention is full causal")
-    if hf.get("attention_dropout", 0.0):
-        raise refuse("attention_dropout", "raypar has no dropout")
-    if hf.get("pretraining_tp", 1) != 1:
-        raise refuse("pretraining_tp", "must be 1")
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    for field, params in (("rope_scaling", scaling), ("rope_parameters", rope)):
-        if not isinstance(params or {}, dict):
-            raise refuse(field, "must be an object")
-        kind = (params or {}).get("rope_type", (params or {}).get("type", "default"))
-        if kind != "default":
-            raise ConfigError(f"{where}: {field} type {kind!r} is not supported (only default RoPE)")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-
-    def size(field: str) -> int:
-        value = hf[field]
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise refuse(field, "must be a positive integer")
-        return value
-
-    def number(field: str, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-            raise ConfigError(f"{where}: {field}={value!r} is not supported (must be a positive number)")
-        return float(value)
-
-    try:
-        d, heads = size("hidden_size"), size("num_attention_heads")
-        fields = {
-            "n_layers": size("num_hidden_layers"),
-            "d_model": d,
-            "n_heads": heads,
-            "n_kv_heads": size("num_key_value_heads") if hf.get("num_key_value_heads") else heads,
-            "d_ff": size("intermediate_size"),
-            "vocab_size": size("vocab_size"),
-            "rope_theta": number("rope_theta", theta),
-            "norm_eps": number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        }
-    except KeyError as err:
-        raise ConfigError(f"{where}: missing field {err.args[0]}") from None
-    if hf.get("head_dim") not in (None, d // heads):
-        raise refuse("head_dim", f"must be hidden_size/num_attention_heads={d // heads}")
-    return fields
-
-
-def config_json(model: dict[str, Any]) -> dict[str, Any]:
-    """The config.json of a raypar model config (a ModelConfig as a dict)."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "hidden_size": model["d_model"],
-        "intermediate_size": model["d_ff"],
-        "num_hidden_layers": model["n_layers"],
-        "num_attention_heads": model["n_heads"],
-        "num_key_value_heads": model["n_kv_heads"],
-        "head_dim": model["d_model"] // model["n_heads"],
-        "vocab_size": model["vocab_size"],
-        "max_position_embeddings": model["seq_len"],
-        "rms_norm_eps": model["norm_eps"],
-        "rope_theta": model["rope_theta"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": model["rope_theta"]},
-        "tie_word_embeddings": bool(model.get("tie_embeddings", False)),
-        "attention_bias": False,
-        "mlp_bias": False,
-        "attention_dropout": 0.0,
-        "dtype": "float32",
-    }
+    return families.for_model_type(hf.get("model_type"), where).hf.model_fields(hf, where)
 
 
 # -- weights in -----------------------------------------------------------------------------------------
@@ -230,8 +124,9 @@ class HFWeights:
 def _weight_map(index: Path) -> dict[str, Any]:
     """The weight_map of a model.safetensors.index.json; ConfigError naming the file if it has none."""
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, AttributeError) as err:
+        body = read_regular(index, "a weight index", follow_symlinks=True)
+        weight_map = json.loads(body.decode("utf-8")).get("weight_map")
+    except (OSError, ValueError, RecursionError, AttributeError) as err:  # ValueError: JSON, UTF-8, FIFO
         raise ConfigError(f"model.init_from: {index}: not a weight index: {str(err)[:80]}") from None
     if not isinstance(weight_map, dict):
         raise ConfigError(f"model.init_from: {index}: weight_map must map tensor names to files")
@@ -242,23 +137,25 @@ def _header(file: Path) -> dict[str, list[int]]:
     """Tensor name -> shape from a safetensors file's header (also checks that the file holds every byte
     the header promises); ConfigError naming the file."""
     try:
+        refuse_unless_regular(file, "a weight file", follow_symlinks=True)  # safe_open would wait on a FIFO
         with safe_open(file, "pt") as f:
             return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
     except FileNotFoundError:
         raise ConfigError(f"model.init_from: {file}: not found") from None
+    except NotRegularFile as err:
+        raise ConfigError(f"model.init_from: {err}") from None
     except (OSError, SafetensorError) as err:
         raise ConfigError(f"model.init_from: {file}: not a readable safetensors file ({err})") from None
 
 
 def check_weights(cfg: ModelConfig) -> None:
-    """Check `cfg.init_from`'s files before any actor starts: every tensor the model needs (a `LlamaStage`
+    """Check `cfg.init_from`'s files before any actor starts: every tensor the model needs (a stage
     holding every layer) is there with the shape it needs, read from the headers alone. What `load_stage`
     would find on every actor after start-up, found once, up front; ConfigError naming file and tensor."""
-    from raypar.core.model.llama import LlamaStage  # heavier; only this check and the actors need it
-
     shapes = HFWeights(cfg.init_from).shapes()
     with torch.device("meta"):  # shapes without memory: the model may not fit this machine
-        model = LlamaStage(cfg, init=False)
+        model = families.build_stage(cfg, init=False)
+    hf_name = families.family(cfg).hf.hf_name
     for name, (global_shape, _) in model.shard_specs().items():
         source = hf_name(model.init_source(name))
         if source not in shapes:
@@ -271,10 +168,11 @@ def check_weights(cfg: ModelConfig) -> None:
 
 
 @torch.no_grad()
-def load_stage(stage: torch.nn.Module, path: str) -> None:
-    """Copy this stage's shard of every parameter from the HF model at `path` (a `LlamaStage`, any
-    stage and tp rank). A tied head reads the embedding (HF files of tied models have no lm_head)."""
+def load_stage(stage: Stage, path: str) -> None:
+    """Copy this stage's shard of every parameter from the HF model at `path` (any stage and tp rank). A
+    tied head reads the embedding (HF files of tied models have no lm_head)."""
     weights = HFWeights(path)
+    hf_name = families.family(stage.cfg).hf.hf_name
     for name, (global_shape, offsets) in stage.shard_specs().items():
         param = stage.get_parameter(name)
         source = hf_name(stage.init_source(name))
@@ -286,19 +184,20 @@ def load_stage(stage: torch.nn.Module, path: str) -> None:
 
 def export(ckpt_uri: str, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
     """Write `out_dir`/config.json and model.safetensors (or model-0000k-of-0000n.safetensors with an
-    index when larger than `max_shard_bytes`) that `LlamaForCausalLM.from_pretrained` loads. Tensors are
+    index when larger than `max_shard_bytes`) that the family's `*ForCausalLM.from_pretrained` loads. Tensors
+are
     read one at a time; the directory is built aside and renamed into place."""
     from raypar.core.checkpoint import format as checkpoint  # heavier; only the export needs them
     from raypar.core.checkpoint import reader as checkpoint_read  # heavier; only the export needs them
 
     reader = checkpoint_read.CheckpointReader(ckpt_uri)
-    model = dataclasses.asdict(checkpoint_read.model_config(reader))  # agrees with the tensors' shapes
-    for key in ("moe_shared_experts", "moe_experts"):  # the most specific field first
-        if model[key]:
-            raise checkpoint.CheckpointError(
-                f"{reader._where}: model.{key}={model[key]}: Hugging Face's LlamaForCausalLM has no experts "
-                "(export the raypar tensors with --format safetensors)"
-            )
+    cfg = checkpoint_read.model_config(reader)  # agrees with the tensors' shapes
+    model, mapping = dataclasses.asdict(cfg), families.family(cfg).hf
+    refusal = mapping.export_refusal(model)
+    if refusal is not None:
+        raise checkpoint.CheckpointError(
+            f"{reader._where}: {refusal} (export the raypar tensors with --format safetensors)"
+        )
     names = [n for n in reader.names() if not n.startswith(checkpoint.OPTIM_PREFIX)]
     files: list[list[str]] = [[]]
     size, largest = 0, 0
@@ -321,7 +220,7 @@ def export(ckpt_uri: str, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES) 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
-        _write_hf_dir(reader, staging, files, model, tokenizer)
+        _write_hf_dir(reader, staging, files, model, tokenizer, mapping)
         os.rename(staging, out)
     except OSError as err:  # a read-only or full disk: the output is bad, not the checkpoint
         raise checkpoint.CheckpointError(f"{out}: cannot write: {err.strerror or err}") from None
@@ -348,12 +247,13 @@ def _tokenizer(reader: Any) -> HFTokenizer | None:
 
 
 def _write_hf_dir(
-    reader: Any, staging: Path, files: list[list[str]], model: dict[str, Any], tokenizer: HFTokenizer | None
+    reader: Any, staging: Path, files: list[list[str]], model: dict[str, Any], tokenizer: HFTokenizer | None,
+    mapping: Any,
 ) -> None:
     weight_map, total = {}, 0
     for k, group in enumerate(files):
         file = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" if len(files) > 1 else "model.safetensors"
-        tensors = {hf_name(n): reader.read_full(n).contiguous() for n in group}
+        tensors = {mapping.hf_name(n): reader.read_full(n).contiguous() for n in group}
         safetensors.torch.save_file(tensors, staging / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -361,7 +261,7 @@ def _write_hf_dir(
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (staging / INDEX).write_text(json.dumps(index, indent=1))
-    config = config_json(model)
+    config = mapping.config_json(model)
     if tokenizer is not None:
         # The EOS the documents were joined by, named where transformers looks: AutoTokenizer's eos_token
         # (tokenizer.json alone names no EOS) and the model's, which generate() stops at.

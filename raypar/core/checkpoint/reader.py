@@ -35,6 +35,7 @@ from raypar.core.checkpoint.format import (
     STEP_RE,
     CheckpointError,
     ShardSpec,
+    SpecialFileError,
     join_uri,
     load_manifest,
     read_bytes,
@@ -175,7 +176,7 @@ def model_config(reader: CheckpointReader) -> ModelConfig:
     of another size, or export a config.json that no loader can use); CheckpointError naming the manifest."""
     from raypar.core.config.errors import ConfigError
     from raypar.core.config.load import from_dict
-    from raypar.core.model.llama import LlamaStage  # heavier; only the readers that build the model need it
+    from raypar.core.model import families  # heavier; only the readers that build the model need it
 
     model = reader.meta.get("model")
     if not isinstance(model, dict):
@@ -186,7 +187,7 @@ def model_config(reader: CheckpointReader) -> ModelConfig:
     except ConfigError as err:
         raise CheckpointError(f"{reader._where}: meta.{err}") from None
     with torch.device("meta"):  # shapes and sizes without memory
-        stage = LlamaStage(cfg, init=False)
+        stage = families.build_stage(cfg, init=False)
     for name, param in stage.named_parameters():
         have = reader.global_shape(stage.init_source(name))
         if have != tuple(param.shape):
@@ -196,7 +197,7 @@ def model_config(reader: CheckpointReader) -> ModelConfig:
 
 
 def routing_biases(reader: CheckpointReader, wanted: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The MoE routing biases named in `wanted` (raypar.core.model.llama.LlamaStage.routing_biases: name ->
+    """The MoE routing biases named in `wanted` (raypar.core.model.stage.Stage.routing_biases: name ->
     the model's buffer) as the checkpoint holds them, whole [moe_experts] whatever the ep; zeros where it
     holds none (written without bias balancing, or before the biases were state)."""
     stored = set(reader.names())
@@ -211,10 +212,10 @@ def _rope_bytes(cfg: ModelConfig) -> int:
 def model_bytes(cfg: ModelConfig) -> int:
     """Memory to build `cfg`'s whole model in one process: parameters and buffers, and the transients of
     its RoPE tables."""
-    from raypar.core.model.llama import LlamaStage
+    from raypar.core.model import families
 
     with torch.device("meta"):
-        stage = LlamaStage(cfg, init=False)
+        stage = families.build_stage(cfg, init=False)
     tensors = [*stage.parameters(), *stage.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors) + _rope_bytes(cfg) * cfg.seq_len
 
@@ -300,6 +301,8 @@ def newest_intact(root: str, hash_limit_bytes: int = 0) -> tuple[str, list[str]]
     notes = []
     try:
         named = read_bytes(join_uri(root, LATEST)).decode().strip()
+    except SpecialFileError:
+        raise
     except (CheckpointError, UnicodeDecodeError):
         named = None
     steps = sorted(

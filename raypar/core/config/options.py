@@ -19,6 +19,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+# model.family: the model families (raypar.core.model.families registers each by this name)
+FAMILIES = ("llama",)
+# model.rope_scaling: how RoPE's frequencies are stretched (raypar.core.model.llama.rope computes each as
+# transformers does); "none": the original frequencies
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+
 
 def one_of(names: Iterable[object], quote: bool = True) -> str:
     """'"a", "b" or "c"': the names an error message offers (numbers unquoted)."""
@@ -143,15 +149,16 @@ RECOMPUTE = (NO_RECOMPUTE, FULL, SELECTIVE)
 @dataclass(frozen=True)
 class Tracker:
     name: str
-    module: str  # what must be importable on the driver
+    modules: tuple[str, ...]  # what must be importable on the driver
     extra: str  # pip install "raypar[<extra>]"
 
 
 TRACKERS: dict[str, Tracker] = {
     t.name: t
     for t in (
-        Tracker("tensorboard", "tensorboard", "tensorboard"),
-        Tracker("mlflow", "mlflow", "mlflow"),
-        Tracker("wandb", "wandb", "wandb"),
+        Tracker("tensorboard", ("tensorboard",), "tensorboard"),
+        # the default store is SQLite (mlflow.db in log.dir): MLflow's SqlAlchemyStore needs both
+        Tracker("mlflow", ("mlflow", "sqlalchemy", "alembic"), "mlflow"),
+        Tracker("wandb", ("wandb",), "wandb"),
     )
 }

@@ -14,7 +14,7 @@ import re
 from raypar.core.config import options
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.options import one_of
-from raypar.core.config.schema import Config, ParallelConfig
+from raypar.core.config.schema import Config, ModelConfig, ParallelConfig
 
 # parallel.node_type names a custom resource (cluster.yaml: `g6: 1` on ray.worker.g6). Ray's own resources
 # pick no node type, and names with ":" are Ray's per-node ones (node:<ip>, accelerator_type:<name>).
@@ -165,6 +165,38 @@ def _validate_attention_masks(cfg: Config) -> None:
         _require(not on or m.dropout == 0, f"{key}: needs model.dropout = 0 (masked attention has none)")
 
 
+def _rope_scaling(m: ModelConfig) -> None:
+    """The scaling's fields must be usable numbers whether or not a scaling is on (a value set for nothing
+    is refused as any other); a scaling that needs the original context length must have it."""
+    _require(
+        m.rope_scaling in options.ROPE_SCALINGS,
+        f"model.rope_scaling: must be {one_of(options.ROPE_SCALINGS)}, got {m.rope_scaling!r}",
+    )
+    _require(m.rope_factor >= 1, f"model.rope_factor: must be >= 1, got {m.rope_factor}")
+    _require(
+        m.rope_original_max_len >= 0,
+        f"model.rope_original_max_len: must be >= 0 (0: unset), got {m.rope_original_max_len}",
+    )
+    low = m.rope_low_freq_factor
+    _require(low > 0, f"model.rope_low_freq_factor: must be positive, got {low}")
+    _require(
+        m.rope_high_freq_factor > m.rope_low_freq_factor,
+        f"model.rope_high_freq_factor: must be > rope_low_freq_factor={m.rope_low_freq_factor}, got "
+        f"{m.rope_high_freq_factor}",
+    )
+    for key in ("rope_beta_fast", "rope_beta_slow"):
+        _require(getattr(m, key) > 0, f"model.{key}: must be positive, got {getattr(m, key)}")
+    _require(
+        m.rope_attention_factor >= 0,
+        f"model.rope_attention_factor: must be >= 0 (0: HF's default), got {m.rope_attention_factor}",
+    )
+    if m.rope_scaling in ("llama3", "yarn"):
+        _require(
+            m.rope_original_max_len > 0,
+            f"model.rope_original_max_len: must be set (> 0) with rope_scaling = \"{m.rope_scaling}\"",
+        )
+
+
 def validate(cfg: Config) -> None:
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.checkpoint
     for section in dataclasses.fields(cfg):  # nan and +-inf pass comparisons in surprising ways: none allowed
@@ -175,8 +207,16 @@ def validate(cfg: Config) -> None:
                 raise ConfigError(f"{section.name}.{f.name}: must be a finite number, got {value}")
     for key in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "seq_len"):
         _require(getattr(m, key) > 0, f"model.{key}: must be a positive size, got {getattr(m, key)}")
-    _require(m.d_model % m.n_heads == 0, f"model.n_heads: must divide model.d_model={m.d_model}")
-    _require(m.head_dim % 2 == 0, f"model.d_model: d_model/n_heads={m.head_dim} must be even for RoPE")
+    _require(
+        m.family in options.FAMILIES, f"model.family: must be {one_of(options.FAMILIES)}, got {m.family!r}"
+    )
+    _require(m.head_dim_override >= 0, f"model.head_dim_override: must be >= 0, got {m.head_dim_override}")
+    if m.head_dim_override:
+        _require(m.head_dim % 2 == 0, f"model.head_dim_override: must be even for RoPE, got {m.head_dim}")
+    else:
+        _require(m.d_model % m.n_heads == 0, f"model.n_heads: must divide model.d_model={m.d_model}")
+        _require(m.head_dim % 2 == 0, f"model.d_model: d_model/n_heads={m.head_dim} must be even for RoPE")
+    _rope_scaling(m)
     _require(m.n_heads % m.n_kv_heads == 0, f"model.n_kv_heads: must divide model.n_heads={m.n_heads}")
     _require(m.rope_theta > 0, f"model.rope_theta: must be positive, got {m.rope_theta}")
     _require(m.norm_eps > 0, f"model.norm_eps: must be positive, got {m.norm_eps}")
@@ -378,11 +418,11 @@ def check_tracker_packages(cfg: Config) -> None:
     named). Not part of `validate`, which every worker runs too: only the driver imports the trackers."""
     for name in cfg.log.backends:
         tracker = options.TRACKERS[name]
-        _require(
-            importlib.util.find_spec(tracker.module) is not None,
-            f'log.backends: "{name}" needs the {tracker.module} package: '
-            f'pip install "raypar[{tracker.extra}]"',
-        )
+        for module in tracker.modules:
+            _require(
+                importlib.util.find_spec(module) is not None,
+                f'log.backends: "{name}" needs the {module} package: pip install "raypar[{tracker.extra}]"',
+            )
 
 
 def _validate_float8(cfg: Config) -> None:

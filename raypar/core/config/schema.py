@@ -33,6 +33,7 @@ PRESETS: dict[str, dict[str, int]] = {
 @dataclass
 class ModelConfig:
     preset: str = "tiny"
+    family: str = "llama"  # options.FAMILIES (raypar.core.model.families)
     n_layers: int = 0
     d_model: int = 0
     n_heads: int = 0
@@ -43,6 +44,21 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # Switches on the llama family's blocks (Qwen2: qkv_bias; Qwen3: qk_norm and its own head_dim; a sliding
+    # window: raypar.core.model.attention_masks)
+    head_dim_override: int = 0  # the width of a head; 0: d_model / n_heads
+    qkv_bias: bool = False  # biases on the q, k and v projections (not on the output projection)
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before RoPE
+    sliding_window: int = 0  # > 0: a token attends to the last this many (itself included); 0 unbounded
+    # RoPE scaling (options.ROPE_SCALINGS), the fields of Hugging Face's rope_scaling / rope_parameters
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0  # linear, llama3, yarn: how much longer the context is than trained on
+    rope_original_max_len: int = 0  # llama3, yarn: original_max_position_embeddings
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_beta_fast: float = 32.0  # yarn
+    rope_beta_slow: float = 1.0  # yarn
+    rope_attention_factor: float = 0.0  # yarn: cos and sin scaled by it; 0: 0.1 ln(factor) + 1 (HF's)
     init_from: str = ""  # a Hugging Face Llama directory: config.json sets the shape, its weights the start
     dropout: float = 0.0
     # Mixture of experts (raypar.core.model.moe): 0 experts = dense.
@@ -53,11 +69,10 @@ class ModelConfig:
     moe_every: int = 1
     moe_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing by a per-expert routing bias
     moe_shared_experts: int = 0  # dense experts every token passes through beside the routed ones
-    sliding_window: int = 0  # > 0: a token attends to the last this many (itself included); 0 unbounded
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_dim_override or self.d_model // self.n_heads
 
 
 @dataclass

@@ -49,7 +49,8 @@ from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import DataConfig, ModelConfig
 from raypar.core.data import remote
 from raypar.core.data.corpus import Corpus, expand_globs, file_inside
-from raypar.core.data.tokenizer import ByteTokenizer, Tokenizer, from_record
+from raypar.core.data.tokenizer import ByteTokenizer, Tokenizer, checked_record, from_record
+from raypar.core.plain_files import read_regular, refuse_unless_regular
 
 INDEX, TOKENIZER = "index.json", "tokenizer.json"
 TOKEN_DTYPES = ("uint16", "uint32")  # what prepare writes: uint32 only past 65,536 token ids
@@ -175,7 +176,7 @@ def prepare(
             "sha256": writer.sha256.hexdigest(),
         }
         if record["kind"] != "bytes":
-            (staging / TOKENIZER).write_text(record.pop("json"))
+            (staging / TOKENIZER).write_bytes(record.pop("json").encode())  # the bytes its sha256 is of
             index["tokenizer"] = {**record, "file": TOKENIZER}
         (staging / INDEX).write_text(json.dumps(index, indent=1))
         return remote.upload(staging, str(out_dir), index) if to_uri else _publish(staging, out, index)
@@ -202,7 +203,7 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The index of a prepared directory, checked: ValueError (FileNotFoundError if absent) naming it."""
     index_path = Path(path) / INDEX
     try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
+        index = json.loads(read_regular(index_path, "a dataset's index").decode("utf-8"))
     except FileNotFoundError:
         raise FileNotFoundError(f"{index_path}: not found (not a prepared token directory)") from None
     except IsADirectoryError:
@@ -235,6 +236,17 @@ def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
         file = file_inside(path, tokenizer.get("file"), f"{index_path}: tokenizer.file")
         if not file.is_file():
             raise ValueError(f"{index_path}: tokenizer.file {tokenizer['file']!r}: {file} is not a file")
+        refuse_unless_regular(file, "a dataset's tokenizer")
+    shard_tokens = sum(s["tokens"] for s in shards)
+    if index.get("total_tokens", shard_tokens) != shard_tokens:
+        raise ValueError(
+            f"{index_path}: total_tokens {index['total_tokens']!r}, its shards hold {shard_tokens}"
+        )
+    eos = index.get("eos_id")
+    if eos is not None and not (isinstance(eos, int) and 0 <= eos < index["vocab_size"]):
+        raise ValueError(
+            f"{index_path}: eos_id {eos!r} is not a token id of its vocab_size {index['vocab_size']}"
+        )
     return index
 
 
@@ -262,9 +274,10 @@ def tokenizer_record(data_cfg: DataConfig) -> dict[str, Any] | None:
         if entry:  # read_index checked that its file lies inside the directory
             file = Path(source) / entry["file"]
             try:
-                return {**entry, "json": file.read_text(encoding="utf-8")}
-            except (OSError, UnicodeDecodeError) as err:
+                body = read_regular(file, "a dataset's tokenizer")  # not through a symlink, nor a FIFO
+            except OSError as err:
                 raise ValueError(f"{file}: cannot read the dataset's tokenizer: {err}") from None
+            return checked_record(body, entry, str(file))
     return ByteTokenizer().record()
 
 
@@ -292,6 +305,20 @@ class Dataset(Protocol):
     def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+def check_token_ids(
+    path: str | os.PathLike[str], index: dict[str, Any], shards: list[np.ndarray], hash_limit_bytes: int
+) -> None:
+    """ValueError if a token id of `shards` (their token arrays) is >= the index's vocab_size, checked where
+    the shards hold at most `hash_limit_bytes` (it reads every token)."""
+    if sum(s["bytes"] for s in index["shards"]) > hash_limit_bytes:
+        return
+    top = max((int(s.max()) for s in shards if len(s)), default=-1)
+    if top >= index["vocab_size"]:  # an embedding lookup out of range, in every actor
+        raise ValueError(
+            f"{Path(path) / INDEX}: vocab_size {index['vocab_size']}, but its shards hold token id {top}"
+        )
+
+
 def _check_index(i: int, n: int) -> None:
     if not 0 <= i < n:
         raise IndexError(f"sample {i} out of range [0, {n})")
@@ -300,7 +327,11 @@ def _check_index(i: int, n: int) -> None:
 class TokenDataset:
     """The shards of a prepared directory, memory-mapped (no copy, shared by every process on the node)."""
 
-    def __init__(self, path: str | os.PathLike[str], seq_len: int, vocab_size: int):
+    def __init__(
+        self, path: str | os.PathLike[str], seq_len: int, vocab_size: int, hash_limit_bytes: int = 0
+    ):
+        """Every opener checks the shards' sizes against the index; `hash_limit_bytes` (the driver's, once
+        per run): their sha256 and token ids too, where the shards hold at most that many bytes."""
         self.path, self.seq_len, self.vocab_size = str(path), seq_len, vocab_size
         self.index = read_index(path)
         if vocab_size < self.index["vocab_size"]:
@@ -310,11 +341,13 @@ class TokenDataset:
             )
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
+        remote.verify_local(Path(path), self.index, hash_limit_bytes)  # as a copy from a URI is verified
         dtype = np.dtype(self.index.get("dtype", "uint16"))
         self.shards = [self._map(Path(path) / s["file"], s["tokens"], dtype) for s in self.index["shards"]]
         # starts[k] = global position of shards[k][0]; windows that cross a boundary are stitched in sample().
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])
         self.total_tokens = int(self.starts[-1])
+        check_token_ids(path, self.index, self.shards, hash_limit_bytes)
 
     @staticmethod
     def _map(path: Path, tokens: int, dtype: np.dtype) -> np.ndarray:
@@ -410,14 +443,17 @@ class SampleRange:
         return lambda i: self.base.documents(self.start + i)
 
 
-def open_datasets(data_cfg: DataConfig, model_cfg: ModelConfig) -> tuple[Dataset, Dataset | None]:
+def open_datasets(
+    data_cfg: DataConfig, model_cfg: ModelConfig, hash_limit_bytes: int = 0
+) -> tuple[Dataset, Dataset | None]:
     """(training, validation) data. `data.val_fraction` holds out the last samples of the source: a
     contiguous tail of the token stream, so whole documents (all but the one cut at the boundary);
-    `data.val_source` is a separate dataset; else there is no validation data (None)."""
-    full = open_dataset(data_cfg, model_cfg)
+    `data.val_source` is a separate dataset; else there is no validation data (None). `hash_limit_bytes`:
+    see TokenDataset."""
+    full = open_dataset(data_cfg, model_cfg, hash_limit_bytes=hash_limit_bytes)
     if data_cfg.val_source:
         val_cfg = DataConfig(source=data_cfg.val_source, cache_dir=data_cfg.cache_dir)
-        return full, open_dataset(val_cfg, model_cfg, "data.val_source")
+        return full, open_dataset(val_cfg, model_cfg, "data.val_source", hash_limit_bytes)
     if not data_cfg.val_fraction:
         return full, None
     held = math.ceil(full.num_samples * data_cfg.val_fraction)
@@ -444,7 +480,9 @@ def eval_microbatch(dataset: Dataset, batch: int, mb_index: int, mb_size: int, g
     return torch.stack(inputs), torch.stack(targets)
 
 
-def open_dataset(data_cfg: DataConfig, model_cfg: ModelConfig, key: str = "data.source") -> Dataset:
+def open_dataset(
+    data_cfg: DataConfig, model_cfg: ModelConfig, key: str = "data.source", hash_limit_bytes: int = 0
+) -> Dataset:
     """The dataset `data.source` names: "synthetic", "stdlib", a prepared directory (local, or at a
     pyarrow.fs URI: copied into `data.cache_dir` first), or text-file globs.
 
@@ -457,15 +495,16 @@ def open_dataset(data_cfg: DataConfig, model_cfg: ModelConfig, key: str = "data.
         return SyntheticDataset(vocab_size, seq_len, seed=0)
     if source == "stdlib":
         out = Path(data_cfg.cache_dir) / f"stdlib-{platform.python_version()}"
-        return _prepared(stdlib_globs(), out, seq_len, vocab_size, key)
+        return _prepared(stdlib_globs(), out, seq_len, vocab_size, key, hash_limit_bytes)
     if remote.is_uri(source):  # a prepared dataset on storage: copied to this node once, then mapped
         try:
-            return _open_prepared(remote.local_copy(source, data_cfg.cache_dir), seq_len, vocab_size)
+            local = remote.local_copy(source, data_cfg.cache_dir)
+            return _open_prepared(local, seq_len, vocab_size, hash_limit_bytes)
         except (ValueError, OSError) as err:
             raise ConfigError(f"{key}: {err}") from None
     if source and (Path(source) / INDEX).is_file():
         try:
-            return _open_prepared(source, seq_len, vocab_size)
+            return _open_prepared(source, seq_len, vocab_size, hash_limit_bytes)
         except (ValueError, OSError) as err:  # a broken or incomplete prepared directory
             raise ConfigError(f"{key}: {err}") from None
     if source and Path(source).is_dir():
@@ -482,19 +521,23 @@ def open_dataset(data_cfg: DataConfig, model_cfg: ModelConfig, key: str = "data.
     # Keyed by the matched files and their sizes, so adding or editing a file makes a new cache.
     cache_key = json.dumps([[f, os.path.getsize(f)] for f in files]).encode()
     out = Path(data_cfg.cache_dir) / f"text-{hashlib.sha256(cache_key).hexdigest()[:16]}"
-    return _prepared(globs, out, seq_len, vocab_size, key)
+    return _prepared(globs, out, seq_len, vocab_size, key, hash_limit_bytes)
 
 
-def _open_prepared(path: str | os.PathLike[str], seq_len: int, vocab_size: int) -> Dataset:
+def _open_prepared(
+    path: str | os.PathLike[str], seq_len: int, vocab_size: int, hash_limit_bytes: int
+) -> Dataset:
     """A prepared directory: a token stream, or packed documents with loss masks (raypar.core.data.packed)."""
     if "packed" in read_index(path):
         from raypar.core.data.packed import PackedDataset  # a module that imports this one
 
-        return PackedDataset(path, seq_len, vocab_size)
-    return TokenDataset(path, seq_len, vocab_size)
+        return PackedDataset(path, seq_len, vocab_size, hash_limit_bytes)
+    return TokenDataset(path, seq_len, vocab_size, hash_limit_bytes)
 
 
-def _prepared(globs: list[str], out: Path, seq_len: int, vocab_size: int, key: str) -> TokenDataset:
+def _prepared(
+    globs: list[str], out: Path, seq_len: int, vocab_size: int, key: str, hash_limit_bytes: int
+) -> TokenDataset:
     if not (out / INDEX).is_file():
         try:
             prepare(globs, out)
@@ -504,7 +547,10 @@ def _prepared(globs: list[str], out: Path, seq_len: int, vocab_size: int, key: s
             raise ConfigError(
                 f"data.cache_dir: cannot prepare the data in {out.parent}: {err.strerror or err}"
             ) from None
-    return TokenDataset(out, seq_len, vocab_size)
+    try:
+        return TokenDataset(out, seq_len, vocab_size, hash_limit_bytes)
+    except (ValueError, OSError) as err:  # a cache damaged since it was prepared
+        raise ConfigError(f"{key}: {err}") from None
 
 
 # ---------------------------------------------------------------------------------------------- sampling

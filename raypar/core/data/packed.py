@@ -33,7 +33,7 @@ import torch
 
 from raypar.core.data import remote
 from raypar.core.data.chat import Document
-from raypar.core.data.datasets import FORMAT_VERSION, INDEX, TOKENIZER, _publish, read_index
+from raypar.core.data.datasets import FORMAT_VERSION, INDEX, TOKENIZER, _publish, check_token_ids, read_index
 from raypar.core.data.tokenizer import Tokenizer
 from raypar.core.model.attention_masks import IGNORE
 
@@ -135,7 +135,11 @@ def write(
 class PackedDataset:
     """A packed directory's samples, memory-mapped."""
 
-    def __init__(self, path: str | os.PathLike[str], seq_len: int, vocab_size: int):
+    def __init__(
+        self, path: str | os.PathLike[str], seq_len: int, vocab_size: int, hash_limit_bytes: int = 0
+    ):
+        """Checked as datasets.TokenDataset checks a token stream: the shards' sizes always, their sha256 and
+        token ids where they hold at most `hash_limit_bytes` (the driver's, once per run)."""
         self.path, self.seq_len, self.vocab_size = str(path), seq_len, vocab_size
         self.index = read_index(path)
         packed_len = self.index["packed"]["seq_len"]
@@ -144,10 +148,12 @@ class PackedDataset:
         if vocab_size < self.index["vocab_size"]:
             need = self.index["vocab_size"]
             raise ValueError(f"model.vocab_size {vocab_size} < the data's {need} token ids")
+        remote.verify_local(Path(path), self.index, hash_limit_bytes)
         columns = [self._map(Path(path) / s["file"], s["tokens"]) for s in self.index["shards"]]
         self.columns = [
             np.concatenate([c[k] for c in columns]) if len(columns) > 1 else columns[0][k] for k in range(3)
         ]
+        check_token_ids(path, self.index, [self.columns[0]], hash_limit_bytes)
 
     @staticmethod
     def _map(path: Path, tokens: int) -> list[np.ndarray]:

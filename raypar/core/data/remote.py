@@ -27,6 +27,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from raypar.core.data.corpus import file_inside
+from raypar.core.data.tokenizer import checked_record
+from raypar.core.plain_files import NotRegularFile, refuse_unless_regular
 
 INDEX = "index.json"
 COPY_CHUNK = 8 * 2**20  # bytes per read while streaming a shard: bounded memory, few requests
@@ -93,7 +95,7 @@ def _shard_checks(uri: str, index: dict[str, Any]) -> list[tuple[str, int, str]]
         if not (isinstance(size, int) and isinstance(digest, str)):
             raise ValueError(
                 f"{join(uri, INDEX)}: shard {file!r} has no bytes and sha256 (prepared by an older raypar); "
-                "prepare it again to read it from a URI"
+                "prepare it again"
             )
         file_inside(uri, file, f"{join(uri, INDEX)}: shards.file")  # a file of the dataset, nothing outside
         out.append((file, size, digest))
@@ -112,17 +114,60 @@ def local_copy(uri: str, cache_dir: str | os.PathLike[str]) -> Path:
     for file, size, digest in _shard_checks(uri, index):
         dest = local / file
         if not (dest.is_file() and dest.stat().st_size == size):  # whole files only ever bear this name
+            _refuse_special(fs, f"{root}/{file}", join(uri, file), "a dataset shard")
             _copy_verified(fs, f"{root}/{file}", dest, join(uri, file), size, digest)
     tokenizer = index.get("tokenizer")
     if isinstance(tokenizer, dict):
         name = tokenizer.get("file")
         dest = file_inside(local, name, f"{join(uri, INDEX)}: tokenizer.file")
+        _refuse_special(fs, f"{root}/{name}", join(uri, str(name)), "a dataset's tokenizer")
         body = _read(fs, f"{root}/{name}", join(uri, str(name)))
         if body is None:
             raise ValueError(f"{join(uri, str(name))}: not found (the dataset's tokenizer)")
+        checked_record(body, tokenizer, join(uri, str(name)))  # never copies other bytes into the cache
         _write_aside(dest, body)
     _write_aside(local / INDEX, raw)
     return local
+
+
+def _refuse_special(fs: pafs.FileSystem, path: str, uri: str, what: str) -> None:
+    """On a local filesystem (file://), NotRegularFile unless `path` is a regular file: a FIFO would block
+    the copy forever, and a symlink would copy whatever it points at."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        try:
+            refuse_unless_regular(path, what)
+        except NotRegularFile as err:
+            raise NotRegularFile(f"{uri}: {str(err).partition(': ')[2]}") from None
+
+
+def _size_mismatch(where: str, size: int, recorded: int) -> str:
+    return f"{where}: {size} bytes, its index says {recorded} (incomplete or changed)"
+
+
+def _hash_mismatch(where: str, digest: str, recorded: str) -> str:
+    return (
+        f"{where}: sha256 {digest[:16]}..., its index says {recorded[:16]}... (corrupted or changed since it "
+        "was prepared); refused"
+    )
+
+
+def verify_local(directory: Path, index: dict[str, Any], hash_limit_bytes: int) -> None:
+    """Check a local prepared directory's shards against its index, as a copy from a URI is checked: each a
+    regular file of the recorded size, and of the recorded sha256 when the shards hold at most
+    `hash_limit_bytes` together (that reads every byte). ValueError naming the first bad file."""
+    checks = _shard_checks(str(directory), index)
+    hashes = sum(size for _, size, _ in checks) <= hash_limit_bytes
+    for file, size, digest in checks:
+        path = directory / file
+        refuse_unless_regular(path, "a dataset shard")
+        try:
+            actual = path.stat().st_size
+        except FileNotFoundError:
+            raise ValueError(f"{path}: not found (a shard its index lists)") from None
+        if actual != size:
+            raise ValueError(_size_mismatch(str(path), actual, size))
+        if hashes and (got := file_digest(path)[1]) != digest:
+            raise ValueError(_hash_mismatch(str(path), got, digest))
 
 
 def _aside(dest: Path) -> Path:
@@ -151,12 +196,9 @@ def _copy_verified(fs: pafs.FileSystem, path: str, dest: Path, uri: str, size: i
         except (pa.ArrowException, OSError) as err:
             raise ValueError(f"{uri}: cannot copy to {dest}: {err}") from None
         if copied != size:
-            raise ValueError(f"{uri}: {copied} bytes, its index says {size} (incomplete or changed)")
+            raise ValueError(_size_mismatch(uri, copied, size))
         if sha.hexdigest() != digest:
-            raise ValueError(
-                f"{uri}: sha256 {sha.hexdigest()[:16]}..., its index says {digest[:16]}... (corrupted or "
-                "changed since it was prepared); the copy is refused"
-            )
+            raise ValueError(_hash_mismatch(uri, sha.hexdigest(), digest))
         os.replace(part, dest)
     finally:
         part.unlink(missing_ok=True)

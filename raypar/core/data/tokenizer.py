@@ -101,6 +101,34 @@ def load(path: str | None, eos: str | None = None) -> Tokenizer:
     return HFTokenizer(text, eos, where=str(path))
 
 
+def checked_record(body: bytes, entry: dict[str, Any], where: str) -> dict[str, Any]:
+    """The tokenizer record (`entry` of a dataset's index, with the file's text as `json`) of the file
+    `where` whose bytes are `body`; ValueError naming `where` unless they are the tokenizer the index
+    describes: its sha256, a tokenizers JSON file, its vocab_size, an eos_id inside that vocabulary. Its
+    text goes into every checkpoint: nothing else may."""
+    recorded, digest = entry.get("sha256"), hashlib.sha256(body).hexdigest()
+    if not isinstance(recorded, str):
+        raise ValueError(f"{where}: its index records no sha256 for it; prepare the dataset again")
+    if digest != recorded:
+        raise ValueError(
+            f"{where}: sha256 {digest[:16]}..., its index says {recorded[:16]}... (not the tokenizer the "
+            "data was prepared with); refused"
+        )
+    try:
+        text = body.decode("utf-8")
+        from tokenizers import Tokenizer as Impl
+
+        impl = Impl.from_str(text)
+    except Exception as err:  # noqa: BLE001 - UnicodeDecodeError, or the library's own exception types
+        raise ValueError(f"{where}: not a tokenizers JSON file ({str(err)[:80]}); refused") from None
+    vocab, eos = impl.get_vocab_size(with_added_tokens=True), entry.get("eos_id")
+    if vocab != entry.get("vocab_size"):
+        raise ValueError(f"{where}: {vocab} tokens, its index says vocab_size {entry.get('vocab_size')!r}")
+    if not isinstance(eos, int) or impl.id_to_token(eos) is None:
+        raise ValueError(f"{where}: the index's eos_id {eos!r} is not in its vocabulary of {vocab}")
+    return {**entry, "json": text}
+
+
 def from_record(record: dict[str, Any] | None) -> Tokenizer:
     """The tokenizer a prepared dataset or checkpoint recorded (None or bytes: byte-level)."""
     if not record or record.get("kind") == "bytes":

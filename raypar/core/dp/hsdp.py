@@ -63,7 +63,14 @@ class AcrossGroups:
     NCCL wait only makes the current stream wait)."""
 
     def __init__(self, device: torch.device) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsdp-across")
+        # The worker's current device is the actor's (every GPU stays visible to an actor): without it the
+        # side stream's context and event queries would open a context on GPU 0 for every actor.
+        on_device = {"initializer": torch.cuda.set_device, "initargs": (device,)}
+        if device.type != "cuda":
+            on_device = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="hsdp-across", **on_device
+        )
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def after(self, first: Work, strategy: Sharded, out: torch.Tensor) -> concurrent.futures.Future:

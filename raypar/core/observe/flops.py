@@ -4,9 +4,10 @@ MFU = (model FLOPs per token × tokens/s) / peak FLOP/s of the devices that prod
 FLOPs are what the model needs, not what the implementation happens to do (no recomputation, no padding),
 so MFU compares layouts and machines fairly.
 
-The model count follows the PaLM / Megatron convention and lives next to the model it describes
-(`raypar.core.model.llama.flops_per_token`, re-exported here as `model_flops_per_token`):
-6·N + 12·n_layers·d_model·seq_len per token, where N counts the weights of every matmul (attention and MLP
+The model count follows the PaLM / Megatron convention and lives next to the model it describes (its
+family's cost, raypar.core.model.llama.cost.flops_per_token for the llama family; `model_flops_per_token`
+here): 6·N + 12·n_layers·n_heads·head_dim·seq_len per token, where N counts the weights of every matmul
+(attention and MLP
 projections and the output head) but not the embedding (a lookup) nor the norms; 6 = 2 FLOPs per
 multiply-add forward + 4 backward; the second term is attention's QKᵀ and AV, causal half included.
 
@@ -22,7 +23,7 @@ import time
 import torch
 
 from raypar.core.config.schema import ModelConfig
-from raypar.core.model.llama import flops_per_token as model_flops_per_token
+from raypar.core.model import families
 
 __all__ = ["cpu_peak_flops", "device_peak_flops", "gpu_peak_flops", "mfu", "model_flops_per_token"]
 
@@ -88,6 +89,11 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     if device.type == "cuda":
         return gpu_peak_flops(torch.cuda.get_device_name(device), dtype)
     return cpu_peak_flops(dtype)
+
+
+def model_flops_per_token(model_cfg: ModelConfig) -> float:
+    """Training FLOPs per token of `model_cfg`, by its family's cost."""
+    return families.family(model_cfg).cost.flops_per_token(model_cfg)
 
 
 def mfu(tokens_per_s: float, model_cfg: ModelConfig, peak_flops: float) -> float:

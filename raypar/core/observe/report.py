@@ -39,6 +39,7 @@ from raypar.core.observe.profile import PID_BASE, merge_schedule
 from raypar.core.observe.step_report import StepReport
 from raypar.core.parallel.mesh import Coord
 from raypar.core.pipeline.schedules import COMPUTE_OPS, bubble_formula
+from raypar.core.plain_files import read_regular, write_aside, write_figure
 
 COMM_OPS = ("recv_act", "send_act", "recv_grad", "send_grad")
 TAIL = "reduce+optimizer"
@@ -146,7 +147,7 @@ def read_jsonl(path: Path, schema: Schema | None = None) -> list[dict[str, Any]]
     schema = schema or {}
     required = [k for k, (needed, _, _) in schema.items() if needed]
     try:
-        lines = path.read_text(encoding="utf-8").split("\n")
+        lines = read_regular(path, f"the run's {path.name}").decode("utf-8").split("\n")
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not a text file (not UTF-8)") from None
     records = []
@@ -334,7 +335,7 @@ def plot_timeline(rows: list[Row], path: Path, title: str) -> None:
     handles = [Patch(color=COLOURS[k], label=LEGEND[k]) for k in COLOURS if k in _kinds_drawn(rows, phase)]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=9)
     fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))  # keep the bottom 0.35 in for the legend
-    fig.savefig(path)
+    write_figure(fig, path)  # aside, then renamed: never through a symlink planted at `path`
     plt.close(fig)
 
 
@@ -393,7 +394,7 @@ def plot_metrics(metrics: list[dict[str, Any]], path: Path) -> None:
     top.set_title(f"loss and throughput (dp={last['dp']}, pp={last['pp']}, tp={last['tp']})", fontsize=11)
     fig.tight_layout()
     _stack_labels(fig, changes)  # after the layout: overlaps are decided by where the labels finally land
-    fig.savefig(path)
+    write_figure(fig, path)  # aside, then renamed: never through a symlink planted at `path`
     plt.close(fig)
 
 
@@ -452,7 +453,7 @@ def plot_expert_load(metrics: list[dict[str, Any]], path: Path) -> None:
         f"expert load: share of routed tokens per expert (balanced = 1/{n_experts})", fontsize=11
     )
     fig.tight_layout()
-    fig.savefig(path)
+    write_figure(fig, path)  # aside, then renamed: never through a symlink planted at `path`
     plt.close(fig)
 
 
@@ -498,12 +499,12 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         )
         trace = chrome_trace(rows)
         if (run_dir / "profile.json").is_file():
-            profiled = json.loads((run_dir / "profile.json").read_text())
+            profiled = json.loads(read_regular(run_dir / "profile.json", "the run's profile.json"))
             trace["traceEvents"] += merge_schedule(profiled, all_rows)
             trace["otherData"]["profile"] = (
                 f"processes from pid {PID_BASE}: wall clock, from the profile's start"
             )
-        (run_dir / "timeline.json").write_text(json.dumps(trace))
+        write_aside(run_dir / "timeline.json", json.dumps(trace).encode())
         dp, tp = len({row["dp"] for row in rows}), len({row["tp"] for row in rows})
         name = SCHEDULES[schedule].title if schedule in SCHEDULES else schedule
         title = (
@@ -542,7 +543,7 @@ def _read_layout(path: Path) -> tuple[str, int, int]:
     """parallel.schedule, pp and virtual_stages (1 if absent) of a run's config.toml; ValueError naming it if
     the first two are missing."""
     try:
-        config = tomllib.loads(path.read_text(encoding="utf-8"))
+        config = tomllib.loads(read_regular(path, "the run's config.toml").decode("utf-8"))
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not a text file (not UTF-8)") from None
     except (tomllib.TOMLDecodeError, RecursionError) as err:

@@ -23,6 +23,7 @@ from typing import Any
 from raypar.core.observe.step_report import StepReport
 from raypar.core.parallel.mesh import Coord
 from raypar.core.pipeline.schedules import COMPUTE_OPS
+from raypar.core.plain_files import write_figure
 
 COMM_OPS = ("recv_act", "send_act", "recv_grad", "send_grad")
 
@@ -99,5 +100,5 @@ def plot_heatmap(rows: Iterable[Mapping[str, Any]], path: Path) -> None:
     ax.set_title("compute time per actor and step (ms): a straggler is a bright row among its stage's")
     fig.colorbar(image, ax=ax, pad=0.01, label="ms")
     fig.tight_layout()
-    fig.savefig(path)
+    write_figure(fig, path)  # aside, then renamed: never through a symlink planted at `path`
     plt.close(fig)

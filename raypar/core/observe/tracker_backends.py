@@ -8,7 +8,9 @@ hyperparameters are given then), and says its `run_id` for the next resume.
 from __future__ import annotations
 
 import os
+import socket
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ from raypar.core.config.schema import LogConfig
 # parameter value longer than MLFLOW_PARAM_CHARS (a long list of data globs is cut there)
 MLFLOW_BATCH = 100
 MLFLOW_PARAM_CHARS = 6000
+MLFLOW_CONNECT_S = 10.0  # how long an http(s) mlflow_uri may take to accept a connection at the start
 
 
 @dataclass(frozen=True)
@@ -78,12 +81,13 @@ class MLflow:
     def __init__(self, target: TrackerTarget, run_id: str | None):
         uri = target.log.mlflow_uri
         if uri.startswith("file:"):
-            # MLflow 3 refuses its file store unless asked: the default here, chosen as a store that needs
-            # no server and no database package (the skinny client has neither).
+            # MLflow 3 refuses its file store (in maintenance) unless asked; a user who names one asks
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        _check_server(uri)
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
+        Path(target.log.dir).mkdir(parents=True, exist_ok=True)  # where the default SQLite store goes
         self.metric = Metric
         self.client = MlflowClient(tracking_uri=uri)
         if run_id is not None:
@@ -91,8 +95,13 @@ class MLflow:
             self.client.update_run(run_id, status="RUNNING")
             return
         experiment = self.client.get_experiment_by_name(target.log.project)
+        # A database store puts artifacts under ./mlruns of whatever directory the driver runs in unless
+        # told: beside the database instead. A file store or a server keeps its own.
+        artifacts = (Path(target.log.dir) / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
         experiment_id = (
-            experiment.experiment_id if experiment else self.client.create_experiment(target.log.project)
+            experiment.experiment_id
+            if experiment
+            else self.client.create_experiment(target.log.project, artifact_location=artifacts)
         )
         self.run_id = self.client.create_run(experiment_id, run_name=target.run_name).info.run_id
         params = [Param(key, str(value)[:MLFLOW_PARAM_CHARS]) for key, value in target.params.items()]
@@ -111,6 +120,19 @@ class MLflow:
 
     def close(self, ok: bool) -> None:
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+
+
+def _check_server(uri: str) -> None:
+    """An http(s) tracking server must answer a TCP connection within MLFLOW_CONNECT_S: MLflow's client
+    retries a refused one with backoff for minutes (~260 s), in silence. OSError naming the URI."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme not in ("http", "https"):
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname or "localhost", port), timeout=MLFLOW_CONNECT_S).close()
+    except OSError as err:
+        raise OSError(f"{uri}: no tracking server answers within {MLFLOW_CONNECT_S:g} s ({err})") from None
 
 
 class Wandb:

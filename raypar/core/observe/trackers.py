@@ -44,12 +44,13 @@ class TrackerError(RuntimeError):
 
 def resolved(log: LogConfig, run_dir: Path, run_name: str) -> LogConfig:
     """`log` with its defaults filled in for this run: dir `<run dir>/logs` (absolute), mlflow_uri
-    `file:<dir>/mlruns`, project the run name."""
+    `sqlite:///<dir>/mlflow.db` (no server, and what `mlflow ui --backend-store-uri` opens as it is: MLflow
+    3 keeps its file store in maintenance, refused without MLFLOW_ALLOW_FILE_STORE), project the run name."""
     where = Path(log.dir or Path(run_dir) / "logs").expanduser().resolve()
     return replace(
         log,
         dir=str(where),
-        mlflow_uri=log.mlflow_uri or f"file:{where / 'mlruns'}",
+        mlflow_uri=log.mlflow_uri or f"sqlite:///{where / 'mlflow.db'}",
         project=log.project or run_name,
     )
 

@@ -21,7 +21,7 @@ calling torchao for everything else: the amax (`tensor_to_amax`), the scale (`am
 (`hp_tensor_and_scale_to_float8`) and the scaled GEMM (`torch.mm` on its `Float8TrainingTensor`). The casts
 of a backward, the weight GEMM's too, run (and reduce) in B; W only multiplies the float8 operands.
 
-Which linears: the attention projections and the dense MLP (`LlamaStage.set_float8`). The vocabulary head,
+Which linears: the attention projections and the dense MLP (a stage's `set_float8`). The vocabulary head,
 the router and the experts stay in bf16, as torchtitan leaves its output layer: the head's logits are where
 float8's 3 mantissa bits cost the most loss, and an expert's tokens come from the whole ep group.
 """

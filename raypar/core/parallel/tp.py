@@ -103,14 +103,14 @@ def reduce_from_tp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
 
 class TPLayer:
     """A module that communicates over the tensor-parallel group it holds in `group` (None: not split).
-    `LlamaStage.bind_groups` gives every one of them the group formed for a new membership."""
+    a stage's `bind_groups` gives every one of them the group formed for a new membership."""
 
     group: Group | None
 
 
 class TPLinear(nn.Module, TPLayer):
     """What column- and row-parallel linears share: the GEMM, plain, deferred for zero-bubble W, or in float8
-    (`float8`, set by `LlamaStage.set_float8`) with its scales' amaxes reduced over the groups that split
+    (`float8`, set by a stage's `set_float8`) with its scales' amaxes reduced over the groups that split
     its operands: tp the weight dim `split`, cp the tokens (`tokens_group`, set with the stage's cp group)."""
 
     split: str  # the weight dim the tp group splits, by what it indexes (raypar.core.parallel.float8)
@@ -134,19 +134,26 @@ class ColumnParallelLinear(TPLinear):
 
     `copy_input=False` when the caller applied copy_to_tp once to an input shared by several column layers
     (wq/wk/wv, w_gate/w_up): their input gradients are then summed locally and all-reduced once.
+    `bias`: a bias per output row, split with the rows (dim 0, like the weight), added after the GEMM.
     """
 
     shard_dim, split = 0, OUTER
 
-    def __init__(self, in_features: int, out_features: int, group: Group | None, copy_input: bool = True):
+    def __init__(
+        self, in_features: int, out_features: int, group: Group | None, copy_input: bool = True,
+        bias: bool = False,
+    ):
         super().__init__()
         self.group, self.copy_input = group, copy_input
-        self.weight = nn.Parameter(torch.empty(_divide(out_features, group, "out_features"), in_features))
+        rows = _divide(out_features, group, "out_features")
+        self.weight = nn.Parameter(torch.empty(rows, in_features))
+        self.bias = nn.Parameter(torch.empty(rows)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
             x = copy_to_tp(x, self.group)
-        return self.matmul(x)
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
 
 
 class RowParallelLinear(TPLinear):

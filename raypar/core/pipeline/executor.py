@@ -7,7 +7,8 @@ twice) and hands the work to a backend. Two backends exist:
 
 - `ModelBackend`: the real thing, used by the Ray actor (actors.worker) and by thread-rank tests:
 chunks of a
-  `LlamaStage`, a transport (actors.transport, or raypar.core.pipeline.local_transport in one process),
+  a model stage (raypar.core.model.stage.Stage), a transport (actors.transport, or
+  raypar.core.pipeline.local_transport in one process),
   a DP
   reducer.
 - `_ClockBackend`: fixed costs on a clock, for `simulate.simulate`; its receives do not block but say
@@ -227,7 +228,8 @@ class Transport(Protocol):
 
 
 class ModelBackend:
-    """One step of real compute on one rank: the chunks of `model` (a LlamaStage), messages through
+    """One step of real compute on one rank: the chunks of `model` (a raypar.core.model.stage.Stage), messages
+    through
     `transport`, batches from `batch(mb) -> (inputs, targets)`, gradient sends through `send_grad` (the
     actor's seam). Subclasses wrap each forward (`run_forward`) and hear when a unit's graph is gone
     (`freed`): the actor seeds dropout and measures saved activations there.

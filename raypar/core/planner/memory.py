@@ -47,6 +47,7 @@ from raypar.core.config.options import (
     ZERO_STAGES,
 )
 from raypar.core.config.schema import Config, ModelConfig
+from raypar.core.model import families
 from raypar.core.model.moe import is_moe_layer, kept_share
 from raypar.core.parallel.mesh import stage_layers
 from raypar.core.pipeline import schedules
@@ -126,11 +127,11 @@ def stage_params(
 ) -> Params:
     """Parameters one tp rank of a stage holding blocks `layers` has: dense ones (norm gains and routers
     replicated over tp, everything else split by tp) and its 1/ep of the experts (split by tp too)."""
-    d, hd = m.d_model, m.head_dim
-    attn = 2 * d * m.n_heads * hd + 2 * d * m.n_kv_heads * hd
+    d, cost = m.d_model, families.family(m).cost
+    attn = cost.attention_params(m)
     dense = expert = 0
     for layer in layers:
-        dense += 2 * d + attn // tp
+        dense += cost.norm_params(m) + attn // tp
         if is_moe_layer(m, layer):
             dense += m.moe_experts * d + m.moe_shared_experts * 3 * d * m.d_ff // tp  # router, shared experts
             expert += m.moe_experts // ep * 3 * d * m.d_ff // tp
@@ -214,10 +215,14 @@ def block_activation_bytes(
     bs, d = mbs * seq, m.d_model
     if recompute == FULL:
         return e * bs * d // (tp if split.sp else 1)  # the block's input, which checkpoint keeps
-    heads, hq, hkv, f = m.n_heads // tp, m.d_model // tp, m.n_kv_heads * m.head_dim // tp, m.d_ff // tp
+    heads, f = m.n_heads // tp, m.d_ff // tp
+    hq, hkv = m.n_heads * m.head_dim // tp, m.n_kv_heads * m.head_dim // tp
     if split.cp > 1 and split.cp_style == ULYSSES.name and (m.n_kv_heads // tp) % split.cp:
         hkv = hq  # Ulysses repeats kv heads that do not split over cp up to the query heads
     norms = 2 * _norm_bytes(e, bs, d, split)
+    if m.qk_norm:  # Qwen3's per-head q and k norms: rows of head_dim, on every token (after the SP gather)
+        rows = bs * (hq + hkv) // m.head_dim
+        norms += _norm_bytes(e, rows, m.head_dim, TokenSplit())
     mask = e if device_kind == "cpu" else 1  # CPU dropout saves its scaled noise, CUDA a bool mask
     # After attention and after the MLP, on T/tp tokens under SP.
     drop = 2 * mask * bs * d // (tp if split.sp else 1) if m.dropout > 0 else 0

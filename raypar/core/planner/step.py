@@ -3,7 +3,8 @@ the communication left on the critical path (raypar.core.planner.search ranks la
 
 - Compute: each pipeline rank's own FLOPs (its blocks, and the head on the rank that holds it: a deep
   pipeline's last stage is slower by the head, Narayanan et al. 2021 §3.3), 6 per weight and token plus
-  the attention scores (raypar.core.model.llama.flops_per_token), at the device's peak times the assumed
+  the attention scores (the family's cost, raypar.core.model.llama.cost.flops_per_token), at the device's
+  peak times the assumed
   MFU times a GEMM efficiency curve s(n) = n / (n + n½) of each GEMM's rows (tokens of a microbatch on the
   rank; an expert's share of them) and columns (the width per tp rank). n½ is `Device.gemm_half`; the curve
   is a stated assumption shaped after NVIDIA's GEMM guide (small dimensions leave tiles and SMs idle:
@@ -43,6 +44,7 @@ from raypar.core.config.options import (
     ZERO_STAGES,
 )
 from raypar.core.config.schema import Config, ModelConfig
+from raypar.core.model import families
 from raypar.core.model.moe import is_moe_layer, kept_share
 from raypar.core.parallel.mesh import stage_layers
 from raypar.core.pipeline import schedules
@@ -168,15 +170,15 @@ def _block_s(
 ) -> float:
     """Seconds at 100 % MFU that one row (token) of a microbatch of `rows` rows per rank costs a block on
     one tp rank, forward and backward (recomputed forwards included), each GEMM at its efficiency."""
-    d, hd, s = m.d_model, m.head_dim, m.seq_len
+    d, q, s = m.d_model, m.n_heads * m.head_dim, m.seq_len
     half = device.gemm_half
     peak = device.peak_flops_16 if PRECISION_BYTES[precision] == 2 else device.peak_flops_32
     f8 = device.peak_flops_8 if PRECISIONS[precision].float8 else peak
-    attn = 2 * d * m.n_heads * hd + 2 * d * m.n_kv_heads * hd
+    attn = families.family(m).cost.attention_params(m)
     dense_eff = efficiency(rows, half) * efficiency(d / tp, half)
-    replay = {NO_RECOMPUTE: 0.0, SELECTIVE: 4.0 * d * s, FULL: 2.0 * (attn + 3 * d * m.d_ff) + 4.0 * d * s}
+    replay = {NO_RECOMPUTE: 0.0, SELECTIVE: 4.0 * q * s, FULL: 2.0 * (attn + 3 * d * m.d_ff) + 4.0 * q * s}
     # Attention projections (float8 under fp8), scores (bf16), recomputed forwards (bf16, as planned before)
-    out = (6.0 * attn / f8 + (12.0 * d * s + replay[mode]) / peak) / tp / dense_eff
+    out = (6.0 * attn / f8 + (12.0 * q * s + replay[mode]) / peak) / tp / dense_eff
     if not moe:
         return out + 6.0 * 3 * d * m.d_ff / f8 / tp / dense_eff
     # Experts: each receives k rows per token over its share of the experts (ep gathers E/ep of them on a

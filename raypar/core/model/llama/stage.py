@@ -1,23 +1,9 @@
-"""A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases), embeddings untied or
-tied (`model.tie_embeddings`: the head is the embedding matrix).
-
-`LlamaStage` is the part of the model one pipeline stage holds on one tensor-parallel rank; the whole model
-is `LlamaStage(cfg)`, a pipeline rank's part `LlamaStage(cfg, stage=StageSpec(...))`. Parameter names are
-global whatever the layout (`layers.5.attn.wq.weight` is called that on any stage), and each parameter is
-initialised by generating its full global tensor from (seed, name) and keeping the local shard, so every
-layout starts from the same model.
-
-Tensor parallelism only swaps layers (see raypar.core.parallel.tp): heads, the MLP hidden dim and the
-vocabulary are
-split across ranks; activations between blocks are full on every rank.
-
-Activation recomputation (`recompute`, Korthikanti et al. 2022) trades compute for memory through
-`torch.utils.checkpoint` (non-reentrant): "full" keeps only a block's input and runs its forward again during
-backward; "selective" recomputes only the cheap, memory-hungry parts: the attention core (RoPE, scores,
-softmax, dropout, weighted sum) and the SwiGLU activation. A recomputed region replays its tensor-parallel
-all-reduces, in the same order on every rank, since every rank recomputes the same blocks in the same order.
-Checkpoint restores the RNG state, so dropout masks are identical the second time and gradients are bitwise
-those of no recomputation.
+"""The llama family's stage: the part of the model one pipeline stage holds on one tensor-parallel rank (the
+`Stage` protocol of raypar.core.model.stage); the whole model is `LlamaStage(cfg)`, a pipeline rank's part
+`LlamaStage(cfg, stage=StageSpec(...))`. Embeddings untied or tied (`model.tie_embeddings`: the head is the
+embedding matrix). Parameter names are global whatever the layout (`layers.5.attn.wq.weight` is called that
+on any stage), and each parameter is initialised by generating its full global tensor from (seed, name) and
+keeping the local shard, so every layout starts from the same model.
 
 `set_compile` (`train.compile`) runs the blocks' norms, RoPE and SwiGLU activation through `torch.compile`;
 communication and the linears stay eager (raypar.core.model.compiled says why).
@@ -25,34 +11,30 @@ communication and the linears stay eager (raypar.core.model.compiled says why).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from collectives import Group
-from raypar.core.config.options import FULL, NO_RECOMPUTE, RING, SELECTIVE
+from raypar.core.config.options import NO_RECOMPUTE, RING
 from raypar.core.config.schema import ModelConfig
 from raypar.core.model import attention_masks
-from raypar.core.model.compiled import Compilable, rms_norm, rotate, swiglu
+from raypar.core.model.compiled import Compilable
+from raypar.core.model.llama.blocks import Attend, Block, make_norm
+from raypar.core.model.llama.rope import rope_tables
 from raypar.core.model.moe import MoELayer, MoEStats, is_moe_layer
+from raypar.core.model.stage import KVCache, StageSpec
 from raypar.core.parallel import cp
 from raypar.core.parallel.float8 import Float8Matmul
 from raypar.core.parallel.mesh import BoundGroups
 from raypar.core.parallel.sp import gather_from_sp
 from raypar.core.parallel.tp import (
     ColumnParallelLinear,
-    RowParallelLinear,
     TPLayer,
     TPLinear,
     VocabParallelEmbedding,
-    copy_to_tp,
     global_shape,
     shard_of,
     shard_offsets,
@@ -61,174 +43,6 @@ from raypar.core.parallel.tp import (
 )
 
 INIT_STD = 0.02
-# train.recompute -> (the whole block recomputed, only its cheap parts); names: options.RECOMPUTE
-RECOMPUTE = {NO_RECOMPUTE: (False, False), FULL: (True, False), SELECTIVE: (False, True)}
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None
-
-
-class RMSNorm(nn.Module, Compilable):
-    shard_dim = None  # replicated on every tp rank
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._normalize(x, self.weight)
-
-    def _normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self.region(rms_norm)(x, weight, self.eps)
-
-
-class SequenceParallelRMSNorm(RMSNorm, TPLayer):
-    """RMSNorm over this rank's sequence shard (raypar.core.parallel.sp). Its weight sees only these tokens,
-    so the weight
-    is used through Megatron's f: the backward all-reduces its gradient over `group` (tp), and every rank
-    holds the full gradient of the replicated weight. `group` is rebound like every tp layer's."""
-
-    def __init__(self, dim: int, eps: float, group: Group | None):
-        super().__init__(dim, eps)
-        self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._normalize(x, copy_to_tp(self.weight, self.group))
-
-
-def make_norm(cfg: ModelConfig, group: Group | None, sequence_parallel: bool) -> RMSNorm:
-    if sequence_parallel:
-        return SequenceParallelRMSNorm(cfg.d_model, cfg.norm_eps, group)
-    return RMSNorm(cfg.d_model, cfg.norm_eps)
-
-
-def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position * frequency, [seq_len, head_dim / 2] each."""
-    freqs = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
-    angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float64), freqs)
-    return angles.cos().float(), angles.sin().float()
-
-
-def _call(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
-    return fn(*args)
-
-
-def _recomputed(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
-    """fn(*args), its intermediates dropped and recomputed in backward (only when a graph is recorded)."""
-    if not torch.is_grad_enabled():
-        return fn(*args)
-    return checkpoint(fn, *args, use_reentrant=False)
-
-
-class Attention(nn.Module, TPLayer, Compilable):
-    def __init__(self, cfg: ModelConfig, group: Group | None, sequence_parallel: bool = False):
-        super().__init__()
-        self.group, self.head_dim, self.sp = group, cfg.head_dim, sequence_parallel
-        self.dropout, self.selective = cfg.dropout, False
-        self.n_heads = cfg.n_heads // tp_size(group)
-        self.n_kv_heads = cfg.n_kv_heads // tp_size(group)
-        d, hd = cfg.d_model, cfg.head_dim
-        self.wq = ColumnParallelLinear(d, cfg.n_heads * hd, group, copy_input=False)
-        self.wk = ColumnParallelLinear(d, cfg.n_kv_heads * hd, group, copy_input=False)
-        self.wv = ColumnParallelLinear(d, cfg.n_kv_heads * hd, group, copy_input=False)
-        self.wo = RowParallelLinear(cfg.n_heads * hd, d, group, sequence_parallel)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend = None
-    ) -> torch.Tensor:
-        """`attend(q, k, v)`: context-parallel causal attention (raypar.core.parallel.cp) when the sequence is
-        split
-        across a cp group; None: all tokens are here, plain SDPA."""
-        # once for wq, wk and wv: this rank's whole sequence (all-gathered under SP) on every tp rank
-        x = gather_from_sp(x, self.group) if self.sp else copy_to_tp(x, self.group)
-        batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        core = _recomputed if self.selective else _call
-        y = core(self._core, q, k, v, cos, sin, attend)
-        return self.wo(y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
-
-    def _core(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        attend: Attend,
-    ) -> torch.Tensor:
-        q, k = self.region(rotate)(q, k, cos, sin)
-        if attend is not None:  # context parallel (no attention dropout: config rejects it)
-            return attend(q, k, v)
-        p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
-
-
-class SwiGLU(nn.Module, TPLayer, Compilable):
-    def __init__(self, cfg: ModelConfig, group: Group | None, sequence_parallel: bool = False):
-        super().__init__()
-        self.group, self.sp, self.selective = group, sequence_parallel, False
-        self.w_gate = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
-        self.w_up = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
-        self.w_down = RowParallelLinear(cfg.d_ff, cfg.d_model, group, sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # once for w_gate and w_up
-        x = gather_from_sp(x, self.group) if self.sp else copy_to_tp(x, self.group)
-        act = _recomputed if self.selective else _call
-        return self.w_down(act(self.region(swiglu), self.w_gate(x), self.w_up(x)))
-
-
-def shared_experts(cfg: ModelConfig, group: Group | None, sequence_parallel: bool) -> SwiGLU | None:
-    """An MoE block's shared experts (raypar.core.model.moe): moe_shared_experts SwiGLUs side by side, i.e.
-    one of moe_shared_experts x d_ff hidden units, split over tp like the dense MLP; None without."""
-    if not cfg.moe_shared_experts:
-        return None
-    return SwiGLU(dataclasses.replace(cfg, d_ff=cfg.moe_shared_experts * cfg.d_ff), group, sequence_parallel)
-
-
-class Block(nn.Module):
-    """A transformer block; `set_recompute` picks what its backward recomputes (see the module docstring)."""
-
-    def __init__(
-        self, cfg: ModelConfig, group: Group | None, moe: bool = False, ep_group: Group | None = None,
-        sequence_parallel: bool = False,
-    ):
-        super().__init__()
-        self.full = False
-        self.dropout = cfg.dropout
-        self.attn_norm = make_norm(cfg, group, sequence_parallel)
-        self.attn = Attention(cfg, group, sequence_parallel)
-        self.mlp_norm = make_norm(cfg, group, sequence_parallel)
-        sp = sequence_parallel
-        if moe:
-            self.mlp: nn.Module = MoELayer(cfg, group, ep_group, sp, shared_experts(cfg, group, sp))
-        else:
-            self.mlp = SwiGLU(cfg, group, sp)
-
-    def set_recompute(self, mode: str) -> None:
-        self.full, self.attn.selective = RECOMPUTE[mode]
-        self.mlp.selective = self.attn.selective
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend = None
-    ) -> torch.Tensor:
-        return (_recomputed if self.full else _call)(self._forward, x, cos, sin, attend)
-
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.attn_norm(x), cos, sin, attend))
-        return x + self._drop(self.mlp(self.mlp_norm(x)))
-
-    def _drop(self, x: torch.Tensor) -> torch.Tensor:
-        # Residual dropout acts on full (tp-replicated) activations: every tp rank must draw the same mask,
-        # so callers seed the RNG identically on all ranks of a stage (see actors/worker.py).
-        return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """The part of the model one pipeline rank holds: the layer ranges of its model chunks, in order (one
-    chunk, or several under interleaving, e.g. (range(0, 2), range(4, 6))), plus the embedding if `first`
-    (chunk 0's) and the final norm and head if `last` (the last chunk's)."""
-
-    chunks: tuple[range, ...]
-    first: bool = True
-    last: bool = True
 
 
 class LlamaStage(nn.Module):
@@ -320,7 +134,9 @@ class LlamaStage(nn.Module):
         weights = attention_masks.target_weights(targets, loss_tokens)
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group, weights)
 
-    def masked_layout(self, seq: int, mask: attention_masks.AttentionMask):
+    def masked_layout(
+        self, seq: int, mask: attention_masks.AttentionMask
+    ) -> tuple[torch.Tensor, torch.Tensor, Attend]:
         """RoPE tables and attention of this rank's tokens under a document / window `mask`."""
         return attention_masks.attention_layout(
             self.rope_cos, self.rope_sin, seq, mask, self.cp_group, self.cp_style
@@ -427,6 +243,19 @@ class LlamaStage(nn.Module):
         for layer in self.moe_layers().values():
             layer.bind_ep(groups.ep)
 
+    # -- decoding with a KV cache (raypar.core.generate) --------------------------------------------------
+    def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of positions 0..length-1 (past seq_len too), on the model's device."""
+        cos, sin = rope_tables(self.cfg, length)
+        return cos.to(self.rope_cos.device), sin.to(self.rope_cos.device)
+
+    def decode(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits of the last of `ids` [B, T], the cache holding the earlier positions (whole model, eval)."""
+        h = self.embed(ids)
+        for i, block in enumerate(self.layers.values()):
+            h, cache[i] = block.decode(h, cos, sin, cache[i])
+        return self.head(self.norm(h[:, -1]))
+
     # -- layout ---------------------------------------------------------------------------------------
     def units(self) -> list[nn.Module]:
         """The modules forward runs, in order, each gathered as a whole under ZeRO-3."""
@@ -476,60 +305,17 @@ class LlamaStage(nn.Module):
             del full  # before the next one is drawn: at most one full tensor alive (embeddings are big)
 
 
-def dropout_seed(seed: int, step: int, global_mb: int, stage: int) -> int:
-    """The RNG seed for one microbatch's forward on one stage: the same on every tp rank of the stage (so
-    dropout on tp-replicated activations agrees), different per step, microbatch and stage."""
-    return zlib.crc32(f"dropout:{seed}:{step}:{global_mb}:{stage}".encode())
-
-
 def init_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """The global initial value of parameter `name`: ones for norms; N(0, 0.02) for linears and the
-    embedding, with output projections scaled down by sqrt(2 * n_layers) (GPT-2) so the residual stream's
-    variance does not grow with depth."""
+    """The global initial value of parameter `name`: ones for norms, zeros for biases, N(0, 0.02) for
+    linears and the embedding, with output projections scaled down by sqrt(2 * n_layers) (GPT-2) so the
+    residual stream's variance does not grow with depth."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
     std = INIT_STD
     if name.endswith(("wo.weight", "w_down.weight")):
         std /= math.sqrt(2 * cfg.n_layers)
     # crc32, not hash(): the seed must be the same in every process (hash() of str is salted per process).
     gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
     return torch.empty(shape).normal_(0.0, std, generator=gen)
-
-
-def count_params(cfg: ModelConfig) -> int:
-    """All parameters of the whole model: embedding, blocks (all experts of MoE ones), final norm, and the
-    head (untied)."""
-    d = cfg.d_model
-    blocks = sum(2 * d + _matmul_params(cfg, i, cfg.moe_experts) for i in range(cfg.n_layers))
-    head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
-    return cfg.vocab_size * d + blocks + d + head
-
-
-def _matmul_params(cfg: ModelConfig, layer: int, experts: int) -> int:
-    """Weights of block `layer` counting `experts` routed experts if it is an MoE block (plus its shared
-    experts and router)."""
-    d, hd = cfg.d_model, cfg.head_dim
-    attn = 2 * d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd
-    if is_moe_layer(cfg, layer):
-        return attn + (experts + cfg.moe_shared_experts) * 3 * d * cfg.d_ff + d * cfg.moe_experts
-    return attn + 3 * d * cfg.d_ff
-
-
-def float8_flops_per_token(cfg: ModelConfig) -> float:
-    """Of `flops_per_token`, the part `train.precision = "fp8"` runs in float8: the GEMMs of the attention
-    projections and dense MLPs (`LlamaStage.set_float8`), 6 FLOPs per weight and token."""
-    d, hd = cfg.d_model, cfg.head_dim
-    attn = 2 * d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd
-    return 6.0 * sum(attn + (0 if is_moe_layer(cfg, i) else 3 * d * cfg.d_ff) for i in range(cfg.n_layers))
-
-
-def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs (forward + backward) per token, the PaLM / Megatron MFU convention.
-
-    6 * N for the matmuls, N = every weight that is multiplied (all linears including the head; not the
-    embedding, a lookup, nor the norms): 2 FLOPs per multiply-add forward, 4 backward. Plus attention
-    scores and their use, 12 * n_layers * d_model * seq_len: QK^T and AV are 2 * T * d multiply-adds per
-    token per layer, times 6 as above. The causal mask's skipped half is counted, as the convention does.
-    """
-    n = sum(_matmul_params(cfg, i, cfg.moe_top_k) for i in range(cfg.n_layers)) + cfg.vocab_size * cfg.d_model
-    return 6.0 * n + 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len
