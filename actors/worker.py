@@ -360,7 +360,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
 
     def _documents(self, step: int, mb: int) -> torch.Tensor | None:
         """The microbatch's document ids under data.document_masking (raypar.core.data.documents)."""
-        if not self.cfg.data.document_masking:
+        if not documents.masked(self.cfg.data.document_masking, self.dataset):
             return None
         global_mb = self.dp_rank * self.microbatches + mb
         mbs = self.cfg.microbatch_size
@@ -524,7 +524,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             return inputs.to(self.device), targets.to(self.device)
 
         def doc_ids(unit: int) -> torch.Tensor | None:
-            if not cfg.data.document_masking:
+            if not documents.masked(cfg.data.document_masking, self.val_dataset):
                 return None
             ids = documents.eval_documents(self.val_dataset, *units[unit], mbs, batch_size)
             return None if ids is None else ids.to(self.device)

@@ -106,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument(
         "--pack", choices=("stream", "documents"), default="stream",
         help="stream: one token stream (default for text); documents: whole documents packed into samples of "
-        "--seq-len with their boundaries kept (data.document_masking; always so for chat formats)",
+        "--seq-len with their boundaries kept, which data.document_masking masks by default (always so for "
+        "chat formats)",
     )
     prepare.add_argument(
         "--seq-len", type=int, metavar="T", help="sample length of packed data (model.seq_len)"
@@ -174,10 +175,16 @@ def _check_data(cfg: Config) -> tuple[int, int]:
         raise
     except (OSError, ValueError) as err:  # a broken prepared directory or an unreadable source file
         raise ConfigError(f"data.source: {err}") from None
-    if cfg.data.document_masking and not documents.has_documents(dataset):
+    if cfg.data.document_masking is True and not documents.has_documents(dataset):
         raise ConfigError(
             f"data.document_masking: data.source {cfg.data.source!r} records no document boundaries (prepare "
             "it with --format chat, --format prompt-completion or --pack documents)"
+        )
+    masked = [documents.masked(cfg.data.document_masking, d) for d in (dataset, val) if d is not None]
+    if cfg.model.dropout and any(masked):
+        raise ConfigError(  # "auto" on data with boundaries; true was refused with dropout by the rules
+            f"data.document_masking: \"auto\" masks the documents the data records and needs model.dropout "
+            f"= 0 (masked attention has none), got {cfg.model.dropout}; set it false to train with dropout"
         )
     if cfg.train.eval_every:
         data.check_eval(val, cfg.train.eval_batches, cfg.train.global_batch)

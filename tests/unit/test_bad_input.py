@@ -470,6 +470,11 @@ def _cases() -> list:
         lambda f: train(f, "--set", "data.document_masking=true"),
         lambda f: "data.document_masking: data.source 'synthetic' records no document boundaries",
     )
+    case(
+        "train-document-masking-not-auto",
+        lambda f: train(f, "--set", 'data.document_masking="on"'),
+        lambda f: 'data.document_masking: expected true, false or "auto", got \'on\'',
+    )
     for key in ("model.sliding_window=4", "data.document_masking=true"):
         case(
             f"train-{key.split('=')[0]}-with-dropout",

@@ -183,3 +183,41 @@ def test_packed_shards_are_checked_against_their_index_as_token_shards(tmp_path)
     assert datasets.open_dataset(source, model).num_samples == 1  # an actor's open: sizes only
     with pytest.raises(datasets.ConfigError, match=f"{shard.name}: sha256 "):
         datasets.open_dataset(source, model, hash_limit_bytes=2**30)
+
+
+def test_document_masking_auto_is_on_where_the_data_records_documents(tmp_path, capsys, no_actors):
+    """data.document_masking defaults to "auto": on for packed data (documents.masked, what the worker
+    asks), off for a token stream; with dropout, "auto" on packed data is refused in one line (masked
+    attention has none). Controls: false, or a token stream, with the same dropout reach the actors."""
+    from raypar.core.config.schema import DataConfig
+    from raypar.core.data import datasets, documents
+    from tests.support.runs import ACTORS_START, TINY, ActorsStarted
+
+    (tmp_path / "texts").mkdir()
+    for i in range(8):  # 8 documents of 40 bytes: 8 packed samples of 64, 5 of the stream
+        (tmp_path / "texts" / f"{i}.txt").write_text(f"def return class import lambda yield {i}")
+    text = str(tmp_path / "texts" / "*.txt")
+    packed, stream = tmp_path / "packed", tmp_path / "stream"
+    assert cli.main(["prepare", text, "--out", str(packed), "--pack", "documents", "--seq-len", "64",
+                     "--no-progress"]) == 0  # fmt: skip
+    assert cli.main(["prepare", text, "--out", str(stream), "--no-progress"]) == 0
+    capsys.readouterr()
+    model = cli.load_config(str(TINY), ["model.seq_len=64", "model.vocab_size=256"]).model
+    assert DataConfig().document_masking == "auto"
+    opened = {p: datasets.open_dataset(DataConfig(source=str(p)), model) for p in (packed, stream)}
+    assert documents.masked("auto", opened[packed]) and not documents.masked("auto", opened[stream])
+    assert not documents.masked(False, opened[packed])
+
+    def train(source, *sets: str) -> int:
+        argv = ["train", str(TINY), "--run-dir", str(tmp_path / "run"), "--no-progress", "--set",
+                f"data.source='{source}'", "--set", "model.seq_len=64", "--set", "model.vocab_size=256",
+                "--set", "model.dropout=0.1", "--set", "train.global_batch=2", "--set", "parallel.dp=1"]
+        return cli.main([*argv, *(a for s in sets for a in ("--set", s))])  # fmt: skip
+
+    assert train(packed) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith('raypar: data.document_masking: "auto" masks the documents the data'), err
+    assert "\n" not in err
+    for source, sets in ((packed, ["data.document_masking=false"]), (stream, [])):
+        with pytest.raises(ActorsStarted, match=ACTORS_START):
+            train(source, *sets)

@@ -160,7 +160,13 @@ def _validate_attention_masks(cfg: Config) -> None:
     m = cfg.model
     window = m.sliding_window
     _require(window >= 0, f"model.sliding_window: must be >= 0 (0: no window), got {window}")
-    masked = (("model.sliding_window", window > 0), ("data.document_masking", cfg.data.document_masking))
+    masking = cfg.data.document_masking
+    _require(
+        isinstance(masking, bool) or masking == "auto",
+        f'data.document_masking: expected true, false or "auto", got {masking!r}',
+    )
+    # "auto" with dropout is checked once the data is open (the CLI's _check_data): on only with documents
+    masked = (("model.sliding_window", window > 0), ("data.document_masking", masking is True))
     for key, on in masked:
         _require(not on or m.dropout == 0, f"{key}: needs model.dropout = 0 (masked attention has none)")
 

@@ -169,8 +169,9 @@ class DataConfig:
     val_fraction: float = 0.0  # the last samples of `source` (whole documents but one) held out
     val_source: str = ""  # or a separate source, any kind `source` takes
     # packed documents attend only within themselves, RoPE positions restarting at each (a source whose
-    # shards record document boundaries: raypar prepare --format chat / --pack documents)
-    document_masking: bool = False
+    # shards record document boundaries: raypar prepare --format chat / --pack documents). "auto": on where
+    # the dataset records them (raypar.core.data.documents.masked), off elsewhere; true: refused without them
+    document_masking: bool | str = "auto"
 
 
 @dataclass

@@ -26,6 +26,12 @@ def has_documents(dataset: Any) -> bool:
     return callable(getattr(dataset, "documents", None))
 
 
+def masked(document_masking: bool | str, dataset: Any) -> bool:
+    """Whether `dataset`'s documents attend only within themselves under `data.document_masking`: true
+    (the CLI refused data without boundaries), or "auto" on data that records them."""
+    return document_masking is True or (document_masking == "auto" and has_documents(dataset))
+
+
 def microbatch_documents(
     dataset: Any, sampler: Any, step: int, mb_index: int, mb_size: int
 ) -> torch.Tensor | None:
