@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from raypar.core.config.errors import ConfigError
-from raypar.core.model.llama import SequenceParallelRMSNorm
+from raypar.core.model.llama.blocks import SequenceParallelRMSNorm
 from raypar.core.run_config import load_config
 from tests.support.pipeline_threads import assert_step_matches, reference_step, run_step
 
