@@ -471,6 +471,9 @@ class TrainingLoop:
         """metrics.jsonl, timeline.jsonl, the control actor and the progress bar for a completed step."""
         rows = report.timeline_rows(step, result.per_actor)
         slowest, lags = stragglers.straggler(result.per_actor)
+        # a model-free stand-in reports none: every token a target
+        counted = (r.target_tokens for r in result.per_actor.values())
+        target_tokens = max(counted, default=0) or self.tokens_per_step
         record = {
             "step": step,
             "loss": result.loss,
@@ -479,6 +482,9 @@ class TrainingLoop:
             "tokens": self.tokens_per_step * (step + 1),
             "step_time_s": result.step_time_s,
             "tokens_per_s": self.tokens_per_step / result.step_time_s,
+            # the tokens trained on (fine-tuning: assistant / completion tokens; raypar.core.data.documents)
+            "target_tokens": target_tokens,
+            "target_tokens_per_s": target_tokens / result.step_time_s,
             "dp": self.actor_mesh.dp,
             "pp": self.actor_mesh.pp,
             "tp": self.actor_mesh.tp,

@@ -243,6 +243,15 @@ def test_families_quick(tmp_path):
     assert extra_flops == 6 * 4 * (3 * 64 * 128 + 8 * 64)
 
 
+def test_attention_masks_quick(tmp_path):
+    out = tmp_path / "attention_masks.json"
+    ok(run("benchmarks/attention_masks.py", "--quick", "--json", str(out)))
+    rows = {row["variant"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {"causal", "dense-mask", "per-document", "window-512"}
+    # bytes, not timing: the dense path saves its T x T mask for backward, per-document calls none
+    assert rows["per-document"]["saved_mib"] < rows["dense-mask"]["saved_mib"]
+
+
 def _read(path: str) -> str:
     with open(path) as f:
         return f.read()

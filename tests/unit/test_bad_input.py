@@ -40,6 +40,7 @@ ZERO_OK = {
     "train.hang_watchdog_s",  # 0: a fifth of parallel.timeout_s
     "parallel.placement_timeout_s",  # 0: parallel.timeout_s
     "parallel.compression_start_step",
+    "model.sliding_window",  # 0: no window (issue 47)
     "model.head_dim_override", "model.rope_original_max_len", "model.rope_attention_factor",  # 0: unset
 }  # fmt: skip
 
@@ -530,6 +531,34 @@ def _cases() -> list:
     # -- scale (status and --address: issue 9's other half) ---------------------------------------------
     for value in ("0", "-2", "nan"):
         case(f"scale-dp-{value}", lambda f, v=value: ["scale", "--run", "x", "--dp", v], lambda f: "--dp")
+    # -- issue 47: packed and chat data (rows: tests/unit/test_chat_data.py, which also checks nothing is
+    # written) -----------------------------------------------------------------------------------------------
+    case("prepare-chat-no-seq-len", lambda f: ["prepare", str(f.text), "--out", str(f.root / "o"), "--format",
+                                               "chat"], lambda f: "--seq-len")
+    case("prepare-pack-seq-len-0", lambda f: ["prepare", str(f.text), "--out", str(f.root / "o"), "--pack",
+                                              "documents", "--seq-len", "0"], lambda f: "--seq-len")
+    case(
+        "prepare-chat-no-tokenizer",
+        lambda f: ["prepare", str(f.text), "--out", str(f.root / "o"), "--format", "chat", "--seq-len", "64"],
+        lambda f: "--tokenizer",
+    )
+    # -- issue 47: masked attention (document masking, sliding windows) ----------------------------------
+    case(
+        "train-document-masking-without-documents",
+        lambda f: train(f, "--set", "data.document_masking=true"),
+        lambda f: "data.document_masking: data.source 'synthetic' records no document boundaries",
+    )
+    case(
+        "train-document-masking-not-auto",
+        lambda f: train(f, "--set", 'data.document_masking="on"'),
+        lambda f: 'data.document_masking: expected true, false or "auto", got \'on\'',
+    )
+    for key in ("model.sliding_window=4", "data.document_masking=true"):
+        case(
+            f"train-{key.split('=')[0]}-with-dropout",
+            lambda f, k=key: train(f, "--set", k, "--set", "model.dropout=0.1"),
+            lambda f, k=key: f"{k.split('=')[0]}: needs model.dropout = 0",
+        )
     return cases
 
 

@@ -154,6 +154,23 @@ def _validate_hsdp(cfg: Config) -> None:
     # elastic runs: cfg.valid_dps() keeps multiples of dp_shard; dp_fixed (= min_dp) is one, so one exists
 
 
+def _validate_attention_masks(cfg: Config) -> None:
+    """Document masking and sliding windows (raypar.core.model.attention_masks): their attention has no
+    dropout."""
+    m = cfg.model
+    window = m.sliding_window
+    _require(window >= 0, f"model.sliding_window: must be >= 0 (0: no window), got {window}")
+    masking = cfg.data.document_masking
+    _require(
+        isinstance(masking, bool) or masking == "auto",
+        f'data.document_masking: expected true, false or "auto", got {masking!r}',
+    )
+    # "auto" with dropout is checked once the data is open (the CLI's _check_data): on only with documents
+    masked = (("model.sliding_window", window > 0), ("data.document_masking", masking is True))
+    for key, on in masked:
+        _require(not on or m.dropout == 0, f"{key}: needs model.dropout = 0 (masked attention has none)")
+
+
 def _rope_scaling(m: ModelConfig) -> None:
     """The scaling's fields must be usable numbers whether or not a scaling is on (a value set for nothing
     is refused as any other); a scaling that needs the original context length must have it."""
@@ -210,6 +227,7 @@ def validate(cfg: Config) -> None:
     _require(m.rope_theta > 0, f"model.rope_theta: must be positive, got {m.rope_theta}")
     _require(m.norm_eps > 0, f"model.norm_eps: must be positive, got {m.norm_eps}")
     _require(0 <= m.dropout < 1, f"model.dropout: must be in [0, 1), got {m.dropout}")
+    _validate_attention_masks(cfg)
 
     if isinstance(p.dp, str):
         _require(p.dp == "auto", f'parallel.dp: expected a positive int or "auto", got {p.dp!r}')

@@ -83,10 +83,12 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    # Switches on the llama family's blocks (Qwen2: qkv_bias; Qwen3: qk_norm and its own head_dim)
+    # Switches on the llama family's blocks (Qwen2: qkv_bias; Qwen3: qk_norm and its own head_dim; a sliding
+    # window: raypar.core.model.attention_masks)
     head_dim_override: int = 0  # the width of a head; 0: d_model / n_heads
     qkv_bias: bool = False  # biases on the q, k and v projections (not on the output projection)
     qk_norm: bool = False  # an RMSNorm over each head's q and k before RoPE
+    sliding_window: int = 0  # > 0: a token attends to the last this many (itself included); 0 unbounded
     # RoPE scaling (options.ROPE_SCALINGS), the fields of Hugging Face's rope_scaling / rope_parameters
     rope_scaling: str = "none"
     rope_factor: float = 1.0  # linear, llama3, yarn: how much longer the context is than trained on
@@ -212,6 +214,10 @@ class DataConfig:
     cache_dir: str = "data"
     val_fraction: float = 0.0  # the last samples of `source` (whole documents but one) held out
     val_source: str = ""  # or a separate source, any kind `source` takes
+    # packed documents attend only within themselves, RoPE positions restarting at each (a source whose
+    # shards record document boundaries: raypar prepare --format chat / --pack documents). "auto": on where
+    # the dataset records them (raypar.core.data.documents.masked), off elsewhere; true: refused without them
+    document_masking: bool | str = "auto"
 
 
 @dataclass
