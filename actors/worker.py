@@ -43,6 +43,7 @@ from raypar.core.checkpoint import hf
 from raypar.core.config.load import from_dict
 from raypar.core.config.options import DIRECT
 from raypar.core.data import datasets as data
+from raypar.core.data import documents
 from raypar.core.dp import compress, precision
 from raypar.core.dp.optim import lr_at
 from raypar.core.dp.strategies import STRATEGIES
@@ -76,9 +77,14 @@ class _ActorBackend(ModelBackend):
     each unit saves, measured while its graph lives (raypar.core.observe.memory)."""
 
     def __init__(self, worker: Worker, step: int, scale: float):
+        cfg = worker.cfg
+        # the loss per target token of the global batch, at any layout (raypar.core.data.documents)
+        self.target_tokens = documents.target_tokens(worker.dataset, worker.sampler, step, cfg.model.seq_len)
+        share = documents.loss_share(self.target_tokens, worker.microbatches * worker.dp * cfg.parallel.cp)
         super().__init__(
             worker.model, worker.coord.pp, worker.topo, worker.transport, worker.act_like,
             lambda mb: worker._batch(step, mb), worker.microbatches, worker._send_grad, scale,
+            documents=lambda mb: worker._documents(step, mb), loss_tokens=share,
         )
         self.worker, self.step = worker, step
         self.saved: memory.SavedActivations | None = None  # made on a metering step only (a module walk)
@@ -352,6 +358,15 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         )
         return inputs.to(self.device), targets.to(self.device)
 
+    def _documents(self, step: int, mb: int) -> torch.Tensor | None:
+        """The microbatch's document ids under data.document_masking (raypar.core.data.documents)."""
+        if not documents.masked(self.cfg.data.document_masking, self.dataset):
+            return None
+        global_mb = self.dp_rank * self.microbatches + mb
+        mbs = self.cfg.microbatch_size
+        ids = documents.microbatch_documents(self.dataset, self.sampler, step, global_mb, mbs)
+        return None if ids is None else ids.to(self.device)
+
     @per_step
     def train_step(self, step: int, commit: int | None = None) -> StepReport:
         """Apply the update of step `commit` (every actor finished its phase 1), then phase 1 of `step`."""
@@ -460,6 +475,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             # CPU offload: the host update applied at the start of this call (the previous step's)
             offload_update_s=sum(s.take_update_s() for s in self._strategies()),
             memory=self._memory(live),
+            target_tokens=backend.target_tokens,
             moe={
                 i: MoELayerReport(s.load.tolist(), s.dropped, s.aux_sum / max(s.microbatches, 1))
                 for i, s in self.model.take_moe_stats().items()
@@ -507,8 +523,21 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             inputs, targets = data.eval_microbatch(self.val_dataset, *units[unit], mbs, batch_size)
             return inputs.to(self.device), targets.to(self.device)
 
+        def doc_ids(unit: int) -> torch.Tensor | None:
+            if not documents.masked(cfg.data.document_masking, self.val_dataset):
+                return None
+            ids = documents.eval_documents(self.val_dataset, *units[unit], mbs, batch_size)
+            return None if ids is None else ids.to(self.device)
+
+        # the loss per target token over all validation batches, as training's (raypar.core.data.documents)
+        count = documents.eval_target_tokens(
+            self.val_dataset, cfg.train.eval_batches, batch_size, cfg.model.seq_len
+        )
+        share = documents.loss_share(count, len(units) * self.dp * cfg.parallel.cp)
         self.transport.step = step
-        backend = ForwardBackend(self.model, self.coord.pp, self.topo, self.transport, self.act_like, batch)
+        backend = ForwardBackend(
+            self.model, self.coord.pp, self.topo, self.transport, self.act_like, batch, doc_ids, share
+        )
         loss = evaluate(backend, len(units))
         self.transport.finish_step()
         return None if loss is None else loss.item()

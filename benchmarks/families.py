@@ -6,8 +6,11 @@
 One process, each variant's whole stage built through the family registry (`families.build_stage`) at the
 same shape, differing only by its switches (raypar.core.model.llama): Llama 2 (none), Llama 3.x (`llama3`
 RoPE scaling: only the tables differ, so no cost), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms and a
-head twice as wide: more attention FLOPs and parameters). Each iteration is one microbatch's forward and
-backward; the variants run in alternating blocks of iterations (load from other processes hits all alike).
+head twice as wide: more attention FLOPs and parameters), and the MoE families at the same shape: Mixtral
+(8 experts as wide as the dense MLP, top 2 renormalised, dropless) and Qwen3-MoE (Qwen3's attention, 8
+experts a quarter as wide, top 2). Each iteration is one microbatch's forward and backward (with the MoE
+layers' aux loss, as training adds it); the variants run in alternating blocks of iterations (load from
+other processes hits all alike).
 Reported: parameters and FLOPs per token from the family's cost, the median iteration time, tokens/s, and
 the time ratio to Llama's.
 """
@@ -35,6 +38,10 @@ VARIANTS: dict[str, dict] = {
     "llama3": {"rope_scaling": "llama3", "rope_factor": 8.0, "rope_original_max_len": 64},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},  # head_dim_override set below: twice the preset's
+    "mixtral": {"family": "mixtral", "moe_experts": 8, "moe_top_k": 2, "moe_renormalize": True,
+                "moe_capacity_factor": 0.0},
+    "qwen3_moe": {"family": "qwen3_moe", "qk_norm": True, "moe_experts": 8, "moe_top_k": 2,
+                  "moe_renormalize": True, "moe_capacity_factor": 0.0},  # head_dim_override, moe_d_ff: below
 }
 
 
@@ -42,7 +49,9 @@ def measure(preset: str, batch: int, blocks: int, per_block: int) -> list[dict]:
     cfg = load_config(ROOT / "examples/configs/tiny.toml", [f'model.preset="{preset}"'])
     base = cfg.model
     configs = {name: dataclasses.replace(base, **fields) for name, fields in VARIANTS.items()}
-    configs["qwen3"] = dataclasses.replace(configs["qwen3"], head_dim_override=2 * base.head_dim)
+    for name in ("qwen3", "qwen3_moe"):
+        configs[name] = dataclasses.replace(configs[name], head_dim_override=2 * base.head_dim)
+    configs["qwen3_moe"] = dataclasses.replace(configs["qwen3_moe"], moe_d_ff=base.d_ff // 4)
     torch.manual_seed(0)
     stages = {name: families.build_stage(m, seed=cfg.train.seed) for name, m in configs.items()}
     gen = torch.Generator().manual_seed(1)
@@ -54,7 +63,9 @@ def measure(preset: str, batch: int, blocks: int, per_block: int) -> list[dict]:
         for name in names if block % 2 == 0 else names[::-1]:
             for _ in range(per_block):
                 start = time.perf_counter()
-                stages[name](ids, targets).backward()
+                loss, aux = stages[name](ids, targets), stages[name].take_aux_loss()
+                (loss if aux is None else loss + aux).backward()
+                stages[name].take_moe_stats()
                 elapsed = time.perf_counter() - start
                 stages[name].zero_grad(set_to_none=True)
                 if block:

@@ -105,6 +105,25 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--column", default="text", help="the text column of tables (default: text)")
     prepare.add_argument("--eos", metavar="TOKEN", help="the token between documents (default: found)")
     prepare.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prepare.add_argument(
+        "--format", choices=("text", "chat", "prompt-completion"), default="text",
+        help="text documents (default); chat: JSONL/Parquet rows of messages, rendered by the tokenizer's "
+        "chat template, loss on assistant turns; prompt-completion: prompt/completion rows, loss on "
+        "completions",
+    )
+    prepare.add_argument(
+        "--pack", choices=("stream", "documents"), default="stream",
+        help="stream: one token stream (default for text); documents: whole documents packed into samples of "
+        "--seq-len with their boundaries kept, which data.document_masking masks by default (always so for "
+        "chat formats)",
+    )
+    prepare.add_argument(
+        "--seq-len", type=int, metavar="T", help="sample length of packed data (model.seq_len)"
+    )
+    prepare.add_argument(
+        "--overflow", choices=("truncate", "drop"), default="truncate",
+        help="a document longer than --seq-len: cut to it (default) or left out; counted either way",
+    )
 
     scale = sub.add_parser("scale", help="change a running run's number of data-parallel replicas")
     scale.add_argument("--run", required=True, help="the run's name")
@@ -127,6 +146,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     gen.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
+    gen.add_argument(
+        "--chat", action="store_true",
+        help="answer --prompt as a user turn, rendered by the chat template the data was prepared with; "
+        "stop at the end-of-turn token",
+    )
 
     ckpt = sub.add_parser("checkpoint", help="inspect or export a checkpoint")
     ckpt_sub = ckpt.add_subparsers(dest="action", required=True, parser_class=_Parser)
@@ -149,6 +173,7 @@ def _check_data(cfg: Config) -> tuple[int, int]:
     Returns its sample counts, which the other nodes' shared-path probe compares with theirs."""
     from raypar.controller import shared_paths
     from raypar.core.data import datasets as data
+    from raypar.core.data import documents
 
     try:
         dataset, val = data.open_datasets(cfg.data, cfg.model, VERIFY_HASHES_BYTES)
@@ -158,6 +183,17 @@ def _check_data(cfg: Config) -> tuple[int, int]:
         raise
     except (OSError, ValueError) as err:  # a broken prepared directory or an unreadable source file
         raise ConfigError(f"data.source: {err}") from None
+    if cfg.data.document_masking is True and not documents.has_documents(dataset):
+        raise ConfigError(
+            f"data.document_masking: data.source {cfg.data.source!r} records no document boundaries (prepare "
+            "it with --format chat, --format prompt-completion or --pack documents)"
+        )
+    masked = [documents.masked(cfg.data.document_masking, d) for d in (dataset, val) if d is not None]
+    if cfg.model.dropout and any(masked):
+        raise ConfigError(  # "auto" on data with boundaries; true was refused with dropout by the rules
+            f"data.document_masking: \"auto\" masks the documents the data records and needs model.dropout "
+            f"= 0 (masked attention has none), got {cfg.model.dropout}; set it false to train with dropout"
+        )
     if cfg.train.eval_every:
         data.check_eval(val, cfg.train.eval_batches, cfg.train.global_batch)
     return shared_paths.sample_counts(dataset, val)
@@ -194,6 +230,19 @@ def _check_outputs(cfg: Config, run_dir: Path) -> None:
 # only sizes (the actors verify hashes as they load). So does opening a local prepared dataset (sha256 and
 # token ids up to it; sizes always): a start-up bounded to ~1 s of reading.
 VERIFY_HASHES_BYTES = 2**30
+
+
+def _check_compile_cache(cfg: Config) -> None:
+    """train.compile: the inductor cache this node's actors will load kernels from is this user's alone
+    (created 0700 here); other nodes' actors check theirs before they compile."""
+    if not cfg.train.compile:
+        return
+    from raypar.core.model import compiled
+
+    try:
+        compiled.own_cache_dir(compiled.inductor_cache_dir())
+    except OSError as err:
+        raise ConfigError(f"train.compile: {err}") from None
 
 
 def _check_fits(cfg: Config) -> None:
@@ -265,6 +314,7 @@ def _train(args: argparse.Namespace) -> int:
 
     shared_paths.make_absolute(cfg)  # actors run in other directories, and on other nodes
     samples = _check_data(cfg)
+    _check_compile_cache(cfg)
     _check_fits(cfg)
     plan.check_local_memory(cfg, ray_env.target(args.address))  # a local Ray's actors all live here
     resume = shared_paths.absolute(_resolve_resume(cfg, args.resume)) if args.resume else None
@@ -393,6 +443,8 @@ def _prepare(args: argparse.Namespace) -> int:
     from raypar.core.data import remote
     from raypar.core.data.tokenizer import load
 
+    if args.format != "text" or args.pack == "documents":
+        return _prepare_packed(args)
     if "://" not in args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out: {args.out} exists and is not a directory")
     if "://" in args.out:
@@ -413,6 +465,54 @@ def _prepare(args: argparse.Namespace) -> int:
         raise UsageError(f"--out: cannot write {args.out}: {err.strerror or err}") from None
     print(f"raypar: {index['total_tokens']:,} tokens ({index['vocab']}, vocab {index['vocab_size']:,}) from "
           f"{index['documents']:,} documents -> {args.out}")
+    return 0
+
+
+def _prepare_packed(args: argparse.Namespace) -> int:
+    """Conversations, prompt/completion pairs or whole documents packed into samples with loss masks and
+    document boundaries (raypar.core.data.chat, raypar.core.data.packed); every row is checked before
+    anything is written."""
+    import numpy as np
+
+    from raypar.core.data import chat, packed
+    from raypar.core.data.corpus import Corpus, expand_globs
+    from raypar.core.data.tokenizer import load
+
+    if args.seq_len is None or args.seq_len <= 1:
+        raise UsageError(f"--seq-len: packing needs the model's sequence length (> 1), got {args.seq_len}")
+    if "://" in args.out or (Path(args.out).exists() and not Path(args.out).is_dir()):
+        raise UsageError(f"--out: packed data is written to a local directory, got {args.out}")
+    tok = load(args.tokenizer, args.eos)
+    if args.format == "text":
+        eos = [] if tok.eos_id is None else [tok.eos_id]
+
+        def texts() -> Any:
+            for batch in Corpus.open(args.sources, args.column).batches(text=args.tokenizer is not None):
+                for ids in tok.encode_batch(batch):
+                    ids = np.concatenate([ids.astype(np.uint32), np.asarray(eos, dtype=np.uint32)])
+                    yield ids, np.ones(len(ids), dtype=np.uint8)
+
+        docs, files = texts(), list(args.sources)
+    else:
+        if args.tokenizer is None:
+            raise UsageError(f"--tokenizer: --format {args.format} needs a Hugging Face tokenizer.json")
+        files = expand_globs(args.sources)
+        if not files:
+            raise UsageError(f"sources: {' '.join(args.sources)} match no file")
+        renderer = chat.ChatRenderer(args.tokenizer)
+        docs = chat.documents(files, args.format, renderer)
+    samples, counts = packed.pack(docs, args.seq_len, args.overflow, tok.eos_id or 0)
+    try:
+        template = renderer.record() if args.format == "chat" else None  # for raypar generate --chat
+        packed.write(samples, counts, args.out, args.seq_len, tok, files, template)
+    except FileExistsError as err:
+        raise UsageError(f"--out: {err}") from None
+    except ValueError as err:
+        raise UsageError(f"sources: {err}") from None
+    print(f"raypar: {counts['documents']:,} documents ({counts['truncated']:,} truncated, "
+          f"{counts['dropped']:,} dropped by --overflow {args.overflow}) in {len(samples):,} samples of "
+          f"{args.seq_len} tokens, "
+          f"{counts['target_tokens']:,} target tokens -> {args.out}")
     return 0
 
 
@@ -513,7 +613,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
         elif args.format == "hf":
             from raypar.core.checkpoint import hf
 
-            print(f"raypar: wrote {hf.export(uri, args.out)}")
+            print(f"raypar: wrote {hf.export(uri, args.out, say=lambda line: print(f'raypar: {line}'))}")
         else:
             print(f"raypar: wrote {checkpoint_read.export(uri, args.out)}")
     except (checkpoint.CheckpointError, FileExistsError) as err:  # the checkpoint named, or the output
@@ -530,15 +630,17 @@ def _generate(args: argparse.Namespace) -> int:
     from raypar.core.checkpoint import format as checkpoint
 
     try:
-        model, tok = generate.load(checkpoint.resolve(args.path), args.device)
+        uri = checkpoint.resolve(args.path)
+        model, tok = generate.load(uri, args.device)
+        chat = generate.load_chat(uri) if args.chat else None
         text = generate.sample(
-            model, tok, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed
+            model, tok, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed, chat
         )
     except checkpoint.CheckpointError as err:  # the checkpoint named is bad: usage
         raise UsageError(str(err)) from None
     except ValueError as err:
         raise UsageError(str(err)) from None
-    print(args.prompt + text)
+    print(text if args.chat else args.prompt + text)
     return 0
 
 

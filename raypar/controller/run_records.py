@@ -16,6 +16,7 @@ into another file, so both are refused.
 
 from __future__ import annotations
 
+import fcntl
 from pathlib import Path
 
 from raypar.core.checkpoint import format as checkpoint
@@ -24,6 +25,7 @@ from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import Config
 from raypar.core.plain_files import NotRegularFile, refuse_unless_regular
 
+RUN_LOCK = ".lock"  # in the run directory: held by the run that writes there (training.hold_run_dir)
 # The files a run appends to or rewrites in its directory.
 RECORDS = ("metrics.jsonl", "timeline.jsonl", "events.jsonl", "config.toml", "trackers.json")
 STEP_RECORDS = ("metrics.jsonl", "timeline.jsonl")  # a run that completed a step left lines here
@@ -36,6 +38,8 @@ def check(cfg: Config, run_dir: Path, resume: str | None) -> None:
             refuse_unless_regular(run_dir / name, f"the run's {name}")
         except NotRegularFile as err:
             raise ConfigError(f"--run-dir: {err} (remove it)") from None
+    if _held(run_dir):
+        return  # a live run's: refused by its lock (training.hold_run_dir), which names the holder
     if resume is None:
         _fresh_run_dir(cfg, run_dir)
         _fresh_checkpoint_dir(cfg)
@@ -56,6 +60,19 @@ def _fresh_run_dir(cfg: Config, run_dir: Path) -> None:
                 f"--run-dir: {run_dir} already holds a run's records ({path} is not empty) and a new run "
                 f"would start them again from step 0; {_how_to_continue(cfg)}"
             )
+
+
+def _held(run_dir: Path) -> bool:
+    """Whether a live run holds `run_dir`'s lock (training.hold_run_dir takes it exclusively)."""
+    try:
+        with open(run_dir / RUN_LOCK) as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released as the file closes
+            except BlockingIOError:
+                return True
+    except FileNotFoundError:
+        pass
+    return False
 
 
 def _fresh_checkpoint_dir(cfg: Config) -> None:

@@ -44,6 +44,7 @@ from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica, StepResult
 from raypar.controller.connection import NAMESPACE, RunFailure, connect
 from raypar.controller.hang_watch import HangWatch
 from raypar.controller.placement import check_device
+from raypar.controller.run_records import RUN_LOCK
 from raypar.core import plain_files
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.errors import ConfigError
@@ -470,6 +471,9 @@ class TrainingLoop:
         """metrics.jsonl, timeline.jsonl, the control actor and the progress bar for a completed step."""
         rows = report.timeline_rows(step, result.per_actor)
         slowest, lags = stragglers.straggler(result.per_actor)
+        # a model-free stand-in reports none: every token a target
+        counted = (r.target_tokens for r in result.per_actor.values())
+        target_tokens = max(counted, default=0) or self.tokens_per_step
         record = {
             "step": step,
             "loss": result.loss,
@@ -478,6 +482,9 @@ class TrainingLoop:
             "tokens": self.tokens_per_step * (step + 1),
             "step_time_s": result.step_time_s,
             "tokens_per_s": self.tokens_per_step / result.step_time_s,
+            # the tokens trained on (fine-tuning: assistant / completion tokens; raypar.core.data.documents)
+            "target_tokens": target_tokens,
+            "target_tokens_per_s": target_tokens / result.step_time_s,
             "dp": self.actor_mesh.dp,
             "pp": self.actor_mesh.pp,
             "tp": self.actor_mesh.tp,
@@ -552,9 +559,6 @@ class TrainingLoop:
                 for c, w in sorted(placed.items())
             },
         }
-
-
-RUN_LOCK = ".lock"  # in the run directory
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ import math
 import torch
 
 from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core.data.chat import ChatRenderer
 from raypar.core.data.tokenizer import Tokenizer, from_record
 from raypar.core.model import families
 from raypar.core.model.stage import KVCache, Stage
@@ -136,10 +137,23 @@ def generate_ids(
 
 def sample(
     model: Stage, tok: Tokenizer, prompt: str, max_tokens: int, temperature: float = 0.8,
-    top_p: float = 0.95, seed: int = 0,
+    top_p: float = 0.95, seed: int = 0, chat: ChatRenderer | None = None,
 ) -> str:
-    ids = [int(i) for i in tok.encode_batch([prompt])[0]]
+    """A continuation of `prompt`; with `chat`, the answer to it as a user turn rendered by the chat
+    template, stopped at the end-of-turn token."""
+    if chat is None:
+        ids, stop = [int(i) for i in tok.encode_batch([prompt])[0]], tok.eos_id
+    else:
+        ids, stop = chat.prompt([{"role": "user", "content": prompt}]), chat.end_of_turn
     if not ids:
         raise ValueError("--prompt: encodes to no token; give some text")
-    new = generate_ids(model, ids, max_tokens, temperature, top_p, seed, tok.vocab_size, tok.eos_id)
+    new = generate_ids(model, ids, max_tokens, temperature, top_p, seed, tok.vocab_size, stop)
     return tok.decode(new)
+
+
+def load_chat(ckpt_uri: str) -> ChatRenderer:
+    """The chat template the checkpoint's data was prepared with (raypar prepare --format chat)."""
+    record = checkpoint_read.CheckpointReader(ckpt_uri).meta.get("tokenizer") or {}
+    if not record.get("chat_template"):
+        raise ValueError(f"--chat: {ckpt_uri} records no chat template (its data was not --format chat)")
+    return ChatRenderer.from_record(record)

@@ -40,7 +40,7 @@ def refuse_unless_regular(path: str | os.PathLike[str], what: str, follow_symlin
     symlink is refused, unless `follow_symlinks`: then what it points at must be one)."""
     try:
         mode = os.stat(path, follow_symlinks=follow_symlinks).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # absent, also below a file: the caller's open says so
         return
     if not stat.S_ISREG(mode):
         raise NotRegularFile(f"{path}: is {kind(mode)}, not a regular file ({what} must be one); refused")

@@ -38,6 +38,8 @@ def model_fields_from_files(model: dict[str, Any], sections: dict[str, dict[str,
     must agree with config.json."""
     if model.get("init_from"):
         fields = hf.model_fields(model["init_from"])
+        for key in hf.RUN_MAY_SET & fields.keys() & model.keys():
+            del fields[key]  # config.json implies it, the run chose otherwise (e.g. a capacity factor)
         for key, value in fields.items():
             if key in model and model[key] != value:
                 raise ConfigError(

@@ -233,10 +233,23 @@ def test_families_quick(tmp_path):
     out = tmp_path / "families.json"
     ok(run("benchmarks/families.py", "--quick", "--json", str(out)))
     rows = {row["variant"]: row for row in json.loads(out.read_text())}
-    assert set(rows) == {"llama", "llama3", "qwen2", "qwen3"}
+    assert set(rows) == {"llama", "llama3", "qwen2", "qwen3", "mixtral", "qwen3_moe"}
     # counts, not timing: tiny's 4 blocks gain q, k and v biases (64 + 2 x 32 each); llama3 only its tables
     assert rows["qwen2"]["params"] - rows["llama"]["params"] == 4 * (64 + 2 * 32)
     assert rows["llama3"]["params"] == rows["llama"]["params"]
+    # Mixtral's 4 blocks: 7 more SwiGLUs of 3 x 64 x 128 and a router of 8 x 64; 2 of the 8 run per token
+    assert rows["mixtral"]["params"] - rows["llama"]["params"] == 4 * (7 * 3 * 64 * 128 + 8 * 64)
+    extra_flops = rows["mixtral"]["flops_per_token"] - rows["llama"]["flops_per_token"]
+    assert extra_flops == 6 * 4 * (3 * 64 * 128 + 8 * 64)
+
+
+def test_attention_masks_quick(tmp_path):
+    out = tmp_path / "attention_masks.json"
+    ok(run("benchmarks/attention_masks.py", "--quick", "--json", str(out)))
+    rows = {row["variant"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {"causal", "dense-mask", "per-document", "window-512"}
+    # bytes, not timing: the dense path saves its T x T mask for backward, per-document calls none
+    assert rows["per-document"]["saved_mib"] < rows["dense-mask"]["saved_mib"]
 
 
 def _read(path: str) -> str:
@@ -256,7 +269,13 @@ SCRIPTS = sorted(
 def test_every_benchmark_has_a_quick_run_in_the_tests(script):
     """A new script gets a --quick mode and a test that runs it (here, or in-process elsewhere), or this
     fails."""
-    assert '"--quick"' in _read(os.path.join(BENCH, script)), f"benchmarks/{script} has no --quick mode"
+    text = _read(os.path.join(BENCH, script))
+    # --quick declared in the script, or by a shared parser module it imports (benchmarks/_alternating.py)
+    parsers = [f.removesuffix(".py") for f in os.listdir(BENCH) if f.startswith("_") and f.endswith(".py")]
+    declares = [m for m in parsers if '"--quick"' in _read(os.path.join(BENCH, f"{m}.py"))]
+    assert '"--quick"' in text or any(f"from benchmarks import {m}" in text for m in declares), (
+        f"benchmarks/{script} has no --quick mode"
+    )
     name = script.removesuffix(".py")
     tests = os.path.join(REPO, "tests")
     texts = [_read(os.path.join(d, t)) for d, _, files in os.walk(tests) for t in files if t.endswith(".py")]

@@ -65,7 +65,14 @@ def test_a_second_run_of_the_same_dir_or_name_is_refused_and_writes_nothing(addr
     finally:
         os.killpg(first.pid, signal.SIGINT)
         first.communicate(timeout=120)
-    # Negative control: with the first run ended, its directory and name take a new run (as --resume does).
+    # Negative control: with the first run ended, its lock and name are free. Its directory still holds its
+    # records, so a new run there is refused for that alone (issue #45, 1: never started again from step 0),
+    # and the name takes a new run in another directory.
+    kept = (first_dir / "metrics.jsonl").read_text()
     again = _run(_train(address, "twice", first_dir, "train.steps=2"))
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert [m["step"] for m in metrics(first_dir)] == [0, 1]
+    assert again.returncode == 2 and "in use" not in again.stderr, again.stderr[-3000:]
+    assert f"--run-dir: {first_dir} already holds a run's records" in again.stderr, again.stderr[-3000:]
+    assert (first_dir / "metrics.jsonl").read_text() == kept
+    fresh = _run(_train(address, "twice", tmp_path / "third", "train.steps=2"))
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert [m["step"] for m in metrics(tmp_path / "third")] == [0, 1]

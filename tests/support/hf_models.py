@@ -17,7 +17,8 @@ IDS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1
 
 
 def make_hf_llama(
-    path: Path, tied: bool = False, layers: int = 2, shard_size: str | None = None, seed: int = 0
+    path: Path, tied: bool = False, layers: int = 2, shard_size: str | None = None, seed: int = 0,
+    vocab: int = VOCAB,
 ):
     """A random LlamaForCausalLM (GQA: 4 heads, 2 kv heads) saved to `path`; returns the model (eval, fp32).
 
@@ -25,7 +26,7 @@ def make_hf_llama(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=layers,

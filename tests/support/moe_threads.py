@@ -192,7 +192,7 @@ def parallel(
                 out["params"] |= {n: (t, *specs[n]) for n, t in strategy.full_parameters().items()}
         # per strategy: (model-state bytes, parameters as laid out (buckets padded), DP bytes sent)
         out["state"] = {
-            part: (strategy.model_state_bytes()["cpu"], sum(b.padded for b in strategy.layout.buckets),
+            part: (strategy.model_state_bytes().get("cpu", 0), sum(b.padded for b in strategy.layout.buckets),
                    dict(strategy.traffic))
             for part, strategy in (("dense", dense), ("experts", experts))
         }

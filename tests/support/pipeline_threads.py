@@ -24,6 +24,7 @@ from collectives import Group, GroupSpec
 from raypar.core.checkpoint import hf
 from raypar.core.config.schema import Config
 from raypar.core.data import datasets as data
+from raypar.core.data import documents as docs
 from raypar.core.dp import compress
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model import families
@@ -59,22 +60,28 @@ def build(cfg: Config, **placement: Any) -> Stage:
 
 
 def reference_step(
-    cfg: Config, step: int = 0, microbatches: int = 1, model_hook: Callable[[Stage], None] | None = None
+    cfg: Config, step: int = 0, microbatches: int = 1, model_hook: Callable[[Stage], None] | None = None,
+    dataset: Any = None,
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    """One process, the global batch in `microbatches` equal parts (default: at once), their losses averaged:
-    the loss and every parameter's gradient. `model_hook(model)` may alter the model after it is built."""
+    """One process, the global batch in `microbatches` equal parts (default: at once), each part's loss its
+    share of the sum over target tokens over their global count, averaged: the loss and every parameter's
+    gradient. `model_hook(model)` may alter the model after it is built.
+    `dataset` replaces the config's (packed documents: tests.support.documents)."""
     m, t = cfg.model, cfg.train
     model = build(cfg)
     if model_hook is not None:
         model_hook(model)
-    dataset = data.open_dataset(cfg.data, m)
+    dataset = dataset or data.open_dataset(cfg.data, m)
     sampler = data.GlobalSampler(dataset.num_samples, t.global_batch, t.seed)
     size = t.global_batch // microbatches
+    share = docs.loss_share(docs.target_tokens(dataset, sampler, step, m.seq_len), microbatches)
     losses = []
     for mb in range(microbatches):
         inputs, targets = data.microbatch(dataset, sampler, step, mb, size)
-        loss = model(inputs, targets)
-        (loss / microbatches).backward()
+        documents = docs.microbatch_documents(dataset, sampler, step, mb, size)
+        loss = model(inputs, targets, documents=documents, loss_tokens=share)
+        aux = model.take_aux_loss()  # MoE balancing: trained, not reported (as the executor)
+        ((loss if aux is None else loss + aux) / microbatches).backward()
         losses.append(loss.item())
     return sum(losses) / microbatches, {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -82,7 +89,8 @@ def reference_step(
 def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, bucket_bytes: int = 4096,
              model_hook: Any = None, make_group: Callable[[GroupSpec, Any], Group] | None = None,
              timeout_s: float = TIMEOUT_S, lr: float | None = None,
-             strategy_control: type[DPStrategy] | None = None) -> StepOutcome:
+             strategy_control: type[DPStrategy] | None = None, dataset: Any = None,
+             backend_class: type[ModelBackend] = ModelBackend) -> StepOutcome:
     """One step of `cfg`'s layout on threads. `run_class` swaps the step runner and `strategy_control`'s
     overrides go on top of the strategy's class (negative controls);
     `model_hook(model, coord, groups)` may alter each shard after it is built (also negative controls).
@@ -92,7 +100,9 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
     DirectTransport, receives announced ahead as the actor does) instead of the in-process transport.
     The strategy is `parallel.zero`'s; with `lr` every rank then takes one AdamW step (no clipping) and
     the outcome holds the model's updated parameters: under ZeRO-2 whole reduced gradients exist nowhere
-    (`reduced_gradients` puts them together from their owners)."""
+    (`reduced_gradients` puts them together from their owners). `dataset` replaces the config's; the
+    loss is the sum over target tokens over the global count (raypar.core.data.documents), as the worker's,
+    unless `backend_class` says otherwise (a negative control)."""
     par = cfg.parallel
     dp, pp, tp, v, cp = cfg.dp_fixed, par.pp, par.tp, par.virtual_stages, par.cp
     topo = schedules.topology(par.schedule, pp, v)
@@ -101,9 +111,11 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
     kinds = ("tp.", "dp.", "cp.", "dps.", "dpr.") + (("pp.",) if make_group else ())
     groups = {n: m for n, m in mesh.groups().items() if n.startswith(kinds)}
     pipes = {(d, t, c): LocalPipe(topo, timeout_s) for d in range(dp) for t in range(tp) for c in range(cp)}
-    dataset = data.open_dataset(cfg.data, cfg.model)
+    dataset = dataset or data.open_dataset(cfg.data, cfg.model)
     sampler = data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
     n_mb, mbs = cfg.microbatches_at(dp), cfg.microbatch_size
+    count = docs.target_tokens(dataset, sampler, step, cfg.model.seq_len)
+    share = docs.loss_share(count, n_mb * dp * cp)
     virtual = stage_layers(cfg.model.n_layers, pp * v)
     results: dict[Coord, dict[str, Any]] = {}
 
@@ -139,7 +151,12 @@ def run_step(cfg: Config, step: int = 0, run_class: type[StepRun] = StepRun, buc
         def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
             return data.microbatch(dataset, sampler, step, d * n_mb + mb, mbs)
 
-        backend = ModelBackend(model, p, topo, transport, like, batch, n_mb)
+        def documents(mb: int) -> torch.Tensor | None:
+            return docs.microbatch_documents(dataset, sampler, step, d * n_mb + mb, mbs)
+
+        backend = backend_class(
+            model, p, topo, transport, like, batch, n_mb, documents=documents, loss_tokens=share
+        )
         strategy.begin_step()  # as the worker: ZeRO-2 frees its gradient buffers after each reduction
         run_class(p, topo, plan, backend, [strategy], model.chunk_parameters).run(time.perf_counter, 0.0)
         strategy.finish()

@@ -33,12 +33,14 @@ ZERO_OK = {
     "train.beta1", "train.beta2", "train.grad_clip", "checkpoint.every", "parallel.max_dp",
     "model.dropout", "model.moe_experts", "model.moe_aux_loss_coef",
     "model.moe_capacity_factor", "model.moe_bias_update_rate", "model.moe_shared_experts",  # 0: dropless, off
+    "model.moe_d_ff",  # 0: d_ff
     "train.eval_every", "data.val_fraction",  # 0: no validation
     "parallel.zero",  # 0: no sharding
     "parallel.dp_shard",  # 0: all dp replicas shard the state
     "train.hang_watchdog_s",  # 0: a fifth of parallel.timeout_s
     "parallel.placement_timeout_s",  # 0: parallel.timeout_s
     "parallel.compression_start_step",
+    "model.sliding_window",  # 0: no window (issue 47)
     "model.head_dim_override", "model.rope_original_max_len", "model.rope_attention_factor",  # 0: unset
 }  # fmt: skip
 
@@ -108,6 +110,37 @@ def _truncate(path: Path) -> None:
 
 def _shard(step_dir: Path) -> Path:
     return next(step_dir.glob("shard-*.safetensors"))
+
+
+def _mixtral_config(f: Files, field: str, value: object) -> Path:
+    """A directory whose config.json is a Mixtral's with `field` set to `value` (refused before weights)."""
+    out = f.root / f"mixtral-{field}"
+    out.mkdir()
+    body = {"model_type": "mixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "num_local_experts": 4,
+            "num_experts_per_tok": 2, field: value}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(body))
+    return out
+
+
+def _fifo(path: Path) -> Path:
+    """A FIFO at `path` (replacing a file there): what blocks a reader that opens it until a writer comes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+def _fifo_latest(root: Path) -> Path:
+    _fifo(root / checkpoint.LATEST)
+    return root
+
+
+def _report_dir(f: Files) -> Path:
+    d = f.root / "fifo-report"
+    d.mkdir(exist_ok=True)
+    (d / "config.toml").write_bytes(b'[parallel]\nschedule = "1f1b"\npp = 1\n')
+    return d
 
 
 def train(f: Files, *args: str) -> list[str]:
@@ -314,6 +347,35 @@ def _cases() -> list:
         case(f"train-stop-at-{value}", lambda f, v=value: train(f, "--stop-at", v), lambda f: "--stop-at")
     case("train-unknown-flag", lambda f: train(f, "--frobnicate"), lambda f: "--frobnicate")
     case("no-command", lambda f: [], lambda f: "command")
+    # -- FIFOs where a file is read (issue #45, 6): one line at once, not a reader blocked forever ---------
+    case(
+        "train-fifo-dataset-shard",
+        lambda f: train(
+            f, "--set", f"data.source='{f.prepared('fifo', lambda o: _fifo(o / 'tokens-00000.arrow'))}'"
+        ),
+        lambda f: f"{f.root / 'fifo' / 'tokens-00000.arrow'}: is a FIFO",
+    )
+    case(
+        "train-fifo-init-from-config",
+        lambda f: train(f, "--set", f"model.init_from='{_fifo(f.root / 'hf' / 'config.json').parent}'"),
+        lambda f: f"model.init_from: {f.root / 'hf' / 'config.json'}: is a FIFO",
+    )
+    case(
+        "train-fifo-ckpt-latest",
+        lambda f: train(f, "--resume", str(_fifo_latest(f.ckpt("fifo-latest")))),
+        lambda f: f"{f.root / 'fifo-latest' / 'latest'}: is a FIFO",
+    )
+    for name in ("metrics", "timeline"):
+        case(
+            f"train-fifo-run-dir-{name}",
+            lambda f, n=name: train(f) if _fifo(f.root / "run" / f"{n}.jsonl") else [],
+            lambda f, n=name: f"--run-dir: {f.root / 'run' / n}.jsonl: is a FIFO",
+        )
+        case(
+            f"report-fifo-{name}",
+            lambda f, n=name: ["report", str(_fifo(_report_dir(f) / f"{n}.jsonl").parent)],
+            lambda f, n=name: f"{f.root / 'fifo-report' / n}.jsonl: is a FIFO",
+        )
     # -- prepare -----------------------------------------------------------------------------------------
     out = lambda f: str(f.root / "out")  # noqa: E731
     case(
@@ -416,6 +478,23 @@ def _cases() -> list:
         lambda f: ["checkpoint", "export", str(f.ckpt("ok")), str(f.file / "m.safetensors")],
         lambda f: str(f.file),
     )
+    # -- MoE routing and Hugging Face MoE models (issue 43) ------------------------------------------------
+    case(
+        "train-moe-renormalize-dense",
+        lambda f: train(f, "--set", "model.moe_renormalize=true"),
+        lambda f: "model.moe_renormalize: needs model.moe_experts > 0",
+    )
+    case(
+        "train-moe-d-ff-grouped-rows",
+        lambda f: train(f, "--set", "model.moe_experts=4", "--set", "model.moe_d_ff=12"),
+        lambda f: "model.moe_d_ff: moe_d_ff/tp must be a multiple of 8",
+    )
+    for field, value in (("router_jitter_noise", 0.1), ("mlp_only_layers", [0])):
+        case(
+            f"train-init-from-mixtral-{field}",
+            lambda f, k=field, v=value: train(f, "--set", f"model.init_from='{_mixtral_config(f, k, v)}'"),
+            lambda f, k=field: f"config.json: {k}=",
+        )
     # -- plan --------------------------------------------------------------------------------------------
     plan = lambda f, *a: ["plan", str(TINY), "--devices", "4", "--device-memory", "80GB", *a]  # noqa: E731
     for kind in ("missing", "dir", "random", "garbage", "deep_toml"):
@@ -452,6 +531,34 @@ def _cases() -> list:
     # -- scale (status and --address: issue 9's other half) ---------------------------------------------
     for value in ("0", "-2", "nan"):
         case(f"scale-dp-{value}", lambda f, v=value: ["scale", "--run", "x", "--dp", v], lambda f: "--dp")
+    # -- issue 47: packed and chat data (rows: tests/unit/test_chat_data.py, which also checks nothing is
+    # written) -----------------------------------------------------------------------------------------------
+    case("prepare-chat-no-seq-len", lambda f: ["prepare", str(f.text), "--out", str(f.root / "o"), "--format",
+                                               "chat"], lambda f: "--seq-len")
+    case("prepare-pack-seq-len-0", lambda f: ["prepare", str(f.text), "--out", str(f.root / "o"), "--pack",
+                                              "documents", "--seq-len", "0"], lambda f: "--seq-len")
+    case(
+        "prepare-chat-no-tokenizer",
+        lambda f: ["prepare", str(f.text), "--out", str(f.root / "o"), "--format", "chat", "--seq-len", "64"],
+        lambda f: "--tokenizer",
+    )
+    # -- issue 47: masked attention (document masking, sliding windows) ----------------------------------
+    case(
+        "train-document-masking-without-documents",
+        lambda f: train(f, "--set", "data.document_masking=true"),
+        lambda f: "data.document_masking: data.source 'synthetic' records no document boundaries",
+    )
+    case(
+        "train-document-masking-not-auto",
+        lambda f: train(f, "--set", 'data.document_masking="on"'),
+        lambda f: 'data.document_masking: expected true, false or "auto", got \'on\'',
+    )
+    for key in ("model.sliding_window=4", "data.document_masking=true"):
+        case(
+            f"train-{key.split('=')[0]}-with-dropout",
+            lambda f, k=key: train(f, "--set", k, "--set", "model.dropout=0.1"),
+            lambda f, k=key: f"{k.split('=')[0]}: needs model.dropout = 0",
+        )
     # -- train --dry-run (issue 48): refused as the real run would be -------------------------------------
     def finished_run(f: Files) -> list[str]:  # the run directory of a run that completed a step
         (f.root / "run").mkdir()

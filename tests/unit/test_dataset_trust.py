@@ -21,7 +21,7 @@ from raypar.core.config.schema import DataConfig
 from raypar.core.data import datasets as data
 from raypar.core.data.tokenizer import load as load_tokenizer
 from tests.support.corpus import corpus, train_bpe
-from tests.support.runs import TINY, ActorsStarted
+from tests.support.runs import ACTORS_START, TINY, ActorsStarted
 
 SECRET = b"-----BEGIN OPENSSH PRIVATE KEY-----\nnot for manifests\n"
 
@@ -56,7 +56,7 @@ def _reaches_actors(source: str, tmp_path: Path) -> None:
     argv = ["train", str(TINY), "--run-dir", str(tmp_path / "ok"), "--no-progress",
             "--set", f"data.source='{source}'", "--set", f"data.cache_dir='{tmp_path / 'cache-ok'}'",
             "--set", "model.vocab_size=512", "--set", "model.seq_len=16"]  # fmt: skip
-    with pytest.raises(ActorsStarted):
+    with pytest.raises(ActorsStarted, match=ACTORS_START):
         cli.main(argv)
 
 

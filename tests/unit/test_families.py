@@ -23,6 +23,8 @@ PRESETS = {
     "qwen3-0.6b": {"head_dim_override": 0},  # 1024 / 16 = 64, not its 128
     "qwen3-8b": {"qk_norm": False},
     "mistral-7b": {"d_ff": 11008},
+    "mixtral-8x7b": {"moe_experts": 4},
+    "qwen3-30b-a3b": {"moe_d_ff": 0},  # experts as wide as the dense MLP's 6144, not their 768
 }
 
 
@@ -71,9 +73,10 @@ def test_stage_classes_are_named_only_in_their_family_folder():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    for name, fam in families.FAMILIES.items():
+    for fam in families.FAMILIES.values():
         cls = fam.stage.__name__
-        folder = root / "raypar" / "core" / "model" / name
+        # the folder of the family defining the class (mixtral and qwen3_moe reuse the llama family's)
+        folder = root / "raypar" / "core" / "model" / fam.stage.__module__.split(".")[3]
         named = [
             str(p.relative_to(root))
             for package in ("raypar", "actors")
@@ -85,7 +88,7 @@ def test_stage_classes_are_named_only_in_their_family_folder():
         assert any(cls in p.read_text(encoding="utf-8") for p in folder.rglob("*.py"))
 
 
-# The published config.json of two presets' models (fields that matter here, as the hub serves them, with
+# The published config.json of four presets' models (fields that matter here, as the hub serves them, with
 # the transformers 4.x `rope_scaling` and the null/false window fields they carry) and one of Qwen2.5's.
 PUBLISHED = {
     "llama3.2-1b": {
@@ -156,6 +159,57 @@ PUBLISHED = {
         "use_sliding_window": False,
         "vocab_size": 151936,
     },
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 32768,
+        "model_type": "mixtral",
+        "num_attention_heads": 32,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1e6,
+        "router_aux_loss_coef": 0.02,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "vocab_size": 32000,
+    },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "decoder_sparse_step": 1,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 48,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
 }
 
 
@@ -166,7 +220,8 @@ def assert_preset_is(fields: dict, preset_name: str) -> None:
 
 
 # published model -> its preset (None: none, its variant checked) and a sibling preset it must not pass as
-SIBLING = {"llama3.2-1b": "llama3.1-8b", "qwen3-0.6b": "qwen3-8b", "qwen2.5-0.5b": None}
+SIBLING = {"llama3.2-1b": "llama3.1-8b", "qwen3-0.6b": "qwen3-8b", "qwen2.5-0.5b": None,
+           "mixtral-8x7b": "mistral-7b", "qwen3-30b-a3b": "qwen3-8b"}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))

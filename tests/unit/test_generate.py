@@ -14,10 +14,10 @@ from raypar.core.model.llama import LlamaStage
 CFG = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, seq_len=32)
 
 
-def model(tied: bool = False) -> LlamaStage:
+def model(tied: bool = False, sliding_window: int = 0) -> LlamaStage:
     import dataclasses
 
-    cfg = dataclasses.replace(CFG, tie_embeddings=tied)
+    cfg = dataclasses.replace(CFG, tie_embeddings=tied, sliding_window=sliding_window)
     m = LlamaStage(cfg, seed=3)
     with torch.no_grad():  # larger weights than the init's: greedy choices then depend on the context
         for p in m.parameters():
@@ -81,3 +81,63 @@ def test_generate_command_on_a_checkpoint(tmp_path, capsys):
     greedy = greedy_by_full_forward(m.eval(), list(b"def f"), 8)
     assert out == "def f" + bytes(greedy).decode("utf-8", errors="replace") + "\n"
     assert cli.main(["generate", str(tmp_path / "ckpt"), "--prompt", "x", "--max-tokens", "0"]) == 2
+
+
+def test_kv_cache_with_a_sliding_window_equals_full_forward():
+    """model.sliding_window: the cache keeps the last `window` positions, and greedy decoding past the
+    window equals full forwards under the same window; control: the unwindowed model decodes otherwise."""
+    windowed = model(sliding_window=4)  # the same weights as model(): the same seed, a mask has none
+    prompt = [3, 17, 5, 9, 30, 2]
+    got = generate.generate_ids(windowed, prompt, 12)
+    assert got == greedy_by_full_forward(windowed, prompt, 12)
+    decoder = generate.Decoder(windowed, 32)
+    decoder.prefill(torch.tensor([prompt]))
+    assert all(k.shape[2] == 4 for k, _ in decoder.cache)
+    assert got != generate.generate_ids(model(), prompt, 12)
+
+
+def test_hf_export_refuses_a_sliding_window(tmp_path):
+    """Hugging Face's Llama has no window (Qwen2's is per layer): exported, the model would attend to the
+    whole context, so the export is refused naming the key; control: the same model without a window."""
+    import dataclasses
+
+    from raypar.core.checkpoint import hf
+
+    steps = {}
+    for window in (4, 0):
+        cfg = dataclasses.replace(CFG, sliding_window=window)
+        tensors = dict(LlamaStage(cfg, seed=3).named_parameters())
+        specs = {n: checkpoint.ShardSpec.full(t.shape) for n, t in tensors.items()}
+        shards, meta = {"dp0.pp0.tp0": (tensors, specs)}, {"model": dataclasses.asdict(cfg)}
+        steps[window] = checkpoint.save(str(tmp_path / f"ckpt{window}"), 1, shards, meta)
+    with pytest.raises(checkpoint.CheckpointError, match="model.sliding_window=4: exported, its attention"):
+        hf.export(steps[4], str(tmp_path / "hf4"))
+    hf.export(steps[0], str(tmp_path / "hf0"))
+    assert (tmp_path / "hf0" / "config.json").is_file()
+
+
+def test_chat_prompt_is_the_template_with_a_generation_prompt_and_stops_at_end_of_turn(tmp_path, monkeypatch):
+    """`raypar generate --chat`: the prompt rendered as a user turn by the recorded template, with the
+    generation prompt (transformers' own tokens), and the end-of-turn token as the stop."""
+    from transformers import AutoTokenizer
+
+    from raypar.core.data import chat
+    from raypar.core.data.tokenizer import load
+    from tests.support.chat_tokenizers import chat_tokenizer
+
+    path = chat_tokenizer(tmp_path / "tok", "llama3")
+    record = {**load(str(path)).record(), **chat.ChatRenderer(str(path)).record()}  # as a checkpoint holds
+    renderer = chat.ChatRenderer.from_record(record)
+    seen = {}
+
+    def fake_generate_ids(model, ids, max_tokens, temperature, top_p, seed, vocab, stop):
+        seen.update(ids=ids, stop=stop)
+        return []
+
+    monkeypatch.setattr(generate, "generate_ids", fake_generate_ids)
+    generate.sample(None, load(str(path)), "def return", 4, chat=renderer)
+    hf = AutoTokenizer.from_pretrained(str(path.parent))
+    messages = [{"role": "user", "content": "def return"}]
+    want = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    assert seen["ids"] == list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert seen["stop"] == hf.convert_tokens_to_ids("<|eot_id|>")

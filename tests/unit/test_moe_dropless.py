@@ -189,10 +189,10 @@ def test_broken_bias_updates_are_rejected(update, symptom):
         assert_balanced(balance(update))
 
 
-# -- checkpoints out: Hugging Face refuses experts, sampling routes with the biases -----------------------
-def moe_checkpoint(tmp_path, shared: int) -> tuple[str, LlamaStage]:
+# -- checkpoints out: --format hf refuses what a family cannot compute; sampling routes with the biases ----
+def moe_checkpoint(tmp_path, shared: int, **model: object) -> tuple[str, LlamaStage]:
     """A one-process checkpoint of an MoE model with non-zero routing biases, as a run writes it."""
-    cfg = make_cfg(moe_shared_experts=shared).model
+    cfg = make_cfg(moe_shared_experts=shared, **model).model
     stage = LlamaStage(cfg, seed=3)
     set_routing_biases(stage)
     tensors = dict(stage.named_parameters()) | stage.routing_biases()
@@ -201,10 +201,17 @@ def moe_checkpoint(tmp_path, shared: int) -> tuple[str, LlamaStage]:
     return checkpoint.save(str(tmp_path / "ckpt"), 1, {"dp0.pp0.tp0": (tensors, specs)}, meta), stage
 
 
-@pytest.mark.parametrize("shared, field", [(1, "model.moe_shared_experts=1"), (0, "model.moe_experts=4")])
-def test_hf_export_refuses_experts_naming_the_field(tmp_path, shared, field):
-    step, _ = moe_checkpoint(tmp_path, shared)
-    with pytest.raises(checkpoint.CheckpointError, match=f"{field}: Hugging Face's LlamaForCausalLM has no"):
+@pytest.mark.parametrize("shared, model, refusal", [
+    (1, {}, "model.moe_shared_experts=1: Hugging Face's LlamaForCausalLM has no experts"),
+    (0, {}, "model.moe_experts=4: Hugging Face's LlamaForCausalLM has no experts"),
+    (1, {"family": '"mixtral"'}, "model.moe_shared_experts=1: MixtralForCausalLM has no shared experts"),
+    (0, {"family": '"mixtral"'}, "model.moe_renormalize=False: MixtralForCausalLM always renormalises"),
+    (0, {"family": '"mixtral"', "moe_renormalize": "true", "moe_every": 1},
+     r"layers\.0\.mlp\.expert_bias is not zero: Hugging Face's routers route without a bias"),
+])  # fmt: skip
+def test_hf_export_refuses_what_the_family_cannot_compute_naming_the_field(tmp_path, shared, model, refusal):
+    step, _ = moe_checkpoint(tmp_path, shared, **model)
+    with pytest.raises(checkpoint.CheckpointError, match=refusal):
         hf.export(step, str(tmp_path / "hf"))
 
 

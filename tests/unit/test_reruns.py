@@ -17,7 +17,7 @@ import pytest
 
 from raypar.controller import cli
 from raypar.controller.training import TrainingLoop
-from tests.support.runs import ActorsStarted
+from tests.support.runs import ACTORS_START, ActorsStarted
 from tests.unit.test_resume_checks import write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +53,7 @@ def test_control_a_run_dir_without_step_records_is_reused(tmp_path, no_actors):
     run.mkdir()
     (run / "metrics.jsonl").write_text("")
     (run / "config.toml").write_text("")
-    with pytest.raises(ActorsStarted):
+    with pytest.raises(ActorsStarted, match=ACTORS_START):
         cli.main(["train", TINY, "--run-dir", str(run), "--no-progress"])
 
 
@@ -65,7 +65,7 @@ def test_a_fresh_run_into_a_checkpoint_dir_with_checkpoints_is_refused(tmp_path,
     err = _one_line(capsys)
     assert f"checkpoint.dir: {root} already holds checkpoints (the newest step_00000002)" in err, err
     assert "--resume latest" in err
-    with pytest.raises(ActorsStarted):  # control: the same, continued as the line says
+    with pytest.raises(ActorsStarted, match=ACTORS_START):  # control: the same, continued as the line says
         cli.main([*argv, "--resume", "latest"])
 
 
@@ -77,14 +77,16 @@ def test_a_resume_may_not_reach_a_newer_checkpoint(tmp_path, capsys, no_actors):
     assert cli.main([*argv, "--resume", str(older)]) == 2
     err = _one_line(capsys)
     assert f"checkpoint.dir: {root}/step_00000003 is newer than the step 2 resumed from {older}" in err, err
-    with pytest.raises(ActorsStarted):  # control: from the newest, nothing newer to overwrite
+    # control: from the newest, nothing newer to overwrite
+    with pytest.raises(ActorsStarted, match=ACTORS_START):
         cli.main([*argv, "--resume", "latest"])
 
 
 def test_make_demo_twice_keeps_runs_demo(tmp_path, capsys, monkeypatch, no_actors):
     """The Makefile's own demo command, a second time over a finished runs/demo: refused, nothing touched."""
-    recipe = (ROOT / "Makefile").read_text().split("\ndemo:")[1].split("\n\t$(BIN)/raypar generate")[0]
-    argv = shlex.split(recipe.split("$(BIN)/raypar", 1)[1].replace("\\\n", " "))
+    recipe = (ROOT / "Makefile").read_text().split("\ndemo:")[1]
+    train = recipe.split("\t$(BIN)/raypar ", 1)[1].split("\n\t$(BIN)/")[0]  # its first command, continued lines
+    argv = shlex.split(train.replace("\\\n", " "))
     assert argv[:2] == ["train", "examples/configs/small.toml"] and "runs/demo" in argv, argv
     argv[1] = str(ROOT / argv[1])
     monkeypatch.chdir(tmp_path)

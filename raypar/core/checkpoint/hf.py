@@ -20,6 +20,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +31,17 @@ from safetensors import SafetensorError, safe_open
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import ModelConfig
 from raypar.core.data.corpus import file_inside
-from raypar.core.data.tokenizer import HFTokenizer, from_record
+from raypar.core.data.tokenizer import ByteTokenizer, HFTokenizer, from_record
 from raypar.core.model import families
 from raypar.core.model.stage import Stage
 from raypar.core.plain_files import NotRegularFile, read_regular, refuse_unless_regular
 
 CONFIG, INDEX = "config.json", "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 2**30  # per exported file; a larger model is split into files with an index
+# Model fields config.json implies that a run may still change: HF's MoE routes dropless, a run may train
+# with a capacity factor (the user's value wins over the file's).
+RUN_MAY_SET = frozenset({"moe_capacity_factor"})
+ROUTING_BIAS = ".mlp.expert_bias"  # raypar.core.model.moe's aux-loss-free balancing state
 
 
 # -- config ---------------------------------------------------------------------------------------------
@@ -182,10 +187,15 @@ def load_stage(stage: Stage, path: str) -> None:
 # -- weights out ----------------------------------------------------------------------------------------
 
 
-def export(ckpt_uri: str, out_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
+def export(
+    ckpt_uri: str,
+    out_dir: str,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    say: Callable[[str], None] | None = None,
+) -> str:
     """Write `out_dir`/config.json and model.safetensors (or model-0000k-of-0000n.safetensors with an
-    index when larger than `max_shard_bytes`) that the family's `*ForCausalLM.from_pretrained` loads. Tensors
-are
+    index when larger than `max_shard_bytes`) that the family's `*ForCausalLM.from_pretrained` loads, and the
+    run's tokenizer for AutoTokenizer (`say` gets a line where the run had none: synthetic data). Tensors are
     read one at a time; the directory is built aside and renamed into place."""
     from raypar.core.checkpoint import format as checkpoint  # heavier; only the export needs them
     from raypar.core.checkpoint import reader as checkpoint_read  # heavier; only the export needs them
@@ -199,6 +209,12 @@ are
             f"{reader._where}: {refusal} (export the raypar tensors with --format safetensors)"
         )
     names = [n for n in reader.names() if not n.startswith(checkpoint.OPTIM_PREFIX)]
+    for name in [n for n in names if n.endswith(ROUTING_BIAS)]:  # state HF's routers have no place for
+        if reader.read_full(name).any():
+            raise checkpoint.CheckpointError(
+                f"{reader._where}: {name} is not zero: Hugging Face's routers route without a bias"
+            )
+        names.remove(name)
     files: list[list[str]] = [[]]
     size, largest = 0, 0
     for name in names:
@@ -213,6 +229,8 @@ are
     need = 2 * largest + checkpoint_read.read_bytes_peak(reader)
     checkpoint_read.check_memory(need, f"exporting {ckpt_uri}")
     tokenizer = _tokenizer(reader)
+    if tokenizer is None and say is not None:
+        say(f"{ckpt_uri}: the run recorded no tokenizer (synthetic data): the export has none")
     out = Path(out_dir).absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out}: already exists and is not an empty directory")
@@ -229,12 +247,14 @@ are
     return str(out)
 
 
-def _tokenizer(reader: Any) -> HFTokenizer | None:
-    """The run's tokenizer as its checkpoint recorded it (None: byte-level, which HF has no file for);
+def _tokenizer(reader: Any) -> HFTokenizer | ByteTokenizer | None:
+    """The run's tokenizer as its checkpoint recorded it (None: none, the run's data was synthetic);
     CheckpointError naming the manifest if the record is damaged."""
     from raypar.core.checkpoint.format import CheckpointError
 
     record = reader.meta.get("tokenizer")
+    if isinstance(record, dict) and record.get("kind") == "bytes":
+        return ByteTokenizer()
     if not isinstance(record, dict) or not record.get("json"):
         return None
     try:
@@ -247,14 +267,19 @@ def _tokenizer(reader: Any) -> HFTokenizer | None:
 
 
 def _write_hf_dir(
-    reader: Any, staging: Path, files: list[list[str]], model: dict[str, Any], tokenizer: HFTokenizer | None,
+    reader: Any,
+    staging: Path,
+    files: list[list[str]],
+    model: dict[str, Any],
+    tokenizer: HFTokenizer | ByteTokenizer | None,
     mapping: Any,
 ) -> None:
     weight_map, total = {}, 0
     for k, group in enumerate(files):
         file = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" if len(files) > 1 else "model.safetensors"
         tensors = {mapping.hf_name(n): reader.read_full(n).contiguous() for n in group}
-        safetensors.torch.save_file(tensors, staging / file, metadata={"format": "pt"})
+        # written by this process (the umask's mode, as every other file here), not save_file's 0600
+        (staging / file).write_bytes(safetensors.torch.save(tensors, metadata={"format": "pt"}))
         weight_map.update(dict.fromkeys(tensors, file))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         del tensors  # one file's tensors in memory at a time
@@ -262,7 +287,12 @@ def _write_hf_dir(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (staging / INDEX).write_text(json.dumps(index, indent=1))
     config = mapping.config_json(model)
-    if tokenizer is not None:
+    if isinstance(tokenizer, ByteTokenizer):  # no EOS: byte-level documents are joined by "\n\n"
+        (staging / "tokenizer.json").write_text(tokenizer.hf_json())
+        (staging / "tokenizer_config.json").write_text(
+            json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}, indent=1)
+        )
+    elif tokenizer is not None:
         # The EOS the documents were joined by, named where transformers looks: AutoTokenizer's eos_token
         # (tokenizer.json alone names no EOS) and the model's, which generate() stops at.
         config["eos_token_id"] = tokenizer.eos_id

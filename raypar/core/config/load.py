@@ -8,6 +8,7 @@ pass by `validate`.
 
 from __future__ import annotations
 
+import os
 import tomllib
 import types
 import typing
@@ -94,6 +95,26 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key.strip(), value
 
 
+# The configs the repository ships (a source checkout; an installed wheel has none).
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "configs"
+
+
+def _shipped_configs(path: str | Path) -> str:
+    """Where a config not found may be: the shipped config its name starts (`llama-7b` ->
+    examples/configs/llama-7b-3d.toml), else the list of them. Empty where the checkout has none."""
+    shipped = sorted(EXAMPLES.glob("*.toml"))
+    if not shipped:
+        return ""
+    where = os.path.relpath(EXAMPLES)
+    if where.startswith(".."):
+        where = str(EXAMPLES)
+    stem = Path(path).name.removesuffix(".toml")
+    named = [p for p in shipped if p.stem.startswith(stem)] if stem else []
+    if named:
+        return f"; did you mean {' or '.join(os.path.join(where, p.name) for p in named)}?"
+    return f"; the shipped configs are in {where}/: {', '.join(p.name for p in shipped)}"
+
+
 def read_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """A TOML file (or nothing) with `--set section.key=value` overrides applied, as nested dicts."""
     raw: dict[str, Any] = {}
@@ -101,7 +122,7 @@ def read_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str
         try:
             raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise ConfigError(f"{path}: config file not found") from None
+            raise ConfigError(f"{path}: config file not found{_shipped_configs(path)}") from None
         except IsADirectoryError:
             raise ConfigError(f"{path}: is a directory, not a config file") from None
         except UnicodeDecodeError:

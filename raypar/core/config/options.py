@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 # model.family: the model families (raypar.core.model.families registers each by this name)
-FAMILIES = ("llama",)
+FAMILIES = ("llama", "mixtral", "qwen3_moe")
 # model.rope_scaling: how RoPE's frequencies are stretched (raypar.core.model.llama.rope computes each as
 # transformers does); "none": the original frequencies
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")

@@ -154,6 +154,23 @@ def _validate_hsdp(cfg: Config) -> None:
     # elastic runs: cfg.valid_dps() keeps multiples of dp_shard; dp_fixed (= min_dp) is one, so one exists
 
 
+def _validate_attention_masks(cfg: Config) -> None:
+    """Document masking and sliding windows (raypar.core.model.attention_masks): their attention has no
+    dropout."""
+    m = cfg.model
+    window = m.sliding_window
+    _require(window >= 0, f"model.sliding_window: must be >= 0 (0: no window), got {window}")
+    masking = cfg.data.document_masking
+    _require(
+        isinstance(masking, bool) or masking == "auto",
+        f'data.document_masking: expected true, false or "auto", got {masking!r}',
+    )
+    # "auto" with dropout is checked once the data is open (the CLI's _check_data): on only with documents
+    masked = (("model.sliding_window", window > 0), ("data.document_masking", masking is True))
+    for key, on in masked:
+        _require(not on or m.dropout == 0, f"{key}: needs model.dropout = 0 (masked attention has none)")
+
+
 def _rope_scaling(m: ModelConfig) -> None:
     """The scaling's fields must be usable numbers whether or not a scaling is on (a value set for nothing
     is refused as any other); a scaling that needs the original context length must have it."""
@@ -210,6 +227,7 @@ def validate(cfg: Config) -> None:
     _require(m.rope_theta > 0, f"model.rope_theta: must be positive, got {m.rope_theta}")
     _require(m.norm_eps > 0, f"model.norm_eps: must be positive, got {m.norm_eps}")
     _require(0 <= m.dropout < 1, f"model.dropout: must be in [0, 1), got {m.dropout}")
+    _validate_attention_masks(cfg)
 
     if isinstance(p.dp, str):
         _require(p.dp == "auto", f'parallel.dp: expected a positive int or "auto", got {p.dp!r}')
@@ -351,10 +369,6 @@ def validate(cfg: Config) -> None:
         f"train.hang_watchdog_s: must be >= 0 (0: a fifth of parallel.timeout_s) and below "
         f"parallel.timeout_s={p.timeout_s:g}, got {t.hang_watchdog_s:g}",
     )
-    _require(
-        not (m.init_from and m.moe_experts),
-        "model.moe_experts: Hugging Face Llama weights (model.init_from) have no experts; leave it 0",
-    )
     _require(t.eval_every >= 0, f"train.eval_every: must be >= 0 (0 disables), got {t.eval_every}")
     _require(t.eval_batches > 0, f"train.eval_batches: must be positive, got {t.eval_batches}")
     d = cfg.data
@@ -433,7 +447,7 @@ def _validate_moe(cfg: Config) -> None:
     _require(m.moe_experts >= 0, f"model.moe_experts: must be >= 0 (0 = dense), got {m.moe_experts}")
     if not m.moe_experts:
         _require(p.ep == 1, f"parallel.ep: needs model.moe_experts > 0, got ep={p.ep}")
-        for key in ("moe_shared_experts", "moe_bias_update_rate"):
+        for key in ("moe_shared_experts", "moe_bias_update_rate", "moe_d_ff", "moe_renormalize"):
             _require(not getattr(m, key), f"model.{key}: needs model.moe_experts > 0, got {getattr(m, key)}")
         return
     _require(
@@ -452,9 +466,10 @@ def _validate_moe(cfg: Config) -> None:
     # torch._grouped_mm runs the experts (raypar.core.model.moe): its rows must be 16-byte multiples.
     wants = "with MoE (the experts' grouped GEMM wants 16-byte rows)"
     _require(m.d_model % 8 == 0, f"model.d_model: must be a multiple of 8 {wants}, got {m.d_model}")
-    _require(
-        m.d_ff // p.tp % 8 == 0, f"model.d_ff: d_ff/tp must be a multiple of 8 {wants}, got {m.d_ff // p.tp}"
-    )
+    _require(m.moe_d_ff >= 0, f"model.moe_d_ff: must be >= 0 (0: d_ff), got {m.moe_d_ff}")
+    key, f = ("moe_d_ff", m.moe_d_ff) if m.moe_d_ff else ("d_ff", m.d_ff)
+    _require(f % p.tp == 0, f"parallel.tp: must divide model.{key}={f}, got tp={p.tp}")
+    _require(f // p.tp % 8 == 0, f"model.{key}: {key}/tp must be a multiple of 8 {wants}, got {f // p.tp}")
     _require(m.moe_aux_loss_coef >= 0, f"model.moe_aux_loss_coef: must be >= 0, got {m.moe_aux_loss_coef}")
     _require(
         1 <= m.moe_every <= m.n_layers,

@@ -54,6 +54,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=32768, seq_len=4096,
         rope_theta=1000000.0, norm_eps=1e-5,
     ),
+    # Mixtral-8x7B's published shape and routing, dropless (seq_len: a training context, not its 32k limit)
+    "mixtral-8x7b": dict(
+        family="mixtral", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=32000,
+        seq_len=4096, rope_theta=1e6, norm_eps=1e-5, moe_experts=8, moe_top_k=2, moe_renormalize=True,
+        moe_capacity_factor=0.0,
+    ),
+    # Qwen3-30B-A3B's: Qwen3's attention (q/k norms, 128-wide heads), 128 experts of 768, top 8 renormalised
+    "qwen3-30b-a3b": dict(
+        family="qwen3_moe", n_layers=48, d_model=2048, n_heads=32, n_kv_heads=4, head_dim_override=128,
+        qk_norm=True, d_ff=6144, vocab_size=151936, seq_len=4096, rope_theta=1e6, norm_eps=1e-6,
+        moe_experts=128, moe_top_k=8, moe_d_ff=768, moe_renormalize=True, moe_capacity_factor=0.0,
+    ),
 }
 
 
@@ -71,10 +83,12 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    # Switches on the llama family's blocks (Qwen2: qkv_bias; Qwen3: qk_norm and its own head_dim)
+    # Switches on the llama family's blocks (Qwen2: qkv_bias; Qwen3: qk_norm and its own head_dim; a sliding
+    # window: raypar.core.model.attention_masks)
     head_dim_override: int = 0  # the width of a head; 0: d_model / n_heads
     qkv_bias: bool = False  # biases on the q, k and v projections (not on the output projection)
     qk_norm: bool = False  # an RMSNorm over each head's q and k before RoPE
+    sliding_window: int = 0  # > 0: a token attends to the last this many (itself included); 0 unbounded
     # RoPE scaling (options.ROPE_SCALINGS), the fields of Hugging Face's rope_scaling / rope_parameters
     rope_scaling: str = "none"
     rope_factor: float = 1.0  # linear, llama3, yarn: how much longer the context is than trained on
@@ -94,10 +108,17 @@ class ModelConfig:
     moe_every: int = 1
     moe_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing by a per-expert routing bias
     moe_shared_experts: int = 0  # dense experts every token passes through beside the routed ones
+    moe_d_ff: int = 0  # each expert's hidden size (Qwen3-MoE's moe_intermediate_size); 0: d_ff
+    moe_renormalize: bool = False  # top-k router weights divided by their sum (Mixtral; norm_topk_prob)
 
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.d_model // self.n_heads
+
+    @property
+    def expert_d_ff(self) -> int:
+        """The hidden size of one routed or shared expert."""
+        return self.moe_d_ff or self.d_ff
 
 
 @dataclass
@@ -193,6 +214,10 @@ class DataConfig:
     cache_dir: str = "data"
     val_fraction: float = 0.0  # the last samples of `source` (whole documents but one) held out
     val_source: str = ""  # or a separate source, any kind `source` takes
+    # packed documents attend only within themselves, RoPE positions restarting at each (a source whose
+    # shards record document boundaries: raypar prepare --format chat / --pack documents). "auto": on where
+    # the dataset records them (raypar.core.data.documents.masked), off elsewhere; true: refused without them
+    document_masking: bool | str = "auto"
 
 
 @dataclass

@@ -305,6 +305,20 @@ class Dataset(Protocol):
     def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+def check_token_ids(
+    path: str | os.PathLike[str], index: dict[str, Any], shards: list[np.ndarray], hash_limit_bytes: int
+) -> None:
+    """ValueError if a token id of `shards` (their token arrays) is >= the index's vocab_size, checked where
+    the shards hold at most `hash_limit_bytes` (it reads every token)."""
+    if sum(s["bytes"] for s in index["shards"]) > hash_limit_bytes:
+        return
+    top = max((int(s.max()) for s in shards if len(s)), default=-1)
+    if top >= index["vocab_size"]:  # an embedding lookup out of range, in every actor
+        raise ValueError(
+            f"{Path(path) / INDEX}: vocab_size {index['vocab_size']}, but its shards hold token id {top}"
+        )
+
+
 def _check_index(i: int, n: int) -> None:
     if not 0 <= i < n:
         raise IndexError(f"sample {i} out of range [0, {n})")
@@ -333,13 +347,7 @@ class TokenDataset:
         # starts[k] = global position of shards[k][0]; windows that cross a boundary are stitched in sample().
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])
         self.total_tokens = int(self.starts[-1])
-        if sum(s["bytes"] for s in self.index["shards"]) <= hash_limit_bytes:
-            top = max((int(s.max()) for s in self.shards if len(s)), default=-1)
-            if top >= self.index["vocab_size"]:  # an embedding lookup out of range, in every actor
-                raise ValueError(
-                    f"{Path(path) / INDEX}: vocab_size {self.index['vocab_size']}, but its shards hold token "
-                    f"id {top}"
-                )
+        check_token_ids(path, self.index, self.shards, hash_limit_bytes)
 
     @staticmethod
     def _map(path: Path, tokens: int, dtype: np.dtype) -> np.ndarray:
@@ -428,6 +436,12 @@ class SampleRange:
         _check_index(i, self.num_samples)
         return self.base.sample(self.start + i)
 
+    def __getattr__(self, name: str) -> Any:
+        """`documents(i)` where the base has it (packed data: raypar.core.data.documents), renumbered."""
+        if name != "documents" or not callable(getattr(self.base, "documents", None)):
+            raise AttributeError(name)
+        return lambda i: self.base.documents(self.start + i)
+
 
 def open_datasets(
     data_cfg: DataConfig, model_cfg: ModelConfig, hash_limit_bytes: int = 0
@@ -485,12 +499,12 @@ def open_dataset(
     if remote.is_uri(source):  # a prepared dataset on storage: copied to this node once, then mapped
         try:
             local = remote.local_copy(source, data_cfg.cache_dir)
-            return TokenDataset(local, seq_len, vocab_size, hash_limit_bytes)
+            return _open_prepared(local, seq_len, vocab_size, hash_limit_bytes)
         except (ValueError, OSError) as err:
             raise ConfigError(f"{key}: {err}") from None
     if source and (Path(source) / INDEX).is_file():
         try:
-            return TokenDataset(source, seq_len, vocab_size, hash_limit_bytes)
+            return _open_prepared(source, seq_len, vocab_size, hash_limit_bytes)
         except (ValueError, OSError) as err:  # a broken or incomplete prepared directory
             raise ConfigError(f"{key}: {err}") from None
     if source and Path(source).is_dir():
@@ -508,6 +522,17 @@ def open_dataset(
     cache_key = json.dumps([[f, os.path.getsize(f)] for f in files]).encode()
     out = Path(data_cfg.cache_dir) / f"text-{hashlib.sha256(cache_key).hexdigest()[:16]}"
     return _prepared(globs, out, seq_len, vocab_size, key, hash_limit_bytes)
+
+
+def _open_prepared(
+    path: str | os.PathLike[str], seq_len: int, vocab_size: int, hash_limit_bytes: int
+) -> Dataset:
+    """A prepared directory: a token stream, or packed documents with loss masks (raypar.core.data.packed)."""
+    if "packed" in read_index(path):
+        from raypar.core.data.packed import PackedDataset  # a module that imports this one
+
+        return PackedDataset(path, seq_len, vocab_size, hash_limit_bytes)
+    return TokenDataset(path, seq_len, vocab_size, hash_limit_bytes)
 
 
 def _prepared(

@@ -46,6 +46,29 @@ class ByteTokenizer:
     def record(self) -> dict[str, Any]:
         return {"kind": "bytes", "vocab_size": BYTE_VOCAB}
 
+    def hf_json(self) -> str:
+        """This tokenizer as a `tokenizers` tokenizer.json (what transformers' AutoTokenizer loads): token =
+        byte value. GPT-2's byte-level pre-tokenizer spells each byte as one printable character, and a BPE
+        model without merges maps that character to the byte's value; the byte-level decoder maps back."""
+        from tokenizers import Tokenizer as Impl
+        from tokenizers import decoders, models, pre_tokenizers
+
+        spelled = _bytes_to_unicode()
+        impl = Impl(models.BPE(vocab={spelled[b]: b for b in range(BYTE_VOCAB)}, merges=[]))
+        impl.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        impl.decoder = decoders.ByteLevel()
+        return impl.to_str()
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> character table, which `tokenizers`' ByteLevel pre-tokenizer applies (it exposes the
+    alphabet, `ByteLevel.alphabet()`, but not which byte each character stands for): printable Latin-1
+    bytes stand for themselves, the others for characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    others = [b for b in range(BYTE_VOCAB) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(BYTE_VOCAB + i) for i, b in enumerate(others)}}
+
 
 class HFTokenizer:
     def __init__(self, text: str, eos: str | None = None, where: str = "tokenizer"):

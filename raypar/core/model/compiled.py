@@ -31,12 +31,15 @@ from __future__ import annotations
 import fcntl
 import getpass
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+
+from raypar.core.plain_files import kind
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 THREADS_ENV = "TORCHINDUCTOR_COMPILE_THREADS"
@@ -106,8 +109,9 @@ def _kind(arg: torch.Tensor | float) -> tuple:
 @contextmanager
 def compile_lock() -> Iterator[None]:
     """Held by one process (or thread) of the node at a time: a file lock in inductor's cache directory."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
+    own_cache_dir(os.path.abspath(os.environ.get(CACHE_ENV) or default_cache_dir()))  # before any kernel
     with open(os.path.join(cache_dir(), "raypar-compile.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         yield
@@ -137,5 +141,38 @@ def inductor_env(compile_: bool, threads: int) -> dict[str, str]:
     node (a pool of compile processes per actor, competing with the node's other actors)."""
     if not compile_:
         return {}
+    return {CACHE_ENV: inductor_cache_dir(), THREADS_ENV: str(threads)}
+
+
+def inductor_cache_dir() -> str:
+    """The driver's TORCHINDUCTOR_CACHE_DIR, else /tmp/raypar_inductor_<user>: predictable, hence
+    `own_cache_dir`."""
     default = os.path.join(tempfile.gettempdir(), f"raypar_inductor_{getpass.getuser()}")
-    return {CACHE_ENV: os.environ.get(CACHE_ENV, default), THREADS_ENV: str(threads)}
+    return os.environ.get(CACHE_ENV, default)
+
+
+def own_cache_dir(path: str) -> None:
+    """Make `path` a directory of this user's alone (0700): created so, or tightened where this user made it
+    with the umask's mode (importing torch._inductor makes it already); PermissionError if it is not a
+    directory, belongs to another user or may be written by others. Inductor loads compiled code from it:
+    in a shared /tmp, another local account that made the (predictable) directory first, or may write
+    into it, could plant code there."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        pass  # not a directory: said below
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise PermissionError(f"{path}: the compile cache is {kind(info.st_mode)}, not a directory; refused")
+    if info.st_uid != os.getuid():
+        raise PermissionError(
+            f"{path}: the compile cache belongs to uid {info.st_uid}, not to this user (uid {os.getuid()}); "
+            f"refused (it could hold planted code): remove it or set {CACHE_ENV} to a directory of yours"
+        )
+    if info.st_mode & 0o022:
+        raise PermissionError(
+            f"{path}: the compile cache is writable by others (mode {stat.S_IMODE(info.st_mode):o}); refused "
+            f"(it could hold planted code): chmod 700 it"
+        )
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)

@@ -10,10 +10,10 @@ from typing import Any
 
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import ModelConfig
-from raypar.core.model import llama
+from raypar.core.model import llama, mixtral, qwen3_moe
 from raypar.core.model.stage import Family, Stage
 
-_REGISTERED = (llama.FAMILY,)
+_REGISTERED = (llama.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY)
 FAMILIES: dict[str, Family] = {f.name: f for f in _REGISTERED}
 
 

@@ -2,7 +2,9 @@
 
 One MoE layer replaces the dense MLP of every `moe_every`-th block. Per token, the router's softmax over the E
 experts picks the top k; the token's output is the sum of those experts' outputs weighted by their router
-probabilities (not renormalised: Switch/GShard; the router learns through these weights and the aux loss).
+probabilities: as they are (Switch/GShard, Qwen3-MoE's default `norm_topk_prob = false`; the router learns
+through these weights and the aux loss), or with `moe_renormalize` divided by their sum over the k
+(Mixtral, `norm_topk_prob = true`): Hugging Face's routers, softmax in fp32, then top-k, then the division.
 
 Capacity. Each expert takes at most C = ceil(capacity_factor * tokens * k / E) assignments per dispatch, where
 `tokens` is the GLOBAL count of the dispatch: the microbatch's tokens on every rank of the expert-parallel
@@ -175,6 +177,7 @@ class MoELayer(nn.Module, TPLayer):
         self.sp = sequence_parallel
         self.n_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.capacity_factor, self.aux_coef = cfg.moe_capacity_factor, cfg.moe_aux_loss_coef
+        self.renormalize = cfg.moe_renormalize
         self.group = tp_group
         # added to the probabilities for the top-k choice only; moved after each step (moe_balance)
         self.register_buffer("expert_bias", torch.zeros(self.n_experts), persistent=False)
@@ -219,6 +222,10 @@ class MoELayer(nn.Module, TPLayer):
             return load, prob_sum, tokens
         return group.all_reduce(load.clone(), "sum"), _SumOverCp.apply(prob_sum, group), tokens * group.size
 
+    def gate_weights(self, top: torch.Tensor) -> torch.Tensor:
+        """The combine weights of each token's k chosen experts from their router probabilities [T, k]."""
+        return top / top.sum(dim=-1, keepdim=True) if self.renormalize else top
+
     def combine(
         self, out: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, tokens: int
     ) -> torch.Tensor:
@@ -249,7 +256,7 @@ class MoELayer(nn.Module, TPLayer):
         tokens, k, n_exp = x.shape[0], self.top_k, self.n_experts
         probs = self.router(x)
         idx = (probs + self.expert_bias).topk(k, dim=-1).indices  # [T, k]; the bias only chooses
-        gate = probs.gather(1, idx)
+        gate = self.gate_weights(probs.gather(1, idx))
 
         # Switch/GShard load balancing over the replica's tokens of the microbatch (all its cp ranks).
         load = torch.bincount(idx.reshape(-1), minlength=n_exp)

@@ -19,9 +19,10 @@ class Expert(nn.Module):
 
     def __init__(self, cfg: ModelConfig, group: Group | None):
         super().__init__()
-        self.w_gate = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
-        self.w_up = ColumnParallelLinear(cfg.d_model, cfg.d_ff, group, copy_input=False)
-        self.w_down = RowParallelLinear(cfg.d_ff, cfg.d_model, group)
+        f = cfg.expert_d_ff
+        self.w_gate = ColumnParallelLinear(cfg.d_model, f, group, copy_input=False)
+        self.w_up = ColumnParallelLinear(cfg.d_model, f, group, copy_input=False)
+        self.w_down = RowParallelLinear(f, cfg.d_model, group)
         for linear in (self.w_gate, self.w_up, self.w_down):
             # The grouped GEMM reads the weights, not the linears, so zero-bubble cannot defer their weight
             # GEMMs to W: without the slot, raypar.core.pipeline.zb.attach leaves them to B.

@@ -60,8 +60,13 @@ class Stage(Protocol):
     cp_group: Group | None
 
     # -- compute (raypar.core.pipeline.executor, actors/worker.py) ---------------------------------------
-    def __call__(self, x: torch.Tensor, targets: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
-        """Model chunk `chunk`: token ids or hidden states in; hidden states, logits or the mean loss out."""
+    def __call__(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, chunk: int = 0,
+        documents: torch.Tensor | None = None, loss_tokens: float | None = None,
+    ) -> torch.Tensor:
+        """Model chunk `chunk`: token ids or hidden states in; hidden states, logits or the loss out (the sum
+        over target tokens over `loss_tokens`, None: their mean). `documents` [B, T]: packed documents that
+        attend only within themselves (raypar.core.model.attention_masks)."""
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """The first stage's embedding of this rank's tokens (zero-bubble B stops at its output)."""

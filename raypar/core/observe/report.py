@@ -339,6 +339,23 @@ def plot_timeline(rows: list[Row], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def history(values: list[Any], most: int = 6) -> str:
+    """A value's changes in order, e.g. the dp of a run that scaled "2→4→2"; past `most` changes the
+    first and last ones around a count."""
+    changes = [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
+    if len(changes) <= most:
+        return "→".join(map(str, changes))
+    head, tail = "→".join(map(str, changes[:3])), "→".join(map(str, changes[-2:]))
+    return f"{head}→…({len(changes) - 5} more)…→{tail}"
+
+
+def metrics_title(metrics: list[dict[str, Any]]) -> str:
+    """loss.png's title: the layout, with dp's history where the run scaled (dp=2→4→2)."""
+    last = metrics[-1]
+    dp = history([m["dp"] for m in metrics])
+    return f"loss and throughput (dp={dp}, pp={last['pp']}, tp={last['tp']})"
+
+
 def plot_metrics(metrics: list[dict[str, Any]], path: Path) -> None:
     """Loss (top) and tokens/s (bottom) against the step; dotted lines where the dp degree changed."""
     import matplotlib
@@ -390,8 +407,7 @@ def plot_metrics(metrics: list[dict[str, Any]], path: Path) -> None:
             )
     for ax in (top, bottom):
         ax.grid(color="#d0d0d0", linewidth=0.5)
-    last = metrics[-1]
-    top.set_title(f"loss and throughput (dp={last['dp']}, pp={last['pp']}, tp={last['tp']})", fontsize=11)
+    top.set_title(metrics_title(metrics), fontsize=11)
     fig.tight_layout()
     _stack_labels(fig, changes)  # after the layout: overlaps are decided by where the labels finally land
     write_figure(fig, path)  # aside, then renamed: never through a symlink planted at `path`

@@ -63,3 +63,4 @@ class StepReport:
     offload_update_s: float = 0.0  # CPU offload: the host update applied at the start of this call
     memory: MemoryReport = field(default_factory=MemoryReport)
     moe: dict[str, MoELayerReport] = field(default_factory=dict)  # global layer index -> its figures
+    target_tokens: int = 0  # the global batch's tokens that are trained on (raypar.core.data.documents)

@@ -14,11 +14,14 @@ positive lag; an actor alone in its stage has no peers and no lag.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from raypar.core.observe.step_report import StepReport
 from raypar.core.parallel.mesh import Coord
@@ -70,6 +73,21 @@ def _row_compute(row: Mapping[str, Any]) -> float:
     return sum(t1 - t0 for op, _, t0, t1 in row["events"] if op in COMPUTE_OPS)
 
 
+# Percentiles of the heatmap's cells its colour scale spans: a few outlier steps (a checkpoint, a compile, a
+# recovery) are ~10-100x a normal step and, on a linear scale to the maximum, leave every other cell black.
+CLIP = (5, 95)
+
+
+def colour_limits(cells: list[float]) -> tuple[float, float]:
+    """The heatmap's colour range: CLIP's percentiles of its finite cells (cells beyond take the end
+    colours)."""
+    finite = np.asarray([c for c in cells if math.isfinite(c)], dtype=float)
+    if not finite.size:
+        return 0.0, 1.0
+    low, high = (float(v) for v in np.percentile(finite, CLIP))
+    return low, high if high > low else low + 1e-9
+
+
 def plot_heatmap(rows: Iterable[Mapping[str, Any]], path: Path) -> None:
     """Actors x steps, colour = compute time: a slow actor is a bright row among its stage's peers."""
     import matplotlib
@@ -91,14 +109,16 @@ def plot_heatmap(rows: Iterable[Mapping[str, Any]], path: Path) -> None:
         for s, seconds in cells[who].items():
             grid[y][index[s]] = 1e3 * seconds
     fig, ax = plt.subplots(figsize=(10, 1.6 + 0.32 * len(actors)), dpi=110)
+    low, high = colour_limits([v for line in grid for v in line])
     image = ax.imshow(
-        grid, aspect="auto", cmap="magma", interpolation="nearest",
+        grid, aspect="auto", cmap="magma", interpolation="nearest", vmin=low, vmax=high,
         extent=(steps[0] - 0.5, steps[-1] + 0.5, len(actors) - 0.5, -0.5),
     )
     ax.set_yticks(range(len(actors)), [names[w] for w in actors], fontsize=8)
     ax.set_xlabel("step")
     ax.set_title("compute time per actor and step (ms): a straggler is a bright row among its stage's")
-    fig.colorbar(image, ax=ax, pad=0.01, label="ms")
+    label = f"ms (colours clipped to the {CLIP[0]}th-{CLIP[1]}th percentile: outlier steps do not wash out)"
+    fig.colorbar(image, ax=ax, pad=0.01, label=label, extend="both")
     fig.tight_layout()
     write_figure(fig, path)  # aside, then renamed: never through a symlink planted at `path`
     plt.close(fig)

@@ -89,14 +89,22 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad, ctx.group), None
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group) -> torch.Tensor:
-    """Causal attention of contiguous sequence shards: q [B, Hq, T/cp, hd], k/v [B, Hkv, T/cp, hd]."""
+def ulysses_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
+    core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Causal attention of contiguous sequence shards: q [B, Hq, T/cp, hd], k/v [B, Hkv, T/cp, hd]. `core`
+    attends over the whole sequence of this rank's heads (None: causal SDPA; a document or window mask:
+    raypar.core.model.attention_masks)."""
     cp = group.size
     if k.shape[1] % cp:  # too few kv heads to split: repeat them up to the q heads (plain MHA)
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     q, k, v = (_SeqToHeads.apply(t, group) for t in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if core is None:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        y = core(q, k, v)
     return _HeadsToSeq.apply(y, group)
 
 
@@ -144,14 +152,9 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v]).contiguous()
         for step in range(cp):
             pending = ring.shift(kv) if step < cp - 1 else None  # overlaps the compute below
-            s = _scores(qf, _expand(kv[0], heads).float(), ring.mask(rank, (rank - step) % cp))
-            m_new = torch.maximum(m, s.amax(dim=-1))
-            safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing yet
-            p = torch.exp(s - safe.unsqueeze(-1))
-            rescale = torch.exp(m - safe)
-            denom = denom * rescale + p.sum(dim=-1)
-            acc = acc * rescale.unsqueeze(-1) + p @ _expand(kv[1], heads).float()
-            m = m_new
+            mask = ring.mask(rank, (rank - step) % cp)
+            if not _skipped(mask):
+                m, denom, acc = _merge_block(qf, kv, heads, mask, m, denom, acc)
             if pending is not None:
                 kv, handles = pending
                 for h in handles:
@@ -174,20 +177,43 @@ class _RingAttention(torch.autograd.Function):
                              torch.zeros_like(v, dtype=torch.float32)]).contiguous()
         scale = 1.0 / math.sqrt(q.shape[-1])
         for step in range(cp):
-            kb, vb = _expand(state[0], heads), _expand(state[1], heads)
-            p = torch.exp(_scores(qf, kb, ring.mask(rank, (rank - step) % cp)) - lse.unsqueeze(-1))
-            dp = dout @ vb.transpose(-1, -2)
-            ds = p * (dp - delta) * scale
-            dq += ds @ kb
-            dk = (ds.transpose(-1, -2) @ qf).unflatten(1, (-1, rep)).sum(2)
-            dv = (p.transpose(-1, -2) @ dout).unflatten(1, (-1, rep)).sum(2)
-            state = torch.stack([state[0], state[1], state[2] + dk, state[3] + dv])
+            mask = ring.mask(rank, (rank - step) % cp)
+            if not _skipped(mask):
+                kb, vb = _expand(state[0], heads), _expand(state[1], heads)
+                p = torch.exp(_scores(qf, kb, mask) - lse.unsqueeze(-1))
+                dp = dout @ vb.transpose(-1, -2)
+                ds = p * (dp - delta) * scale
+                dq += ds @ kb
+                dk = (ds.transpose(-1, -2) @ qf).unflatten(1, (-1, rep)).sum(2)
+                dv = (p.transpose(-1, -2) @ dout).unflatten(1, (-1, rep)).sum(2)
+                state = torch.stack([state[0], state[1], state[2] + dk, state[3] + dv])
             # After cp - 1 shifts the block in hand is rank + 1's: one more shift of its gradients returns it.
             send = state if step < cp - 1 else state[2:].contiguous()
             state, handles = ring.shift(send)
             for h in handles:
                 h.wait()
         return dq.type_as(q), state[0].type_as(k), state[1].type_as(v), None
+
+
+def _skipped(mask: torch.Tensor | None) -> bool:
+    """A block no query here may see (another document, outside a window: attention_masks.MaskedRing):
+    its scores would all be -inf, so it adds nothing forward or backward and is not computed."""
+    return mask is not None and not bool(mask.any())
+
+
+def _merge_block(
+    qf: torch.Tensor, kv: torch.Tensor, heads: int, mask: torch.Tensor | None, m: torch.Tensor,
+    denom: torch.Tensor, acc: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One key/value block merged into the running (max, sum, output) by online softmax."""
+    s = _scores(qf, _expand(kv[0], heads).float(), mask)
+    m_new = torch.maximum(m, s.amax(dim=-1))
+    safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing yet
+    p = torch.exp(s - safe.unsqueeze(-1))
+    rescale = torch.exp(m - safe)
+    denom = denom * rescale + p.sum(dim=-1)
+    acc = acc * rescale.unsqueeze(-1) + p @ _expand(kv[1], heads).float()
+    return m_new, denom, acc
 
 
 # parallel.cp_style -> this rank's attention over `group` for a sequence of `seq_len` tokens, called as

@@ -211,7 +211,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: Group | None) -> torch.Tensor:
+    def forward(
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: Group | None,
+        weights: torch.Tensor | None,
+    ) -> torch.Tensor:
         in_dtype, in_shape = logits.dtype, logits.shape
         rows = logits.shape[-1]
         logits = logits.float().reshape(-1, rows)
@@ -228,25 +231,32 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # One all-reduce for both per-token sums instead of two.
         sums = _all_reduce(torch.stack([exp.sum(dim=-1), target_logit]), group)
         sum_exp, target_logit = sums[0], sums[1]
-        loss = (sum_exp.log() - target_logit).mean()
+        per_token = sum_exp.log() - target_logit
+        loss = per_token.mean() if weights is None else (per_token * weights.reshape(-1)).sum()
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, owned)
+        ctx.save_for_backward(softmax, local, owned, weights)
         ctx.in_dtype, ctx.in_shape = in_dtype, in_shape
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        softmax, local, owned = ctx.saved_tensors
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, local, owned, weights = ctx.saved_tensors
         grad = softmax.clone()
         grad[torch.arange(grad.shape[0], device=grad.device), local] -= owned.to(grad.dtype)
-        grad.mul_(grad_loss / grad.shape[0])
-        return grad.view(ctx.in_shape).to(ctx.in_dtype), None, None
+        if weights is None:
+            grad.mul_(grad_loss / grad.shape[0])
+        else:
+            grad.mul_(grad_loss * weights.reshape(-1, 1))
+        return grad.view(ctx.in_shape).to(ctx.in_dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits_shard: torch.Tensor, targets: torch.Tensor, group: Group | None
+    logits_shard: torch.Tensor, targets: torch.Tensor, group: Group | None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean cross-entropy over all tokens of `logits_shard` [..., vocab/tp] (this rank's vocabulary rows,
-    as a ColumnParallelLinear head produces them) against global `targets` [...]; computed in fp32."""
-    return _VocabParallelCrossEntropy.apply(logits_shard.reshape(*targets.shape, -1), targets, group)
+    """Cross-entropy of `logits_shard` [..., vocab/tp] (this rank's vocabulary rows, as a
+    ColumnParallelLinear head produces them) against global `targets` [...], computed in fp32: the mean
+    over all tokens, or with `weights` [...] (fp32) the weighted sum (a target-token mask over a token
+    count: raypar.core.model.attention_masks.target_weights)."""
+    return _VocabParallelCrossEntropy.apply(logits_shard.reshape(*targets.shape, -1), targets, group, weights)

@@ -31,9 +31,11 @@ class ForwardBackend:
     def __init__(
         self, model: Any, rank: int, topo: Topology, transport: Transport, act_like: torch.Tensor,
         batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        documents: Callable[[int], torch.Tensor | None] | None = None, loss_tokens: float | None = None,
     ):
         self.model, self.rank, self.topo, self.transport = model, rank, topo, transport
         self.act_like, self.batch = act_like, batch
+        self.documents, self.loss_tokens = documents, loss_tokens  # as ModelBackend's
         self.inputs: dict[Unit, torch.Tensor] = {}
         self.outputs: dict[Unit, torch.Tensor] = {}
         self.losses: list[torch.Tensor] = []
@@ -52,7 +54,11 @@ class ForwardBackend:
         unit = (chunk, mb)
         first, last = self.topo.is_first(self.rank, chunk), self.topo.is_last(self.rank, chunk)
         inputs, targets = self.batch(mb) if first or last else (None, None)
-        out = self.model(inputs if first else self.inputs[unit], targets if last else None, chunk=chunk)
+        documents = self.documents(mb) if self.documents is not None else None
+        out = self.model(
+            inputs if first else self.inputs[unit], targets if last else None, chunk=chunk,
+            documents=documents, loss_tokens=self.loss_tokens,
+        )
         self.model.take_aux_loss()
         if last:
             self.losses.append(out.float())

@@ -235,7 +235,9 @@ class ModelBackend:
     (`freed`): the actor seeds dropout and measures saved activations there.
 
     The loss of a microbatch is divided by `n_mb` (the replica's loss is the mean over its microbatches)
-    and multiplied by the loss `scale` (fp16).
+    and multiplied by the loss `scale` (fp16). With `loss_tokens` the microbatch's loss is its sum over
+    target tokens divided by it (raypar.core.data.documents.loss_share), and `documents(mb)` gives the
+    microbatch's document ids [B, T] for masked attention (None: no documents).
     A schedule that splits backward (`split_backward`) defers weight GEMMs to a `raypar.core.pipeline.zb`
     store:
     backward_input takes the input gradient and the other parameters' with one `torch.autograd.grad`, the
@@ -249,8 +251,11 @@ class ModelBackend:
         batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]], n_mb: int,
         send_grad: Callable[[int, int, torch.Tensor], None] | None = None,
         scale: float = 1.0,
+        documents: Callable[[int], torch.Tensor | None] | None = None,
+        loss_tokens: float | None = None,
     ):
         self.model, self.rank, self.topo, self.transport = model, rank, topo, transport
+        self.documents, self.loss_tokens = documents, loss_tokens
         self.act_like, self.batch, self.n_mb, self.scale = act_like, batch, n_mb, scale
         self.send_grad = send_grad or transport.send_grad
         self.inputs: dict[Unit, torch.Tensor] = {}
@@ -305,10 +310,15 @@ class ModelBackend:
             elif last:
                 targets = self.batch(mb)[1]
 
+            documents = self.documents(mb) if self.documents is not None else None
+
             def forward() -> torch.Tensor:
                 if first:  # the embedding's output: where the first stage's input gradient (B) stops
                     self.inputs[unit] = self.model.embed_tokens(ids)
-                return self.model(self.inputs[unit], targets if last else None, chunk=chunk)
+                return self.model(
+                    self.inputs[unit], targets if last else None, chunk=chunk, documents=documents,
+                    loss_tokens=self.loss_tokens,
+                )
 
             out = self.run_forward(chunk, mb, forward)
             aux = self.model.take_aux_loss()  # MoE load balancing: part of the training loss

@@ -133,8 +133,8 @@ def stage_params(
     for layer in layers:
         dense += cost.norm_params(m) + attn // tp
         if is_moe_layer(m, layer):
-            dense += m.moe_experts * d + m.moe_shared_experts * 3 * d * m.d_ff // tp  # router, shared experts
-            expert += m.moe_experts // ep * 3 * d * m.d_ff // tp
+            dense += m.moe_experts * d + m.moe_shared_experts * 3 * d * m.expert_d_ff // tp  # router, shared
+            expert += m.moe_experts // ep * 3 * d * m.expert_d_ff // tp
         else:
             dense += 3 * d * m.d_ff // tp
     if first:
@@ -195,7 +195,7 @@ def moe_activation_bytes(m: ModelConfig, tp: int, n: int, precision: str, ep: in
     GEMM adds per received row its two int64 places (into the order by expert and back) and the int32 end
     of each local expert's rows (the weights it keeps are the parameters); shared experts save what a
     dense MLP of their width does."""
-    e, d, f = PRECISION_BYTES[precision], m.d_model, m.d_ff // tp
+    e, d, f = PRECISION_BYTES[precision], m.d_model, m.expert_d_ff // tp
     rows = int(m.moe_top_k * n * kept_share(m))
     router = 4 * n * m.moe_experts + 4 * m.moe_experts  # probabilities, and the aux loss's per-expert shares
     grouped = 4 * (m.moe_experts // ep)

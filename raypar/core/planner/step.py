@@ -184,9 +184,10 @@ def _block_s(
     # Experts: each receives k rows per token over its share of the experts (ep gathers E/ep of them on a
     # rank), so a bigger ep makes fuller expert GEMMs; shared experts and the router run on every row.
     kept = m.moe_top_k * kept_share(m)
-    expert_eff = efficiency(rows * kept * ep / m.moe_experts, half) * efficiency(m.d_ff / tp, half)
-    routed = 6.0 * kept * 3 * d * m.d_ff / peak / tp / expert_eff
-    shared = 6.0 * (m.moe_shared_experts * 3 * d * m.d_ff / tp + d * m.moe_experts) / peak
+    f = m.expert_d_ff
+    expert_eff = efficiency(rows * kept * ep / m.moe_experts, half) * efficiency(f / tp, half)
+    routed = 6.0 * kept * 3 * d * f / peak / tp / expert_eff
+    shared = 6.0 * (m.moe_shared_experts * 3 * d * f / tp + d * m.moe_experts) / peak
     return out + routed + shared / dense_eff
 
 

@@ -1,8 +1,10 @@
 """The llama family's blocks: RMSNorm, RoPE, SwiGLU, grouped-query attention; one block serves Llama 2/3.x,
 Qwen2/2.5 and Qwen3 dense through switches of `ModelConfig` (a variant is a field, not a copied block):
 `qkv_bias` (Qwen2: biases on q, k and v, split by tp with their column-parallel rows), `qk_norm` (Qwen3: an
-RMSNorm over each head's q and k before RoPE), `head_dim_override` (Qwen3: a head width of its own) and
-`rope_scaling` (Llama 3.x: raypar.core.model.llama.rope).
+RMSNorm over each head's q and k before RoPE), `head_dim_override` (Qwen3: a head width of its own),
+`rope_scaling` (Llama 3.x: raypar.core.model.llama.rope) and `sliding_window` (each token attends to the last
+this many; the stage builds the masked attention, raypar.core.model.attention_masks, and the KV cache keeps
+that many positions).
 
 Tensor parallelism only swaps layers (see raypar.core.parallel.tp): heads, the MLP hidden dim and the
 vocabulary are split across ranks; activations between blocks are full on every rank.
@@ -29,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from collectives import Group
 from raypar.core.config.options import FULL, NO_RECOMPUTE, SELECTIVE
 from raypar.core.config.schema import ModelConfig
+from raypar.core.model import attention_masks
 from raypar.core.model.compiled import Compilable, apply_rope, rms_norm, rotate, swiglu
 from raypar.core.model.llama.rope import rope_tables
 from raypar.core.model.moe import MoELayer
@@ -105,7 +108,7 @@ class Attention(nn.Module, TPLayer, Compilable):
     def __init__(self, cfg: ModelConfig, group: Group | None, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.head_dim, self.sp = group, cfg.head_dim, sequence_parallel
-        self.dropout, self.selective = cfg.dropout, False
+        self.dropout, self.selective, self.window = cfg.dropout, False, cfg.sliding_window
         self.n_heads = cfg.n_heads // tp_size(group)
         self.n_kv_heads = cfg.n_kv_heads // tp_size(group)
         d, hd, bias = cfg.d_model, cfg.head_dim, cfg.qkv_bias
@@ -122,8 +125,8 @@ class Attention(nn.Module, TPLayer, Compilable):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend = None
     ) -> torch.Tensor:
         """`attend(q, k, v)`: context-parallel causal attention (raypar.core.parallel.cp) when the sequence is
-        split
-        across a cp group; None: all tokens are here, plain SDPA."""
+        split across a cp group, or attention under a document / window mask
+        (raypar.core.model.attention_masks); None: all tokens are here, plain causal SDPA."""
         # once for wq, wk and wv: this rank's whole sequence (all-gathered under SP) on every tp rank
         x = gather_from_sp(x, self.group) if self.sp else copy_to_tp(x, self.group)
         q, k, v = self.project(x)
@@ -151,7 +154,7 @@ class Attention(nn.Module, TPLayer, Compilable):
         attend: Attend,
     ) -> torch.Tensor:
         q, k = self.region(rotate)(q, k, cos, sin)
-        if attend is not None:  # context parallel (no attention dropout: config rejects it)
+        if attend is not None:  # context parallel or masked (no attention dropout: config rejects it)
             return attend(q, k, v)
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
@@ -165,6 +168,16 @@ class Attention(nn.Module, TPLayer, Compilable):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        # -- sliding window (attention_masks): the cache keeps the last `window` positions --
+        if self.window:
+            if q.shape[2] > 1:  # prefill: the cache was empty, so q and k are the same positions
+                window = attention_masks.AttentionMask(None, self.window)
+                y = attention_masks.masked_attention(q, k, v, window)
+            else:
+                seen = slice(-self.window, None)
+                y = F.scaled_dot_product_attention(q, k[:, :, seen], v[:, :, seen], enable_gqa=True)
+            return self.output(y), (k[:, :, -self.window :], v[:, :, -self.window :])
+        # -- sliding window: end --
         # Prefill is causal over the prompt; a single new token attends to everything cached.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=True)
         return self.output(y), (k, v)
@@ -187,10 +200,11 @@ class SwiGLU(nn.Module, TPLayer, Compilable):
 
 def shared_experts(cfg: ModelConfig, group: Group | None, sequence_parallel: bool) -> SwiGLU | None:
     """An MoE block's shared experts (raypar.core.model.moe): moe_shared_experts SwiGLUs side by side, i.e.
-    one of moe_shared_experts x d_ff hidden units, split over tp like the dense MLP; None without."""
+    one of moe_shared_experts x expert_d_ff hidden units, split over tp like the dense MLP; None without."""
     if not cfg.moe_shared_experts:
         return None
-    return SwiGLU(dataclasses.replace(cfg, d_ff=cfg.moe_shared_experts * cfg.d_ff), group, sequence_parallel)
+    width = cfg.moe_shared_experts * cfg.expert_d_ff
+    return SwiGLU(dataclasses.replace(cfg, d_ff=width), group, sequence_parallel)
 
 
 class Block(nn.Module):

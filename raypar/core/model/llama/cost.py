@@ -33,7 +33,7 @@ def _block_params(cfg: ModelConfig, layer: int, experts: int) -> int:
     block (plus its shared experts and router)."""
     d = cfg.d_model
     if is_moe_layer(cfg, layer):
-        experts_params = (experts + cfg.moe_shared_experts) * 3 * d * cfg.d_ff
+        experts_params = (experts + cfg.moe_shared_experts) * 3 * d * cfg.expert_d_ff
         return attention_params(cfg) + experts_params + d * cfg.moe_experts
     return attention_params(cfg) + 3 * d * cfg.d_ff
 

@@ -194,6 +194,9 @@ def export_refusal(model: dict[str, Any]) -> str | None:
     for key in ("moe_shared_experts", "moe_experts"):  # the most specific field first
         if model.get(key):
             return f"model.{key}={model[key]}: Hugging Face's LlamaForCausalLM has no experts"
+    if model.get("sliding_window"):  # Llama has no window; Qwen2's is per layer and not a full model's
+        window = model["sliding_window"]
+        return f"model.sliding_window={window}: exported, its attention would see the whole context"
     if model.get("qk_norm") and model.get("qkv_bias"):
         return "model.qkv_bias with model.qk_norm: Qwen3's attention_bias would add an o_proj bias too"
     return None

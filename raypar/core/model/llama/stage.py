@@ -20,6 +20,7 @@ from torch import nn
 from collectives import Group
 from raypar.core.config.options import NO_RECOMPUTE, RING
 from raypar.core.config.schema import ModelConfig
+from raypar.core.model import attention_masks
 from raypar.core.model.compiled import Compilable
 from raypar.core.model.llama.blocks import Attend, Block, make_norm
 from raypar.core.model.llama.rope import rope_tables
@@ -98,15 +99,27 @@ class LlamaStage(nn.Module):
         if init:  # False: the caller fills every parameter (from a checkpoint or Hugging Face files)
             self.init_weights(seed)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, chunk: int = 0,
+        documents: torch.Tensor | None = None, loss_tokens: float | None = None,
+    ) -> torch.Tensor:
         """Run model chunk `chunk`. x: token ids [B, T] into the first stage's chunk 0, hidden states
         [B, T, d] elsewhere. Returns hidden states [B, T, d] except from the last stage's last chunk: there
-        the mean loss over all B*T tokens given `targets`, else this rank's logits [B, T, vocab/tp]."""
+        the loss given `targets`, else this rank's logits [B, T, vocab/tp]. The loss is the sum over this
+        rank's target tokens (targets not attention_masks.IGNORE) divided by `loss_tokens` (None: by their
+        number, a mean). `documents` [B, T] (full sequence): packed documents that attend only within
+        themselves, positions restarting at each (raypar.core.model.attention_masks)."""
         seq = x.shape[1]  # of the whole sequence: token ids are full, hidden states T/(cp tp) or T/cp
         if x.dim() == 3:
             seq *= tp_size(self.tp_group) if self.sp else 1
             seq *= tp_size(self.cp_group)
-        cos, sin, attend = self._rope_and_attention(seq)
+        # -- document / sliding-window masks (attention_masks): begin --
+        if documents is not None or self.cfg.sliding_window:
+            mask = attention_masks.AttentionMask(documents, self.cfg.sliding_window)
+            cos, sin, attend = self.masked_layout(seq, mask)
+        else:
+            cos, sin, attend = self._rope_and_attention(seq)
+        # -- document / sliding-window masks: end --
         h = self.embed_tokens(x) if x.dim() == 2 else x
         for i in self.chunks[chunk]:
             h = self.layers[str(i)](h, cos, sin, attend)
@@ -118,7 +131,16 @@ class LlamaStage(nn.Module):
             return logits
         if self.cp_group is not None:
             targets = cp.shard(targets, self.cp_group, self.cp_style)
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+        weights = attention_masks.target_weights(targets, loss_tokens)
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, weights)
+
+    def masked_layout(
+        self, seq: int, mask: attention_masks.AttentionMask
+    ) -> tuple[torch.Tensor, torch.Tensor, Attend]:
+        """RoPE tables and attention of this rank's tokens under a document / window `mask`."""
+        return attention_masks.attention_layout(
+            self.rope_cos, self.rope_sin, seq, mask, self.cp_group, self.cp_style
+        )
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids [B, T] -> this rank's hidden states: its cp share of the tokens, embedded (and under SP,
