@@ -56,7 +56,7 @@ def load(ckpt_uri: str, device: str = "cpu") -> tuple[LlamaStage, Tokenizer]:
         for name, p in model.named_parameters():
             p.copy_(reader.read_full(model.init_source(name)))
     model.load_routing_biases(checkpoint_read.routing_biases(reader, model.routing_biases()))
-    return model.to(device).eval(), from_record(reader.meta.get("tokenizer"))
+    return model.to(device).eval(), from_record(reader.meta.get("tokenizer"), f"{ckpt_uri} meta.tokenizer")
 
 
 class Decoder:
@@ -155,6 +155,10 @@ def sample(
     model: LlamaStage, tok: Tokenizer, prompt: str, max_tokens: int, temperature: float = 0.8,
     top_p: float = 0.95, seed: int = 0,
 ) -> str:
+    try:  # a command line that is not UTF-8 reaches Python as lone surrogates (PEP 383)
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"--prompt: not valid UTF-8 text (at character {err.start})") from None
     ids = [int(i) for i in tok.encode_batch([prompt])[0]]
     if not ids:
         raise ValueError("--prompt: encodes to no token; give some text")
