@@ -327,6 +327,7 @@ class TrainingLoop:
             known = shared_paths.check_nodes(self.cfg, self.samples)
             node_check.check_autoscaled_storage(self.cfg, self.address, seen_elsewhere=len(known) > 1)
             self.actor_mesh.node_check = node_check.NodeCheck(self.cfg, self.samples, known)
+            self.actor_mesh.say = self.event
             # and a layout no node (or node type) can hold; one that needs more nodes says so
             verdict = capacity.check(self.cfg, self.target_dp)
             control = self._claim_name()
