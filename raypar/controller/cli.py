@@ -21,7 +21,6 @@ from raypar.controller import ray_env, stopping
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.rules import check_tracker_packages
 from raypar.core.config.schema import Config
-from raypar.core.run_config import load_config
 
 
 class UsageError(Exception):
@@ -94,7 +93,9 @@ def _parser() -> argparse.ArgumentParser:
         "--out", required=True, help="output directory, or a pyarrow.fs URI (s3://bucket/path, gs://, hdfs://)"
     )
     prepare.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json (default: byte-level)")
-    prepare.add_argument("--column", default="text", help="the text column of tables (default: text)")
+    prepare.add_argument(  # appended, so that a second --column is refused rather than silently the one kept
+        "--column", action="append", help="the text column of tables (default: text)"
+    )
     prepare.add_argument("--eos", metavar="TOKEN", help="the token between documents (default: found)")
     prepare.add_argument("--no-progress", action="store_true", help="no progress bar")
     prepare.add_argument(
@@ -216,6 +217,12 @@ def _check_outputs(cfg: Config, run_dir: Path) -> None:
             raise ConfigError(f"checkpoint.dir: {err}") from None
         if isinstance(fs, checkpoint.pafs.LocalFileSystem):
             _writable_dir(Path(path), "checkpoint.dir")
+    if cfg.log.backends:  # where the trackers write (issue 45: refused before the actors, not at step 0)
+        from raypar.core.observe import tracker_backends, trackers
+
+        _writable_dir(Path(trackers.resolved(cfg.log, run_dir, "").dir), "log.dir")
+        if "mlflow" in cfg.log.backends and cfg.log.mlflow_uri:
+            tracker_backends.check_mlflow_uri(cfg.log.mlflow_uri)
 
 
 # Resuming reads every shard's bytes up front (sha256) when the checkpoint is at most this big; above it
@@ -296,6 +303,8 @@ def _train(args: argparse.Namespace) -> int:
             f"--name: must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit "
             f"(it names a directory under runs/), got {args.name!r}"
         )
+    from raypar.core.run_config import load_config  # imports torch: seconds, after main's signal handlers
+
     profile = [f"train.profile_steps={json.dumps(args.profile_steps)}"] if args.profile_steps else []
     cfg = load_config(args.config, args.set + profile)
     check_tracker_packages(cfg)  # the driver alone writes to the trackers
@@ -347,6 +356,7 @@ def _train(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from raypar.core.planner import rank
     from raypar.core.planner import search as plan
+    from raypar.core.run_config import load_config
 
     cfg = load_config(args.config, args.set)
     if args.devices <= 0:
@@ -398,8 +408,14 @@ def _prepare(args: argparse.Namespace) -> int:
     from raypar.core.data import remote
     from raypar.core.data.tokenizer import load
 
+    if args.column and len(args.column) > 1:
+        raise UsageError(
+            f"--column: one text column per document, got {len(args.column)} ({', '.join(args.column)}); "
+            "join the columns into one before preparing"
+        )
+    column = args.column[0] if args.column else "text"
     if args.format != "text" or args.pack == "documents":
-        return _prepare_packed(args)
+        return _prepare_packed(args, column)
     if "://" not in args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out: {args.out} exists and is not a directory")
     if "://" in args.out:
@@ -409,7 +425,7 @@ def _prepare(args: argparse.Namespace) -> int:
             raise UsageError(f"--out: {err}") from None
     try:
         index = data.prepare(args.sources, args.out, tokenizer=load(args.tokenizer, args.eos),
-                             column=args.column, progress=not args.no_progress)
+                             column=column, progress=not args.no_progress)
     except FileExistsError as err:
         raise UsageError(f"--out: {err}") from None
     except ConfigError:  # already names its key (--tokenizer, --column, a source file)
@@ -423,7 +439,7 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prepare_packed(args: argparse.Namespace) -> int:
+def _prepare_packed(args: argparse.Namespace, column: str) -> int:
     """Conversations, prompt/completion pairs or whole documents packed into samples with loss masks and
     document boundaries (raypar.core.data.chat, raypar.core.data.packed); every row is checked before
     anything is written."""
@@ -442,7 +458,7 @@ def _prepare_packed(args: argparse.Namespace) -> int:
         eos = [] if tok.eos_id is None else [tok.eos_id]
 
         def texts() -> Any:
-            for batch in Corpus.open(args.sources, args.column).batches(text=args.tokenizer is not None):
+            for batch in Corpus.open(args.sources, column).batches(text=args.tokenizer is not None):
                 for ids in tok.encode_batch(batch):
                     ids = np.concatenate([ids.astype(np.uint32), np.asarray(eos, dtype=np.uint32)])
                     yield ids, np.ones(len(ids), dtype=np.uint8)
@@ -600,8 +616,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    stopping.install()
     try:
+        stopping.install()  # first, and in the try: a SIGTERM from here on is one line and 143 (issue 45)
         args = _parser().parse_args(argv)
         if args.command in ("train", "scale", "status"):
             ray_env.prepare(args.address)  # before anything imports Ray, which reads it then

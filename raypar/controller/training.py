@@ -304,6 +304,17 @@ class TrainingLoop:
             self.event(self.actor_mesh.scale_to(max(usable), self.cfg.parallel.placement_wait_s))
         return step
 
+    def _drop_orphaned_checkpoint(self) -> bool:
+        """After a recovery that dropped replicas: a checkpoint being written by one of their actors cannot
+        complete. Drop it (the last published one stands), rather than meet its failure later as a second
+        one for the same lost actor (issue 45). True if one was dropped."""
+        pending = self.pending
+        if pending is None or all(c in self.actor_mesh.actors for c in pending.writes.values()):
+            return False
+        self._drop_pending()
+        self.event(f"checkpoint step {pending.step} dropped with the replicas writing it; written again")
+        return True
+
     def _drop_pending(self) -> None:
         """The checkpoint being written is abandoned: the actors that write it are gone or set up afresh;
         the last published checkpoint stands."""
@@ -324,6 +335,7 @@ class TrainingLoop:
             known = shared_paths.check_nodes(self.cfg, self.samples)
             node_check.check_autoscaled_storage(self.cfg, self.address, seen_elsewhere=len(known) > 1)
             self.actor_mesh.node_check = node_check.NodeCheck(self.cfg, self.samples, known)
+            self.actor_mesh.say = self.event
             # and a layout no node (or node type) can hold; one that needs more nodes says so
             verdict = capacity.check(self.cfg, self.target_dp)
             control = self._claim_name()
@@ -437,6 +449,8 @@ class TrainingLoop:
                         self.event(f"{failure}; abandoned, training goes on")
                         continue
                     redo = self._recover(failure, step)
+                    if self._drop_orphaned_checkpoint():  # written again at this boundary, by the survivors
+                        rewrite = True
                     if redo < step:
                         self._open_logs(redo)
                         bar.reset(total=end)
