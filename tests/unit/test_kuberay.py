@@ -1,7 +1,7 @@
 """examples/kuberay/: the manifests parse, their worker groups (read by Ray's own KubeRay converter, what
 the capacity check reads in a KubeRay pod) declare the custom resources the example config's
 `parallel.node_type` asks for, every worker pod drains its Ray node within its grace period, and the
-RayJob's entrypoint is the resumable one. tests/cluster/test_kuberay_job.py runs that entrypoint."""
+RayJob's entrypoint is the resumable one (`--resume latest` starts at step 0 with no checkpoint yet)."""
 
 from __future__ import annotations
 
@@ -104,3 +104,20 @@ def test_rayjob_resumes_on_the_shared_claim():
     assert cfg.checkpoint.dir.startswith("/mnt/checkpoints/") and args[
         args.index("--run-dir") + 1
     ].startswith("/mnt/checkpoints/")
+
+
+def test_resume_latest_starts_fresh_only_where_no_checkpoint_was_ever_written(tmp_path, capsys):
+    """The RayJob's `--resume latest` on its first submission (an empty checkpoint.dir, or none yet):
+    step 0, said on one line. A checkpoint.dir holding only damaged step directories is still refused
+    (the control: starting over there would silently throw a run away)."""
+    from raypar.controller import cli
+    from tests.support.runs import tiny
+
+    root = tmp_path / "ckpt"
+    assert cli._resolve_resume(tiny(f"checkpoint.dir='{root}'"), "latest") is None
+    root.mkdir()
+    assert cli._resolve_resume(tiny(f"checkpoint.dir='{root}'"), "latest") is None
+    assert "--resume latest: no checkpoint under" in capsys.readouterr().err
+    (root / "step_00000004").mkdir()  # a step directory without its manifest
+    with pytest.raises(ConfigError, match="no intact checkpoint"):
+        cli._resolve_resume(tiny(f"checkpoint.dir='{root}'"), "latest")
