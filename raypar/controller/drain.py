@@ -238,6 +238,11 @@ class Departures:
             self.given_up |= set(drains)
             self._checkpoint_last_copy(step, err)
             return
+        except Exception:  # the deadline came first (the leavers died mid-move), or another failure
+            self.given_up |= set(drains)
+            self.loop.event(f"moving replica(s) {sorted(leaving)} off the draining node failed before step "
+                            f"{step} (the deadline came first?): the failure path recovers them")  # fmt: skip
+            raise
         self.loop.event(f"{line} (before step {step}, {time.perf_counter() - start:.1f}s)")
 
     def _checkpoint_last_copy(self, step: int, err: LastCopy) -> None:

@@ -3,18 +3,19 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from actors.spot_watch import SpotWatch, parse_notice
 from raypar.controller import cli, drain
 from raypar.core.parallel.mesh import Coord
+from tests.support.metadata_stub import metadata_stub
 
 NODE = "ab" * 28
 
@@ -62,37 +63,15 @@ class _Recorded(SpotWatch):
         return f"drain by {deadline:.0f}"
 
 
-class _Stub(http.server.BaseHTTPRequestHandler):
-    answer: tuple[int, bytes] = (404, b"")
-
-    def do_PUT(self) -> None:  # IMDSv2's session token
-        self._send(200, b"token")
-
-    def do_GET(self) -> None:
-        assert self.headers["X-aws-ec2-metadata-token"] == "token"
-        self._send(*self.answer)
-
-    def _send(self, code: int, body: bytes) -> None:
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture
-def stub() -> Iterator[str]:
-    server = http.server.HTTPServer(("127.0.0.1", 0), _Stub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
+def stub() -> Iterator[tuple[str, Any]]:
+    with metadata_stub() as served:
+        yield served
 
 
 def test_spot_notice_becomes_a_drain_and_garbage_or_silence_is_said_once(stub):
-    watch = _Recorded(stub, NODE)
+    endpoint, _Stub = stub
+    watch = _Recorded(endpoint, NODE)
     _Stub.answer = (404, b"")
     assert watch.check() is None and not hasattr(watch, "asked")  # no notice: nothing
     for body in (b"<html>nope", b'{"action": "terminate"}', b'{"action": "reboot", "time": "x"}'):
@@ -107,3 +86,43 @@ def test_spot_notice_becomes_a_drain_and_garbage_or_silence_is_said_once(stub):
     _Stub.answer = (200, json.dumps({"action": "terminate", "time": "2030-01-01T00:02:00Z"}).encode())
     assert watch.check() == "drain by 1893456120"
     assert watch.asked == parse_notice(_Stub.answer[1]) and watch.check() is None  # once
+
+
+def _loop_on(node: str) -> SimpleNamespace:
+    loop = SimpleNamespace(events=[], name="r", status={})
+    loop.event = loop.events.append
+    loop.cfg = SimpleNamespace(parallel=SimpleNamespace(spot_notice="", placement_wait_s=300.0))
+    loop.actor_mesh = SimpleNamespace(nodes={Coord(0, 0, 0, 0): SimpleNamespace(node_id="cd" * 28),
+                                             Coord(1, 0, 0, 0): SimpleNamespace(node_id=node)})  # fmt: skip
+    return loop
+
+
+def test_leave_moves_before_the_deadline_or_says_why_not(monkeypatch):
+    """At a step boundary: the move gets half the time left to find room; a deadline already passed, or a
+    move that fails (the leavers died at the deadline), is said once and left to the failure path."""
+    asked = []
+    monkeypatch.setattr(
+        drain, "move_replicas", lambda mesh, leaving, wait_s: asked.append((leaving, wait_s)) or "moved"
+    )
+    for deadline, expect, said in (
+        (-1, "draining deadline passed before step 3", 1),
+        (60, "moved (before step 3", 2),
+    ):
+        loop = _loop_on(NODE)
+        departures = drain.Departures(loop)
+        departures.watch = SimpleNamespace(
+            current=lambda d=deadline: {NODE: drain.Drain(NODE, time.time() + d)}
+        )
+        departures.leave(3)
+        departures.leave(
+            4
+        )  # given up: said once; moved: the fake leaves the replica there, so it moves again
+        assert len(loop.events) == said and loop.events[0].startswith(expect), loop.events
+    assert asked[0][0] == {1} and 29 < asked[0][1] <= 30, asked  # half of the 60 s left
+    monkeypatch.setattr(drain, "move_replicas", lambda *a: (_ for _ in ()).throw(RuntimeError("actor died")))
+    loop = _loop_on(NODE)
+    departures = drain.Departures(loop)
+    departures.watch = SimpleNamespace(current=lambda: {NODE: drain.Drain(NODE, time.time() + 60)})
+    with pytest.raises(RuntimeError, match="actor died"):
+        departures.leave(5)
+    assert "failed before step 5" in loop.events[0] and departures.given_up == {NODE}
