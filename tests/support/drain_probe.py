@@ -7,11 +7,13 @@ the run is under way, the node of replica 1 is drained (`ray drain-node`, reason
 deadline). The drainer (a cloud provider, KubeRay) then removes the node: here once the run says it left
 the node, or, for a run that ignores draining, once two more steps are logged after the drain (the time
 compressed: the run cannot tell, as it never looks). An undisturbed run on the same cluster gives the
-reference losses. Prints one JSON object per run asked for (`--ignore` adds the negative control's).
+reference losses. Prints one JSON object: the runs asked for (`--ignore` adds the negative control's),
+and with `--spot` the spot watcher's drain of a free node against a stub metadata service.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -28,8 +30,10 @@ from ray.cluster_utils import Cluster
 from actors.control import control_name
 from raypar.controller.cli import status_lines
 from raypar.controller.connection import NAMESPACE
-from raypar.controller.drain import Departures
+from raypar.controller.drain import Departures, read_draining
+from raypar.controller.spot import SpotWatchers
 from raypar.controller.training import TrainingLoop
+from tests.support.metadata_stub import metadata_stub
 from tests.support.runs import losses, metrics, run, tiny
 
 SHAPE = ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3", "train.steps=8", "parallel.timeout_s=20"]
@@ -39,23 +43,36 @@ RAY = str(Path(sys.executable).parent / "ray")  # the venv's CLI, where PATH may
 WAIT_S = 240  # any one phase of a run on a loaded 2-core machine
 
 
-class _HeldLoop(TrainingLoop):
-    """Waits at the boundary before step DRAIN_AFTER_STEP + 1 until the node is drained: a tiny run's steps
-    are shorter than a `ray drain-node` call, so it would otherwise end first."""
+class _HeldDepartures(Departures):
+    """Holds the boundary before step DRAIN_AFTER_STEP + 1 until the node is drained and the run's watch has
+    seen it: a tiny run's steps are shorter than a `ray drain-node` call and than the watch's POLL_S, so it
+    would otherwise end, or reach the drainer's removal, first (benchmarks/drain.py times the notice)."""
 
-    drained = threading.Event()
+    def leave(self, step: int) -> None:
+        self.hold(step)
+        super().leave(step)
 
-    def _membership(self, control: Any, step: int) -> None:
-        if step == DRAIN_AFTER_STEP + 1 and not self.drained.wait(timeout=WAIT_S):
+    def hold(self, step: int) -> None:
+        if step != DRAIN_AFTER_STEP + 1:
+            return
+        if not self.loop.drained.wait(timeout=WAIT_S):
             raise AssertionError("the node was not drained")
-        super()._membership(control, step)
+        deadline = time.monotonic() + WAIT_S
+        while not self.draining():
+            assert time.monotonic() < deadline, f"the watch did not see the drain in {WAIT_S}s"
+            time.sleep(0.05)  # the watch's thread polls the GCS
 
 
-class IgnoringDepartures(Departures):
+class IgnoringDepartures(_HeldDepartures):
     """The negative control: draining is noticed but nothing leaves (raypar before this feature)."""
 
     def leave(self, step: int) -> None:
-        return None
+        self.hold(step)
+
+
+class _HeldLoop(TrainingLoop):
+    departures_class = _HeldDepartures
+    drained: threading.Event
 
 
 class _IgnoringLoop(_HeldLoop):
@@ -75,10 +92,9 @@ def _wait(what: str, done: Any, thread: threading.Thread) -> None:
 def drained_run(cluster: Cluster, address: str, tmp: Path, name: str, loop_class: type) -> dict[str, Any]:
     """One run at SHAPE whose replica-1 node is drained after DRAIN_AFTER_STEP, then removed."""
     run_dir = tmp / name
-    loop_class.drained = threading.Event()
     loop = loop_class(tiny(*SHAPE), name, run_dir, progress=False)
-    result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(loop.execute() or {}), daemon=True)
+    loop.drained = threading.Event()
+    thread = threading.Thread(target=loop.execute, daemon=True)
     thread.start()
     _wait("the first steps", lambda: any(m["step"] >= DRAIN_AFTER_STEP for m in metrics(run_dir)), thread)
     victim = next(w.node_id for c, w in loop.actor_mesh.nodes.items() if c.dp == 1)
@@ -111,11 +127,39 @@ def drained_run(cluster: Cluster, address: str, tmp: Path, name: str, loop_class
     return {
         "metrics": metrics(run_dir),
         "events": loop.events,
-        "restarts": result.get("restarts"),
+        "restarts": loop.restarts,  # also of a run still going (its result not returned yet)
         "alive": thread.is_alive(),
         "left_s": left_s,
         "still_on_node": still_there,
         "status": status,
+    }
+
+
+def spot_drain() -> dict[str, Any]:
+    """The spot watcher actor (raypar.controller.spot, as the run starts it) on a node holding nothing,
+    against a stub metadata service: garbage first (said once, nothing drained), then a notice, which the
+    GCS must then list as that node draining with the notice's deadline."""
+    draining = read_draining()
+    node = next(n["NodeID"] for n in ray.nodes()
+                if n["Alive"] and n["Resources"].get("CPU") and n["NodeID"] not in draining)  # fmt: skip
+    deadline = int(time.time()) + 90
+    with metadata_stub() as (endpoint, stub):
+        watchers = SpotWatchers("probe", endpoint)
+        watchers.ensure({node})
+        stub.answer = (200, b"<html>maintenance</html>")
+        garbage = watchers.poll() + watchers.poll()
+        drained_by_garbage = node in read_draining()
+        when = datetime.datetime.fromtimestamp(deadline, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        stub.answer = (200, json.dumps({"action": "terminate", "time": when}).encode())
+        notice = watchers.poll()
+        listed = read_draining().get(node)
+        watchers.stop()
+    return {
+        "garbage": garbage,
+        "drained_by_garbage": drained_by_garbage,
+        "notice": notice,
+        "deadline": deadline,
+        "listed_deadline": listed and listed.deadline,
     }
 
 
@@ -137,6 +181,8 @@ def main() -> None:
         out["drained"] = drained_run(cluster, cluster.address, tmp, "drain", _HeldLoop)
         if "--ignore" in sys.argv:
             out["ignored"] = drained_run(cluster, cluster.address, tmp, "drain-ignored", _IgnoringLoop)
+        if "--spot" in sys.argv:
+            out["spot"] = spot_drain()
     finally:
         ray.shutdown()
         cluster.shutdown()
