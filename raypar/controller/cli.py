@@ -14,6 +14,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -257,10 +258,12 @@ def _check_fits(cfg: Config) -> None:
     plan.check_fits(cfg, props.total_memory, plan.device_named(props.name), props.name)
 
 
-def _resolve_resume(cfg: Config, which: str) -> str:
+def _resolve_resume(cfg: Config, which: str) -> str | None:
     """The checkpoint to resume from, checked before any actor starts: a step directory must be intact
     (exit 2 naming the bad file); under a root (or `latest`), the newest intact one is taken, and every
-    newer one passed over is named with the reason."""
+    newer one passed over is named with the reason. `latest` under a checkpoint.dir with no step directory
+    yet: None, the run starts at step 0 (a job submitted again and again, as KubeRay's RayJob does, keeps
+    one command line); damaged step directories only are still refused."""
     from raypar.core.checkpoint import format as checkpoint
     from raypar.core.checkpoint import reader as checkpoint_read
 
@@ -268,6 +271,11 @@ def _resolve_resume(cfg: Config, which: str) -> str:
         raise ConfigError("--resume latest: checkpoint.dir is not set")
     where = cfg.checkpoint.dir if which == "latest" else which
     try:
+        if which == "latest" and not any(
+            checkpoint.STEP_RE.fullmatch(d.base_name) for d in checkpoint.subdirs(where)
+        ):
+            print(f"raypar: --resume latest: no checkpoint under {where} yet; from step 0", file=sys.stderr)
+            return None
         fs, path = checkpoint.resolve_fs(where)
         if fs.get_file_info(f"{path}/{checkpoint.MANIFEST}").type == checkpoint.pafs.FileType.File:
             uri = where
@@ -318,7 +326,8 @@ def _train(args: argparse.Namespace) -> int:
     _check_compile_cache(cfg)
     _check_fits(cfg)
     plan.check_local_memory(cfg, ray_env.target(args.address))  # a local Ray's actors all live here
-    resume = shared_paths.absolute(_resolve_resume(cfg, args.resume)) if args.resume else None
+    resume = _resolve_resume(cfg, args.resume) if args.resume else None
+    resume = shared_paths.absolute(resume) if resume else None
     name = args.name or f"{Path(args.config).stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = args.run_dir or Path("runs") / name
     shared_paths.check_run_dir(str(run_dir))  # not in `ray job submit`'s temporary copy of the working dir
@@ -551,7 +560,15 @@ def status_lines(runs: list[dict[str, Any]]) -> list[str]:
             f"  {name:40s} node {where['node_id'][:12]}  {where['ip']}  pid {where['pid']}{_lag(where)}"
             for name, where in run["actors"].items()
         ]
+        lines += [  # raypar.controller.drain: these replicas move at the next step boundary
+            f"  draining: node {node[:12]}{_deadline(d['deadline'])} holds replica(s) {d['replicas']}"
+            for node, d in run.get("draining", {}).items()
+        ]
     return lines
+
+
+def _deadline(deadline: float | None) -> str:
+    return "" if deadline is None else f" (deadline in {deadline - time.time():.0f} s)"
 
 
 def _lag(where: dict[str, Any]) -> str:

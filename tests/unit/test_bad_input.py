@@ -529,6 +529,14 @@ def _cases() -> list:
             lambda f, s=sets: train(f, *[a for x in s for a in ("--set", x)]),
             lambda f, e=expect: e,
         )
+    # -- spot interruption notices (issue 49) ------------------------------------------------------------
+    for key, value in (("spot_notice", "gcp"), ("spot_endpoint", "169.254.169.254"),
+                       ("spot_endpoint", "file:///etc/passwd")):  # fmt: skip
+        case(
+            f"train-{key}-{value}",
+            lambda f, k=key, v=value: train(f, "--set", f"parallel.{k}='{v}'"),
+            lambda f, k=key: f"parallel.{k}: must be",
+        )
     # -- scale (status and --address: issue 9's other half) ---------------------------------------------
     for value in ("0", "-2", "nan"):
         case(f"scale-dp-{value}", lambda f, v=value: ["scale", "--run", "x", "--dp", v], lambda f: "--dp")

@@ -19,6 +19,8 @@ from raypar.core.config.schema import Config, ModelConfig, ParallelConfig
 # parallel.node_type names a custom resource (cluster.yaml: `g6: 1` on ray.worker.g6). Ray's own resources
 # pick no node type, and names with ":" are Ray's per-node ones (node:<ip>, accelerator_type:<name>).
 NODE_TYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
+# parallel.spot_endpoint: the instance metadata service (169.254.169.254 on EC2; a stub on 127.0.0.1 in tests)
+SPOT_ENDPOINT = re.compile(r"http://[A-Za-z0-9.\[\]:-]+(:[0-9]{1,5})?/?")
 RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
@@ -284,6 +286,14 @@ def validate(cfg: Config) -> None:
         not p.node_type or bool(NODE_TYPE_NAME.fullmatch(p.node_type)) and p.node_type not in RAY_RESOURCES,
         "parallel.node_type: must be empty or the custom resource a worker type declares (a letter, then "
         f"letters, digits, _ . -; not {', '.join(RAY_RESOURCES)}), got {p.node_type!r}",
+    )
+    _require(
+        p.spot_notice in ("", "aws"), f'parallel.spot_notice: must be "" or "aws", got {p.spot_notice!r}'
+    )
+    _require(
+        bool(SPOT_ENDPOINT.fullmatch(p.spot_endpoint)),
+        f"parallel.spot_endpoint: must be http://HOST[:PORT] (the instance metadata service), got "
+        f"{p.spot_endpoint!r}",
     )
     _require(
         p.zero in options.ZERO_STAGES,
