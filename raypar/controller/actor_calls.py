@@ -180,12 +180,18 @@ class ActorCalls:
         with ActorDiedError, or an actor Ray's state lists as DEAD (a lost node's actors, whose pings hang
         until the node is declared dead). A slow answer is not death: an actor that is busy (starting up,
         in a long step on a loaded node) is waited for, up to parallel.timeout_s; only one that stays
-        silent that long while Ray still calls it alive is given up on as hung."""
+        silent that long while Ray still calls it alive is given up on as hung: counted from when the hang
+        watchdog's probes first went unanswered, if they did (issue 45: not a second timeout_s on top)."""
         coords = list(self.actors) if coords is None else coords
         pings = {call(self.actors[c], WorkerEndpoints.where): c for c in coords if c in self.actors}
         dead: set[Coord] = set()
-        deadline = time.monotonic() + self.cfg.parallel.timeout_s
-        pending, wait_s = list(pings), PING_GRACE_S
+        now = time.monotonic()
+        silent = self.hang_watch.silent_since if self.hang_watch is not None else {}
+        timeout_s = self.cfg.parallel.timeout_s
+        deadlines = {ref: min(now, silent.get(c, now)) + timeout_s for ref, c in pings.items()}
+        pending = list(pings)
+        # the grace for the common case, cut short where an actor's silence has lasted timeout_s already
+        wait_s = min(PING_GRACE_S, max(min(deadlines.values(), default=now) - now, POLL_S))
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
             wait_s = POLL_S
@@ -200,9 +206,9 @@ class ActorCalls:
             states = {ref: _actor_state(self.actors[pings[ref]]) for ref in pending}
             dead |= {pings[ref] for ref, state in states.items() if state == "DEAD"}
             pending = [ref for ref, state in states.items() if state != "DEAD"]
-            if pending and time.monotonic() > deadline:
-                dead |= {pings[ref] for ref in pending}
-                break
+            hung = {ref for ref in pending if time.monotonic() > deadlines[ref]}
+            dead |= {pings[ref] for ref in hung}
+            pending = [ref for ref in pending if ref not in hung]
         return dead
 
     def _describe_failure(self, errors: dict[Coord, BaseException], dead: set[Coord], what: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from actors.endpoints import Peers, Placement, WorkerEndpoints, call
 from actors.worker import WORKER_ENV, RemoteWorker
 from collectives.host import create_groups
 from collectives.ray_store import RendezvousServer
-from raypar.controller import buddy
+from raypar.controller import buddy, start_watch
 from raypar.controller.actor_calls import ActorCalls, cause_of
 from raypar.controller.connection import NAMESPACE, RunFailure
 from raypar.controller.placement import (
@@ -105,6 +106,8 @@ class ActorMesh(ActorCalls):
 
     def __init__(self, cfg: Config, run: str):
         self.cfg, self.run = cfg, run
+        # where lines about the mesh go (the training loop's event log; stderr on its own)
+        self.say: Callable[[str], None] = lambda line: print(f"raypar: {line}", file=sys.stderr, flush=True)
         par = cfg.parallel
         self.pp, self.tp, self.cp = par.pp, par.tp, par.cp
         self.replicas: list[int] = []
@@ -288,17 +291,36 @@ class ActorMesh(ActorCalls):
         }
 
     def _await_started(self) -> None:
-        """Wait until every actor process is up, so that group timeouts measure collectives, not start-up."""
+        """Wait until every actor process is up, so that group timeouts measure collectives, not start-up.
+        Meanwhile Ray is asked every few seconds why not (raypar.controller.start_watch): a dead node fails
+        the run at once, naming it; actors long without a process are said once (`say`)."""
         refs = {call(a, WorkerEndpoints.where): c for c, a in self.actors.items() if c not in self.nodes}
-        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=STARTUP_TIMEOUT_S)
-        if pending:
-            late = ", ".join(self.name(refs[r]) for r in pending)
-            raise RunFailure(f"actors did not start within {STARTUP_TIMEOUT_S:g}s: {late}")
-        for ref in ready:
-            try:
-                self.nodes[refs[ref]] = ray.get(ref)
-            except Exception as err:  # noqa: BLE001 - an actor that cannot start is a run failure
-                raise RunFailure(f"worker {self.name(refs[ref])} failed to start: {cause_of(err)}") from None
+        started, told = time.monotonic(), False
+        pending = list(refs)
+        while pending:
+            left = started + STARTUP_TIMEOUT_S - time.monotonic()
+            wait_s = max(min(start_watch.POLL_S, left), 0)
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+            for ref in ready:
+                try:
+                    self.nodes[refs[ref]] = ray.get(ref)
+                except Exception as err:  # noqa: BLE001 - an actor that cannot start is a run failure
+                    coord = refs[ref]  # its node's death, if that is why, is the root cause
+                    why = start_watch.dead_node([coord], self.pgs, self.tp, self.name)
+                    why = why or f"worker {self.name(coord)} failed to start: {cause_of(err)}"
+                    raise RunFailure(why) from None
+            waiting = [refs[r] for r in pending]
+            if not waiting:
+                break
+            if why := start_watch.dead_node(waiting, self.pgs, self.tp, self.name):
+                raise RunFailure(why)
+            waited = time.monotonic() - started
+            if waited >= STARTUP_TIMEOUT_S:
+                raise RunFailure(f"actors did not start within {STARTUP_TIMEOUT_S:g}s: "
+                                 + start_watch.not_started(waiting, waited, self.name))
+            if not told and waited >= start_watch.NOT_STARTING_S:
+                self.say(start_watch.not_started(waiting, waited, self.name))
+                told = True
 
     def reconfigure(self, cfg: Config) -> None:
         """Rebuild every actor's state from the seed under `cfg` (same layout): a new schedule, transport

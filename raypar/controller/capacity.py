@@ -22,6 +22,8 @@ subtracted), so a refusal is certain and a wait is only possible.
 from __future__ import annotations
 
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -244,12 +246,47 @@ def need_for(cfg: Config, dp: int) -> Need:
     )
 
 
+def node_types_from_raycluster(ray_cr: dict[str, Any]) -> list[NodeType]:
+    """The worker groups of a KubeRay RayCluster as the autoscaler sees them: Ray's own converter (the one
+    KubeRay's autoscaler runs: rayStartParams' num-cpus, num-gpus and custom `resources`, else the
+    containers' limits; max_workers = maxReplicas x numOfHosts)."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+
+    return node_types_from_config(_derive_autoscaling_config_from_ray_cr(ray_cr))
+
+
+# In a KubeRay pod: the cluster's name (KubeRay sets it in every Ray container) and the pod's namespace.
+KUBERAY_CLUSTER_ENV = "RAY_CLUSTER_NAME"
+POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def kuberay_node_types() -> list[NodeType] | None:
+    """In a KubeRay pod (the head, where a RayJob's driver runs): the RayCluster read from the Kubernetes
+    API with the pod's service account, as KubeRay's autoscaler reads it; None outside KubeRay or when the
+    API refuses (the head's service account may not get rayclusters: the check then waits, not refuses)."""
+    name = os.environ.get(KUBERAY_CLUSTER_ENV)
+    if not name or not POD_NAMESPACE_FILE.is_file():
+        return None
+    from ray.autoscaler._private.kuberay.node_provider import KubernetesHttpApiClient
+
+    try:
+        ray_cr = KubernetesHttpApiClient(POD_NAMESPACE_FILE.read_text().strip()).get(f"rayclusters/{name}")
+    except Exception as err:  # noqa: BLE001 - no API access: the node types are unknown, said once
+        print(f"raypar: cannot read RayCluster {name} from Kubernetes ({err}); its groups are not checked",
+              file=sys.stderr)  # fmt: skip
+        return None
+    return node_types_from_raycluster(ray_cr)
+
+
 def autoscaler_node_types() -> list[NodeType] | None:
-    """The worker types the autoscaler may launch, from the config `ray up` left on the head (where
-    `ray job submit` and `ray attach` run the driver); None elsewhere (a driver off the head, a cluster
-    started by hand with --autoscaling-config, KubeRay): Ray has no public call that returns them."""
+    """The worker types the autoscaler may launch: from the config `ray up` left on the head (where
+    `ray job submit` and `ray attach` run the driver), or under KubeRay from the RayCluster; None elsewhere
+    (a driver off the head, a cluster started by hand with --autoscaling-config): Ray has no public call
+    that returns them."""
     path = BOOTSTRAP_CONFIG.expanduser()
-    return node_types_from_config(yaml.safe_load(path.read_text())) if path.is_file() else None
+    if path.is_file():
+        return node_types_from_config(yaml.safe_load(path.read_text()))
+    return kuberay_node_types()
 
 
 def check(cfg: Config, dp: int) -> Verdict:

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,6 @@ from raypar.controller import ray_env, stopping
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.rules import check_tracker_packages
 from raypar.core.config.schema import Config
-from raypar.core.run_config import load_config
 
 
 class UsageError(Exception):
@@ -102,7 +102,9 @@ def _parser() -> argparse.ArgumentParser:
         "--out", required=True, help="output directory, or a pyarrow.fs URI (s3://bucket/path, gs://, hdfs://)"
     )
     prepare.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json (default: byte-level)")
-    prepare.add_argument("--column", default="text", help="the text column of tables (default: text)")
+    prepare.add_argument(  # appended, so that a second --column is refused rather than silently the one kept
+        "--column", action="append", help="the text column of tables (default: text)"
+    )
     prepare.add_argument("--eos", metavar="TOKEN", help="the token between documents (default: found)")
     prepare.add_argument("--no-progress", action="store_true", help="no progress bar")
     prepare.add_argument(
@@ -224,6 +226,12 @@ def _check_outputs(cfg: Config, run_dir: Path) -> None:
             raise ConfigError(f"checkpoint.dir: {err}") from None
         if isinstance(fs, checkpoint.pafs.LocalFileSystem):
             _writable_dir(Path(path), "checkpoint.dir")
+    if cfg.log.backends:  # where the trackers write (issue 45: refused before the actors, not at step 0)
+        from raypar.core.observe import tracker_backends, trackers
+
+        _writable_dir(Path(trackers.resolved(cfg.log, run_dir, "").dir), "log.dir")
+        if "mlflow" in cfg.log.backends and cfg.log.mlflow_uri:
+            tracker_backends.check_mlflow_uri(cfg.log.mlflow_uri)
 
 
 # Resuming reads every shard's bytes up front (sha256) when the checkpoint is at most this big; above it
@@ -258,10 +266,12 @@ def _check_fits(cfg: Config) -> None:
     plan.check_fits(cfg, props.total_memory, plan.device_named(props.name), props.name)
 
 
-def _resolve_resume(cfg: Config, which: str) -> str:
+def _resolve_resume(cfg: Config, which: str) -> str | None:
     """The checkpoint to resume from, checked before any actor starts: a step directory must be intact
     (exit 2 naming the bad file); under a root (or `latest`), the newest intact one is taken, and every
-    newer one passed over is named with the reason."""
+    newer one passed over is named with the reason. `latest` under a checkpoint.dir with no step directory
+    yet: None, the run starts at step 0 (a job submitted again and again, as KubeRay's RayJob does, keeps
+    one command line); damaged step directories only are still refused."""
     from raypar.core.checkpoint import format as checkpoint
     from raypar.core.checkpoint import reader as checkpoint_read
 
@@ -269,6 +279,11 @@ def _resolve_resume(cfg: Config, which: str) -> str:
         raise ConfigError("--resume latest: checkpoint.dir is not set")
     where = cfg.checkpoint.dir if which == "latest" else which
     try:
+        if which == "latest" and not any(
+            checkpoint.STEP_RE.fullmatch(d.base_name) for d in checkpoint.subdirs(where)
+        ):
+            print(f"raypar: --resume latest: no checkpoint under {where} yet; from step 0", file=sys.stderr)
+            return None
         fs, path = checkpoint.resolve_fs(where)
         if fs.get_file_info(f"{path}/{checkpoint.MANIFEST}").type == checkpoint.pafs.FileType.File:
             uri = where
@@ -304,6 +319,8 @@ def _train(args: argparse.Namespace) -> int:
             f"--name: must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit "
             f"(it names a directory under runs/), got {args.name!r}"
         )
+    from raypar.core.run_config import load_config  # imports torch: seconds, after main's signal handlers
+
     profile = [f"train.profile_steps={json.dumps(args.profile_steps)}"] if args.profile_steps else []
     cfg = load_config(args.config, args.set + profile)
     check_tracker_packages(cfg)  # the driver alone writes to the trackers
@@ -317,7 +334,8 @@ def _train(args: argparse.Namespace) -> int:
     _check_compile_cache(cfg)
     _check_fits(cfg)
     plan.check_local_memory(cfg, ray_env.target(args.address))  # a local Ray's actors all live here
-    resume = shared_paths.absolute(_resolve_resume(cfg, args.resume)) if args.resume else None
+    resume = _resolve_resume(cfg, args.resume) if args.resume else None
+    resume = shared_paths.absolute(resume) if resume else None
     name = args.name or f"{Path(args.config).stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = args.run_dir or Path("runs") / name
     shared_paths.check_run_dir(str(run_dir))  # not in `ray job submit`'s temporary copy of the working dir
@@ -392,6 +410,7 @@ def _dry_run(cfg: Config, address: str | None) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from raypar.core.planner import rank
     from raypar.core.planner import search as plan
+    from raypar.core.run_config import load_config
 
     cfg = load_config(args.config, args.set)
     if args.devices <= 0:
@@ -443,8 +462,14 @@ def _prepare(args: argparse.Namespace) -> int:
     from raypar.core.data import remote
     from raypar.core.data.tokenizer import load
 
+    if args.column and len(args.column) > 1:
+        raise UsageError(
+            f"--column: one text column per document, got {len(args.column)} ({', '.join(args.column)}); "
+            "join the columns into one before preparing"
+        )
+    column = args.column[0] if args.column else "text"
     if args.format != "text" or args.pack == "documents":
-        return _prepare_packed(args)
+        return _prepare_packed(args, column)
     if "://" not in args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out: {args.out} exists and is not a directory")
     if "://" in args.out:
@@ -454,7 +479,7 @@ def _prepare(args: argparse.Namespace) -> int:
             raise UsageError(f"--out: {err}") from None
     try:
         index = data.prepare(args.sources, args.out, tokenizer=load(args.tokenizer, args.eos),
-                             column=args.column, progress=not args.no_progress)
+                             column=column, progress=not args.no_progress)
     except FileExistsError as err:
         raise UsageError(f"--out: {err}") from None
     except ConfigError:  # already names its key (--tokenizer, --column, a source file)
@@ -468,7 +493,7 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prepare_packed(args: argparse.Namespace) -> int:
+def _prepare_packed(args: argparse.Namespace, column: str) -> int:
     """Conversations, prompt/completion pairs or whole documents packed into samples with loss masks and
     document boundaries (raypar.core.data.chat, raypar.core.data.packed); every row is checked before
     anything is written."""
@@ -487,7 +512,7 @@ def _prepare_packed(args: argparse.Namespace) -> int:
         eos = [] if tok.eos_id is None else [tok.eos_id]
 
         def texts() -> Any:
-            for batch in Corpus.open(args.sources, args.column).batches(text=args.tokenizer is not None):
+            for batch in Corpus.open(args.sources, column).batches(text=args.tokenizer is not None):
                 for ids in tok.encode_batch(batch):
                     ids = np.concatenate([ids.astype(np.uint32), np.asarray(eos, dtype=np.uint32)])
                     yield ids, np.ones(len(ids), dtype=np.uint8)
@@ -580,7 +605,15 @@ def status_lines(runs: list[dict[str, Any]]) -> list[str]:
             f"  {name:40s} node {where['node_id'][:12]}  {where['ip']}  pid {where['pid']}{_lag(where)}"
             for name, where in run["actors"].items()
         ]
+        lines += [  # raypar.controller.drain: these replicas move at the next step boundary
+            f"  draining: node {node[:12]}{_deadline(d['deadline'])} holds replica(s) {d['replicas']}"
+            for node, d in run.get("draining", {}).items()
+        ]
     return lines
+
+
+def _deadline(deadline: float | None) -> str:
+    return "" if deadline is None else f" (deadline in {deadline - time.time():.0f} s)"
 
 
 def _lag(where: dict[str, Any]) -> str:
@@ -645,8 +678,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    stopping.install()
     try:
+        stopping.install()  # first, and in the try: a SIGTERM from here on is one line and 143 (issue 45)
         args = _parser().parse_args(argv)
         if args.command in ("train", "scale", "status"):
             ray_env.prepare(args.address)  # before anything imports Ray, which reads it then

@@ -14,7 +14,7 @@ import ray
 from ray._private import ray_constants
 
 from actors.control import control_name
-from raypar.controller import ray_env
+from raypar.controller import ray_env, stopping
 
 NAMESPACE = "raypar"
 # Ray's switch for single-machine use: "0" makes the node address 127.0.0.1, so every server of a local Ray
@@ -57,6 +57,8 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
                 include_dashboard=True,
                 logging_level=logging.ERROR,
             )
+    except SystemExit as err:  # ray.init's own SIGTERM handler, in place while it starts (issue 45)
+        raise stopping.from_ray_exit(err) from None
     except Exception as err:
         hint = ""
         if "auth" in str(err).lower():
@@ -80,19 +82,18 @@ def scale(run: str, dp: int) -> str:
 
 
 def runs() -> list[dict[str, Any]]:
-    """The status every live run last posted (Python API of `raypar status`)."""
-    from ray.util.state import list_actors
-
-    address = ray.get_runtime_context().gcs_address  # the cluster we joined, not any other on this host
+    """The status every live run last posted (Python API of `raypar status`). The named actors come from
+    the GCS of the cluster joined, not the state API, which needs a dashboard (a cluster started without
+    one answered `raypar status` with a traceback: issue 45)."""
     names = [
-        a.name
-        for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=10000)
-        if a.name.startswith("raypar:") and a.name.endswith(":control")
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NAMESPACE and a["name"].startswith("raypar:") and a["name"].endswith(":control")
     ]
     out = []
     for name in names:
         try:
             out.append(ray.get(_control(name[len("raypar:") : -len(":control")]).status.remote(), timeout=30))
-        except (LookupError, ray.exceptions.RayActorError):
-            continue  # the run ended between listing and asking
+        except (LookupError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            continue  # the run ended between listing and asking, or its driver is gone
     return out

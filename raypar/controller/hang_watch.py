@@ -11,6 +11,7 @@ waiting, and fails as it would have (parallel.timeout_s), followed by the usual 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,9 @@ class HangWatch:
         self.first_s, self.run_dir, self.say, self.post = watchdog_s(cfg), run_dir, say, post
         self.probe_s = min(PROBE_TIMEOUT_S, self.first_s)
         self.reported: set[int] = set()
+        # Since when (time.monotonic) each actor has left the probes of the late step unanswered: the search
+        # for the dead (raypar.controller.actor_calls.find_dead) counts its silence from there, not anew.
+        self.silent_since: dict[Coord, float] = {}
 
     def late(
         self, step: int, running_s: float, actors: Mapping[Coord, Any], name: Callable[[Coord], str]
@@ -64,16 +68,21 @@ class HangWatch:
 
     def probe(self, actors: Mapping[Coord, Any]) -> dict[str, hangs.ActorProbe | None]:
         """Every actor's probe by member label; None where none came within `probe_s`."""
-        refs = {call(actor, WorkerEndpoints.inspect): coord.key for coord, actor in actors.items()}
+        sent = time.monotonic()
+        refs = {call(actor, WorkerEndpoints.inspect): coord for coord, actor in actors.items()}
         probes: dict[str, hangs.ActorProbe | None] = {c.key: None for c in actors}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.probe_s)
+        ready, silent = ray.wait(list(refs), num_returns=len(refs), timeout=self.probe_s)
         for ref in ready:
             try:
-                probes[refs[ref]] = ray.get(ref)
+                probes[refs[ref].key] = ray.get(ref)
+                self.silent_since.pop(refs[ref], None)
             except Exception:  # noqa: BLE001 - an actor that died meanwhile: no answer, as a silent one
                 pass
+        for ref in silent:
+            self.silent_since.setdefault(refs[ref], sent)
         return probes
 
     def over(self) -> None:
         """The late step has ended (done or failed): `raypar status` stops showing it."""
+        self.silent_since.clear()
         self.post({})

@@ -53,6 +53,16 @@ def check() -> None:
         raise KeyboardInterrupt()
 
 
+def from_ray_exit(err: SystemExit) -> BaseException:
+    """What a SystemExit out of `ray.init` stands for. While it starts Ray, ray.init has a SIGTERM handler of
+    its own that calls sys.exit(SIGTERM): that is a SIGTERM like any other (recorded, and `Terminated`, so
+    the CLI says so in one line and exits 143). Any other exit is left as it was."""
+    if err.code != signal.SIGTERM:
+        return err
+    _received.set()
+    return Terminated()
+
+
 def terminated() -> bool:
     """Whether the KeyboardInterrupt being handled was SIGTERM's (Ray may re-raise it as a plain one)."""
     return _received.is_set()

@@ -38,7 +38,7 @@ from actors.control import RunControl, control_name
 from actors.telemetry import StragglerGauges
 from collectives.group import GroupError
 from collectives.store_actor import home_node_strategy
-from raypar.controller import capacity, node_check, profiles, shared_paths, stopping
+from raypar.controller import capacity, drain, node_check, profiles, shared_paths, stopping
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica, StepResult
 from raypar.controller.connection import NAMESPACE, RunFailure, connect
@@ -84,6 +84,7 @@ class TrainingLoop:
     """One training run: its directory, actor mesh, control actor and checkpoint schedule."""
 
     mesh_class: Any = ActorMesh  # tests swap in a subclass that injects faults
+    departures_class: Any = drain.Departures  # leaving draining nodes; tests swap in one that ignores them
 
     def __init__(
         self,
@@ -117,6 +118,7 @@ class TrainingLoop:
         self.val_loss: float | None = None  # the latest, for the progress bar
         self.status: dict[str, Any] = {"run": name, "step": None}  # the last posted to the control actor
         self.trackers: trackers.TrackerSink | None = None  # [log] backends: fed what metrics.jsonl gets
+        self.departures = self.departures_class(self)
 
     # -- log ---------------------------------------------------------------------------------------------
     def event(self, text: str) -> None:
@@ -257,7 +259,7 @@ class TrainingLoop:
         heal or growth aims there, not at a dp between valid ones (which scale_to would release again), and
         not while the room for the next valid dp is missing (which would cost a placement timeout a step)."""
         mesh = self.actor_mesh
-        room = mesh.dp + _replicas_with_room(mesh)
+        room = mesh.dp + _replicas_with_room(mesh, set(self.departures.draining()))
         return max([d for d in self.dps if d <= min(limit, room)], default=mesh.dp)
 
     def _recover(self, failure: BaseException, step: int) -> int:
@@ -304,6 +306,17 @@ class TrainingLoop:
             self.event(self.actor_mesh.scale_to(max(usable), self.cfg.parallel.placement_wait_s))
         return step
 
+    def _drop_orphaned_checkpoint(self) -> bool:
+        """After a recovery that dropped replicas: a checkpoint being written by one of their actors cannot
+        complete. Drop it (the last published one stands), rather than meet its failure later as a second
+        one for the same lost actor (issue 45). True if one was dropped."""
+        pending = self.pending
+        if pending is None or all(c in self.actor_mesh.actors for c in pending.writes.values()):
+            return False
+        self._drop_pending()
+        self.event(f"checkpoint step {pending.step} dropped with the replicas writing it; written again")
+        return True
+
     def _drop_pending(self) -> None:
         """The checkpoint being written is abandoned: the actors that write it are gone or set up afresh;
         the last published checkpoint stands."""
@@ -324,10 +337,12 @@ class TrainingLoop:
             known = shared_paths.check_nodes(self.cfg, self.samples)
             node_check.check_autoscaled_storage(self.cfg, self.address, seen_elsewhere=len(known) > 1)
             self.actor_mesh.node_check = node_check.NodeCheck(self.cfg, self.samples, known)
+            self.actor_mesh.say = self.event
             # and a layout no node (or node type) can hold; one that needs more nodes says so
             verdict = capacity.check(self.cfg, self.target_dp)
             control = self._claim_name()
             try:
+                self.departures.start(control)
                 self._announce_wait(control, verdict)
                 self.cfg.log = trackers.resolved(self.cfg.log, self.run_dir, self.name)
                 (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
@@ -345,6 +360,7 @@ class TrainingLoop:
                     raise RunFailure(f"starting the actors failed: {err}") from None
                 return self._loop(control, step, wall)
             finally:
+                self.departures.stop()
                 self.actor_mesh.shutdown()
                 self._drop_pending()  # a stop or a failure mid-write; after shutdown, so no writer is left
                 ray.kill(control)
@@ -418,6 +434,7 @@ class TrainingLoop:
                         break
                     self._publish(wait=False)
                     if not recovered:  # the failed step is redone by the survivors first, then the mesh heals
+                        self.departures.leave(step)  # replicas on a draining node move before it goes
                         self._membership(control, step)
                     result = actor_mesh.step(step)
                     recovered, completed = False, result
@@ -437,6 +454,8 @@ class TrainingLoop:
                         self.event(f"{failure}; abandoned, training goes on")
                         continue
                     redo = self._recover(failure, step)
+                    if self._drop_orphaned_checkpoint():  # written again at this boundary, by the survivors
+                        rewrite = True
                     if redo < step:
                         self._open_logs(redo)
                         bar.reset(total=end)
@@ -554,6 +573,7 @@ class TrainingLoop:
             "cp": record["cp"],
             "restarts": self.restarts,
             "run_dir": str(self.run_dir),
+            "draining": self.departures.status(),
             "actors": {
                 self.actor_mesh.name(c): {**dataclasses.asdict(w), "lag_s": lags.get(c)}
                 for c, w in sorted(placed.items())
@@ -604,15 +624,17 @@ def local_ray_cpus(mesh: Mesh, threads_per_actor: int) -> int:
     return max(os.cpu_count() or 1, mesh.world_size * threads_per_actor)
 
 
-def _replicas_with_room(actor_mesh: ActorMesh) -> int:
+def _replicas_with_room(actor_mesh: ActorMesh, draining: set[str] | frozenset[str] = frozenset()) -> int:
     """How many more replicas the free resources could hold (the placement itself decides for sure). Not
     on nodes the run refused (node_check.NodeCheck: they cannot see its storage): a heal would land there,
-    be released again, and say so at every step while they stay free."""
+    be released again, and say so at every step while they stay free; nor on `draining` nodes, where Ray
+    places nothing (a heal would wait out its placement timeout at every step)."""
     per_replica = actor_mesh.mesh.replica_size
     free = dict(ray.available_resources())
     refused = actor_mesh.node_check.refused if actor_mesh.node_check is not None else {}
-    for node in ray.nodes() if refused else ():
-        if node["NodeID"] in refused and node["Alive"]:
+    avoided = set(refused) | draining
+    for node in ray.nodes() if avoided else ():
+        if node["NodeID"] in avoided and node["Alive"]:
             for key, total in node["Resources"].items():
                 free[key] = max(0.0, free.get(key, 0.0) - total)
     res = actor_mesh.resources

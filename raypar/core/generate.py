@@ -55,7 +55,7 @@ def load(ckpt_uri: str, device: str = "cpu") -> tuple[Stage, Tokenizer]:
         for name, p in model.named_parameters():
             p.copy_(reader.read_full(model.init_source(name)))
     model.load_routing_biases(checkpoint_read.routing_biases(reader, model.routing_biases()))
-    return model.to(device).eval(), from_record(reader.meta.get("tokenizer"))
+    return model.to(device).eval(), from_record(reader.meta.get("tokenizer"), f"{ckpt_uri} meta.tokenizer")
 
 
 class Decoder:
@@ -141,6 +141,10 @@ def sample(
 ) -> str:
     """A continuation of `prompt`; with `chat`, the answer to it as a user turn rendered by the chat
     template, stopped at the end-of-turn token."""
+    try:  # a command line that is not UTF-8 reaches Python as lone surrogates (PEP 383)
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"--prompt: not valid UTF-8 text (at character {err.start})") from None
     if chat is None:
         ids, stop = [int(i) for i in tok.encode_batch([prompt])[0]], tok.eos_id
     else:

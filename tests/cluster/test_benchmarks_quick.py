@@ -135,6 +135,12 @@ def test_elastic_quick(shared_ray):
     assert {"step_s_dp1", "scale_up_total_s", "recovery_s"} <= set(result)
 
 
+def test_drain_quick():
+    """Its own multi-node cluster (ray.cluster_utils): a drained node needs others to move to."""
+    result = json.loads(ok(run("benchmarks/drain.py", "--quick", "--json")).strip().splitlines()[-1])
+    assert {"notice_to_running_elsewhere_s", "move_cost_s", "kill9_checkpoint_restart_s"} <= set(result)
+
+
 def test_hsdp_recovery_quick(shared_ray):
     text = on_shared(shared_ray, "benchmarks/hsdp_recovery.py", "--quick", "--json")
     result = json.loads(text.strip().splitlines()[-1])

@@ -1,5 +1,5 @@
 """Tiny random Hugging Face models written by `transformers` inside the tests (nothing downloaded): Llama,
-and one per variant of the llama family (`FAMILY_KINDS`: Llama 3.x's RoPE scalings, Qwen2, Qwen3)."""
+and one per variant of the llama family (`FAMILY_KINDS`: Llama 3.x's RoPE scalings, Qwen2, Mistral, Qwen3)."""
 
 from __future__ import annotations
 
@@ -62,9 +62,13 @@ FAMILY_KINDS: dict[str, tuple[str, str, dict]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {
         "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
     }),
-    # Mistral 7B v0.2+: no sliding window (one is refused until raypar computes it)
+    # Mistral 7B v0.2+: no sliding window
     "mistral": ("MistralConfig", "MistralForCausalLM", {
         "sliding_window": None, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+    }),
+    # Mistral 7B v0.1's sliding window, shorter than the 16 tokens trained on and the 26 generated
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", {
+        "sliding_window": 5, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
     }),
     # head_dim 16, not hidden/heads = 8
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {

@@ -38,15 +38,16 @@ def _saved(model_class: Any, cfg: Any, path: Path, seed: int) -> Any:
     return model
 
 
-def make_hf_mixtral(path: Path, layers: int = 2, seed: int = 0) -> Any:
-    """A random MixtralForCausalLM (GQA: 4 heads, 2 kv heads; 4 experts, top 2) saved to `path`."""
+def make_hf_mixtral(path: Path, layers: int = 2, seed: int = 0, sliding_window: int | None = None) -> Any:
+    """A random MixtralForCausalLM (GQA: 4 heads, 2 kv heads; 4 experts, top 2) saved to `path`; with a
+    `sliding_window` (Mistral's attention), or none."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     cfg = MixtralConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=EXPERTS,
         num_experts_per_tok=TOP_K, max_position_embeddings=64, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0}, sliding_window=sliding_window,
     )
     return _saved(MixtralForCausalLM, cfg, path, seed)
 

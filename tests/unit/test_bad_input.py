@@ -136,7 +136,7 @@ def _fifo_latest(root: Path) -> Path:
     return root
 
 
-def _report_dir(f: Files) -> Path:
+def _fifo_report_dir(f: Files) -> Path:
     d = f.root / "fifo-report"
     d.mkdir(exist_ok=True)
     (d / "config.toml").write_bytes(b'[parallel]\nschedule = "1f1b"\npp = 1\n')
@@ -373,9 +373,10 @@ def _cases() -> list:
         )
         case(
             f"report-fifo-{name}",
-            lambda f, n=name: ["report", str(_fifo(_report_dir(f) / f"{n}.jsonl").parent)],
+            lambda f, n=name: ["report", str(_fifo(_fifo_report_dir(f) / f"{n}.jsonl").parent)],
             lambda f, n=name: f"{f.root / 'fifo-report' / n}.jsonl: is a FIFO",
         )
+    _hardening_cases(case)  # issue 45, items 8-13
     # -- prepare -----------------------------------------------------------------------------------------
     out = lambda f: str(f.root / "out")  # noqa: E731
     case(
@@ -528,6 +529,14 @@ def _cases() -> list:
             lambda f, s=sets: train(f, *[a for x in s for a in ("--set", x)]),
             lambda f, e=expect: e,
         )
+    # -- spot interruption notices (issue 49) ------------------------------------------------------------
+    for key, value in (("spot_notice", "gcp"), ("spot_endpoint", "169.254.169.254"),
+                       ("spot_endpoint", "file:///etc/passwd")):  # fmt: skip
+        case(
+            f"train-{key}-{value}",
+            lambda f, k=key, v=value: train(f, "--set", f"parallel.{k}='{v}'"),
+            lambda f, k=key: f"parallel.{k}: must be",
+        )
     # -- scale (status and --address: issue 9's other half) ---------------------------------------------
     for value in ("0", "-2", "nan"):
         case(f"scale-dp-{value}", lambda f, v=value: ["scale", "--run", "x", "--dp", v], lambda f: "--dp")
@@ -574,6 +583,159 @@ def _cases() -> list:
     return cases
 
 
+# -- issue 45 (items 8-13): sizes bounded before anything is enumerated or allocated; what failed only after
+# the actors started, or after a traceback; what was accepted and then ignored or misread ------------------
+
+
+def _manifest_text(step_dir: Path, change: Callable[[str], str]) -> None:
+    path = step_dir / checkpoint.MANIFEST
+    path.write_text(change(path.read_text()))
+
+
+def _manifest_meta(step_dir: Path, **meta: object) -> None:
+    path = step_dir / checkpoint.MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["meta"].update({"optimizer_steps": 2, **meta})  # a resumable checkpoint but for `meta`
+    path.write_text(json.dumps(manifest))
+
+
+def _generate_ckpt(f: Files, tokenizer: dict) -> str:
+    """A checkpoint `raypar generate` loads (a 1-layer model), recording `tokenizer`."""
+    from raypar.core.config.schema import ModelConfig
+    from raypar.core.model.llama import LlamaStage
+
+    cfg = ModelConfig(n_layers=1, d_model=16, n_heads=2, n_kv_heads=2, d_ff=32, vocab_size=256, seq_len=16)
+    tensors = dict(LlamaStage(cfg, seed=0).named_parameters())
+    specs = {n: checkpoint.ShardSpec.full(t.shape) for n, t in tensors.items()}
+    meta = {"model": dataclasses.asdict(cfg), "tokenizer": tokenizer}
+    return checkpoint.save(str(f.root / "gen"), 1, {"dp0.pp0.tp0": (tensors, specs)}, meta)
+
+
+def _report_dir(f: Files, events: list, profile: object = None) -> list[str]:
+    """A run directory whose one timeline row has `events` (and profile.json = `profile`, if given)."""
+    d = f.root / "rundir"
+    d.mkdir()
+    (d / "config.toml").write_text('[parallel]\nschedule = "1f1b"\npp = 1\n')
+    row = {"step": 0, "dp": 0, "pp": 0, "tp": 0, "actor": "dp0.pp0.tp0", "step_s": 0.5, "events": events}
+    (d / "timeline.jsonl").write_text(json.dumps(row) + "\n")
+    if profile is not None:
+        (d / "profile.json").write_text(json.dumps(profile))
+    return ["report", str(d)]
+
+
+def _hardening_cases(case: Callable) -> None:
+    # item 8 (and 12's seq_len, threads_per_actor): huge sizes, bounded before the planner lists layers
+    for setting, key in (
+        ("model.n_layers=1000000000", "model.n_layers"),
+        ("model.d_model=1000000000", "model.d_model"),
+        ("model.seq_len=1000000000000", "model.seq_len"),
+        ("parallel.threads_per_actor=100000", "parallel.threads_per_actor"),
+        ("parallel.microbatches=1000000000", "parallel.microbatches"),
+        ("train.steps=1000000000000000000000", "train.steps"),  # item 13: past int64
+        ("train.steps=4000000000000000000", "train.steps"),  # fits, but not times global_batch
+    ):
+        case(f"train-huge-{setting}", lambda f, s=setting: train(f, "--set", s), lambda f, k=key: k)
+    case(
+        "train-huge-max-dp",
+        lambda f: train(f, "--set", "parallel.dp='auto'", "--set", "parallel.max_dp=1000000000"),
+        lambda f: "actors is past any cluster",
+    )
+    # item 13: accepted, then ignored or reporting every step
+    case(
+        "train-fp8-recipe-without-fp8",
+        lambda f: train(f, "--set", "train.fp8_recipe='rowwise'"),
+        lambda f: "train.fp8_recipe: only means something with train.precision",
+    )
+    case(
+        "train-hang-watchdog-tiny",
+        lambda f: train(f, "--set", "train.hang_watchdog_s=1e-300"),
+        lambda f: "train.hang_watchdog_s: must be 0 or at least",
+    )
+    case(
+        "prepare-two-columns",
+        lambda f: ["prepare", str(f.text), "--out", str(f.root / "out"), "--column", "prompt",
+                   "--column", "response"],
+        lambda f: "--column: one text column",
+    )
+    # item 12: refused after the actors started
+    for where in ("/proc/raypar-no/logs", "FILE/sub"):
+        case(
+            f"train-log-dir-{where.split('/')[1]}",
+            lambda f, w=where: train(
+                f, "--set", "log.backends=['tensorboard']", "--set",
+                f"log.dir='{w.replace('FILE', str(f.file))}'",
+            ),
+            lambda f: "log.dir",
+        )
+    case(
+        "train-mlflow-uri-garbage",
+        lambda f: train(f, "--set", "log.backends=['mlflow']", "--set", "log.mlflow_uri='garbage:::'"),
+        lambda f: "log.mlflow_uri: MLflow has no tracking store",
+    )
+    # item 11's 5,000-digit step (past int()'s 4,300-digit limit, where json.loads raises ValueError), and
+    # item 12's step -1 and RNG states
+    broken_manifests = {
+        "step-digits": lambda d: _manifest_text(d, lambda t: t.replace('"step": 2', f'"step": {"9" * 5000}')),
+        "step-negative": lambda d: _manifest_meta(d)
+        or _manifest_text(d, lambda t: t.replace('"step": 2', '"step": -1')),
+        "rng-garbage": lambda d: _manifest_meta(d, rng={"dp0.pp0.tp0": {"cpu": "garbage!"}}),
+        "rng-short": lambda d: _manifest_meta(d, rng={"dp0.pp0.tp0": {"cpu": "AAAA"}}),
+        "rng-not-object": lambda d: _manifest_meta(d, rng=[1]),
+    }
+    rules = {"step-digits": "not a manifest", "step-negative": "'step' must be in [0, 2**63)",
+             "rng-garbage": "meta.rng.dp0.pp0.tp0.cpu", "rng-short": "meta.rng.dp0.pp0.tp0.cpu",
+             "rng-not-object": "meta.rng must be an object"}  # fmt: skip
+    for kind, breakage in broken_manifests.items():
+        case(
+            f"train-resume-{kind}",
+            lambda f, k=kind, b=breakage: train(f, "--resume", str(f.ckpt(k, b) / "step_00000002")),
+            lambda f, k=kind: f"{f.root / k / 'step_00000002'}/manifest.json: {rules[k]}",
+        )
+
+    digits = broken_manifests["step-digits"]
+    case(
+        "checkpoint-inspect-step-digits",
+        lambda f: ["checkpoint", "inspect", str(f.ckpt("d", digits) / "step_00000002")],
+        lambda f: "manifest.json: not a manifest",
+    )
+    # item 11: tracebacks
+    deep_index = lambda out: _index(out, b"[" * 100_000 + b"]" * 100_000)  # noqa: E731
+    case(
+        "train-data-uri-index-deep",
+        lambda f: train(f, "--set", f"data.source='file://{f.prepared('uri-deep', deep_index)}'"),
+        lambda f: "index.json: not a valid index",
+    )
+    case(
+        "generate-tokenizer-without-json",
+        lambda f: ["generate", _generate_ckpt(f, {"kind": "hf", "eos_id": 0}), "--prompt", "hi"],
+        lambda f: "meta.tokenizer: a tokenizer record needs",
+    )
+    case(
+        "generate-prompt-not-utf8",  # the bytes b"ab\xff" as Python's argv holds them (surrogateescape)
+        lambda f: ["generate", _generate_ckpt(f, {"kind": "bytes", "vocab_size": 256}), "--prompt",
+                   os.fsdecode(b"ab\xff")],
+        lambda f: "--prompt: not valid UTF-8",
+    )
+    ok_events = [["forward", 0, 0.0, 0.1], ["backward", 0, 0.1, 0.3]]
+    for name, events, expect in (
+        ("end-1e300", [["forward", 0, 0.0, 1e300]], "every event must end by step_s"),
+        ("negative-duration", [["forward", 0, 0.2, 0.1]], "0 <= start <= end"),
+        ("negative-start", [["forward", 0, -5.0, 0.1]], "0 <= start <= end"),
+    ):
+        case(f"report-timeline-{name}", lambda f, e=events: _report_dir(f, e), lambda f, x=expect: x)
+    for name, profile in (
+        ("trace-events-text", {"traceEvents": "x"}),
+        ("not-object", [1]),
+        ("no-actors", {"traceEvents": []}),
+        ("step-1e999", {"traceEvents": [], "otherData": {"actors": {"a": {"pid": 1, "steps": {"0": "x"}}}}}),
+    ):
+        case(
+            f"report-profile-{name}",
+            lambda f, p=profile: _report_dir(f, ok_events, p),
+            lambda f: "profile.json: not a profile",
+        )
+
+
 @pytest.mark.parametrize("argv, expect", _cases())
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, no_ray, argv, expect):
     files = Files(tmp_path)
@@ -586,3 +748,13 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, no_ray, argv, expect)
     assert expect(files) in lines[0], (expect(files), lines[0])
     assert "Traceback" not in err
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_resume_control_reaches_the_actors(tmp_path, no_actors):
+    """The control of the train-resume-step-*/rng-* cases: the same checkpoint, unbroken, passes every check
+    (and so each of those is refused for what was broken)."""
+    from tests.support.runs import ActorsStarted
+
+    files = Files(tmp_path)
+    with pytest.raises(ActorsStarted):
+        cli.main(train(files, "--resume", str(files.ckpt("ok", _manifest_meta) / "step_00000002")))

@@ -261,15 +261,17 @@ def _claim_vocab(vocab: int):
 GENERATE = ["generate", "{ckpt}", "--prompt", "x", "--max-tokens", "4"]
 EXPORT = ["checkpoint", "export", "{ckpt}", "{out}/m.safetensors"]
 EXPORT_HF = ["checkpoint", "export", "{ckpt}", "{out}/hf", "--format", "hf"]
+# Sizes within the config rules' bounds (raypar.core.config.rules.MAX_SIZES), so that what refuses them is the
+# check each case is about
 CHECKPOINT_CASES = {
     # name: (manifest change, argv with {ckpt} and {out}, text the line must hold)
     "generate-no-meta-model": (lambda m: m["meta"].pop("model"), GENERATE, "meta.model"),
-    "generate-d-model-2^20": (
-        lambda m: m["meta"]["model"].update(d_model=2**20), GENERATE, "meta.model implies"
+    "generate-d-model-2^16": (
+        lambda m: m["meta"]["model"].update(d_model=2**16), GENERATE, "meta.model implies"
     ),
     "generate-heads-0": (lambda m: m["meta"]["model"].update(n_heads=0), GENERATE, "n_heads"),
     "generate-1e7-squared": (_claim_shape("embed.weight", [10**7, 10**7]), GENERATE, "implies"),
-    "generate-huge-vocab": (_claim_vocab(10**10), GENERATE, "GiB of memory"),
+    "generate-huge-vocab": (_claim_vocab(2**32), GENERATE, "GiB of memory"),
     "generate-temperature-nan": (None, [*GENERATE, "--temperature", "nan"], "--temperature"),
     "generate-temperature-inf": (None, [*GENERATE, "--temperature", "inf"], "--temperature"),
     "generate-max-tokens-1e11": (
@@ -278,10 +280,10 @@ CHECKPOINT_CASES = {
     "generate-device-garbage": (None, [*GENERATE, "--device", "banana"], "--device"),
     "export-1e7-squared": (_claim_shape("embed.weight", [10**7, 10**7]), EXPORT, "GiB of memory"),
     "export-hf-no-meta-model": (lambda m: m["meta"].pop("model"), EXPORT_HF, "meta.model"),
-    "export-hf-d-model-2^20": (
-        lambda m: m["meta"]["model"].update(d_model=2**20), EXPORT_HF, "meta.model implies"
+    "export-hf-d-model-2^16": (
+        lambda m: m["meta"]["model"].update(d_model=2**16), EXPORT_HF, "meta.model implies"
     ),
-    "export-hf-huge-vocab": (_claim_vocab(10**10), EXPORT_HF, "GiB of memory"),
+    "export-hf-huge-vocab": (_claim_vocab(2**32), EXPORT_HF, "GiB of memory"),
 }
 
 

@@ -68,6 +68,7 @@ def test_the_driver_posts_cp() -> None:
     loop.name, loop.restarts, loop.run_dir = "demo", 0, Path("runs/demo")
     loop.cfg = SimpleNamespace(train=SimpleNamespace(steps=10))
     loop.actor_mesh = SimpleNamespace(nodes={}, name=str)
+    loop.departures = SimpleNamespace(status=dict)  # no node draining
     record = {"step": 4, "loss": 2.5, "tokens_per_s": 1.0, "dp": 2, "pp": 1, "tp": 1, "cp": 2}
     posted = loop._status(record, {})
     assert posted["cp"] == 2

@@ -96,24 +96,27 @@ def test_kv_cache_with_a_sliding_window_equals_full_forward():
     assert got != generate.generate_ids(model(), prompt, 12)
 
 
-def test_hf_export_refuses_a_sliding_window(tmp_path):
-    """Hugging Face's Llama has no window (Qwen2's is per layer): exported, the model would attend to the
-    whole context, so the export is refused naming the key; control: the same model without a window."""
+def test_hf_export_refuses_a_window_only_qwen_would_carry(tmp_path):
+    """Only Mistral's attention has a window on every layer (Qwen's is per layer, and Mistral has no q/k
+    norm): a window with qk_norm is refused naming both keys; control: the window alone exports as Mistral
+    (tests/unit/test_hf_families.py checks its logits in transformers)."""
     import dataclasses
+    import json
 
     from raypar.core.checkpoint import hf
 
     steps = {}
-    for window in (4, 0):
-        cfg = dataclasses.replace(CFG, sliding_window=window)
+    for qk_norm in (True, False):
+        cfg = dataclasses.replace(CFG, sliding_window=4, qk_norm=qk_norm)
         tensors = dict(LlamaStage(cfg, seed=3).named_parameters())
         specs = {n: checkpoint.ShardSpec.full(t.shape) for n, t in tensors.items()}
         shards, meta = {"dp0.pp0.tp0": (tensors, specs)}, {"model": dataclasses.asdict(cfg)}
-        steps[window] = checkpoint.save(str(tmp_path / f"ckpt{window}"), 1, shards, meta)
-    with pytest.raises(checkpoint.CheckpointError, match="model.sliding_window=4: exported, its attention"):
-        hf.export(steps[4], str(tmp_path / "hf4"))
-    hf.export(steps[0], str(tmp_path / "hf0"))
-    assert (tmp_path / "hf0" / "config.json").is_file()
+        steps[qk_norm] = checkpoint.save(str(tmp_path / f"ckpt{qk_norm}"), 1, shards, meta)
+    with pytest.raises(checkpoint.CheckpointError, match="model.sliding_window=4 with model.qk_norm: only"):
+        hf.export(steps[True], str(tmp_path / "hf-qk"))
+    hf.export(steps[False], str(tmp_path / "hf"))
+    body = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (body["model_type"], body["sliding_window"]) == ("mistral", 4)
 
 
 def test_chat_prompt_is_the_template_with_a_generation_prompt_and_stops_at_end_of_turn(tmp_path, monkeypatch):

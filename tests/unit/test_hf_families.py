@@ -1,11 +1,13 @@
 """The llama family's variants against transformers' own modelling code: Llama 3.x's RoPE scalings (llama3,
 yarn), Qwen2 (q/k/v biases), Qwen3 dense (per-head q/k norms, a head_dim of its own), Mistral without a
-sliding window. For each, a tiny random
+sliding window and with one (5 tokens: shorter than the 16 trained on and the 26 generated; that
+transformers applies it is the export check's control: its config.json's window set to null moves the
+logits). For each, a tiny random
 model built and saved by transformers (tests.support.hf_models.FAMILY_KINDS) is read with `model.init_from`:
 
 - logits at (1,1,1) within LOGITS_ATOL of transformers' fp32 forward, and the loss of a training batch;
 - one training step at pp=2 x tp=2, at cp=2 and at ZB-H1 pp=2 x tp=2 with SP (thread ranks on the core's
-  executor) equal to one process;
+  executor) equal to one process (the window also at Ulysses cp=2);
 - `--format hf` export -> `from_pretrained` gives transformers' logits again;
 - `generate_ids`' greedy tokens equal transformers' greedy `generate`.
 
@@ -14,9 +16,9 @@ models are drawn with initializer_range 0.1, logits up to ~2, so fp32 rounding o
 operation leaves them ~1e-6 apart, and a switched-off variant moves greedy tokens); layouts 1e-5 relative
 (tests/support/pipeline_threads.py: fp32 sums in another order).
 Each check has a negative control that the same check rejects, matched on its message: the variant's switch
-turned off (RoPE scaling ignored, biases dropped, q/k norm skipped), at the layouts the switch's own tp/cp
-plumbing broken (bias slices on the wrong tp rank, the q/k norm gradient not summed over tp, cp's RoPE tables
-unscaled).
+turned off (RoPE scaling ignored, biases dropped, q/k norm skipped, the window ignored), at the layouts the
+switch's own tp/cp plumbing broken (bias slices on the wrong tp rank, the q/k norm gradient not summed over
+tp, cp's RoPE tables unscaled).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ SWITCH_OFF = {
     "qwen2": {"qkv_bias": False},
     "qwen3": {"qk_norm": False},
     "mistral": {"rope_theta": 10000.0},  # nothing to switch off: Llama's computation; a wrong theta instead
+    "mistral-window": {"sliding_window": 0},
 }
 LAYOUTS = {
     "pp2-tp2": ("parallel.pp=2", "parallel.tp=2"),
@@ -96,7 +99,8 @@ def test_logits_and_loss_match_transformers(family_model):
     with torch.no_grad():
         want = F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten()).item()
     assert abs(reference_step(cfg)[0] - want) <= 1e-5 * want
-    # Negative control: the variant's switch off (scaling ignored, biases dropped, q/k norm skipped).
+    # Negative control: the variant's switch off (scaling ignored, biases dropped, q/k norm skipped, the
+    # window ignored).
     off = dataclasses.replace(cfg.model, **SWITCH_OFF[kind])
     with torch.no_grad(), pytest.raises(AssertionError, match="logits differ from transformers'"):
         assert_logits_match(loaded(off, path)(IDS), hf_logits(model))
@@ -116,6 +120,16 @@ def test_layout_trains_as_one_process(family_model, layout):
     kind, path, _ = family_model
     want = reference(kind, cfg_for(path))
     assert_step_matches(run_step(cfg_for(path, *LAYOUTS[layout], "parallel.microbatches=2")), want)
+
+
+def test_window_trains_under_ulysses(family_model):
+    """Mistral's window at Ulysses cp (the window mask over all tokens of a rank's heads) trains as one
+    process; ring cp is in LAYOUTS."""
+    kind, path, _ = family_model
+    if kind != "mistral-window":
+        pytest.skip("the window's own cp layout")
+    layout = ("parallel.cp=2", 'parallel.cp_style="ulysses"', "parallel.microbatches=2")
+    assert_step_matches(run_step(cfg_for(path, *layout)), reference(kind, cfg_for(path)))
 
 
 def _bias_on_the_other_rank(model, coord, groups) -> None:
@@ -174,9 +188,12 @@ def test_export_loads_in_transformers(family_model, tmp_path):
     assert type(exported).__name__ == ("LlamaForCausalLM" if kind == "mistral" else type(model).__name__)
     assert_logits_match(hf_logits(exported), hf_logits(model))
     # Negative control: the exported config.json without the variant's field (no RoPE scaling; Qwen's
-    # biases and q/k norms not loaded by Llama's model).
+    # biases and q/k norms not loaded by Llama's model; Mistral's window dropped).
     body = json.loads((out / "config.json").read_text())
-    if kind in ("llama3", "yarn"):
+    if kind == "mistral-window":
+        assert body["sliding_window"] == 5
+        body["sliding_window"] = None
+    elif kind in ("llama3", "yarn"):
         body["rope_parameters"] = {"rope_type": "default", "rope_theta": body["rope_theta"]}
     elif kind == "mistral":
         body["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
@@ -188,14 +205,19 @@ def test_export_loads_in_transformers(family_model, tmp_path):
         assert_logits_match(hf_logits(wrong), hf_logits(model))
 
 
-def test_windowed_mistral_refused(untied, tmp_path):
-    """A windowed Mistral (7B v0.1) is refused naming the field, until raypar computes the window."""
+@pytest.mark.parametrize(("model_type", "window", "message"), [
+    ("llama", 4096, r"sliding_window=4096 is not supported \(Llama's attention is full causal"),
+    ("mistral", 0, r"sliding_window=0 is not supported \(a positive integer or null\)"),
+    ("mistral", True, r"sliding_window=True is not supported \(a positive integer or null\)"),
+])
+def test_window_hf_cannot_compute_refused(untied, tmp_path, model_type, window, message):
+    """A window on a Llama (whose attention ignores it) or one that is no window is refused, naming it."""
     windowed = tmp_path / "windowed"
     shutil.copytree(untied[0], windowed)
     body = json.loads((windowed / "config.json").read_text())
-    body |= {"model_type": "mistral", "sliding_window": 4096}
+    body |= {"model_type": model_type, "sliding_window": window}
     (windowed / "config.json").write_text(json.dumps(body))
-    with pytest.raises(ConfigError, match=r"config.json: sliding_window=4096 is not supported"):
+    with pytest.raises(ConfigError, match=r"config.json: " + message):
         cfg_for(windowed)
 
 

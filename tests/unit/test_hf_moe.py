@@ -40,7 +40,7 @@ from raypar.core.model.moe import MoELayer
 from raypar.core.model.stage import Stage, StageSpec
 from raypar.core.run_config import load_config
 from tests.support.hf_models import IDS, cfg_for, hf_logits
-from tests.support.hf_moe_models import EXPERTS, MAKERS, assert_logits
+from tests.support.hf_moe_models import EXPERTS, MAKERS, assert_logits, make_hf_mixtral
 from tests.support.moe_threads import assert_matches, parallel, reference
 from tests.support.threads import run_groups, run_ranks
 
@@ -283,6 +283,32 @@ def test_greedy_generation_matches_transformers(trained, tmp_path, moe_class):
     else:
         with pytest.raises(AssertionError, match="greedy tokens differ"):
             greedy_tokens_equal(got, want.tolist())
+
+
+# -- a windowed Mixtral (its attention is Mistral's: model.sliding_window) ----------------------------------
+def test_windowed_mixtral_in_and_out(tmp_path):
+    """A Mixtral with a 5-token window (16 tokens here) imports with model.sliding_window=5: transformers'
+    logits (control: the window ignored is rejected by the same check); exported, its config.json has the
+    window again and transformers' logits follow."""
+    path = tmp_path / "mixtral"
+    model = make_hf_mixtral(path, sliding_window=5)
+    cfg = cfg_for(path).model
+    assert cfg.sliding_window == 5
+    stage = loaded(path)
+    with torch.no_grad():
+        assert_logits(stage(IDS), hf_logits(model))
+        ignored = families.build_stage(dataclasses.replace(cfg, sliding_window=0), init=False)
+        ignored.load_state_dict(stage.state_dict())
+        with pytest.raises(AssertionError, match="logits differ by"):
+            assert_logits(ignored.eval()(IDS), hf_logits(model))
+    tensors = dict(stage.named_parameters())
+    specs = {n: checkpoint.ShardSpec.full(t.shape) for n, t in tensors.items()}
+    step = checkpoint.save(
+        str(tmp_path / "ckpt"), 1, {"dp0.pp0.tp0": (tensors, specs)}, {"model": dataclasses.asdict(cfg)}
+    )
+    exported = from_pretrained(hf.export(step, str(tmp_path / "hf")))
+    assert exported.config.sliding_window == 5
+    assert_logits(hf_logits(exported), hf_logits(model))
 
 
 # -- presets ------------------------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def test_a_resume_may_not_reach_a_newer_checkpoint(tmp_path, capsys, no_actors):
 def test_make_demo_twice_keeps_runs_demo(tmp_path, capsys, monkeypatch, no_actors):
     """The Makefile's own demo command, a second time over a finished runs/demo: refused, nothing touched."""
     recipe = (ROOT / "Makefile").read_text().split("\ndemo:")[1]
-    train = recipe.split("\t$(BIN)/raypar ", 1)[1].split("\n\t$(BIN)/")[0]  # its first command, continued lines
+    train = recipe.split("\t$(BIN)/raypar ", 1)[1].split("\n\t$(BIN)/")[0]  # its first command, all lines
     argv = shlex.split(train.replace("\\\n", " "))
     assert argv[:2] == ["train", "examples/configs/small.toml"] and "runs/demo" in argv, argv
     argv[1] = str(ROOT / argv[1])

@@ -21,6 +21,7 @@ def test_the_run_heals_only_toward_a_valid_dp(monkeypatch):
     from raypar.controller import training
 
     loop = training.TrainingLoop.__new__(training.TrainingLoop)  # only its dps and mesh are read
+    loop.departures = SimpleNamespace(draining=dict, status=dict)  # no node draining
     loop.dps = [1, 2, 4]
     loop.actor_mesh = SimpleNamespace(
         dp=2, mesh=Mesh(2, 1, 1), resources=ActorResources(cpus=1.0), node_check=None
@@ -38,6 +39,7 @@ def test_a_refused_node_is_not_room_to_heal_into(monkeypatch):
     from raypar.controller import training
 
     loop = training.TrainingLoop.__new__(training.TrainingLoop)
+    loop.departures = SimpleNamespace(draining=dict, status=dict)  # no node draining
     loop.dps = [1, 2, 4]
     nodes = [{"NodeID": "late", "Alive": True, "Resources": {"CPU": 2.0}},
              {"NodeID": "first", "Alive": True, "Resources": {"CPU": 2.0}}]  # fmt: skip
@@ -77,6 +79,7 @@ def _waits(parallel: dict[str, float], variant: type[ParallelConfig] = ParallelC
     cfg.parallel = variant(**vars(cfg.parallel))
     asked: list[float] = []
     loop = training.TrainingLoop.__new__(training.TrainingLoop)  # only what _membership reads
+    loop.departures = SimpleNamespace(draining=dict, status=dict)  # no node draining
     loop.cfg, loop.dps, loop.auto, loop.event = cfg, [1, 2], False, lambda line: None
     loop.actor_mesh = SimpleNamespace(
         dp=1, mesh=Mesh(1, 1, 1), resources=ActorResources(cpus=1.0), node_check=None,

@@ -347,6 +347,8 @@ def load_manifest(ckpt_uri: str) -> dict[str, Any]:
         m = json.loads(read_bytes(where))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{where}: not valid JSON (incomplete or corrupt manifest): {e}") from e
+    except ValueError as e:  # a number longer than int()'s digit limit (issue 45)
+        raise CheckpointError(f"{where}: not a manifest ({str(e)[:60]})") from None
     except RecursionError:
         raise CheckpointError(f"{where}: nested too deeply to be a manifest") from None
     if not isinstance(m, dict):
@@ -357,6 +359,8 @@ def load_manifest(ckpt_uri: str) -> dict[str, Any]:
         raise CheckpointError(f"{where}: format {m['format']!r} v{m['version']}, not {FORMAT!r} v{VERSION}")
     if not isinstance(m["step"], int) or not isinstance(m["meta"], dict):
         raise CheckpointError(f"{where}: 'step' must be an integer and 'meta' an object")
+    if not 0 <= m["step"] < 2**63:  # steps count from 0; JSON records and numpy hold them in int64
+        raise CheckpointError(f"{where}: 'step' must be in [0, 2**63), got {m['step']}")
     _validate_shards(m["shards"], where)
     if _tensor_index(m["shards"], where) != m["tensors"]:
         raise CheckpointError(f"{where}: tensor index disagrees with the shard entries")

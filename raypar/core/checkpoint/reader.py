@@ -13,6 +13,7 @@ unpickled).
 
 from __future__ import annotations
 
+import base64
 import bisect
 import dataclasses
 import hashlib
@@ -252,10 +253,40 @@ def _gap(pieces: list[dict[str, Any]], global_shape: list[int]) -> tuple[list[in
     return [b[i] for b, i in cell], [b[i + 1] - b[i] for b, i in cell]
 
 
+# The byte sizes of torch's generator states (`torch.get_rng_state()`'s Mersenne Twister; a CUDA
+# generator's seed and offset, or its seed alone as older torch saved it), which `torch.set_rng_state`
+# insists on: a manifest's meta.rng is checked against them before any actor loads it.
+CPU_RNG_BYTES = torch.get_rng_state().numel()
+CUDA_RNG_BYTES = (16, 8)
+
+
+def _check_rng(rng: Any, where: str) -> None:
+    """meta.rng: {actor key: {"cpu": base64, "cuda"?: base64} or the CPU state's base64 alone (older
+    checkpoints)}, each decoding to its generator's state size; CheckpointError naming the actor."""
+    if not isinstance(rng, dict):
+        raise CheckpointError(f"{where}: meta.rng must be an object of actor keys, got {type(rng).__name__}")
+    for key, saved in rng.items():
+        states = {"cpu": saved} if isinstance(saved, str) else saved
+        if not isinstance(states, dict) or "cpu" not in states:
+            raise CheckpointError(f"{where}: meta.rng.{key} must hold a 'cpu' state")
+        for device, text in states.items():
+            sizes = {"cpu": (CPU_RNG_BYTES,), "cuda": CUDA_RNG_BYTES}.get(device, ())
+            try:
+                size = len(base64.b64decode(text, validate=True)) if isinstance(text, str) else None
+            except ValueError:  # binascii.Error
+                size = None
+            if size not in sizes:
+                raise CheckpointError(
+                    f"{where}: meta.rng.{key}.{device} is not a saved {device} generator state (base64 of "
+                    f"{' or '.join(map(str, sizes)) or 'no'} bytes)"
+                )
+
+
 def check_resumable(manifest: dict[str, Any], where: str) -> None:
     """CheckpointError naming `where` (the manifest) unless a resume finds what it reads there: the
     optimizer's update count (meta.optimizer_steps: Adam's bias correction continues from it) and every
     tensor whole (its pieces leave no gap)."""
+    _check_rng(manifest["meta"].get("rng", {}), where)
     steps = manifest["meta"].get("optimizer_steps")
     if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0):
         got = "it is missing" if steps is None else f"got {steps!r:.40}"

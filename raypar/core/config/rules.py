@@ -19,6 +19,8 @@ from raypar.core.config.schema import Config, ModelConfig, ParallelConfig
 # parallel.node_type names a custom resource (cluster.yaml: `g6: 1` on ray.worker.g6). Ray's own resources
 # pick no node type, and names with ":" are Ray's per-node ones (node:<ip>, accelerator_type:<name>).
 NODE_TYPE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
+# parallel.spot_endpoint: the instance metadata service (169.254.169.254 on EC2; a stub on 127.0.0.1 in tests)
+SPOT_ENDPOINT = re.compile(r"http://[A-Za-z0-9.\[\]:-]+(:[0-9]{1,5})?/?")
 RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
@@ -211,6 +213,7 @@ def validate(cfg: Config) -> None:
             value = getattr(body, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{section.name}.{f.name}: must be a finite number, got {value}")
+    _validate_bounds(cfg)
     for key in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "seq_len"):
         _require(getattr(m, key) > 0, f"model.{key}: must be a positive size, got {getattr(m, key)}")
     _require(
@@ -283,6 +286,14 @@ def validate(cfg: Config) -> None:
         not p.node_type or bool(NODE_TYPE_NAME.fullmatch(p.node_type)) and p.node_type not in RAY_RESOURCES,
         "parallel.node_type: must be empty or the custom resource a worker type declares (a letter, then "
         f"letters, digits, _ . -; not {', '.join(RAY_RESOURCES)}), got {p.node_type!r}",
+    )
+    _require(
+        p.spot_notice in ("", "aws"), f'parallel.spot_notice: must be "" or "aws", got {p.spot_notice!r}'
+    )
+    _require(
+        bool(SPOT_ENDPOINT.fullmatch(p.spot_endpoint)),
+        f"parallel.spot_endpoint: must be http://HOST[:PORT] (the instance metadata service), got "
+        f"{p.spot_endpoint!r}",
     )
     _require(
         p.zero in options.ZERO_STAGES,
@@ -369,6 +380,11 @@ def validate(cfg: Config) -> None:
         f"train.hang_watchdog_s: must be >= 0 (0: a fifth of parallel.timeout_s) and below "
         f"parallel.timeout_s={p.timeout_s:g}, got {t.hang_watchdog_s:g}",
     )
+    _require(  # below a second, every ordinary step would be reported as a hang (issue 45)
+        not t.hang_watchdog_s or t.hang_watchdog_s >= MIN_HANG_WATCHDOG_S,
+        f"train.hang_watchdog_s: must be 0 or at least {MIN_HANG_WATCHDOG_S:g} s (shorter reports ordinary "
+        f"steps as hangs), got {t.hang_watchdog_s:g}",
+    )
     _require(t.eval_every >= 0, f"train.eval_every: must be >= 0 (0 disables), got {t.eval_every}")
     _require(t.eval_batches > 0, f"train.eval_batches: must be positive, got {t.eval_batches}")
     d = cfg.data
@@ -392,6 +408,57 @@ def validate(cfg: Config) -> None:
     )
     _validate_moe(cfg)
     _validate_observe(cfg)
+
+
+# -- upper bounds (issue 45): sizes past any model or cluster anyone trains, refused before the planner, the
+# schedules and the mesh enumerate layers, microbatches and actors one by one, or an actor allocates them
+# (the RoPE table is seq_len long). The largest trained models have ~10^2 layers, widths ~10^4, contexts
+# ~10^6 tokens, vocabularies ~10^6 and ~10^5 accelerators; each bound leaves an order of magnitude or more.
+MIN_HANG_WATCHDOG_S = 1.0
+INT64_MAX = 2**63 - 1  # what numpy, torch, safetensors headers and the JSON records hold
+MAX_SIZES = {
+    "model.n_layers": 2**12,
+    "model.d_model": 2**18,
+    "model.n_heads": 2**12,
+    "model.n_kv_heads": 2**12,
+    "model.d_ff": 2**20,
+    "model.vocab_size": 2**32,  # token ids are stored as uint32 at most (raypar.core.data.datasets)
+    "model.seq_len": 2**22,
+    "model.moe_experts": 2**12,
+    "parallel.microbatches": 2**16,
+    "parallel.virtual_stages": 2**12,
+    "parallel.threads_per_actor": 2**10,  # CPU threads in one process; no machine has more cores
+    "train.eval_batches": 2**20,
+}
+MAX_ACTORS = 2**17  # dp (or max_dp) * pp * tp * cp
+
+
+def _validate_bounds(cfg: Config) -> None:
+    for section in dataclasses.fields(cfg):
+        body = getattr(cfg, section.name)
+        for f in dataclasses.fields(body):
+            value, key = getattr(body, f.name), f"{section.name}.{f.name}"
+            if isinstance(value, int) and not isinstance(value, bool):
+                _require(
+                    abs(value) <= INT64_MAX,
+                    f"{key}: must fit in 64 bits, got a {value.bit_length()}-bit number",
+                )
+                _require(
+                    value <= MAX_SIZES.get(key, value),
+                    f"{key}: must be at most {MAX_SIZES.get(key)} (past any model or machine), got {value}",
+                )
+    p, t = cfg.parallel, cfg.train
+    actors = max(p.max_dp, p.dp if isinstance(p.dp, int) else p.min_dp) * p.pp * p.tp * p.cp
+    _require(
+        actors <= MAX_ACTORS,
+        f"parallel: dp*pp*tp*cp = {actors} actors is past any cluster; at most {MAX_ACTORS}",
+    )
+    # the sampler numbers samples step * global_batch + i in int64
+    _require(
+        t.steps * t.global_batch <= INT64_MAX,
+        f"train.steps: train.steps * train.global_batch must fit in 64 bits, got {t.steps} * "
+        f"{t.global_batch}",
+    )
 
 
 def _validate_observe(cfg: Config) -> None:
@@ -434,6 +501,12 @@ def _validate_float8(cfg: Config) -> None:
         f"train.fp8_recipe: must be {one_of(options.FP8_RECIPES)}, got {t.fp8_recipe!r}",
     )
     if not options.PRECISIONS[t.precision].float8:
+        float8 = [name for name, p in options.PRECISIONS.items() if p.float8]
+        _require(  # a recipe asked for would otherwise be silently ignored
+            t.fp8_recipe == options.FP8_RECIPES[0],
+            f"train.fp8_recipe: only means something with train.precision = {one_of(float8)}, got "
+            f"{t.fp8_recipe!r} with precision {t.precision!r}",
+        )
         return
     _require(
         importlib.util.find_spec("torchao") is not None,

@@ -157,6 +157,10 @@ class ParallelConfig:
     # existed, so a config that raised timeout_s to wait for nodes (docs/cluster.md advised it) keeps
     # waiting as long; a fixed default (300 s) would cut such a run's wait short without a word.
     placement_timeout_s: float = 0.0
+    # "aws": a watcher per node polls the instance metadata's spot interruption notice and drains its
+    # node with the notice's deadline (raypar.controller.spot); spot_endpoint is that metadata service.
+    spot_notice: str = ""
+    spot_endpoint: str = "http://169.254.169.254"
 
     @property
     def placement_wait_s(self) -> float:

@@ -74,7 +74,7 @@ def _load_index(uri: str) -> tuple[pafs.FileSystem, str, bytes, dict[str, Any]]:
         )
     try:
         index = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (ValueError, RecursionError) as err:  # broken UTF-8 or JSON, too deep, a number too long
         raise ValueError(f"{where}: not a valid index (broken JSON: {str(err)[:80]})") from None
     if not isinstance(index, dict) or not isinstance(index.get("shards"), list):
         raise ValueError(f"{where}: incomplete index (needs shards [{{file, tokens}}])")

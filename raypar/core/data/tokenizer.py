@@ -152,10 +152,19 @@ def checked_record(body: bytes, entry: dict[str, Any], where: str) -> dict[str, 
     return {**entry, "json": text}
 
 
-def from_record(record: dict[str, Any] | None) -> Tokenizer:
-    """The tokenizer a prepared dataset or checkpoint recorded (None or bytes: byte-level)."""
+def from_record(record: dict[str, Any] | None, where: str = "the recorded tokenizer") -> Tokenizer:
+    """The tokenizer a prepared dataset or checkpoint recorded (None or bytes: byte-level); ConfigError
+    naming `where` for a record that is neither."""
     if not record or record.get("kind") == "bytes":
         return ByteTokenizer()
-    tok = HFTokenizer(record["json"], where="the recorded tokenizer")
-    tok.eos_id = int(record["eos_id"])  # as recorded, even if named by --eos
+    if not (
+        record.get("kind") == "hf" and isinstance(record.get("json"), str)
+        and isinstance(record.get("eos_id"), int) and not isinstance(record["eos_id"], bool)
+    ):
+        raise ConfigError(
+            f"{where}: a tokenizer record needs kind \"bytes\", or kind \"hf\" with json (the tokenizer.json "
+            f"text) and an integer eos_id; got keys {sorted(record)}"
+        )
+    tok = HFTokenizer(record["json"], where=where)
+    tok.eos_id = record["eos_id"]  # as recorded, even if named by --eos
     return tok

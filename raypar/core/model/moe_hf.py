@@ -58,7 +58,8 @@ class MoEMapping:
     def __init__(self, fmt: MoEFormat, family: str):
         self.fmt, self.family = fmt, family
         self.MODEL_TYPES = (fmt.model_type,)
-        self.dense_type = "qwen3" if fmt.qk_norm else "llama"  # the llama family's model with its attention
+        # the llama family's model with its attention: Mixtral's is Mistral's (a sliding_window, null: none)
+        self.dense_type = "qwen3" if fmt.qk_norm else "mistral"
 
     def hf_name(self, name: str) -> str:
         """raypar parameter name -> Hugging Face tensor name: routers and experts here, the rest llama's."""
@@ -130,6 +131,8 @@ class MoEMapping:
             return why("qk_norm", "has it" if fmt.qk_norm else "has no q/k norm")
         if model["qkv_bias"]:
             return why("qkv_bias", "has no q/k/v biases")
+        if fmt.qk_norm and model["sliding_window"]:  # Qwen3-MoE's window is per layer: not exported untested
+            return why("sliding_window", "has no window on every layer")
         return None
 
     def config_json(self, model: dict[str, Any]) -> dict[str, Any]:

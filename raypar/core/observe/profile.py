@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from raypar.core.plain_files import NotRegularFile, read_regular
 
 ANNOTATION = "raypar step "
 PID_BASE = 1000  # profile processes sort after the step timeline's replicas (pid = dp)
@@ -147,6 +150,39 @@ def _main_pid(prof: ActorProfile) -> Any:
         if str(e.get("name", "")).startswith(ANNOTATION):
             return e.get("pid")
     return None
+
+
+def read_profile(path: Path) -> dict[str, Any]:
+    """profile.json as `profile_trace` writes it, checked where `merge_schedule` reads it: ValueError naming
+    the file and what is wrong."""
+    try:
+        profile = json.loads(read_regular(path, "the run's profile.json").decode("utf-8"))
+    except NotRegularFile:  # a FIFO would block the reader: named as such
+        raise
+    except (ValueError, RecursionError) as err:  # JSON, UTF-8 or a number past int()'s digit limit
+        raise ValueError(f"{path}: not a profile (not JSON: {str(err)[:80]})") from None
+    other = profile.get("otherData") if isinstance(profile, dict) else None
+    actors = other.get("actors") if isinstance(other, dict) else None
+    if not (
+        isinstance(profile, dict)
+        and isinstance(profile.get("traceEvents"), list)
+        and all(isinstance(e, dict) for e in profile["traceEvents"])
+        and isinstance(actors, dict)
+        and all(_actor_entry(a) for a in actors.values())
+    ):
+        raise ValueError(
+            f"{path}: not a profile as `raypar train` writes it (traceEvents: a list of events; "
+            "otherData.actors: {key: {pid: int, steps: {step: finite start in us}}})"
+        )
+    return profile
+
+
+def _actor_entry(actor: Any) -> bool:
+    steps = actor.get("steps") if isinstance(actor, dict) else None
+    return (
+        isinstance(actor, dict) and isinstance(actor.get("pid"), int) and isinstance(steps, dict)
+        and all(isinstance(t, int | float) and math.isfinite(t) for t in steps.values())
+    )
 
 
 def merge_schedule(profile: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import statistics
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
@@ -35,7 +36,7 @@ from typing import Any
 
 from raypar.core.config.options import SCHEDULES
 from raypar.core.observe import stragglers
-from raypar.core.observe.profile import PID_BASE, merge_schedule
+from raypar.core.observe.profile import PID_BASE, merge_schedule, read_profile
 from raypar.core.observe.step_report import StepReport
 from raypar.core.parallel.mesh import Coord
 from raypar.core.pipeline.schedules import COMPUTE_OPS, bubble_formula
@@ -97,13 +98,22 @@ def _number(v: Any) -> bool:  # nan and inf included: a diverged loss is still a
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
+def _seconds(v: Any) -> bool:  # a time on a step's clock: finite and >= 0 (the axes are drawn from them)
+    return _number(v) and math.isfinite(v) and v >= 0
+
+
 def _events(v: Any) -> bool:
     return isinstance(v, list) and all(
         isinstance(e, list) and len(e) == 4 and isinstance(e[0], str) and _kind(e[0]) in COLOURS
         and isinstance(e[1], int)
-        and _number(e[2]) and _number(e[3])
+        and _seconds(e[2]) and _seconds(e[3]) and e[2] <= e[3]
         for e in v
     )
+
+
+def _within_step(record: dict[str, Any]) -> bool:
+    """Every event ends by the step's end: the executor times both from the step's start (actors.worker)."""
+    return all(end <= record["step_s"] for *_, end in record["events"])
 
 
 def _expert_load(v: Any) -> bool:
@@ -136,14 +146,21 @@ TIMELINE_KEYS: Schema = {
     "tp": (True, _count, "a count"),
     "cp": (False, _count, "a count"),
     "actor": (True, lambda v: isinstance(v, str), "the actor's name"),
-    "step_s": (True, _number, "a number"),
-    "events": (True, _events, "a list of [known op, microbatch, start, end]"),
+    "step_s": (True, _seconds, "a finite number of seconds >= 0"),
+    "events": (True, _events, "a list of [known op, microbatch, start, end], 0 <= start <= end"),
 }
+TIMELINE_WHOLE = (_within_step, "every event must end by step_s")
 
 
-def read_jsonl(path: Path, schema: Schema | None = None) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file, each an object that follows `schema`; ValueError naming the file
-    and line. A last line cut short (a run killed while writing it) is left out."""
+RecordRule = tuple[Callable[[dict[str, Any]], bool], str]  # a rule across a record's keys, and its text
+
+
+def read_jsonl(
+    path: Path, schema: Schema | None = None, whole: RecordRule | None = None
+) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file, each an object that follows `schema` (and `whole`'s rule across its
+    keys); ValueError naming the file and line. A last line cut short (a run killed while writing it) is
+    left out."""
     schema = schema or {}
     required = [k for k, (needed, _, _) in schema.items() if needed]
     try:
@@ -165,6 +182,8 @@ def read_jsonl(path: Path, schema: Schema | None = None) -> list[dict[str, Any]]
         for key, (_, valid, what) in schema.items():
             if key in record and not valid(record[key]):
                 raise ValueError(f"{path}:{number}: {key} must be {what}, got {record[key]!r:.60}")
+        if whole and not whole[0](record):
+            raise ValueError(f"{path}:{number}: {whole[1]}")
         records.append(record)
     return records
 
@@ -495,7 +514,7 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         "files": [],
     }
     timeline_path = run_dir / "timeline.jsonl"
-    all_rows = read_jsonl(timeline_path, TIMELINE_KEYS) if timeline_path.exists() else []
+    all_rows = read_jsonl(timeline_path, TIMELINE_KEYS, TIMELINE_WHOLE) if timeline_path.exists() else []
     # Runs from before timelines were recorded, or that failed before their first step, have none.
     if all_rows:
         shown = pick_step(all_rows, step)
@@ -515,8 +534,7 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         )
         trace = chrome_trace(rows)
         if (run_dir / "profile.json").is_file():
-            profiled = json.loads(read_regular(run_dir / "profile.json", "the run's profile.json"))
-            trace["traceEvents"] += merge_schedule(profiled, all_rows)
+            trace["traceEvents"] += merge_schedule(read_profile(run_dir / "profile.json"), all_rows)
             trace["otherData"]["profile"] = (
                 f"processes from pid {PID_BASE}: wall clock, from the profile's start"
             )

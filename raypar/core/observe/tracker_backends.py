@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import LogConfig
 
 # MLflow's client sends at most this many parameters or metrics per call (its batch limits), and refuses a
@@ -73,6 +74,22 @@ class TensorBoard:
 
     def close(self, ok: bool) -> None:
         self.writer.close()
+
+
+def check_mlflow_uri(uri: str) -> None:
+    """A ConfigError naming log.mlflow_uri unless MLflow has a tracking store for its scheme (file paths,
+    file:, sqlite:, http(s):, databricks, ...): asked of MLflow's own store registry, which connects to
+    nothing, so a typo is refused before any actor starts rather than when the first step is logged."""
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+    try:
+        _tracking_store_registry.get_store_builder(uri)
+    except Exception as err:  # noqa: BLE001 - MLflow's own exception types
+        schemes = ", ".join(s for s in _tracking_store_registry._registry if s)
+        raise ConfigError(
+            f"log.mlflow_uri: MLflow has no tracking store for {uri!r} ({type(err).__name__}); a path, or a "
+            f"URI of scheme {schemes}"
+        ) from None
 
 
 class MLflow:

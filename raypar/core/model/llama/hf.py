@@ -1,5 +1,6 @@
-"""The llama family in the Hugging Face format: `LlamaForCausalLM` (Llama 2, 3.x), `Qwen2ForCausalLM` (Qwen2,
-2.5) and `Qwen3ForCausalLM` (Qwen3 dense), config.json fields both ways and tensor names.
+"""The llama family in the Hugging Face format: `LlamaForCausalLM` (Llama 2, 3.x), `MistralForCausalLM`
+(Mistral: a sliding window), `Qwen2ForCausalLM` (Qwen2, 2.5) and `Qwen3ForCausalLM` (Qwen3 dense),
+config.json fields both ways and tensor names.
 
 raypar's blocks are theirs: RMSNorm, SwiGLU, grouped-query attention, and RoPE applied by rotating (first
 half, second half) pairs of each head (HF's `rotate_half`), so HF's q_proj/k_proj rows are used as they are,
@@ -7,10 +8,11 @@ with no permutation (the permutation HF's conversion script applies to Meta's in
 already in the weights). Heads are contiguous row blocks of q/k/v_proj (and of their biases), so a
 tensor-parallel rank's heads are one contiguous slice, as `ColumnParallelLinear` expects.
 
-What differs between the three is a switch of the shared block: Qwen2's q/k/v biases (`qkv_bias`), Qwen3's
-per-head q/k norms (`qk_norm`) and head width (`head_dim_override`), Llama 3.x's RoPE scaling. Export picks
-the model type that computes what the switches say: Qwen3 for qk_norm, Qwen2 for q/k/v biases (Llama's
-`attention_bias` would add one to o_proj too), Llama otherwise.
+What differs between them is a switch of the shared block: Qwen2's q/k/v biases (`qkv_bias`), Qwen3's
+per-head q/k norms (`qk_norm`) and head width (`head_dim_override`), Llama 3.x's RoPE scaling, Mistral's
+`sliding_window`. Export picks the model type that computes what the switches say: Qwen3 for qk_norm, Qwen2
+for q/k/v biases (Llama's `attention_bias` would add one to o_proj too), Mistral for a window, Llama
+otherwise.
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ from typing import Any
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import ModelConfig
 
-# Mistral without a sliding window (7B v0.2 on) is Llama's computation; with one it is refused.
+# Mistral is Llama's computation with a sliding window (7B v0.1; none from v0.2 on: null).
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # The variant's fields, all returned by model_fields (defaults where config.json implies them), so that
 # nothing of a preset's variant is left under an init_from model.
 _SWITCHES = (
     "head_dim_override", "qkv_bias", "qk_norm", "rope_scaling", "rope_factor", "rope_original_max_len",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow",
-    "rope_attention_factor",
+    "rope_attention_factor", "sliding_window",
 )
 
 # raypar module path inside a block -> HF's.
@@ -53,7 +55,10 @@ _TOP = {
     "head.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 # rope_scaling -> its fields in HF's rope_parameters
 _ROPE_FIELDS = {
     "linear": {"factor": "rope_factor"},
@@ -82,8 +87,8 @@ def hf_name(name: str) -> str:
 
 def model_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """ModelConfig fields from a config.json of one of MODEL_TYPES. Anything raypar's blocks would compute
-    differently (another rope type, an o_proj or MLP bias, sliding windows, another activation...) is
-    refused, naming the field."""
+    differently (another rope type, an o_proj or MLP bias, Qwen's per-layer windows, another activation...)
+    is refused, naming the field."""
     model_type = hf.get("model_type")
 
     def refuse(field: str, rule: str) -> ConfigError:
@@ -94,10 +99,10 @@ def model_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     for field in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases are implied by its model type
         if hf.get(field):
             raise refuse(field, "raypar's o_proj and MLP have no biases")
-    windowed = model_type in ("llama", "mistral") and hf.get("sliding_window") is not None
-    if hf.get("use_sliding_window") or windowed:
-        field = "use_sliding_window" if hf.get("use_sliding_window") else "sliding_window"
-        raise refuse(field, "attention is full causal")
+    if hf.get("use_sliding_window"):  # Qwen2/3: windows on the layers from max_window_layers on
+        raise refuse("use_sliding_window", "a window is on every layer or none")
+    if model_type == "llama" and hf.get("sliding_window") is not None:  # not Llama's field: mislabelled
+        raise refuse("sliding_window", "Llama's attention is full causal; a windowed model is a mistral")
     if hf.get("attention_dropout", 0.0):
         raise refuse("attention_dropout", "raypar has no dropout")
     if hf.get("pretraining_tp", 1) != 1:
@@ -135,6 +140,8 @@ def model_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
             "qkv_bias": model_type == "qwen2",
             "qk_norm": model_type == "qwen3",
         }
+        if model_type == "mistral":
+            fields["sliding_window"] = sliding_window(hf, where)
         max_len = hf.get("max_position_embeddings")
         fields |= _rope_fields(hf, where, number, max_len)
     except KeyError as err:
@@ -145,6 +152,19 @@ def model_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
             raise refuse("head_dim", f"must be hidden_size/num_attention_heads={d // heads}")
         fields["head_dim_override"] = size("head_dim")
     return fields
+
+
+def sliding_window(hf: dict[str, Any], where: str) -> int:
+    """model.sliding_window of a Mistral (or Mixtral) config.json: null -> 0, no window. transformers'
+    window (masking_utils.sliding_window_overlay: key visible iff kv_idx > q_idx - sliding_window, with
+    causality) is the last `sliding_window` positions, the query's own included: raypar's definition
+    (attention_masks: q - k < window), so the number carries over as it is."""
+    window = hf.get("sliding_window")
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ConfigError(f"{where}: sliding_window={window!r} is not supported (a positive integer or null)")
+    return window
 
 
 def _rope_fields(hf: dict[str, Any], where: str, number: Any, max_len: Any) -> dict[str, Any]:
@@ -186,7 +206,11 @@ def _rope_fields(hf: dict[str, Any], where: str, number: Any, max_len: Any) -> d
 
 def model_type(model: dict[str, Any]) -> str:
     """The HF model type computing what `model`'s switches say (see the module docstring)."""
-    return "qwen3" if model.get("qk_norm") else "qwen2" if model.get("qkv_bias") else "llama"
+    if model.get("qk_norm"):
+        return "qwen3"
+    if model.get("qkv_bias"):
+        return "qwen2"
+    return "mistral" if model.get("sliding_window") else "llama"
 
 
 def export_refusal(model: dict[str, Any]) -> str | None:
@@ -194,9 +218,11 @@ def export_refusal(model: dict[str, Any]) -> str | None:
     for key in ("moe_shared_experts", "moe_experts"):  # the most specific field first
         if model.get(key):
             return f"model.{key}={model[key]}: Hugging Face's LlamaForCausalLM has no experts"
-    if model.get("sliding_window"):  # Llama has no window; Qwen2's is per layer and not a full model's
+    if model.get("sliding_window") and (model.get("qk_norm") or model.get("qkv_bias")):
+        # Mistral has neither; Qwen's window is per layer: not exported untested
+        switch = "qk_norm" if model.get("qk_norm") else "qkv_bias"
         window = model["sliding_window"]
-        return f"model.sliding_window={window}: exported, its attention would see the whole context"
+        return f"model.sliding_window={window} with model.{switch}: only Mistral's attention has a window"
     if model.get("qk_norm") and model.get("qkv_bias"):
         return "model.qkv_bias with model.qk_norm: Qwen3's attention_bias would add an o_proj bias too"
     return None
@@ -235,6 +261,8 @@ def config_json(model: dict[str, Any]) -> dict[str, Any]:
     }
     if kind == "llama":
         config |= {"attention_bias": False, "mlp_bias": False}
+    elif kind == "mistral":
+        config["sliding_window"] = model["sliding_window"]
     else:
         config |= {"use_sliding_window": False, "sliding_window": None}
         if kind == "qwen3":

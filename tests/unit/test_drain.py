@@ -1,0 +1,128 @@
+"""The drain watch and the spot watcher in one process: a fake GCS table, a stub metadata service on
+127.0.0.1 (no Ray: the watcher's drain request is recorded by a test subclass)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from actors.spot_watch import SpotWatch, parse_notice
+from raypar.controller import cli, drain
+from raypar.core.parallel.mesh import Coord
+from tests.support.metadata_stub import metadata_stub
+
+NODE = "ab" * 28
+
+
+def test_watch_says_each_new_drain_once_and_survives_a_failing_read():
+    """A node seen draining is noticed once however many polls see it; a read that raises (the GCS busy)
+    keeps the last answer instead of ending the thread."""
+    draining = {NODE: drain.Drain(NODE, time.time() + 60)}
+    answers: list[dict[str, drain.Drain] | Exception] = [{}, RuntimeError("GCS busy"), draining]
+    seen, polls, enough = [], [], threading.Event()
+
+    def read() -> dict[str, drain.Drain]:
+        polls.append(1)
+        if len(polls) >= 10:  # the same drain seen by 7 more polls
+            enough.set()
+        answer = answers.pop(0) if answers else draining
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    watch = drain.DrainWatch(seen.append, read=read, period_s=0.001).start()
+    assert enough.wait(timeout=30), "the watch stopped polling"
+    watch.stop()
+    assert [d.node_id for d in seen] == [NODE], seen
+    assert set(watch.current()) == {NODE}
+
+
+def test_status_and_line_name_the_replicas_on_the_node():
+    nodes = {
+        Coord(0, 0, 0, 0): SimpleNamespace(node_id="cd" * 28),
+        Coord(1, 1, 0, 0): SimpleNamespace(node_id=NODE),
+    }
+    assert drain.on_nodes(nodes, {NODE}) == {1}
+    run = {"run": "r", "step": 3, "steps": 8, "loss": 5.0, "tokens_per_s": 1.0, "dp": 2, "pp": 2, "tp": 1,
+           "cp": 1, "restarts": 0, "run_dir": "/x", "actors": {},
+           "draining": {NODE: {"deadline": time.time() + 60.4, "replicas": [1]}}}  # fmt: skip
+    assert f"  draining: node {NODE[:12]} (deadline in 60 s) holds replica(s) [1]" in cli.status_lines([run])
+
+
+class _Recorded(SpotWatch):
+    """Records the drain it would ask Ray for."""
+
+    def drain(self, deadline: float) -> str:
+        self.asked = deadline
+        return f"drain by {deadline:.0f}"
+
+
+@pytest.fixture
+def stub() -> Iterator[tuple[str, Any]]:
+    with metadata_stub() as served:
+        yield served
+
+
+def test_spot_notice_becomes_a_drain_and_garbage_or_silence_is_said_once(stub):
+    endpoint, _Stub = stub
+    watch = _Recorded(endpoint, NODE)
+    _Stub.answer = (404, b"")
+    assert watch.check() is None and not hasattr(watch, "asked")  # no notice: nothing
+    for body in (b"<html>nope", b'{"action": "terminate"}', b'{"action": "reboot", "time": "x"}'):
+        _Stub.answer = (200, body)
+        line = watch.check()
+        assert line is None or "answered something that is no notice" in line, line
+    assert len(watch.said) == 1 and not hasattr(watch, "asked")  # one line for every kind of garbage
+    _Stub.answer = (500, b"")
+    assert "answered HTTP 500; ignored" in watch.check()
+    silent = _Recorded("http://127.0.0.1:9", NODE)  # the discard port: refused
+    assert "did not answer" in silent.check() and silent.check() is None
+    _Stub.answer = (200, json.dumps({"action": "terminate", "time": "2030-01-01T00:02:00Z"}).encode())
+    assert watch.check() == "drain by 1893456120"
+    assert watch.asked == parse_notice(_Stub.answer[1]) and watch.check() is None  # once
+
+
+def _loop_on(node: str) -> SimpleNamespace:
+    loop = SimpleNamespace(events=[], name="r", status={})
+    loop.event = loop.events.append
+    loop.cfg = SimpleNamespace(parallel=SimpleNamespace(spot_notice="", placement_wait_s=300.0))
+    loop.actor_mesh = SimpleNamespace(nodes={Coord(0, 0, 0, 0): SimpleNamespace(node_id="cd" * 28),
+                                             Coord(1, 0, 0, 0): SimpleNamespace(node_id=node)})  # fmt: skip
+    return loop
+
+
+def test_leave_moves_before_the_deadline_or_says_why_not(monkeypatch):
+    """At a step boundary: the move gets half the time left to find room; a deadline already passed, or a
+    move that fails (the leavers died at the deadline), is said once and left to the failure path."""
+    asked = []
+    monkeypatch.setattr(
+        drain, "move_replicas", lambda mesh, leaving, wait_s: asked.append((leaving, wait_s)) or "moved"
+    )
+    for deadline, expect, said in (
+        (-1, "draining deadline passed before step 3", 1),
+        (60, "moved (before step 3", 2),
+    ):
+        loop = _loop_on(NODE)
+        departures = drain.Departures(loop)
+        departures.watch = SimpleNamespace(
+            current=lambda d=deadline: {NODE: drain.Drain(NODE, time.time() + d)}
+        )
+        departures.leave(3)
+        departures.leave(
+            4
+        )  # given up: said once; moved: the fake leaves the replica there, so it moves again
+        assert len(loop.events) == said and loop.events[0].startswith(expect), loop.events
+    assert asked[0][0] == {1} and 29 < asked[0][1] <= 30, asked  # half of the 60 s left
+    monkeypatch.setattr(drain, "move_replicas", lambda *a: (_ for _ in ()).throw(RuntimeError("actor died")))
+    loop = _loop_on(NODE)
+    departures = drain.Departures(loop)
+    departures.watch = SimpleNamespace(current=lambda: {NODE: drain.Drain(NODE, time.time() + 60)})
+    with pytest.raises(RuntimeError, match="actor died"):
+        departures.leave(5)
+    assert "failed before step 5" in loop.events[0] and departures.given_up == {NODE}
