@@ -13,8 +13,8 @@ import torch
 from raypar.controller import cli
 from raypar.core.data import chat
 from raypar.core.data.packed import PackedDataset
-from raypar.core.run_config import load_config
 from raypar.core.model.attention_masks import IGNORE
+from raypar.core.run_config import load_config
 from tests.support.chat_tokenizers import TEMPLATES, chat_tokenizer
 
 CONVERSATIONS = [
