@@ -79,7 +79,12 @@ class _ActorBackend(ModelBackend):
     def __init__(self, worker: Worker, step: int, scale: float):
         cfg = worker.cfg
         # the loss per target token of the global batch, at any layout (raypar.core.data.documents)
-        self.target_tokens = documents.target_tokens(worker.dataset, worker.sampler, step, cfg.model.seq_len)
+        # a middle stage reads no data and computes no loss: 0 (the driver takes the max over actors)
+        self.target_tokens = (
+            documents.target_tokens(worker.dataset, worker.sampler, step, cfg.model.seq_len)
+            if worker.dataset is not None
+            else 0
+        )
         share = documents.loss_share(self.target_tokens, worker.microbatches * worker.dp * cfg.parallel.cp)
         super().__init__(
             worker.model, worker.coord.pp, worker.topo, worker.transport, worker.act_like,

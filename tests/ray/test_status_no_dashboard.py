@@ -31,7 +31,8 @@ def state_api_down(monkeypatch):
 
 
 def test_status_lists_runs_without_the_state_api(ray_session, state_api_down):
-    with pytest.raises(ServerUnavailable):  # the control: the state API is down for this test
+    # the control: the state API is down for this test
+    with pytest.raises(ServerUnavailable, match="no dashboard on this cluster"):
         ray.util.state.list_actors()
     control = PostedStatus.options(name="raypar:no-dashboard:control", namespace=NAMESPACE).remote()
     try:

@@ -753,8 +753,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, no_ray, argv, expect)
 def test_resume_control_reaches_the_actors(tmp_path, no_actors):
     """The control of the train-resume-step-*/rng-* cases: the same checkpoint, unbroken, passes every check
     (and so each of those is refused for what was broken)."""
-    from tests.support.runs import ActorsStarted
+    from tests.support.runs import ACTORS_START, ActorsStarted
 
     files = Files(tmp_path)
-    with pytest.raises(ActorsStarted):
+    with pytest.raises(ActorsStarted, match=ACTORS_START):
         cli.main(train(files, "--resume", str(files.ckpt("ok", _manifest_meta) / "step_00000002")))

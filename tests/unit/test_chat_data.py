@@ -14,6 +14,7 @@ from raypar.controller import cli
 from raypar.core.data import chat
 from raypar.core.data.packed import PackedDataset
 from raypar.core.model.attention_masks import IGNORE
+from raypar.core.run_config import load_config
 from tests.support.chat_tokenizers import TEMPLATES, chat_tokenizer
 
 CONVERSATIONS = [
@@ -202,7 +203,7 @@ def test_document_masking_auto_is_on_where_the_data_records_documents(tmp_path, 
                      "--no-progress"]) == 0  # fmt: skip
     assert cli.main(["prepare", text, "--out", str(stream), "--no-progress"]) == 0
     capsys.readouterr()
-    model = cli.load_config(str(TINY), ["model.seq_len=64", "model.vocab_size=256"]).model
+    model = load_config(str(TINY), ["model.seq_len=64", "model.vocab_size=256"]).model
     assert DataConfig().document_masking == "auto"
     opened = {p: datasets.open_dataset(DataConfig(source=str(p)), model) for p in (packed, stream)}
     assert documents.masked("auto", opened[packed]) and not documents.masked("auto", opened[stream])

@@ -20,6 +20,7 @@ from raypar.controller import cli
 from raypar.core.config.schema import DataConfig
 from raypar.core.data import datasets as data
 from raypar.core.data.tokenizer import load as load_tokenizer
+from raypar.core.run_config import load_config
 from tests.support.corpus import corpus, train_bpe
 from tests.support.runs import ACTORS_START, TINY, ActorsStarted
 
@@ -131,7 +132,7 @@ def test_the_actors_check_sizes_but_leave_hashes_to_the_driver(tmp_path):
     """The driver hashes once (within cli.VERIFY_HASHES_BYTES); each actor's open checks sizes only."""
     out = _prepare(tmp_path, tokenizer=False)
     _flip_a_byte(out)
-    model = cli.load_config(str(TINY), ["model.seq_len=16"]).model
+    model = load_config(str(TINY), ["model.seq_len=16"]).model
     assert data.open_dataset(DataConfig(source=str(out)), model).num_samples > 0
     with pytest.raises(Exception, match="sha256"):
         data.open_dataset(DataConfig(source=str(out)), model, hash_limit_bytes=2**30)

@@ -62,8 +62,8 @@ def test_the_old_mixtral_layout_does_not_fit() -> None:
 # torchtitan's and NeMo/Megatron-LM's Llama-2-7B configs on H100s: data parallel only, states sharded
 # (torchtitan FSDP, dp_shard = -1; NeMo llama2_7b: tensor and pipeline parallel 1 with the distributed
 # optimizer).
-LLAMA2_7B = ["parallel.dp=1", "parallel.pp=1", "parallel.virtual_stages=1", "parallel.tp=1", "parallel.microbatches=1",
-             "parallel.sequence_parallel=false", "parallel.max_dp=0"]
+LLAMA2_7B = ["parallel.dp=1", "parallel.pp=1", "parallel.virtual_stages=1", "parallel.tp=1",
+             "parallel.microbatches=1", "parallel.sequence_parallel=false", "parallel.max_dp=0"]
 AGREEMENT = {  # name: (config overrides, devices, published mesh (dp, pp, tp, cp, ep))
     "llama2-7b, 16 x H100, 192 x 4096 tokens": (LLAMA2_7B, 16, (16, 1, 1, 1, 1)),
     "llama2-7b, 8 x H100, 128 x 4096 tokens": ([*LLAMA2_7B, "train.global_batch=128"], 8, (8, 1, 1, 1, 1)),

@@ -178,8 +178,10 @@ def target_weights(targets: torch.Tensor, loss_tokens: float | None) -> torch.Te
     """Per-token loss weights: 1 / `loss_tokens` on target tokens, 0 on IGNORE ones (None for the plain
     mean: every token a target and no divisor given)."""
     is_target = targets != IGNORE
+    if bool(is_target.all()) and loss_tokens in (None, is_target.numel()):
+        # every token a target and the divisor their count (plain data at any layout): the plain mean, with no
+        # B x T weights saved for backward (what the planner's activation count assumes)
+        return None
     if loss_tokens is None:
-        if bool(is_target.all()):
-            return None
         loss_tokens = max(int(is_target.sum()), 1)
     return is_target.float() / loss_tokens
