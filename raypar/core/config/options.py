@@ -96,6 +96,11 @@ DIRECT = "direct"
 TRANSPORTS = (OBJECT_STORE, DIRECT)
 
 
+# -- parallel.device and parallel.spot_notice ------------------------------------------------------------
+DEVICES = ("auto", "cpu", "gpu")  # auto: GPUs where the cluster has them when the run starts
+SPOT_NOTICES = ("", "aws")  # "": no watcher; aws: EC2's instance metadata (raypar.controller.spot)
+
+
 # -- parallel.grad_compression -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Compression:

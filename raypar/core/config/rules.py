@@ -279,8 +279,7 @@ def validate(cfg: Config) -> None:
         f"parallel.transport: must be {one_of(options.TRANSPORTS)}, got {p.transport!r}",
     )
     _require(
-        p.device in ("auto", "cpu", "gpu"),
-        f'parallel.device: must be "auto", "cpu" or "gpu", got {p.device!r}',
+        p.device in options.DEVICES, f"parallel.device: must be {one_of(options.DEVICES)}, got {p.device!r}"
     )
     _require(
         not p.node_type or bool(NODE_TYPE_NAME.fullmatch(p.node_type)) and p.node_type not in RAY_RESOURCES,
@@ -288,7 +287,8 @@ def validate(cfg: Config) -> None:
         f"letters, digits, _ . -; not {', '.join(RAY_RESOURCES)}), got {p.node_type!r}",
     )
     _require(
-        p.spot_notice in ("", "aws"), f'parallel.spot_notice: must be "" or "aws", got {p.spot_notice!r}'
+        p.spot_notice in options.SPOT_NOTICES,
+        f"parallel.spot_notice: must be {one_of(options.SPOT_NOTICES)}, got {p.spot_notice!r}",
     )
     _require(
         bool(SPOT_ENDPOINT.fullmatch(p.spot_endpoint)),
