@@ -284,9 +284,9 @@ class ParallelConfig:
     dp_shard: int = key(
         0, "HSDP: ZeRO state sharded within groups of this many replicas, replicated across them; 0: all "
         "dp. `raypar scale` then moves whole shard groups.",
-        rule="set: divides dp at every dp the run takes, >= 2, a multiple of ep; needs zero >= 1, "
-        "grad_compression none or bf16 (both levels compressed) and checkpoint.in_memory = false (it "
-        "recovers from the shard copies in the other groups)",
+        rule="set: divides dp at every dp the run takes, >= 2, a multiple of ep (whole EP groups in a "
+        "shard group); needs zero >= 1, grad_compression none or bf16 (both levels compressed) and "
+        "checkpoint.in_memory = false (it recovers from the shard copies in the other groups)",
     )
     grad_compression: str = key(
         options.NO_COMPRESSION.name, "How gradients are compressed for the data-parallel reduction "
@@ -362,7 +362,7 @@ class TrainConfig:
         rule=">= 0",
     )
     hang_watchdog_s: float = key(
-        0.0, "A step running this long gets a hang report (hang-<step>.txt); 0: a fifth of "
+        0.0, "A step running this long gets a hang report (`hang-<step>.txt`); 0: a fifth of "
         "parallel.timeout_s.",
         rule="0, or at least 1 s; below parallel.timeout_s",
     )
@@ -437,7 +437,7 @@ class DataConfig:
         0.0, "The last samples of source (whole documents but one) held out for validation.",
         rule="in [0, 1); not with val_source",
     )
-    val_source: str = key("", "Or a separate validation source, any kind source takes.")
+    val_source: str = key("", "A separate validation source instead, any kind source takes.")
     document_masking: bool | str = key(
         "auto", "Packed documents attend only within themselves, RoPE positions restarting at each. auto: "
         "on for data that records document boundaries (`raypar prepare --format chat`, "
@@ -489,6 +489,11 @@ class LogConfig:
 
 @dataclass
 class Config:
+    """A run's configuration: one section per TOML table. Beyond each key's own rule, no number may be nan or
+    +-inf nor an integer past 64 bits, and sizes past any model or cluster (the "at most" bounds below,
+    `MAX_SIZES` in `raypar/core/config/rules.py`; dp x pp x tp x cp > 2^17 actors) are refused before
+    anything is enumerated or allocated."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -524,22 +529,22 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def toml_value(v: Any) -> str:
+    """A config value as TOML writes it."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return repr(v)
+
 
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML (what a run directory's config.toml holds)."""
-
-    def fmt(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(fmt(x) for x in v) + "]"
-        return repr(v)
-
     lines = []
     for section, body in cfg.to_dict().items():
         lines.append(f"[{section}]")
-        lines += [f"{k} = {fmt(v)}" for k, v in body.items()]
+        lines += [f"{k} = {toml_value(v)}" for k, v in body.items()]
         lines.append("")
     return "\n".join(lines)
