@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from raypar.controller import ray_env, stopping
+from raypar.controller import config_cmd, ray_env, stopping
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.rules import check_tracker_packages
 from raypar.core.config.schema import Config
@@ -153,6 +153,8 @@ def _parser() -> argparse.ArgumentParser:
         help="answer --prompt as a user turn, rendered by the chat template the data was prepared with; "
         "stop at the end-of-turn token",
     )
+
+    config_cmd.add_parser(sub)
 
     ckpt = sub.add_parser("checkpoint", help="inspect or export a checkpoint")
     ckpt_sub = ckpt.add_subparsers(dest="action", required=True, parser_class=_Parser)
@@ -692,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
             "report": _report,
             "checkpoint": _checkpoint,
             "generate": _generate,
+            "config": config_cmd.run,
         }[args.command]
         return handler(args)
     except (ConfigError, UsageError) as err:

@@ -580,6 +580,7 @@ def _cases() -> list:
         lambda f: "parallel.tp",
     )
     case("train-dry-run-rerun", finished_run, lambda f: "--run-dir")
+    _config_cmd_cases(case)  # issue 48 item 2: raypar config
     return cases
 
 
@@ -734,6 +735,30 @@ def _hardening_cases(case: Callable) -> None:
             lambda f, p=profile: _report_dir(f, ok_events, p),
             lambda f: "profile.json: not a profile",
         )
+
+
+# -- issue 48 item 2: `raypar config` refuses what resolving a config for `raypar train` refuses -------------
+
+
+def _config_cmd_cases(case: Callable) -> None:
+    def config(*args: str) -> Callable[[Files], list[str]]:
+        return lambda f: ["config", str(TINY), *args]
+
+    case("config-unknown-section", config("--section", "paint"), lambda f: "--section")
+    for kind in ("missing", "dir", "garbage"):
+        case(
+            f"config-file-{kind}",
+            lambda f, k=kind: ["config", str(getattr(f, k))],
+            lambda f, k=kind: str(getattr(f, k)),
+        )
+    case("config-rule", config("--set", "parallel.tp=3"), lambda f: "parallel.tp: must")
+    case("config-unknown-key", config("--set", "model.colour=1"), lambda f: "model.colour")
+    garbage = lambda out: _index(out, b"{not json")  # noqa: E731
+    case(  # a prepared dataset's vocabulary is read as `raypar train` reads it
+        "config-data-index-garbage",
+        lambda f: ["config", "--set", f"data.source='{f.prepared('cfg', garbage)}'"],
+        lambda f: "data.source",
+    )
 
 
 @pytest.mark.parametrize("argv, expect", _cases())
