@@ -58,7 +58,7 @@ def _power(n: int) -> str:
 
 def sections(config: type = Config) -> dict[str, type]:
     """Each TOML section's name and dataclass, in the schema's order."""
-    return {f.name: f.default_factory for f in dataclasses.fields(config)}  # type: ignore[misc]
+    return {f.name: f.default_factory for f in dataclasses.fields(config)}
 
 
 def keys(section: str, cls: type) -> list[Key]:

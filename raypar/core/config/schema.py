@@ -83,38 +83,38 @@ def key(default: Any, help: str, *, choices: Iterable[Any] = (), rule: str = "")
 
 @dataclass
 class ModelConfig:
-    """The model: its family and shape. The shape keys left at 0 take the preset's values, or
-    `init_from`'s config.json's ([Models](models.md))."""
+    """The model: its family and shape. A key the config does not set takes the preset's value where the
+    preset has one; `init_from`'s config.json sets the shape instead ([Models](models.md))."""
 
     preset: str = key(
-        "tiny", "The shape the keys left at 0 take: `tiny` and `small` for CPUs, the shapes of Llama 3.2 "
-        "1B and Llama 2 7B, and the published shapes of open models.",
+        "tiny", "The shape the model keys the config does not set take: `tiny` and `small` for CPUs, the "
+        "shapes of Llama 3.2 1B and Llama 2 7B, and the published shapes of open models.",
         choices=PRESETS,
     )
     family: str = key(
         "llama", "The model family (the registry of [Models](models.md), `raypar.core.model.families`).",
         choices=options.FAMILIES,
     )
-    n_layers: int = key(0, "Transformer blocks; 0: the preset's.", rule="> 0")
+    n_layers: int = key(0, "Transformer blocks; unset: the preset's.", rule="> 0")
     d_model: int = key(
-        0, "The residual stream's width; 0: the preset's.",
+        0, "The residual stream's width; unset: the preset's.",
         rule="> 0; d_model / n_heads even (RoPE); with MoE a multiple of 8",
     )
     n_heads: int = key(
-        0, "Query heads; 0: the preset's.",
+        0, "Query heads; unset: the preset's.",
         rule="> 0; must divide d_model unless head_dim_override is set",
     )
     n_kv_heads: int = key(
-        0, "Key and value heads (grouped-query attention when fewer than n_heads); 0: the preset's.",
+        0, "Key and value heads (grouped-query attention when fewer than n_heads); unset: the preset's.",
         rule="must divide n_heads",
     )
-    d_ff: int = key(0, "The MLP's hidden size; 0: the preset's.", rule="> 0")
+    d_ff: int = key(0, "The MLP's hidden size; unset: the preset's.", rule="> 0")
     vocab_size: int = key(
-        0, "Tokens in the vocabulary; 0: the preset's, or a tokenizer-prepared `data.source`'s padded to a "
-        "multiple of tp.",
+        0, "Tokens in the vocabulary; unset: a tokenizer-prepared `data.source`'s, padded to a multiple of "
+        "tp, else the preset's.",
         rule="> 0",
     )
-    seq_len: int = key(0, "Tokens per sample (the training context); 0: the preset's.", rule="> 0")
+    seq_len: int = key(0, "Tokens per sample (the training context); unset: the preset's.", rule="> 0")
     rope_theta: float = key(10000.0, "RoPE's base.", rule="> 0")
     norm_eps: float = key(1e-5, "RMSNorm's epsilon.", rule="> 0")
     tie_embeddings: bool = key(False, "The output projection shares the token embedding's weights.")
