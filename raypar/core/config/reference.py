@@ -53,6 +53,7 @@ class Key:
 
 
 def _power(n: int) -> str:
+    """A bound as a reader takes it in: 2^k for the large powers of two MAX_SIZES holds, else the number."""
     return f"2^{n.bit_length() - 1}" if n >= 2**16 and n & (n - 1) == 0 else str(n)
 
 
@@ -62,6 +63,7 @@ def sections(config: type = Config) -> dict[str, type]:
 
 
 def keys(section: str, cls: type) -> list[Key]:
+    """The keys of one section's dataclass, in the order they are declared."""
     out = []
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
