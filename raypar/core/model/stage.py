@@ -54,6 +54,21 @@ class TokenSplit:
     sp: bool = False
 
 
+@dataclass(frozen=True)
+class BlockFlops:
+    """One block's training FLOPs per token (forward + backward, recomputed forwards included), whole (before
+    tp splits them), grouped by how the planner times them (raypar.core.planner.step): each group's GEMMs at
+    an efficiency of their rows and columns (`width` and `expert_width` per tp rank)."""
+
+    float8: float  # weight GEMMs over every token that fp8 runs in float8 (split by tp)
+    peak: float  # the rest over every token at the 16-bit peak (split by tp): scores, replays, shared experts
+    replicated: float  # over every token, not split by tp (a router)
+    routed: float  # routed experts' GEMMs (split by tp), over `rows_per_expert` of each rank's rows per ep
+    width: int  # the columns of the GEMMs over every token
+    expert_width: int = 0
+    rows_per_expert: float = 0.0
+
+
 def dropout_seed(seed: int, step: int, global_mb: int, stage: int) -> int:
     """The RNG seed for one microbatch's forward on one stage: the same on every tp rank of the stage (so
     dropout on tp-replicated activations agrees), different per step, microbatch and stage."""
@@ -194,6 +209,9 @@ class Cost(Protocol):
 
     def norm_params(self, cfg: ModelConfig) -> int:
         """Parameters of one block's norms, replicated over tp."""
+
+    def block_flops(self, cfg: ModelConfig, moe: bool, recompute: str) -> BlockFlops:
+        """One block's (an MoE one if `moe`) training FLOPs per token under `recompute`, for the step time."""
 
     def stage_params(
         self, cfg: ModelConfig, layers: Iterable[int], first: bool, last: bool, tp: int, ep: int

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from raypar.core.config.options import FULL, PRECISIONS, SELECTIVE, ULYSSES
+from raypar.core.config.options import FULL, NO_RECOMPUTE, PRECISIONS, SELECTIVE, ULYSSES
 from raypar.core.config.schema import ModelConfig
 from raypar.core.model.moe import is_moe_layer, kept_share
-from raypar.core.model.stage import TokenSplit
+from raypar.core.model.stage import BlockFlops, TokenSplit
 
 
 def qkv_bias_params(cfg: ModelConfig) -> int:
@@ -103,6 +103,25 @@ def flops_per_token(cfg: ModelConfig) -> float:
     """
     n = sum(_block_params(cfg, i, cfg.moe_top_k) for i in range(cfg.n_layers)) + cfg.vocab_size * cfg.d_model
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * cfg.seq_len
+
+
+def block_flops(cfg: ModelConfig, moe: bool, recompute: str) -> BlockFlops:
+    """One block's FLOPs per token, 6 per weight as in `flops_per_token`: the attention projections (and a
+    dense block's SwiGLU) in float8 under fp8; the scores (12 * n_heads * head_dim * seq_len) and what
+    recomputation replays (Korthikanti et al. 2022: selective the attention core's forward, full the whole
+    block's) at the 16-bit peak; an MoE block's router over every token, its shared experts, and its routed
+    experts over the kept share of k rows per token, each expert receiving rows_per_expert of them per ep rank
+    (balanced routing)."""
+    d, q, s, attn = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.seq_len, attention_params(cfg)
+    replay = {NO_RECOMPUTE: 0.0, SELECTIVE: 4.0 * q * s, FULL: 2.0 * (attn + 3 * d * cfg.d_ff) + 4.0 * q * s}
+    scores = 12.0 * q * s + replay[recompute]
+    if not moe:
+        return BlockFlops(6.0 * attn + 6.0 * 3 * d * cfg.d_ff, scores, 0.0, 0.0, d)
+    f, kept = cfg.expert_d_ff, cfg.moe_top_k * kept_share(cfg)
+    shared = 6.0 * cfg.moe_shared_experts * 3 * d * f
+    routed = 6.0 * kept * 3 * d * f
+    router = 6.0 * d * cfg.moe_experts
+    return BlockFlops(6.0 * attn, scores + shared, router, routed, d, f, kept / cfg.moe_experts)
 
 
 def norm_bytes(e: int, n: int, d: int, split: TokenSplit) -> int:
