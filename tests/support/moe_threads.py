@@ -211,6 +211,23 @@ def parallel(
             "moe": moe_totals({r["coord"]: moe_report(r["coord"], r["moe"]) for r in ranks})}
 
 
+def reduced_gradients(got: dict[str, Any], replicas: range | None = None) -> dict[str, torch.Tensor]:
+    """The whole reduced gradients from the owned pieces (`parallel`'s "reduced") of the ranks of `replicas`
+    (every replica: None; under HSDP one shard group's), what a ZeRO >= 1 reduction leaves where raw
+    `p.grad` is sharded or freed. pp = tp = 1: each rank's tensors are whole."""
+    whole: dict[str, torch.Tensor] = {}
+    for coord, reduced in got["reduced"].items():
+        if replicas is not None and coord.dp not in replicas:
+            continue
+        for name, tensor in assembled([reduced]).items():
+            have = whole.get(name)
+            whole[name] = tensor if have is None else torch.where(tensor.isnan(), have, tensor)
+    unowned = [n for n, g in whole.items() if g.isnan().any()]
+    where = "every replica" if replicas is None else f"shard group {list(replicas)}"
+    assert not unowned, f"{where} owns no reduced gradient for part of {unowned[:3]}"
+    return whole
+
+
 def assert_matches(got: dict[str, Any], want: dict[str, Any], rtol: float) -> dict[str, float]:
     """Raise on the first figure out of tolerance; return the largest differences seen."""
     loss, want_loss = got["loss"], want["loss"]

@@ -14,6 +14,7 @@ import torch
 from raypar.core.config.load import from_dict
 from raypar.core.config.schema import ModelConfig
 from raypar.core.model import families
+from raypar.core.model.moe import is_moe_layer
 from raypar.core.model.stage import Cost, HFMapping, Stage
 
 # preset -> a field of its shape changed (the control: the same check rejects the count)
@@ -55,6 +56,33 @@ def test_preset_parameters_are_transformers(preset):
         assert_counts_match(cost.count_params(dataclasses.replace(m, **PRESETS[preset])), want)
 
 
+def assert_step_flops_are_mfus(m: ModelConfig, block_flops) -> None:
+    """The planner's per-block FLOPs (no recompute), summed over the blocks, plus the head's 6 V d, are the
+    FLOPs per token MFU counts: the step time and MFU read one model."""
+    blocks = sum(
+        sum(dataclasses.astuple(block_flops(m, is_moe_layer(m, i), "none"))[:4]) for i in range(m.n_layers)
+    )
+    want = families.family(m).cost.flops_per_token(m)
+    got = blocks + 6.0 * m.vocab_size * m.d_model
+    assert got == pytest.approx(want, rel=1e-12), f"step-time FLOPs {got:.6g} per token, MFU's {want:.6g}"
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_step_time_flops_are_the_mfu_flops(preset):
+    """Each preset through its family's cost; control: an MoE block's router (a dense block's MLP) left out
+    of the step-time FLOPs."""
+    m = from_dict({"model": {"preset": preset}}).model
+    cost = families.family(m).cost
+    assert_step_flops_are_mfus(m, cost.block_flops)
+
+    def dropped(cfg, moe, mode):
+        flops = cost.block_flops(cfg, moe, mode)
+        return dataclasses.replace(flops, replicated=0.0) if moe else dataclasses.replace(flops, float8=0.0)
+
+    with pytest.raises(AssertionError, match="^step-time FLOPs"):
+        assert_step_flops_are_mfus(m, dropped)
+
+
 @pytest.mark.parametrize("name", list(families.FAMILIES))
 def test_family_provides_the_protocols(name):
     """Each registered family's stage, HF mapping and cost have every member the code outside its folder
@@ -79,7 +107,7 @@ def test_stage_classes_are_named_only_in_their_family_folder():
         folder = root / "raypar" / "core" / "model" / fam.stage.__module__.split(".")[3]
         named = [
             str(p.relative_to(root))
-            for package in ("raypar", "actors")
+            for package in ("raypar", "actors", "collectives")
             for p in (root / package).rglob("*.py")
             if folder not in p.parents and cls in p.read_text(encoding="utf-8")
         ]

@@ -11,13 +11,18 @@ width, a dense block 0, norm_topk_prob), each test for both.
    relative tolerance and derivation in tests/unit/test_moe_dropless.py; ring's online softmax adds a few
    rescalings per output, each a rounding of 2^-24 relative, over 2 blocks: still far under 1e-5; 1.4e-6
    the most measured in any layout here).
-3. The step's parameters, written as a checkpoint in the ep ranks' shards and exported with
+3. Under ZeRO 1, 2 and 3 at dp=4 x ep=2 (the experts' state sharded over their expert-dp group of 2, the
+   dense state over 4), where raw `p.grad` is sharded or freed: the reduced gradients the ranks' owned
+   pieces hold equal one process's (1e-5, as in 2), and each strategy's update is AdamW of those gradients
+   bit for bit (`assert_zero_step` says why).
+4. The step's parameters, written as a checkpoint in the ep ranks' shards and exported with
    `--format hf`, load with `from_pretrained` into logits within 1e-5 of raypar's, and raypar's greedy
    generation (`raypar generate`'s decoder on the checkpoint) gives transformers' greedy tokens.
 
 Negative controls, each rejected by the same check on its message: the router not renormalised (1 and
 generation), Qwen3-MoE's norm_topk_prob flipped in config.json (1), experts read by their local id at ep=2
-(2), the export's gate and up projections swapped (3).
+(2), the experts' gradients averaged over their group and divided again, and the experts' update without
+weight decay (3), the export's gate and up projections swapped (4).
 """
 
 from __future__ import annotations
@@ -35,13 +40,15 @@ from raypar.core import generate
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import hf
 from raypar.core.config.errors import ConfigError
+from raypar.core.dp.optim import adamw_
+from raypar.core.dp.strategy import DPStrategy
 from raypar.core.model import families
 from raypar.core.model.moe import MoELayer
 from raypar.core.model.stage import Stage, StageSpec
 from raypar.core.run_config import load_config
 from tests.support.hf_models import IDS, cfg_for, hf_logits
 from tests.support.hf_moe_models import EXPERTS, MAKERS, assert_logits, make_hf_mixtral
-from tests.support.moe_threads import assert_matches, parallel, reference
+from tests.support.moe_threads import assert_matches, parallel, reduced_gradients, reference
 from tests.support.threads import run_groups, run_ranks
 
 TOL = 1e-5
@@ -208,6 +215,77 @@ def test_experts_read_by_local_id_are_rejected(hf_moe, one_process):
     got = parallel(train_cfg(path, "dp2-ep2-tp2"), prepare=import_by_local_id(path))
     with pytest.raises(AssertionError, match=r"^loss [\d.]+ vs [\d.]+$"):
         assert_matches(got, one_process, TOL)
+
+
+# -- ZeRO 1, 2 and 3 at dp=4 x ep=2: the experts' state shards over their expert-dp group of 2 -------------
+ZERO_LAYOUT = ["parallel.dp=4", "parallel.ep=2", "parallel.microbatches=1", "train.global_batch=4"]
+LR = 1e-2
+
+
+class ExpertsAveragedTwice(DPStrategy):
+    """Negative control: the dense rule on the experts: averaged over their expert-dp group (2 ranks), then
+    divided by dp x cp as the expert rule divides the group's sum."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reduce_op = "avg"
+
+
+class ExpertsNotDecayed(DPStrategy):
+    """Negative control: the experts' update without AdamW's weight decay (their gradients stay right)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._decayed = []
+
+
+def zero_step(path: Path, zero: int, **kwargs) -> dict:
+    cfg = cfg_for(path, *ZERO_LAYOUT, f"parallel.zero={zero}")
+    return parallel(cfg, prepare=import_weights(path), lr=LR, **kwargs)
+
+
+def adamw_from(path: Path, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The imported parameters after one AdamW step on `grads` in one process (decay on matrices, as the
+    strategies decay)."""
+    cfg = cfg_for(path)
+    params = {n: p.detach().clone() for n, p in loaded(path).named_parameters()}
+    names = list(params)
+    adamw_(
+        [params[n] for n in names], [grads[n] for n in names],
+        [torch.zeros_like(params[n]) for n in names], [torch.zeros_like(params[n]) for n in names],
+        0, cfg.train, LR, [params[n] for n in names if params[n].dim() >= 2],
+    )
+    return params
+
+
+def assert_zero_step(got: dict, path: Path, one_process: dict) -> None:
+    """The reduced gradients the ranks' owned pieces hold (raw p.grad is sharded or freed under ZeRO >= 1)
+    against one process, at the module's 1e-5 (four replicas' fp32 gradients summed in another order); then
+    the parameters each rank's strategy updated, assembled, against AdamW of those same reduced gradients in
+    one process, bit for bit: AdamW is elementwise (raypar.core.dp.optim.adamw_), so how the state is
+    sharded changes none of its arithmetic."""
+    reduced = reduced_gradients(got)
+    assert any(".mlp.experts." in n for n in reduced)  # the check covers the experts
+    assert_matches({**got, "grads": reduced}, one_process, TOL)
+    want = adamw_from(path, reduced)
+    for name, tensor in want.items():
+        assert torch.equal(got["params"][name], tensor), f"parameter {name} differs after the update"
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_step_at_dp4_ep2_matches_one_process(hf_moe, one_process, zero):
+    path = hf_moe[0]
+    assert_zero_step(zero_step(path, zero), path, one_process)
+
+
+@pytest.mark.parametrize("zero, control, message", [
+    (2, ExpertsAveragedTwice, r"^gradient of layers\.\d+\.mlp\.experts\."),
+    (3, ExpertsNotDecayed, r"^parameter layers\.\d+\.mlp\.experts\.\S+ differs after the update"),
+], ids=["zero2-averaged-twice", "zero3-not-decayed"])
+def test_zero_step_controls_are_rejected(hf_moe, one_process, zero, control, message):
+    path = hf_moe[0]
+    with pytest.raises(AssertionError, match=message):
+        assert_zero_step(zero_step(path, zero, expert_control=control), path, one_process)
 
 
 # -- export --format hf and generation ---------------------------------------------------------------------

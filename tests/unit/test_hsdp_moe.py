@@ -30,7 +30,6 @@ from raypar.core.dp.strategy import DPStrategy
 from raypar.core.parallel.mesh import Coord, Mesh
 from raypar.core.run_config import load_config
 from tests.support import moe_threads
-from tests.support.pipeline_threads import assembled
 
 TINY = "examples/configs/tiny.toml"
 MOE = ["model.n_layers=2", "model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=0",
@@ -56,20 +55,6 @@ def one_process() -> dict:
     return moe_threads.reference(cfg_at(1), moe_threads.set_routing_biases)
 
 
-def shard_group_gradients(got: dict, replicas: range) -> dict[str, torch.Tensor]:
-    """The whole reduced gradients from the owned pieces of the ranks of `replicas` (one shard group)."""
-    whole: dict[str, torch.Tensor] = {}
-    for coord, reduced in got["reduced"].items():
-        if coord.dp not in replicas:
-            continue
-        for name, tensor in assembled([reduced]).items():  # tp=1, pp=1: each rank's tensors are whole
-            have = whole.get(name)
-            whole[name] = tensor if have is None else torch.where(tensor.isnan(), have, tensor)
-    unowned = [n for n, g in whole.items() if g.isnan().any()]
-    assert not unowned, f"shard group {list(replicas)} owns no reduced gradient for part of {unowned[:3]}"
-    return whole
-
-
 def assert_gradients_match(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert got.keys() == want.keys()
     for name, g in want.items():
@@ -85,7 +70,7 @@ def run(zero: int, *extra: str, **kwargs) -> dict:
                          ids=["zero1", "zero2", "zero3", "zero3-cp2"])
 def test_hsdp_moe_reduces_like_one_process_and_the_groups_hold_copies(zero: int, extra: tuple) -> None:
     got = run(zero, *extra)
-    first, second = shard_group_gradients(got, range(2)), shard_group_gradients(got, range(2, 4))
+    first, second = (moe_threads.reduced_gradients(got, group) for group in (range(2), range(2, 4)))
     assert_gradients_match(first, one_process()["grads"])
     assert any(".mlp.experts." in n for n in first)  # the check covers the experts
     for name, g in first.items():
@@ -96,7 +81,7 @@ def test_hsdp_moe_reduces_like_one_process_and_the_groups_hold_copies(zero: int,
 def test_hsdp_moe_without_the_experts_across_group_reduce_is_rejected() -> None:
     got = run(2, expert_control=NoExpertCrossGroupReduce)
     with pytest.raises(AssertionError, match=f"^gradient of {EXPERT}"):
-        assert_gradients_match(shard_group_gradients(got, range(2)), one_process()["grads"])
+        assert_gradients_match(moe_threads.reduced_gradients(got, range(2)), one_process()["grads"])
 
 
 def test_mesh_hsdp_expert_groups_lie_inside_shard_groups() -> None:

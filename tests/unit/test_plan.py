@@ -24,7 +24,8 @@ from raypar.core.config.errors import ConfigError
 from raypar.core.config.options import RECOMPUTE
 from raypar.core.config.schema import Config
 from raypar.core.model import families
-from raypar.core.model.llama import LlamaStage, StageSpec
+from raypar.core.model.llama import cost as llama_cost
+from raypar.core.model.stage import StageSpec, TokenSplit
 from raypar.core.observe.memory import SavedActivations
 from raypar.core.pipeline import schedules
 from raypar.core.planner import comm as plan_comm
@@ -252,78 +253,133 @@ def test_predicted_in_flight_of_interleaved_is_the_schedules(
         check_in_flight(cfg)
 
 
-SPLITS = {  # what LlamaStage takes on 2 ranks, the split the formula is told, and one that ignores the axis
-    "tp": ({"tp_group"}, plan_memory.TokenSplit(2), plan_memory.TokenSplit(1)),
-    "sp": ({"tp_group", "sp"}, plan_memory.TokenSplit(2, sp=True), plan_memory.TokenSplit(2)),
-    "ulysses": ({"cp_group"}, plan_memory.TokenSplit(1, 2, "ulysses"), plan_memory.TokenSplit(1)),
-    "ring": ({"cp_group"}, plan_memory.TokenSplit(1, 2, "ring"), plan_memory.TokenSplit(1)),
+SPLITS = {  # what a stage takes on 2 ranks, the split the cost is told, and one that ignores the axis
+    "tp": ({"tp_group"}, TokenSplit(2), TokenSplit(1)),
+    "sp": ({"tp_group", "sp"}, TokenSplit(2, sp=True), TokenSplit(2)),
+    "ulysses": ({"cp_group"}, TokenSplit(1, 2, "ulysses"), TokenSplit(1)),
+    "ring": ({"cp_group"}, TokenSplit(1, 2, "ring"), TokenSplit(1)),
+    "ep": ({"ep_group"}, TokenSplit(1), TokenSplit(1)),
 }
+UNITS = ((range(0, 2), True, False), (range(2, 4), False, True))  # a first and a last stage of 4 blocks
 
 
-def measured_and_predicted(cfg: Config, kind: str, wrong: Config | None = None) -> list[tuple[int, int, int]]:
-    """(bytes autograd saves, the formula's, the formula's without the axis or told `wrong`'s model) for a
-    first and a last stage on each of 2 ranks split by `kind`."""
+def held_and_saved(cfg: Config, kind: str) -> list[list[tuple[int, int]]]:
+    """Per rank of 2 joined by `kind`, per stage of UNITS: (parameters the stage holds, bytes autograd saves
+    for one microbatch of 2 sequences)."""
     m, mode = cfg.model, cfg.train.recompute
     ids = torch.randint(0, m.vocab_size, (2, m.seq_len), generator=torch.Generator().manual_seed(0))
-    axes, split, ignoring = SPLITS[kind]
+    axes, split, _ = SPLITS[kind]
     tokens = m.seq_len // split.cp // (split.tp if split.sp else 1)
 
-    def rank(group: Group) -> list[tuple[int, int, int]]:
-        cp = {"cp_group": group, "cp_style": split.cp_style}
-        kwargs = {"tp_group": group} if "tp_group" in axes else cp
+    def rank(group: Group) -> list[tuple[int, int]]:
+        kwargs: dict = {axis: group for axis in axes if axis.endswith("_group")}
+        if "cp_group" in axes:
+            kwargs["cp_style"] = split.cp_style
         out = []
-        for layers, first, last in ((range(0, 2), True, False), (range(2, 4), False, True)):
+        for layers, first, last in UNITS:
+            torch.manual_seed(1)
             spec = StageSpec((layers,), first, last)
             stage = families.build_stage(m, stage=spec, sequence_parallel="sp" in axes, **kwargs)
             stage.set_recompute(mode)
             x = ids if first else torch.randn(2, tokens, m.d_model, requires_grad=True)
             with SavedActivations([*stage.parameters(), *stage.buffers()]) as meter:
                 stage(x, ids if last else None)
-            def predict(c: Config, s: plan_memory.TokenSplit, layers=layers, first=first, last=last) -> int:
-                return plan_memory.stage_activation_bytes(c, layers, first, last, s.tp, 2, "cpu", mode, s)
-
-            other = predict(wrong, split) if wrong is not None else predict(cfg, ignoring)
-            out.append((meter.bytes, predict(cfg, split), other))
+            out.append((sum(p.numel() for p in stage.parameters()), meter.bytes))
         return out
 
-    return sum(run_ranks(2, rank), [])
+    return run_ranks(2, rank)
 
 
-@pytest.mark.parametrize("kind", SPLITS)
+def assert_saved(cfg: Config, measured: list[list[tuple[int, int]]], split: TokenSplit, ep: int = 1) -> None:
+    """Each rank saves what the family's cost predicts for its stage; at ep > 1 the EP group's mean does (the
+    cost counts balanced routing: as many rows received as sent, which holds over the group, not per rank)."""
+    for unit, (layers, first, last) in enumerate(UNITS):
+        predicted = plan_memory.stage_activation_bytes(
+            cfg, layers, first, last, 2, "cpu", cfg.train.recompute, split, ep
+        )
+        saved = [r[unit][1] for r in measured]
+        ok = sum(saved) == len(saved) * predicted if ep > 1 else all(b == predicted for b in saved)
+        assert ok, f"activations of blocks {list(layers)}: autograd saves {saved}, the cost {predicted}"
+
+
+def assert_held(cfg: Config, measured: list[list[tuple[int, int]]], tp: int, ep: int = 1) -> None:
+    """Each rank holds the parameters the family's cost counts for its stage."""
+    for unit, (layers, first, last) in enumerate(UNITS):
+        counted = plan_memory.stage_params(cfg.model, layers, first, last, tp, ep).total
+        held = [r[unit][0] for r in measured]
+        ok = all(n == counted for n in held)
+        assert ok, f"parameters of blocks {list(layers)}: the ranks hold {held}, the cost {counted}"
+
+
+@pytest.mark.parametrize("kind", ["tp", "sp", "ulysses", "ring"])
 @pytest.mark.parametrize("mode", RECOMPUTE)
 def test_activation_formula_counts_what_autograd_saves_on_two_ranks(kind: str, mode: str) -> None:
-    """tp=2, tp=2 with SP, cp=2 of each style: the formula equals what autograd saves on every rank for a
-    first and a last stage; the formula without the axis (the negative control) does not."""
+    """tp=2, tp=2 with SP, cp=2 of each style: the cost equals what autograd saves on every rank for a
+    first and a last stage; the cost told a split without the axis (the negative control) does not."""
     cfg = load_config(TINY, [f'train.recompute="{mode}"'])
-    for measured, predicted, wrong in measured_and_predicted(cfg, kind):
-        assert measured == predicted
-        assert measured != wrong
+    measured = held_and_saved(cfg, kind)
+    _, split, ignoring = SPLITS[kind]
+    assert_saved(cfg, measured, split)
+    with pytest.raises(AssertionError, match="^activations of blocks"):
+        assert_saved(cfg, measured, ignoring)
 
 
-@pytest.mark.parametrize("kind", ["tp", "sp", "ring"])
-def test_activation_formula_counts_qwen3s_qk_norms(kind: str) -> None:
-    """The llama family's Qwen3 variant (per-head q/k norms, a head twice as wide): the formula equals what
-    autograd saves; told the model without the norms (the negative control), it does not."""
-    cfg = load_config(TINY, ["model.qk_norm=true", "model.head_dim_override=32"])
-    wrong = load_config(TINY, ["model.head_dim_override=32"])
-    for measured, predicted, without in measured_and_predicted(cfg, kind, wrong):
-        assert measured == predicted
-        assert measured != without
+MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_every=1", "model.moe_capacity_factor=0"]
+QWEN3 = ["model.qk_norm=true", "model.head_dim_override=32"]
+_router_bytes = llama_cost.router_bytes  # the cost's own, kept before a control replaces it
+# family variant -> (its config, the axis its ranks are joined on, the cost's term for the variant, that term
+# as the cost without the variant computes it: the negative control)
+FAMILY_CASES = {
+    "qwen3-tp": (QWEN3, "tp", "qk_norm_bytes", lambda *args: 0),
+    "qwen3-sp": (QWEN3, "sp", "qk_norm_bytes", lambda *args: 0),
+    "qwen3-ring": (QWEN3, "ring", "qk_norm_bytes", lambda *args: 0),
+    "qwen2-tp": (["model.qkv_bias=true"], "tp", "qkv_bias_params", lambda cfg: 0),
+    "mixtral-ep": (
+        ['model.family="mixtral"', "model.moe_renormalize=true", *MOE], "ep", "router_bytes",
+        lambda cfg, n: _router_bytes(dataclasses.replace(cfg, moe_renormalize=False), n),
+    ),
+    "qwen3_moe-ep": (
+        ['model.family="qwen3_moe"', "model.moe_d_ff=32", *QWEN3, *MOE], "ep", "qk_norm_bytes",
+        lambda *args: 0,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES)
+def test_family_cost_counts_what_a_rank_holds_and_saves(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each family's variant, through its family's cost (the planner names no family): Qwen3's per-head q/k
+    norms and wider heads at tp, SP and ring; Qwen2's q/k/v biases (parameters split by tp; they save
+    nothing more); Mixtral's renormalised router and Qwen3-MoE's q/k norms and narrow experts at ep=2. Every
+    rank holds and saves what the cost says; with the variant's term computed as if it were absent (the
+    control), the same checks reject it."""
+    variant, kind, term, without = FAMILY_CASES[case]
+    cfg = load_config(TINY, variant)
+    ep = 2 if kind == "ep" else 1
+    tp, split = SPLITS[kind][1].tp, SPLITS[kind][1]
+    measured = held_and_saved(cfg, kind)
+
+    def check() -> None:
+        assert_held(cfg, measured, tp, ep)
+        assert_saved(cfg, measured, split, ep)
+
+    check()
+    monkeypatch.setattr(llama_cost, term, without)
+    with pytest.raises(AssertionError, match="^(activations|parameters) of blocks"):
+        check()
 
 
 def test_cp_halves_activations_and_sp_divides_the_norms() -> None:
     m = load_config(TINY).model
     for mode in RECOMPUTE:
         one, two = (
-            plan_memory.block_activation_bytes(m, 1, 2, "fp32", "cpu", mode, plan_memory.TokenSplit(1, cp))
-            for cp in (1, 2)
+            llama_cost.block_activation_bytes(m, 2, "fp32", "cpu", mode, TokenSplit(1, cp)) for cp in (1, 2)
         )
         assert two * 2 == one, mode
     # SP: the two norms' 2 x (8 N d + 4 N) at N/tp; the linears after each norm share its gathered output
     # (e N d) as they shared its cast output without SP.
     n, d = 2 * m.seq_len, m.d_model
     tp2, sp2 = (
-        plan_memory.block_activation_bytes(m, 2, 2, "fp32", "cpu", "none", plan_memory.TokenSplit(2, sp=sp))
+        llama_cost.block_activation_bytes(m, 2, "fp32", "cpu", "none", TokenSplit(2, sp=sp))
         for sp in (False, True)
     )
     assert tp2 - sp2 == 2 * (8 * n * d + 4 * n) // 2
@@ -332,65 +388,30 @@ def test_cp_halves_activations_and_sp_divides_the_norms() -> None:
 def test_moe_formula_counts_what_autograd_saves_on_average_over_ep() -> None:
     """ep=2: each rank saves what its routed rows cost, the formula the balanced count (every rank receives
     as many rows as it sends, on average): exact for the mean over the EP group, not for a rank. With a
-    shared expert, and the grouped GEMM's sort indices and group ends."""
+    shared expert, capacity, and the grouped GEMM's sort indices and group ends. Control: the same stages
+    counted as dense."""
     cfg = load_config(TINY, ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=2.0",
                              "model.moe_every=2", "model.moe_shared_experts=1"])
-    m = cfg.model
-    ids = torch.randint(0, m.vocab_size, (2, m.seq_len), generator=torch.Generator().manual_seed(0))
-
-    def rank(group: Group) -> list[int]:
-        out = []
-        for layers, first, last in ((range(0, 2), True, False), (range(2, 4), False, True)):
-            torch.manual_seed(1)
-            stage = LlamaStage(m, stage=StageSpec((layers,), first, last), ep_group=group)
-            x = ids if first else torch.randn(2, m.seq_len, m.d_model, requires_grad=True)
-            with SavedActivations([*stage.parameters(), *stage.buffers()]) as meter:
-                stage(x, ids if last else None)
-            out.append(meter.bytes)
-        return out
-
-    measured = run_ranks(2, rank)
-    for i, (layers, first, last) in enumerate(((range(0, 2), True, False), (range(2, 4), False, True))):
-        predicted = plan_memory.stage_activation_bytes(cfg, layers, first, last, 1, 2, "cpu", "none", ep=2)
-        assert sum(r[i] for r in measured) == 2 * predicted
-        dense = load_config(TINY).model  # negative control: the same stage counted as dense
-        assert predicted != plan_memory.stage_activation_bytes(
-            dataclasses.replace(cfg, model=dense), layers, first, last, 1, 2, "cpu", "none"
-        )
+    measured = held_and_saved(cfg, "ep")
+    assert_saved(cfg, measured, TokenSplit(), ep=2)
+    dense = dataclasses.replace(cfg, model=load_config(TINY).model)
+    with pytest.raises(AssertionError, match="^activations of blocks"):
+        assert_saved(dense, measured, TokenSplit(), ep=2)
 
 
 def test_expert_states_shard_over_the_expert_dp_group() -> None:
-    """Params of a whole MoE stage as LlamaStage builds them; states: dense over dp, experts (1/ep of
-    them) over dp/ep, test_moe_training's formula."""
+    """Params of a whole MoE stage as its family builds it; states: dense over dp, experts (1/ep of them)
+    over dp/ep, test_moe_training's formula."""
     cfg = load_config(TINY, ["model.moe_experts=4", "model.moe_every=2", "parallel.dp=4", "parallel.ep=2",
                              "parallel.zero=1"])
     m = cfg.model
-    stage = LlamaStage(m)
+    stage = families.build_stage(m)
     experts = sum(p.numel() for n, p in stage.named_parameters() if ".mlp.experts." in n)
     dense = sum(p.numel() for p in stage.parameters()) - experts
     assert plan_memory.stage_params(m, range(m.n_layers), True, True, 1, 2) == (dense, experts // 2)
     (states,) = plan.predict_memory(cfg, plan.current_layout(cfg), "cpu")
     # fp32 zero 1: parameters and gradients (4 + 4) whole, Adam's moments (8) sharded
     assert states.model_states == 8 * (dense + experts // 2) + 8 * dense / 4 + 8 * (experts // 2) / 2
-
-
-QWEN_VARIANTS = [["model.qkv_bias=true"], ["model.qk_norm=true", "model.head_dim_override=32"]]
-
-
-@pytest.mark.parametrize("variant", QWEN_VARIANTS)
-def test_stage_params_of_the_llama_variants_on_a_tp_rank(variant: list[str]) -> None:
-    """Qwen2's q/k/v biases (split by tp) and Qwen3's q/k norms (replicated) and wider heads, through the
-    family's cost: the planner's per-rank count is what a tp=2 stage holds; without the switch (the
-    control) it is not."""
-    m = load_config(TINY, variant).model
-    plain = load_config(TINY, [v for v in variant if "head_dim" in v]).model
-
-    def rank(group: Group) -> int:
-        return sum(p.numel() for p in families.build_stage(m, tp_group=group).parameters())
-
-    held = run_ranks(2, rank)
-    assert held[0] == held[1] == plan_memory.stage_params(m, range(m.n_layers), True, True, 2).dense
-    assert held[0] != plan_memory.stage_params(plain, range(m.n_layers), True, True, 2).dense
 
 
 def test_cli_plan_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:

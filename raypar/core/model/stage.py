@@ -15,7 +15,7 @@ model.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from collectives import Group
+from raypar.core.config.options import RING
 from raypar.core.config.schema import ModelConfig
 from raypar.core.parallel.float8 import Float8Matmul
 from raypar.core.parallel.mesh import BoundGroups
@@ -40,6 +41,32 @@ class StageSpec:
     chunks: tuple[range, ...]
     first: bool = True
     last: bool = True
+
+
+@dataclass(frozen=True)
+class TokenSplit:
+    """How one actor's tokens and heads are cut, for a cost's activation bytes: tp heads (and T/tp tokens
+    between blocks under SP), T/cp tokens of each sequence in the cp style's way."""
+
+    tp: int = 1
+    cp: int = 1
+    cp_style: str = RING.name
+    sp: bool = False
+
+
+@dataclass(frozen=True)
+class BlockFlops:
+    """One block's training FLOPs per token (forward + backward, recomputed forwards included), whole (before
+    tp splits them), grouped by how the planner times them (raypar.core.planner.step): each group's GEMMs at
+    an efficiency of their rows and columns (`width` and `expert_width` per tp rank)."""
+
+    float8: float  # weight GEMMs over every token that fp8 runs in float8 (split by tp)
+    peak: float  # the rest over every token at the 16-bit peak (split by tp): scores, replays, shared experts
+    replicated: float  # over every token, not split by tp (a router)
+    routed: float  # routed experts' GEMMs (split by tp), over `rows_per_expert` of each rank's rows per ep
+    width: int  # the columns of the GEMMs over every token
+    expert_width: int = 0
+    rows_per_expert: float = 0.0
 
 
 def dropout_seed(seed: int, step: int, global_mb: int, stage: int) -> int:
@@ -165,7 +192,8 @@ class HFMapping(Protocol):
 
 @runtime_checkable
 class Cost(Protocol):
-    """A family's counts for the planner and MFU."""
+    """A family's numbers for the planner and MFU, from the config alone: parameters, FLOPs per token, and
+    what a stage holds and saves for backward (raypar.core.planner.memory sums these over a schedule)."""
 
     def count_params(self, cfg: ModelConfig) -> int:
         """All parameters of the whole model."""
@@ -181,6 +209,29 @@ class Cost(Protocol):
 
     def norm_params(self, cfg: ModelConfig) -> int:
         """Parameters of one block's norms, replicated over tp."""
+
+    def block_flops(self, cfg: ModelConfig, moe: bool, recompute: str) -> BlockFlops:
+        """One block's (an MoE one if `moe`) training FLOPs per token under `recompute`, for the step time."""
+
+    def stage_params(
+        self, cfg: ModelConfig, layers: Iterable[int], first: bool, last: bool, tp: int, ep: int
+    ) -> tuple[int, int]:
+        """(dense, expert) parameters one tp rank holding blocks `layers` (and the embedding if `first`, the
+        final norm and head if `last`) has, with 1/ep of the experts."""
+
+    def block_activation_bytes(
+        self, cfg: ModelConfig, mbs: int, precision: str, device_kind: str, recompute: str, split: TokenSplit,
+        moe: bool, ep: int,
+    ) -> int:
+        """Bytes one block (an MoE one if `moe`) saves for backward per microbatch of `mbs` sequences on one
+        rank, under `recompute` (options.RECOMPUTE)."""
+
+    def ends_activation_bytes(
+        self, cfg: ModelConfig, mbs: int, precision: str, split: TokenSplit, first: bool, last: bool,
+        blocks: bool,
+    ) -> int:
+        """Bytes a stage saves per microbatch outside its blocks: the embedding's inputs if `first`, the final
+        norm's and the loss's if `last`, and what its blocks share if it holds any (`blocks`)."""
 
 
 @dataclass(frozen=True)

@@ -11,17 +11,13 @@ Memory per actor = model states + activations in flight + buffers, for the tight
   fp32 master weights and both moments). zero 0: (p+g+K)Ψ; 1: (p+g)Ψ + KΨ/dp; 2: pΨ + (g+K)Ψ/dp;
   3: (p+g+K)Ψ/dp, dp being the sharding group's size: under HSDP (`dp_shard`) the shard group's
   dp_shard x cp ranks.
-- Activations: what autograd saves for backward per microbatch, counted per op of this model's block the
-  way Korthikanti et al. (2022) count theirs (their 34·sbh + 5·as²b for a GPT layer becomes the sums below
-  for RMSNorm, RoPE, grouped-query SDPA and SwiGLU), per model chunk (a rank holds `virtual_stages` of
-  them under interleaved 1F1B, and only the first holds the embedding, only the last the head). Tokens per
-  actor are T/cp (context parallelism); under sequence parallelism the norms' and dropouts' tensors hold
-  T/tp of them (Korthikanti et al.), while each linear after a norm saves its own copy of the gathered,
-  whole-sequence input (the gathered tensor is not contiguous, so every matmul copies it). An MoE layer's
-  expert part counts its dispatched rows: k per token, as many received as sent under balanced routing.
-  The peak is read off the configured schedule itself, instruction by instruction: a (chunk, microbatch)
-  unit's bytes count from its forward until its graph is freed (backward, or backward_weight under
-  zero-bubble).
+- Activations: what the model's family's cost (raypar.core.model.stage `Cost`: the llama family's is
+  raypar.core.model.llama.cost, which says how it counts) says one block and a stage's ends save for
+  backward per microbatch, per model chunk (a rank holds `virtual_stages` of them under interleaved 1F1B,
+  and only the first holds the embedding, only the last the head). This module names no family: it sums
+  the cost's counts over the chunks and reads the peak off the configured schedule itself, instruction by
+  instruction: a (chunk, microbatch) unit's bytes count from its forward until its graph is freed
+  (backward, or backward_weight under zero-bubble).
 - Buffers: DP reduction buckets, the rank's outgoing activations kept until their gradient returns, and
   the transient logits of the loss. Not validated (they are not measured separately).
 """
@@ -35,20 +31,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from raypar.core.config.options import (
-    FULL,
-    GPIPE,
-    NO_OFFLOAD,
-    NO_RECOMPUTE,
-    PRECISIONS,
-    RING,
-    SELECTIVE,
-    ULYSSES,
-    ZERO_STAGES,
-)
+from raypar.core.config.options import GPIPE, NO_OFFLOAD, NO_RECOMPUTE, PRECISIONS, RING, ZERO_STAGES
 from raypar.core.config.schema import Config, ModelConfig
 from raypar.core.model import families
-from raypar.core.model.moe import is_moe_layer, kept_share
+from raypar.core.model.moe import is_moe_layer
+from raypar.core.model.stage import TokenSplit
 from raypar.core.parallel.mesh import stage_layers
 from raypar.core.pipeline import schedules
 
@@ -125,23 +112,8 @@ class StageMemory:
 def stage_params(
     m: ModelConfig, layers: Iterable[int], first: bool, last: bool, tp: int, ep: int = 1
 ) -> Params:
-    """Parameters one tp rank of a stage holding blocks `layers` has: dense ones (norm gains and routers
-    replicated over tp, everything else split by tp) and its 1/ep of the experts (split by tp too)."""
-    d, cost = m.d_model, families.family(m).cost
-    attn = cost.attention_params(m)
-    dense = expert = 0
-    for layer in layers:
-        dense += cost.norm_params(m) + attn // tp
-        if is_moe_layer(m, layer):
-            dense += m.moe_experts * d + m.moe_shared_experts * 3 * d * m.expert_d_ff // tp  # router, shared
-            expert += m.moe_experts // ep * 3 * d * m.expert_d_ff // tp
-        else:
-            dense += 3 * d * m.d_ff // tp
-    if first:
-        dense += m.vocab_size // tp * d
-    if last:
-        dense += d + m.vocab_size // tp * d
-    return Params(dense, expert)
+    """Parameters one tp rank of a stage holding blocks `layers` has, by the family's cost."""
+    return Params(*families.family(m).cost.stage_params(m, layers, first, last, tp, ep))
 
 
 def model_state_bytes(params: int, precision: str, zero: int, dp: int, offload: bool = False) -> float:
@@ -162,115 +134,30 @@ def model_state_bytes(params: int, precision: str, zero: int, dp: int, offload: 
     return params * (full + sharded / dp)
 
 
-@dataclass(frozen=True)
-class TokenSplit:
-    """How an actor's tokens and heads are cut: tp heads (and T/tp tokens between blocks under SP), T/cp."""
-
-    tp: int = 1
-    cp: int = 1
-    cp_style: str = RING.name
-    sp: bool = False
-
-    @classmethod
-    def of(cls, layout: Layout) -> TokenSplit:
-        return cls(layout.tp, layout.cp, layout.cp_style, layout.sequence_parallel)
-
-
-def _norm_bytes(e: int, n: int, d: int, split: TokenSplit) -> int:
-    """An RMSNorm over n tokens and what the linears after it save of its output."""
-    gain = 4 * d if e != 4 else 0  # 16 bits: the gain's fp32 copy
-    if not split.sp:
-        # Its fp32 input (a copy under 16 bits), the normalised output and 1/rms; the linears share the
-        # output cast back.
-        return 8 * n * d + 4 * n + e * n * d + gain
-    # SP: the norm runs on T/tp tokens; its readers share the gathered input (made contiguous once).
-    return (8 * n * d + 4 * n) // split.tp + gain + e * n * d
-
-
-def moe_activation_bytes(m: ModelConfig, tp: int, n: int, precision: str, ep: int = 1) -> int:
-    """What an MoE layer saves for n tokens: the router's fp32 probabilities, then per dispatched
-    assignment its row twice (sent and returned), fp32 gate weight, three int64 indices and the keep mask,
-    and per received row the expert's SwiGLU (input, gate, silu, up, product). Routing balanced: a rank
-    receives as many rows as it sends, k per token, fewer when capacity_factor < 1 drops some. The grouped
-    GEMM adds per received row its two int64 places (into the order by expert and back) and the int32 end
-    of each local expert's rows (the weights it keeps are the parameters); shared experts save what a
-    dense MLP of their width does."""
-    e, d, f = PRECISION_BYTES[precision], m.d_model, m.expert_d_ff // tp
-    rows = int(m.moe_top_k * n * kept_share(m))
-    router = 4 * n * m.moe_experts + 4 * m.moe_experts  # probabilities, and the aux loss's per-expert shares
-    grouped = 4 * (m.moe_experts // ep)
-    shared = 4 * e * n * f * m.moe_shared_experts
-    return router + rows * (2 * e * d + 4 + 3 * 8 + 1) + rows * (e * d + 4 * e * f + 16) + grouped + shared
-
-
-def block_activation_bytes(
-    m: ModelConfig, tp: int, mbs: int, precision: str, device_kind: str, recompute: str,
-    split: TokenSplit | None = None, moe: bool = False, ep: int = 1,
-) -> int:
-    """Bytes one block saves for backward per microbatch of `mbs` sequences, on one tp (and cp) rank
-    holding 1/ep of the experts."""
-    split = split or TokenSplit(tp)
-    e = PRECISION_BYTES[precision]
-    seq = m.seq_len // split.cp
-    bs, d = mbs * seq, m.d_model
-    if recompute == FULL:
-        return e * bs * d // (tp if split.sp else 1)  # the block's input, which checkpoint keeps
-    heads, f = m.n_heads // tp, m.d_ff // tp
-    hq, hkv = m.n_heads * m.head_dim // tp, m.n_kv_heads * m.head_dim // tp
-    if split.cp > 1 and split.cp_style == ULYSSES.name and (m.n_kv_heads // tp) % split.cp:
-        hkv = hq  # Ulysses repeats kv heads that do not split over cp up to the query heads
-    norms = 2 * _norm_bytes(e, bs, d, split)
-    if m.qk_norm:  # Qwen3's per-head q and k norms: rows of head_dim, on every token (after the SP gather);
-        # RoPE keeps the norm's output in place of the projection's, so not the output again
-        rows = bs * (hq + hkv) // m.head_dim
-        norms += _norm_bytes(e, rows, m.head_dim, TokenSplit()) - e * rows * m.head_dim
-    mask = e if device_kind == "cpu" else 1  # CPU dropout saves its scaled noise, CUDA a bool mask
-    # After attention and after the MLP, on T/tp tokens under SP.
-    drop = 2 * mask * bs * d // (tp if split.sp else 1) if m.dropout > 0 else 0
-    wo_input = e * bs * hq
-    if recompute == SELECTIVE:
-        core = e * bs * (hq + 2 * hkv)  # its inputs q, k, v; RoPE, scores and dropout are recomputed
-        mlp = 3 * e * bs * f  # gate and up (the activation's inputs) and its product, for w_down
-    else:
-        if m.dropout > 0 and device_kind == "cpu":
-            # The math kernel (CPU's fused one has no dropout): scaled q, expanded k and v, and three
-            # [heads, s, s] tensors: probabilities, dropout noise, dropped probabilities.
-            core = 3 * e * bs * hq + 3 * e * mbs * heads * seq**2
-        else:
-            # A fused kernel (or cp's attention): q and k after RoPE, v, the output, and the softmax's
-            # log-sum-exp (fp32), all over this rank's T/cp queries.
-            core = e * bs * (2 * hq + 2 * hkv) + 4 * mbs * heads * seq
-        mlp = 4 * e * bs * f  # gate, silu(gate), up, and the product
-    if moe:  # selective recomputation does not reach the experts
-        mlp = moe_activation_bytes(m, tp, bs, precision, ep)
-    return norms + core + wo_input + drop + mlp
+def token_split(layout: Layout) -> TokenSplit:
+    """How the layout cuts an actor's tokens and heads."""
+    return TokenSplit(layout.tp, layout.cp, layout.cp_style, layout.sequence_parallel)
 
 
 def stage_activation_bytes(
-    cfg: Config, layers: range, first: bool, last: bool, tp: int, mbs: int, device_kind: str, recompute: str,
+    cfg: Config, layers: range, first: bool, last: bool, mbs: int, device_kind: str, recompute: str,
     split: TokenSplit | None = None, ep: int = 1,
 ) -> int:
+    """Bytes one (chunk, microbatch) unit saves for backward: the family's cost per block and for the
+    stage's ends, on one rank split by `split` holding 1/ep of the experts."""
     m, t = cfg.model, cfg.train
-    split = split or TokenSplit(tp)
-    e = PRECISION_BYTES[t.precision]
-    bs = mbs * m.seq_len // split.cp
+    split = split or TokenSplit()
+    cost = families.family(m).cost
     # Blocks differ only by (recomputed, MoE): each kind counted once (the planner asks for thousands).
     kinds = Counter(
         (recompute if index % t.recompute_every == 0 else NO_RECOMPUTE, is_moe_layer(m, index))
         for index in layers
     )
     total = sum(
-        n * block_activation_bytes(m, tp, mbs, t.precision, device_kind, mode, split, moe, ep)
+        n * cost.block_activation_bytes(m, mbs, t.precision, device_kind, mode, split, moe, ep)
         for (mode, moe), n in kinds.items()
     )
-    if split.cp > 1 and len(layers):
-        total += 4 * bs // mbs * m.head_dim  # RoPE's cos and sin of this rank's positions (fp32)
-    if first:
-        total += 8 * bs + (bs if tp > 1 else 0)  # token ids (int64); tp > 1: shifted ids and their mask
-    if last:
-        total += _norm_bytes(e, bs, m.d_model, split)  # the final RMSNorm
-        total += 4 * bs * (m.vocab_size // tp) + 9 * bs  # fp32 softmax, target index, ownership mask
-    return total
+    return total + cost.ends_activation_bytes(m, mbs, t.precision, split, first, last, len(layers) > 0)
 
 
 def layout_topology(cfg: Config, layout: Layout) -> schedules.Topology:
@@ -372,8 +259,7 @@ def predict_memory(
         params, states = rank_states(cfg, layout, p, chunks)
         unit_bytes = [
             stage_activation_bytes(
-                cfg, layers, first, last, layout.tp, mbs, device_kind, layout.recompute,
-                TokenSplit.of(layout), layout.ep,
+                cfg, layers, first, last, mbs, device_kind, layout.recompute, token_split(layout), layout.ep
             )
             for layers, (first, last) in zip(chunks, ends, strict=True)
         ]

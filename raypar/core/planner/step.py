@@ -3,8 +3,8 @@ the communication left on the critical path (raypar.core.planner.search ranks la
 
 - Compute: each pipeline rank's own FLOPs (its blocks, and the head on the rank that holds it: a deep
   pipeline's last stage is slower by the head, Narayanan et al. 2021 §3.3), 6 per weight and token plus
-  the attention scores (the family's cost, raypar.core.model.llama.cost.flops_per_token), at the device's
-  peak times the assumed
+  the attention scores (the family's cost: `block_flops`, raypar.core.model.llama.cost for the llama
+  family), at the device's peak times the assumed
   MFU times a GEMM efficiency curve s(n) = n / (n + n½) of each GEMM's rows (tokens of a microbatch on the
   rank; an expert's share of them) and columns (the width per tp rank). n½ is `Device.gemm_half`; the curve
   is a stated assumption shaped after NVIDIA's GEMM guide (small dimensions leave tiles and SMs idle:
@@ -34,18 +34,16 @@ from typing import Any
 
 from raypar.core.config.options import (
     DIRECT,
-    FULL,
     NO_OFFLOAD,
     NO_RECOMPUTE,
     OBJECT_STORE,
     PRECISIONS,
     SCHEDULES,
-    SELECTIVE,
     ZERO_STAGES,
 )
 from raypar.core.config.schema import Config, ModelConfig
 from raypar.core.model import families
-from raypar.core.model.moe import is_moe_layer, kept_share
+from raypar.core.model.moe import is_moe_layer
 from raypar.core.parallel.mesh import stage_layers
 from raypar.core.pipeline import schedules
 from raypar.core.planner import comm as plan_comm
@@ -169,26 +167,21 @@ def _block_s(
     m: ModelConfig, moe: bool, rows: int, tp: int, ep: int, mode: str, precision: str, device: Device
 ) -> float:
     """Seconds at 100 % MFU that one row (token) of a microbatch of `rows` rows per rank costs a block on
-    one tp rank, forward and backward (recomputed forwards included), each GEMM at its efficiency."""
-    d, q, s = m.d_model, m.n_heads * m.head_dim, m.seq_len
+    one tp rank, forward and backward (recomputed forwards included), each group of the family's FLOPs
+    (its cost's `block_flops`) at its GEMMs' efficiency."""
+    flops = families.family(m).cost.block_flops(m, moe, mode)
     half = device.gemm_half
     peak = device.peak_flops_16 if PRECISION_BYTES[precision] == 2 else device.peak_flops_32
     f8 = device.peak_flops_8 if PRECISIONS[precision].float8 else peak
-    attn = families.family(m).cost.attention_params(m)
-    dense_eff = efficiency(rows, half) * efficiency(d / tp, half)
-    replay = {NO_RECOMPUTE: 0.0, SELECTIVE: 4.0 * q * s, FULL: 2.0 * (attn + 3 * d * m.d_ff) + 4.0 * q * s}
-    # Attention projections (float8 under fp8), scores (bf16), recomputed forwards (bf16, as planned before)
-    out = (6.0 * attn / f8 + (12.0 * q * s + replay[mode]) / peak) / tp / dense_eff
-    if not moe:
-        return out + 6.0 * 3 * d * m.d_ff / f8 / tp / dense_eff
-    # Experts: each receives k rows per token over its share of the experts (ep gathers E/ep of them on a
-    # rank), so a bigger ep makes fuller expert GEMMs; shared experts and the router run on every row.
-    kept = m.moe_top_k * kept_share(m)
-    f = m.expert_d_ff
-    expert_eff = efficiency(rows * kept * ep / m.moe_experts, half) * efficiency(f / tp, half)
-    routed = 6.0 * kept * 3 * d * f / peak / tp / expert_eff
-    shared = 6.0 * (m.moe_shared_experts * 3 * d * f / tp + d * m.moe_experts) / peak
-    return out + routed + shared / dense_eff
+    dense_eff = efficiency(rows, half) * efficiency(flops.width / tp, half)
+    out = (flops.float8 / f8 + flops.peak / peak) / tp / dense_eff + flops.replicated / peak / dense_eff
+    if not flops.routed:
+        return out
+    # Each expert receives its share of every ep rank's rows (ep gathers E/ep of them on a rank), so a
+    # bigger ep makes fuller expert GEMMs.
+    expert_rows = rows * ep * flops.rows_per_expert
+    expert_eff = efficiency(expert_rows, half) * efficiency(flops.expert_width / tp, half)
+    return out + flops.routed / peak / tp / expert_eff
 
 
 @functools.lru_cache(maxsize=4096)
