@@ -36,7 +36,7 @@ Grouped experts. The rows a rank receives are sorted by local expert and its exp
 The parameters stay per expert under their global names (which checkpoints, ZeRO and resharding across ep
 read); the GEMM stacks the local experts' weights in forward and again in backward, a transient copy of
 E/ep x 3 x d x d_ff/tp values, and keeps only the parameters for backward, as a linear does. Under ZB-H1
-the experts' weight GEMMs stay in B (raypar.core.pipeline.zb defers only linears that run through it).
+the experts' weight GEMMs stay in B (raypar.core.parallel.zb defers only linears that run through it).
 The GEMM wants rows of 16-byte multiples: d_model and d_ff/tp multiples of 8 (a config rule). Each output
 row is the same dot products as a per-expert matmul's, in a kernel's order.
 

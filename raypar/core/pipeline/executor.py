@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from raypar.core.pipeline import zb
+from raypar.core.parallel import zb
 from raypar.core.pipeline.instructions import SELF
 from raypar.core.pipeline.local_transport import Turn
 from raypar.core.pipeline.schedules import (
@@ -238,7 +238,7 @@ class ModelBackend:
     and multiplied by the loss `scale` (fp16). With `loss_tokens` the microbatch's loss is its sum over
     target tokens divided by it (raypar.core.data.documents.loss_share), and `documents(mb)` gives the
     microbatch's document ids [B, T] for masked attention (None: no documents).
-    A schedule that splits backward (`split_backward`) defers weight GEMMs to a `raypar.core.pipeline.zb`
+    A schedule that splits backward (`split_backward`) defers weight GEMMs to a `raypar.core.parallel.zb`
     store:
     backward_input takes the input gradient and the other parameters' with one `torch.autograd.grad`, the
     linears leaving their weight GEMMs in the store; backward_weight runs those and accumulates every
