@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from raypar.core.checkpoint import hf
-from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.config.schema import Config
 from raypar.core.model.llama import LlamaStage
 from raypar.core.run_config import load_config
@@ -137,7 +136,7 @@ def test_round_trip_export_loads_in_transformers(ray_session, untied, tmp_path):
     out = hf.export(ckpt, str(tmp_path / "exported"))
     loaded = LlamaForCausalLM.from_pretrained(out).float().eval()
     trained = LlamaStage(cfg.model)
-    reader = checkpoint_read.CheckpointReader(ckpt)
+    reader = checkpoint.CheckpointReader(ckpt)
     with torch.no_grad():
         for name, p in trained.named_parameters():
             p.copy_(reader.read_full(name))

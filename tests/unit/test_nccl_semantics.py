@@ -18,8 +18,8 @@ import torch
 
 from actors.worker_state import WorkerState
 from collectives import GroupError, GroupTimeout, create_group
+from raypar.core import data
 from raypar.core.config.schema import Config
-from raypar.core.data import datasets as data
 from raypar.core.dp.strategies import STRATEGIES
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage
