@@ -382,7 +382,7 @@ def _dry_run(cfg: Config, address: str | None) -> int:
     import torch
 
     from raypar.core import planner
-    from raypar.core.checkpoint.reader import available_memory
+    from raypar.core.checkpoint import available_memory
     from raypar.core.config.schema import to_toml
     from raypar.core.planner import rank
 

@@ -73,7 +73,7 @@ def test_the_limit_is_the_layouts_model_states(monkeypatch: pytest.MonkeyPatch) 
 def test_runs_whose_actors_are_not_here_are_not_judged_by_this_machine(
     monkeypatch: pytest.MonkeyPatch, overrides: list[str], address: str | None
 ) -> None:
-    monkeypatch.setattr("raypar.core.checkpoint.reader.available_memory", lambda: GIB)
+    monkeypatch.setattr("raypar.core.planner.search.available_memory", lambda: GIB)
     huge = load_config(TINY, ["model.d_model=65536", *overrides])
     planner.check_local_memory(huge, address)
     # Control: the same model on this machine's local Ray is refused.
@@ -88,7 +88,7 @@ def test_runs_whose_actors_are_not_here_are_not_judged_by_this_machine(
 def test_shipped_gpu_examples_pass_on_this_cpu_machine(
     monkeypatch: pytest.MonkeyPatch, example: Path
 ) -> None:
-    monkeypatch.setattr("raypar.core.checkpoint.reader.available_memory", lambda: 16 * GIB)
+    monkeypatch.setattr("raypar.core.planner.search.available_memory", lambda: 16 * GIB)
     planner.check_local_memory(load_config(str(example)), None)
     # Control: the same model on this machine's CPUs would not fit, and is refused.
     with pytest.raises(ConfigError, match="GiB of model states"):

@@ -25,7 +25,7 @@ import math
 import re
 from collections.abc import Iterator
 
-from raypar.core.checkpoint.reader import available_memory
+from raypar.core.checkpoint import available_memory
 from raypar.core.config import rules
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.options import (
