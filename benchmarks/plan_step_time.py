@@ -104,8 +104,7 @@ def measure(
     Both are (1, 1, 1), at m1 < m2 microbatches, where the prediction is compute alone,
     t(m) = C / mfu + m * 2 * L * c (C the planner's compute at MFU 1, L the layers): their times give the
     fixed cost c per layer and microbatch pass (`Device.layer_pass_s`) and the MFU. Every other row uses both
-    unchanged, and the device's link latency and pipeline-message cost as `raypar.core.planner.search` states
-    them
+    unchanged, and the device's link latency and pipeline-message cost as `raypar.core.planner` states them
     (measured by benchmarks/collectives.py and activation_hop.py)."""
     if any(layout[:3] != (1, 1, 1) for layout in layouts[:2]):
         raise ValueError("the first two layouts calibrate and must be (1, 1, 1)")

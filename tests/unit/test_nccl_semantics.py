@@ -1,5 +1,5 @@
-"""The real `NcclBackend` over a stand-in that keeps NCCL's rules (tests/support/fake_nccl.py), on thread
-ranks.
+"""The real `NcclBackend` over a stand-in that keeps NCCL's rules (tests/support/fake_nccl.py), on
+thread ranks.
 
 Gloo matches messages asynchronously, so the CPU suite cannot see NCCL's ordering: a receive that blocks its
 stream until the matching send runs. Here every pipeline schedule, the cp ring, the tp/dp/ep collectives and

@@ -16,15 +16,14 @@ A dropped assignment contributes nothing; the block's residual carries the token
 capacity_factor >= E / k nothing can be dropped (C >= tokens) and the layer's math does not depend on ep.
 
 Context parallelism (raypar.core.parallel.cp). A cp rank holds T/cp tokens of each sequence (ulysses: one
-contiguous
-block per sequence; ring: the zigzag's two chunks), and the dispatch of cp rank c is over the EP group of
-cp rank c (the same cp rank of the other replicas). Routing and experts are token-local, so only the
-token-counting parts change, and both are kept exact rather than per rank (Megatron routes per rank):
-capacity and priority are those of the reference's dispatch over whole microbatches, so a layout with cp
-drops exactly the assignments one process would. For that the counts are per (slot, block, expert),
-a block being a run of tokens contiguous in the reference's (sequence, position) order; they are
-gathered over cp and then over ep, put into the reference's order, and every rank derives the same kept
-counts per block, of which it uses its own. Cost: one extra all-gather of k * blocks * E integers.
+contiguous block per sequence; ring: the zigzag's two chunks), and the dispatch of cp rank c is over the EP
+group of cp rank c (the same cp rank of the other replicas). Routing and experts are token-local, so only the
+token-counting parts change, and both are kept exact rather than per rank (Megatron routes per rank): capacity
+and priority are those of the reference's dispatch over whole microbatches, so a layout with cp drops exactly
+the assignments one process would. For that the counts are per (slot, block, expert), a block being a run of
+tokens contiguous in the reference's (sequence, position) order; they are gathered over cp and then over ep,
+put into the reference's order, and every rank derives the same kept counts per block, of which it uses its
+own. Cost: one extra all-gather of k * blocks * E integers.
 
 Dropless (`moe_capacity_factor = 0`, as DeepSeek-V3 and Qwen3-MoE route): every assignment is kept. The
 capacity is then the global token count, which no expert can exceed (a token picks an expert at most once),

@@ -26,8 +26,8 @@ def simulate(
     t_weight: float | None = None,
     topo: Topology | None = None,
 ) -> Timeline:
-    """Run ``plans`` on raypar's executor (raypar.core.pipeline.executor) with fixed op costs instead of a
-    model.
+    """Run ``plans`` on raypar's executor (raypar.core.pipeline.executor) with fixed op costs instead of
+    a model.
 
     Sends cost nothing and deliver ``t_comm`` later; a receive waits for its message. backward_input and
     backward_weight cost ``t_backward / 2`` each unless ``t_weight`` is given (then B = t_backward -
