@@ -39,10 +39,10 @@ from actors.transport import DirectTransport, Mailbox, ObjectStoreTransport
 from actors.worker_state import WorkerState
 from collectives import Group
 from collectives.host import GroupHost
+from raypar.core import data
 from raypar.core.checkpoint import hf
 from raypar.core.config.load import from_dict
 from raypar.core.config.options import DIRECT
-from raypar.core.data import datasets as data
 from raypar.core.data import documents
 from raypar.core.dp import compress, precision
 from raypar.core.dp.optim import lr_at

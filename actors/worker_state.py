@@ -19,8 +19,7 @@ import torch
 
 from actors.buddy import BuddyCopies, Snapshot
 from actors.endpoints import Inventory, Shard, WorkerEndpoints, call
-from raypar.core.checkpoint import format as checkpoint
-from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core import checkpoint
 from raypar.core.config.schema import Config
 from raypar.core.dp.precision import LossScaler
 from raypar.core.dp.strategy import DPStrategy
@@ -187,13 +186,13 @@ class WorkerState:
         """Load this shard's parameters and optimizer state from any checkpoint, at any layout; returns the
         optimizer's step count."""
         try:
-            reader = checkpoint_read.CheckpointReader(ckpt_uri)
+            reader = checkpoint.CheckpointReader(ckpt_uri)
             step_count = int(reader.meta["optimizer_steps"])
             if self.scaler is not None and reader.meta.get("loss_scaler"):
                 self.scaler.load_state(reader.meta["loss_scaler"])
             for strategy in self._strategies():
                 strategy.load(reader, step_count)
-            biases = checkpoint_read.routing_biases(reader, self.model.routing_biases())  # at any ep
+            biases = checkpoint.routing_biases(reader, self.model.routing_biases())  # at any ep
             self.model.load_routing_biases(biases)
             self._restore_rng(reader.meta.get("rng", {}).get(self.coord.key))
             return step_count

@@ -34,8 +34,8 @@ import torch
 from actors.worker import WORKER_GROUPS, WORKER_THREADS, Worker, _ActorBackend
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.controller.connection import NAMESPACE
+from raypar.core import data
 from raypar.core.config.schema import Config
-from raypar.core.data import datasets as data
 from raypar.core.dp.optim import ADAM_EPS, lr_at
 from raypar.core.model import families
 from raypar.core.observe.step_report import StepReport

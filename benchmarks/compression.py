@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from raypar.core import data  # noqa: E402
 from raypar.core.config.options import COMPRESSIONS  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
-from raypar.core.data import datasets as data  # noqa: E402
 from raypar.core.dp import compress  # noqa: E402
 from raypar.core.dp.optim import lr_at  # noqa: E402
 from raypar.core.dp.strategy import DPStrategy, StrategySpec  # noqa: E402

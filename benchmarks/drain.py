@@ -36,7 +36,7 @@ from benchmarks import _common  # noqa: E402
 from raypar.controller import drain  # noqa: E402
 from raypar.controller.actor_calls import StepFailure  # noqa: E402
 from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
-from raypar.core.checkpoint import format as checkpoint  # noqa: E402
+from raypar.core import checkpoint  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
 from tests.support.drain_probe import DEADLINE_S  # noqa: E402
 

@@ -31,7 +31,7 @@ import ray  # noqa: E402
 from benchmarks import _common  # noqa: E402
 from raypar.controller.actor_calls import StepFailure  # noqa: E402
 from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
-from raypar.core.checkpoint import format as checkpoint  # noqa: E402
+from raypar.core import checkpoint  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
 
 

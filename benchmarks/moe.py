@@ -33,9 +33,9 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import torch  # noqa: E402
 
 from collectives import GroupSpec, LocalStoreRef, create_group  # noqa: E402
+from raypar.core import data  # noqa: E402
 from raypar.core.config.load import from_dict  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
-from raypar.core.data import datasets as data  # noqa: E402
 from raypar.core.dp.optim import ADAM_EPS  # noqa: E402
 from raypar.core.model.llama import LlamaStage  # noqa: E402
 from raypar.core.model.moe import MoELayer  # noqa: E402

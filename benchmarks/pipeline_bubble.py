@@ -41,7 +41,7 @@ Each configuration runs `--steps` (real model: `--real-steps`) timed steps after
 table gives the median bubble.
 The ratio measured/theoretical is the target: within 1.2x (issues 3 and 12).
 
-Schedules and their formulas (raypar.core.pipeline.schedules.bubble_formula, the idle share of the window, as
+Schedules and their formulas (raypar.core.config.options.Schedule.bubble, the idle share of the window, as
 measured):
 gpipe and 1f1b (p-1)/(m+p-1); `interleaved` (1f1b with parallel.virtual_stages = 2; m must be a multiple of
 p) (p-1)/(vm+p-1); `zb-h1` (m >= p) (p-1)/(3m+p-1) with equal F, B and W: its rows use --fwd-ms for all
@@ -71,8 +71,9 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import ray  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
+from raypar.core.config.options import SCHEDULES  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
-from raypar.core.pipeline.schedules import COMPUTE_OPS, bubble_formula, build, topology  # noqa: E402
+from raypar.core.pipeline.schedules import COMPUTE_OPS, build, topology  # noqa: E402
 from raypar.core.pipeline.simulate import simulate  # noqa: E402
 
 TARGET = 1.2
@@ -179,7 +180,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 trainer.reconfigure(cfg)
                 row = {"model": model, "transport": transport, "schedule": schedule, "p": p, "m": m}
                 row.update(measure(trainer, args.steps if model == "fixed" else args.real_steps))
-                row["theory"] = bubble_formula(schedule_name(schedule), p, m, CHUNKS.get(schedule, 1))
+                row["theory"] = SCHEDULES[schedule_name(schedule)].bubble(p, m, CHUNKS.get(schedule, 1))
                 row["ratio"] = row["bubble"] / row["theory"]
                 row["step_ratio"] = row["step_bubble"] / row["theory"]
                 window_s = row.pop("window_s")

@@ -41,8 +41,8 @@ import ray  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
 from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
+from raypar.core import planner  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
-from raypar.core.planner import search as plan  # noqa: E402
 
 # (preset, overrides): a 4-layer model (the fewest layers that interleave 2 chunks over pp = 2), well under
 # a second a step on one core; --quick: the test suite's tiny one (also 4 layers).
@@ -71,7 +71,7 @@ class Row:
     layout: str
     actors: int
     measured_s: float
-    predicted: plan.Prediction
+    predicted: planner.Prediction
 
     @property
     def ratio(self) -> float:
@@ -98,14 +98,13 @@ def name_of(layout: tuple[int, int, int, list[str]]) -> str:
 
 def measure(
     layouts: list[tuple[int, int, int, list[str]]], model: tuple[str, list[str]], warmup: int, steps: int
-) -> tuple[plan.Device, float, list[Row]]:
+) -> tuple[planner.Device, float, list[Row]]:
     """The calibrated device and MFU, and a row per layout; the first two layouts calibrate.
 
     Both are (1, 1, 1), at m1 < m2 microbatches, where the prediction is compute alone,
     t(m) = C / mfu + m * 2 * L * c (C the planner's compute at MFU 1, L the layers): their times give the
     fixed cost c per layer and microbatch pass (`Device.layer_pass_s`) and the MFU. Every other row uses both
-    unchanged, and the device's link latency and pipeline-message cost as `raypar.core.planner.search` states
-    them
+    unchanged, and the device's link latency and pipeline-message cost as `raypar.core.planner` states them
     (measured by benchmarks/collectives.py and activation_hop.py)."""
     if any(layout[:3] != (1, 1, 1) for layout in layouts[:2]):
         raise ValueError("the first two layouts calibrate and must be (1, 1, 1)")
@@ -132,13 +131,14 @@ def measure(
     (_, cfg1, t1), (_, cfg2, t2) = measured[:2]
     m1, m2, layers = cfg1.parallel.microbatches, cfg2.parallel.microbatches, cfg1.model.n_layers
     per_pass = max(0.0, (t2 - t1) / ((m2 - m1) * 2 * layers))
-    device = dataclasses.replace(plan.DEVICES["cpu"], layer_pass_s=0.0)
-    flops_s = plan.predict(cfg1, plan.current_layout(cfg1), device, 1.0).step_time_s  # C: compute at MFU 1
+    device = dataclasses.replace(planner.DEVICES["cpu"], layer_pass_s=0.0)
+    # C: compute at MFU 1
+    flops_s = planner.predict(cfg1, planner.current_layout(cfg1), device, 1.0).step_time_s
     mfu = flops_s / (t1 - m1 * 2 * layers * per_pass)
     device = dataclasses.replace(device, layer_pass_s=per_pass)
     rows = [
         Row(name_of(layout), cfg.dp_fixed * cfg.parallel.pp * cfg.parallel.tp, seconds,
-            plan.predict(cfg, plan.current_layout(cfg), device, mfu))
+            planner.predict(cfg, planner.current_layout(cfg), device, mfu))
         for layout, cfg, seconds in measured
     ]
     return device, mfu, rows

@@ -25,8 +25,8 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
 from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
+from raypar.core import planner  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
-from raypar.core.planner import search as plan  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
 
 TINY = os.path.join(os.path.dirname(_HERE), "examples", "configs", "tiny.toml")
@@ -101,9 +101,9 @@ def measure(layouts: dict[tuple[int, int, int, int], list[list[str]]] = LAYOUTS)
                 trainer.reconfigure(cfg)
                 trainer.step(0)
                 measured = trainer.step(1).per_actor  # after one update: the optimizer state exists
-                layout = plan.current_layout(cfg)
-                right = plan.predict_memory(cfg, layout, "cpu")
-                wrong = plan.predict_memory(cfg, layout, "cpu", wrong_in_flight=True)
+                layout = planner.current_layout(cfg)
+                right = planner.predict_memory(cfg, layout, "cpu")
+                wrong = planner.predict_memory(cfg, layout, "cpu", wrong_in_flight=True)
                 # (dp, pp, tp) as the rows measured before cp existed are named, then cp if any
                 knobs = [o.split(".", 1)[1] for o in overrides if o not in MOE]
                 name = " ".join([str(mesh[:3]), *([f"cp={mesh[3]}"] if mesh[3] > 1 else []), *knobs])

@@ -6,11 +6,10 @@
 One unit (the whole model as one stage, one microbatch) is run forward and then backward in three ways,
 in alternating rounds on the same thread:
 - `plain`: one `torch.autograd.backward` (what 1F1B does);
-- `split`: raypar's backward_input then backward_weight (raypar.core.pipeline.zb: B leaves the weight GEMMs to
-W);
-- `rewalk`: the split as raypar did it before raypar.core.pipeline.zb, W asking autograd for the parameter
-gradients
-  again, which walks the graph a second time.
+- `split`: raypar's backward_input then backward_weight (raypar.core.parallel.zb: B leaves the weight GEMMs
+  to W);
+- `rewalk`: the split as raypar did it before raypar.core.parallel.zb, W asking autograd for the parameter
+  gradients again, which walks the graph a second time.
 FLOPs come from `torch.utils.flop_counter`; times are the median over rounds of the backward ops alone.
 """
 
@@ -40,7 +39,7 @@ WAYS = {"plain": [BACKWARD], "split": SPLIT, "rewalk": SPLIT}
 
 
 class RewalkingW(ModelBackend):
-    """The split before raypar.core.pipeline.zb: B takes only the input gradient, W walks the whole graph
+    """The split before raypar.core.parallel.zb: B takes only the input gradient, W walks the whole graph
     again."""
 
     def split_backward(self) -> None:

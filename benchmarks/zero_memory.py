@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dataclasses  # noqa: E402
 
+from raypar.core import data  # noqa: E402
 from raypar.core.config.schema import Config  # noqa: E402
-from raypar.core.data import datasets as data  # noqa: E402
 from raypar.core.dp.strategies import STRATEGIES  # noqa: E402
 from raypar.core.dp.strategy import DPStrategy, StrategySpec  # noqa: E402
 from raypar.core.model import families  # noqa: E402

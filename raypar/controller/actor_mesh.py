@@ -42,7 +42,7 @@ from raypar.controller.placement import (
     resources_for,
     shard_mate,
 )
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from raypar.core.config.options import ZeroStage
 from raypar.core.config.schema import Config
 from raypar.core.dp.strategies import STRATEGIES

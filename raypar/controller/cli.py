@@ -176,7 +176,7 @@ def _check_data(cfg: Config) -> tuple[int, int]:
     """Open the dataset once here: its errors are config errors, and the stdlib corpus is prepared once.
     Returns its sample counts, which the other nodes' shared-path probe compares with theirs."""
     from raypar.controller import shared_paths
-    from raypar.core.data import datasets as data
+    from raypar.core import data
     from raypar.core.data import documents
 
     try:
@@ -220,13 +220,15 @@ def _check_outputs(cfg: Config, run_dir: Path) -> None:
     use). Checked before Ray starts, so a typo costs a second, not a cluster start-up."""
     _writable_dir(run_dir, "--run-dir")
     if cfg.checkpoint.dir:
-        from raypar.core.checkpoint import format as checkpoint
+        import pyarrow.fs as pafs
+
+        from raypar.core import checkpoint
 
         try:
             fs, path = checkpoint.resolve_fs(cfg.checkpoint.dir)
         except checkpoint.CheckpointError as err:
             raise ConfigError(f"checkpoint.dir: {err}") from None
-        if isinstance(fs, checkpoint.pafs.LocalFileSystem):
+        if isinstance(fs, pafs.LocalFileSystem):
             _writable_dir(Path(path), "checkpoint.dir")
     if cfg.log.backends:  # where the trackers write (issue 45: refused before the actors, not at step 0)
         from raypar.core.observe import tracker_backends, trackers
@@ -262,10 +264,10 @@ def _check_fits(cfg: Config) -> None:
 
     if cfg.parallel.device == "cpu" or not torch.cuda.is_available():
         return
-    from raypar.core.planner import search as plan
+    from raypar.core import planner
 
     props = torch.cuda.get_device_properties(0)
-    plan.check_fits(cfg, props.total_memory, plan.device_named(props.name), props.name)
+    planner.check_fits(cfg, props.total_memory, planner.device_named(props.name), props.name)
 
 
 def _resolve_resume(cfg: Config, which: str) -> str | None:
@@ -274,8 +276,9 @@ def _resolve_resume(cfg: Config, which: str) -> str | None:
     newer one passed over is named with the reason. `latest` under a checkpoint.dir with no step directory
     yet: None, the run starts at step 0 (a job submitted again and again, as KubeRay's RayJob does, keeps
     one command line); damaged step directories only are still refused."""
-    from raypar.core.checkpoint import format as checkpoint
-    from raypar.core.checkpoint import reader as checkpoint_read
+    import pyarrow.fs as pafs
+
+    from raypar.core import checkpoint
 
     if which == "latest" and not cfg.checkpoint.dir:
         raise ConfigError("--resume latest: checkpoint.dir is not set")
@@ -287,17 +290,17 @@ def _resolve_resume(cfg: Config, which: str) -> str | None:
             print(f"raypar: --resume latest: no checkpoint under {where} yet; from step 0", file=sys.stderr)
             return None
         fs, path = checkpoint.resolve_fs(where)
-        if fs.get_file_info(f"{path}/{checkpoint.MANIFEST}").type == checkpoint.pafs.FileType.File:
+        if fs.get_file_info(f"{path}/{checkpoint.MANIFEST}").type == pafs.FileType.File:
             uri = where
-            checkpoint_read.verify(uri, VERIFY_HASHES_BYTES)
+            checkpoint.verify(uri, VERIFY_HASHES_BYTES)
         else:
-            uri, notes = checkpoint_read.newest_intact(where, VERIFY_HASHES_BYTES)
+            uri, notes = checkpoint.newest_intact(where, VERIFY_HASHES_BYTES)
             for note in notes:
                 print(f"raypar: --resume: {note}", file=sys.stderr)
             if notes:
                 print(f"raypar: --resume: using {uri}, the newest intact checkpoint", file=sys.stderr)
         manifest = checkpoint.load_manifest(uri)
-    except (checkpoint.CheckpointError, OSError, checkpoint.pa.ArrowException) as err:
+    except (checkpoint.CheckpointError, *checkpoint.FS_ERRORS) as err:  # FS_ERRORS: OSError, Arrow's
         raise ConfigError(f"--resume: {err}") from None
     saved = manifest["meta"].get("model", {})
     if manifest["step"] > cfg.train.steps:  # the run would train nothing and end "done"
@@ -329,13 +332,13 @@ def _train(args: argparse.Namespace) -> int:
     if args.stop_at is not None and args.stop_at <= 0:
         raise UsageError(f"--stop-at: must be a positive step, got {args.stop_at}")
     from raypar.controller import run_records, shared_paths
-    from raypar.core.planner import search as plan
+    from raypar.core import planner
 
     shared_paths.make_absolute(cfg)  # actors run in other directories, and on other nodes
     samples = _check_data(cfg)
     _check_compile_cache(cfg)
     _check_fits(cfg)
-    plan.check_local_memory(cfg, ray_env.target(args.address))  # a local Ray's actors all live here
+    planner.check_local_memory(cfg, ray_env.target(args.address))  # a local Ray's actors all live here
     resume = _resolve_resume(cfg, args.resume) if args.resume else None
     resume = shared_paths.absolute(resume) if resume else None
     name = args.name or f"{Path(args.config).stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
@@ -380,15 +383,15 @@ def _dry_run(cfg: Config, address: str | None) -> int:
     on here: the driver's GPU, else this machine's CPU, which a local Ray's actors all share."""
     import torch
 
-    from raypar.core.checkpoint.reader import available_memory
+    from raypar.core import planner
+    from raypar.core.checkpoint import available_memory
     from raypar.core.config.schema import to_toml
     from raypar.core.planner import rank
-    from raypar.core.planner import search as plan
 
-    layout = plan.current_layout(cfg)
+    layout = planner.current_layout(cfg)
     gpu = cfg.parallel.device != "cpu" and torch.cuda.is_available()
-    device = plan.device_named(torch.cuda.get_device_properties(0).name) if gpu else plan.DEVICES["cpu"]
-    pred = plan.predict(cfg, layout, device, PLAN_MFU)
+    device = planner.device_named(torch.cuda.get_device_properties(0).name) if gpu else planner.DEVICES["cpu"]
+    pred = planner.predict(cfg, layout, device, PLAN_MFU)
     if gpu:
         need, memory = pred.memory_bytes, torch.cuda.get_device_properties(0).total_memory
         where = "per GPU"
@@ -401,7 +404,7 @@ def _dry_run(cfg: Config, address: str | None) -> int:
     print(to_toml(cfg), end="")
     print(
         f"raypar train --dry-run: config valid, Ray not started. {rank.describe(layout)} on {layout.world} "
-        f"actors: the plan predicts {plan.gib(need)} of {plan.gib(memory)} {where}: "
+        f"actors: the plan predicts {planner.gib(need)} of {planner.gib(memory)} {where}: "
         f"{'fits' if need <= memory else 'does NOT fit'}; a step of {step:.3g} s, {pred.tokens_per_s:,.0f} "
         f"tokens/s on {device.name} at an assumed MFU of {PLAN_MFU:g} ({pred.compute_s / step:.0%} compute, "
         f"{pred.bubble_s / step:.0%} bubble, {pred.comm_s / step:.0%} communication)"
@@ -410,40 +413,40 @@ def _dry_run(cfg: Config, address: str | None) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from raypar.core import planner
     from raypar.core.planner import rank
-    from raypar.core.planner import search as plan
     from raypar.core.run_config import load_config
 
     cfg = load_config(args.config, args.set)
     if args.devices <= 0:
         raise UsageError(f"--devices: must be positive, got {args.devices}")
-    if args.device not in plan.DEVICES:
-        raise UsageError(f"--device: must be one of {', '.join(plan.DEVICES)}, got {args.device!r}")
+    if args.device not in planner.DEVICES:
+        raise UsageError(f"--device: must be one of {', '.join(planner.DEVICES)}, got {args.device!r}")
     if not 0 < args.mfu <= 1:
         raise UsageError(f"--mfu: must be in (0, 1], got {args.mfu}")
     if args.top <= 0:
         raise UsageError(f"--top: must be a positive number of rows, got {args.top}")
     try:
-        memory = plan.parse_size(args.device_memory)
+        memory = planner.parse_size(args.device_memory)
     except ValueError as err:
         raise UsageError(f"--device-memory: {err}") from None
     if not (0 < memory < float("inf")):
         raise UsageError(f"--device-memory: must be a positive, finite size, got {args.device_memory!r}")
-    device = plan.DEVICES[args.device]
+    device = planner.DEVICES[args.device]
     if args.compile_speedup is not None:
         if not 0 < args.compile_speedup < float("inf"):
             raise UsageError(f"--compile-speedup: must be a positive factor, got {args.compile_speedup}")
         device = dataclasses.replace(device, compile_speedup=args.compile_speedup)
     # --json and --all list every layout; the table needs only the top rows and the fastest group.
     top = None if args.json or args.all else args.top
-    preds = plan.plan(cfg, args.devices, memory, device, args.mfu, top)
+    preds = planner.plan(cfg, args.devices, memory, device, args.mfu, top)
     order = rank.ranked(preds)
     shown = order if args.all else [(g, p) for g, p in order if p.fits]
     if args.json:
         print(json.dumps([{"group": g, **p.to_json()} for g, p in shown], indent=1))
         return 0
     fits = sum(p.fits for p in preds)
-    where = f"{args.devices} x {args.device} with {plan.gib(memory)} each (assumed MFU {args.mfu:g})"
+    where = f"{args.devices} x {args.device} with {planner.gib(memory)} each (assumed MFU {args.mfu:g})"
     if not preds:
         print(f"raypar plan: 0 of 0 valid layouts fit {where}: no split of them passes the config's rules")
         return 0
@@ -460,7 +463,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from raypar.core.data import datasets as data
+    from raypar.core import data
     from raypar.core.data import remote
     from raypar.core.data.tokenizer import load
 
@@ -554,13 +557,13 @@ def _connect(address: str) -> None:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    from raypar.controller import connection as control
+    from raypar.controller import connection
 
     if args.dp <= 0:
         raise UsageError(f"--dp: must be a positive number of replicas, got {args.dp}")
     _connect(args.address)
     try:
-        print(f"raypar: {control.scale(args.run, args.dp)}")
+        print(f"raypar: {connection.scale(args.run, args.dp)}")
     except LookupError as err:
         raise UsageError(str(err)) from None
     except Exception as err:  # noqa: BLE001 - the control actor's refusal, raised through Ray
@@ -570,10 +573,10 @@ def _scale(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from raypar.controller import connection as control
+    from raypar.controller import connection
 
     _connect(args.address)
-    runs = control.runs()
+    runs = connection.runs()
     if args.json:
         print(json.dumps(runs, indent=2))
         return 0
@@ -638,19 +641,18 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    from raypar.core.checkpoint import format as checkpoint
-    from raypar.core.checkpoint import reader as checkpoint_read
+    from raypar.core import checkpoint
 
     try:
         uri = checkpoint.resolve(args.path)
         if args.action == "inspect":
-            print(checkpoint_read.inspect(uri))
+            print(checkpoint.inspect(uri))
         elif args.format == "hf":
             from raypar.core.checkpoint import hf
 
             print(f"raypar: wrote {hf.export(uri, args.out, say=lambda line: print(f'raypar: {line}'))}")
         else:
-            print(f"raypar: wrote {checkpoint_read.export(uri, args.out)}")
+            print(f"raypar: wrote {checkpoint.export(uri, args.out)}")
     except (checkpoint.CheckpointError, FileExistsError) as err:  # the checkpoint named, or the output
         raise UsageError(str(err)) from None
     return 0
@@ -661,8 +663,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-tokens: must be positive, got {args.max_tokens}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError("--temperature: must be >= 0, and --top-p in (0, 1]")
-    from raypar.core import generate
-    from raypar.core.checkpoint import format as checkpoint
+    from raypar.core import checkpoint, generate
 
     try:
         uri = checkpoint.resolve(args.path)

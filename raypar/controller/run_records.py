@@ -19,8 +19,7 @@ from __future__ import annotations
 import fcntl
 from pathlib import Path
 
-from raypar.core.checkpoint import format as checkpoint
-from raypar.core.checkpoint import reader
+from raypar.core import checkpoint
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import Config
 from raypar.core.plain_files import NotRegularFile, refuse_unless_regular
@@ -111,7 +110,7 @@ def _no_newer_checkpoint(cfg: Config, resume: str) -> None:
 
 def _intact(uri: str) -> bool:
     try:
-        reader.verify(uri, 0)  # sizes and coverage (hashes are the resumed checkpoint's concern)
+        checkpoint.verify(uri, 0)  # sizes and coverage (hashes are the resumed checkpoint's concern)
     except checkpoint.CheckpointError:
         return False
     return True

@@ -24,11 +24,11 @@ import uuid
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint, data
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import Config
-from raypar.core.data import datasets as data
 
 DATA_KEYWORDS = ("synthetic", "stdlib")  # data.source values that are not paths
 PROBE_TIMEOUT_S = 120.0  # a node's first task starts a Python worker; under load that takes seconds
@@ -146,7 +146,7 @@ def _probe(cfg: Config, marker: str, samples: tuple[int, int]) -> str | None:
     if not marker:
         return None
     fs, path = checkpoint.resolve_fs(marker)
-    if fs.get_file_info(path).type != checkpoint.pafs.FileType.File:
+    if fs.get_file_info(path).type != pafs.FileType.File:
         return (
             f"checkpoint.dir: {cfg.checkpoint.dir} is not shared with this node (a file the driver wrote "
             "there is not visible here); use storage every node mounts, or a URI such as s3://bucket/path"

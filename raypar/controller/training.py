@@ -45,12 +45,10 @@ from raypar.controller.connection import NAMESPACE, RunFailure, connect
 from raypar.controller.hang_watch import HangWatch
 from raypar.controller.placement import check_device
 from raypar.controller.run_records import RUN_LOCK
-from raypar.core import plain_files
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint, data, plain_files
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import Config, to_toml
-from raypar.core.data import datasets as data
-from raypar.core.observe import report, run_copy, step_report, stragglers, trackers
+from raypar.core.observe import run_copy, step_report, stragglers, timeline, trackers
 from raypar.core.observe.flops import mfu
 from raypar.core.parallel.mesh import Coord, Mesh
 
@@ -488,7 +486,7 @@ class TrainingLoop:
         self, step: int, result: StepResult, val_loss: float | None, control: Any, bar: Any
     ) -> dict[str, Any]:
         """metrics.jsonl, timeline.jsonl, the control actor and the progress bar for a completed step."""
-        rows = report.timeline_rows(step, result.per_actor)
+        rows = timeline.timeline_rows(step, result.per_actor)
         slowest, lags = stragglers.straggler(result.per_actor)
         # a model-free stand-in reports none: every token a target
         counted = (r.target_tokens for r in result.per_actor.values())
@@ -515,7 +513,7 @@ class TrainingLoop:
             "dp_bytes": sum(r.reduce_bytes + r.gather_bytes for r in result.per_actor.values()),
             # the slowest actor's host update (train.offload = "cpu"; 0 otherwise), the previous step's
             "offload_update_s": max(r.offload_update_s for r in result.per_actor.values()),
-            "bubble_fraction": report.measured_bubble(rows),
+            "bubble_fraction": timeline.measured_bubble(rows),
             "mfu": mfu(self.tokens_per_step / result.step_time_s, self.cfg.model, self.actor_mesh.peak_flops)
             if self.actor_mesh.peak_flops
             else None,

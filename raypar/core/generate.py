@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core import checkpoint
 from raypar.core.data.chat import ChatRenderer
 from raypar.core.data.tokenizer import Tokenizer, from_record
 from raypar.core.model import families
@@ -43,18 +43,18 @@ def load(ckpt_uri: str, device: str = "cpu") -> tuple[Stage, Tokenizer]:
     """The checkpoint's whole model on `device`, and its tokenizer. The manifest's model config is checked
     against its tensors, and its size against this machine's memory, before anything is allocated."""
     dev = check_device(device)
-    reader = checkpoint_read.CheckpointReader(ckpt_uri)
-    cfg = checkpoint_read.model_config(reader)
-    need = checkpoint_read.model_bytes(cfg) + checkpoint_read.read_bytes_peak(reader)
-    checkpoint_read.check_memory(need, f"loading {ckpt_uri}")
+    reader = checkpoint.CheckpointReader(ckpt_uri)
+    cfg = checkpoint.model_config(reader)
+    need = checkpoint.model_bytes(cfg) + checkpoint.read_bytes_peak(reader)
+    checkpoint.check_memory(need, f"loading {ckpt_uri}")
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
-        checkpoint_read.check_memory(checkpoint_read.model_bytes(cfg), f"{ckpt_uri} on {dev}", free)
+        checkpoint.check_memory(checkpoint.model_bytes(cfg), f"{ckpt_uri} on {dev}", free)
     model = families.build_stage(cfg, init=False)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(reader.read_full(model.init_source(name)))
-    model.load_routing_biases(checkpoint_read.routing_biases(reader, model.routing_biases()))
+    model.load_routing_biases(checkpoint.routing_biases(reader, model.routing_biases()))
     return model.to(device).eval(), from_record(reader.meta.get("tokenizer"), f"{ckpt_uri} meta.tokenizer")
 
 
@@ -115,9 +115,9 @@ def generate_ids(
     positions = len(prompt) + max_tokens
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     try:
-        need = checkpoint_read.decode_bytes(model.cfg, positions)
-        checkpoint_read.check_memory(need, f"--max-tokens: decoding {positions:,} positions", free)
-    except checkpoint_read.CheckpointError as err:
+        need = checkpoint.decode_bytes(model.cfg, positions)
+        checkpoint.check_memory(need, f"--max-tokens: decoding {positions:,} positions", free)
+    except checkpoint.CheckpointError as err:
         raise ValueError(str(err)) from None
     decoder = Decoder(model, len(prompt) + max_tokens)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -157,7 +157,7 @@ def sample(
 
 def load_chat(ckpt_uri: str) -> ChatRenderer:
     """The chat template the checkpoint's data was prepared with (raypar prepare --format chat)."""
-    record = checkpoint_read.CheckpointReader(ckpt_uri).meta.get("tokenizer") or {}
+    record = checkpoint.CheckpointReader(ckpt_uri).meta.get("tokenizer") or {}
     if not record.get("chat_template"):
         raise ValueError(f"--chat: {ckpt_uri} records no chat template (its data was not --format chat)")
     return ChatRenderer.from_record(record)

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from raypar.core import data
 from raypar.core.checkpoint import hf
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.load import from_dict, read_raw
 from raypar.core.config.schema import Config
-from raypar.core.data import datasets as data
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from raypar.core.checkpoint import format as checkpoint
-from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core import checkpoint
 from tests.support.fake_cluster import FakeCluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,7 +85,7 @@ def test_a_relative_checkpoint_dir_is_one_checkpoint_written_from_both_nodes(two
     assert proc.returncode == 0, proc.stderr[-3000:]
     root = tmp_path / "driver" / "ckpt"
     step = checkpoint.resolve(str(root))
-    checkpoint_read.verify(step, 2**30)
+    checkpoint.verify(step, 2**30)
     files = {s["file"] for s in json.loads((Path(step) / checkpoint.MANIFEST).read_text())["shards"]}
     assert {f.split(".")[0] for f in files} == {"shard-dp0", "shard-dp1"}, files  # both replicas wrote
     assert not (root / "node_cwd" / "ckpt").exists()  # the second node wrote nothing into its own cwd

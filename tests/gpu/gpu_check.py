@@ -87,7 +87,7 @@ def _import_ray_side() -> None:
 
         from benchmarks import _common
         from raypar.controller.actor_mesh import ActorMesh
-        from raypar.core.checkpoint import format as checkpoint
+        from raypar.core import checkpoint
         from raypar.core.config.options import FP8_RECIPES
         from raypar.core.observe import flops
     except ImportError as err:

@@ -17,7 +17,7 @@ import pytest
 from collectives.group import GroupError
 from raypar.controller import actor_calls, cli
 from raypar.controller.placement import PlacementTimeout
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from raypar.core.parallel.mesh import Coord
 from tests.support.faults import FaultyActorMesh
 from tests.support.runs import TINY, FaultyLoop, losses, metrics, tiny, with_faults

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from raypar.core.checkpoint import hf
-from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.model import families
 from tests.support.hf_models import IDS, cfg_for, hf_logits
 from tests.support.hf_moe_models import assert_logits, make_hf_mixtral
@@ -29,7 +28,7 @@ def test_mixtral_imported_at_ep2_trains_and_exports(ray_session, tmp_path):
     ckpt = checkpoint.resolve(str(tmp_path / "ckpt"))
     exported = AutoModelForCausalLM.from_pretrained(hf.export(ckpt, str(tmp_path / "exported"))).eval()
     trained = families.build_stage(cfg.model, init=False)
-    reader = checkpoint_read.CheckpointReader(ckpt)
+    reader = checkpoint.CheckpointReader(ckpt)
     with torch.no_grad():
         for name, p in trained.named_parameters():
             p.copy_(reader.read_full(name))

@@ -25,7 +25,7 @@ import pytest
 
 from actors.endpoints import WorkerEndpoints
 from raypar.controller.actor_mesh import StepResult
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from raypar.core.parallel.mesh import Coord, Mesh
 from tests.support.faults import FaultyActorMesh
 from tests.support.moe_runs import FP32_STATE, assert_params, gather, make_cfg, one_process, train

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 
 from raypar.controller.actor_mesh import StepResult
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from raypar.core.parallel.mesh import Mesh
 from tests.support.faults import FaultyActorMesh
 from tests.support.moe_runs import FP32_STATE, STEPS, assert_params, make_cfg, one_process, train

@@ -15,7 +15,7 @@ import torch
 from actors.worker import WORKER_GROUPS, WORKER_THREADS, Worker
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Coord
 from raypar.core.run_config import load_config

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import ray
 
-from raypar.controller import connection as control
+from raypar.controller import connection
 from raypar.controller.actor_mesh import RunFailure
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from raypar.core.parallel.mesh import Coord
 from tests.support.faults import FaultyActorMesh
 from tests.support.runs import Background, killing, losses, metrics, run, tiny, with_faults
@@ -138,9 +138,9 @@ def test_elastic_dp_matches_fixed_dp(ray_session, tmp_path):
     bg = Background(cfg, "elastic", elastic_dir)
     for step, dp in ((1, 2), (4, 4), (7, 2)):
         bg.wait_for_step(step)
-        control.scale("elastic", dp)
+        connection.scale("elastic", dp)
     with pytest.raises(Exception, match="accepts dp in"):
-        control.scale("elastic", 5)  # beyond parallel.max_dp
+        connection.scale("elastic", 5)  # beyond parallel.max_dp
     bg.join()
     records = metrics(elastic_dir)
     assert [m["step"] for m in records] == list(range(10))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from raypar.controller import cli
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from tests.support.runs import TINY, metrics, run, tiny
 
 TOKENS_PER_STEP = 8 * 32  # tiny.toml: train.global_batch x the tiny preset's seq_len

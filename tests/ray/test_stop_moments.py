@@ -27,8 +27,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from raypar.controller import connection
-from raypar.core.checkpoint import format as checkpoint
-from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core import checkpoint
 from tests.support.runs import TINY, metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,7 +122,7 @@ def _check_stopped(run: Run, code: int, err: str, sig: signal.Signals) -> None:
     published = [e.split(": ")[1].split(" ")[0] for e in events if e.startswith("checkpoint step ")]
     if published:
         assert checkpoint.resolve(str(run.ckpt)) == published[-1]
-        checkpoint_read.verify(published[-1], hash_limit_bytes=2**30)  # every shard there, every byte right
+        checkpoint.verify(published[-1], hash_limit_bytes=2**30)  # every shard there, every byte right
 
 
 @contextlib.contextmanager

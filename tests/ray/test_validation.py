@@ -7,8 +7,8 @@ optimizer step moves the loss by ~1e-2 here, which the negative control shows th
 
 from __future__ import annotations
 
+from raypar.core import data
 from raypar.core.config.schema import Config
-from raypar.core.data import datasets as data
 from raypar.core.observe import report
 from tests.support.reference import reference_run
 from tests.support.runs import metrics, run, tiny

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from raypar.controller.actor_mesh import ActorMesh
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from raypar.core.config.schema import Config
 from raypar.core.run_config import load_config
 from tests.support.reference import reference_run

@@ -11,10 +11,8 @@ from pathlib import Path
 
 import torch
 
-from raypar.core.checkpoint import format as checkpoint
-from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core import checkpoint, data
 from raypar.core.config.schema import Config
-from raypar.core.data import datasets as data
 from raypar.core.dp import hsdp
 from raypar.core.dp.offload import Transfer
 from raypar.core.dp.optim import lr_at
@@ -229,7 +227,7 @@ def assert_loads_exactly(uri: str, saved: dict[str, torch.Tensor], cfg, dp: int,
 
     def rank(group):
         model, strategy = build(cfg, group, zero)
-        strategy.load(checkpoint_read.CheckpointReader(uri), 2)
+        strategy.load(checkpoint.CheckpointReader(uri), 2)
         return strategy.full_state()
 
     for state in run_ranks(dp, rank) if dp > 1 else [rank(None)]:

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from collectives import create_group
 from raypar.controller.actor_mesh import moe_totals
+from raypar.core import data
 from raypar.core.config.schema import Config
-from raypar.core.data import datasets as data
 from raypar.core.dp.strategies import STRATEGIES
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage, StageSpec

@@ -21,9 +21,9 @@ import torch
 
 from actors.transport import DirectTransport
 from collectives import Group, GroupSpec
+from raypar.core import data
 from raypar.core.checkpoint import hf
 from raypar.core.config.schema import Config
-from raypar.core.data import datasets as data
 from raypar.core.data import documents as docs
 from raypar.core.dp import compress
 from raypar.core.dp.strategy import DPStrategy, StrategySpec

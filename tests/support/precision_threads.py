@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from raypar.core import data
 from raypar.core.config.schema import Config
-from raypar.core.data import datasets as data
 from raypar.core.dp import precision
 from raypar.core.dp.optim import lr_at
 from raypar.core.dp.strategies import STRATEGIES

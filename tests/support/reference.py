@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raypar.core import data
 from raypar.core.checkpoint import hf
 from raypar.core.config.schema import Config
-from raypar.core.data import datasets as data
 from raypar.core.dp.optim import ADAM_EPS, lr_at
 from raypar.core.model import families
 from raypar.core.model.moe_balance import apply_bias_updates, bias_updates

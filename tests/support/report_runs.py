@@ -8,7 +8,7 @@ from pathlib import Path
 
 from raypar.core.config.load import from_dict
 from raypar.core.config.schema import to_toml
-from raypar.core.observe import report
+from raypar.core.observe import timeline
 from raypar.core.pipeline import schedules
 
 
@@ -24,7 +24,7 @@ def simulated_rows(
     t_send: float = 0.0002,
     latency: float = 0.0003,
     tail: float = 0.002,
-) -> list[report.Row]:
+) -> list[timeline.Row]:
     """timeline.jsonl rows of one step: each stage walks its plan; a receive waits for its message, which
     arrives `latency` after the `t_send` its send takes. tp ranks of a stage run in lockstep."""
     plans = schedules.build(schedule, p, m)

@@ -5,7 +5,7 @@ offload and cp Ray tests."""
 from __future__ import annotations
 
 from raypar.controller.actor_mesh import ActorMesh, StepResult
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from raypar.core.config.schema import Config
 from raypar.core.run_config import load_config
 from tests.support.reference import Run

@@ -21,9 +21,8 @@ import pytest
 import torch
 
 from raypar.controller import cli
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint, data
 from raypar.core.config.schema import Config
-from raypar.core.data import datasets as data
 from tests.support.runs import TINY
 
 DEEP = 50_000  # nesting that overflows Python's recursion limit in any recursive parser

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from raypar.controller import cli
-from raypar.core.data import datasets as data
+from raypar.core import data
+from raypar.core.config.schema import DataConfig
 from tests.support.corpus import corpus, train_bpe
 from tests.support.runs import TINY
 
@@ -59,7 +60,7 @@ def test_dataset_tokenizer_file_outside_its_directory_is_refused(prepared, tmp_p
     refused(capsys, train(tmp_path, "--set", f"data.source='{prepared}'"), index, "tokenizer.file", outside)
     # What checkpoints record: nothing from outside is ever read.
     with pytest.raises(ValueError, match="tokenizer.file"):
-        data.tokenizer_record(data.DataConfig(source=str(prepared)))
+        data.tokenizer_record(DataConfig(source=str(prepared)))
 
 
 @pytest.mark.parametrize("dtype", ["bogus", "float64", 3])
@@ -219,7 +220,7 @@ def _checkpoint(root: Path, change_manifest=None) -> Path:
     change_manifest(manifest). Returns the step directory."""
     import dataclasses
 
-    from raypar.core.checkpoint import format as checkpoint
+    from raypar.core import checkpoint
     from raypar.core.config.schema import ModelConfig
     from raypar.core.model.llama import LlamaStage
 

@@ -165,8 +165,9 @@ def test_prompt_completion_and_packed_text(tmp_path, capsys):
 def test_packed_shards_are_checked_against_their_index_as_token_shards(tmp_path):
     """A packed directory goes through the token stream's checks: sizes on every open, sha256 and token ids
     below vocab_size where the driver hashes (hash_limit_bytes); control: the actors' open, sizes only."""
+    from raypar.core import data
+    from raypar.core.config.errors import ConfigError
     from raypar.core.config.schema import DataConfig, ModelConfig
-    from raypar.core.data import datasets
 
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "0.txt").write_text("def return class import lambda yield async")
@@ -175,23 +176,24 @@ def test_packed_shards_are_checked_against_their_index_as_token_shards(tmp_path)
     assert cli.main([*argv, "--seq-len", "64", "--no-progress"]) == 0
     model = ModelConfig(n_layers=1, d_model=8, n_heads=1, n_kv_heads=1, d_ff=8, vocab_size=256, seq_len=64)
     source = DataConfig(source=str(out))
-    opened = datasets.open_dataset(source, model, hash_limit_bytes=2**30)  # control: as prepared
+    opened = data.open_dataset(source, model, hash_limit_bytes=2**30)  # control: as prepared
     assert isinstance(opened, PackedDataset)
     shard = next(out.glob("*.arrow"))
     body = bytearray(shard.read_bytes())
     body[body.index(b"d\0\0\0e\0\0\0f\0\0\0")] ^= 1  # "def" (uint32 tokens) -> "eef": only the sha256 tells
     shard.write_bytes(bytes(body))
-    assert datasets.open_dataset(source, model).num_samples == 1  # an actor's open: sizes only
-    with pytest.raises(datasets.ConfigError, match=f"{shard.name}: sha256 "):
-        datasets.open_dataset(source, model, hash_limit_bytes=2**30)
+    assert data.open_dataset(source, model).num_samples == 1  # an actor's open: sizes only
+    with pytest.raises(ConfigError, match=f"{shard.name}: sha256 "):
+        data.open_dataset(source, model, hash_limit_bytes=2**30)
 
 
 def test_document_masking_auto_is_on_where_the_data_records_documents(tmp_path, capsys, no_actors):
     """data.document_masking defaults to "auto": on for packed data (documents.masked, what the worker
     asks), off for a token stream; with dropout, "auto" on packed data is refused in one line (masked
     attention has none). Controls: false, or a token stream, with the same dropout reach the actors."""
+    from raypar.core import data
     from raypar.core.config.schema import DataConfig
-    from raypar.core.data import datasets, documents
+    from raypar.core.data import documents
     from tests.support.runs import ACTORS_START, TINY, ActorsStarted
 
     (tmp_path / "texts").mkdir()
@@ -205,7 +207,7 @@ def test_document_masking_auto_is_on_where_the_data_records_documents(tmp_path, 
     capsys.readouterr()
     model = load_config(str(TINY), ["model.seq_len=64", "model.vocab_size=256"]).model
     assert DataConfig().document_masking == "auto"
-    opened = {p: datasets.open_dataset(DataConfig(source=str(p)), model) for p in (packed, stream)}
+    opened = {p: data.open_dataset(DataConfig(source=str(p)), model) for p in (packed, stream)}
     assert documents.masked("auto", opened[packed]) and not documents.masked("auto", opened[stream])
     assert not documents.masked(False, opened[packed])
 

@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raypar.core.checkpoint import format as checkpoint
-from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core import checkpoint
 from raypar.core.config import options
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import TrainConfig
@@ -266,7 +265,7 @@ def test_checkpoint_round_trip_and_bitwise_resume(tmp_path, name):
         model = make_model()
         spec = StrategySpec(TrainConfig(weight_decay=0.0), bucket_bytes=1024)
         strategy = DPStrategy(model, spec=spec, group=group, compressor=make())
-        strategy.load(checkpoint_read.CheckpointReader(uri), 3)
+        strategy.load(checkpoint.CheckpointReader(uri), 3)
         state = copy_state(strategy.compressor)
         if reset:  # the comparison below must notice state that did not come back
             strategy.compressor.reset()
@@ -287,7 +286,7 @@ def test_state_resets_on_another_dp_and_on_load_full_state(tmp_path):
 
     def rank(group):
         _, _, strategy, _ = regression(group, compress.TopK(0.1), 1)
-        strategy.load(checkpoint_read.CheckpointReader(uri), 2)
+        strategy.load(checkpoint.CheckpointReader(uri), 2)
         after_load = dict(strategy.compressor.state)
         strategy.load_full_state(strategy.full_state(), 2)
         return after_load, strategy.compressor.state

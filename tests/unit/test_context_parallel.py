@@ -23,9 +23,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from raypar.core import data
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import Config
-from raypar.core.data import datasets as data
 from raypar.core.model.llama import LlamaStage
 from raypar.core.parallel import cp
 from raypar.core.parallel.mesh import Coord, Mesh

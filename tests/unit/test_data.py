@@ -15,9 +15,10 @@ import pyarrow as pa
 import pytest
 import torch
 
+from raypar.core import data
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import DataConfig, ModelConfig
-from raypar.core.data import datasets as data
+from raypar.core.data import preparing, reading
 
 SEP = b"\n\n"
 
@@ -80,7 +81,7 @@ def test_prepare_round_trips_bytes_across_shard_boundaries(tmp_path: Path) -> No
 def test_failed_prepare_leaves_no_cache_and_a_retry_works(tmp_path: Path, monkeypatch) -> None:
     write_corpus(tmp_path / "src")
     globs, out = [str(tmp_path / "src" / "**" / "*.txt")], tmp_path / "cache" / "corpus"
-    real_write, calls = data._write_shard, []
+    real_write, calls = preparing._write_shard, []
 
     def failing_write(path: Path, tokens: np.ndarray) -> None:
         calls.append(path)
@@ -88,13 +89,13 @@ def test_failed_prepare_leaves_no_cache_and_a_retry_works(tmp_path: Path, monkey
             raise OSError("disk full")
         real_write(path, tokens)
 
-    monkeypatch.setattr(data, "_write_shard", failing_write)
+    monkeypatch.setattr(preparing, "_write_shard", failing_write)
     with pytest.raises(OSError, match="disk full"):
         data.prepare(globs, out, shard_tokens=7)
     assert calls and not out.exists()
     assert list(out.parent.iterdir()) == []  # the staging directory is gone too
 
-    monkeypatch.setattr(data, "_write_shard", real_write)
+    monkeypatch.setattr(preparing, "_write_shard", real_write)
     index = data.prepare(globs, out, shard_tokens=7)
     assert (out / "index.json").is_file() and len(index["shards"]) > 3
 
@@ -118,13 +119,13 @@ def test_prepare_into_an_existing_cache_keeps_it(tmp_path: Path) -> None:
 def test_concurrent_preparers_do_not_corrupt_each_other(tmp_path: Path, monkeypatch) -> None:
     stream = write_corpus(tmp_path / "src")
     globs, out = [str(tmp_path / "src" / "**" / "*.txt")], tmp_path / "cache"
-    together, real_publish = threading.Barrier(4), data._publish
+    together, real_publish = threading.Barrier(4), preparing.publish_dir
 
     def publish_together(*args):  # every preparer has built its copy before any of them publishes
         together.wait(timeout=30)
         return real_publish(*args)
 
-    monkeypatch.setattr(data, "_publish", publish_together)
+    monkeypatch.setattr(preparing, "publish_dir", publish_together)
     with ThreadPoolExecutor(4) as pool:
         indexes = list(pool.map(lambda _: data.prepare(globs, out, shard_tokens=7), range(4)))
     assert all(index == indexes[0] for index in indexes)
@@ -170,7 +171,7 @@ def test_stdlib_source_is_python_source(stdlib_cache: Path, monkeypatch) -> None
     assert index["total_tokens"] > 1_000_000 and len(index["files"]) > 100
     assert not any("site-packages" in f["path"] for f in index["files"])
 
-    monkeypatch.setattr(data, "prepare", None)  # a second open must reuse the cache, not prepare again
+    monkeypatch.setattr(reading, "prepare", None)  # a second open must reuse the cache, not prepare again
     ds = data.open_dataset(DataConfig(source="stdlib", cache_dir=str(stdlib_cache)), STDLIB_MODEL)
     first_file = Path(index["files"][0]["path"]).read_bytes()
     assert bytes(ds.tokens(0, len(first_file)).astype(np.uint8)) == first_file
@@ -191,7 +192,7 @@ def test_open_dataset_sources(tmp_path: Path, monkeypatch) -> None:
     (prepared,) = list((tmp_path / "cache").iterdir())
     assert data.open_dataset(DataConfig(source=str(prepared)), model).total_tokens == len(stream)
 
-    monkeypatch.setattr(data, "prepare", None)  # same files again: the cache is reused
+    monkeypatch.setattr(reading, "prepare", None)  # same files again: the cache is reused
     again = data.open_dataset(DataConfig(source=globs, cache_dir=str(tmp_path / "cache")), model)
     assert again.path == ds.path
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from raypar.controller import cli
+from raypar.core import data
 from raypar.core.config.schema import DataConfig
-from raypar.core.data import datasets as data
 from raypar.core.data.tokenizer import load as load_tokenizer
 from raypar.core.run_config import load_config
 from tests.support.corpus import corpus, train_bpe

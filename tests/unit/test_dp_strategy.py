@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core import checkpoint
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.dp.zero3 import Zero3Strategy
 from tests.support.dp_threads import (
@@ -130,7 +130,7 @@ def test_resume_is_bitwise(tmp_path):
 
     def resumed(group):
         model, strategy = build(cfg, group, 2)
-        strategy.load(checkpoint_read.CheckpointReader(uri), 2)
+        strategy.load(checkpoint.CheckpointReader(uri), 2)
         return train(cfg, group, model, strategy, range(2, 4))[0], strategy.full_parameters()
 
     want, got = run_ranks(2, straight), run_ranks(2, resumed)

@@ -4,9 +4,9 @@ the V's chunks written to a checkpoint and read back at one stage; each with a n
 same check rejects.
 
 Units: a (chunk, microbatch) pair, each chunk half a rank's layers. With F = B = W = 1 per chunk a rank
-computes 2m(F+B+W) = 6m units per step and idles p-1 of them (schedules.bubble_formula derives it from
-DeepSeek's table): an idle share (p-1)/(6m+p-1), exactly, so the equality below is exact arithmetic on
-small integers in floating point (no tolerance beyond rounding of one division: 1e-12).
+computes 2m(F+B+W) = 6m units per step and idles p-1 of them (raypar.core.config.options.Schedule.bubble
+derives it from DeepSeek's table): an idle share (p-1)/(6m+p-1), exactly, so the equality below is exact
+arithmetic on small integers in floating point (no tolerance beyond rounding of one division: 1e-12).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import zlib
 import pytest
 import torch
 
-from raypar.core.checkpoint import format as checkpoint
-from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core import checkpoint
+from raypar.core.config.options import DUALPIPEV
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage, StageSpec
 from raypar.core.parallel.mesh import stage_layers
@@ -46,7 +46,7 @@ def v_plans(p: int, m: int) -> tuple[list, Topology]:
 def assert_formula_bubble(plans: list, topo: Topology, p: int, m: int) -> None:
     """Every rank's idle share, simulated with F = B = W = 1 per chunk, is the formula's."""
     shares = bubble_fraction(simulate(plans, 1.0, 2.0, t_weight=1.0, topo=topo))
-    want = schedules.bubble_formula("dualpipev", p, m, 2)
+    want = DUALPIPEV.bubble(p, m, 2)
     assert all(s == pytest.approx(want, abs=1e-12) for s in shares), f"bubble {shares} vs {want}"
 
 
@@ -73,7 +73,7 @@ def test_simulates_with_each_unit_once_and_the_formulas_bubble(p, m):
     for plan in plans:
         computed = [(i.op, i.chunk, i.mb) for i in plan if i.op in (FORWARD, BACKWARD, BACKWARD_INPUT)]
         assert len(computed) == len(set(computed)) == 4 * m
-    formula = schedules.bubble_formula("dualpipev", p, m, 2)
+    formula = DUALPIPEV.bubble(p, m, 2)
     assert formula == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
     assert_formula_bubble(plans, topo, p, m)
     assert idealized_bubble("dualpipev", p, m, 2) == pytest.approx(formula, abs=1e-12)
@@ -182,7 +182,7 @@ def assert_loads_at_one_stage(uri: str, seed: int) -> None:
     one = load_config("examples/configs/tiny.toml", ["model.tie_embeddings=true"])
     want = _state(LlamaStage(one.model, seed=seed), one, seed).full_state()
     strategy = DPStrategy(LlamaStage(one.model, seed=0), spec=StrategySpec(one.train, 4096))
-    strategy.load(checkpoint_read.CheckpointReader(uri), 1)
+    strategy.load(checkpoint.CheckpointReader(uri), 1)
     got = strategy.full_state()
     assert got.keys() == want.keys()
     for name, tensor in want.items():

@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
+from raypar.core import data
 from raypar.core.config.schema import Config
-from raypar.core.data import datasets as data
 from raypar.core.model.llama import LlamaStage, StageSpec
 from raypar.core.parallel.mesh import stage_layers
 from raypar.core.pipeline import schedules

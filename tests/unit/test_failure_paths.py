@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from raypar.controller import cli
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from raypar.core.config.errors import ConfigError
 from tests.support.runs import tiny
 

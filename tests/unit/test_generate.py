@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from raypar.controller import cli
-from raypar.core import generate
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint, generate
 from raypar.core.config.schema import ModelConfig
 from raypar.core.model.llama import LlamaStage
 

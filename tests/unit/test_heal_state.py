@@ -37,7 +37,7 @@ import torch
 
 from actors import worker_state
 from actors.buddy import BuddyCopies, Snapshot
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from raypar.core.config.schema import Config
 from raypar.core.dp.strategies import STRATEGIES
 from raypar.core.dp.strategy import DPStrategy, StrategySpec

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from raypar.controller import cli
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from raypar.core.config.schema import ModelConfig
 from raypar.core.data.tokenizer import load
 from raypar.core.model.llama import LlamaStage

@@ -32,11 +32,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint, data
 from raypar.core.checkpoint import hf
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import Config, ModelConfig
-from raypar.core.data import datasets as data
 from raypar.core.generate import generate_ids
 from raypar.core.model import families
 from raypar.core.model.llama.rope import rope_tables

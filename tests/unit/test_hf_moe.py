@@ -36,8 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raypar.core import generate
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint, generate
 from raypar.core.checkpoint import hf
 from raypar.core.config.errors import ConfigError
 from raypar.core.dp.optim import adamw_

@@ -19,18 +19,13 @@ import dataclasses
 import pytest
 import torch
 
-from raypar.core.checkpoint import format as checkpoint
-from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core import checkpoint, data, planner
 from raypar.core.config.errors import ConfigError
-from raypar.core.data import datasets as data
 from raypar.core.dp import compress, hsdp
 from raypar.core.dp.strategies import STRATEGIES
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage
 from raypar.core.parallel.mesh import Coord, Mesh
-from raypar.core.planner import comm as plan_comm
-from raypar.core.planner import memory as plan_memory
-from raypar.core.planner import search as plan
 from raypar.core.run_config import load_config
 from tests.support.dp_threads import (
     BUCKET_BYTES,
@@ -100,9 +95,9 @@ def test_hsdp_matches_one_process_and_bytes_match_the_formula(one_process, zero)
     # Exact: every ZeRO buffer is a bucket padded to a multiple of the shard group (Ψ counted padded); what
     # is sharded is divided by dp_shard = 2, not by dp = 4.
     for rank in memory:
-        want = plan_memory.model_state_bytes(rank["padded"], "fp32", zero, 2)
+        want = planner.memory.model_state_bytes(rank["padded"], "fp32", zero, 2)
         assert rank["bytes"] == want, (rank, want)
-        assert rank["bytes"] > plan_memory.model_state_bytes(rank["padded"], "fp32", zero, 4)
+        assert rank["bytes"] > planner.memory.model_state_bytes(rank["padded"], "fp32", zero, 4)
 
 
 @pytest.mark.parametrize("zero", [1, 3])
@@ -113,7 +108,7 @@ def test_hsdp_with_cpu_offload_matches_one_process(one_process, zero):
     run, memory = run_hsdp(4, 2, zero, extra=("parallel.zero=1", "train.offload='cpu'"))
     assert_close(run, one_process, atol=1e-4, rtol=1e-4)
     for rank in memory:  # offloaded: a host master and gradient buffer of its own (16Ψ/d more on the host)
-        assert rank["bytes"] > plan_memory.model_state_bytes(rank["padded"], "fp32", zero, 2), rank
+        assert rank["bytes"] > planner.memory.model_state_bytes(rank["padded"], "fp32", zero, 2), rank
 
 
 def test_skipping_the_cross_group_reduce_is_caught(one_process):
@@ -178,7 +173,7 @@ def test_checkpoint_at_dp_shard_loads_at_other_layouts(tmp_path):
 
     def load(r: int, groups: dict) -> dict:
         _, strategy = build_hsdp(cfg, groups, 3)
-        strategy.load(checkpoint_read.CheckpointReader(uri), steps)
+        strategy.load(checkpoint.CheckpointReader(uri), steps)
         return strategy.full_state()
 
     for loaded in run_groups(4, hsdp_groups(4, 2), load):
@@ -190,13 +185,13 @@ def test_planner_counts_hsdp_memory_and_traffic():
     reduce-scatter and all-gather inside the shard group plus an all-reduce of 1/dp_shard across the groups,
     and lists it where a node holds a shard group of more than one replica (2 devices a node: dp_shard=2)."""
     cfg = make_cfg(1)
-    hsdp, plain = (plan.Layout(4, 1, 1, 3, "none", 1, dp_shard=s) for s in (2, 0))
-    params, states = plan_memory.rank_states(cfg, hsdp, 0, [range(cfg.model.n_layers)])
-    assert states == plan_memory.model_state_bytes(params.dense, "fp32", 3, 2)
-    assert plan_memory.rank_states(cfg, plain, 0, [range(cfg.model.n_layers)])[1] == states / 2
+    hsdp, plain = (planner.Layout(4, 1, 1, 3, "none", 1, dp_shard=s) for s in (2, 0))
+    params, states = planner.memory.rank_states(cfg, hsdp, 0, [range(cfg.model.n_layers)])
+    assert states == planner.memory.model_state_bytes(params.dense, "fp32", 3, 2)
+    assert planner.memory.rank_states(cfg, plain, 0, [range(cfg.model.n_layers)])[1] == states / 2
     g, slow = 1e9, 10e9
-    assert plan_comm.across_groups_s(g, 8, 2, slow) == pytest.approx(2 * (1 / 2) * (g / 8) / slow)
-    listed = {(lay.dp, lay.pp, lay.zero, lay.dp_shard) for lay in plan.candidates(cfg, 4, per_node=2)}
+    assert planner.comm.across_groups_s(g, 8, 2, slow) == pytest.approx(2 * (1 / 2) * (g / 8) / slow)
+    listed = {(lay.dp, lay.pp, lay.zero, lay.dp_shard) for lay in planner.candidates(cfg, 4, per_node=2)}
     assert {(4, 1, z, s) for z in (1, 2, 3) for s in (0, 2)} <= listed
     assert (4, 1, 0, 2) not in listed and not any(s for dp, _, _, s in listed if dp < 4)
 

@@ -31,8 +31,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from raypar.core import generate
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint, generate
 from raypar.core.checkpoint import hf
 from raypar.core.config.schema import Config
 from raypar.core.model.llama import LlamaStage

@@ -1,5 +1,5 @@
-"""The real `NcclBackend` over a stand-in that keeps NCCL's rules (tests/support/fake_nccl.py), on thread
-ranks.
+"""The real `NcclBackend` over a stand-in that keeps NCCL's rules (tests/support/fake_nccl.py), on
+thread ranks.
 
 Gloo matches messages asynchronously, so the CPU suite cannot see NCCL's ordering: a receive that blocks its
 stream until the matching send runs. Here every pipeline schedule, the cp ring, the tp/dp/ep collectives and
@@ -18,8 +18,8 @@ import torch
 
 from actors.worker_state import WorkerState
 from collectives import GroupError, GroupTimeout, create_group
+from raypar.core import data
 from raypar.core.config.schema import Config
-from raypar.core.data import datasets as data
 from raypar.core.dp.strategies import STRATEGIES
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage

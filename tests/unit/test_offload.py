@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core import checkpoint
 from raypar.core.dp import compress
 from raypar.core.dp.offload import Transfer
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
@@ -169,7 +169,7 @@ def test_resume_without_offload_into_offload_continues_the_run(tmp_path, zero):
 
     def resumed(group):
         model, strategy = build(offloaded, group, zero)
-        strategy.load(checkpoint_read.CheckpointReader(uri), 2)
+        strategy.load(checkpoint.CheckpointReader(uri), 2)
         return train(offloaded, group, model, strategy, range(2, 4))[0], strategy.full_parameters()
 
     want, got = run_ranks(2, straight), run_ranks(2, resumed)

@@ -23,16 +23,13 @@ from raypar.controller import cli
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.options import RECOMPUTE
 from raypar.core.config.schema import Config
+from raypar.core import planner
 from raypar.core.model import families
 from raypar.core.model.llama import cost as llama_cost
 from raypar.core.model.stage import StageSpec, TokenSplit
 from raypar.core.observe.memory import SavedActivations
 from raypar.core.pipeline import schedules
-from raypar.core.planner import comm as plan_comm
-from raypar.core.planner import memory as plan_memory
-from raypar.core.planner import rank as plan_rank
-from raypar.core.planner import search as plan
-from raypar.core.planner import step as plan_step
+from raypar.core.planner import rank
 from raypar.core.run_config import load_config
 from tests.support.threads import run_ranks
 
@@ -42,13 +39,13 @@ TINY = "examples/configs/tiny.toml"
 def test_model_state_formulas_by_zero_stage() -> None:
     """The ZeRO paper's, with fp32 optimizer-side gradients under 16 bits (2 + 4 + 12 bytes, not 2+2+12)."""
     psi, d = 1000, 4
-    assert [plan_memory.model_state_bytes(psi, "bf16", z, d) for z in range(4)] == [
+    assert [planner.memory.model_state_bytes(psi, "bf16", z, d) for z in range(4)] == [
         18 * psi,
         6 * psi + 12 * psi / d,
         2 * psi + 16 * psi / d,
         18 * psi / d,
     ]
-    assert [plan_memory.model_state_bytes(psi, "fp32", z, d) for z in range(4)] == [
+    assert [planner.memory.model_state_bytes(psi, "fp32", z, d) for z in range(4)] == [
         16 * psi,
         8 * psi + 8 * psi / d,
         4 * psi + 12 * psi / d,
@@ -56,10 +53,10 @@ def test_model_state_formulas_by_zero_stage() -> None:
     ]
 
 
-def listed(cfg: Config, devices: int) -> list[plan.Layout]:
+def listed(cfg: Config, devices: int) -> list[planner.Layout]:
     """Every layout the planner lists, the slower knobs too: on devices with no memory nothing fits, so the
     search tries full recomputation and offload everywhere."""
-    return [p.layout for p in plan.plan(cfg, devices, 0.0, plan.DEVICES["cpu"])]
+    return [p.layout for p in planner.plan(cfg, devices, 0.0, planner.DEVICES["cpu"])]
 
 
 def test_layouts_breaking_config_rules_are_never_listed() -> None:
@@ -69,7 +66,7 @@ def test_layouts_breaking_config_rules_are_never_listed() -> None:
     assert all(8 % (layout.dp * layout.microbatches) == 0 for layout in layouts)
     assert {layout.recompute for layout in layouts} == set(RECOMPUTE)
     with pytest.raises(ConfigError, match="parallel.tp"):
-        plan.layout_config(cfg, plan.Layout(2, 1, 3, 0, "none", 1))
+        planner.layout_config(cfg, planner.Layout(2, 1, 3, 0, "none", 1))
 
 
 def test_layouts_with_chunks_config_would_refuse_are_never_listed() -> None:
@@ -84,11 +81,11 @@ def test_layouts_with_chunks_config_would_refuse_are_never_listed() -> None:
     pipelined = {(layout.schedule, layout.virtual_stages) for layout in layouts if layout.pp > 1}
     assert pipelined == {("1f1b", 1), ("1f1b", 2), ("zb-h1", 1), ("dualpipev", 2)}
     with pytest.raises(ConfigError, match="parallel.virtual_stages: model.n_layers=4"):
-        plan.layout_config(cfg, plan.Layout(1, 2, 1, 0, "none", 4, 4))
+        planner.layout_config(cfg, planner.Layout(1, 2, 1, 0, "none", 4, 4))
     with pytest.raises(ConfigError, match="parallel.microbatches: 3 microbatches"):
-        plan.layout_config(cfg, plan.Layout(1, 2, 1, 0, "none", 3, 2))
+        planner.layout_config(cfg, planner.Layout(1, 2, 1, 0, "none", 3, 2))
     with pytest.raises(ConfigError, match="parallel.virtual_stages: needs parallel.pp > 1"):
-        plan.layout_config(cfg, plan.Layout(4, 1, 1, 0, "none", 2, 2))
+        planner.layout_config(cfg, planner.Layout(4, 1, 1, 0, "none", 2, 2))
 
 
 def test_sequence_and_expert_layouts_config_would_refuse_are_never_listed() -> None:
@@ -101,9 +98,9 @@ def test_sequence_and_expert_layouts_config_would_refuse_are_never_listed() -> N
     assert any(layout.sequence_parallel for layout in layouts)
     assert {layout.ep for layout in layouts} == {1}  # a dense model has no expert axis
     with pytest.raises(ConfigError, match="parallel.cp: model.seq_len=36 must be divisible by 8"):
-        plan.layout_config(cfg, plan.Layout(1, 1, 1, 0, "none", 1, cp=4, cp_style="ring"))
+        planner.layout_config(cfg, planner.Layout(1, 1, 1, 0, "none", 1, cp=4, cp_style="ring"))
     with pytest.raises(ConfigError, match="parallel.sequence_parallel: needs parallel.tp > 1"):
-        plan.layout_config(cfg, plan.Layout(4, 1, 1, 0, "none", 1, sequence_parallel=True))
+        planner.layout_config(cfg, planner.Layout(4, 1, 1, 0, "none", 1, sequence_parallel=True))
     moe = load_config(TINY, ["model.moe_experts=4", "model.moe_every=2"])
     expert = listed(moe, 4)
     assert {layout.ep for layout in expert} == {1, 2, 4}
@@ -112,7 +109,7 @@ def test_sequence_and_expert_layouts_config_would_refuse_are_never_listed() -> N
     assert any(layout.sequence_parallel for layout in expert)  # MoE with SP and with cp x ZeRO: allowed
     assert any(layout.zero > 0 for layout in expert if layout.cp > 1)
     with pytest.raises(ConfigError, match="parallel.ep: must divide parallel.dp=2"):
-        plan.layout_config(moe, plan.Layout(2, 1, 2, 0, "none", 1, ep=4))
+        planner.layout_config(moe, planner.Layout(2, 1, 2, 0, "none", 1, ep=4))
 
 
 @pytest.mark.parametrize(
@@ -126,7 +123,7 @@ def test_sequence_and_expert_layouts_config_would_refuse_are_never_listed() -> N
 )
 def test_predicted_bubble_follows_the_schedules_formula(overrides: list[str], ratio: float) -> None:
     cfg = load_config(TINY, ["parallel.pp=2", "parallel.microbatches=4", *overrides])
-    pred = plan.predict(cfg, plan.current_layout(cfg), plan.DEVICES["cpu"], 0.4)
+    pred = planner.predict(cfg, planner.current_layout(cfg), planner.DEVICES["cpu"], 0.4)
     assert pred.bubble_s == pytest.approx(pred.compute_s * ratio, rel=1e-12)
 
 
@@ -142,9 +139,9 @@ def test_fixed_costs_per_pass_and_per_message(overrides: list[str], passes: int,
     """Each rank pays the device's fixed cost for every layer's pass (F, B, and W under ZB-H1) of every
     microbatch, and its transport's cost for every activation and gradient into and out of each chunk."""
     cfg = load_config(TINY, ["parallel.pp=2", "parallel.microbatches=4", *overrides])
-    free = dataclasses.replace(plan.DEVICES["cpu"], layer_pass_s=0.0, hop_s=())
+    free = dataclasses.replace(planner.DEVICES["cpu"], layer_pass_s=0.0, hop_s=())
     costly = dataclasses.replace(free, layer_pass_s=1e-3, hop_s=((cfg.parallel.transport, 5e-3),))
-    base, paid = (plan.predict(cfg, plan.current_layout(cfg), d, 0.4) for d in (free, costly))
+    base, paid = (planner.predict(cfg, planner.current_layout(cfg), d, 0.4) for d in (free, costly))
     layers = cfg.model.n_layers // 2  # per rank
     assert paid.compute_s - base.compute_s == pytest.approx(4 * passes * layers * 1e-3)
     assert paid.comm_s - base.comm_s == pytest.approx(messages * 5e-3)
@@ -155,12 +152,12 @@ def test_compile_divides_compute_by_the_devices_speedup() -> None:
     of compute, follows; communication does not change. Off, or at 1.0 (unmeasured), nothing changes."""
     eager, compiled = (load_config(TINY, ["parallel.pp=2", f"train.compile={on}"])
                        for on in ("false", "true"))
-    told = dataclasses.replace(plan.DEVICES["cpu"], compile_speedup=1.25)
-    base = plan.predict(eager, plan.current_layout(eager), told, 0.4)
-    fast = plan.predict(compiled, plan.current_layout(compiled), told, 0.4)
+    told = dataclasses.replace(planner.DEVICES["cpu"], compile_speedup=1.25)
+    base = planner.predict(eager, planner.current_layout(eager), told, 0.4)
+    fast = planner.predict(compiled, planner.current_layout(compiled), told, 0.4)
     assert fast.compute_s == pytest.approx(base.compute_s / 1.25)
     assert fast.bubble_s == pytest.approx(base.bubble_s / 1.25) and fast.comm_s == pytest.approx(base.comm_s)
-    unmeasured = plan.predict(compiled, plan.current_layout(compiled), plan.DEVICES["cpu"], 0.4)
+    unmeasured = planner.predict(compiled, planner.current_layout(compiled), planner.DEVICES["cpu"], 0.4)
     assert unmeasured.compute_s == pytest.approx(base.compute_s)
 
 
@@ -170,7 +167,7 @@ def test_fp8_runs_the_converted_linears_at_the_float8_peak() -> None:
     attention scores stay at bf16's. Control: a device whose float8 peak is bf16's (fp8 planned as bf16)."""
     llama = "examples/configs/llama-1b.toml"
     bf16, fp8 = (load_config(llama, [f'train.precision="{p}"']) for p in ("bf16", "fp8"))
-    h100, layout = plan.DEVICES["h100"], plan.current_layout(fp8)
+    h100, layout = planner.DEVICES["h100"], planner.current_layout(fp8)
     m = fp8.model
     d = m.d_model
     linears = m.n_layers * (2 * d * d + 2 * d * m.n_kv_heads * m.head_dim + 3 * d * m.d_ff)
@@ -178,10 +175,10 @@ def test_fp8_runs_the_converted_linears_at_the_float8_peak() -> None:
     # at the efficiency of their GEMMs' rows (a microbatch's tokens) and columns (d_model / tp)
     rows = fp8.microbatch_size * m.seq_len
     half = h100.gemm_half
-    flops /= plan_step.efficiency(rows, half) * plan_step.efficiency(d / layout.tp, half)
+    flops /= planner.step.efficiency(rows, half) * planner.step.efficiency(d / layout.tp, half)
 
-    def check(device: plan.Device) -> None:
-        want, got = (plan.predict(c, layout, device, 0.4) for c in (bf16, fp8))
+    def check(device: planner.Device) -> None:
+        want, got = (planner.predict(c, layout, device, 0.4) for c in (bf16, fp8))
         assert got.memory_bytes == want.memory_bytes and got.comm_s == pytest.approx(want.comm_s)
         saved = flops * (1 / device.peak_flops_16 - 1 / h100.peak_flops_8)
         assert want.compute_s - got.compute_s == pytest.approx(saved), "float8 GEMMs not at the float8 peak"
@@ -200,25 +197,25 @@ def test_sequence_comm_bytes_are_what_raypar_sends(style: str) -> None:
     cfg = load_config(TINY, ["train.global_batch=2"])
     measured = max(r["forward"] + r["backward"] for r in sequence_bytes.layer_bytes(style, 2, cfg.model, 2))
 
-    def predicted(layout: plan.Layout) -> float:
-        return plan_comm.tp_s(cfg, layout, 1, 1.0, 0.0) + plan_comm.cp_s(cfg, layout, 1, 1.0, 0.0)
+    def predicted(layout: planner.Layout) -> float:
+        return planner.comm.tp_s(cfg, layout, 1, 1.0, 0.0) + planner.comm.cp_s(cfg, layout, 1, 1.0, 0.0)
 
     if style == "sp":
-        assert predicted(plan.Layout(1, 1, 2, 0, "none", 1, sequence_parallel=True)) == pytest.approx(
+        assert predicted(planner.Layout(1, 1, 2, 0, "none", 1, sequence_parallel=True)) == pytest.approx(
             measured, rel=0.01
         )
         return
-    assert predicted(plan.Layout(1, 1, 1, 0, "none", 1, cp=2, cp_style=style)) == measured
+    assert predicted(planner.Layout(1, 1, 1, 0, "none", 1, cp=2, cp_style=style)) == measured
     other = "ring" if style == "ulysses" else "ulysses"
-    assert predicted(plan.Layout(1, 1, 1, 0, "none", 1, cp=2, cp_style=other)) != measured
+    assert predicted(planner.Layout(1, 1, 1, 0, "none", 1, cp=2, cp_style=other)) != measured
 
 
 def test_sp_pays_twice_the_latency_of_tp() -> None:
     """SP: an all-gather and a reduce-scatter where tp all-reduces: the same bytes, twice the collectives."""
     cfg = load_config(TINY, ["parallel.tp=2"])
     for sp in (False, True):
-        layout = plan.Layout(1, 1, 2, 0, "none", 1, sequence_parallel=sp)
-        latency = plan_comm.tp_s(cfg, layout, 4, 1e9, 1e-3) - plan_comm.tp_s(cfg, layout, 4, 1e9, 0.0)
+        layout = planner.Layout(1, 1, 2, 0, "none", 1, sequence_parallel=sp)
+        latency = planner.comm.tp_s(cfg, layout, 4, 1e9, 1e-3) - planner.comm.tp_s(cfg, layout, 4, 1e9, 0.0)
         assert latency == pytest.approx(4 * 4 * 1e-3 * (2 if sp else 1))  # 4 layers x 4 reductions
 
 
@@ -227,15 +224,15 @@ def check_in_flight(cfg: Config) -> None:
     the config."""
     par = cfg.parallel
     built = schedules.build(par.schedule, par.pp, par.microbatches, par.virtual_stages)
-    predicted = [s.in_flight for s in plan.predict_memory(cfg, plan.current_layout(cfg), "cpu")]
+    predicted = [s.in_flight for s in planner.predict_memory(cfg, planner.current_layout(cfg), "cpu")]
     expected = [schedules.peak_in_flight(instrs) for instrs in built]
     assert predicted == expected, f"in flight per rank: predicted {predicted}, the schedule {expected}"
 
 
-def _ignoring_chunks(cfg: Config, layout: plan.Layout) -> list[frozenset[tuple[int, ...]]]:
+def _ignoring_chunks(cfg: Config, layout: planner.Layout) -> list[frozenset[tuple[int, ...]]]:
     """The classic mistake: the schedule of one chunk per rank whatever virtual_stages says."""
     built = schedules.build(cfg.parallel.schedule, layout.pp, layout.microbatches)
-    return [plan_memory.alive_counts(rank) for rank in built]
+    return [planner.memory.alive_counts(rank) for rank in built]
 
 
 @pytest.mark.parametrize("microbatches", [2, 4, 8])
@@ -246,9 +243,9 @@ def test_predicted_in_flight_of_interleaved_is_the_schedules(
     cfg = load_config(TINY, chunks)
     check_in_flight(cfg)
     # Interleaving keeps more units alive than 1F1B on rank 0 (warm-up of (pp - 1) * 2 + (v - 1) * pp).
-    assert plan.predict_memory(cfg, plan.current_layout(cfg), "cpu")[0].in_flight > cfg.parallel.pp
+    assert planner.predict_memory(cfg, planner.current_layout(cfg), "cpu")[0].in_flight > cfg.parallel.pp
     # Negative control: a planner that ignores the chunks fails the same check.
-    monkeypatch.setattr(plan_memory, "layout_counts", _ignoring_chunks)
+    monkeypatch.setattr(planner.memory, "layout_counts", _ignoring_chunks)
     with pytest.raises(AssertionError, match="in flight per rank: predicted"):
         check_in_flight(cfg)
 
@@ -294,7 +291,7 @@ def assert_saved(cfg: Config, measured: list[list[tuple[int, int]]], split: Toke
     """Each rank saves what the family's cost predicts for its stage; at ep > 1 the EP group's mean does (the
     cost counts balanced routing: as many rows received as sent, which holds over the group, not per rank)."""
     for unit, (layers, first, last) in enumerate(UNITS):
-        predicted = plan_memory.stage_activation_bytes(
+        predicted = planner.memory.stage_activation_bytes(
             cfg, layers, first, last, 2, "cpu", cfg.train.recompute, split, ep
         )
         saved = [r[unit][1] for r in measured]
@@ -305,7 +302,7 @@ def assert_saved(cfg: Config, measured: list[list[tuple[int, int]]], split: Toke
 def assert_held(cfg: Config, measured: list[list[tuple[int, int]]], tp: int, ep: int = 1) -> None:
     """Each rank holds the parameters the family's cost counts for its stage."""
     for unit, (layers, first, last) in enumerate(UNITS):
-        counted = plan_memory.stage_params(cfg.model, layers, first, last, tp, ep).total
+        counted = planner.memory.stage_params(cfg.model, layers, first, last, tp, ep).total
         held = [r[unit][0] for r in measured]
         ok = all(n == counted for n in held)
         assert ok, f"parameters of blocks {list(layers)}: the ranks hold {held}, the cost {counted}"
@@ -408,8 +405,8 @@ def test_expert_states_shard_over_the_expert_dp_group() -> None:
     stage = families.build_stage(m)
     experts = sum(p.numel() for n, p in stage.named_parameters() if ".mlp.experts." in n)
     dense = sum(p.numel() for p in stage.parameters()) - experts
-    assert plan_memory.stage_params(m, range(m.n_layers), True, True, 1, 2) == (dense, experts // 2)
-    (states,) = plan.predict_memory(cfg, plan.current_layout(cfg), "cpu")
+    assert planner.memory.stage_params(m, range(m.n_layers), True, True, 1, 2) == (dense, experts // 2)
+    (states,) = planner.predict_memory(cfg, planner.current_layout(cfg), "cpu")
     # fp32 zero 1: parameters and gradients (4 + 4) whole, Adam's moments (8) sharded
     assert states.model_states == 8 * (dense + experts // 2) + 8 * dense / 4 + 8 * (experts // 2) / 2
 
@@ -426,7 +423,7 @@ def test_cli_plan_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
     for g in set(groups):  # a group: within the tie band of its fastest, faster than every later group
         times = [r["step_time_s"] for r in rows if r["group"] == g]
         later = [r["step_time_s"] for r in rows if r["group"] > g]
-        assert max(times) <= min(times) * (1 + plan_rank.TIE) and max(times) <= min(later, default=math.inf)
+        assert max(times) <= min(times) * (1 + rank.TIE) and max(times) <= min(later, default=math.inf)
     assert cli.main(argv) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("top pick: ")
@@ -451,15 +448,15 @@ def test_cli_plan_bad_input_exits_2(
 
 def test_a_layout_that_does_not_fit_names_the_knob() -> None:
     cfg = load_config(TINY)
-    need = plan.predict(cfg, plan.current_layout(cfg), plan.DEVICES["h100"], 0.4).memory_bytes
-    plan.check_fits(cfg, need, plan.DEVICES["h100"], "test GPU")  # fits exactly: no error
+    need = planner.predict(cfg, planner.current_layout(cfg), planner.DEVICES["h100"], 0.4).memory_bytes
+    planner.check_fits(cfg, need, planner.DEVICES["h100"], "test GPU")  # fits exactly: no error
     with pytest.raises(ConfigError, match=r"set train\.recompute=(selective|full)"):
-        plan.check_fits(cfg, need * 0.9, plan.DEVICES["h100"], "test GPU")
+        planner.check_fits(cfg, need * 0.9, planner.DEVICES["h100"], "test GPU")
     with pytest.raises(ConfigError, match="no single knob"):
-        plan.check_fits(cfg, need * 0.01, plan.DEVICES["h100"], "test GPU")
+        planner.check_fits(cfg, need * 0.01, planner.DEVICES["h100"], "test GPU")
 
 
 def test_parse_size() -> None:
-    assert plan.parse_size("80GB") == 80e9
-    assert plan.parse_size("141GiB") == 141 * 2**30
-    assert plan.parse_size("512MiB") == 512 * 2**20
+    assert planner.parse_size("80GB") == 80e9
+    assert planner.parse_size("141GiB") == 141 * 2**30
+    assert planner.parse_size("512MiB") == 512 * 2**20

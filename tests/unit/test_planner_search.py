@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from raypar.controller import cli
+from raypar.core import planner
 from raypar.core.config.schema import Config
 from raypar.core.pipeline import schedules
-from raypar.core.planner import memory as plan_memory
 from raypar.core.planner import rank
-from raypar.core.planner import search as plan
 from raypar.core.run_config import load_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
@@ -31,14 +30,14 @@ def stated_hardware(path: str) -> tuple[int, str, float]:
     line = next(line for line in open(path) if line.startswith(PLAN_LINE))
     args = shlex.split(line[len(PLAN_LINE):])
     flag = dict(zip(args[1::2], args[2::2], strict=False))
-    return int(flag["--devices"]), flag["--device"], plan.parse_size(flag["--device-memory"])
+    return int(flag["--devices"]), flag["--device"], planner.parse_size(flag["--device-memory"])
 
 
 def check_fits(cfg: Config, devices: int, device: str, memory: float) -> None:
-    layout = plan.current_layout(cfg)
+    layout = planner.current_layout(cfg)
     assert layout.world == devices, f"{layout} needs {layout.world} devices, the config names {devices}"
-    need = plan.predict(cfg, layout, plan.DEVICES[device], 0.4).memory_bytes
-    assert need <= memory, f"predicted {plan.gib(need)} per device > {plan.gib(memory)} on {device}"
+    need = planner.predict(cfg, layout, planner.DEVICES[device], 0.4).memory_bytes
+    assert need <= memory, f"predicted {planner.gib(need)} per device > {planner.gib(memory)} on {device}"
 
 
 # relative to this file, not to the directory pytest runs in (from elsewhere, a relative glob finds nothing)
@@ -73,7 +72,7 @@ AGREEMENT = {  # name: (config overrides, devices, published mesh (dp, pp, tp, c
 def check_top_pick(name: str) -> None:
     overrides, devices, mesh = AGREEMENT[name]
     cfg = load_config("examples/configs/llama-7b-3d.toml", overrides)
-    order = rank.ranked(plan.plan(cfg, devices, 80e9, plan.DEVICES["h100"], 0.4, top=20))
+    order = rank.ranked(planner.plan(cfg, devices, 80e9, planner.DEVICES["h100"], 0.4, top=20))
     top = order[0][1].layout
     got = (top.dp, top.pp, top.tp, top.cp, top.ep)
     # sharded over every replica (FSDP over all ranks, the distributed optimizer over dp), not HSDP
@@ -96,13 +95,13 @@ def test_ties_by_headroom_alone_pick_an_exotic_layout(monkeypatch: pytest.Monkey
         check_top_pick("llama2-7b, 16 x H100, 192 x 4096 tokens")
 
 
-def fake(layout: plan.Layout, step: float, memory: float) -> plan.Prediction:
-    stage = plan_memory.StageMemory(memory, 0, 0, 0, 0.0)
-    return plan.Prediction(layout, [stage], step, 0.0, 0.0, 1000)
+def fake(layout: planner.Layout, step: float, memory: float) -> planner.Prediction:
+    stage = planner.memory.StageMemory(memory, 0, 0, 0, 0.0)
+    return planner.Prediction(layout, [stage], step, 0.0, 0.0, 1000)
 
 
 def test_ties_go_to_headroom_then_the_simpler_layout() -> None:
-    plain = plan.Layout(4, 1, 1, 1, "none", 1)
+    plain = planner.Layout(4, 1, 1, 1, "none", 1)
     piped = dataclasses.replace(plain, dp=2, pp=2, schedule="1f1b")
     preds = [
         fake(plain, 1.00, 50e9),
@@ -120,9 +119,9 @@ def test_search_stops_early_and_agrees_with_the_full_search() -> None:
     """The best-first search evaluates a few per cent of the layouts and finds the same top group as
     evaluating every one (the negative control of the count: `top` None evaluates them all)."""
     cfg = load_config(TINY)
-    cpu = plan.DEVICES["cpu"]
-    quick = rank.ranked(plan.plan(cfg, 8, 4e6, cpu, 0.4, top=20))
-    full = rank.ranked(plan.plan(cfg, 8, 4e6, cpu, 0.4))
+    cpu = planner.DEVICES["cpu"]
+    quick = rank.ranked(planner.plan(cfg, 8, 4e6, cpu, 0.4, top=20))
+    full = rank.ranked(planner.plan(cfg, 8, 4e6, cpu, 0.4))
     assert len(quick) < len(full) / 20
     assert [p.layout for g, p in quick if g == 1] == [p.layout for g, p in full if g == 1]
     assert len({p.layout for _, p in full}) == len(full)  # each layout once, however it was reached
@@ -132,22 +131,22 @@ def test_search_stops_early_and_agrees_with_the_full_search() -> None:
 def test_alive_counts_repeat_past_the_steady_state(name: str, chunks: int) -> None:
     """The planner builds at most 4·pp microbatches of a plan: longer ones give the same counts."""
     pp = 4
-    cap = plan_memory.STEADY_PER_STAGE * pp
+    cap = planner.memory.STEADY_PER_STAGE * pp
 
     def counts(m: int) -> list[frozenset[tuple[int, ...]]]:
-        return [plan_memory.alive_counts(rank_plan) for rank_plan in schedules.build(name, pp, m, chunks)]
+        return [planner.memory.alive_counts(rank_plan) for rank_plan in schedules.build(name, pp, m, chunks)]
 
     assert counts(cap) == counts(3 * cap)
     # Negative control: GPipe holds every microbatch, so its counts keep growing (the planner never caps it).
-    gpipe = [plan_memory.alive_counts(r) for r in schedules.build("gpipe", pp, 3 * cap)]
-    assert gpipe != [plan_memory.alive_counts(r) for r in schedules.build("gpipe", pp, cap)]
+    gpipe = [planner.memory.alive_counts(r) for r in schedules.build("gpipe", pp, 3 * cap)]
+    assert gpipe != [planner.memory.alive_counts(r) for r in schedules.build("gpipe", pp, cap)]
 
 
 def test_nothing_fits_prints_the_nearest_with_their_knob(capsys: pytest.CaptureFixture[str]) -> None:
     """Below the least memory any layout needs, the nearest plain layouts (no full recomputation, no
     offload) are listed with the knob that saves the most and the memory still missing."""
     cfg = load_config(TINY)
-    need = min(p.memory_bytes for p in plan.plan(cfg, 2, 0.0, plan.DEVICES["cpu"]))
+    need = min(p.memory_bytes for p in planner.plan(cfg, 2, 0.0, planner.DEVICES["cpu"]))
     argv = ["plan", TINY, "--devices", "2", "--device", "cpu", "--device-memory"]
     assert cli.main([*argv, str(int(need * 0.9))]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -164,7 +163,8 @@ def test_the_3d_example_is_the_planners_best_3d_layout() -> None:
     own ranking for its hardware (issue #45, 16: it held one ranked #4,078); its comments say why not the
     overall pick (dp16 with ZeRO-3, no 3D). Control: that overall pick is not 3D, so the check can fail."""
     cfg = load_config("examples/configs/llama-7b-3d.toml")
-    order = [p.layout for _, p in rank.ranked(plan.plan(cfg, 16, 80e9, plan.DEVICES["h100"], 0.4, top=None))]
+    preds = planner.plan(cfg, 16, 80e9, planner.DEVICES["h100"], 0.4, top=None)
+    order = [p.layout for _, p in rank.ranked(preds)]
     first_3d = next(lay for lay in order if lay.dp > 1 and lay.pp > 1 and lay.tp > 1)
     par = cfg.parallel
     shipped = (par.dp, par.pp, par.tp, par.zero, par.virtual_stages, par.microbatches, par.sequence_parallel)

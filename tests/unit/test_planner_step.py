@@ -8,17 +8,16 @@ import dataclasses
 
 import pytest
 
-from raypar.core.planner import search as plan
-from raypar.core.planner import step as plan_step
+from raypar.core import planner
 from raypar.core.run_config import load_config
 
 LLAMA = "examples/configs/llama-1b.toml"  # dp8, 4 microbatches of 4 x 2048 tokens
-H100 = plan.DEVICES["h100"]
+H100 = planner.DEVICES["h100"]
 
 
-def compute(overrides: list[str], device: plan.Device = H100) -> float:
+def compute(overrides: list[str], device: planner.Device = H100) -> float:
     cfg = load_config(LLAMA, overrides)
-    return plan_step.rank_compute_s(cfg, plan.current_layout(cfg), device, 0.4)
+    return planner.step.rank_compute_s(cfg, planner.current_layout(cfg), device, 0.4)
 
 
 def test_small_microbatches_run_below_peak() -> None:
@@ -26,7 +25,7 @@ def test_small_microbatches_run_below_peak() -> None:
     unchanged): every GEMM runs at the curve n/(n+128) of its rows, so compute grows by the ratio.
     Control: a device without the curve sees no difference."""
     four, one = compute(["parallel.microbatches=4"]), compute(["parallel.microbatches=16"])
-    eff = plan_step.efficiency
+    eff = planner.step.efficiency
     assert one / four == pytest.approx(eff(8192, 128) / eff(2048, 128), rel=1e-12)
     flat = dataclasses.replace(H100, gemm_half=0)
     assert compute(["parallel.microbatches=16"], flat) == pytest.approx(compute([], flat), rel=1e-12)
@@ -35,7 +34,7 @@ def test_small_microbatches_run_below_peak() -> None:
 def test_wide_tp_runs_narrow_gemms() -> None:
     """tp=8 cuts every GEMM's columns to d/8: slower per FLOP than tp=1 with the same FLOPs per rank.
     Control: without the curve, tp=8 over one replica and dp=8 cost each rank the same."""
-    def per_rank(tp: int, device: plan.Device) -> float:
+    def per_rank(tp: int, device: planner.Device) -> float:
         return compute([f"parallel.tp={tp}", f"parallel.dp={8 // tp}", "parallel.microbatches=1"], device)
 
     assert per_rank(8, H100) > per_rank(1, H100) * 1.05
@@ -49,7 +48,7 @@ def test_a_group_across_nodes_uses_the_network() -> None:
     def tp_comm(tp: int, per_node: int) -> float:
         cfg = load_config(LLAMA, [f"parallel.tp={tp}", f"parallel.dp={8 // tp}"])
         device = dataclasses.replace(H100, per_node=per_node, latency_s=0.0)
-        return plan_step.axes_comm_s(cfg, plan.current_layout(cfg), device, cfg.model.n_layers, 0)
+        return planner.step.axes_comm_s(cfg, planner.current_layout(cfg), device, cfg.model.n_layers, 0)
 
     assert tp_comm(4, 2) == pytest.approx(tp_comm(4, 8) * H100.intra_bw / H100.inter_bw)
     assert tp_comm(2, 2) == pytest.approx(tp_comm(2, 8))
@@ -78,12 +77,12 @@ def test_zero3_gathers_are_exposed_only_beyond_compute() -> None:
     of that microbatch's compute; ZeRO-2 gathers once, after the step. Control: with a compute time far
     above the gathers, ZeRO-3 adds nothing per microbatch."""
     cfg = load_config(LLAMA, ["parallel.zero=3"])
-    layout = plan.current_layout(cfg)
-    slow = plan_step.dp_exposed_s(cfg, layout, H100, per_mb=1e3)
-    fast = plan_step.dp_exposed_s(cfg, layout, H100, per_mb=0.0)
+    layout = planner.current_layout(cfg)
+    slow = planner.step.dp_exposed_s(cfg, layout, H100, per_mb=1e3)
+    fast = planner.step.dp_exposed_s(cfg, layout, H100, per_mb=0.0)
     assert slow == 0.0 and fast > 0.0
     two = load_config(LLAMA, ["parallel.zero=2"])
-    assert plan_step.dp_exposed_s(two, plan.current_layout(two), H100, per_mb=0.0) < fast
+    assert planner.step.dp_exposed_s(two, planner.current_layout(two), H100, per_mb=0.0) < fast
 
 
 def test_offload_moves_the_sharded_optimizer_to_the_host() -> None:
@@ -92,14 +91,14 @@ def test_offload_moves_the_sharded_optimizer_to_the_host() -> None:
     is longer. Control: a host with free copies and updates costs nothing."""
     base = load_config(LLAMA, ["parallel.zero=1"])
     off = load_config(LLAMA, ["parallel.zero=1", 'train.offload="cpu"'])
-    layout_b, layout_o = plan.current_layout(base), plan.current_layout(off)
-    (states_b,), (states_o,) = (plan.predict_memory(c, lo, "cuda") for c, lo in ((base, layout_b),
+    layout_b, layout_o = planner.current_layout(base), planner.current_layout(off)
+    (states_b,), (states_o,) = (planner.predict_memory(c, lo, "cuda") for c, lo in ((base, layout_b),
                                                                                  (off, layout_o)))
-    params = plan.rank_states(base, layout_b, 0, plan.rank_chunks(base, layout_b)[0])[0].total
+    params = planner.rank_states(base, layout_b, 0, planner.rank_chunks(base, layout_b)[0])[0].total
     assert states_b.model_states - states_o.model_states == pytest.approx(12 * params / 8)
-    def host(device: plan.Device) -> float:
-        return plan_step.dp_exposed_s(off, layout_o, device, 1e3) - plan_step.dp_exposed_s(base, layout_b,
-                                                                                          device, 1e3)
+    def host(device: planner.Device) -> float:
+        exposed = planner.step.dp_exposed_s
+        return exposed(off, layout_o, device, 1e3) - exposed(base, layout_b, device, 1e3)
 
     owned = params / 8
     assert host(H100) == pytest.approx(max(owned * 6 / H100.pcie_bw, owned * H100.host_adam_s))

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from raypar.controller import cli
+from raypar.core import data
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import DataConfig
-from raypar.core.data import datasets as data
 from raypar.core.data.tokenizer import from_record, load
 from raypar.core.run_config import load_config
 from tests.support.corpus import corpus, train_bpe

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from raypar.controller import cli
-from raypar.core.data import datasets as data
+from raypar.core import data
 from raypar.core.data.tokenizer import load
 from tests.support.corpus import corpus, train_bpe
 

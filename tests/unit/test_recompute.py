@@ -18,8 +18,7 @@ from torch.utils import checkpoint as torch_checkpoint
 
 from collectives import Group
 from raypar.core.config.schema import ModelConfig
-from raypar.core.model.llama import LlamaStage, StageSpec
-from raypar.core.model.llama import blocks as model
+from raypar.core.model.llama import LlamaStage, StageSpec, blocks
 from raypar.core.observe.memory import SavedActivations
 from tests.support.threads import run_ranks
 
@@ -103,7 +102,7 @@ def test_replay_without_restoring_the_rng_is_rejected(monkeypatch: pytest.Monkey
         return torch_checkpoint.checkpoint(fn, *args, **kwargs, preserve_rng_state=False)
 
     reference, _ = grads_of("none", dropout=0.1)
-    monkeypatch.setattr(model, "checkpoint", no_rng_restore)
+    monkeypatch.setattr(blocks, "checkpoint", no_rng_restore)
     got, _ = grads_of("full", dropout=0.1)
     with pytest.raises(AssertionError, match="gradient of .* differs"):
         assert_bitwise(got, reference)

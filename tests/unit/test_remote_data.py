@@ -19,9 +19,9 @@ import pyarrow.fs as pafs
 import pytest
 
 from raypar.controller import cli
+from raypar.core import data
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import DataConfig, ModelConfig
-from raypar.core.data import datasets as data
 from raypar.core.data import remote
 
 SERVER_START_TIMEOUT_S = 60.0

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from raypar.core.config.load import from_dict
+from raypar.core.config.options import ONE_F_ONE_B
 from raypar.core.config.schema import ModelConfig
 from raypar.core.model.llama import LlamaStage
-from raypar.core.observe import flops, report
+from raypar.core.observe import flops, report, timeline
 from raypar.core.observe.step_report import StepReport
 from raypar.core.pipeline import schedules, simulate
 from tests.support.report_runs import simulated_rows, write_run
@@ -28,7 +29,7 @@ from tests.support.report_runs import simulated_rows, write_run
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def serialized_rows(p: int, m: int, t: float = 0.010) -> list[report.Row]:
+def serialized_rows(p: int, m: int, t: float = 0.010) -> list[timeline.Row]:
     """Negative control: naive model parallelism, where a stage starts only once the one before it has
     finished all its forwards (and backwards run the same way in reverse): no overlap between stages."""
     rows = []
@@ -94,20 +95,20 @@ def test_measured_bubble_matches_theory(schedule: str, t_b: float) -> None:
     p, m = 4, 8
     # Communication at 1% of a forward: the theory ignores it, so the measurement may sit slightly above.
     rows = simulated_rows(schedule, p, m, t_b=t_b, t_send=0.00005, latency=0.00005)
-    theory = schedules.theoretical_bubble(p, m)
-    measured = report.measured_bubble(rows)
+    theory = ONE_F_ONE_B.bubble(p, m)
+    measured = timeline.measured_bubble(rows)
     assert theory <= measured == pytest.approx(theory, rel=0.05)
     # Without communication costs it is exactly the schedule simulator's idle fraction.
-    exact = report.measured_bubble(simulated_rows(schedule, p, m, t_b=t_b, t_send=0, latency=0))
-    timeline = simulate.simulate(schedules.build(schedule, p, m), 0.010, t_b)
-    assert exact == pytest.approx(sum(simulate.bubble_fraction(timeline)) / p, rel=1e-9)
+    exact = timeline.measured_bubble(simulated_rows(schedule, p, m, t_b=t_b, t_send=0, latency=0))
+    simulated = simulate.simulate(schedules.build(schedule, p, m), 0.010, t_b)
+    assert exact == pytest.approx(sum(simulate.bubble_fraction(simulated)) / p, rel=1e-9)
 
 
 def test_measured_bubble_negative_control() -> None:
     p, m = 4, 8
-    measured = report.measured_bubble(serialized_rows(p, m))
+    measured = timeline.measured_bubble(serialized_rows(p, m))
     assert measured == pytest.approx(1 - 1 / p)  # each stage works 1/p of the time
-    assert measured - schedules.theoretical_bubble(p, m) > 0.4
+    assert measured - ONE_F_ONE_B.bubble(p, m) > 0.4
 
 
 def test_pick_step() -> None:
@@ -212,7 +213,7 @@ def test_cp_ranks_are_separate_actors_in_the_trace() -> None:
         (0, p, t, c): StepReport((0, p, t, c), 0, None, 1.0, 0.0, 1.0, False, step_s=0.01, events=events)
         for p in range(2) for t in range(2) for c in range(2)
     }
-    rows = report.timeline_rows(3, per_actor)
+    rows = timeline.timeline_rows(3, per_actor)
     assert {row["cp"] for row in rows} == {0, 1}
     events = report.chrome_trace(rows)["traceEvents"]
     names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}

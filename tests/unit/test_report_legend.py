@@ -14,7 +14,7 @@ from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 from matplotlib.text import Annotation
 
-from raypar.core.observe import report
+from raypar.core.observe import report, timeline
 from tests.support.report_runs import write_run
 
 
@@ -45,10 +45,10 @@ def legend_of(figure: Figure) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("schedule", "p", "kinds"),
     [
-        ("1f1b", 2, {"forward", "backward", "recv", "send", report.TAIL, "idle"}),
-        ("zb-h1", 2, {"forward", "backward_input", "backward_weight", "recv", "send", report.TAIL, "idle"}),
+        ("1f1b", 2, {"forward", "backward", "recv", "send", timeline.TAIL, "idle"}),
+        ("zb-h1", 2, {"forward", "backward_input", "backward_weight", "recv", "send", timeline.TAIL, "idle"}),
         # One stage: no neighbours to talk to, and its ops follow one another without a gap.
-        ("1f1b", 1, {"forward", "backward", report.TAIL}),
+        ("1f1b", 1, {"forward", "backward", timeline.TAIL}),
     ],
 )
 def test_legend_lists_the_kinds_drawn_each_in_its_own_colour(

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from raypar.controller import cli
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from raypar.core.checkpoint.format import ShardSpec
 from raypar.core.model.llama import LlamaStage
 from raypar.core.run_config import load_config

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from raypar.core.config.options import DUALPIPEV, ONE_F_ONE_B, ZB_H1
 from raypar.core.pipeline.schedules import (
     BACKWARD,
     FORWARD,
@@ -27,7 +28,6 @@ from raypar.core.pipeline.schedules import (
     gpipe,
     one_f_one_b,
     peak_in_flight,
-    theoretical_bubble,
 )
 from raypar.core.pipeline.simulate import bubble_fraction, simulate
 
@@ -85,15 +85,27 @@ def test_bubble_is_p_minus_1_slots_each_way(name: str) -> None:
         assert idle_units(plans) == [2.0 * (p - 1)] * p, (p, m)
         # t_backward = t_forward: simulated bubble fraction == (p - 1) / (m + p - 1) on every stage.
         timeline = simulate(plans, t_forward=1.0, t_backward=1.0)
-        assert bubble_fraction(timeline) == pytest.approx([theoretical_bubble(p, m)] * p), (p, m)
+        assert bubble_fraction(timeline) == pytest.approx([ONE_F_ONE_B.bubble(p, m)] * p), (p, m)
         # t_backward = 2 t_forward: p - 1 forward + p - 1 backward slots, still the same fraction.
         assert idle_units(plans, t_backward=2.0) == [3.0 * (p - 1)] * p, (p, m)
-        assert bubble_fraction(simulate(plans)) == pytest.approx([theoretical_bubble(p, m)] * p)
+        assert bubble_fraction(simulate(plans)) == pytest.approx([ONE_F_ONE_B.bubble(p, m)] * p)
 
 
 def test_theoretical_bubble() -> None:
-    assert theoretical_bubble(1, 4) == 0.0
-    assert theoretical_bubble(4, 8) == pytest.approx(3 / 11)
+    assert ONE_F_ONE_B.bubble(1, 4) == 0.0
+    assert ONE_F_ONE_B.bubble(4, 8) == pytest.approx(3 / 11)
+    assert ONE_F_ONE_B.bubble(4, 8, 2) == pytest.approx(3 / 19)
+
+
+def test_bubble_text_is_the_formula_bubble_computes() -> None:
+    """The label `raypar report` prints beside each schedule's number says the same arithmetic."""
+    cases = [(ONE_F_ONE_B, 1, "(p−1)/(m+p−1)"), (ONE_F_ONE_B, 2, "(p−1)/(vm+p−1)"),
+             (ZB_H1, 1, "(p−1)/(3m+p−1)"), (DUALPIPEV, 2, "(p−1)/(6m+p−1)")]
+    p, m = 4, 8
+    for schedule, v, text in cases:
+        assert schedule.bubble_text(v) == text
+        work = text.removeprefix("(p−1)/(").removesuffix("+p−1)").replace("vm", f"{v}m").removesuffix("m")
+        assert schedule.bubble(p, m, v) == pytest.approx((p - 1) / (int(work or 1) * m + p - 1)), text
 
 
 def test_peak_in_flight() -> None:

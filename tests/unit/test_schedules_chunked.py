@@ -4,13 +4,16 @@ controls the same checks reject.
 
 Units: a (chunk, microbatch) pair. The interleaved bubble is (p-1)/v slots of F+B per stage, an idle share
 (p-1)/(vm + p-1) of the step; ZB-H1's W's fill the cool-down and leave p-1 units idle of 3m + p-1 with
-equal F, B, W costs (schedules.bubble_formula says how these follow from the papers' idle/compute ratios).
+equal F, B, W costs (raypar.core.config.options.Schedule.bubble says how these follow from the papers'
+idle/compute ratios).
 """
 
 from __future__ import annotations
 
 import pytest
 
+from raypar.core.config import options
+from raypar.core.config.options import ZB_H1
 from raypar.core.pipeline import schedules
 from raypar.core.pipeline.schedules import (
     BACKWARD,
@@ -25,7 +28,6 @@ from raypar.core.pipeline.schedules import (
     Instr,
     ScheduleError,
     Topology,
-    bubble_formula,
     build,
     one_f_one_b,
     peak_in_flight,
@@ -75,7 +77,7 @@ def test_dependencies_deadlock_freedom_and_bubble(name: str, v: int) -> None:
         # Unit costs per chunk of 1/v, B = W: simulate raises on deadlock, missing input, out-of-order link.
         timeline = simulate(plans, t_forward=1 / v, t_backward=2 / v, t_weight=1 / v)
         # Every stage idles exactly its formula's share: the list-scheduled ZB-H1 included, for all sizes.
-        formula = bubble_formula(name, p, m, v)
+        formula = options.SCHEDULES[name].bubble(p, m, v)
         assert bubble_fraction(timeline) == pytest.approx([formula] * p), (name, v, p, m)
 
 
@@ -92,7 +94,8 @@ def assert_bubble(plans: list[list[Instr]], expected: float, t_comm: float = 0.0
 @pytest.mark.parametrize("name, v", [("1f1b", 1), ("1f1b", 2), ("zb-h1", 1)], ids=str)
 def test_idealized_bubble_equals_formula(name: str, v: int) -> None:
     for p, m in BENCHMARK_SIZES:
-        assert idealized_bubble(name, p, m, v) == pytest.approx(bubble_formula(name, p, m, v)), (p, m)
+        formula = options.SCHEDULES[name].bubble(p, m, v)
+        assert idealized_bubble(name, p, m, v) == pytest.approx(formula), (p, m)
 
 
 def test_zb_h1_with_w_not_deferred_has_1f1b_bubble() -> None:
@@ -105,7 +108,7 @@ def test_zb_h1_with_w_not_deferred_has_1f1b_bubble() -> None:
                  for s in range(p)]
         assert_bubble(plans, (p - 1) / (m + p - 1))
         with pytest.raises(AssertionError, match="^bubble"):
-            assert_bubble(plans, bubble_formula("zb-h1", p, m))
+            assert_bubble(plans, ZB_H1.bubble(p, m))
 
 
 def test_zb_h1_absorbs_hop_latency(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,11 +116,11 @@ def test_zb_h1_absorbs_hop_latency(monkeypatch: pytest.MonkeyPatch) -> None:
     issue 12's 1.2x of its formula. Negative control: 1F1B's bound on forwards ahead leaves no slack, the
     hop is paid once per microbatch (p=2, m=8: 1.74x), and the same check rejects it."""
     for p, m in BENCHMARK_SIZES:
-        assert_bubble(build("zb-h1", p, m), bubble_formula("zb-h1", p, m), t_comm=0.1, slack=1.2)
+        assert_bubble(build("zb-h1", p, m), ZB_H1.bubble(p, m), t_comm=0.1, slack=1.2)
     monkeypatch.setattr(schedules, "ZB_H1_EXTRA_FORWARDS", 0)
     for p, m in [(2, 8), (4, 8)]:
         with pytest.raises(AssertionError, match="^bubble"):
-            assert_bubble(build("zb-h1", p, m), bubble_formula("zb-h1", p, m), 0.1, 1.2)
+            assert_bubble(build("zb-h1", p, m), ZB_H1.bubble(p, m), 0.1, 1.2)
 
 
 def test_in_flight_units() -> None:

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 
 from raypar.controller import cli
-from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core import planner
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import Config
 from raypar.core.model.llama import LlamaStage
-from raypar.core.planner import search as plan
 from raypar.core.run_config import load_config
 from tests.support.runs import ACTORS_START, ActorsStarted
 
@@ -50,23 +49,23 @@ def test_the_test_models_config_reaches_the_actors(tmp_path: Path, no_actors: No
 def test_the_limit_is_the_layouts_model_states(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = load_config(TINY)
     one = fp32_adam_state_bytes(cfg)
-    monkeypatch.setattr(plan, "available_memory", lambda: one)
-    plan.check_local_memory(cfg, None)  # exactly fits
-    monkeypatch.setattr(plan, "available_memory", lambda: one - 1)
+    monkeypatch.setattr("raypar.core.planner.search.available_memory", lambda: one)
+    planner.check_local_memory(cfg, None)  # exactly fits
+    monkeypatch.setattr("raypar.core.planner.search.available_memory", lambda: one - 1)
     with pytest.raises(ConfigError, match="model: d_model=64"):
-        plan.check_local_memory(cfg, None)
+        planner.check_local_memory(cfg, None)
     # Every actor of a local Ray is on this machine: two replicas need twice the memory ...
-    monkeypatch.setattr(plan, "available_memory", lambda: 2 * one - 1)
+    monkeypatch.setattr("raypar.core.planner.search.available_memory", lambda: 2 * one - 1)
     with pytest.raises(ConfigError, match=r"a local Ray's 2 actor\(s\)"):
-        plan.check_local_memory(load_config(TINY, ["parallel.dp=2"]), None)
+        planner.check_local_memory(load_config(TINY, ["parallel.dp=2"]), None)
     # ... unless ZeRO-3 shards their states over the replicas.
-    plan.check_local_memory(load_config(TINY, ["parallel.dp=2", "parallel.zero=3"]), None)
+    planner.check_local_memory(load_config(TINY, ["parallel.dp=2", "parallel.zero=3"]), None)
 
 
 @pytest.mark.parametrize(
     ("overrides", "address"),
     [
-        (['parallel.device="gpu"'], None),  # GPU memory is another check's (plan.check_fits)
+        (['parallel.device="gpu"'], None),  # GPU memory is another check's (planner.check_fits)
         ([], "10.0.0.7:6379"),  # a cluster's nodes, not this machine
         ([], "auto"),
     ],
@@ -74,12 +73,12 @@ def test_the_limit_is_the_layouts_model_states(monkeypatch: pytest.MonkeyPatch) 
 def test_runs_whose_actors_are_not_here_are_not_judged_by_this_machine(
     monkeypatch: pytest.MonkeyPatch, overrides: list[str], address: str | None
 ) -> None:
-    monkeypatch.setattr(checkpoint_read, "available_memory", lambda: GIB)
+    monkeypatch.setattr("raypar.core.planner.search.available_memory", lambda: GIB)
     huge = load_config(TINY, ["model.d_model=65536", *overrides])
-    plan.check_local_memory(huge, address)
+    planner.check_local_memory(huge, address)
     # Control: the same model on this machine's local Ray is refused.
     with pytest.raises(ConfigError, match="GiB of model states"):
-        plan.check_local_memory(load_config(TINY, ["model.d_model=65536"]), "local")
+        planner.check_local_memory(load_config(TINY, ["model.d_model=65536"]), "local")
 
 
 @pytest.mark.parametrize(
@@ -89,8 +88,8 @@ def test_runs_whose_actors_are_not_here_are_not_judged_by_this_machine(
 def test_shipped_gpu_examples_pass_on_this_cpu_machine(
     monkeypatch: pytest.MonkeyPatch, example: Path
 ) -> None:
-    monkeypatch.setattr(checkpoint_read, "available_memory", lambda: 16 * GIB)
-    plan.check_local_memory(load_config(str(example)), None)
+    monkeypatch.setattr("raypar.core.planner.search.available_memory", lambda: 16 * GIB)
+    planner.check_local_memory(load_config(str(example)), None)
     # Control: the same model on this machine's CPUs would not fit, and is refused.
     with pytest.raises(ConfigError, match="GiB of model states"):
-        plan.check_local_memory(load_config(str(example), ['parallel.device="cpu"']), None)
+        planner.check_local_memory(load_config(str(example), ['parallel.device="cpu"']), None)

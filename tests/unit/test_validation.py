@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from raypar.core import data
 from raypar.core.config.errors import ConfigError
-from raypar.core.data import datasets as data
 from tests.support.runs import tiny
 
 

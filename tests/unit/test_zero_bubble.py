@@ -1,12 +1,12 @@
-"""Zero-bubble B and W split the backward's work instead of repeating it (raypar.core.pipeline.zb).
+"""Zero-bubble B and W split the backward's work instead of repeating it (raypar.core.parallel.zb).
 
 One unit (a whole tiny model, one microbatch) is run forward and then backward twice over: as one plain
 backward, and as backward_input followed by backward_weight. The split must compute the same parameter
-gradients with the same FLOPs. The control is the split as it was before raypar.core.pipeline.zb
+gradients with the same FLOPs. The control is the split as it was before raypar.core.parallel.zb
 (`benchmarks/zero_bubble_split.RewalkingW`): W asked autograd for the parameter gradients again, walking
 the graph a second time.
 
-The store is attached once per model (`raypar.core.pipeline.zb.store_of`) and serves every later step's
+The store is attached once per model (`raypar.core.parallel.zb.store_of`) and serves every later step's
 backend: a
 later step on the same model must match the plain backward too, and a new model (a rebuild) must get a
 store of its own. Its control is a cache that outlives its model.
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from benchmarks.zero_bubble_split import SPLIT, NoTransport, backward, one_stage_backend
-from raypar.core.pipeline import zb
+from raypar.core.parallel import zb
 from raypar.core.pipeline.executor import ModelBackend
 from raypar.core.pipeline.schedules import BACKWARD, BACKWARD_INPUT, FORWARD, Topology
 

@@ -38,10 +38,8 @@ from typing import Any
 import pytest
 import torch
 
-from raypar.core.checkpoint import format as checkpoint
-from raypar.core.checkpoint import reader as checkpoint_read
+from raypar.core import checkpoint, data
 from raypar.core.config.schema import Config
-from raypar.core.data import datasets as data
 from raypar.core.dp.optim import lr_at
 from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model.llama import LlamaStage
@@ -223,7 +221,7 @@ def test_checkpoint_at_cp_loads_at_other_layouts(tmp_path):
     want = saved[0]["after"][1]
     for dp, cp, zero in ((1, 2, 0), (4, 1, 2)):
         def load(strategy: DPStrategy) -> None:
-            strategy.load(checkpoint_read.CheckpointReader(uri), 2)
+            strategy.load(checkpoint.CheckpointReader(uri), 2)
 
         loaded = run_mesh(dp, cp, zero, "ulysses", range(2, 2), before=load,
                           after=lambda coord, strategy: strategy.full_state())

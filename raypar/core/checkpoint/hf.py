@@ -28,6 +28,8 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError, safe_open
 
+from raypar.core.checkpoint.format import OPTIM_PREFIX, CheckpointError
+from raypar.core.checkpoint.reader import CheckpointReader, check_memory, model_config, read_bytes_peak
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import ModelConfig
 from raypar.core.data.corpus import file_inside
@@ -197,21 +199,18 @@ def export(
     index when larger than `max_shard_bytes`) that the family's `*ForCausalLM.from_pretrained` loads, and the
     run's tokenizer for AutoTokenizer (`say` gets a line where the run had none: synthetic data). Tensors are
     read one at a time; the directory is built aside and renamed into place."""
-    from raypar.core.checkpoint import format as checkpoint  # heavier; only the export needs them
-    from raypar.core.checkpoint import reader as checkpoint_read  # heavier; only the export needs them
-
-    reader = checkpoint_read.CheckpointReader(ckpt_uri)
-    cfg = checkpoint_read.model_config(reader)  # agrees with the tensors' shapes
+    reader = CheckpointReader(ckpt_uri)
+    cfg = model_config(reader)  # agrees with the tensors' shapes
     model, mapping = dataclasses.asdict(cfg), families.family(cfg).hf
     refusal = mapping.export_refusal(model)
     if refusal is not None:
-        raise checkpoint.CheckpointError(
+        raise CheckpointError(
             f"{reader._where}: {refusal} (export the raypar tensors with --format safetensors)"
         )
-    names = [n for n in reader.names() if not n.startswith(checkpoint.OPTIM_PREFIX)]
+    names = [n for n in reader.names() if not n.startswith(OPTIM_PREFIX)]
     for name in [n for n in names if n.endswith(ROUTING_BIAS)]:  # state HF's routers have no place for
         if reader.read_full(name).any():
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"{reader._where}: {name} is not zero: Hugging Face's routers route without a bias"
             )
         names.remove(name)
@@ -226,8 +225,8 @@ def export(
         size += nbytes
         largest = max(largest, size)
     # One file's tensors in memory, a copy as safetensors lays them out, and one read's transients.
-    need = 2 * largest + checkpoint_read.read_bytes_peak(reader)
-    checkpoint_read.check_memory(need, f"exporting {ckpt_uri}")
+    need = 2 * largest + read_bytes_peak(reader)
+    check_memory(need, f"exporting {ckpt_uri}")
     tokenizer = _tokenizer(reader)
     if tokenizer is None and say is not None:
         say(f"{ckpt_uri}: the run recorded no tokenizer (synthetic data): the export has none")
@@ -241,7 +240,7 @@ def export(
         _write_hf_dir(reader, staging, files, model, tokenizer, mapping)
         os.rename(staging, out)
     except OSError as err:  # a read-only or full disk: the output is bad, not the checkpoint
-        raise checkpoint.CheckpointError(f"{out}: cannot write: {err.strerror or err}") from None
+        raise CheckpointError(f"{out}: cannot write: {err.strerror or err}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return str(out)
@@ -250,8 +249,6 @@ def export(
 def _tokenizer(reader: Any) -> HFTokenizer | ByteTokenizer | None:
     """The run's tokenizer as its checkpoint recorded it (None: none, the run's data was synthetic);
     CheckpointError naming the manifest if the record is damaged."""
-    from raypar.core.checkpoint.format import CheckpointError
-
     record = reader.meta.get("tokenizer")
     if isinstance(record, dict) and record.get("kind") == "bytes":
         return ByteTokenizer()

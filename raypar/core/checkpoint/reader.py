@@ -2,9 +2,8 @@
 whole checkpoint before loading it, and the ``raypar checkpoint`` inspect and export commands.
 
 Writing, publishing, listing and resolving checkpoints, and the storage format itself, are in
-``raypar.core.checkpoint.format``; this module only reads what that one wrote (safetensors and JSON: nothing
-is
-unpickled).
+``raypar.core.checkpoint.format``; this module only reads what that one wrote (safetensors and JSON:
+nothing is unpickled).
 
     reader = CheckpointReader(checkpoint.resolve(root))              # or resolve(root, 12), resolve(step_dir)
     local = reader.read_slice(name, global_shape, offsets, shape)   # any region, at any layout; reader.meta

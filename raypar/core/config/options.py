@@ -69,6 +69,37 @@ class Schedule:
     splits_backward: bool = False  # backward_input / backward_weight apart (zero-bubble)
     v_shape: bool = False  # exactly two chunks per rank in a V, rank 0 holding the first and the last
 
+    def bubble(self, n_stages: int, n_mb: int, n_chunks: int = 1) -> float:
+        """The schedule's idle share of the step (what `bubble_fraction` and the benchmark measure): idle time
+        over idle + compute time. The papers give idle over compute: (p-1)/m for 1F1B, (p-1)/(v m) for
+        interleaved 1F1B (Narayanan et al., 2021), (p-1)(F+B-W)/(m(F+B+W)) = (p-1)/(3m) for ZB-H1 with
+        F = B = W (Qi et al., 2023); a ratio r of idle to compute is a share r / (1 + r) of the step, so
+        (p-1)/(m+p-1), (p-1)/(vm+p-1) and (p-1)/(3m+p-1). Comparing a measured share with the papers' ratio
+        would credit interleaved and ZB-H1 with (p-1)/(vm) - (p-1)/(vm+p-1) of free idle time.
+
+        DualPipeV (v = 2 chunks, each half a rank's layers): DeepSeek's table
+        (github.com/deepseek-ai/DualPipe, README) gives an idle time of (PP/2-1)(F&B + B - 3W) per rank with
+        PP = 2p chunks, F&B a forward and a backward run overlapped and B a whole backward. raypar's executor
+        runs the pair as F then B, and each op waits only for its own input (DeepSeek's pair waits for both),
+        so the simulator measures (p-1)(F+B-W) per rank with B the input part, as ZB-H1's on chunks half the
+        size: with F = B = W = 1 per chunk, p-1 idle of 2m(F+B+W) = 6m compute, a share (p-1)/(3vm+p-1) =
+        (p-1)/(6m+p-1)."""
+        return (n_stages - 1) / (self._work_per_mb(n_chunks) * n_mb + n_stages - 1)
+
+    def bubble_text(self, n_chunks: int = 1) -> str:
+        """`bubble`'s formula as reports print it, e.g. (p−1)/(3m+p−1) for ZB-H1; v is
+        parallel.virtual_stages where it is the user's to choose."""
+        if self.splits_backward:  # one or two chunks, fixed by the schedule: printed as the number
+            work = f"{self._work_per_mb(n_chunks)}m"
+        else:
+            work = "vm" if n_chunks > 1 else "m"
+        return f"(p−1)/({work}+p−1)"
+
+    def _work_per_mb(self, n_chunks: int) -> int:
+        """Compute units per microbatch and rank, a forward's time being 1 (F = B = W in a zero-bubble
+        split, so a unit's F + B + W is 3)."""
+        return (3 if self.splits_backward else 1) * n_chunks
+
 
 ONE_F_ONE_B = Schedule("1f1b", "1F1B", chunked=True)
 GPIPE = Schedule("gpipe", "GPipe")

@@ -422,7 +422,7 @@ MAX_SIZES = {
     "model.n_heads": 2**12,
     "model.n_kv_heads": 2**12,
     "model.d_ff": 2**20,
-    "model.vocab_size": 2**32,  # token ids are stored as uint32 at most (raypar.core.data.datasets)
+    "model.vocab_size": 2**32,  # token ids are stored as uint32 at most (raypar.core.data.preparing)
     "model.seq_len": 2**22,
     "model.moe_experts": 2**12,
     "parallel.microbatches": 2**16,

@@ -35,7 +35,7 @@ def masked(document_masking: bool | str, dataset: Any) -> bool:
 def microbatch_documents(
     dataset: Any, sampler: Any, step: int, mb_index: int, mb_size: int
 ) -> torch.Tensor | None:
-    """Document ids [mb_size, T] of the rows `datasets.microbatch` returns for the same arguments, or None
+    """Document ids [mb_size, T] of the rows `sampling.microbatch` returns for the same arguments, or None
     for a dataset without documents."""
     if not has_documents(dataset):
         return None
@@ -59,7 +59,7 @@ def loss_share(target_count: int, units: int) -> float:
 def eval_documents(
     dataset: Any, batch: int, mb_index: int, mb_size: int, global_batch: int
 ) -> torch.Tensor | None:
-    """Document ids of `datasets.eval_microbatch`'s rows for the same arguments (None without documents)."""
+    """Document ids of `sampling.eval_microbatch`'s rows for the same arguments (None without documents)."""
     if not has_documents(dataset):
         return None
     first = batch * global_batch + mb_index * mb_size
@@ -67,7 +67,7 @@ def eval_documents(
 
 
 def eval_target_tokens(dataset: Any, batches: int, global_batch: int, seq_len: int) -> int:
-    """Target tokens of the first `batches` validation batches (datasets.eval_microbatch's samples)."""
+    """Target tokens of the first `batches` validation batches (sampling.eval_microbatch's samples)."""
     if not has_documents(dataset):
         return batches * global_batch * seq_len
     return sum(int((dataset.sample(i)[1] != IGNORE).sum()) for i in range(batches * global_batch))

@@ -1,7 +1,7 @@
 """Packed samples: whole documents (conversations, or texts under `--pack documents`) laid into fixed
 samples of `seq_len` tokens, with each token's loss mask and document number kept beside it.
 
-Cache layout (an index.json as raypar.core.data.datasets writes, plus `"packed": {"seq_len": T}`)::
+Cache layout (an index.json as raypar.core.data.preparing writes, plus `"packed": {"seq_len": T}`)::
 
     <out_dir>/packed-00000.arrow   Arrow IPC file, columns tokens (uint32), loss_mask (uint8),
                                    document (uint16: the document's number within its sample)
@@ -33,7 +33,14 @@ import torch
 
 from raypar.core.data import remote
 from raypar.core.data.chat import Document
-from raypar.core.data.datasets import FORMAT_VERSION, INDEX, TOKENIZER, _publish, check_token_ids, read_index
+from raypar.core.data.preparing import (
+    FORMAT_VERSION,
+    INDEX,
+    TOKENIZER,
+    check_token_ids,
+    publish_dir,
+    read_index,
+)
 from raypar.core.data.tokenizer import Tokenizer
 from raypar.core.model.attention_masks import IGNORE
 
@@ -91,7 +98,7 @@ def write(
     sources: list[str],
     chat_template: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write the packed samples as a prepared directory at `out_dir` (atomic, as datasets.prepare), the
+    """Write the packed samples as a prepared directory at `out_dir` (atomic, as preparing.prepare), the
     tokenizer's record with `chat_template` (chat.ChatRenderer.record: on to checkpoints and generate)."""
     if not samples:
         raise ValueError("no documents to pack (every one was dropped, or the sources are empty)")
@@ -110,7 +117,7 @@ def write(
             size, sha = remote.file_digest(staging / name)
             shards.append({"file": name, "tokens": block.shape[1], "bytes": size, "sha256": sha})
         record = tokenizer.record()
-        index: dict[str, Any] = {  # datasets.prepare's fields, and what packing adds
+        index: dict[str, Any] = {  # preparing.prepare's fields, and what packing adds
             "format_version": FORMAT_VERSION,
             "vocab": "bytes" if record["kind"] == "bytes" else "tokenizer",
             "vocab_size": tokenizer.vocab_size,
@@ -127,7 +134,7 @@ def write(
             (staging / TOKENIZER).write_text(record.pop("json"), encoding="utf-8")
             index["tokenizer"] = {**record, **(chat_template or {}), "file": TOKENIZER}
         (staging / INDEX).write_text(json.dumps(index, indent=1))
-        return _publish(staging, out, index)
+        return publish_dir(staging, out, index)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -138,7 +145,7 @@ class PackedDataset:
     def __init__(
         self, path: str | os.PathLike[str], seq_len: int, vocab_size: int, hash_limit_bytes: int = 0
     ):
-        """Checked as datasets.TokenDataset checks a token stream: the shards' sizes always, their sha256 and
+        """Checked as reading.TokenDataset checks a token stream: the shards' sizes always, their sha256 and
         token ids where they hold at most `hash_limit_bytes` (the driver's, once per run)."""
         self.path, self.seq_len, self.vocab_size = str(path), seq_len, vocab_size
         self.index = read_index(path)

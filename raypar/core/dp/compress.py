@@ -45,8 +45,7 @@ from typing import Any, Protocol
 import torch
 
 from collectives import Group
-from raypar.core.checkpoint.format import ShardSpec
-from raypar.core.checkpoint.reader import CheckpointReader
+from raypar.core.checkpoint import CheckpointReader, ShardSpec
 from raypar.core.config.options import BF16, NO_COMPRESSION, POWERSGD, TOPK, ZERO_STAGES
 from raypar.core.config.schema import ParallelConfig
 

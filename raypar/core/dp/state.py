@@ -16,8 +16,7 @@ from typing import ClassVar
 import torch
 
 from collectives import Group
-from raypar.core.checkpoint.format import ShardSpec
-from raypar.core.checkpoint.reader import CheckpointReader
+from raypar.core.checkpoint import CheckpointReader, ShardSpec
 from raypar.core.config.options import ZeroStage
 from raypar.core.dp import compress
 from raypar.core.dp.compress import Compressor

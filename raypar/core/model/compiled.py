@@ -2,7 +2,7 @@
 
 What is compiled. A block alternates local math with tensor-parallel communication (Megatron's f and g,
 the SP all-gather and reduce-scatter, the cp ring or all-to-all, the MoE dispatch) and with linears whose
-backward zero-bubble splits (raypar.core.pipeline.zb). The compiled regions are the math between those
+backward zero-bubble splits (raypar.core.parallel.zb). The compiled regions are the math between those
 points: RMSNorm, RoPE on q and k, and the SwiGLU activation (`REGIONS`), forward and backward (AOTAutograd
 compiles the backward too). They are pure functions of their tensor arguments (weights passed in, no module
 captured), so one graph serves every block of a process.

@@ -16,15 +16,14 @@ A dropped assignment contributes nothing; the block's residual carries the token
 capacity_factor >= E / k nothing can be dropped (C >= tokens) and the layer's math does not depend on ep.
 
 Context parallelism (raypar.core.parallel.cp). A cp rank holds T/cp tokens of each sequence (ulysses: one
-contiguous
-block per sequence; ring: the zigzag's two chunks), and the dispatch of cp rank c is over the EP group of
-cp rank c (the same cp rank of the other replicas). Routing and experts are token-local, so only the
-token-counting parts change, and both are kept exact rather than per rank (Megatron routes per rank):
-capacity and priority are those of the reference's dispatch over whole microbatches, so a layout with cp
-drops exactly the assignments one process would. For that the counts are per (slot, block, expert),
-a block being a run of tokens contiguous in the reference's (sequence, position) order; they are
-gathered over cp and then over ep, put into the reference's order, and every rank derives the same kept
-counts per block, of which it uses its own. Cost: one extra all-gather of k * blocks * E integers.
+contiguous block per sequence; ring: the zigzag's two chunks), and the dispatch of cp rank c is over the EP
+group of cp rank c (the same cp rank of the other replicas). Routing and experts are token-local, so only the
+token-counting parts change, and both are kept exact rather than per rank (Megatron routes per rank): capacity
+and priority are those of the reference's dispatch over whole microbatches, so a layout with cp drops exactly
+the assignments one process would. For that the counts are per (slot, block, expert), a block being a run of
+tokens contiguous in the reference's (sequence, position) order; they are gathered over cp and then over ep,
+put into the reference's order, and every rank derives the same kept counts per block, of which it uses its
+own. Cost: one extra all-gather of k * blocks * E integers.
 
 Dropless (`moe_capacity_factor = 0`, as DeepSeek-V3 and Qwen3-MoE route): every assignment is kept. The
 capacity is then the global token count, which no expert can exceed (a token picks an expert at most once),
@@ -36,7 +35,7 @@ Grouped experts. The rows a rank receives are sorted by local expert and its exp
 The parameters stay per expert under their global names (which checkpoints, ZeRO and resharding across ep
 read); the GEMM stacks the local experts' weights in forward and again in backward, a transient copy of
 E/ep x 3 x d x d_ff/tp values, and keeps only the parameters for backward, as a linear does. Under ZB-H1
-the experts' weight GEMMs stay in B (raypar.core.pipeline.zb defers only linears that run through it).
+the experts' weight GEMMs stay in B (raypar.core.parallel.zb defers only linears that run through it).
 The GEMM wants rows of 16-byte multiples: d_model and d_ff/tp multiples of 8 (a config rule). Each output
 row is the same dot products as a per-expert matmul's, in a kernel's order.
 

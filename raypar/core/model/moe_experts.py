@@ -25,7 +25,7 @@ class Expert(nn.Module):
         self.w_down = RowParallelLinear(f, cfg.d_model, group)
         for linear in (self.w_gate, self.w_up, self.w_down):
             # The grouped GEMM reads the weights, not the linears, so zero-bubble cannot defer their weight
-            # GEMMs to W: without the slot, raypar.core.pipeline.zb.attach leaves them to B.
+            # GEMMs to W: without the slot, raypar.core.parallel.zb.attach leaves them to B.
             del linear.wgrad_store
 
 

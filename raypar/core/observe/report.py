@@ -14,13 +14,8 @@ Reads a run directory (config.toml, metrics.jsonl, timeline.jsonl) and writes ne
 
 Actors' clocks are not synchronised: each actor's events are laid out from its own step start. On one
 machine the driver starts every actor's step within a few milliseconds, so the picture is faithful; across
-nodes the rows can be offset from each other by the call latency.
-
-Bubble accounting. The theoretical bubble of GPipe and 1F1B is (p-1)/(m+p-1): the share of the pipeline
-phase of a step (from its start to the last backward of the replica) in which a stage is idle. The measured
-bubble is the same quantity read off the timeline: per actor, 1 - (forward + backward time) / (the
-replica's pipeline phase), averaged over actors. What follows the pipeline phase (the last gradient
-buckets' reduction and the global-norm clipping) is shown in the pictures but is not bubble.
+nodes the rows can be offset from each other by the call latency. The bubble fractions are read off the
+timeline by raypar.core.observe.timeline.
 """
 
 from __future__ import annotations
@@ -28,22 +23,19 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import statistics
 import tomllib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from raypar.core.config.options import SCHEDULES
 from raypar.core.observe import stragglers
 from raypar.core.observe.profile import PID_BASE, merge_schedule, read_profile
-from raypar.core.observe.step_report import StepReport
-from raypar.core.parallel.mesh import Coord
-from raypar.core.pipeline.schedules import COMPUTE_OPS, bubble_formula
+from raypar.core.observe.timeline import TAIL, Row, measured_bubble, pipeline_phases, spans, tail_fraction
+from raypar.core.pipeline.instructions import COMPUTE_OPS
 from raypar.core.plain_files import read_regular, write_aside, write_figure
 
 COMM_OPS = ("recv_act", "send_act", "recv_grad", "send_grad")
-TAIL = "reduce+optimizer"
 
 # One colour per kind of time, each its own (the legend names a kind by its colour); receives (mostly
 # waiting for a neighbour) and sends are told apart.
@@ -67,27 +59,6 @@ LEGEND = {
     TAIL: "grad reduce + clip",
     "idle": "idle",
 }
-
-
-Row = dict[str, Any]  # one line of timeline.jsonl: one actor's events of one step
-
-
-def timeline_rows(step: int, per_actor: Mapping[tuple[int, ...], StepReport]) -> list[Row]:
-    """The timeline.jsonl lines of one step, from the driver's {(dp, pp, tp[, cp]): train_step result}."""
-    return [
-        {
-            "step": step,
-            "actor": Coord(*coord).key,
-            "dp": coord[0],
-            "pp": coord[1],
-            "tp": coord[2],
-            "cp": coord[3] if len(coord) > 3 else 0,
-            "step_s": result.step_s,
-            "events": [list(event) for event in result.events],
-            **stragglers.times_fields(result),  # compute_s, comm_wait_s, idle_s
-        }
-        for coord, result in sorted(per_actor.items())
-    ]
 
 
 def _count(v: Any) -> bool:
@@ -188,44 +159,6 @@ def read_jsonl(
     return records
 
 
-def _busy(row: Row) -> float:
-    return sum(t1 - t0 for op, _, t0, t1 in row["events"] if op in COMPUTE_OPS)
-
-
-def _pipeline_end(row: Row) -> float:
-    return max((t1 for _, _, _, t1 in row["events"]), default=0.0)
-
-
-def _pipeline_phases(rows: Iterable[Row]) -> dict[int, float]:
-    """Per replica, when its pipeline phase ended: the end of the last event of any of its actors."""
-    phase: dict[int, float] = {}
-    for row in rows:
-        phase[row["dp"]] = max(phase.get(row["dp"], 0.0), _pipeline_end(row))
-    return phase
-
-
-def _spans(row: Row, phase_end: float) -> list[tuple[str, int, float, float]]:
-    """The row's events plus the tail after its replica's pipeline phase (mb -1)."""
-    spans = [(op, mb, t0, t1) for op, mb, t0, t1 in row["events"]]
-    if row["step_s"] > phase_end:
-        spans.append((TAIL, -1, phase_end, row["step_s"]))
-    return spans
-
-
-def measured_bubble(rows: Iterable[Row]) -> float | None:
-    """Mean over actors of 1 - busy / (their replica's pipeline phase), for the rows of one step."""
-    rows = list(rows)
-    phase = _pipeline_phases(rows)
-    bubbles = [1.0 - _busy(row) / phase[row["dp"]] for row in rows if phase[row["dp"]] > 0]
-    return statistics.fmean(bubbles) if bubbles else None
-
-
-def _tail_fraction(rows: list[Row]) -> float:
-    """Mean share of an actor's step spent after its replica's pipeline phase."""
-    phase = _pipeline_phases(rows)
-    return statistics.fmean(max(row["step_s"] - phase[row["dp"]], 0.0) / row["step_s"] for row in rows)
-
-
 def pick_step(rows: list[Row], step: int | None = None) -> int:
     """`step` if given (it must be in the timeline), else the step of median duration. Step 0 is left out
     when there are others: it carries one-time costs (allocations, first collectives)."""
@@ -255,7 +188,7 @@ def chrome_trace(rows: list[Row]) -> dict[str, Any]:
     """One step as Chrome trace events ("X" complete events, microseconds): pid = replica, tid = actor."""
     n_tp = 1 + max(row["tp"] for row in rows)
     n_cp = 1 + max(row.get("cp", 0) for row in rows)  # timelines written before cp have none
-    phase = _pipeline_phases(rows)
+    phase = pipeline_phases(rows)
     events: list[dict[str, Any]] = []
     for dp in sorted({row["dp"] for row in rows}):
         events.append({"ph": "M", "name": "process_name", "pid": dp, "args": {"name": f"replica dp{dp}"}})
@@ -268,7 +201,7 @@ def chrome_trace(rows: list[Row]) -> dict[str, Any]:
         events.append(
             {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
         )
-        for op, mb, t0, t1 in _spans(row, phase[row["dp"]]):
+        for op, mb, t0, t1 in spans(row, phase[row["dp"]]):
             category = op if op in COMPUTE_OPS else "comm" if op in COMM_OPS else "reduce"
             events.append(
                 {
@@ -299,7 +232,7 @@ def _kinds_drawn(rows: list[Row], phase: Mapping[int, float]) -> set[str]:
     kinds = set()
     for row in rows:
         covered = 0.0
-        for op, _, t0, t1 in sorted(_spans(row, phase[row["dp"]]), key=lambda span: span[2]):
+        for op, _, t0, t1 in sorted(spans(row, phase[row["dp"]]), key=lambda span: span[2]):
             kinds.add(_kind(op))
             if t0 > covered:
                 kinds.add("idle")
@@ -326,10 +259,10 @@ def plot_timeline(rows: list[Row], path: Path, title: str) -> None:
     # Width of one character of the box labels in milliseconds: the label goes inside a box only if it fits.
     axes_px = fig_w * fig.dpi * 0.86
     char_ms = end_ms / axes_px * 8 * 0.62 * fig.dpi / 72
-    phase = _pipeline_phases(rows)
+    phase = pipeline_phases(rows)
     for y, row in enumerate(rows):
         ax.broken_barh([(0, 1e3 * row["step_s"])], (y - 0.4, 0.8), color=COLOURS["idle"])
-        for op, mb, t0, t1 in _spans(row, phase[row["dp"]]):
+        for op, mb, t0, t1 in spans(row, phase[row["dp"]]):
             kind = _kind(op)
             x, w = 1e3 * t0, 1e3 * (t1 - t0)
             # Communication as a thin bar through the middle of the row: a receive is mostly waiting for
@@ -496,8 +429,9 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
     """Write timeline.json, timeline.png, stragglers.png (if the run has a timeline), loss.png and, for MoE
     runs, expert_load.png into `run_dir`.
 
-    Returns the step shown, schedule, p, m, the measured and theoretical bubble fractions (None without a
-    timeline), the share of the step after the pipeline phase, and the files written."""
+    Returns the step shown, schedule, p, m, the measured and theoretical bubble fractions and the latter's
+    formula (None without a timeline), the share of the step after the pipeline phase, and the files
+    written."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.toml").is_file():
         raise FileNotFoundError(f"{run_dir}: not a run directory (no config.toml)")
@@ -510,6 +444,7 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         "microbatches": None,
         "bubble_measured": None,
         "bubble_theoretical": None,
+        "bubble_formula": None,
         "tail_fraction": None,
         "files": [],
     }
@@ -523,14 +458,16 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         # Microbatches per replica as executed (with elastic dp it differs from the config's): a stage
         # runs one forward per microbatch and model chunk.
         m = sum(op == "forward" for op, *_ in rows[0]["events"]) // v
-        measured, theory = measured_bubble(rows), bubble_formula(schedule, p, m, v)
+        measured, theory = measured_bubble(rows), SCHEDULES[schedule].bubble(p, m, v)
+        formula = SCHEDULES[schedule].bubble_text(v)
         result.update(
             step=shown,
             pp=p,
             microbatches=m,
             bubble_measured=measured,
             bubble_theoretical=theory,
-            tail_fraction=_tail_fraction(rows),
+            bubble_formula=formula,
+            tail_fraction=tail_fraction(rows),
         )
         trace = chrome_trace(rows)
         if (run_dir / "profile.json").is_file():
@@ -540,11 +477,10 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
             )
         write_aside(run_dir / "timeline.json", json.dumps(trace).encode())
         dp, tp = len({row["dp"] for row in rows}), len({row["tp"] for row in rows})
-        name = SCHEDULES[schedule].title if schedule in SCHEDULES else schedule
         title = (
-            f"{name} pipeline, p={p} stages × m={m} microbatches "
+            f"{SCHEDULES[schedule].title} pipeline, p={p} stages × m={m} microbatches "
             f"(dp={dp}, tp={tp}), step {shown}   —   "
-            f"bubble measured {measured:.1%}, theory {FORMULA_TEXT[_kind_of(schedule, v)]} = {theory:.1%}"
+            f"bubble measured {measured:.1%}, theory {formula} = {theory:.1%}"
         )
         plot_timeline(rows, run_dir / "timeline.png", title)
         stragglers.plot_heatmap(all_rows, run_dir / "stragglers.png")
@@ -558,19 +494,6 @@ def write_report(run_dir: Path, step: int | None = None) -> dict[str, Any]:
         plot_expert_load(metrics, run_dir / "expert_load.png")
         result["files"].append(str(run_dir / "expert_load.png"))
     return result
-
-
-# The idle share of the step each schedule's formula gives (raypar.core.pipeline.schedules.bubble_formula).
-FORMULA_TEXT = {
-    "1f1b": "(p−1)/(m+p−1)", "interleaved": "(p−1)/(vm+p−1)", "zb-h1": "(p−1)/(3m+p−1)",
-    "dualpipev": "(p−1)/(6m+p−1)",
-}
-
-
-def _kind_of(schedule: str, virtual_stages: int) -> str:
-    if schedule in ("zb-h1", "dualpipev"):
-        return schedule
-    return "interleaved" if virtual_stages > 1 else "1f1b"
 
 
 def _read_layout(path: Path) -> tuple[str, int, int]:
@@ -600,7 +523,7 @@ def describe(result: dict[str, Any]) -> str:
         lines.append(
             f"step {result['step']}, {result['schedule']}, p={result['pp']}, m={result['microbatches']}: "
             f"bubble measured {result['bubble_measured']:.1%}, "
-            f"theoretical {FORMULA_TEXT[_kind_of(result['schedule'], result['virtual_stages'])]} "
+            f"theoretical {result['bubble_formula']} "
             f"{result['bubble_theoretical']:.1%}; "
             f"gradient reduce + clip {result['tail_fraction']:.1%} of the step"
         )

@@ -16,7 +16,7 @@ rounding midpoint may round the other way: tests.support.float8_ledger checks th
 Written here, and why: torchao's own reduction (`reduce_amax`) all-reduces over torch.distributed's default
 group, which raypar does not have (its groups are standalone gloo or CuPy-NCCL `Group`s), and torchao's
 `matmul_with_hp_or_float8_args` does all three GEMMs in one backward, where zero-bubble needs the weight GEMM
-deferred to W (raypar.core.pipeline.zb). So the autograd function below follows torchao's, cast by cast,
+deferred to W (raypar.core.parallel.zb). So the autograd function below follows torchao's, cast by cast,
 calling torchao for everything else: the amax (`tensor_to_amax`), the scale (`amax_to_scale`), the cast
 (`hp_tensor_and_scale_to_float8`) and the scaled GEMM (`torch.mm` on its `Float8TrainingTensor`). The casts
 of a backward, the weight GEMM's too, run (and reduce) in B; W only multiplies the float8 operands.
@@ -40,7 +40,7 @@ import torch
 from collectives import Group
 from raypar.core.config.options import PRECISIONS
 from raypar.core.config.schema import TrainConfig
-from raypar.core.pipeline.zb import WeightGradStore
+from raypar.core.parallel.zb import WeightGradStore
 
 TOKENS, INNER, OUTER = "tokens", "inner", "outer"  # the dims of a linear's operands, by what they index
 # The dims of each operand as torchao holds it: input [tokens, in], weight.t() [in, out], grad [tokens, out]

@@ -23,7 +23,7 @@ from torch import nn
 from collectives import Group
 from raypar.core.parallel.float8 import INNER, OUTER, TOKENS, Float8Matmul
 from raypar.core.parallel.sp import reduce_scatter_to_sp
-from raypar.core.pipeline.zb import WeightGradStore, linear
+from raypar.core.parallel.zb import WeightGradStore, linear
 
 
 def tp_size(group: Group | None) -> int:
@@ -118,7 +118,7 @@ class TPLinear(nn.Module, TPLayer):
     def __init__(self) -> None:
         super().__init__()
         self.wgrad_store: WeightGradStore | None = None  # zero-bubble: weight GEMMs deferred
-        # (raypar.core.pipeline.zb)
+        # (raypar.core.parallel.zb)
         self.float8: Float8Matmul | None = None
         self.tokens_group: Group | None = None  # cp: this rank holds T/cp tokens of each sequence
 

@@ -1,16 +1,13 @@
-"""The pipeline executor: one rank walks its schedule (raypar.core.pipeline.schedules), the same code in every
-setting.
+"""The pipeline executor: one rank walks its schedule (raypar.core.pipeline.schedules); the same code runs
+in every setting.
 
 `StageWalker` is the part that knows the semantics: it runs one instruction at a time, refuses what a real
 rank could not do (a forward without its input, W before B, a send of something not computed, work done
 twice) and hands the work to a backend. Two backends exist:
 
-- `ModelBackend`: the real thing, used by the Ray actor (actors.worker) and by thread-rank tests:
-chunks of a
+- `ModelBackend`: the real thing, used by the Ray actor (actors.worker) and by thread-rank tests: chunks of
   a model stage (raypar.core.model.stage.Stage), a transport (actors.transport, or
-  raypar.core.pipeline.local_transport in one process),
-  a DP
-  reducer.
+  raypar.core.pipeline.local_transport in one process), a DP reducer.
 - `_ClockBackend`: fixed costs on a clock, for `simulate.simulate`; its receives do not block but say
   "not yet", and `simulate_plans` round-robins the ranks until none can move.
 
@@ -25,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from raypar.core.pipeline import zb
+from raypar.core.parallel import zb
 from raypar.core.pipeline.instructions import SELF
 from raypar.core.pipeline.local_transport import Turn
 from raypar.core.pipeline.schedules import (
@@ -229,20 +226,18 @@ class Transport(Protocol):
 
 class ModelBackend:
     """One step of real compute on one rank: the chunks of `model` (a raypar.core.model.stage.Stage), messages
-    through
-    `transport`, batches from `batch(mb) -> (inputs, targets)`, gradient sends through `send_grad` (the
-    actor's seam). Subclasses wrap each forward (`run_forward`) and hear when a unit's graph is gone
+    through `transport`, batches from `batch(mb) -> (inputs, targets)`, gradient sends through `send_grad`
+    (the actor's seam). Subclasses wrap each forward (`run_forward`) and hear when a unit's graph is gone
     (`freed`): the actor seeds dropout and measures saved activations there.
 
     The loss of a microbatch is divided by `n_mb` (the replica's loss is the mean over its microbatches)
     and multiplied by the loss `scale` (fp16). With `loss_tokens` the microbatch's loss is its sum over
     target tokens divided by it (raypar.core.data.documents.loss_share), and `documents(mb)` gives the
-    microbatch's document ids [B, T] for masked attention (None: no documents).
-    A schedule that splits backward (`split_backward`) defers weight GEMMs to a `raypar.core.pipeline.zb`
-    store:
-    backward_input takes the input gradient and the other parameters' with one `torch.autograd.grad`, the
-    linears leaving their weight GEMMs in the store; backward_weight runs those and accumulates every
-    parameter gradient into `.grad` (where the DP reducer's hooks fire) without walking the graph again.
+    microbatch's document ids [B, T] for masked attention (None: no documents). A schedule that splits
+    backward (`split_backward`) defers weight GEMMs to a `raypar.core.parallel.zb` store: backward_input takes
+    the input gradient and the other parameters' with one `torch.autograd.grad`, the linears leaving their
+    weight GEMMs in the store; backward_weight runs those and accumulates every parameter gradient into
+    `.grad` (where the DP reducer's hooks fire) without walking the graph again.
     Received buffers go back to the transport once nothing reads them: the act after both send_grad and W,
     the grad after W."""
 

@@ -225,30 +225,6 @@ def forward_only(n_stages: int, n_mb: int, n_chunks: int = 1, v_shape: bool = Fa
     return [[i for c, mb in units for i in forward_unit(topo, s, mb, c)] for s in range(n_stages)]
 
 
-def theoretical_bubble(n_stages: int, n_mb: int) -> float:
-    """Idle fraction of each stage for GPipe and 1F1B: (p - 1) / (m + p - 1)."""
-    return (n_stages - 1) / (n_mb + n_stages - 1)
-
-
-def bubble_formula(name: str, n_stages: int, n_mb: int, n_chunks: int = 1) -> float:
-    """Each schedule's idle share of the step (what `bubble_fraction` and the benchmark measure): idle time
-    over idle + compute time. The papers give idle over compute: (p-1)/m for 1F1B, (p-1)/(v m) for
-    interleaved 1F1B (Narayanan et al., 2021), (p-1)(F+B-W)/(m(F+B+W)) = (p-1)/(3m) for ZB-H1 with
-    F = B = W (Qi et al., 2023); a ratio r of idle to compute is a share r / (1 + r) of the step, so
-    (p-1)/(m+p-1), (p-1)/(vm+p-1) and (p-1)/(3m+p-1). Comparing a measured share with the papers' ratio
-    would credit interleaved and ZB-H1 with (p-1)/(vm) - (p-1)/(vm+p-1) of free idle time.
-
-    DualPipeV (v = 2 chunks, each half a rank's layers): DeepSeek's table (github.com/deepseek-ai/DualPipe,
-    README) gives an idle time of (PP/2-1)(F&B + B - 3W) per rank with PP = 2p chunks, F&B a forward and a
-    backward run overlapped and B a whole backward. This executor runs the pair as F then B, and each op
-    waits only for its own input (DeepSeek's pair waits for both), so the simulator measures (p-1)(F+B-W)
-    per rank with B the input part, as ZB-H1's on chunks half the size: with F = B = W = 1 per chunk,
-    p-1 idle of 2m(F+B+W) = 6m compute, a share (p-1)/(3vm+p-1) = (p-1)/(6m+p-1)."""
-    if SCHEDULES[name].splits_backward:
-        return (n_stages - 1) / (3 * n_chunks * n_mb + n_stages - 1)
-    return (n_stages - 1) / (n_chunks * n_mb + n_stages - 1)
-
-
 def peak_in_flight(plan: list[Instr]) -> int:
     """Most (chunk, microbatch) units whose forward is done and whose parameter gradients are not yet, over
     one rank's list: it bounds the autograd graphs a rank holds at once (m for GPipe, at most p - stage

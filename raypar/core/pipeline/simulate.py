@@ -26,8 +26,8 @@ def simulate(
     t_weight: float | None = None,
     topo: Topology | None = None,
 ) -> Timeline:
-    """Run ``plans`` on raypar's executor (raypar.core.pipeline.executor) with fixed op costs instead of a
-    model.
+    """Run ``plans`` on raypar's executor (raypar.core.pipeline.executor) with fixed op costs instead of
+    a model.
 
     Sends cost nothing and deliver ``t_comm`` later; a receive waits for its message. backward_input and
     backward_weight cost ``t_backward / 2`` each unless ``t_weight`` is given (then B = t_backward -
@@ -40,7 +40,7 @@ def simulate(
 def idealized_bubble(name: str, n_stages: int, n_mb: int, n_chunks: int = 1) -> float:
     """Mean idle share over stages of the schedule run on the executor's simulator with free hops and the
     costs its formula assumes (zb-h1: F = B = W; the others: B = 2F, which their formulas do not depend
-    on): it must equal `bubble_formula`."""
+    on): it must equal the schedule's `bubble` (raypar.core.config.options.Schedule)."""
     plans = build(name, n_stages, n_mb, n_chunks)
     weight = 1.0 if SCHEDULES[name].splits_backward else None
     topo = topology(name, n_stages, n_chunks)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from raypar.core.config.options import FULL, NO_OFFLOAD, NO_RECOMPUTE, ONE_F_ONE_B
 from raypar.core.config.schema import Config
-from raypar.core.planner.search import Device, Layout, Prediction, gib, knobs
+from raypar.core.planner.memory import Layout
+from raypar.core.planner.search import gib, knobs
+from raypar.core.planner.step import Device, Prediction
 
 TIE = 0.03
 

@@ -25,7 +25,7 @@ import math
 import re
 from collections.abc import Iterator
 
-from raypar.core.checkpoint.reader import available_memory
+from raypar.core.checkpoint import available_memory
 from raypar.core.config import rules
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.options import (
@@ -43,7 +43,7 @@ from raypar.core.config.options import (
 )
 from raypar.core.config.schema import Config
 from raypar.core.model.moe import is_moe_layer
-from raypar.core.planner.memory import Layout, predict_memory, rank_chunks, rank_states
+from raypar.core.planner.memory import Layout, rank_chunks, rank_states
 from raypar.core.planner.step import (
     DEVICES,
     Device,
@@ -54,13 +54,6 @@ from raypar.core.planner.step import (
     rank_compute_s,
     step_times,
 )
-
-__all__ = [  # the planner's interface (the CLI, benchmarks and tests import it from here)
-    "DEVICES", "Device", "Layout", "Prediction", "bubble_ratio", "candidates", "check_fits",
-    "check_local_memory", "current_layout", "device_named", "fitting_knob", "gib", "knobs", "layout_config",
-    "rank_chunks", "rank_states",
-    "parse_size", "plan", "predict", "predict_memory",
-]
 
 # The largest --devices planned for: ten times today's largest clusters, searched in seconds.
 MAX_DEVICES = 2**20

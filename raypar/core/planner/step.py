@@ -12,7 +12,7 @@ the communication left on the critical path (raypar.core.planner.search ranks la
   what makes tiny microbatches and wide tp cost time on GPUs. Recomputation adds its forward FLOPs
   (Korthikanti et al. 2022: selective replays the attention core, full the whole block). Under fp8 the
   converted linears run at the float8 peak.
-- Bubble: the schedule's idle share of compute (raypar.core.pipeline.schedules.bubble_formula): (pp-1)/m
+- Bubble: the schedule's idle share of compute (raypar.core.config.options.Schedule.bubble): (pp-1)/m
   for 1F1B, (pp-1)/(v m) interleaved, (pp-1)/(3m) ZB-H1, (pp-1)/(6m) DualPipeV.
 - Communication (raypar.core.planner.comm for the bytes): tp, cp and ep collectives on the critical path;
   pipeline hops while the pipeline fills and drains; the DP gradient reduction overlapping the last
@@ -46,7 +46,7 @@ from raypar.core.model import families
 from raypar.core.model.moe import is_moe_layer
 from raypar.core.parallel.mesh import stage_layers
 from raypar.core.pipeline import schedules
-from raypar.core.planner import comm as plan_comm
+from raypar.core.planner.comm import across_groups_s, cp_s, ep_s, gather_s, reduce_s, tp_s
 from raypar.core.planner.memory import (
     PRECISION_BYTES,
     Layout,
@@ -152,9 +152,9 @@ class Prediction:
 def bubble_ratio(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
     """Idle time of a stage over its compute: (pp-1)/m for GPipe and 1F1B, the papers' (pp-1)/(v m) for
     interleaved 1F1B, (pp-1)/(3m) for ZB-H1 and (pp-1)/(6m) for DualPipeV on this executor
-    (raypar.core.pipeline.schedules.bubble_formula gives each as a share of the whole step instead:
+    (raypar.core.config.options.Schedule.bubble gives each as a share of the whole step instead:
     r / (1 + r))."""
-    share = schedules.bubble_formula(schedule, pp, microbatches, virtual_stages)
+    share = SCHEDULES[schedule].bubble(pp, microbatches, virtual_stages)
     return share / (1.0 - share)
 
 
@@ -276,10 +276,10 @@ def step_times(cfg: Config, layout: Layout, device: Device, mfu: float) -> tuple
 def axes_comm_s(cfg: Config, layout: Layout, device: Device, layers: int, moe_layers: int) -> float:
     """The tp (or SP), cp and ep collectives of the rank with the most (MoE) blocks, over one step."""
     stage_ranks = layout.tp * layout.cp * layout.pp  # one replica's pipeline, consecutive ranks
-    comm = plan_comm.tp_s(cfg, layout, layers, _bw(device, layout.tp), device.latency_s)
-    comm += plan_comm.cp_s(cfg, layout, layers, _bw(device, layout.mp), device.latency_s)
+    comm = tp_s(cfg, layout, layers, _bw(device, layout.tp), device.latency_s)
+    comm += cp_s(cfg, layout, layers, _bw(device, layout.mp), device.latency_s)
     ep_bw = _bw(device, stage_ranks * layout.ep)
-    return comm + plan_comm.ep_s(cfg, layout, moe_layers, ep_bw, device.latency_s)
+    return comm + ep_s(cfg, layout, moe_layers, ep_bw, device.latency_s)
 
 
 def dp_exposed_s(cfg: Config, layout: Layout, device: Device, per_mb: float) -> float:
@@ -307,10 +307,10 @@ def dp_exposed_s(cfg: Config, layout: Layout, device: Device, per_mb: float) -> 
     parts = [(params.dense, *dense), (params.expert, group // layout.ep, bw)]
     reduce = gather = exposed = 0.0
     for n, ranks, link in parts:
-        reduce += plan_comm.reduce_s(n * r, ranks, link, all_reduce=not zero.reduce_scatters)
-        gather += plan_comm.gather_s(n * e, ranks, link)
+        reduce += reduce_s(n * r, ranks, link, all_reduce=not zero.reduce_scatters)
+        gather += gather_s(n * e, ranks, link)
     if hsdp:  # each bucket's owned piece across the shard groups, chained after its reduce-scatter
-        reduce += plan_comm.across_groups_s(params.dense * r, layout.shard, layout.dp // layout.shard, bw)
+        reduce += across_groups_s(params.dense * r, layout.shard, layout.dp // layout.shard, bw)
     exposed = max(0.0, reduce - per_mb * 2 / 3)  # under the last microbatch's backward
     if zero.shards_parameters:  # each unit gathered for every forward and backward, prefetched
         exposed += layout.microbatches * (max(0.0, gather - per_mb / 3) + max(0.0, gather - per_mb * 2 / 3))
