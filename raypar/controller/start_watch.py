@@ -82,9 +82,9 @@ def _tail(path: Path) -> list[str]:
         return f.read().decode(errors="replace").splitlines()
 
 
-def _local_logs(job: str, since: float) -> Iterator[list[str]]:
-    """The ends of this node's worker logs for `job` written since `since`, and the raylet's."""
-    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+def _local_logs(logs: Path, job: str, since: float) -> Iterator[list[str]]:
+    """The ends of the worker logs for `job` in this node's log directory `logs` written since `since`, and
+    the raylet's."""
     paths = [p for pattern in WORKER_LOGS for p in logs.glob(pattern.format(job=job))]
     for path in [*paths, logs / "raylet.out"]:
         try:
@@ -119,8 +119,12 @@ def ray_reason(waiting: list[Coord], pgs: dict[tuple[int, int], Any], tp: int, s
     a waiting actor's node: "node <id>: <reason>"; None when its logs do not say (or cannot be read)."""
     context = ray.get_runtime_context()
     here, job, gcs = context.get_node_id(), context.get_job_id(), context.gcs_address
+    node = ray._private.worker.global_worker.node  # None under Ray Client: no node's files are local then
     for node_id in filter(None, dict.fromkeys(_bundle_nodes(waiting, pgs, tp).values())):
-        tails = _local_logs(job, since) if node_id == here else _remote_logs(gcs, node_id, job)
+        if node_id == here and node is not None:
+            tails = _local_logs(Path(node.get_logs_dir_path()), job, since)
+        else:
+            tails = _remote_logs(gcs, node_id, job)
         for lines in tails:
             if said := failed_start(lines, since):
                 return f"node {node_id[:12]}: {said}"
