@@ -29,9 +29,10 @@ from raypar.core.parallel.mesh import Coord
 
 POLL_S = 2.0  # how often the wait for actor processes asks Ray about the nodes
 NOT_STARTING_S = 20.0  # placed this long and no process yet: worth a line (a torch import takes seconds)
-# The lines of Ray's own that say a worker process could not start (Ray 2.60's core worker and raylet):
-# registering with the raylet failed (no free worker port, among others), or the raylet could not spawn it.
-FAILED_START = ("Failed to register worker", "Failed to start worker")
+# The lines of Ray's own that say a worker process could not start (Ray 2.60's core worker and raylet): its
+# registration with the raylet failed (no free worker port, among others: the worker's log, at ERROR), or
+# the raylet could not spawn it (raylet.out, FATAL: the raylet then exits, and its node dies too).
+FAILED_START = ("Failed to register worker", "Failed to start worker", "Too many workers, failed to create")
 TAIL_BYTES = 64 << 10  # read from each log's end: Ray's line is written seconds before we look
 TAIL_LINES = 200  # the same through the state API, which counts lines
 STATE_API_S = 2  # the state API's own timeout per request: the watch asks again at its next poll
