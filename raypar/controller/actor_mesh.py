@@ -106,6 +106,7 @@ class ActorMesh(ActorCalls):
 
     def __init__(self, cfg: Config, run: str):
         self.cfg, self.run = cfg, run
+        self.created = time.time()  # wall time: the start watch quotes only Ray's log lines newer than this
         # where lines about the mesh go (the training loop's event log; stderr on its own)
         self.say: Callable[[str], None] = lambda line: print(f"raypar: {line}", file=sys.stderr, flush=True)
         par = cfg.parallel
@@ -293,9 +294,11 @@ class ActorMesh(ActorCalls):
     def _await_started(self) -> None:
         """Wait until every actor process is up, so that group timeouts measure collectives, not start-up.
         Meanwhile Ray is asked every few seconds why not (raypar.controller.start_watch): a dead node fails
-        the run at once, naming it; actors long without a process are said once (`say`)."""
+        the run at once, naming it; actors without a process are said (`say`) as soon as Ray's log says why,
+        else once they have waited a while, and again if Ray's reason turns up later."""
         refs = {call(a, WorkerEndpoints.where): c for c, a in self.actors.items() if c not in self.nodes}
-        started, told = time.monotonic(), False
+        started, reason = time.monotonic(), None
+        told: set[str | None] = set()  # the reasons said (None: the likely causes)
         pending = list(refs)
         while pending:
             left = started + STARTUP_TIMEOUT_S - time.monotonic()
@@ -315,12 +318,13 @@ class ActorMesh(ActorCalls):
             if why := start_watch.dead_node(waiting, self.pgs, self.tp, self.name):
                 raise RunFailure(why)
             waited = time.monotonic() - started
+            reason = reason or start_watch.ray_reason(waiting, self.pgs, self.tp, self.created)
+            line = start_watch.not_started(waiting, waited, self.name, reason)
             if waited >= STARTUP_TIMEOUT_S:
-                raise RunFailure(f"actors did not start within {STARTUP_TIMEOUT_S:g}s: "
-                                 + start_watch.not_started(waiting, waited, self.name))
-            if not told and waited >= start_watch.NOT_STARTING_S:
-                self.say(start_watch.not_started(waiting, waited, self.name))
-                told = True
+                raise RunFailure(f"actors did not start within {STARTUP_TIMEOUT_S:g}s: {line}")
+            if reason not in told and (reason or waited >= start_watch.NOT_STARTING_S):
+                self.say(line)  # Ray's reason at once; the likely causes once the wait is long
+                told.add(reason)
 
     def reconfigure(self, cfg: Config) -> None:
         """Rebuild every actor's state from the seed under `cfg` (same layout): a new schedule, transport

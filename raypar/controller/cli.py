@@ -702,11 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raypar: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM's Terminated (Ray re-raises it as a plain one)
-        if stopping.terminated():
-            print("raypar: terminated (SIGTERM)", file=sys.stderr)
-            return stopping.EXIT_SIGTERM
-        print("raypar: interrupted (Ctrl-C)", file=sys.stderr)
-        return stopping.EXIT_SIGINT
+        return stopping.say_stop()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ step loop calls `check()` before each step: a stop that was swallowed lands at t
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from types import FrameType
 
@@ -66,6 +67,15 @@ def from_ray_exit(err: SystemExit) -> BaseException:
 def terminated() -> bool:
     """Whether the KeyboardInterrupt being handled was SIGTERM's (Ray may re-raise it as a plain one)."""
     return _received.is_set()
+
+
+def say_stop() -> int:
+    """One line on stderr for the stop being handled, SIGTERM or Ctrl-C; the CLI's exit status for it."""
+    if terminated():
+        print("raypar: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_SIGTERM
+    print("raypar: interrupted (Ctrl-C)", file=sys.stderr)
+    return EXIT_SIGINT
 
 
 def install() -> None:
