@@ -20,10 +20,10 @@ import torch
 from benchmarks import sequence_bytes
 from collectives import Group
 from raypar.controller import cli
+from raypar.core import planner
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.options import RECOMPUTE
 from raypar.core.config.schema import Config
-from raypar.core import planner
 from raypar.core.model import families
 from raypar.core.model.llama import cost as llama_cost
 from raypar.core.model.stage import StageSpec, TokenSplit
