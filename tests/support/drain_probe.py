@@ -28,6 +28,7 @@ from typing import Any
 
 import ray
 from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.control import control_name
 from benchmarks import drain as drain_benchmark
@@ -43,19 +44,36 @@ STEPS = 4
 COMMON = [f"train.steps={STEPS}", "parallel.timeout_s=20"]
 # layout -> (its overrides, the replicas that sit on the drained node). Every replica (or HSDP shard group)
 # fills one 2-CPU node: a tp=2 group (STRICT_PACK), two one-actor replicas of a shard group (placed on the
-# node of the group's first), two one-actor pipeline stages (Ray packs a placement group onto the busiest
-# node with room).
+# node of the group's first), two one-actor pipeline stages (steered there: STEERED).
 CASES: dict[str, tuple[list[str], list[int]]] = {
     "zero3": (["parallel.dp=2", "parallel.tp=2", "parallel.zero=3"], [1]),
     "hsdp": (["parallel.dp=4", "parallel.dp_shard=2", "parallel.zero=3"], [2, 3]),
     "pp2": (["parallel.dp=2", "parallel.pp=2"], [1]),
 }
+# Each stage of these is a placement group of its own, which Ray may put on any node with room (a node held
+# a stage of each replica in one run): ballast on the other nodes steers replica 0 onto one node, then
+# replica 1 onto the next, and the third is freed for the replacement.
+STEERED = {"pp2"}
 NODES, NODE_CPUS = 3, 2
 DRAIN_AFTER_STEP = 1
 DEADLINE_S = 60
 RAY = str(Path(sys.executable).parent / "ray")  # the venv's CLI, where PATH may not lead
 LEFT = ("moved", "no room", "moving")  # how the lines on leaving a draining node begin
 WAIT_S = 240  # any one phase of a run on a loaded 2-core machine
+
+
+@ray.remote(num_cpus=NODE_CPUS)
+class Ballast:
+    """Holds every CPU of one node, so that a placement meanwhile lands on another."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def _ballast(node_id: str) -> Any:
+    held = Ballast.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    ray.get(held.ready.remote(), timeout=WAIT_S)
+    return held
 
 
 class ControlEnds(Exception):
@@ -159,7 +177,13 @@ class Probe:
         ended: list[BaseException] = []
         thread = threading.Thread(target=lambda: _catch(loop.execute, ended), daemon=True)
         started = time.perf_counter()
+        first, *others = [n.node_id for n in self.cluster.worker_nodes]
+        held = [_ballast(n) for n in others] if case in STEERED else []
         thread.start()
+        mesh = loop.actor_mesh
+        for d, ballast in enumerate(held):  # replica d placed (on the one node left free): the next opens
+            _wait(f"replica {d} placed", lambda d=d: all((d, p) in mesh.pgs for p in range(mesh.pp)), thread)
+            ray.kill(ballast)
         _wait("the first steps", lambda: any(m["step"] >= DRAIN_AFTER_STEP for m in metrics(run_dir)), thread)
         nodes = dict(loop.actor_mesh.nodes)
         victim = next(w.node_id for c, w in nodes.items() if c.dp == leaving[0])
