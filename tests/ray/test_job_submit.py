@@ -110,4 +110,8 @@ def test_the_rayjob_entrypoint_runs_as_written(jobs, tmp_path):
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1], logs[-3000:]
     assert "--resume latest: no checkpoint under" in logs, logs[-3000:]  # the first submission: step 0
+    # `--address auto` joined this cluster (the job's RAY_ADDRESS), not a Ray of its own
+    run = words[words.index("--name") + 1]
+    address = ray.get_runtime_context().gcs_address
+    assert list_actors(address=address, filters=[("name", "=", f"raypar:{run}:dp0.pp0.tp0")]), logs[-3000:]
     assert checkpoint.load_manifest(str(ckpt / "step_00000002"))["step"] == 2  # what a resubmission resumes
