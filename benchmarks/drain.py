@@ -38,9 +38,9 @@ from raypar.controller.actor_calls import StepFailure  # noqa: E402
 from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
 from raypar.core import checkpoint  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
-from tests.support.drain_probe import DEADLINE_S  # noqa: E402
 
 TP = 2  # a replica is one STRICT_PACK group: one node each
+DEADLINE_S = 60  # as `ray drain-node --deadline-remaining-seconds 60`
 
 
 def ask_drain(node_id: str, deadline_s: float) -> None:
@@ -53,25 +53,18 @@ def ask_drain(node_id: str, deadline_s: float) -> None:
     assert accepted, why
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps before the drain")
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, one timed step")
-    args = parser.parse_args()
-    if args.quick:
-        args.preset, args.seq_len, args.steps = "tiny", 32, 1
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for _ in range(3):
-        cluster.add_node(num_cpus=TP)
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
+# --quick: a tiny model, one timed step, every collective wait bounded as the probe's runs bound theirs; what
+# tests/support/drain_probe.py runs on its cluster
+QUICK = {"preset": "tiny", "seq_len": 32, "steps": 1, "timeout_s": 20}
+
+
+def measure(preset: str, seq_len: int, steps: int, timeout_s: int = 60) -> dict[str, float]:
+    """The measurements, on the Ray this process joined: three nodes of TP CPUs free, none draining.
+    `timeout_s`: parallel.timeout_s."""
     cfg = load_config(None, [
-        f"model.preset='{args.preset}'", f"model.seq_len={args.seq_len}", "parallel.dp=2",
-        f"parallel.tp={TP}",
-        "parallel.zero=3", "parallel.microbatches=2", "parallel.device='cpu'", "parallel.timeout_s=60",
+        f"model.preset='{preset}'", f"model.seq_len={seq_len}", "parallel.dp=2", f"parallel.tp={TP}",
+        "parallel.zero=3", "parallel.microbatches=2", "parallel.device='cpu'",
+        f"parallel.timeout_s={timeout_s}",
         "train.global_batch=8", "train.steps=1000", "data.source='synthetic'",
     ])  # fmt: skip
     trainer = ActorMesh(cfg, "bench-drain")
@@ -79,9 +72,8 @@ def main() -> None:
     try:
         trainer.start()
         trainer.step(0)  # warm-up
-        steps = [trainer.step(s).step_time_s for s in range(1, 1 + args.steps)]
-        out["step_s"] = _common.median(steps)
-        step = 1 + args.steps
+        out["step_s"] = _common.median([trainer.step(s).step_time_s for s in range(1, 1 + steps)])
+        step = 1 + steps
 
         victim = next(w.node_id for c, w in trainer.nodes.items() if c.dp == 1)
         start = time.perf_counter()
@@ -114,6 +106,26 @@ def main() -> None:
             out["kill9_checkpoint_restart_s"] = time.perf_counter() - killed
     finally:
         trainer.shutdown()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps before the drain")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, one timed step")
+    args = parser.parse_args()
+    sizes = QUICK if args.quick else {"preset": args.preset, "seq_len": args.seq_len, "steps": args.steps}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(3):
+        cluster.add_node(num_cpus=TP)
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        out = measure(**sizes)
+    finally:
         ray.shutdown()
         cluster.shutdown()
     _common.print_seconds(out, args.json)

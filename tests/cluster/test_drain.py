@@ -1,7 +1,9 @@
-"""`ray drain-node` on the node of a replica, mid-run (tests/support/drain_probe.py, a cluster of its own):
-the run moves the replica off the node before the deadline, its state handed over from the leaving actors
-(ZeRO-3 without checkpoint.in_memory: no disk anywhere), so no step is redone and nothing restarts. On the
-same cluster, the spot watcher actor turns a stub's interruption notice into the same Ray drain."""
+"""`ray drain-node` on the node of a replica, mid-run, at ZeRO-3, HSDP and pp=2 (tests/support/drain_probe.py:
+one cluster of its own for every run here): the run moves the replica off the node before the deadline, its
+state handed over from the leaving actors (ZeRO-3 without checkpoint.in_memory: no disk anywhere), so no step
+is redone and nothing restarts. Each case's negative control is the same drain on a run that ignores it. On
+the same cluster: benchmarks/drain.py's --quick measurement, and the spot watcher actor turning a stub's
+interruption notice into the same Ray drain."""
 
 from __future__ import annotations
 
@@ -14,46 +16,77 @@ from typing import Any
 
 import pytest
 
-from tests.support.drain_probe import DEADLINE_S
+from tests.support.drain_probe import CASES, COMMON, DEADLINE_S, STEPS
+from tests.support.equivalence import LOSS_RTOL
+from tests.support.reference import reference_run
+from tests.support.runs import tiny
 
 ROOT = Path(__file__).resolve().parents[2]
+PROBE_TIMEOUT_S = 840  # six runs, a benchmark and a spot check on one cluster: ~3 min alone, ~10 at load 60
+pytestmark = pytest.mark.timeout(PROBE_TIMEOUT_S + 60)  # the first test's setup runs the probe
 
 
-def check_left_cleanly(out: dict[str, Any], straight: list[float]) -> None:
-    """What leaving a draining node promises: the run said so, nothing restarted, every step logged once,
-    and the undisturbed losses (1e-5 relative: the replacement takes the leaver's dp rank, so the same
-    samples meet in the same sums; only ZeRO's re-carving of the same fp32 values sits between, which moves
-    nothing, and 1e-5 is the bound tests/cluster/test_failure_paths.py holds a dp change to)."""
-    events, records = out["events"], out["metrics"]
-    assert out["restarts"] == 0, f"restarts={out['restarts']}: {events}"
-    assert not out["alive"], events
-    assert [m["step"] for m in records] == list(range(len(straight))), f"steps logged: {events}"
-    assert not out["still_on_node"] and out["left_s"] < DEADLINE_S, (out["still_on_node"], out["left_s"])
-    assert any(re.search(r"node \w+ drains \(deadline in \d+ s\): replica\(s\) \[1\]", e) for e in events), (
-        events
-    )
-    assert any(re.search(r"draining: node \w+ \(deadline in \d+ s\) holds replica\(s\) \[1\]", line)
-               for line in out["status"]), out["status"]  # fmt: skip
-    got = [m["loss"] for m in records]
-    assert all(abs(g - w) <= 1e-5 * abs(w) for g, w in zip(got, straight, strict=True)), (got, straight)
-
-
-def test_drain_moves_the_replica_before_the_deadline():
+@pytest.fixture(scope="module")
+def probed() -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.drain_probe", "--ignore", "--spot"],
-        capture_output=True, text=True, timeout=900, cwd=ROOT,
+        [sys.executable, "-m", "tests.support.drain_probe"],
+        capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    check_left_cleanly(out["drained"], out["straight"])
-    assert any(
-        e.startswith("moved replica(s) off the draining node (1->2)") for e in out["drained"]["events"]
-    )
-    # negative control: the same drain, ignored; the node's removal then costs a restart
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def undisturbed() -> list[float]:
+    """Every layout's undisturbed losses: the one-process reference's (the layouts change only the order of
+    fp32 sums, which tests/ray/test_equivalence.py bounds at LOSS_RTOL)."""
+    return reference_run(tiny(*COMMON), STEPS).losses
+
+
+def check_left_cleanly(out: dict[str, Any], undisturbed: list[float]) -> None:
+    """What leaving a draining node promises: the run said so, nothing restarted, every step logged once, and
+    the undisturbed losses within the layout bound (the replacement takes the leaver's dp rank, so the same
+    samples meet in the same sums; the handover copies the same fp32 values)."""
+    events, records, leaving = out["events"], out["metrics"], out["leaving"]
+    assert out["restarts"] == 0, f"restarts={out['restarts']}: {events}"
+    assert not out["alive"] and not out["ended"], (out["ended"], events)
+    assert [m["step"] for m in records] == list(range(len(undisturbed))), f"steps logged: {events}"
+    assert not out["still_on_node"] and out["left_s"] < DEADLINE_S, (out["still_on_node"], out["left_s"])
+    said = rf"replica\(s\) {re.escape(str(leaving))}"
+    assert any(re.search(rf"node \w+ drains \(deadline in \d+ s\): {said}", e) for e in events), events
+    assert any(re.search(rf"draining: node \w+ \(deadline in \d+ s\) holds {said}", line)
+               for line in out["status"]), out["status"]  # fmt: skip
+    got = [m["loss"] for m in records]
+    within = [abs(g - w) <= LOSS_RTOL * abs(w) for g, w in zip(got, undisturbed, strict=True)]
+    assert all(within), (got, undisturbed)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_drain_moves_the_replica_before_the_deadline(undisturbed, probed, case):
+    """The drained node holds one replica (zero3, pp2: both tp ranks or both stages) or one HSDP shard group
+    (hsdp: two replicas, which move together)."""
+    drained = probed[case]
+    check_left_cleanly(drained, undisturbed)
+    moved = [e for e in drained["events"] if e.startswith("moved replica(s) off the draining node (")]
+    assert len(moved) == 1, drained["events"]
+    # negative control: the same drain, ignored; the node's removal then costs a failure, a step to redo
+    ignored = probed[f"{case}-ignored"]
+    assert ignored["ended"] and "ControlEnds" in ignored["ended"][0], ignored
     with pytest.raises(AssertionError, match="restarts=1"):
-        check_left_cleanly(out["ignored"], out["straight"])
-    # the spot watcher (parallel.spot_notice = "aws") asks for the same drain: garbage ignored in one line
-    spot = out["spot"]
+        check_left_cleanly(ignored, undisturbed)
+
+
+def test_drain_benchmark_quick(probed):
+    """benchmarks/drain.py's measurement at --quick settings, on the probe's cluster (the rule that every
+    benchmark's --quick runs in a test; a cluster of its own would cost a minute more)."""
+    assert {"notice_to_running_elsewhere_s", "move_cost_s", "kill9_checkpoint_restart_s"} <= set(
+        probed["benchmark"]
+    )
+
+
+def test_spot_notice_drains_the_node_and_garbage_is_ignored(probed):
+    """The spot watcher (parallel.spot_notice = "aws") asks for the same drain; garbage is said once."""
+    spot = probed["spot"]
     assert len(spot["garbage"]) == 1 and "no notice" in spot["garbage"][0], spot
     assert (
         not spot["drained_by_garbage"]

@@ -7,21 +7,28 @@ Ray deletes with the job (docs/cluster.md's walkthrough submits this way).
 2. The default run directory (runs/<name>, relative to the driver's working directory, so inside the copy):
    the job fails with the one-line refusal and exit 2 before any actor starts. It is the negative control
    of 1: the same job but for `--run-dir`.
+3. examples/kuberay/rayjob.yaml's entrypoint as written (`raypar train ... --address auto --resume latest`),
+   its pod paths mapped to this machine: the job trains from step 0 and leaves the checkpoint that a
+   resubmitted job continues from (tests/unit/test_kuberay.py holds `--resume latest` to that).
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
 from ray.job_submission import JobStatus, JobSubmissionClient
 from ray.util.state import list_actors
 
+from raypar.core.checkpoint import format as checkpoint
+from tests.support.kuberay import IMAGE_REPO, entrypoint
 from tests.support.runs import TINY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,10 +47,16 @@ def _submit(
 ) -> tuple[JobStatus, str, str]:
     """Submit `raypar train tiny.toml --name <name> *args` with `working_dir` as the job's; returns the
     final status, the job's message and its logs."""
-    entrypoint = " ".join([sys.executable, "-m", "raypar.controller.cli", "train", "tiny.toml",
-                           "--name", name, "--set", "train.steps=2", *args])  # fmt: skip
-    runtime_env = {"working_dir": str(working_dir), "env_vars": {"PYTHONPATH": str(REPO)}}
-    job = jobs.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+    command = " ".join([sys.executable, "-m", "raypar.controller.cli", "train", "tiny.toml",
+                        "--name", name, "--set", "train.steps=2", *args])  # fmt: skip
+    return _run_job(jobs, command, {"working_dir": str(working_dir)}, name)
+
+
+def _run_job(
+    jobs: JobSubmissionClient, command: str, runtime_env: dict[str, Any], name: str
+) -> tuple[JobStatus, str, str]:
+    runtime_env = {**runtime_env, "env_vars": {"PYTHONPATH": str(REPO)}}
+    job = jobs.submit_job(entrypoint=command, runtime_env=runtime_env)
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while (status := jobs.get_job_status(job)) not in DONE:
         assert time.monotonic() < deadline, f"job {job} ({name}) still {status} after {JOB_TIMEOUT_S}s"
@@ -77,3 +90,28 @@ def test_control_the_default_run_dir_inside_the_copy_is_refused(jobs, working_di
     refusal = [line for line in logs.splitlines() if "--run-dir:" in line]
     assert len(refusal) == 1 and "inside the copy of the job's working_dir" in refusal[0], logs[-3000:]
     assert "Traceback" not in logs, logs[-3000:]
+
+
+def test_the_rayjob_entrypoint_runs_as_written(jobs, tmp_path):
+    """The RayJob's entrypoint, word for word but for the pod's paths (the image's repository, the shared
+    claim at /mnt/checkpoints) and `raypar` run as this tree's module (the venv's script may be another
+    tree's). Overrides: a 2-step run, the claim's checkpoint.dir (train.toml's) mapped too, and no
+    parallel.node_type: this one-node Ray stands for the CPU worker group whose custom resource
+    tests/unit/test_kuberay.py checks."""
+    claim = tmp_path / "claim"
+    words = [w.replace(IMAGE_REPO, str(REPO)).replace("/mnt/checkpoints", str(claim)) for w in entrypoint()]
+    assert words[0] == "raypar"
+    words[:1] = [sys.executable, "-m", "raypar.controller.cli"]
+    ckpt = claim / "raypar" / "kuberay-tiny"
+    words += ["--set", "train.steps=2", "--set", f"checkpoint.dir='{ckpt}'", "--set", "parallel.node_type=''"]
+    status, message, logs = _run_job(jobs, shlex.join(words), {}, "rayjob")
+    assert status == JobStatus.SUCCEEDED, (message, logs[-3000:])
+    run_dir = Path(words[words.index("--run-dir") + 1])
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1], logs[-3000:]
+    assert "--resume latest: no checkpoint under" in logs, logs[-3000:]  # the first submission: step 0
+    # `--address auto` joined this cluster (the job's RAY_ADDRESS), not a Ray of its own
+    run = words[words.index("--name") + 1]
+    address = ray.get_runtime_context().gcs_address
+    assert list_actors(address=address, filters=[("name", "=", f"raypar:{run}:dp0.pp0.tp0")]), logs[-3000:]
+    assert checkpoint.load_manifest(str(ckpt / "step_00000002"))["step"] == 2  # what a resubmission resumes

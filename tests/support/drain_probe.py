@@ -1,14 +1,16 @@
-"""Run by tests/cluster/test_drain.py: `ray drain-node` on the node of one replica, on a local multi-node
-cluster (a `ray.cluster_utils.Cluster` of its own: a head without CPUs and three 2-CPU worker nodes).
+"""Run once by tests/cluster/test_drain.py: `ray drain-node` on the node of one replica, on a local multi-node
+cluster (one `ray.cluster_utils.Cluster` for every case: a head without CPUs and three 2-CPU worker nodes).
 
-The run is tiny at dp=2 x tp=2 under ZeRO-3 without checkpoint.in_memory: each replica is one
-tensor-parallel group, one STRICT_PACK placement group filling one node, and the third node is free. Once
-the run is under way, the node of replica 1 is drained (`ray drain-node`, reason preemption, a 60 s
-deadline). The drainer (a cloud provider, KubeRay) then removes the node: here once the run says it left
-the node, or, for a run that ignores draining, once two more steps are logged after the drain (the time
-compressed: the run cannot tell, as it never looks). An undisturbed run on the same cluster gives the
-reference losses. Prints one JSON object: the runs asked for (`--ignore` adds the negative control's),
-and with `--spot` the spot watcher's drain of a free node against a stub metadata service.
+Each layout of CASES fills two nodes with the replicas it runs, one node per replica (or per shard group),
+and leaves the third free: the room a moved replica needs. Once a run is under way, the node of its last
+replica(s) is drained (`ray drain-node`, reason preemption, a 60 s deadline). The drainer (a cloud provider,
+KubeRay) then removes the node: here once the run says it left it. The negative control of each case is
+the same drain on a run that ignores draining: the node is removed before its next step, as the deadline
+would, and the run's first failure ends it (what follows is the failure path that tests/ray covers); the
+test holds that against the same check. A replacement node joins after every removal, so every run finds
+three free nodes. Then, on the same cluster: benchmarks/drain.py's measurement at --quick settings, and the
+spot watcher's drain of a free node against a stub metadata service. The undisturbed losses come from the
+one-process reference (tests/support/reference.py), in the test's process. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -26,27 +28,62 @@ from typing import Any
 
 import ray
 from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.control import control_name
+from benchmarks import drain as drain_benchmark
 from raypar.controller.cli import status_lines
 from raypar.controller.connection import NAMESPACE
 from raypar.controller.drain import Departures, read_draining
 from raypar.controller.spot import SpotWatchers
 from raypar.controller.training import TrainingLoop
 from tests.support.metadata_stub import metadata_stub
-from tests.support.runs import losses, metrics, run, tiny
+from tests.support.runs import metrics, tiny
 
-SHAPE = ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3", "train.steps=8", "parallel.timeout_s=20"]
+STEPS = 4
+COMMON = [f"train.steps={STEPS}", "parallel.timeout_s=20"]
+# layout -> (its overrides, the replicas that sit on the drained node). Every replica (or HSDP shard group)
+# fills one 2-CPU node: a tp=2 group (STRICT_PACK), two one-actor replicas of a shard group (placed on the
+# node of the group's first), two one-actor pipeline stages (steered there: STEERED).
+CASES: dict[str, tuple[list[str], list[int]]] = {
+    "zero3": (["parallel.dp=2", "parallel.tp=2", "parallel.zero=3"], [1]),
+    "hsdp": (["parallel.dp=4", "parallel.dp_shard=2", "parallel.zero=3"], [2, 3]),
+    "pp2": (["parallel.dp=2", "parallel.pp=2"], [1]),
+}
+# Each stage of these is a placement group of its own, which Ray may put on any node with room (a node held
+# a stage of each replica in one run): ballast on the other nodes steers replica 0 onto one node, then
+# replica 1 onto the next, and the third is freed for the replacement.
+STEERED = {"pp2"}
+NODES, NODE_CPUS = 3, 2
 DRAIN_AFTER_STEP = 1
 DEADLINE_S = 60
 RAY = str(Path(sys.executable).parent / "ray")  # the venv's CLI, where PATH may not lead
+LEFT = ("moved", "no room", "moving")  # how the lines on leaving a draining node begin
 WAIT_S = 240  # any one phase of a run on a loaded 2-core machine
+
+
+@ray.remote(num_cpus=NODE_CPUS)
+class Ballast:
+    """Holds every CPU of one node, so that a placement meanwhile lands on another."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def _ballast(node_id: str) -> Any:
+    held = Ballast.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    ray.get(held.ready.remote(), timeout=WAIT_S)
+    return held
+
+
+class ControlEnds(Exception):
+    """The negative control's first failure, counted in `restarts`, ends its run."""
 
 
 class _HeldDepartures(Departures):
     """Holds the boundary before step DRAIN_AFTER_STEP + 1 until the node is drained and the run's watch has
     seen it: a tiny run's steps are shorter than a `ray drain-node` call and than the watch's POLL_S, so it
-    would otherwise end, or reach the drainer's removal, first (benchmarks/drain.py times the notice)."""
+    would otherwise end first (benchmarks/drain.py times the notice)."""
 
     def leave(self, step: int) -> None:
         self.hold(step)
@@ -64,19 +101,30 @@ class _HeldDepartures(Departures):
 
 
 class IgnoringDepartures(_HeldDepartures):
-    """The negative control: draining is noticed but nothing leaves (raypar before this feature)."""
+    """The negative control: draining is noticed but nothing leaves (raypar before this feature); the node
+    then goes before the next step, as its deadline would make it go."""
 
     def leave(self, step: int) -> None:
         self.hold(step)
+        if step == DRAIN_AFTER_STEP + 1:
+            self.loop.ignored.set()
+            if not self.loop.removed.wait(timeout=WAIT_S):
+                raise AssertionError("the node was not removed")
 
 
 class _HeldLoop(TrainingLoop):
     departures_class = _HeldDepartures
-    drained: threading.Event
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.drained, self.ignored, self.removed = threading.Event(), threading.Event(), threading.Event()
 
 
 class _IgnoringLoop(_HeldLoop):
     departures_class = IgnoringDepartures
+
+    def _recover_once(self, failure: BaseException, step: int) -> int:
+        raise ControlEnds(f"failure {self.restarts} before or in step {step}: {failure}")
 
 
 def _wait(what: str, done: Any, thread: threading.Thread) -> None:
@@ -89,50 +137,96 @@ def _wait(what: str, done: Any, thread: threading.Thread) -> None:
         time.sleep(0.05)  # polling files and a list the run appends to
 
 
-def drained_run(cluster: Cluster, address: str, tmp: Path, name: str, loop_class: type) -> dict[str, Any]:
-    """One run at SHAPE whose replica-1 node is drained after DRAIN_AFTER_STEP, then removed."""
-    run_dir = tmp / name
-    loop = loop_class(tiny(*SHAPE), name, run_dir, progress=False)
-    loop.drained = threading.Event()
-    thread = threading.Thread(target=loop.execute, daemon=True)
-    thread.start()
-    _wait("the first steps", lambda: any(m["step"] >= DRAIN_AFTER_STEP for m in metrics(run_dir)), thread)
-    victim = next(w.node_id for c, w in loop.actor_mesh.nodes.items() if c.dp == 1)
-    drained_at = time.time()
+def _drain(address: str, node: str) -> None:
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
     subprocess.run(
-        [RAY, "drain-node", "--address", address, "--node-id", victim, "--reason",
+        [RAY, "drain-node", "--address", address, "--node-id", node, "--reason",
          "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "test", "--deadline-remaining-seconds",
          str(DEADLINE_S)],
         check=True, capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip
-    logged = len(metrics(run_dir))
-    loop.drained.set()
-    _wait("the run's line on the drain", lambda: any(" drains " in e for e in loop.events), thread)
-    posted = ray.get(ray.get_actor(control_name(name), namespace=NAMESPACE).status.remote(), timeout=30)
-    status = status_lines([posted])  # what `raypar status` prints now
-    _wait(
-        "the run to leave the node (or two more steps)",
-        lambda: any(e.startswith("moved") for e in loop.events) or len(metrics(run_dir)) >= logged + 2,
-        thread,
-    )
-    left_s = time.time() - drained_at
-    still_there = sorted(c.key for c, w in loop.actor_mesh.nodes.items() if w.node_id == victim)
-    node = next(n for n in cluster.worker_nodes if n.node_id == victim)
-    cluster.remove_node(node, allow_graceful=False)  # the drainer's deadline: the node goes
-    thread.join(timeout=WAIT_S)
-    # a node in place of the removed one: the next run finds three again
-    cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    return {
-        "metrics": metrics(run_dir),
-        "events": loop.events,
-        "restarts": loop.restarts,  # also of a run still going (its result not returned yet)
-        "alive": thread.is_alive(),
-        "left_s": left_s,
-        "still_on_node": still_there,
-        "status": status,
-    }
+
+
+class Probe:
+    """The cluster, and the runs on it in turn."""
+
+    def __init__(self) -> None:
+        # Quick node-death detection (default: tens of seconds of missed health checks).
+        system = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000}
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": system},
+        )
+        for _ in range(NODES):
+            self.cluster.add_node(num_cpus=NODE_CPUS)
+        self.tmp = Path(tempfile.mkdtemp(prefix="drain-"))
+
+    def replace(self, node_id: str) -> None:
+        """The drainer's deadline: the node goes (SIGKILL); a fresh one joins for the next run."""
+        node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
+        self.cluster.remove_node(node, allow_graceful=False)
+        self.cluster.add_node(num_cpus=NODE_CPUS)
+
+    def drained_run(self, case: str, ignore: bool) -> dict[str, Any]:
+        """One run of `case` whose leaving replicas' node is drained after DRAIN_AFTER_STEP, then removed."""
+        overrides, leaving = CASES[case]
+        name = f"{case}-ignored" if ignore else case
+        run_dir = self.tmp / name
+        loop_class = _IgnoringLoop if ignore else _HeldLoop
+        loop = loop_class(tiny(*overrides, *COMMON), name, run_dir, progress=False)
+        ended: list[BaseException] = []
+        thread = threading.Thread(target=lambda: _catch(loop.execute, ended), daemon=True)
+        started = time.perf_counter()
+        first, *others = [n.node_id for n in self.cluster.worker_nodes]
+        held = [_ballast(n) for n in others] if case in STEERED else []
+        thread.start()
+        mesh = loop.actor_mesh
+        for d, ballast in enumerate(held):  # replica d placed (on the one node left free): the next opens
+            _wait(f"replica {d} placed", lambda d=d: all((d, p) in mesh.pgs for p in range(mesh.pp)), thread)
+            ray.kill(ballast)
+        _wait("the first steps", lambda: any(m["step"] >= DRAIN_AFTER_STEP for m in metrics(run_dir)), thread)
+        nodes = dict(loop.actor_mesh.nodes)
+        victim = next(w.node_id for c, w in nodes.items() if c.dp == leaving[0])
+        on_victim = sorted({c.dp for c, w in nodes.items() if w.node_id == victim})
+        assert on_victim == leaving, f"{case}: node {victim[:12]} holds replicas {on_victim}, not {leaving}"
+        drained_at = time.time()
+        if ignore:  # what `ray drain-node` sends the GCS (the CLI's start-up is seconds of a loaded machine)
+            drain_benchmark.ask_drain(victim, DEADLINE_S)
+        else:
+            _drain(self.cluster.address, victim)
+        loop.drained.set()
+        _wait("the run's line on the drain", lambda: any(" drains " in e for e in loop.events), thread)
+        posted = ray.get(ray.get_actor(control_name(name), namespace=NAMESPACE).status.remote(), timeout=30)
+        status = status_lines([posted])  # what `raypar status` prints now
+        _wait(
+            "the run to leave the node (or, ignoring the drain, to reach its next step)",
+            lambda: loop.ignored.is_set() or any(e.startswith(LEFT) for e in loop.events),
+            thread,
+        )
+        left_s = time.time() - drained_at
+        still_there = sorted(c.key for c, w in loop.actor_mesh.nodes.items() if w.node_id == victim)
+        self.replace(victim)
+        loop.removed.set()
+        thread.join(timeout=WAIT_S)
+        return {
+            "metrics": metrics(run_dir),
+            "events": loop.events,
+            "restarts": loop.restarts,
+            "alive": thread.is_alive(),
+            "ended": [repr(e) for e in ended],
+            "left_s": left_s,
+            "still_on_node": still_there,
+            "status": status,
+            "leaving": leaving,
+            "wall_s": time.perf_counter() - started,
+        }
+
+
+def _catch(run: Any, ended: list[BaseException]) -> None:
+    try:
+        run()
+    except BaseException as err:  # noqa: BLE001 - reported in the probe's output
+        ended.append(err)
 
 
 def spot_drain() -> dict[str, Any]:
@@ -164,28 +258,23 @@ def spot_drain() -> dict[str, Any]:
 
 
 def main() -> None:
-    system = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": system},
-    )
-    for _ in range(3):
-        cluster.add_node(num_cpus=2)
-    out: dict[str, Any] = {}
+    probe = Probe()
+    out: dict[str, Any] = {"wall_s": {}}
     try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
-        tmp = Path(tempfile.mkdtemp(prefix="drain-"))
-        run(tiny(*SHAPE), "drain-straight", tmp / "straight")
-        out["straight"] = losses(tmp / "straight")
-        out["drained"] = drained_run(cluster, cluster.address, tmp, "drain", _HeldLoop)
-        if "--ignore" in sys.argv:
-            out["ignored"] = drained_run(cluster, cluster.address, tmp, "drain-ignored", _IgnoringLoop)
-        if "--spot" in sys.argv:
-            out["spot"] = spot_drain()
+        ray.init(address=probe.cluster.address, log_to_driver=False)
+        probe.cluster.wait_for_nodes()
+        for case in CASES:
+            for ignore in (False, True):
+                key = f"{case}-ignored" if ignore else case
+                out[key] = probe.drained_run(case, ignore)
+                probe.cluster.wait_for_nodes()
+        started = time.perf_counter()
+        out["benchmark"] = drain_benchmark.measure(**drain_benchmark.QUICK)  # leaves its drained node
+        out["wall_s"]["benchmark"] = time.perf_counter() - started
+        out["spot"] = spot_drain()
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        probe.cluster.shutdown()
     print(json.dumps(out))
 
 

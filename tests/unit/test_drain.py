@@ -11,11 +11,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from actors.spot_watch import SpotWatch, parse_notice
 from raypar.controller import cli, drain
+from raypar.controller.training import TrainingLoop
+from raypar.core.checkpoint import format as checkpoint
 from raypar.core.parallel.mesh import Coord
 from tests.support.metadata_stub import metadata_stub
+from tests.support.runs import tiny
 
 NODE = "ab" * 28
 
@@ -126,3 +130,63 @@ def test_leave_moves_before_the_deadline_or_says_why_not(monkeypatch):
     with pytest.raises(RuntimeError, match="actor died"):
         departures.leave(5)
     assert "failed before step 5" in loop.events[0] and departures.given_up == {NODE}
+
+
+class _LastCopyMesh:
+    """An ActorMesh as far as leaving a draining node goes: every replica (one, or HSDP's only shard group)
+    on the draining node; its checkpoint is one real shard, staged and written as the actors write theirs."""
+
+    def __init__(self, replicas: list[int], shard_groups: list[list[int]]):
+        self.replicas, self.shard_groups = replicas, shard_groups
+        self.nodes = {Coord(d, 0, 0, 0): SimpleNamespace(node_id=NODE) for d in replicas}
+        self.dp, self.pp, self.tp, self.cp = len(replicas), 1, 1, 1
+
+    def commit(self) -> None:
+        pass
+
+    def _whole_shard_groups(self, leaving: set[int]) -> set[int]:
+        return {d for group in self.shard_groups if leaving & set(group) for d in group}
+
+    def begin_checkpoint(self, root: str, step: int) -> tuple[str, list[Coord]]:
+        staging = checkpoint.begin(root, step)
+        self.entry = checkpoint.write_shard(
+            staging, "dp0", {"w": torch.full((2,), float(step))}, {"w": checkpoint.ShardSpec((2,), (0,))}
+        )
+        return staging, list(self.nodes)
+
+    def checkpoint_writes(self, writers: list[Coord]) -> dict[Any, Coord]:
+        return {}
+
+    def collect(self, writes: dict[Any, Coord], what: str) -> list[dict[str, Any]]:
+        return [self.entry]
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return {}
+
+    def rng_states(self) -> dict[str, Any]:
+        return {}
+
+
+@pytest.mark.parametrize("layout", [([0], []), ([0, 1], [[0, 1]])], ids=["dp1", "hsdp-one-group"])
+def test_the_last_copy_on_a_draining_node_is_checkpointed_at_that_step(tmp_path, layout):
+    """No replica would be left off the node: `leave` writes a checkpoint at that step and publishes it
+    before the node goes, so the failure path resumes from it (`last_checkpoint`), not from an older one;
+    said on one line, once. Without checkpoint.dir the same drain writes nothing and says so."""
+    replicas, groups = layout
+    root = tmp_path / "ckpt"
+    for where in (str(root), ""):
+        (tmp_path / "run").mkdir(exist_ok=True)
+        loop = TrainingLoop(tiny(f"checkpoint.dir='{where}'"), "r", tmp_path / "run", progress=False)
+        loop.actor_mesh = _LastCopyMesh(replicas, groups)
+        loop.departures.watch = SimpleNamespace(current=lambda: {NODE: drain.Drain(NODE, time.time() + 60)})
+        loop.departures.leave(3)
+        loop.departures.leave(4)  # the node given up: nothing more
+        lines = [e for e in loop.events if "draining nodes" in e]
+        assert len(lines) == 1 and f"every replica ({replicas}) is on draining nodes" in lines[0], loop.events
+        if where:
+            assert "writing a checkpoint at step 3" in lines[0], lines
+            assert loop.last_checkpoint == str(root / "step_00000003"), loop.events
+            assert checkpoint.load_manifest(loop.last_checkpoint)["step"] == 3
+        else:
+            assert "no checkpoint.dir: the node's end goes the failure path" in lines[0], lines
+            assert loop.last_checkpoint is None and not hasattr(loop.actor_mesh, "entry"), loop.events

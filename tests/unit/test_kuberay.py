@@ -6,8 +6,6 @@ RayJob's entrypoint is the resumable one (`--resume latest` starts at step 0 wit
 from __future__ import annotations
 
 import re
-import shlex
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,24 +14,13 @@ import yaml
 from raypar.controller import capacity
 from raypar.core.config.errors import ConfigError
 from raypar.core.run_config import load_config
-
-KUBERAY = Path(__file__).resolve().parents[2] / "examples" / "kuberay"
-IMAGE_REPO = "/home/ray/raypar"  # where examples/kuberay/Dockerfile puts the repository
-
-
-def manifest(name: str) -> dict[str, Any]:
-    (doc,) = yaml.safe_load_all((KUBERAY / name).read_text())
-    return doc
+from tests.support.kuberay import IMAGE_REPO, KUBERAY, entrypoint, manifest
 
 
 def raycluster() -> dict[str, Any]:
     cr = manifest("raycluster.yaml")
     cr["metadata"].setdefault("namespace", "default")  # kubectl fills it in
     return cr
-
-
-def entrypoint() -> list[str]:
-    return shlex.split(manifest("rayjob.yaml")["spec"]["entrypoint"])
 
 
 def test_manifests_parse():
