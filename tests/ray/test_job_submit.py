@@ -27,7 +27,7 @@ import ray
 from ray.job_submission import JobStatus, JobSubmissionClient
 from ray.util.state import list_actors
 
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from tests.support.kuberay import IMAGE_REPO, entrypoint
 from tests.support.runs import TINY
 

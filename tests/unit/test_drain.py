@@ -16,7 +16,7 @@ import torch
 from actors.spot_watch import SpotWatch, parse_notice
 from raypar.controller import cli, drain
 from raypar.controller.training import TrainingLoop
-from raypar.core.checkpoint import format as checkpoint
+from raypar.core import checkpoint
 from raypar.core.parallel.mesh import Coord
 from tests.support.metadata_stub import metadata_stub
 from tests.support.runs import tiny
