@@ -17,8 +17,8 @@ from typing import Any
 import ray
 import torch
 
-from actors.buddy import BuddyCopies, Snapshot
-from actors.endpoints import Inventory, Shard, WorkerEndpoints, call
+from actors.buddy import BuddyCopies
+from actors.endpoints import Inventory, Shard, Snapshot, WorkerEndpoints, call
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.checkpoint import reader as checkpoint_read
 from raypar.core.config.schema import Config

@@ -47,8 +47,7 @@ from typing import Any
 import ray
 import torch
 
-from actors.buddy import Snapshot
-from actors.endpoints import Peers, Placement, SetupInfo
+from actors.endpoints import Peers, Placement, SetupInfo, Snapshot
 from actors.worker import WORKER_GROUPS, WORKER_THREADS, Worker
 from collectives import Group
 from raypar.controller.actor_mesh import ActorMesh

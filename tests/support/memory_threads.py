@@ -23,7 +23,8 @@ import torch
 
 from actors import buddy as buddy_module
 from actors import worker_state
-from actors.buddy import BuddyCopies, Snapshot
+from actors.buddy import BuddyCopies
+from actors.endpoints import Snapshot
 from raypar.controller.buddy import buddy_of
 from raypar.core.config.schema import Config
 from raypar.core.dp import precision

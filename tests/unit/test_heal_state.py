@@ -36,7 +36,8 @@ import pytest
 import torch
 
 from actors import worker_state
-from actors.buddy import BuddyCopies, Snapshot
+from actors.buddy import BuddyCopies
+from actors.endpoints import Snapshot
 from raypar.core.checkpoint import format as checkpoint
 from raypar.core.config.schema import Config
 from raypar.core.dp.strategies import STRATEGIES
