@@ -135,8 +135,8 @@ class BenchActorMesh(ActorMesh):
     raypar's Worker) running `threads` torch threads each."""
 
     def __init__(self, cfg: Config, run: str, worker_cls: Any, threads: int = 1):
+        self.worker_class, self.threads = worker_cls, threads  # before the builder is made with them
         super().__init__(cfg, run)
-        self.worker_class, self.threads = worker_cls, threads
 
     def _worker_args(self, coord: Any) -> tuple:
         return self.run, tuple(coord), self.threads

@@ -53,7 +53,7 @@ def mesh222(ray_session):
     start costs more than the steps. Every call of a step goes down the deepest call tree: one driver call,
     to replica 0's leader, which relays to replica 1's (actors.replica_lead)."""
     trainer = FaultyActorMesh(make_cfg(2, 2, 2), "eq-222", faults={})
-    trainer.driver_calls = 1
+    trainer.builder.driver_calls = 1
     try:
         trainer.start()
         yield trainer

@@ -133,7 +133,7 @@ def test_fp16_elastic_dp_carries_the_loss_scaler(ray_session) -> None:
         assert all(state == HEALED for state in fixed.healed.values()), fixed.healed
         assert_matches_fixed(elastic_run(trainer), fixed)
         # Negative control: replica 1 comes back with a scaler that ignores the broadcast (scale 2^24).
-        trainer.worker_class = NoScalerHeal
+        trainer.builder.worker_class = NoScalerHeal
         broken = elastic_run(trainer)
         with pytest.raises(AssertionError, match=r"loss scaler on dp1\.pp0\.tp0 after the heal"):
             assert_matches_fixed(broken, fixed)
