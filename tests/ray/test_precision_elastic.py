@@ -96,7 +96,8 @@ def fixed_run(trainer: ActorMesh) -> Trace:
 
 
 def elastic_run(trainer: ActorMesh) -> Trace:
-    """From the seed on the same actors: dp 2 -> 1 -> 2; replica 1 is started again (trainer.worker_class)."""
+    """From the seed on the same actors: dp 2 -> 1 -> 2; replica 1 is started again (its builder's
+    worker_class)."""
     trace = Trace()
     trainer.reconfigure(fp16_cfg())
     train(trainer, range(SHRINK_BEFORE), trace)
