@@ -63,7 +63,7 @@ def mesh222(ray_session):
 
 def test_3d_layout_all_schedules_and_transports(mesh222, reference):
     """(2,2,2) under gpipe/1f1b x object_store/direct, on one set of 8 actors (rebuilt from the seed)."""
-    assert mesh222.leads == {Coord(0, 0, 0): True}
+    assert mesh222.roster.leads == {Coord(0, 0, 0): True}
     for schedule in ("1f1b", "gpipe"):
         for transport in ("object_store", "direct"):
             mesh222.reconfigure(make_cfg(2, 2, 2, schedule, transport))
