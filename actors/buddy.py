@@ -19,26 +19,13 @@ on the dp rank.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from actors.endpoints import Inventory, WorkerEndpoints, call
+from actors.endpoints import Inventory, Snapshot, WorkerEndpoints, call
 
 GENERATIONS = 2
-
-
-@dataclass
-class Snapshot:
-    step: int  # the step to run next: every step before it is applied
-    layout: tuple[int, ...]  # replica ids in dp-rank order when it was taken
-    state: dict[str, Any]  # "dense", "experts" (owned_state tensors), "step_count", "loss_scaler", "rng"
-
-    @property
-    def nbytes(self) -> int:
-        parts = (self.state["dense"], self.state["experts"])
-        return sum(t.numel() * t.element_size() for part in parts for t in part.values())
 
 
 def _keep(snaps: list[Snapshot], snap: Snapshot) -> list[Snapshot]:

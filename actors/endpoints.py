@@ -22,8 +22,6 @@ from raypar.core.parallel.mesh import Coord, StageGroups
 if TYPE_CHECKING:
     import torch
 
-    from actors.buddy import Snapshot
-
 # One thread runs the step; on a replica's leader one more waits for its members (`fan_out`); the others
 # take `deliver` (from both neighbours at once), `abort` and `where` while they do. `inspect` has a thread
 # of its own (WORKER_GROUPS): every remote class of a Worker (subclass) declares it.
@@ -71,6 +69,21 @@ class Inventory:
 
     own: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     held: dict[str, list[tuple[int, tuple[int, ...]]]] = field(default_factory=dict)
+
+
+@dataclass
+class Snapshot:
+    """An actor's state in host memory (checkpoint.in_memory, actors.buddy): its own, or a copy it holds for
+    the actor it is the buddy of (`hold_copy`, `copy_of`)."""
+
+    step: int  # the step to run next: every step before it is applied
+    layout: tuple[int, ...]  # replica ids in dp-rank order when it was taken
+    state: dict[str, Any]  # "dense", "experts" (owned_state tensors), "step_count", "loss_scaler", "rng"
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.state["dense"], self.state["experts"])
+        return sum(t.numel() * t.element_size() for part in parts for t in part.values())
 
 
 @dataclass

@@ -5,7 +5,7 @@ Submitting an actor call and reading its answer costs the driver hundreds of µs
 and cannot stay under 1 % of a step at a thousand actors. So, beyond a few actors, the driver calls each
 replica's leader (its first actor) once; the leader calls every actor of its replica, itself included,
 and answers for all of them. Where even one call per replica would be too many, the driver calls one
-leader per group of replicas, which relays the call to the other leaders of its group (`ActorMesh._lead`
+leader per group of replicas, which relays the call to the other leaders of its group (`MeshBuilder.lead`
 builds this tree): the driver makes at most `ActorMesh.driver_calls` calls, each leader a replica's worth
 plus its group's, in parallel with the other leaders.
 

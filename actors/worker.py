@@ -22,16 +22,25 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
 import torch
 
-from actors.buddy import BuddyCopies
 from actors.devices import OnDevice, cuda_ordinal
-from actors.endpoints import INSPECT, WORKER_GROUPS, WORKER_THREADS, Peers, Placement, SetupInfo
+from actors.endpoints import (
+    INSPECT,
+    WORKER_GROUPS,
+    WORKER_THREADS,
+    Inventory,
+    Peers,
+    Placement,
+    SetupInfo,
+    Shard,
+    Snapshot,
+)
 from actors.replica_lead import ReplicaLead
 from actors.task_events import per_step
 from actors.telemetry import ActorMetrics
@@ -51,7 +60,7 @@ from raypar.core.dp.strategy import DPStrategy, StrategySpec
 from raypar.core.model import families
 from raypar.core.model.moe import is_expert_param
 from raypar.core.model.moe_balance import apply_bias_updates, bias_updates
-from raypar.core.model.stage import StageSpec, dropout_seed
+from raypar.core.model.stage import Stage, StageSpec, dropout_seed
 from raypar.core.observe import flops, hangs, memory
 from raypar.core.observe.hangs import ActorProbe
 from raypar.core.observe.profile import ActorProfile, StepProfiler
@@ -61,8 +70,9 @@ from raypar.core.parallel.float8 import float8_for
 from raypar.core.parallel.mesh import BoundGroups, Coord, StageGroups, actor_name, stage_layers
 from raypar.core.pipeline import schedules
 from raypar.core.pipeline.evaluate import ForwardBackend, evaluate
-from raypar.core.pipeline.executor import ModelBackend, StepRun, busy_seconds
+from raypar.core.pipeline.executor import ModelBackend, StepRun, Transport, busy_seconds
 from raypar.core.pipeline.instructions import network_receives
+from raypar.core.pipeline.schedules import Topology
 
 # Counting the bytes a forward saves costs a Python call per saved tensor, a share of a short step
 # (benchmarks/README.md, `train_throughput.py`). A dense model's counts depend only on the shapes, fixed while
@@ -72,47 +82,45 @@ METER_EVERY = 100
 
 
 class _ActorBackend(ModelBackend):
-    """The executor's model backend for one actor's step, plus what the actor does around each forward:
-    dropout seeded per (step, microbatch, virtual stage), the same on every tp rank of it; the activations
-    each unit saves, measured while its graph lives (raypar.core.observe.memory)."""
+    """The executor's model backend for one actor's step `step`, plus what the actor does around each
+    forward: dropout seeded per (step, microbatch, virtual stage), the same on every tp rank of it
+    (`seed`: train.seed, None without dropout; `first_mb`: this replica's first global microbatch); the
+    activations each unit saves, measured while its graph lives (raypar.core.observe.memory), their byte
+    counts kept in the worker's `saved_bytes` between metering steps. `target_tokens`: the step's target
+    tokens over the global batch, 0 on a stage that reads no data."""
 
-    def __init__(self, worker: Worker, step: int, scale: float):
-        cfg = worker.cfg
-        # the loss per target token of the global batch, at any layout (raypar.core.data.documents)
-        # a middle stage reads no data and computes no loss: 0 (the driver takes the max over actors)
-        self.target_tokens = (
-            documents.target_tokens(worker.dataset, worker.sampler, step, cfg.model.seq_len)
-            if worker.dataset is not None
-            else 0
-        )
-        share = documents.loss_share(self.target_tokens, worker.microbatches * worker.dp * cfg.parallel.cp)
+    def __init__(
+        self, model: Stage, rank: int, topo: Topology, transport: Transport, act_like: torch.Tensor,
+        batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]], n_mb: int,
+        send_grad: Callable[[int, int, torch.Tensor], None], scale: float,
+        documents: Callable[[int], torch.Tensor | None], loss_tokens: float, *, step: int, target_tokens: int,
+        seed: int | None, first_mb: int, saved_bytes: dict[tuple[int, int], int],
+    ):
         super().__init__(
-            worker.model, worker.coord.pp, worker.topo, worker.transport, worker.act_like,
-            lambda mb: worker._batch(step, mb), worker.microbatches, worker._send_grad, scale,
-            documents=lambda mb: worker._documents(step, mb), loss_tokens=share,
+            model, rank, topo, transport, act_like, batch, n_mb, send_grad, scale,
+            documents=documents, loss_tokens=loss_tokens,
         )
-        self.worker, self.step = worker, step
+        self.step, self.target_tokens = step, target_tokens
+        self.seed, self.first_mb, self.saved_bytes = seed, first_mb, saved_bytes
         self.saved: memory.SavedActivations | None = None  # made on a metering step only (a module walk)
         self.live = memory.LiveActivations()
 
     def run_forward(self, chunk: int, mb: int, forward: Any) -> torch.Tensor:
-        w = self.worker
-        if w.cfg.model.dropout > 0:  # the same masks on every tp rank, whatever recomputes
-            global_mb = w.dp_rank * w.microbatches + mb
+        if self.seed is not None:  # the same masks on every tp rank, whatever recomputes
             stage = self.topo.virtual(self.rank, chunk)
-            torch.manual_seed(dropout_seed(w.cfg.train.seed, self.step, global_mb, stage))
-        known = w.saved_bytes.get((chunk, mb))
+            torch.manual_seed(dropout_seed(self.seed, self.step, self.first_mb + mb, stage))
+        known = self.saved_bytes.get((chunk, mb))
         if known is not None and self.step % METER_EVERY:
             out = forward()
         else:
             if self.saved is None:
-                model = w.model
+                model = self.model
                 self.saved = memory.SavedActivations(exclude=[*model.parameters(), *model.buffers()])
             with self.saved:
                 out = forward()
             known = self.saved.bytes
-            if not w.model.moe_layers():  # experts see a different number of tokens every step
-                w.saved_bytes[(chunk, mb)] = known
+            if not self.model.moe_layers():  # experts see a different number of tokens every step
+                self.saved_bytes[(chunk, mb)] = known
         self.live.forward((chunk, mb), known)
         return out
 
@@ -132,13 +140,13 @@ class WorkerFailure(RuntimeError):
     """Raised inside an actor; the message is prefixed with the actor's coordinates."""
 
 
-class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
+class Worker(OnDevice, GroupHost, ReplicaLead):
     """The actor's code; `RemoteWorker` below is the Ray actor class. Subclasses (tests, benchmarks) override
     the seams `_make_strategy`, `_make_expert_strategy`, `_bind_groups`, `_backend`, `_send_grad`,
-    `_train_step`, `_sum_tied_grads`, `_write_shard` and `_buddy_copy` and wrap themselves the same way.
-    Checkpoints, healing and in-memory snapshots are in `WorkerState` (actors.worker_state). Every
-    public method, a subclass's too, runs on the actor's GPU whichever thread Ray runs it on
-    (actors.devices.OnDevice)."""
+    `_train_step`, `_sum_tied_grads` and `_make_state` and wrap themselves the same way. Checkpoints,
+    healing and in-memory snapshots are its state keeper's (`state`, actors.worker_state); the endpoints
+    for them hand over to it. Every public method, a subclass's too, runs on the actor's GPU whichever
+    thread Ray runs it on (actors.devices.OnDevice)."""
 
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1):
         torch.set_num_threads(threads)
@@ -147,17 +155,9 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         self.mailbox = Mailbox()
         self.metrics = ActorMetrics(run, self.coord)
         self.transport: ObjectStoreTransport | DirectTransport | None = None
-        self._writer: threading.Thread | None = None
-        self._written: list[dict[str, Any]] | BaseException | None = None
         self.strategy: DPStrategy | None = None  # dense parameters
         self.expert_strategy: DPStrategy | None = None  # expert parameters (an empty one without MoE)
-        # The whole DP state, taken before a planned change of dp (ZeRO shards it over the old group):
-        # (state by checkpoint name, optimizer step count); consumed by rebind and sync_state.
-        self._stash: tuple[dict[str, torch.Tensor], int] | None = None
-        # checkpoint.in_memory: snapshots of this actor and copies held for another; kept across set-ups
-        self.copies = BuddyCopies()
-        self._buddy: Any = None  # the actor that holds this one's copies
-        self._layout: tuple[int, ...] = ()  # replica ids in dp-rank order: what a snapshot is valid for
+        self.state = self._make_state()  # checkpoints, healing, in-memory copies; kept across set-ups
         self._in_step: tuple[int, float] | None = None  # (step, its start): what `inspect` reports
 
     def __repr__(self) -> str:
@@ -174,6 +174,10 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
         )
 
+    def _make_state(self) -> WorkerState:
+        """The state keeper (a seam: a test's injects faults into checkpoint writes and buddy copies)."""
+        return WorkerState(self.coord, self._fail)
+
     def _fail(self, what: str, err: Exception) -> WorkerFailure:
         d, p, t, c = self.coord
         where = f"dp={d}, pp={p}, tp={t}" + (f", cp={c}" if c else "")  # as in the name
@@ -187,7 +191,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         In-memory copies of an earlier state are void then, unless `keep_copies` (to restore from them)."""
         self.cfg = from_dict(cfg)
         if not keep_copies:
-            self.copies = BuddyCopies()
+            self.state.drop_copies()
         p, par = self.coord.pp, self.cfg.parallel
         self.device = self._device()
         self._use_device(self.device)
@@ -212,9 +216,10 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         self.model.set_float8(float8_for(train))
         self.model.to(self.device)
         self.param_dtype = dtype  # the strategy keeps fp32 masters for 16-bit parameters
-        self.strategy, self.expert_strategy, self._stash = None, None, None
+        self.strategy, self.expert_strategy = None, None
         self._shard_members: tuple[Coord, ...] | None = None  # whom the dense ZeRO state is sharded over
         self.scaler = precision.scaler_for(train)
+        self.state.set_up(self.cfg, self.device, self.model, self.scaler)
         self._skip = False
         self._bias_steps: dict[str, torch.Tensor] = {}  # the routing biases' move at the step's commit
         self.dataset = self.val_dataset = None
@@ -238,9 +243,9 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         self.saved_bytes: dict[tuple[int, int], int] = {}  # per unit; a new dp changes microbatch sizes
         par = self.cfg.parallel
         self.dp, self.dp_rank = groups.dp, groups.dp_rank
-        self._layout, self._buddy = groups.replicas, peers.buddy
         bound = groups.bind(self.group)
         self._bind_groups(bound)
+        self.state.bind(self.dp_rank, groups.replicas, peers.buddy, bound)
         # Gradients of parameters replicated across cp are reduced over cp x dp (the dp group).
         self.dp_group, self.edp_group, self.ep_group = bound.dp, bound.edp, bound.ep
         self.emb_group, self.mp_group = bound.emb, bound.mp
@@ -271,7 +276,8 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         over: from the stash of a planned dp change, read locally where nothing is sharded, or (sharded, and
         `kept`: the same shard group, as HSDP's surviving ones are) each rank's owned pieces."""
         par = self.cfg.parallel
-        state, step_count = self._stash if self._stash is not None else (None, 0)
+        stash = self.state.stashed()
+        state, step_count = stash if stash is not None else (None, 0)
         owned = None
         if state is None and self.strategy is not None and self.strategy.sharded and kept:
             owned = [s.owned_state() for s in self._strategies()]
@@ -282,12 +288,13 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
                     f"parallel.zero={par.zero}: this replica's optimizer slices were sharded over a group "
                     "that changed without a stash; restore from a checkpoint"
                 )
-            state, step_count = self._full_state(), self.strategy.step_count
+            state, step_count = self.state.full_state(), self.strategy.step_count
         if self.strategy is not None:
             for old in self._strategies():
                 old.close()
         self.strategy = self._make_strategy(self.dps_group or self.dp_group)
         self.expert_strategy = self._make_expert_strategy(self.edp_group)
+        self.state.use_strategies(self.strategy, self.expert_strategy)
         tied = self.model.tied_weight()
         if tied is not None:  # its bucket waits for `_sum_tied_grads`
             self.strategy.hold({n for n, p in self.model.named_parameters() if p is tied})
@@ -342,6 +349,43 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
             return torch.device("cuda", cuda_ordinal(gpu_ids[0], os.environ.get("CUDA_VISIBLE_DEVICES")))
         return torch.device("cpu")
 
+    # -- state: the keeper's (actors.worker_state) -------------------------------------------------------
+    def stash_state(self) -> None:
+        self.state.stash_state()
+
+    def sync_state(self, src_dp_rank: int) -> None:
+        self.state.sync_state(src_dp_rank)
+
+    def parameters(self) -> dict[str, Shard]:
+        return self.state.parameters()
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.state.optimizer_state()
+
+    def save_shard(self, staging: str) -> bool:
+        return self.state.save_shard(staging)
+
+    def wait_shard(self) -> list[dict[str, Any]] | None:
+        return self.state.wait_shard()
+
+    def load_state(self, ckpt_uri: str) -> int:
+        return self.state.load_state(ckpt_uri)
+
+    def rng_state(self) -> dict[str, str]:
+        return self.state.rng_state()
+
+    def memory_inventory(self) -> Inventory:
+        return self.state.memory_inventory()
+
+    def restore_memory(self, step: int, source: Any = None) -> None:
+        self.state.restore_memory(step, source)
+
+    def hold_copy(self, owner: str, snap: Snapshot) -> None:
+        self.state.hold_copy(owner, snap)
+
+    def copy_of(self, owner: str, step: int) -> Snapshot:
+        return self.state.copy_of(owner, step)
+
     @per_step
     def deliver(self, key: tuple[str, int, int, int, int], refs: list, dtype: str) -> None:
         self.mailbox.put(tuple(key), (refs, dtype))
@@ -389,7 +433,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
                 self.model.take_moe_stats()
                 self.model.take_aux_loss()
                 raise self._fail(f"step {step}", err) from err
-            self.copies.wait_shared()  # so a completed step means: the buddy holds the copy from before it
+            self.state.wait_shared()  # so a completed step means: the buddy holds the copy from before it
         finally:
             self._in_step = None
         return result
@@ -427,11 +471,11 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         for strategy in self._strategies():
             strategy.zero_grad()
         if self.cfg.checkpoint.in_memory:
-            self._snapshot(step + 1)
+            self.state.snapshot(step + 1)
 
     def _train_step(self, step: int) -> StepReport:
         start = time.perf_counter()
-        self._stash = None  # a dp change is complete once a step runs
+        self.state.drop_stash()  # a dp change is complete once a step runs
         for strategy in self._strategies():
             strategy.begin_step()
         self.transport.step = step
@@ -552,7 +596,7 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
         in flight, model states, in-memory checkpoint copies (host), and the peak (GPU: the allocator's;
         CPU: model states + activations + copies)."""
         states = sum(sum(s.model_state_bytes().values()) for s in self._strategies())
-        snapshots = self.copies.nbytes()
+        snapshots = self.state.copies_nbytes()
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
         else:  # the in-memory copies share the host memory with everything else
@@ -575,8 +619,25 @@ class Worker(OnDevice, WorkerState, GroupHost, ReplicaLead):
                 group.all_reduce(t, "max")
         return bool(t.item())
 
-    def _backend(self, step: int, scale: float) -> _ActorBackend:
-        return _ActorBackend(self, step, scale)
+    def _backend(
+        self, step: int, scale: float, backend_class: Callable[..., _ActorBackend] = _ActorBackend
+    ) -> _ActorBackend:
+        cfg = self.cfg
+        # the loss per target token of the global batch, at any layout (raypar.core.data.documents);
+        # a middle stage reads no data and computes no loss: 0 (the driver takes the max over actors)
+        target_tokens = (
+            documents.target_tokens(self.dataset, self.sampler, step, cfg.model.seq_len)
+            if self.dataset is not None
+            else 0
+        )
+        share = documents.loss_share(target_tokens, self.microbatches * self.dp * cfg.parallel.cp)
+        return backend_class(
+            self.model, self.coord.pp, self.topo, self.transport, self.act_like,
+            lambda mb: self._batch(step, mb), self.microbatches, self._send_grad, scale,
+            lambda mb: self._documents(step, mb), share, step=step, target_tokens=target_tokens,
+            seed=cfg.train.seed if cfg.model.dropout > 0 else None, first_mb=self.dp_rank * self.microbatches,
+            saved_bytes=self.saved_bytes,
+        )
 
     def _send_grad(self, chunk: int, mb: int, grad: torch.Tensor) -> None:
         self.transport.send_grad(chunk, mb, grad)

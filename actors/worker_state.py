@@ -2,63 +2,105 @@
 layout), the whole DP state for a change of dp and for healing new replicas, and in-memory snapshots
 with their copies on a buddy actor (actors.buddy).
 
-`WorkerState` is a mixin of `actors.worker.Worker`, kept apart so that the worker module reads as
-set-up
-and the training step. It uses the worker's model, DP strategies (`_strategies()`), loss scaler, groups,
-device, config and `_fail`; `Worker.__init__` and `setup` create them.
+`WorkerState` is the state keeper an `actors.worker.Worker` owns (`Worker.state`), so that the worker
+module reads as set-up and the training step. The worker hands it what the state lives in: the model,
+device, config and loss scaler (`set_up`), the replica's rank, layout, buddy and groups (`bind`), and the
+DP strategies built for them (`use_strategies`); the keeper owns the rest (the stash of a dp change, the
+background checkpoint write, the in-memory copies).
 """
 
 from __future__ import annotations
 
 import base64
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import ray
 import torch
 
-from actors.buddy import BuddyCopies, Snapshot
-from actors.endpoints import Inventory, Shard, WorkerEndpoints, call
+from actors.buddy import BuddyCopies
+from actors.endpoints import Inventory, Shard, Snapshot, WorkerEndpoints, call
 from raypar.core import checkpoint
 from raypar.core.config.schema import Config
 from raypar.core.dp.precision import LossScaler
 from raypar.core.dp.strategy import DPStrategy
 from raypar.core.model.stage import Stage
-from raypar.core.parallel.mesh import Coord
+from raypar.core.parallel.mesh import BoundGroups, Coord
 
 
 class WorkerState:
-    """State movement of a `Worker`: healing and dp changes, checkpoints, in-memory snapshots. Tests
-    override the seams `_write_shard` and `_buddy_copy`."""
+    """State movement of the worker at `coord`: healing and dp changes, checkpoints, in-memory snapshots.
+    `fail(what, err)` is the worker's error naming the actor. Tests override the seams `_write_shard` and
+    `_buddy_copy` (the worker's `_make_state` picks the class)."""
 
-    # What the worker provides (set in Worker.__init__, setup and rebind).
-    cfg: Config
-    coord: Coord
-    device: torch.device
-    model: Stage
-    scaler: LossScaler | None
-    strategy: DPStrategy
-    expert_strategy: DPStrategy
-    dp_rank: int
-    dp_group: Any
-    dpr_group: Any
-    edp_group: Any
-    copies: BuddyCopies
-    _buddy: Any
-    _layout: tuple[int, ...]
-    _stash: tuple[dict[str, torch.Tensor], int] | None
-    _writer: threading.Thread | None
-    _written: list[dict[str, Any]] | BaseException | None
+    def __init__(self, coord: Coord, fail: Callable[[str, Exception], Exception]):
+        self.coord, self._fail = coord, fail
+        # checkpoint.in_memory: snapshots of this actor and copies held for another; kept across set-ups
+        self.copies = BuddyCopies()
+        self._buddy: Any = None  # the actor that holds this one's copies
+        self._layout: tuple[int, ...] = ()  # replica ids in dp-rank order: what a snapshot is valid for
+        # The whole DP state, taken before a planned change of dp (ZeRO shards it over the old group):
+        # (state by checkpoint name, optimizer step count); consumed by the rebind and sync_state.
+        self._stash: tuple[dict[str, torch.Tensor], int] | None = None
+        self._writer: threading.Thread | None = None
+        self._written: list[dict[str, Any]] | BaseException | None = None
+        # what the state lives in, handed over by the worker (set_up, bind, use_strategies)
+        self.cfg: Config | None = None
+        self.device: torch.device | None = None
+        self.model: Stage | None = None
+        self.scaler: LossScaler | None = None
+        self.strategy: DPStrategy | None = None  # dense parameters
+        self.expert_strategy: DPStrategy | None = None  # expert parameters (an empty one without MoE)
+        self.dp_rank = 0
+        self.dp_group = self.dpr_group = self.edp_group = None
+
+    # -- what the worker hands over ------------------------------------------------------------------------
+    def set_up(self, cfg: Config, device: torch.device, model: Stage, scaler: LossScaler | None) -> None:
+        """A model built afresh from the seed: no strategies yet, no stash."""
+        self.cfg, self.device, self.model, self.scaler = cfg, device, model, scaler
+        self.strategy, self.expert_strategy, self._stash = None, None, None
+
+    def drop_copies(self) -> None:
+        """In-memory copies of an earlier state are void (a set-up that does not restore from them)."""
+        self.copies = BuddyCopies()
+
+    def bind(self, dp_rank: int, layout: tuple[int, ...], buddy: Any, groups: BoundGroups[Any]) -> None:
+        """The replica's dp rank, the replicas in dp-rank order, the actor that holds this one's copies, and
+        the groups the state moves over (dp; HSDP's replicate group; the experts' dp group)."""
+        self.dp_rank, self._layout, self._buddy = dp_rank, layout, buddy
+        self.dp_group, self.dpr_group, self.edp_group = groups.dp, groups.dpr, groups.edp
+
+    def use_strategies(self, strategy: DPStrategy, expert_strategy: DPStrategy) -> None:
+        self.strategy, self.expert_strategy = strategy, expert_strategy
+
+    def _strategies(self) -> tuple[DPStrategy, DPStrategy]:
+        return self.strategy, self.expert_strategy
+
+    def stashed(self) -> tuple[dict[str, torch.Tensor], int] | None:
+        """The whole DP state `stash_state` took before a planned change of dp, if any."""
+        return self._stash
+
+    def drop_stash(self) -> None:
+        """A dp change is complete once a step runs: the stash is not needed any more."""
+        self._stash = None
+
+    def wait_shared(self) -> None:
+        """Until the buddy holds the copy handed to it last."""
+        self.copies.wait_shared()
+
+    def copies_nbytes(self) -> int:
+        return self.copies.nbytes()
 
     # -- whole DP state: a planned change of dp, healing new replicas --------------------------------------
-    def _full_state(self) -> dict[str, torch.Tensor]:
+    def full_state(self) -> dict[str, torch.Tensor]:
         """Both strategies' whole state by checkpoint name (dense and expert names are disjoint)."""
         return {**self.strategy.full_state(), **self.expert_strategy.full_state()}
 
     def stash_state(self) -> None:
         """Before a planned change of dp: keep the whole DP state (a collective over the old group under
         ZeRO) so that the new layout can be carved out of it."""
-        self._stash = (self._full_state(), self.strategy.step_count)
+        self._stash = (self.full_state(), self.strategy.step_count)
 
     def sync_state(self, src_dp_rank: int) -> None:
         """Heal new replicas: the replica at `src_dp_rank` broadcasts the whole DP state of this (stage, tp
@@ -194,36 +236,16 @@ class WorkerState:
                 strategy.load(reader, step_count)
             biases = checkpoint.routing_biases(reader, self.model.routing_biases())  # at any ep
             self.model.load_routing_biases(biases)
-            self._restore_rng(reader.meta.get("rng", {}).get(self.coord.key))
+            restore_rng(reader.meta.get("rng", {}).get(self.coord.key), self.device)
             return step_count
         except Exception as err:
             raise self._fail(f"loading {ckpt_uri}", err) from err
 
     def rng_state(self) -> dict[str, str]:
-        """This process's random state (dropout draws from it), base64 per generator."""
-        states = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            states["cuda"] = torch.cuda.get_rng_state(self.device)
-        return {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in states.items()}
+        return rng_state(self.device)
 
-    def _restore_rng(self, saved: dict[str, str] | str | None) -> None:
-        """Random state from a checkpoint written at this actor's coordinate. At another layout there is no
-        such rank: the actor keeps its seeded state (the math of a step does not depend on it)."""
-        if not saved:
-            return
-        if isinstance(saved, str):  # checkpoints written before CUDA state was saved: the CPU state alone
-            saved = {"cpu": saved}
-
-        def state(key: str) -> torch.Tensor:
-            return torch.frombuffer(bytearray(base64.b64decode(saved[key])), dtype=torch.uint8)
-
-        torch.set_rng_state(state("cpu"))
-        if "cuda" in saved and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state("cuda"), self.device)
-
-    # -- in-memory copies (actors.buddy)
-    # -------------------------------------------------------------------
-    def _snapshot(self, next_step: int) -> None:
+    # -- in-memory copies (actors.buddy) -------------------------------------------------------------------
+    def snapshot(self, next_step: int) -> None:
         """Copy the state before `next_step` into host memory (the stall: a copy of what this actor owns)
         and hand it to the buddy in the background."""
         dense, experts = (s.owned_state() for s in self._strategies())
@@ -273,8 +295,32 @@ class WorkerState:
             if self.scaler is not None and state["loss_scaler"]:
                 self.scaler.load_state(state["loss_scaler"])
             self.model.load_routing_biases(state["routing_biases"])
-            self._restore_rng(state["rng"])
+            restore_rng(state["rng"], self.device)
         except Exception as err:
             raise self._fail(f"restoring step {step} from memory", err) from err
         self._share(snap)
         self.copies.wait_shared()
+
+
+def rng_state(device: torch.device) -> dict[str, str]:
+    """This process's random state (dropout draws from it), base64 per generator."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in states.items()}
+
+
+def restore_rng(saved: dict[str, str] | str | None, device: torch.device) -> None:
+    """Random state from a checkpoint written at this actor's coordinate. At another layout there is no
+    such rank: the actor keeps its seeded state (the math of a step does not depend on it)."""
+    if not saved:
+        return
+    if isinstance(saved, str):  # checkpoints written before CUDA state was saved: the CPU state alone
+        saved = {"cpu": saved}
+
+    def state(key: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(saved[key])), dtype=torch.uint8)
+
+    torch.set_rng_state(state("cpu"))
+    if "cuda" in saved and device.type == "cuda":
+        torch.cuda.set_rng_state(state("cuda"), device)

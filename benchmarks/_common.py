@@ -16,6 +16,7 @@ Ray pickles by value), so the actors never need to import this module.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -135,8 +136,8 @@ class BenchActorMesh(ActorMesh):
     raypar's Worker) running `threads` torch threads each."""
 
     def __init__(self, cfg: Config, run: str, worker_cls: Any, threads: int = 1):
+        self.worker_class, self.threads = worker_cls, threads  # before the builder is made with them
         super().__init__(cfg, run)
-        self.worker_class, self.threads = worker_cls, threads
 
     def _worker_args(self, coord: Any) -> tuple:
         return self.run, tuple(coord), self.threads
@@ -148,8 +149,8 @@ class _PaddedBackend(_ActorBackend):
     stage, whatever the real model's own compute there (the last stage's head and loss, the first's
     embedding). A unit whose real compute takes longer is not padded."""
 
-    def __init__(self, worker: Worker, step: int, scale: float, costs: dict[str, float]):
-        super().__init__(worker, step, scale)
+    def __init__(self, *args: Any, costs: dict[str, float], **kwargs: Any):
+        super().__init__(*args, **kwargs)
         self.costs = costs
 
     def compute(self, op: str, chunk: int, mb: int) -> None:
@@ -197,7 +198,7 @@ class _TimedWorker(Worker):
             return super()._backend(step, scale)
         whole = 2 * bwd_s if any(i.op == BACKWARD_INPUT for i in self.plan) else bwd_s
         costs = {FORWARD: fwd_s, BACKWARD: whole, BACKWARD_INPUT: bwd_s, BACKWARD_WEIGHT: bwd_s}
-        return _PaddedBackend(self, step, scale, costs)
+        return super()._backend(step, scale, functools.partial(_PaddedBackend, costs=costs))
 
     def train_step(self, step: int, commit: int | None = None) -> TimedStepReport:
         start, cpu, thread_cpu = time.perf_counter(), time.process_time(), time.thread_time()

@@ -52,8 +52,8 @@ import ray  # noqa: E402
 from actors.endpoints import ReplicaAnswer, WorkerEndpoints  # noqa: E402
 from benchmarks import _common  # noqa: E402
 from benchmarks.light_worker import InstantWorker, LightWorker  # noqa: E402
-from raypar.controller.actor_calls import StepFailure  # noqa: E402
-from raypar.controller.actor_mesh import ActorMesh, StepResult  # noqa: E402
+from raypar.controller.actor_calls import ActorCalls, StepFailure, StepResult  # noqa: E402
+from raypar.controller.actor_mesh import ActorMesh  # noqa: E402
 from raypar.core.parallel.mesh import Coord  # noqa: E402
 from raypar.core.run_config import load_config  # noqa: E402
 
@@ -67,27 +67,32 @@ STEP_S = 1.0
 GOAL_S = 0.01 * STEP_S  # 1 % of a 1-second step
 
 
-class LightMesh(ActorMesh):
-    """raypar's ActorMesh, unchanged, with light actors; plus `step_per_actor`, the design the call tree
-    replaced (one driver call per actor). Both run on the same actors."""
-
-    worker_class = LightWorker
-    driver_calls = TREE_CALLS
+class PerActorCalls(ActorCalls):
+    """raypar's step calls, plus `step_per_actor`: the design the call tree replaced (one driver call per
+    actor)."""
 
     def step_per_actor(self, step: int) -> StepResult:
         start = time.perf_counter()
         commit, self.uncommitted = self.uncommitted, None
-        refs = self._each(WorkerEndpoints.train_step, step, commit)
-        results = self._gather(refs, f"step {step}", step)
+        refs = self.each(WorkerEndpoints.train_step, step, commit)
+        results = self.gather(refs, f"step {step}", step)
         self.uncommitted = step
         return StepResult(step, 1.0, 1.0, 0.0, time.perf_counter() - start, results)
 
 
-DESIGNS = {"per_actor": LightMesh.step_per_actor, "tree": LightMesh.step}
+class LightMesh(ActorMesh):
+    """raypar's ActorMesh, unchanged, with light actors; both designs of a step run on the same actors."""
+
+    worker_class = LightWorker
+    driver_calls = TREE_CALLS
+    calls_class = PerActorCalls
+
+
+DESIGNS = {"per_actor": lambda mesh, step: mesh.calls.step_per_actor(step), "tree": LightMesh.step}
 
 
 def driver_calls(mesh: LightMesh, design: str) -> int:
-    return len(mesh.actors) if design == "per_actor" else len(mesh.leads)
+    return len(mesh.actors) if design == "per_actor" else len(mesh.roster.leads)
 
 
 def make_config(dp: int, max_dp: int) -> Any:
@@ -182,8 +187,8 @@ def run(counts: list[int], designs: list[str], args: argparse.Namespace) -> tupl
 
 def gather_cost(counts: Sequence[int]) -> list[dict[str, Any]]:
     """The driver's cost of collecting n answers that are all in already (refs of `ray.put` values, no
-    actors), three ways: `ActorMesh._gather` of one answer per actor; the loop it used before (one
-    `ray.wait(num_returns=1)` and one `ray.get` per answer, O(n) each, so O(n²) a step); and `_gather` of the
+    actors), three ways: `ActorCalls.gather` of one answer per actor; the loop it used before (one
+    `ray.wait(num_returns=1)` and one `ray.get` per answer, O(n) each, so O(n²) a step); and `gather` of the
     same n answers as raypar's call tree brings them (at most `ActorMesh.driver_calls` `ReplicaAnswer`s, each
     for a group of replicas of PER_REPLICA actors)."""
     mesh = LightMesh(make_config(1, 1), "gather")
@@ -201,10 +206,10 @@ def gather_cost(counts: Sequence[int]) -> list[dict[str, Any]]:
         }
         ray.wait([*refs, *by_top], num_returns=len(refs) + len(by_top))
         start = time.perf_counter()
-        mesh._gather(refs, "gather")
+        mesh.calls.gather(refs, "gather")
         batched = time.perf_counter() - start
         start = time.perf_counter()
-        got = mesh._gather(by_top, "gather")
+        got = mesh.calls.gather(by_top, "gather")
         tree = time.perf_counter() - start
         assert len(got) == n
         start, pending = time.perf_counter(), list(refs)
@@ -315,7 +320,7 @@ def main() -> None:
     finally:
         ray.shutdown()
     fitted = fits(steps, paths, gathers)
-    print("\n## collecting n answers already in: ActorMesh._gather, as the tree brings them, one wait each\n")
+    print("\n## collecting n answers already in: ActorCalls.gather, as the tree brings them, one wait each\n")
     print(_common.table(gathers, GATHER_COLUMNS))
     print("\n## driver time per step, by actor count (mesh (n/8, 4, 2))\n")
     print(_common.table(steps, STEP_COLUMNS))

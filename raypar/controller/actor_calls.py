@@ -1,9 +1,12 @@
-"""Calling every actor of a run and containing failures: the answers of one all-actor call, the dead
-found when one fails, and the one cause reported (the actor that failed, not the peers that then timed
-out waiting for it).
+"""Calling every actor of a run and containing failures: the steps and their two phases, the answers of
+one all-actor call, the dead found when one fails, and the one cause reported (the actor that failed, not
+the peers that then timed out waiting for it).
 
-`ActorCalls` is a mixin of `raypar.controller.actor_mesh.ActorMesh`, kept apart so that the mesh module
-reads as building, running and resizing the mesh. It uses the mesh's actors, config, epoch and `name`.
+`ActorCalls` is the part of `raypar.controller.actor_mesh.ActorMesh` that talks to the actors once they
+are built: it reads the mesh's members from the shared `MeshRoster` and owns the step not yet applied.
+A step is one call per actor, `train_step(step, commit)`: it computes and reduces step `step` without
+applying it; its update is applied at the start of the next call (`commit`), once every actor has finished
+phase 1, or by `commit()` alone before anything that reads the state (checkpoints, scaling, parameters).
 """
 
 from __future__ import annotations
@@ -11,14 +14,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 from actors.endpoints import ReplicaAnswer, WorkerEndpoints, call
 from raypar.controller.connection import RunFailure
-from raypar.controller.hang_watch import LATE_EVERY_S
-from raypar.core.config.schema import Config
+from raypar.controller.hang_watch import LATE_EVERY_S, HangWatch
+from raypar.controller.mesh_roster import MeshRoster
+from raypar.core.model.moe_balance import load_spread
+from raypar.core.observe.step_report import StepReport
 from raypar.core.parallel.mesh import Coord
 
 PING_GRACE_S = 5.0  # pings answered within this are the common case: no need to ask Ray about anyone
@@ -33,6 +39,42 @@ class StepFailure(RunFailure):
     def __init__(self, message: str, dead: set[Coord], step: int | None = None):
         super().__init__(message)
         self.dead, self.step = dead, step
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    per_actor: dict[Coord, StepReport] = field(default_factory=dict)
+    loss_scale: float = 1.0
+    skipped: bool = False
+    moe: dict[str, Any] | None = None  # see moe_totals
+
+
+def moe_totals(per_actor: dict[Coord, StepReport]) -> dict[str, Any] | None:
+    """The step's MoE figures over the whole mesh: `aux_loss` (summed over layers, each the mean over replicas
+    and microbatches), `dropped_tokens` (assignments over capacity, all replicas), `expert_load` (layer ->
+    assignments per expert, all replicas) and `expert_load_spread` (the worst layer's MaxVio, max / mean -
+    1). Every tp rank routes the same tokens: tp rank 0 speaks for them."""
+    layers: dict[str, dict[str, Any]] = {}
+    for coord, result in per_actor.items():
+        for layer, stats in result.moe.items() if coord.tp == 0 else ():
+            total = layers.setdefault(layer, {"load": [0] * len(stats.load), "dropped": 0, "aux": []})
+            total["load"] = [a + b for a, b in zip(total["load"], stats.load, strict=True)]
+            total["dropped"] += stats.dropped
+            total["aux"].append(stats.aux)
+    if not layers:
+        return None
+    order = sorted(layers, key=int)
+    return {
+        "aux_loss": sum(sum(layers[i]["aux"]) / len(layers[i]["aux"]) for i in order),
+        "dropped_tokens": sum(layers[i]["dropped"] for i in order),
+        "expert_load": {i: layers[i]["load"] for i in order},
+        "expert_load_spread": max(load_spread(layers[i]["load"]) for i in order),
+    }
 
 
 def _died(err: BaseException) -> bool:
@@ -61,26 +103,70 @@ def _actor_state(actor: Any) -> str | None:
 
 
 class ActorCalls:
-    """All-actor calls with failure containment (`_gather`), and finding the dead (`find_dead`)."""
+    """The steps (`step`, `evaluate`, `commit`), all-actor calls with failure containment (`gather`), and
+    finding the dead (`find_dead`), for the members `roster` lists."""
 
-    # What the mesh provides (raypar.controller.actor_mesh).
-    cfg: Config
-    run: str
-    cp: int
-    epoch: int
-    actors: dict[Coord, Any]
-    leads: dict[Coord, bool]  # the actors the driver calls: True where they fan out
-    # raypar.controller.hang_watch.HangWatch, set by the training loop: told when a step runs late
-    hang_watch: Any = None
+    def __init__(self, roster: MeshRoster):
+        self.roster = roster
+        self.uncommitted: int | None = None  # a step whose phase 1 finished everywhere, not yet applied
+        self.hang_watch: HangWatch | None = None  # set by the training loop: told when a step runs late
 
-    def _gather(self, refs: dict[Any, Coord], what: str, step: int | None = None) -> dict[Coord, Any]:
+    # -- steps -------------------------------------------------------------------------------------------
+    def step(self, step: int) -> StepResult:
+        """Phase 1 of `step` everywhere, carrying the commit of the step before. Once this returns, `step`
+        is complete: every intact replica applies it, with the next call or with `commit()`."""
+        start = time.perf_counter()
+        commit, self.uncommitted = self.uncommitted, None  # whoever receives the call applies it
+        results: dict[Coord, StepReport] = self.fan_out(
+            WorkerEndpoints.train_step, (step, commit), f"step {step}", step
+        )
+        self.uncommitted = step
+        elapsed = time.perf_counter() - start
+        last = self.roster.topology.last_rank
+        losses = [r.loss for c, r in results.items() if c.pp == last and c.tp == 0]
+        some = next(iter(results.values()))
+        return StepResult(
+            step,
+            sum(losses) / len(losses),
+            some.grad_norm,
+            some.lr,
+            elapsed,
+            results,
+            some.loss_scale,
+            some.skipped,
+            moe_totals(results),
+        )
+
+    def evaluate(self, step: int) -> float:
+        """The validation loss after `step` (whose update is applied): the mean over replicas (each the
+        mean of its equal share of the fixed validation microbatches)."""
+        commit, self.uncommitted = self.uncommitted, None  # applied first, as a step call would
+        results = self.fan_out(WorkerEndpoints.eval_step, (step, commit), f"validation after step {step}")
+        last = self.roster.topology.last_rank
+        losses = [loss for c, loss in results.items() if c.pp == last and c.tp == 0]
+        return sum(losses) / len(losses)
+
+    def commit(self) -> None:
+        """Apply the last completed step everywhere now (before reading or moving state)."""
+        if self.uncommitted is None:
+            return
+        step, self.uncommitted = self.uncommitted, None
+        self.fan_out(WorkerEndpoints.apply_step, (step,), f"applying step {step}")
+
+    def discard_uncommitted(self) -> None:
+        """The actors are set up afresh (a restore, a reconfiguration): the pending step is never applied."""
+        self.uncommitted = None
+
+    # -- all-actor calls ---------------------------------------------------------------------------------
+    def gather(self, refs: dict[Any, Coord], what: str, step: int | None = None) -> dict[Coord, Any]:
         """Wait for every ref. A ref may be a replica leader's `fan_out`, answering for its replica's actors
         (actors.replica_lead). On the first failure: find dead actors, end the broken replicas (their
         peers then fail fast instead of waiting out a timeout), call off the others' waits for `step`, and
         raise StepFailure with the root cause, not a symptom. A step still waited for at the hang watchdog
         (`hang_watch`) is reported then, and again every LATE_EVERY_S while it stays late."""
+        roster = self.roster
         started = time.monotonic()
-        deadline = started + 2 * self.cfg.parallel.timeout_s + 30
+        deadline = started + 2 * roster.cfg.parallel.timeout_s + 30
         watch = self.hang_watch if step is not None else None
         wake = started + watch.first_s if watch is not None else math.inf
         reported = False
@@ -109,12 +195,12 @@ class ActorCalls:
                 done, pending = ray.wait(pending, num_returns=1, timeout=max(until - time.monotonic(), 0))
                 if not done and time.monotonic() < deadline:  # the hang watchdog's moment
                     if not errors:  # a failure is being contained already: nothing is hanging unseen
-                        watch.late(step, time.monotonic() - started, self.actors, self.name)
+                        watch.late(step, time.monotonic() - started, roster.actors, roster.name)
                         reported = True
                     wake = time.monotonic() + LATE_EVERY_S
                     continue
                 if not done:
-                    late = ", ".join(self.name(refs[r]) for r in pending)
+                    late = ", ".join(roster.name(refs[r]) for r in pending)
                     raise StepFailure(f"{what}: no answer within the deadline from {late}", dead, step)
                 if pending:  # and every other answer already in: one wait per answer is O(actors²) a step
                     more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
@@ -138,41 +224,45 @@ class ActorCalls:
             raise StepFailure(self._describe_failure(errors, dead, what), dead, step)
         return results
 
-    def _fan_out(
+    def fan_out(
         self, endpoint: Callable[..., Any], args: tuple, what: str, step: int | None = None
     ) -> dict[Coord, Any]:
         """`endpoint(*args)` (a WorkerEndpoints method) on every actor, the driver calling only the top of
         the mesh's call tree (leaders that fan out: actors.replica_lead; or every actor, in a small
         mesh)."""
-        timeout_s = 2 * self.cfg.parallel.timeout_s + 20  # under _gather's: the leader names the late
+        timeout_s = 2 * self.roster.cfg.parallel.timeout_s + 20  # under gather's: the leader names the late
         refs = {}
-        for coord, fans_out in self.leads.items():
-            actor = self.actors[coord]
+        for coord, fans_out in self.roster.leads.items():
+            actor = self.roster.actors[coord]
             if fans_out:
                 refs[call(actor, WorkerEndpoints.fan_out, endpoint, args, timeout_s)] = coord
             else:
                 refs[call(actor, endpoint, *args)] = coord
-        return self._gather(refs, what, step)
+        return self.gather(refs, what, step)
 
-    def _each(self, endpoint: Callable[..., Any], *args: Any) -> dict[Any, Coord]:
-        """`endpoint(*args)` submitted to every actor directly: its refs, for `_gather`."""
-        return {call(actor, endpoint, *args): coord for coord, actor in self.actors.items()}
+    def each(self, endpoint: Callable[..., Any], *args: Any) -> dict[Any, Coord]:
+        """`endpoint(*args)` submitted to every actor directly: its refs, for `gather`."""
+        return {call(actor, endpoint, *args): coord for coord, actor in self.roster.actors.items()}
 
-    def _lost_with(self, broken: set[int]) -> set[int]:
-        """The replicas that end with the `broken` ones (the mesh widens this under HSDP)."""
-        return broken
+    def lost_with(self, broken: set[int]) -> set[int]:
+        """The replicas that end with the `broken` ones. Under HSDP the recovery drops a broken replica's
+        whole shard group, so containment ends it at once: its mates gave the step up alive, and their open
+        sockets would hold their replicate peers (in the other shard groups) in an all-reduce with them for
+        parallel.timeout_s (gloo has no abort). (The config rules refuse checkpoint.in_memory under HSDP:
+        its restore would keep the mates.)"""
+        return self.roster.whole_shard_groups(broken)
 
     def _contain(self, first: Coord, err: BaseException, step: int | None) -> set[Coord]:
         dead = {first} if _died(err) else set()
-        dead |= self.find_dead([c for c in self.actors if c != first])
-        broken = self._lost_with({c.dp for c in dead})
-        for coord, actor in self.actors.items():
+        dead |= self.find_dead([c for c in self.roster.actors if c != first])
+        broken = self.lost_with({c.dp for c in dead})
+        for coord, actor in self.roster.actors.items():
             if coord.dp in broken:
                 # its sockets close, so intact peers fail now instead of at their timeout; and one found hung
                 # (silent for parallel.timeout_s) ends its pending call now, not at the wait's deadline
                 ray.kill(actor)
             elif coord not in dead and step is not None:
-                call(actor, WorkerEndpoints.abort, self.epoch, step)
+                call(actor, WorkerEndpoints.abort, self.roster.epoch, step)
         return dead
 
     def find_dead(self, coords: list[Coord] | None = None) -> set[Coord]:
@@ -182,12 +272,13 @@ class ActorCalls:
         in a long step on a loaded node) is waited for, up to parallel.timeout_s; only one that stays
         silent that long while Ray still calls it alive is given up on as hung: counted from when the hang
         watchdog's probes first went unanswered, if they did (issue 45: not a second timeout_s on top)."""
-        coords = list(self.actors) if coords is None else coords
-        pings = {call(self.actors[c], WorkerEndpoints.where): c for c in coords if c in self.actors}
+        actors = self.roster.actors
+        coords = list(actors) if coords is None else coords
+        pings = {call(actors[c], WorkerEndpoints.where): c for c in coords if c in actors}
         dead: set[Coord] = set()
         now = time.monotonic()
         silent = self.hang_watch.silent_since if self.hang_watch is not None else {}
-        timeout_s = self.cfg.parallel.timeout_s
+        timeout_s = self.roster.cfg.parallel.timeout_s
         deadlines = {ref: min(now, silent.get(c, now)) + timeout_s for ref, c in pings.items()}
         pending = list(pings)
         # the grace for the common case, cut short where an actor's silence has lasted timeout_s already
@@ -203,7 +294,7 @@ class ActorCalls:
                         dead.add(pings[ref])
             if not pending:
                 break
-            states = {ref: _actor_state(self.actors[pings[ref]]) for ref in pending}
+            states = {ref: _actor_state(actors[pings[ref]]) for ref in pending}
             dead |= {pings[ref] for ref, state in states.items() if state == "DEAD"}
             pending = [ref for ref, state in states.items() if state != "DEAD"]
             hung = {ref for ref in pending if time.monotonic() > deadlines[ref]}
@@ -228,6 +319,6 @@ class ActorCalls:
         else:
             cause = cause_of(err)
         return (
-            f"{what}: worker {self.name(coord)} (run={self.run}, dp={coord.dp}, pp={coord.pp}, "
-            f"tp={coord.tp}{f', cp={coord.cp}' if self.cp > 1 else ''}) failed: {cause}"
+            f"{what}: worker {self.roster.name(coord)} (run={self.roster.run}, dp={coord.dp}, pp={coord.pp}, "
+            f"tp={coord.tp}{f', cp={coord.cp}' if self.roster.cp > 1 else ''}) failed: {cause}"
         )

@@ -124,33 +124,35 @@ def move_replicas(mesh: Any, leaving: set[int], timeout_s: float) -> str:
     mesh.commit()
     groups = mesh.shard_groups
     if groups:  # HSDP: a shard group shares its ZeRO state; it moves (or goes) whole
-        leaving = mesh._whole_shard_groups(leaving)
+        leaving = mesh.roster.whole_shard_groups(leaving)
     before = list(mesh.replicas)
     if not set(before) - leaving:
         raise LastCopy(f"every replica ({sorted(leaving)}) is on draining nodes: the state lives there only")
-    stashed = mesh._dp_stage.shards_optimizer and not groups
+    stashed = mesh.roster.dp_stage.shards_optimizer and not groups
     if stashed:  # the whole DP state in every actor, the leavers' slices included
-        mesh._gather(mesh._each(WorkerEndpoints.stash_state), "stashing state before leaving a draining node")
+        stash = mesh.calls.each(WorkerEndpoints.stash_state)
+        mesh.calls.gather(stash, "stashing state before leaving a draining node")
     new: dict[int, int] = {}
     free = (i for i in itertools.count() if i not in before)
     try:
         for d in sorted(leaving):
             new[d] = next(free)
-            mesh._place_replica(new[d], timeout_s)
+            mesh.builder.place_replica(new[d], timeout_s)
     except PlacementTimeout as err:
-        mesh._drop_replicas(set(new.values()) & set(mesh.replicas))
+        mesh.builder.drop_replicas(set(new.values()) & set(mesh.replicas))
         return _shrink(mesh, leaving, err)
-    mesh._drop_replicas(leaving)
+    mesh.builder.drop_replicas(leaving)
     order = [new.get(d, d) for d in before]
     if groups:  # the replacement groups last: the first shard group is the source of every shard
         size = len(groups[0])
         chunks = [order[i : i + size] for i in range(0, len(order), size)]
         order = [d for chunk in sorted(chunks, key=lambda c: c[0] in new.values()) for d in chunk]
-    mesh.replicas = order
-    mesh._regroup(new=set(new.values()))
+    mesh.roster.replicas = order
+    mesh.builder.regroup(new=set(new.values()))
     source = next(i for i, d in enumerate(order) if d not in new.values())
-    mesh._gather(mesh._each(WorkerEndpoints.sync_state, source), "handing state to the replacements")
-    mesh.ready |= set(new.values())
+    handover = mesh.calls.each(WorkerEndpoints.sync_state, source)
+    mesh.calls.gather(handover, "handing state to the replacements")
+    mesh.roster.ready |= set(new.values())
     moved = ", ".join(f"{d}->{n}" for d, n in sorted(new.items()))
     return f"moved replica(s) off the draining node ({moved}), state handed over live; dp={mesh.dp}"
 
@@ -158,8 +160,8 @@ def move_replicas(mesh: Any, leaving: set[int], timeout_s: float) -> str:
 def _shrink(mesh: Any, leaving: set[int], err: BaseException) -> str:
     """No room elsewhere: release the leavers now (their state stays in the others), then down to a valid
     dp (`scale_to`, which releases the newest)."""
-    mesh._drop_replicas(leaving)
-    mesh._regroup()
+    mesh.builder.drop_replicas(leaving)
+    mesh.builder.regroup()
     line = f"no room off the draining node ({err}); released replica(s) {sorted(leaving)}, dp={mesh.dp}"
     valid = [d for d in mesh.cfg.valid_dps() if d <= mesh.dp]
     if mesh.dp not in mesh.cfg.valid_dps() and valid:
@@ -202,7 +204,7 @@ class Departures:
         held = on_nodes(dict(self.loop.actor_mesh.nodes), {drain.node_id})  # dict(): a copy under the GIL
         if held:
             self.loop.event(f"{drain.describe()}: replica(s) {sorted(held)} leave it before the next step")
-            self.control.update.remote({**self.loop.status, "draining": self.status()})
+            self.control.update.remote({**self.loop.log.status, "draining": self.status()})
 
     def status(self) -> dict[str, Any]:
         """`raypar status`'s view: per draining node holding replicas, its deadline (Unix s) and those."""
@@ -251,6 +253,6 @@ class Departures:
             loop.event(f"{err}; no checkpoint.dir: the node's end goes the failure path")
             return
         loop.event(f"{err}; writing a checkpoint at step {step}, which the failure path then resumes")
-        loop._publish(wait=True)
-        loop._checkpoint(step)
-        loop._publish(wait=True)
+        loop.checkpoints.publish(wait=True)
+        loop.checkpoints.begin(step)
+        loop.checkpoints.publish(wait=True)

@@ -2,7 +2,7 @@
 
 At the start, `shared_paths.check_nodes` probes every node present. A node that joins later (the
 autoscaler's, after a scale-up, a heal or a recovery) gets the same probe when a replica's placement groups
-land on it, before any actor is created there (`NodeCheck`, called by ActorMesh._place_replica): a node
+land on it, before any actor is created there (`NodeCheck`, called by MeshBuilder.place_replica): a node
 that cannot see checkpoint.dir or the data would write its shards where the driver cannot publish them.
 Such a node's placement is released as one that did not happen (`UnsharedNode` is a PlacementTimeout),
 so a scale-up lands on the dp it reached and the line says why; the node is remembered, not probed again.

@@ -20,17 +20,13 @@ again (and counted).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
-import json
 import os
 import socket
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import ray
 
@@ -38,48 +34,32 @@ from actors.control import RunControl, control_name
 from actors.telemetry import StragglerGauges
 from collectives.group import GroupError
 from collectives.store_actor import home_node_strategy
-from raypar.controller import capacity, drain, node_check, profiles, shared_paths, stopping
-from raypar.controller.actor_calls import StepFailure
-from raypar.controller.actor_mesh import ActorMesh, NoIntactReplica, StepResult
+from raypar.controller import capacity, drain, node_check, shared_paths, stopping
+from raypar.controller.actor_calls import StepFailure, StepResult
+from raypar.controller.actor_mesh import ActorMesh
+from raypar.controller.checkpoint_schedule import RECOVERABLE, CheckpointFailed, CheckpointSchedule
 from raypar.controller.connection import NAMESPACE, RunFailure, connect
 from raypar.controller.hang_watch import HangWatch
+from raypar.controller.mesh_recovery import NoIntactReplica
 from raypar.controller.placement import check_device
+from raypar.controller.run_log import RunLog
 from raypar.controller.run_records import RUN_LOCK
-from raypar.core import checkpoint, data, plain_files
+from raypar.core import checkpoint, data
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.schema import Config, to_toml
-from raypar.core.observe import run_copy, step_report, stragglers, timeline, trackers
-from raypar.core.observe.flops import mfu
-from raypar.core.parallel.mesh import Coord, Mesh
+from raypar.core.observe import run_copy, trackers
+from raypar.core.parallel.mesh import Mesh
 
 # A heal or an auto growth is tried only where the free resources show room for it (_reachable_dp): its
 # placement lands at once or lost a race, so it waits this long, not the whole placement budget, which
 # would stall training for that long at every step the room stays taken.
 HEAL_PLACEMENT_TIMEOUT_S = 10.0
-# What can fail while the run talks to its actors and its storage; all of it is recovered the same way.
-RECOVERABLE = (RunFailure, GroupError, checkpoint.CheckpointError, ray.exceptions.RayError)
-
-
-class CheckpointFailed(RunFailure):
-    """The checkpoint of `step` was not written; `dead`: actors found dead on the way (the mesh recovers)."""
-
-    def __init__(self, step: int, cause: BaseException):
-        super().__init__(f"checkpoint step {step} failed: {cause}")
-        self.step, self.dead = step, set(getattr(cause, "dead", ()))
-
-
-@dataclass
-class PendingCheckpoint:
-    staging: str
-    step: int
-    writes: dict[Any, Coord]
-    meta: dict[str, Any]
-    started: float
-    stall_s: float
 
 
 class TrainingLoop:
-    """One training run: its directory, actor mesh, control actor and checkpoint schedule."""
+    """One training run: its directory, actor mesh and control actor, and the loop that survives failures.
+    What it records goes through its `log` (raypar.controller.run_log), its checkpoints through its
+    `checkpoints` (raypar.controller.checkpoint_schedule)."""
 
     mesh_class: Any = ActorMesh  # tests swap in a subclass that injects faults
     departures_class: Any = drain.Departures  # leaving draining nodes; tests swap in one that ignores them
@@ -100,135 +80,23 @@ class TrainingLoop:
         # the driver's dataset sizes where the CLI has counted them (None: the node check opens the data)
         self.samples = samples
         self.actor_mesh = self.mesh_class(cfg, name)
-        self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-        par = cfg.parallel
-        self.auto = par.dp == "auto"
+        self.log = RunLog(cfg, name, run_dir, self.actor_mesh, progress)
+        tokenizer = data.tokenizer_record(cfg.data)  # in every checkpoint, for `raypar generate`
+        self.checkpoints = CheckpointSchedule(cfg, self.actor_mesh, self.event, tokenizer)
+        self.auto = cfg.parallel.dp == "auto"
         self.target_dp = cfg.dp_fixed
         self.dps = cfg.valid_dps()
         self.restarts = 0
         # of the restarts, those restored from in-memory copies or (HSDP) shard copies in peers (no disk)
         self.memory_recoveries = 0
-        self.pending: PendingCheckpoint | None = None
-        self.last_checkpoint: str | None = None
-        self.events: list[str] = []
-        self.logs: dict[str, TextIO] = {}
-        self.tokenizer = data.tokenizer_record(cfg.data)  # in every checkpoint, for `raypar generate`
-        self.val_loss: float | None = None  # the latest, for the progress bar
-        self.status: dict[str, Any] = {"run": name, "step": None}  # the last posted to the control actor
-        self.trackers: trackers.TrackerSink | None = None  # [log] backends: fed what metrics.jsonl gets
         self.departures = self.departures_class(self)
 
-    # -- log ---------------------------------------------------------------------------------------------
     def event(self, text: str) -> None:
-        self.events.append(text)
-        line = f"raypar: {text}"
-        if self.progress:
-            from tqdm import tqdm
+        self.log.event(text)
 
-            tqdm.write(line, file=sys.stderr)
-        else:
-            print(line, file=sys.stderr, flush=True)
-        with open(self.run_dir / "events.jsonl", "a") as f:
-            f.write(json.dumps({"time": time.time(), "event": text}) + "\n")
-
-    def _open_logs(self, start_step: int) -> None:
-        """(Re)open metrics.jsonl and timeline.jsonl keeping only the records of steps before `start_step`:
-        a resumed run continues its own files, and a run rolled back to a checkpoint logs each step once.
-        The records of the steps redone are moved to <name>.rewound.jsonl, not dropped: nothing shortens
-        the record of what ran. Rewritten aside and renamed into place (a crash keeps the old file)."""
-        self._close_logs()
-        for name in ("metrics.jsonl", "timeline.jsonl"):
-            path = self.run_dir / name
-            lines = _lines(path)
-            kept = [line for line in lines if json.loads(line)["step"] < start_step]
-            if len(kept) < len(lines):
-                with open(path.with_suffix(".rewound.jsonl"), "a") as rewound:
-                    rewound.writelines(line for line in lines if json.loads(line)["step"] >= start_step)
-            plain_files.write_aside(path, "".join(kept).encode())
-            self.logs[name] = open(path, "a")
-
-    def _close_logs(self) -> None:
-        for f in self.logs.values():
-            f.close()
-        self.logs.clear()
-
-    # -- checkpoints -------------------------------------------------------------------------------------
-    def _checkpoint(self, next_step: int) -> None:
-        """Snapshot the state before `next_step` and write it in the background; CheckpointFailed (staging
-        removed) if that fails."""
-        staging = None
-        try:
-            start = time.perf_counter()
-            staging, writers = self.actor_mesh.begin_checkpoint(self.cfg.checkpoint.dir, next_step)
-            meta = self._meta(next_step)
-            stall = time.perf_counter() - start
-            writes = self.actor_mesh.checkpoint_writes(writers)
-        except BaseException as err:  # a failure, or a stop (SIGTERM, Ctrl-C): no staging directory stays
-            if staging is not None:
-                checkpoint.discard(staging)
-            if isinstance(err, RECOVERABLE):
-                raise CheckpointFailed(next_step, err) from None
-            raise
-        self.pending = PendingCheckpoint(staging, next_step, writes, meta, time.perf_counter(), stall)
-
-    def _meta(self, next_step: int) -> dict[str, Any]:
-        return {
-            "tokens": next_step * self.tokens_per_step,
-            "layout": {
-                "dp": self.actor_mesh.dp,
-                "pp": self.actor_mesh.pp,
-                "tp": self.actor_mesh.tp,
-                "cp": self.actor_mesh.cp,
-                "ep": self.cfg.parallel.ep,
-            },
-            "model": dataclasses.asdict(self.cfg.model),
-            **self.actor_mesh.optimizer_state(),  # optimizer_steps (fewer after fp16 skips), loss_scaler
-            "data": {
-                "seed": self.cfg.train.seed,
-                "next_step": next_step,
-                "global_batch": self.cfg.train.global_batch,
-            },
-            "lr_schedule": {
-                "next_step": next_step,
-                **{k: getattr(self.cfg.train, k) for k in ("lr", "min_lr", "warmup_steps", "steps")},
-            },
-            "rng": self.actor_mesh.rng_states(),
-            "precision": self.cfg.train.precision,
-            "zero": self.cfg.parallel.zero,
-            "tokenizer": self.tokenizer,
-        }
-
-    def _publish(self, wait: bool) -> None:
-        """Publish the checkpoint being written in the background once its shards are done (checked
-        without blocking at every step boundary; `wait` blocks, before the next one or at the end)."""
-        if self.pending is None:
-            return
-        if (
-            not wait
-            and ray.wait(list(self.pending.writes), num_returns=len(self.pending.writes), timeout=0)[1]
-        ):
-            return
-        pending = self.pending  # held until published: a stop meanwhile leaves it to _drop_pending
-        try:
-            entries = self.actor_mesh.collect(pending.writes, "writing checkpoint shards")
-            uri = checkpoint.publish(
-                self.cfg.checkpoint.dir,
-                pending.staging,
-                pending.step,
-                entries,
-                pending.meta,
-                keep=self.cfg.checkpoint.keep,
-            )
-        except RECOVERABLE as err:
-            self._drop_pending()
-            raise CheckpointFailed(pending.step, err) from None
-        self.pending = None
-        self.last_checkpoint = uri
-        self.event(
-            f"checkpoint step {pending.step} published: {uri} (training stalled "
-            f"{pending.stall_s * 1000:.0f} ms for the snapshot; written in the background in "
-            f"{time.perf_counter() - pending.started:.2f}s)"
-        )
+    @property
+    def events(self) -> list[str]:
+        return self.log.events
 
     # -- membership --------------------------------------------------------------------------------------
     def _membership(self, control: Any, step: int) -> None:
@@ -260,6 +128,7 @@ class TrainingLoop:
         room = mesh.dp + _replicas_with_room(mesh, set(self.departures.draining()))
         return max([d for d in self.dps if d <= min(limit, room)], default=mesh.dp)
 
+    # -- failures ----------------------------------------------------------------------------------------
     def _recover(self, failure: BaseException, step: int) -> int:
         """Continue after `failure` (before `step` ran, or of `step` itself); returns the step to run next.
         Every failure counts against train.max_failures, including one during the recovery itself."""
@@ -286,7 +155,7 @@ class TrainingLoop:
         try:
             if self.cfg.checkpoint.in_memory:  # every replica rebuilt, its state from host memory
                 resumed, what = self.actor_mesh.restore_from_memory(failure)
-                self._drop_pending()
+                self.checkpoints.drop_pending()
                 self.memory_recoveries += 1
                 self.event(f"recovered from memory: {what}")
                 return resumed
@@ -294,8 +163,8 @@ class TrainingLoop:
             self.event(self.actor_mesh.recover(failure))
             self.memory_recoveries += peers
         except NoIntactReplica as err:
-            self._drop_pending()
-            ckpt = self.last_checkpoint or _latest(self.cfg.checkpoint.dir)
+            self.checkpoints.drop_pending()
+            ckpt = self.checkpoints.latest()
             self.event(f"{err}; restarting all replicas from {ckpt or 'the initial state (no checkpoint)'}")
             dps = [d for d in self.dps if d <= self.target_dp]
             return self.actor_mesh.restart_all(dps, ckpt, self._heal_wait_s)
@@ -303,24 +172,6 @@ class TrainingLoop:
         if self.actor_mesh.dp not in self.dps and usable:  # shrink further to a dp the batch splits into
             self.event(self.actor_mesh.scale_to(max(usable), self.cfg.parallel.placement_wait_s))
         return step
-
-    def _drop_orphaned_checkpoint(self) -> bool:
-        """After a recovery that dropped replicas: a checkpoint being written by one of their actors cannot
-        complete. Drop it (the last published one stands), rather than meet its failure later as a second
-        one for the same lost actor (issue 45). True if one was dropped."""
-        pending = self.pending
-        if pending is None or all(c in self.actor_mesh.actors for c in pending.writes.values()):
-            return False
-        self._drop_pending()
-        self.event(f"checkpoint step {pending.step} dropped with the replicas writing it; written again")
-        return True
-
-    def _drop_pending(self) -> None:
-        """The checkpoint being written is abandoned: the actors that write it are gone or set up afresh;
-        the last published checkpoint stands."""
-        if self.pending is not None:
-            checkpoint.discard(self.pending.staging)
-            self.pending = None
 
     # -- the loop ----------------------------------------------------------------------------------------
     def execute(self) -> dict[str, Any]:
@@ -338,21 +189,21 @@ class TrainingLoop:
             self.actor_mesh.say = self.event
             # and a layout no node (or node type) can hold; one that needs more nodes says so
             verdict = capacity.check(self.cfg, self.target_dp)
-            control = self._claim_name()
+            control = claim_run_name(self.name, self.dps)
             try:
                 self.departures.start(control)
-                self._announce_wait(control, verdict)
+                self.log.announce_wait(control, verdict)
                 self.cfg.log = trackers.resolved(self.cfg.log, self.run_dir, self.name)
                 (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
-                self._open_trackers()
+                self.log.open_trackers()
                 wall = time.perf_counter()
                 try:
                     self.actor_mesh.start(self.target_dp)
-                    self._announce_wait(control, capacity.Verdict())
+                    self.log.announce_wait(control, capacity.Verdict())
                     step = 0
                     if self.resume:
                         step = self.actor_mesh.load(self.resume)
-                        self.last_checkpoint = self.resume
+                        self.checkpoints.last = self.resume
                         self.event(f"resumed from {self.resume} at step {step}")
                 except (GroupError, checkpoint.CheckpointError, ray.exceptions.RayError) as err:
                     raise RunFailure(f"starting the actors failed: {err}") from None
@@ -360,59 +211,26 @@ class TrainingLoop:
             finally:
                 self.departures.stop()
                 self.actor_mesh.shutdown()
-                self._drop_pending()  # a stop or a failure mid-write; after shutdown, so no writer is left
+                self.checkpoints.drop_pending()  # a stop or failure mid-write; after shutdown: no writer left
                 ray.kill(control)
-                if self.trackers is not None:  # the run failed or was stopped: its tracker runs say so
-                    self.trackers.close(ok=False)
+                self.log.fail_trackers()
                 copied = run_copy.copy_run_dir(self.run_dir, self.cfg.checkpoint.dir, self.name)
                 if copied:  # checkpoint.dir is a URI: the run's record goes next to its checkpoints
                     self.event(copied)
 
-    def _announce_wait(self, control: Any, verdict: capacity.Verdict) -> None:
-        """While the run waits for nodes the autoscaler adds, its line and `raypar status` say what for;
-        once placed (a verdict that fits), status stops saying it."""
-        if not verdict.fits_now:
-            self.event(verdict.line(self.cfg.parallel.placement_wait_s))
-            self.status = {**self.status, "waiting": verdict.describe()}
-        elif "waiting" in self.status:
-            self.status = {k: v for k, v in self.status.items() if k != "waiting"}
-        else:
-            return
-        control.update.remote(self.status)
-
-    def _open_trackers(self) -> None:
-        if self.cfg.log.backends:
-            try:
-                self.trackers = trackers.TrackerSink(self.cfg, self.run_dir, self.name, self.event)
-            except trackers.TrackerError as err:
-                raise RunFailure(str(err)) from None
-
-    def _claim_name(self) -> Any:
-        """Create the run's control actor, whose name the cluster holds once: a live run of the same name
-        (another run directory, another driver) is refused here, before any of this run's actors starts
-        and before their names (`raypar:<run>:dp0.pp0.tp0`, ...) collide in the middle of the start-up."""
-        try:
-            return RunControl.options(
-                name=control_name(self.name), namespace=NAMESPACE, scheduling_strategy=home_node_strategy()
-            ).remote(self.name, self.dps)
-        except ray.exceptions.ActorAlreadyExistsError:
-            raise ConfigError(
-                f"--name: a run named {self.name} is live on this cluster (its actor "
-                f"{control_name(self.name)} exists); wait for it to end or choose another name"
-            ) from None
-
     def _loop(self, control: Any, step: int, wall: float) -> dict[str, Any]:
         from tqdm import tqdm
 
-        cfg, actor_mesh = self.cfg, self.actor_mesh
-        self.gauges = StragglerGauges(self.name)
+        cfg, actor_mesh, checkpoints = self.cfg, self.actor_mesh, self.checkpoints
+        self.log.gauges = StragglerGauges(self.name)
         actor_mesh.hang_watch = HangWatch(
-            cfg, self.run_dir, self.event, lambda late: control.update.remote({**self.status, "late": late})
+            cfg, self.run_dir, self.event,
+            lambda late: control.update.remote({**self.log.status, "late": late}),
         )
         end = min(cfg.train.steps, self.stop_at) if self.stop_at is not None else cfg.train.steps
         first_loss = last = None
         start = step  # a resumed run's first step: its own tokens are those of the steps from here
-        self._open_logs(step)
+        self.log.open_files(step)
         bar = tqdm(total=end, initial=step, disable=not self.progress, unit="step", dynamic_ncols=True)
         with bar:
             recovered = False
@@ -422,21 +240,21 @@ class TrainingLoop:
                 stopping.check()  # a stop whose interrupt Ray swallowed ends the run here
                 completed = None  # the step's result once it is done (its validation may still fail)
                 try:  # everything that talks to the actors fails the same way and recovers the same way
-                    if rewrite or (checkpointed != step and self._checkpoint_due(step, end)):
-                        self._publish(wait=True)  # the one before, so that its failure cannot cost this one
+                    if rewrite or (checkpointed != step and checkpoints.due(step, end)):
+                        checkpoints.publish(wait=True)  # the one before: its failure cannot cost this one
                         checkpointed, rewrite = step, False
-                        self._checkpoint(step)
+                        checkpoints.begin(step)
                     if step >= end:
                         actor_mesh.commit()  # the last update: the actors end holding the trained model
-                        self._publish(wait=True)
+                        checkpoints.publish(wait=True)
                         break
-                    self._publish(wait=False)
+                    checkpoints.publish(wait=False)
                     if not recovered:  # the failed step is redone by the survivors first, then the mesh heals
                         self.departures.leave(step)  # replicas on a draining node move before it goes
                         self._membership(control, step)
                     result = actor_mesh.step(step)
                     recovered, completed = False, result
-                    val_loss = actor_mesh.evaluate(step) if self._eval_due(step) else None
+                    val_loss = actor_mesh.evaluate(step) if _eval_due(cfg, step) else None
                 except RECOVERABLE as failure:
                     recovered = True
                     if completed is not None:  # only the validation after it failed: the step stands
@@ -452,10 +270,10 @@ class TrainingLoop:
                         self.event(f"{failure}; abandoned, training goes on")
                         continue
                     redo = self._recover(failure, step)
-                    if self._drop_orphaned_checkpoint():  # written again at this boundary, by the survivors
+                    if checkpoints.drop_orphaned():  # written again at this boundary, by the survivors
                         rewrite = True
                     if redo < step:
-                        self._open_logs(redo)
+                        self.log.open_files(redo)
                         bar.reset(total=end)
                         bar.update(redo)
                         checkpointed, rewrite = redo, False
@@ -464,119 +282,50 @@ class TrainingLoop:
                 last = self._log_step(step, result, val_loss, control, bar)
                 first_loss = result.loss if first_loss is None else first_loss
                 step += 1
-        self._close_logs()
-        if self.trackers is not None:  # the report's pictures as artifacts, and the tracker runs end
-            self.trackers.finish(self.run_dir)
-            self.trackers = None
+        self.log.close_files()
+        self.log.finish_trackers()
         return {
             "run": self.name,
             "steps": step,
             "first_loss": first_loss,
             "final_loss": last and last["loss"],
             "tokens": last["tokens"] if last else 0,
-            "run_tokens": self.tokens_per_step * max(step - start, 0),  # trained in this run's wall_s
+            "run_tokens": self.log.tokens_per_step * max(step - start, 0),  # trained in this run's wall_s
             "wall_s": time.perf_counter() - wall,
             "run_dir": str(self.run_dir),
             "restarts": self.restarts,
             "memory_recoveries": self.memory_recoveries,
-            "checkpoint": self.last_checkpoint,
+            "checkpoint": checkpoints.last,
         }
 
     def _log_step(
         self, step: int, result: StepResult, val_loss: float | None, control: Any, bar: Any
     ) -> dict[str, Any]:
-        """metrics.jsonl, timeline.jsonl, the control actor and the progress bar for a completed step."""
-        rows = timeline.timeline_rows(step, result.per_actor)
-        slowest, lags = stragglers.straggler(result.per_actor)
-        # a model-free stand-in reports none: every token a target
-        counted = (r.target_tokens for r in result.per_actor.values())
-        target_tokens = max(counted, default=0) or self.tokens_per_step
-        record = {
-            "step": step,
-            "loss": result.loss,
-            "grad_norm": result.grad_norm,
-            "lr": result.lr,
-            "tokens": self.tokens_per_step * (step + 1),
-            "step_time_s": result.step_time_s,
-            "tokens_per_s": self.tokens_per_step / result.step_time_s,
-            # the tokens trained on (fine-tuning: assistant / completion tokens; raypar.core.data.documents)
-            "target_tokens": target_tokens,
-            "target_tokens_per_s": target_tokens / result.step_time_s,
-            "dp": self.actor_mesh.dp,
-            "pp": self.actor_mesh.pp,
-            "tp": self.actor_mesh.tp,
-            "cp": self.actor_mesh.cp,
-            "restarts": self.restarts,
-            "memory_recoveries": self.memory_recoveries,
-            "val_loss": val_loss,
-            "model_state_bytes": max(r.memory.model_state_bytes for r in result.per_actor.values()),
-            "dp_bytes": sum(r.reduce_bytes + r.gather_bytes for r in result.per_actor.values()),
-            # the slowest actor's host update (train.offload = "cpu"; 0 otherwise), the previous step's
-            "offload_update_s": max(r.offload_update_s for r in result.per_actor.values()),
-            "bubble_fraction": timeline.measured_bubble(rows),
-            "mfu": mfu(self.tokens_per_step / result.step_time_s, self.cfg.model, self.actor_mesh.peak_flops)
-            if self.actor_mesh.peak_flops
-            else None,
-            "loss_scale": result.loss_scale,
-            "skipped": result.skipped,
-            # the actor computing longest over its stage peers' median (None: no actor lags its peers)
-            "straggler": slowest and self.actor_mesh.name(slowest),
-            "straggler_lag_s": lags[slowest] if slowest else 0.0,
-            **step_report.worst(r.memory for r in result.per_actor.values()),
-        }
-        if result.moe is not None:  # aux_loss, dropped_tokens, expert_load (layer -> per expert)
-            record.update(result.moe)
-        self.logs["metrics.jsonl"].write(json.dumps(record) + "\n")
-        self.logs["metrics.jsonl"].flush()
-        self.logs["timeline.jsonl"].writelines(json.dumps(r) + "\n" for r in rows)
-        if self.trackers is not None:
-            self.trackers.log(record)
-        if (profiled := self.cfg.train.profiled) and step == profiled[1]:
-            self.event(profiles.write(self.actor_mesh, self.run_dir))
-        self.status = self._status(record, lags)
-        control.update.remote(self.status)
-        self.gauges.record(lags, record["straggler"], record["straggler_lag_s"])
-        if val_loss is not None:
-            self.val_loss = val_loss
-        shown = {} if self.val_loss is None else {"val": f"{self.val_loss:.4f}"}
-        tok_s = f"{record['tokens_per_s']:.0f}"
-        bar.set_postfix(loss=f"{result.loss:.4f}", **shown, tok_s=tok_s, dp=self.actor_mesh.dp)
-        bar.update(1)
-        return record
+        """A completed step, as the run's records and status show it (`log`); returns its record."""
+        return self.log.step(
+            step, result, val_loss, control, bar, restarts=self.restarts,
+            memory_recoveries=self.memory_recoveries, draining=self.departures.status(),
+        )
 
-    def _eval_due(self, step: int) -> bool:
-        every = self.cfg.train.eval_every
-        return bool(every) and ((step + 1) % every == 0 or step + 1 == self.cfg.train.steps)
+def claim_run_name(name: str, dps: list[int]) -> Any:
+    """Create run `name`'s control actor, whose name the cluster holds once: a live run of the same name
+    (another run directory, another driver) is refused here, before any of this run's actors starts
+    and before their names (`raypar:<run>:dp0.pp0.tp0`, ...) collide in the middle of the start-up."""
+    try:
+        return RunControl.options(
+            name=control_name(name), namespace=NAMESPACE, scheduling_strategy=home_node_strategy()
+        ).remote(name, dps)
+    except ray.exceptions.ActorAlreadyExistsError:
+        raise ConfigError(
+            f"--name: a run named {name} is live on this cluster (its actor "
+            f"{control_name(name)} exists); wait for it to end or choose another name"
+        ) from None
 
-    def _checkpoint_due(self, step: int, end: int) -> bool:
-        """Every `checkpoint.every` steps and after the last (also with `checkpoint.every = 0`, whenever
-        `checkpoint.dir` is set); also when `--stop-at` ends the run early, so that it can be resumed."""
-        every = self.cfg.checkpoint.every
-        periodic = bool(every) and step % every == 0
-        # the run's end (its last step, or --stop-at) whenever checkpoint.dir is set, with every = 0 too
-        final = step == end and bool(self.cfg.checkpoint.dir)
-        return step > 0 and (periodic or final)
 
-    def _status(self, record: dict[str, Any], lags: dict[Coord, float]) -> dict[str, Any]:
-        placed = self.actor_mesh.nodes
-        return {
-            "run": self.name,
-            "step": record["step"],
-            "steps": self.cfg.train.steps,
-            "loss": record["loss"],
-            "tokens_per_s": record["tokens_per_s"],
-            "dp": record["dp"],
-            "pp": record["pp"],
-            "tp": record["tp"],
-            "cp": record["cp"],
-            "restarts": self.restarts,
-            "run_dir": str(self.run_dir),
-            "draining": self.departures.status(),
-            "actors": {
-                self.actor_mesh.name(c): {**dataclasses.asdict(w), "lag_s": lags.get(c)}
-                for c, w in sorted(placed.items())
-            },
-        }
+
+def _eval_due(cfg: Config, step: int) -> bool:
+    every = cfg.train.eval_every
+    return bool(every) and ((step + 1) % every == 0 or step + 1 == cfg.train.steps)
 
 
 @contextlib.contextmanager
@@ -601,19 +350,6 @@ def hold_run_dir(run_dir: Path) -> Iterator[None]:
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
         lock.flush()
         yield
-
-
-def _lines(path: Path) -> list[str]:
-    return path.read_text().splitlines(keepends=True) if path.exists() else []
-
-
-def _latest(root: str) -> str | None:
-    if not root:
-        return None
-    try:
-        return checkpoint.resolve(root)
-    except checkpoint.CheckpointError:
-        return None
 
 
 def local_ray_cpus(mesh: Mesh, threads_per_actor: int) -> int:

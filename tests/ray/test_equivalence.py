@@ -53,7 +53,7 @@ def mesh222(ray_session):
     start costs more than the steps. Every call of a step goes down the deepest call tree: one driver call,
     to replica 0's leader, which relays to replica 1's (actors.replica_lead)."""
     trainer = FaultyActorMesh(make_cfg(2, 2, 2), "eq-222", faults={})
-    trainer.driver_calls = 1
+    trainer.builder.driver_calls = 1
     try:
         trainer.start()
         yield trainer
@@ -63,7 +63,7 @@ def mesh222(ray_session):
 
 def test_3d_layout_all_schedules_and_transports(mesh222, reference):
     """(2,2,2) under gpipe/1f1b x object_store/direct, on one set of 8 actors (rebuilt from the seed)."""
-    assert mesh222.leads == {Coord(0, 0, 0): True}
+    assert mesh222.roster.leads == {Coord(0, 0, 0): True}
     for schedule in ("1f1b", "gpipe"):
         for transport in ("object_store", "direct"):
             mesh222.reconfigure(make_cfg(2, 2, 2, schedule, transport))

@@ -18,6 +18,7 @@ from collectives.group import GroupError
 from raypar.controller import actor_calls, cli
 from raypar.controller.placement import PlacementTimeout
 from raypar.core import checkpoint
+from raypar.core.config.schema import Config
 from raypar.core.parallel.mesh import Coord
 from tests.support.faults import FaultyActorMesh
 from tests.support.runs import TINY, FaultyLoop, losses, metrics, tiny, with_faults
@@ -110,9 +111,8 @@ def test_errors_between_steps_are_recovered_and_counted(ray_session, tmp_path, m
     monkeypatch.setattr(checkpoint, "begin", failing_begin)
 
     class Loop(FaultyLoop):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.actor_mesh = _FlakyMesh(self.cfg, self.name, {})
+        def mesh_class(self, cfg: Config, name: str) -> _FlakyMesh:
+            return _FlakyMesh(cfg, name, {})
 
     cfg = tiny("train.steps=4", f"checkpoint.dir='{ckpt}'", "checkpoint.every=2", "train.max_failures=2")
     trainer, result = _run(cfg, "flaky", tmp_path / "run", {}, Loop)

@@ -96,7 +96,8 @@ def fixed_run(trainer: ActorMesh) -> Trace:
 
 
 def elastic_run(trainer: ActorMesh) -> Trace:
-    """From the seed on the same actors: dp 2 -> 1 -> 2; replica 1 is started again (trainer.worker_class)."""
+    """From the seed on the same actors: dp 2 -> 1 -> 2; replica 1 is started again (its builder's
+    worker_class)."""
     trace = Trace()
     trainer.reconfigure(fp16_cfg())
     train(trainer, range(SHRINK_BEFORE), trace)
@@ -133,7 +134,7 @@ def test_fp16_elastic_dp_carries_the_loss_scaler(ray_session) -> None:
         assert all(state == HEALED for state in fixed.healed.values()), fixed.healed
         assert_matches_fixed(elastic_run(trainer), fixed)
         # Negative control: replica 1 comes back with a scaler that ignores the broadcast (scale 2^24).
-        trainer.worker_class = NoScalerHeal
+        trainer.builder.worker_class = NoScalerHeal
         broken = elastic_run(trainer)
         with pytest.raises(AssertionError, match=r"loss scaler on dp1\.pp0\.tp0 after the heal"):
             assert_matches_fixed(broken, fixed)

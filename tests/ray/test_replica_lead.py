@@ -23,7 +23,7 @@ import ray
 
 from actors.endpoints import Peers, ReplicaAnswer, SetupInfo, WorkerEndpoints, call
 from actors.worker import WORKER_THREADS
-from raypar.controller.actor_calls import PING_GRACE_S, StepFailure
+from raypar.controller.actor_calls import PING_GRACE_S, ActorCalls, StepFailure
 from raypar.core.observe.step_report import StepReport
 from raypar.core.parallel.mesh import Coord, StageGroups
 from raypar.core.run_config import load_config
@@ -103,17 +103,22 @@ class _BrokenLeads(_Failing):
         return answer
 
 
-class _Mesh(StubActorMesh):
-    worker_class = ray.remote(num_cpus=0, max_concurrency=WORKER_THREADS)(_BrokenLeads)
-    driver_calls = 1  # the top leader relays to the other replica's leader
+class _CountedCalls(ActorCalls):
+    """Keeps (what, refs submitted by the driver) of every all-actor call."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.gathered: list[tuple[str, int]] = []  # (what, refs submitted by the driver)
+        self.gathered: list[tuple[str, int]] = []
 
-    def _gather(self, refs: dict[Any, Coord], what: str, step: int | None = None) -> dict[Coord, Any]:
+    def gather(self, refs: dict[Any, Coord], what: str, step: int | None = None) -> dict[Coord, Any]:
         self.gathered.append((what, len(refs)))
-        return super()._gather(refs, what, step)
+        return super().gather(refs, what, step)
+
+
+class _Mesh(StubActorMesh):
+    worker_class = ray.remote(num_cpus=0, max_concurrency=WORKER_THREADS)(_BrokenLeads)
+    driver_calls = 1  # the top leader relays to the other replica's leader
+    calls_class = _CountedCalls
 
     def role(self, name: str) -> Coord:
         """`top-leader`: the first replica's first actor (the driver's one call); `relaying-leader`: the
@@ -134,7 +139,7 @@ class _Mesh(StubActorMesh):
         victim = self.role(role) if role else Coord(9, 9, 9, 9)
         ray.get([a.arm.remote(tuple(victim), how) for a in self.actors.values()])
         ray.get([a.break_lead.remote(lead) for a in self.actors.values()])
-        self.gathered.clear()
+        self.calls.gathered.clear()
         return victim
 
 
@@ -171,18 +176,18 @@ def _failure_of_step(mesh: _Mesh) -> StepFailure:
 
 @pytest.mark.parametrize("driver_calls, calls", [(1, 1), (2, 2), (16, 4)], ids=["tree", "leaders", "flat"])
 def test_the_driver_makes_few_calls_and_every_actor_steps(mesh, driver_calls, calls):
-    mesh.driver_calls = driver_calls  # the tree is built by the set-up in `arm`
+    mesh.builder.driver_calls = driver_calls  # the tree is built by the set-up in `arm`
     try:
         mesh.arm("", "")  # nobody fails
         mesh.step(0)
         mesh.step(1)
-        assert [n for what, n in mesh.gathered if what.startswith("step ")] == [calls, calls]
+        assert [n for what, n in mesh.calls.gathered if what.startswith("step ")] == [calls, calls]
         applied = ray.get([a.applied_steps.remote() for a in mesh.actors.values()])
         assert applied == [[0]] * 4  # step 1's call carried step 0's commit to every actor, via the leaders
         mesh.commit()
         assert ray.get([a.applied_steps.remote() for a in mesh.actors.values()]) == [[0, 1]] * 4
     finally:
-        mesh.driver_calls = _Mesh.driver_calls
+        mesh.builder.driver_calls = _Mesh.driver_calls
 
 
 KEPT = "no actor lost; groups re-formed; continuing at dp=2"

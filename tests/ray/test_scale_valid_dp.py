@@ -15,6 +15,7 @@ import ray
 
 from actors.worker import WORKER_THREADS
 from raypar.controller import node_check, shared_paths
+from raypar.controller.mesh_builder import MeshBuilder
 from raypar.controller.placement import PlacementTimeout
 from raypar.core.run_config import load_config
 from tests.support.stub_worker import StubActorMesh, _StubWorker
@@ -25,16 +26,21 @@ class _HealableStub(_StubWorker):
         pass
 
 
-class _RoomFor(StubActorMesh):
+class _RoomForBuilder(MeshBuilder):
     """A cluster with room for `capacity` replicas in all: placing one more times out."""
 
-    worker_class = ray.remote(num_cpus=0, max_concurrency=WORKER_THREADS)(_HealableStub)
     capacity = 0
 
-    def _place_replica(self, d: int, timeout_s: float) -> None:
-        if self.dp >= self.capacity:
-            raise PlacementTimeout(f"placement group raypar:{self.run}:dp{d}.pp0 was not placed within 0s")
-        super()._place_replica(d, timeout_s)
+    def place_replica(self, d: int, timeout_s: float) -> None:
+        if self.roster.dp >= self.capacity:
+            run = self.roster.run
+            raise PlacementTimeout(f"placement group raypar:{run}:dp{d}.pp0 was not placed within 0s")
+        super().place_replica(d, timeout_s)
+
+
+class _RoomFor(StubActorMesh):
+    worker_class = ray.remote(num_cpus=0, max_concurrency=WORKER_THREADS)(_HealableStub)
+    builder_class = _RoomForBuilder
 
 
 def _mesh(name: str, dp: int, capacity: int) -> _RoomFor:
@@ -46,7 +52,7 @@ def _mesh(name: str, dp: int, capacity: int) -> _RoomFor:
     )
     assert cfg.valid_dps() == [1, 2, 4]
     mesh = _RoomFor(cfg, name)
-    mesh.capacity = capacity
+    mesh.builder.capacity = capacity
     mesh.start()
     return mesh
 
@@ -126,11 +132,15 @@ def test_a_node_new_to_the_run_is_probed_before_a_replica_starts_there(ray_sessi
         mesh.shutdown()
 
 
-class _WaitsTimeoutS(StubActorMesh):
+class _WaitsTimeoutSBuilder(MeshBuilder):
     """The broken variant: its placements wait parallel.timeout_s, as before placement_timeout_s."""
 
-    def _place_replica(self, d: int, timeout_s: float) -> None:
-        super()._place_replica(d, self.cfg.parallel.timeout_s)
+    def place_replica(self, d: int, timeout_s: float) -> None:
+        super().place_replica(d, self.roster.cfg.parallel.timeout_s)
+
+
+class _WaitsTimeoutS(StubActorMesh):
+    builder_class = _WaitsTimeoutSBuilder
 
 
 def _start_unplaceable(mesh_class: type[StubActorMesh], run: str, timeout_s: float) -> tuple[str, float]:

@@ -64,7 +64,7 @@ class _KillingLoop(TrainingLoop):
 
     def _log_step(self, step: int, result: Any, val_loss: float | None, control: Any, bar: Any) -> dict:
         record = super()._log_step(step, result, val_loss, control, bar)
-        actor = control if self.victim == "control" else self.actor_mesh.server._actor
+        actor = control if self.victim == "control" else self.actor_mesh.builder.server._actor
         if step == self.at:
             self.pids.append(_kill(actor, self.victim))
         elif step == self.at + 2:

@@ -47,9 +47,9 @@ from typing import Any
 import ray
 import torch
 
-from actors.buddy import Snapshot
-from actors.endpoints import Peers, Placement, SetupInfo
+from actors.endpoints import Peers, Placement, SetupInfo, Snapshot
 from actors.worker import WORKER_GROUPS, WORKER_THREADS, Worker
+from actors.worker_state import WorkerState
 from collectives import Group
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.config.schema import Config
@@ -153,22 +153,8 @@ class _FaultyWorker(Worker):
         self._count("rng_state")
         return super().rng_state()
 
-    def _write_shard(self, staging: str, key: str, snap: dict, specs: dict) -> dict[str, Any]:
-        self.calls["write_shard"] += 1
-        if f"disk_full:{self.calls['write_shard']}" in self.faults:
-            raise OSError(errno.ENOSPC, "No space left on device (fault injected by the test suite)")
-        entry = super()._write_shard(staging, key, snap, specs)
-        self._stall(f"stall_write:{self.calls['save_shard']}:")
-        return entry
-
-    def _buddy_copy(self, snap: Snapshot) -> Snapshot:
-        older = [s for s in self.copies.own if s.step < snap.step]
-        stale = [f.partition(":")[2] for f in self.faults if f.partition(":")[0] == "stale_buddy"]
-        if stale and older:
-            part = stale[0]  # one part of the state one step old, the rest current; "": all of it
-            state = {**snap.state, part: older[-1].state[part]} if part else older[-1].state
-            return Snapshot(snap.step, snap.layout, state)
-        return super()._buddy_copy(snap)
+    def _make_state(self) -> WorkerState:
+        return _FaultyState(self.coord, self._fail, self)
 
     def draw(self, n: int) -> list[float]:
         """Numbers from the process's random state (what dropout would draw)."""
@@ -228,6 +214,34 @@ class _FaultyWorker(Worker):
         if f"stop_at_step:{step}" in self.faults:
             os.kill(os.getpid(), signal.SIGSTOP)  # until ray.kill's SIGKILL ends it
         return super()._train_step(step)
+
+
+class _FaultyState(WorkerState):
+    """The state keeper of a `_FaultyWorker`, whose faults (and call counts) it reads: `disk_full:<n>` and
+    `stall_write:<n>:<s>` in the checkpoint writes, `stale_buddy[:<part>]` in the copies handed to the
+    buddy."""
+
+    def __init__(self, coord: Coord, fail: Any, worker: _FaultyWorker):
+        super().__init__(coord, fail)
+        self.worker = worker
+
+    def _write_shard(self, staging: str, key: str, snap: dict, specs: dict) -> dict[str, Any]:
+        worker = self.worker
+        worker.calls["write_shard"] += 1
+        if f"disk_full:{worker.calls['write_shard']}" in worker.faults:
+            raise OSError(errno.ENOSPC, "No space left on device (fault injected by the test suite)")
+        entry = super()._write_shard(staging, key, snap, specs)
+        worker._stall(f"stall_write:{worker.calls['save_shard']}:")
+        return entry
+
+    def _buddy_copy(self, snap: Snapshot) -> Snapshot:
+        older = [s for s in self.copies.own if s.step < snap.step]
+        stale = [f.partition(":")[2] for f in self.worker.faults if f.partition(":")[0] == "stale_buddy"]
+        if stale and older:
+            part = stale[0]  # one part of the state one step old, the rest current; "": all of it
+            state = {**snap.state, part: older[-1].state[part]} if part else older[-1].state
+            return Snapshot(snap.step, snap.layout, state)
+        return super()._buddy_copy(snap)
 
 
 FaultyWorker = ray.remote(max_concurrency=WORKER_THREADS, concurrency_groups=WORKER_GROUPS)(_FaultyWorker)

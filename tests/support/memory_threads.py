@@ -1,5 +1,5 @@
 """In-memory restore (`checkpoint.in_memory`) on thread ranks at any layout: the worker's own state code
-(actors.worker_state.WorkerState: `_snapshot`, the buddy copy, `restore_memory`) on a thread per rank.
+(actors.worker_state.WorkerState: `snapshot`, the buddy copy, `restore_memory`) on a thread per rank.
 
 Each rank builds its stage's model and DP strategies the way `Worker.setup` and `rebind` do (the chunks
 where the schedule puts them; the dense strategy over the dp group, cp ranks included; the experts' over
@@ -23,7 +23,8 @@ import torch
 
 from actors import buddy as buddy_module
 from actors import worker_state
-from actors.buddy import BuddyCopies, Snapshot
+from actors.buddy import BuddyCopies
+from actors.endpoints import Snapshot
 from raypar.controller.buddy import buddy_of
 from raypar.core.config.schema import Config
 from raypar.core.dp import precision
@@ -62,7 +63,7 @@ def drawn(name: str, shape: tuple[int, ...], generation: int) -> torch.Tensor:
 
 
 class Replica(worker_state.WorkerState):
-    """The worker's state mixin on a thread rank, set up as `Worker.setup` and `rebind` set up an actor."""
+    """The worker's state keeper on a thread rank, set up as `Worker.setup` and `rebind` set up an actor."""
 
     def __init__(self, cfg: Config, coord: Coord, groups: dict[str, Any], copies: BuddyCopies | None = None):
         par = cfg.parallel
@@ -119,7 +120,7 @@ class Replica(worker_state.WorkerState):
                 slots = strategy.layout.slots.values()
                 params.update({s.name: s.param.detach().float().clone() for s in slots})
         return {
-            "state": {n: t.clone() for n, t in self._full_state().items()},
+            "state": {n: t.clone() for n, t in self.full_state().items()},
             "params": params,
             "biases": {n: b.detach().clone() for n, b in self.model.routing_biases().items()},
             "steps": [s.step_count for s in self._strategies()],
@@ -187,7 +188,7 @@ def restore(monkeypatch: pytest.MonkeyPatch, cfg: Config, cls: type[Replica] = R
     for generation in (0, 1):  # as apply_step does after each step, everywhere
         for replica in before.values():
             replica.set_generation(generation)
-            replica._snapshot(STEPS - 1 + generation)
+            replica.snapshot(STEPS - 1 + generation)
         for replica in before.values():
             replica.copies.wait_shared()
 

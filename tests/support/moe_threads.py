@@ -7,7 +7,7 @@ expert-dp group, divided by dp x cp, and runs one step of its schedule with an i
 reference forwards the global batch in the run's microbatches (the aux loss is per microbatch) in one
 process holding every expert. `assert_matches` compares the two: the loss, every gradient (tp shards and
 stages assembled), the global gradient norm and the step's MoE figures through
-raypar.controller.actor_mesh.moe_totals. Used by tests/unit/test_moe_context_parallel.py,
+raypar.controller.actor_calls.moe_totals. Used by tests/unit/test_moe_context_parallel.py,
 tests/unit/test_moe_sequence_parallel.py, tests/unit/test_moe_dropless.py,
 tests/unit/test_dualpipev_compose.py and tests/unit/test_dualpipev_features.py.
 """
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from collectives import create_group
-from raypar.controller.actor_mesh import moe_totals
+from raypar.controller.actor_calls import moe_totals
 from raypar.core import data
 from raypar.core.config.schema import Config
 from raypar.core.dp.strategies import STRATEGIES

@@ -23,6 +23,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, placement_group_table
 
+from raypar.controller.mesh_builder import MeshBuilder
 from raypar.controller.placement import ActorResources, node_of, place_stage, release, shard_mate
 from raypar.core.run_config import load_config
 from tests.support.stub_worker import StubActorMesh
@@ -30,13 +31,17 @@ from tests.support.stub_worker import StubActorMesh
 RES = ActorResources(cpus=1.0, gpus=1.0)
 
 
-class _Switchable(StubActorMesh):
+class _SwitchableBuilder(MeshBuilder):
     """Forms its groups on each actor's GPU until `broken` is set, then without devices."""
 
     broken = False
 
     def devices(self) -> dict[str, int]:
         return {} if self.broken else super().devices()
+
+
+class _Switchable(StubActorMesh):
+    builder_class = _SwitchableBuilder
 
 
 def placement() -> dict[str, Any]:
@@ -50,7 +55,7 @@ def placement() -> dict[str, Any]:
     release(pgs)
     replicas: list[int] = []
     hsdp: dict[int, object] = {}
-    for d in range(4):  # as ActorMesh._place_replica: near the first replica of the shard group
+    for d in range(4):  # as MeshBuilder.place_replica: near the first replica of the shard group
         mate = shard_mate(replicas, 2)
         near = node_of(hsdp[mate]) if mate is not None else None
         hsdp[d] = place_stage("probe-hsdp", d, 0, 2, RES, timeout_s=60, near=near)
@@ -76,8 +81,8 @@ def devices() -> dict[str, Any]:
     out = {}
     for name in ("good", "broken"):
         if name == "broken":
-            mesh.broken = True
-            mesh._regroup()  # every group formed anew (a new epoch replaces the held ones)
+            mesh.builder.broken = True
+            mesh.builder.regroup()  # every group formed anew (a new epoch replaces the held ones)
         found = ray.get([a.group_devices.remote() for a in mesh.actors.values()])
         out[name] = {
             c.key: {"node": placed[c][0], "gpu": placed[c][1], "groups": d}

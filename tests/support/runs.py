@@ -96,9 +96,11 @@ class FaultyLoop(TrainingLoop):
     faults: dict[Coord, list[str]] = {}
 
     def __init__(self, *args, **kwargs):
-        self.mesh_class = lambda cfg, name: FaultyActorMesh(cfg, name, self.faults)
         super().__init__(*args, **{"progress": False, **kwargs})
         self.leftovers: list[list[str]] = []
+
+    def mesh_class(self, cfg: Config, name: str) -> FaultyActorMesh:
+        return FaultyActorMesh(cfg, name, self.faults)
 
     def event(self, text: str) -> None:
         if "abandoned" in text:

@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from raypar.controller import cli, training
+from raypar.controller.mesh_builder import MeshBuilder
 from raypar.core.parallel.mesh import Coord
 from tests.support.faults import FaultyActorMesh
 
@@ -35,17 +36,23 @@ def announce(moment: str) -> None:
         f.write(moment + "\n")
 
 
+class _MomentBuilder(MeshBuilder):
+    """Announces the setup of new replicas (their groups formed, their state built)."""
+
+    def regroup(self, new: set[int] = frozenset(), keep_copies: bool = False) -> None:
+        if new:
+            announce("setup")
+        super().regroup(new, keep_copies)
+
+
 class MomentMesh(FaultyActorMesh):
     """A FaultyActorMesh that announces the moments above."""
+
+    builder_class = _MomentBuilder
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.checkpoints = 0
-
-    def _regroup(self, new: set[int] = frozenset(), keep_copies: bool = False) -> None:
-        if new:
-            announce("setup")
-        super()._regroup(new, keep_copies)
 
     def checkpoint_writes(self, writers: list[Coord]) -> dict[Any, Coord]:
         self.checkpoints += 1

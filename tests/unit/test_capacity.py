@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from raypar.controller import capacity, cli, training
+from raypar.controller import capacity, cli
 from raypar.controller.capacity import Need, NodeType, Verdict, decide
 from raypar.controller.placement import ActorResources
+from raypar.controller.run_log import RunLog
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.load import from_dict
 
@@ -158,25 +159,24 @@ def test_check_reads_the_nodes_and_the_bootstrap_config(monkeypatch: pytest.Monk
 
 def test_the_driver_posts_the_wait_and_clears_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """What the control actor gets (and `raypar status` reads back) before and after the placement."""
-    loop = training.TrainingLoop.__new__(training.TrainingLoop)  # only what _announce_wait reads
-    loop.name, loop.status, loop.cfg = "demo", {"run": "demo", "step": None}, from_dict({})
+    log = RunLog(from_dict({}), "demo", tmp_path, actor_mesh=None, progress=False)
     shown: list[str] = []
-    monkeypatch.setattr(loop, "event", shown.append, raising=False)
+    monkeypatch.setattr(log, "event", shown.append)
     posted: list[dict] = []
     control = SimpleNamespace(update=SimpleNamespace(remote=posted.append))
-    loop._announce_wait(control, Verdict())  # fits now: nothing said, nothing posted
+    log.announce_wait(control, Verdict())  # fits now: nothing said, nothing posted
     assert (shown, posted) == ([], [])
     waits = Verdict({"GPU": 16.0, "CPU": 16.0}, "2 x ray.worker.p5")
-    loop._announce_wait(control, waits)
+    log.announce_wait(control, waits)
     assert shown == [waits.line(300.0)]
     waiting = "demo: waiting for 16 GPUs and 16 CPUs (the autoscaler adds nodes)"
     assert cli.status_lines(posted[-1:]) == [waiting]
     # Control: once placed, status says "starting" again (until the first step's line).
-    loop._announce_wait(control, Verdict())
+    log.announce_wait(control, Verdict())
     assert cli.status_lines(posted[-1:]) == ["demo: starting"] and len(posted) == 2
     # The wait it names is the placement budget, not the collectives' timeout_s (issue 27).
-    loop.cfg = from_dict({"parallel": {"timeout_s": 60, "placement_timeout_s": 1200}})
-    loop._announce_wait(control, waits)
+    log.cfg = from_dict({"parallel": {"timeout_s": 60, "placement_timeout_s": 1200}})
+    log.announce_wait(control, waits)
     assert shown[-1].endswith("each placement group waits up to parallel.placement_timeout_s=1200s")
 
 

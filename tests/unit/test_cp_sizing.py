@@ -14,6 +14,7 @@ import pytest
 
 from raypar.controller import cli, training
 from raypar.controller.placement import ActorResources
+from raypar.controller.run_log import RunLog
 from raypar.core.parallel.mesh import Mesh
 
 GRID = list(itertools.product((1, 2), repeat=4))  # dp, pp, tp, cp
@@ -64,12 +65,9 @@ def test_status_shows_cp() -> None:
 
 
 def test_the_driver_posts_cp() -> None:
-    loop = training.TrainingLoop.__new__(training.TrainingLoop)  # only what _status reads
-    loop.name, loop.restarts, loop.run_dir = "demo", 0, Path("runs/demo")
-    loop.cfg = SimpleNamespace(train=SimpleNamespace(steps=10))
-    loop.actor_mesh = SimpleNamespace(nodes={}, name=str)
-    loop.departures = SimpleNamespace(status=dict)  # no node draining
+    cfg = SimpleNamespace(train=SimpleNamespace(steps=10, global_batch=1), model=SimpleNamespace(seq_len=8))
+    log = RunLog(cfg, "demo", Path("runs/demo"), SimpleNamespace(nodes={}, name=str), progress=False)
     record = {"step": 4, "loss": 2.5, "tokens_per_s": 1.0, "dp": 2, "pp": 1, "tp": 1, "cp": 2}
-    posted = loop._status(record, {})
+    posted = log.status_of(record, {}, restarts=0, draining={})  # no node draining
     assert posted["cp"] == 2
     assert "cp=2" in cli.status_lines([posted])[0]  # what `raypar status` reads back from the control actor

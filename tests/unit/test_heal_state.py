@@ -1,7 +1,7 @@
 """A lost replica healed from a peer while running DualPipeV, and MoE routing biases through heals and
 checkpoints, on thread ranks.
 
-The worker's state mixin (actors.worker_state.WorkerState) on each rank, its stage's chunks where the
+The worker's state keeper (actors.worker_state.WorkerState) on each rank, its stage's chunks where the
 schedule puts them, MoE in blocks 1 and 3 with aux-loss-free balancing (a routing bias per MoE layer: a
 buffer, not a parameter, so state the DP strategies do not hold). At dp=2 x pp=2, DualPipeV (rank 0 holds
 layers 0 and 3, rank 1 layers 1 and 2: one MoE block each), replica 1 is lost and replaced and replica 0
@@ -36,7 +36,8 @@ import pytest
 import torch
 
 from actors import worker_state
-from actors.buddy import BuddyCopies, Snapshot
+from actors.buddy import BuddyCopies
+from actors.endpoints import Snapshot
 from raypar.core import checkpoint
 from raypar.core.config.schema import Config
 from raypar.core.dp.strategies import STRATEGIES
@@ -73,7 +74,7 @@ def run_mesh(cfg: Config, fn: Any) -> list[Any]:
 
 
 class Replica(worker_state.WorkerState):
-    """The worker's state mixin on a thread rank: its stage's model (the chunks where the schedule puts
+    """The worker's state keeper on a thread rank: its stage's model (the chunks where the schedule puts
     them), dense and expert strategies over the groups the worker uses (raypar.core.parallel.mesh's
     `stage_groups`: at ep=1 the experts' group is the dp group), its in-memory copies."""
 
@@ -119,7 +120,7 @@ class Replica(worker_state.WorkerState):
 
     def read(self) -> dict[str, Any]:
         """What the check compares (a collective under ZeRO: every rank calls it)."""
-        state = {n: t.clone() for n, t in self._full_state().items()}
+        state = {n: t.clone() for n, t in self.full_state().items()}
         biases = {n: b.clone() for n, b in self.model.routing_biases().items()}
         return {"state": state, "biases": biases, "steps": self.strategy.step_count}
 
@@ -203,7 +204,7 @@ def restore(monkeypatch: pytest.MonkeyPatch, cls: type[Replica] = Replica) -> li
     run_mesh(cfg, snapshot)
     for coord, replica in before.items():  # the buddy: the same coordinate in the next replica
         replica._buddy = before[coord._replace(dp=(coord.dp + 1) % 2)]
-        replica._snapshot(STEPS)
+        replica.snapshot(STEPS)
         replica.copies.wait_shared()
 
     def restored(coord: Coord, groups: dict[str, Any]) -> dict[str, Any]:

@@ -1,11 +1,11 @@
-"""HSDP containment (`ActorMesh._lost_with`): a replica's death ends its whole shard group at once.
+"""HSDP containment (`ActorCalls.lost_with`): a replica's death ends its whole shard group at once.
 
 dp=4 in two shard groups of 2 on thread ranks (gloo): shard groups {0, 1} and {2, 3}, replicate groups
 {0, 2} and {1, 3}. Replica 1 dies in a step (its sockets close). Its shard mate 0 fails at once in their
 shard-group op and gives the step up, alive; replica 3 fails at once in its replicate op with 1; replica
 2 waits in the replicate all-reduce with 0. Gloo has no abort for a pending op (ProcessGroupGloo.abort
 and shutdown leave it waiting), so 2 is freed only if 0's sockets close too: containment ends the
-replicas `_lost_with` names, as `ray.kill` would. The control keeps every mate (the plain mesh's rule):
+replicas `lost_with` names, as `ray.kill` would. The control keeps every mate (the plain mesh's rule):
 2 then waits out its whole timeout.
 """
 
@@ -19,31 +19,32 @@ import torch
 
 from collectives import Group, GroupError, GroupTimeout
 from raypar.controller.actor_calls import ActorCalls
-from raypar.controller.actor_mesh import ActorMesh
+from raypar.controller.mesh_roster import MeshRoster
 from tests.support.threads import run_groups
 
 GROUPS = {"dps0": [0, 1], "dps1": [2, 3], "dpr0": [0, 2], "dpr1": [1, 3]}
 TIMEOUT_S = 3.0  # what the replicate peer would wait without containment; each op's timeout
 
 
-class _Mesh(ActorMesh):
-    """The mesh's rules without Ray: its replicas and config only."""
+def _calls(replicas: list[int], dp_shard: int, calls_class: type[ActorCalls] = ActorCalls) -> ActorCalls:
+    """The mesh's calls without Ray: a roster of its replicas and config only."""
+    roster = MeshRoster.__new__(MeshRoster)
+    roster.replicas = replicas
+    roster.cfg = SimpleNamespace(parallel=SimpleNamespace(dp_shard=dp_shard))
+    return calls_class(roster)
 
-    def __init__(self, replicas: list[int], dp_shard: int):
-        self.replicas = replicas
-        self.cfg = SimpleNamespace(parallel=SimpleNamespace(dp_shard=dp_shard))
 
-
-class _PlainMesh(_Mesh):
+class _PlainCalls(ActorCalls):
     """Negative control: the mates of a dead replica are kept alive, as without HSDP."""
 
-    _lost_with = ActorCalls._lost_with
+    def lost_with(self, broken: set[int]) -> set[int]:
+        return broken
 
 
-def _one_death(mesh: ActorMesh) -> dict[int, str]:
-    """Replica 1 dies in the step; the replicas `mesh._lost_with({1})` names end (their groups close) as
+def _one_death(calls: ActorCalls) -> dict[int, str]:
+    """Replica 1 dies in the step; the replicas `calls.lost_with({1})` names end (their groups close) as
     soon as they are out of it. Returns how each survivor's op ended."""
-    ended = mesh._lost_with({1})
+    ended = calls.lost_with({1})
     out_of_step = {r: threading.Event() for r in range(4)}
     outcome: dict[int, str] = {}
 
@@ -72,24 +73,24 @@ def _one_death(mesh: ActorMesh) -> dict[int, str]:
 
 
 def test_a_death_ends_its_shard_group_so_no_replicate_peer_waits_out_its_timeout():
-    mesh = _Mesh([0, 1, 2, 3], dp_shard=2)
-    assert mesh._lost_with({1}) == {0, 1} and mesh._lost_with({2, 3}) == {2, 3}
-    assert _one_death(mesh) == {0: "failed at once", 3: "failed at once", 2: "failed at once"}
+    calls = _calls([0, 1, 2, 3], dp_shard=2)
+    assert calls.lost_with({1}) == {0, 1} and calls.lost_with({2, 3}) == {2, 3}
+    assert _one_death(calls) == {0: "failed at once", 3: "failed at once", 2: "failed at once"}
 
 
 def test_control_keeping_the_mates_alive_holds_the_replicate_peer_for_its_timeout():
-    outcome = _one_death(_PlainMesh([0, 1, 2, 3], dp_shard=2))
+    outcome = _one_death(_calls([0, 1, 2, 3], dp_shard=2, calls_class=_PlainCalls))
     assert outcome[2] == "timed out", outcome
 
 
 @pytest.mark.parametrize(
-    "mesh, expected",
+    "calls, expected",
     [
-        (_Mesh([0, 1, 2, 3], dp_shard=4), {1}),  # one shard group: no HSDP, the replica alone
-        (_Mesh([0, 1, 2, 3], dp_shard=0), {1}),  # plain ZeRO
-        (_Mesh([4, 5, 6, 7], dp_shard=2), {4, 5}),  # replica ids, not dp ranks
+        (_calls([0, 1, 2, 3], dp_shard=4), {1}),  # one shard group: no HSDP, the replica alone
+        (_calls([0, 1, 2, 3], dp_shard=0), {1}),  # plain ZeRO
+        (_calls([4, 5, 6, 7], dp_shard=2), {4, 5}),  # replica ids, not dp ranks
     ],
     ids=["one-group", "zero", "replica-ids"],
 )
-def test_what_ends_with_a_broken_replica(mesh, expected):
-    assert mesh._lost_with({mesh.replicas[1]}) == expected
+def test_what_ends_with_a_broken_replica(calls, expected):
+    assert calls.lost_with({calls.roster.replicas[1]}) == expected

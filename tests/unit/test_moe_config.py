@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from raypar.controller.actor_mesh import ActorMesh, moe_totals
+from raypar.controller.actor_calls import moe_totals
+from raypar.controller.actor_mesh import ActorMesh
 from raypar.controller.connection import RunFailure
+from raypar.controller.mesh_builder import MeshBuilder
 from raypar.core.config.errors import ConfigError
 from raypar.core.model.llama import count_params, flops_per_token
 from raypar.core.observe.step_report import MoELayerReport
@@ -62,22 +64,26 @@ def test_ep_and_edp_groups():
         Mesh(dp=3, pp=1, tp=1, ep=2)
 
 
-class _Survivors(ActorMesh):
-    """Only the replica bookkeeping of ActorMesh: no actors to kill."""
+class _Bookkeeping(MeshBuilder):
+    """Only the replica bookkeeping of the mesh: no actors to kill."""
 
-    def _drop_replicas(self, ids: set[int]) -> None:
-        self.replicas = [d for d in self.replicas if d not in ids]
+    def drop_replicas(self, ids: set[int]) -> None:
+        self.roster.replicas = [d for d in self.roster.replicas if d not in ids]
+
+
+class _Survivors(ActorMesh):
+    builder_class = _Bookkeeping
 
 
 def test_survivors_keep_their_expert_slice():
     mesh = _Survivors(load_config(TINY, [*MOE, "parallel.ep=2"]), "t")
     before = [0, 1, 2, 3, 4, 5]  # slices 0, 1, 0, 1, 0, 1
-    mesh.replicas = [1, 2, 4, 5]  # 0 and 3 died: slice 0 held by 2 and 4, slice 1 by 1 and 5
-    mesh._keep_expert_slices(before)
+    mesh.roster.replicas = [1, 2, 4, 5]  # 0 and 3 died: slice 0 held by 2 and 4, slice 1 by 1 and 5
+    mesh.recovery.keep_expert_slices(before)
     assert mesh.replicas == [2, 1, 4, 5]
-    mesh.replicas = [0, 2]  # every holder of slice 1 died: only a checkpoint has those experts
+    mesh.roster.replicas = [0, 2]  # every holder of slice 1 died: only a checkpoint has those experts
     with pytest.raises(RunFailure, match="expert slice 1 of ep=2 is lost"):
-        mesh._keep_expert_slices([0, 1, 2, 3])
+        mesh.recovery.keep_expert_slices([0, 1, 2, 3])
 
 
 def test_moe_totals_count_tp_rank0_and_average_aux_over_replicas():

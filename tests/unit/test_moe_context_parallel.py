@@ -10,7 +10,7 @@ holding every expert.
 
 Compared: the mean cross-entropy, every gradient and the global gradient norm (1e-5 ulysses, 1e-4 ring, as
 tests/unit/test_context_parallel.py), and the step's MoE figures through
-raypar.controller.actor_mesh.moe_totals
+raypar.controller.actor_calls.moe_totals
 (the aux loss within the same tolerance, expert load and dropped assignments exactly: each cp rank counts its
 own tokens). Capacity follows the reference's dispatch exactly (raypar.core.model.moe), so besides a capacity
 factor

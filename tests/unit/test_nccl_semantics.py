@@ -242,7 +242,7 @@ def test_moe_with_ep_tp_and_sp_over_nccl_matches_gloo():
 
 # -- a heal: the live replica's whole DP state broadcast to a new one --------------------------------------
 class _Replica(WorkerState):
-    """The worker's state mixin on a thread rank: what `sync_state` reads of an actor, nothing else."""
+    """The worker's state keeper on a thread rank: what `sync_state` reads of an actor, nothing else."""
 
     def __init__(self, cfg: Config, group, zero: int, trained: bool):
         self.cfg, self.device, self.scaler, self._stash = cfg, torch.device("cpu"), None, None

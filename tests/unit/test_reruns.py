@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from raypar.controller import cli
-from raypar.controller.training import TrainingLoop
+from raypar.controller.run_log import RunLog
+from raypar.core.config.load import from_dict
 from tests.support.runs import ACTORS_START, ActorsStarted
 from tests.unit.test_resume_checks import write_checkpoint
 
@@ -102,10 +102,9 @@ def test_a_rewind_moves_the_redone_steps_records_aside(tmp_path):
     """Resumed (or rolled back) to step 3 of 5: steps 3 and 4 are redone and logged again; their first
     records go to metrics.rewound.jsonl, so every line the file held is still on disk."""
     before = {name: _records(tmp_path / name, range(5)) for name in ("metrics.jsonl", "timeline.jsonl")}
-    loop = SimpleNamespace(run_dir=tmp_path, logs={}, _close_logs=lambda: None)
-    TrainingLoop._open_logs(loop, 3)
-    for f in loop.logs.values():
-        f.close()
+    log = RunLog(from_dict({}), "rewind", tmp_path, actor_mesh=None, progress=False)
+    log.open_files(3)
+    log.close_files()
     for name, text in before.items():
         kept = (tmp_path / name).read_text()
         rewound = (tmp_path / name.replace(".jsonl", ".rewound.jsonl")).read_text()

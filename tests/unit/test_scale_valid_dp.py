@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from raypar.controller.actor_mesh import ActorMesh
+from raypar.controller.mesh_builder import MeshBuilder
 from raypar.controller.placement import ActorResources, PlacementTimeout
 from raypar.core.config.load import from_dict
 from raypar.core.config.schema import ParallelConfig
@@ -61,14 +62,20 @@ class _PreKey(ParallelConfig):
         return self.timeout_s
 
 
-class _RecordsWaits(ActorMesh):
-    """A mesh with no room at all, which keeps the wait each placement was given (no Ray)."""
+class _NoRoom(MeshBuilder):
+    """Places nothing, and keeps the wait each placement was given (no Ray)."""
 
     waits: list[float]
 
-    def _place_replica(self, d: int, timeout_s: float) -> None:
+    def place_replica(self, d: int, timeout_s: float) -> None:
         self.waits.append(timeout_s)
         raise PlacementTimeout(f"replica {d}: no room")
+
+
+class _RecordsWaits(ActorMesh):
+    """A mesh with no room at all."""
+
+    builder_class = _NoRoom
 
 
 def _waits(parallel: dict[str, float], variant: type[ParallelConfig] = ParallelConfig) -> list[float]:
@@ -92,7 +99,7 @@ def _waits(parallel: dict[str, float], variant: type[ParallelConfig] = ParallelC
     loop.actor_mesh.dp = 1  # the scale did not land: the next step heals
     loop._membership(control, step=1)
     mesh = _RecordsWaits(cfg, "waits")
-    mesh.waits = asked
+    mesh.builder.waits = asked
     with pytest.raises(PlacementTimeout, match="^replica 0: no room$"):
         mesh.restart_all([1, 2], None, loop._heal_wait_s)
     return asked

@@ -10,7 +10,7 @@ is in it) and added when the step is committed, with the parameters' update; a s
 and its pending update recomputed.
 
 Its spread, DeepSeek's MaxVio (max load / mean load - 1), is what metrics.jsonl reports as
-`expert_load_spread` (raypar.controller.actor_mesh.moe_totals).
+`expert_load_spread` (raypar.controller.actor_calls.moe_totals).
 """
 
 from __future__ import annotations
