@@ -182,7 +182,8 @@ class Probe:
         thread.start()
         mesh = loop.actor_mesh
         for d, ballast in enumerate(held):  # replica d placed (on the one node left free): the next opens
-            _wait(f"replica {d} placed", lambda d=d: all((d, p) in mesh.roster.pgs for p in range(mesh.pp)), thread)
+            placed = lambda d=d: all((d, p) in mesh.roster.pgs for p in range(mesh.pp))  # noqa: E731
+            _wait(f"replica {d} placed", placed, thread)
             ray.kill(ballast)
         _wait("the first steps", lambda: any(m["step"] >= DRAIN_AFTER_STEP for m in metrics(run_dir)), thread)
         nodes = dict(loop.actor_mesh.nodes)
