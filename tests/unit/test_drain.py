@@ -140,11 +140,12 @@ class _LastCopyMesh:
         self.replicas, self.shard_groups = replicas, shard_groups
         self.nodes = {Coord(d, 0, 0, 0): SimpleNamespace(node_id=NODE) for d in replicas}
         self.dp, self.pp, self.tp, self.cp = len(replicas), 1, 1, 1
+        self.roster = self  # what move_replicas reads of the mesh's roster, the stand-in answers too
 
     def commit(self) -> None:
         pass
 
-    def _whole_shard_groups(self, leaving: set[int]) -> set[int]:
+    def whole_shard_groups(self, leaving: set[int]) -> set[int]:
         return {d for group in self.shard_groups if leaving & set(group) for d in group}
 
     def begin_checkpoint(self, root: str, step: int) -> tuple[str, list[Coord]]:
@@ -170,14 +171,15 @@ class _LastCopyMesh:
 @pytest.mark.parametrize("layout", [([0], []), ([0, 1], [[0, 1]])], ids=["dp1", "hsdp-one-group"])
 def test_the_last_copy_on_a_draining_node_is_checkpointed_at_that_step(tmp_path, layout):
     """No replica would be left off the node: `leave` writes a checkpoint at that step and publishes it
-    before the node goes, so the failure path resumes from it (`last_checkpoint`), not from an older one;
+    before the node goes, so the failure path resumes from it (`checkpoints.last`), not from an older one;
     said on one line, once. Without checkpoint.dir the same drain writes nothing and says so."""
     replicas, groups = layout
     root = tmp_path / "ckpt"
     for where in (str(root), ""):
         (tmp_path / "run").mkdir(exist_ok=True)
         loop = TrainingLoop(tiny(f"checkpoint.dir='{where}'"), "r", tmp_path / "run", progress=False)
-        loop.actor_mesh = _LastCopyMesh(replicas, groups)
+        # the loop's parts hold the mesh they were built with: all three get the stand-in
+        loop.actor_mesh = loop.log.actor_mesh = loop.checkpoints.actor_mesh = _LastCopyMesh(replicas, groups)
         loop.departures.watch = SimpleNamespace(current=lambda: {NODE: drain.Drain(NODE, time.time() + 60)})
         loop.departures.leave(3)
         loop.departures.leave(4)  # the node given up: nothing more
@@ -185,8 +187,8 @@ def test_the_last_copy_on_a_draining_node_is_checkpointed_at_that_step(tmp_path,
         assert len(lines) == 1 and f"every replica ({replicas}) is on draining nodes" in lines[0], loop.events
         if where:
             assert "writing a checkpoint at step 3" in lines[0], lines
-            assert loop.last_checkpoint == str(root / "step_00000003"), loop.events
-            assert checkpoint.load_manifest(loop.last_checkpoint)["step"] == 3
+            assert loop.checkpoints.last == str(root / "step_00000003"), loop.events
+            assert checkpoint.load_manifest(loop.checkpoints.last)["step"] == 3
         else:
             assert "no checkpoint.dir: the node's end goes the failure path" in lines[0], lines
-            assert loop.last_checkpoint is None and not hasattr(loop.actor_mesh, "entry"), loop.events
+            assert loop.checkpoints.last is None and not hasattr(loop.actor_mesh, "entry"), loop.events
