@@ -180,10 +180,9 @@ class Probe:
         first, *others = [n.node_id for n in self.cluster.worker_nodes]
         held = [_ballast(n) for n in others] if case in STEERED else []
         thread.start()
-        mesh = loop.actor_mesh
+        pgs, pp = loop.actor_mesh.roster.pgs, loop.actor_mesh.pp
         for d, ballast in enumerate(held):  # replica d placed (on the one node left free): the next opens
-            placed = lambda d=d: all((d, p) in mesh.roster.pgs for p in range(mesh.pp))  # noqa: E731
-            _wait(f"replica {d} placed", placed, thread)
+            _wait(f"replica {d} placed", lambda d=d: all((d, p) in pgs for p in range(pp)), thread)
             ray.kill(ballast)
         _wait("the first steps", lambda: any(m["step"] >= DRAIN_AFTER_STEP for m in metrics(run_dir)), thread)
         nodes = dict(loop.actor_mesh.nodes)
