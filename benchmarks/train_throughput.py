@@ -77,10 +77,6 @@ def size_config(name: str, extra: list[str]) -> Config:
     return _common.make_config(preset, [*base, *overrides, *extra])
 
 
-def tokens_per_step(cfg: Config) -> int:
-    return cfg.train.global_batch * cfg.model.seq_len
-
-
 def params_of(cfg: Config) -> int:
     from raypar.core.model import families
 
@@ -232,7 +228,7 @@ def part_single(args: argparse.Namespace) -> list[dict[str, Any]]:
                 plain = PlainSide(cfg, threads)
                 steps = args.steps if size == "small" else args.steps * args.small_factor
                 ray_blocks, base_blocks = alternate(side, plain, args.repeats, steps, warmup=2)
-                summary = summarize(ray_blocks, base_blocks, tokens_per_step(cfg))
+                summary = summarize(ray_blocks, base_blocks, cfg.tokens_per_step)
                 in_actor_s = _common.median([x["actor_s"] for x in ray_blocks])
                 floor = ray_floor_ms(spinner, in_actor_s, max(5, steps * args.repeats // 2))
                 row = {
@@ -305,7 +301,7 @@ def part_dp(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "size": size,
                 "params_M": params_of(cfg) / 1e6,
                 "threads": 1,
-                **summarize(ray_blocks, base_blocks, tokens_per_step(cfg)),
+                **summarize(ray_blocks, base_blocks, cfg.tokens_per_step),
                 "loss_diff": abs(side.first_loss - ddp.first_loss),
                 "load": _common.loadavg(),
             }

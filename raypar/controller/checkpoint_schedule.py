@@ -52,7 +52,6 @@ class CheckpointSchedule:
         self, cfg: Config, actor_mesh: Any, say: Callable[[str], None], tokenizer: dict[str, Any] | None
     ):
         self.cfg, self.actor_mesh, self.say, self.tokenizer = cfg, actor_mesh, say, tokenizer
-        self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         self.pending: PendingCheckpoint | None = None
         self.last: str | None = None  # the URI of the last one published (or resumed from)
 
@@ -95,7 +94,7 @@ class CheckpointSchedule:
     def _meta(self, next_step: int) -> dict[str, Any]:
         mesh = self.actor_mesh
         return {
-            "tokens": next_step * self.tokens_per_step,
+            "tokens": next_step * self.cfg.tokens_per_step,
             "layout": {
                 "dp": mesh.dp,
                 "pp": mesh.pp,

@@ -33,7 +33,6 @@ class RunLog:
     def __init__(self, cfg: Config, name: str, run_dir: Path, actor_mesh: Any, progress: bool):
         self.cfg, self.name, self.run_dir, self.actor_mesh = cfg, name, run_dir, actor_mesh
         self.progress = progress
-        self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         self.events: list[str] = []
         self.files: dict[str, TextIO] = {}
         self.trackers: trackers.TrackerSink | None = None  # [log] backends: fed what metrics.jsonl gets
@@ -110,7 +109,7 @@ class RunLog:
         """metrics.jsonl, timeline.jsonl, the trackers, the control actor and the progress bar for a completed
         step; returns its record. `restarts` and `memory_recoveries` count the run's recoveries so far,
         `draining` is what the drain watch says."""
-        mesh, tokens_per_step = self.actor_mesh, self.tokens_per_step
+        mesh, tokens_per_step = self.actor_mesh, self.cfg.tokens_per_step
         rows = timeline.timeline_rows(step, result.per_actor)
         slowest, lags = stragglers.straggler(result.per_actor)
         # a model-free stand-in reports none: every token a target

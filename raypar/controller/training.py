@@ -290,7 +290,7 @@ class TrainingLoop:
             "first_loss": first_loss,
             "final_loss": last and last["loss"],
             "tokens": last["tokens"] if last else 0,
-            "run_tokens": self.log.tokens_per_step * max(step - start, 0),  # trained in this run's wall_s
+            "run_tokens": self.cfg.tokens_per_step * max(step - start, 0),  # trained in this run's wall_s
             "wall_s": time.perf_counter() - wall,
             "run_dir": str(self.run_dir),
             "restarts": self.restarts,

@@ -502,6 +502,11 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     @property
+    def tokens_per_step(self) -> int:
+        """The tokens one optimizer step trains on: the global batch's sequences, each seq_len long."""
+        return self.train.global_batch * self.model.seq_len
+
+    @property
     def dp_fixed(self) -> int:
         """The data-parallel degree to start with (`dp = "auto"` starts at min_dp)."""
         return self.parallel.min_dp if self.parallel.dp == "auto" else int(self.parallel.dp)

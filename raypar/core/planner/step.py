@@ -238,7 +238,7 @@ def predict(
     """Memory and step time of `layout`, `cfg` being the config with its knobs (`times`: its `step_times`,
     where the caller has them already)."""
     stages = predict_memory(cfg, layout, device.kind, wrong_in_flight)
-    tokens = cfg.train.global_batch * cfg.model.seq_len
+    tokens = cfg.tokens_per_step
     return Prediction(layout, stages, *(times or step_times(cfg, layout, device, mfu)), tokens)
 
 
