@@ -6,7 +6,7 @@ replica (dp=2 x tp=2 fills two; the third is the room a replacement needs). Afte
 1. drain: the node of replica 1 is drained as `ray drain-node` does (the GCS's DrainNode, reason
    preemption, a 60 s deadline). Timed: until the GCS lists it draining (what DrainWatch reads; the watch
    adds up to its POLL_S between reads), the move (stash, place the replacement off the node, hand the state
-   over, release the leaver: raypar.controller.drain.move_replicas), and the first step after it against
+   over, release the leaver: ActorMesh.move_replicas), and the first step after it against
    the steps before (the cost of the move to training).
 2. kill -9: the replacement's first actor is killed, as a node lost without notice. Under ZeRO-3 without
    HSDP the state then lives only in the last checkpoint (written just before, so no step is lost here):
@@ -82,7 +82,7 @@ def measure(preset: str, seq_len: int, steps: int, timeout_s: int = 60) -> dict[
             time.sleep(0.01)  # polling the GCS table, as DrainWatch does every POLL_S
         out["drain_listed_s"] = time.perf_counter() - start
         moving = time.perf_counter()
-        drain.move_replicas(trainer, {1}, DEADLINE_S / 2)
+        trainer.move_replicas({1}, DEADLINE_S / 2)
         out["move_s"] = time.perf_counter() - moving
         assert all(w.node_id != victim for w in trainer.nodes.values()), "a replica stayed on the node"
         out["first_step_after_move_s"] = trainer.step(step).step_time_s

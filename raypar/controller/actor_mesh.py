@@ -9,7 +9,8 @@ is in the mesh (`MeshRoster`, raypar.controller.mesh_roster):
   actors.replica_lead), applies each step once it completed everywhere, and turns a failure anywhere into
   `StepFailure` naming the actor (run, dp, pp, tp) and the cause, and the actors that died;
 - `MeshRecovery` (raypar.controller.mesh_recovery) continues with the intact replicas (`recover`, or asks
-  for a restore when none is left) and adds or removes replicas between steps (`scale_to`).
+  for a restore when none is left), adds or removes replicas between steps (`scale_to`) and moves them off
+  draining nodes (`move_replicas`).
 The mesh itself reads and moves the actors' state (checkpoints, parameters) and is the one surface the
 training loop, the CLI, tests and benchmarks use.
 """
@@ -177,6 +178,9 @@ class ActorMesh:
 
     def scale_to(self, dp: int, timeout_s: float) -> str:
         return self.recovery.scale_to(dp, timeout_s)
+
+    def move_replicas(self, leaving: set[int], timeout_s: float) -> str:
+        return self.recovery.move_replicas(leaving, timeout_s)
 
     def restart_all(self, dps: list[int], ckpt_uri: str | None, heal_timeout_s: float) -> int:
         return self.recovery.restart_all(dps, ckpt_uri, heal_timeout_s)

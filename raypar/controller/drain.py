@@ -8,31 +8,29 @@ move their replicas) on a daemon thread every POLL_S, and says at once, on one l
 which of the run's replicas sit on a node that drains. Ray schedules nothing new on a draining node, so
 whatever is placed from then on lands elsewhere.
 
-At the next step boundary `leave` moves those replicas (`move_replicas`): every replica with an actor on
-the node goes whole (its pp, cp, tp ranks with it). Under ZeRO without HSDP every actor first stashes the
-whole DP state (a collective over the current group, to which the leaving actors, still alive, contribute
-their slices: the heal is from the leaving replica, not from disk). The replacements are placed elsewhere,
-take the leavers' dp ranks, and receive the state from a surviving replica (`sync_state`, the machinery of
-`ActorMesh.scale_to`); then the leavers are released. Under HSDP a shard group moves whole and takes its
-shards from another group's copies. Without room (the placement times out), the run shrinks instead to the
-largest valid dp without them; when no replica would be left off the node (dp=1, the only shard group),
-the state exists nowhere else: a checkpoint is written at that step, and the node's death then goes the
-failure path from it. Nothing here runs a step, so no step is redone and none counts against
-train.max_failures; a deadline that passes during the move kills the leavers, and the move's failure is
-recovered as any other (today's failure path, said in one line).
+At the next step boundary `leave` moves those replicas (`ActorMesh.move_replicas`, done by its
+`MeshRecovery`): every replica with an actor on the node goes whole (its pp, cp, tp ranks with it). Under
+ZeRO without HSDP every actor first stashes the whole DP state (a collective over the current group, to
+which the leaving actors, still alive, contribute their slices: the heal is from the leaving replica, not
+from disk). The replacements are placed elsewhere, take the leavers' dp ranks, and receive the state from a
+surviving replica (`sync_state`, the machinery of `ActorMesh.scale_to`); then the leavers are released.
+Under HSDP a shard group moves whole and takes its shards from another group's copies. Without room (the
+placement times out), the run shrinks instead to the largest valid dp without them; when no replica would be
+left off the node (dp=1, the only shard group), the state exists nowhere else: a checkpoint is written at
+that step, and the node's death then goes the failure path from it. Nothing here runs a step, so no step is
+redone and none counts against train.max_failures; a deadline that passes during the move kills the leavers,
+and the move's failure is recovered as any other (today's failure path, said in one line).
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from actors.endpoints import WorkerEndpoints
-from raypar.controller.placement import PlacementTimeout
+from raypar.controller.mesh_recovery import LastCopy
 from raypar.controller.spot import SpotWatchers
 from raypar.core.parallel.mesh import Coord
 
@@ -113,62 +111,6 @@ def on_nodes(nodes: dict[Coord, Any], draining: set[str]) -> set[int]:
     return {c.dp for c, where in nodes.items() if where.node_id in draining}
 
 
-class LastCopy(Exception):
-    """Every replica is on draining nodes: their state would exist nowhere else (the caller checkpoints)."""
-
-
-def move_replicas(mesh: Any, leaving: set[int], timeout_s: float) -> str:
-    """Replace the `leaving` replicas of `mesh` (an ActorMesh) by new ones placed off the draining nodes,
-    their state handed over from the still-alive mesh; without room, shrink to a valid dp without them.
-    Between steps only. Returns what happened, in one line; LastCopy when no replica would remain."""
-    mesh.commit()
-    groups = mesh.shard_groups
-    if groups:  # HSDP: a shard group shares its ZeRO state; it moves (or goes) whole
-        leaving = mesh.roster.whole_shard_groups(leaving)
-    before = list(mesh.replicas)
-    if not set(before) - leaving:
-        raise LastCopy(f"every replica ({sorted(leaving)}) is on draining nodes: the state lives there only")
-    stashed = mesh.roster.dp_stage.shards_optimizer and not groups
-    if stashed:  # the whole DP state in every actor, the leavers' slices included
-        stash = mesh.calls.each(WorkerEndpoints.stash_state)
-        mesh.calls.gather(stash, "stashing state before leaving a draining node")
-    new: dict[int, int] = {}
-    free = (i for i in itertools.count() if i not in before)
-    try:
-        for d in sorted(leaving):
-            new[d] = next(free)
-            mesh.builder.place_replica(new[d], timeout_s)
-    except PlacementTimeout as err:
-        mesh.builder.drop_replicas(set(new.values()) & set(mesh.replicas))
-        return _shrink(mesh, leaving, err)
-    mesh.builder.drop_replicas(leaving)
-    order = [new.get(d, d) for d in before]
-    if groups:  # the replacement groups last: the first shard group is the source of every shard
-        size = len(groups[0])
-        chunks = [order[i : i + size] for i in range(0, len(order), size)]
-        order = [d for chunk in sorted(chunks, key=lambda c: c[0] in new.values()) for d in chunk]
-    mesh.roster.replicas = order
-    mesh.builder.regroup(new=set(new.values()))
-    source = next(i for i, d in enumerate(order) if d not in new.values())
-    handover = mesh.calls.each(WorkerEndpoints.sync_state, source)
-    mesh.calls.gather(handover, "handing state to the replacements")
-    mesh.roster.ready |= set(new.values())
-    moved = ", ".join(f"{d}->{n}" for d, n in sorted(new.items()))
-    return f"moved replica(s) off the draining node ({moved}), state handed over live; dp={mesh.dp}"
-
-
-def _shrink(mesh: Any, leaving: set[int], err: BaseException) -> str:
-    """No room elsewhere: release the leavers now (their state stays in the others), then down to a valid
-    dp (`scale_to`, which releases the newest)."""
-    mesh.builder.drop_replicas(leaving)
-    mesh.builder.regroup()
-    line = f"no room off the draining node ({err}); released replica(s) {sorted(leaving)}, dp={mesh.dp}"
-    valid = [d for d in mesh.cfg.valid_dps() if d <= mesh.dp]
-    if mesh.dp not in mesh.cfg.valid_dps() and valid:
-        line += "; " + mesh.scale_to(max(valid), timeout_s=0.0)
-    return line
-
-
 class Departures:
     """The training loop's side (`TrainingLoop.departures_class`): the watch, its line and `raypar status`
     entry, and the move at a step boundary (`leave`). Tests swap in a subclass that ignores draining."""
@@ -235,7 +177,7 @@ class Departures:
         wait_s = wait_s if left is None else min(wait_s, left / 2)
         start = time.perf_counter()
         try:
-            line = move_replicas(self.loop.actor_mesh, leaving, wait_s)
+            line = self.loop.actor_mesh.move_replicas(leaving, wait_s)
         except LastCopy as err:
             self.given_up |= set(drains)
             self._checkpoint_last_copy(step, err)

@@ -3,7 +3,8 @@
 `MeshRecovery` is the part of `raypar.controller.actor_mesh.ActorMesh` that decides which replicas stay:
 after a failure it continues with the intact replicas (`recover`), replaces the lost ones from in-memory
 copies (`restore_from_memory`) or starts every replica again from a checkpoint (`restart_all`); between
-steps it scales (`scale_to`). It builds and ends actors through the `MeshBuilder` and calls them through
+steps it scales (`scale_to`) and moves replicas off draining nodes (`move_replicas`, for
+raypar.controller.drain). It builds and ends actors through the `MeshBuilder` and calls them through
 the `ActorCalls`; each membership change re-forms every group under a new epoch.
 """
 
@@ -23,6 +24,10 @@ from raypar.controller.placement import PlacementTimeout
 
 class NoIntactReplica(RunFailure):
     """Every replica lost an actor: only a checkpoint (or the initial state) can continue the run."""
+
+
+class LastCopy(Exception):
+    """Every replica is on draining nodes: their state would exist nowhere else (the caller checkpoints)."""
 
 
 class MeshRecovery:
@@ -154,6 +159,57 @@ class MeshRecovery:
             calls.gather(calls.each(WorkerEndpoints.sync_state, 0), "healing new replicas")
         roster.ready |= set(new)
         return f"added replica(s) {sorted(new)}: dp={roster.dp}" + (f" ({shortfall})" if shortfall else "")
+
+    def move_replicas(self, leaving: set[int], timeout_s: float) -> str:
+        """Replace the `leaving` replicas by new ones placed off the draining nodes (raypar.controller.drain),
+        their state handed over from the still-alive mesh; without room, shrink to a valid dp without them.
+        Between steps only. Returns what happened, in one line; LastCopy when no replica would remain."""
+        roster, calls = self.roster, self.calls
+        calls.commit()
+        groups = roster.shard_groups
+        if groups:  # HSDP: a shard group shares its ZeRO state; it moves (or goes) whole
+            leaving = roster.whole_shard_groups(leaving)
+        before = list(roster.replicas)
+        if not set(before) - leaving:
+            where = f"every replica ({sorted(leaving)}) is on draining nodes"
+            raise LastCopy(f"{where}: the state lives there only")
+        if roster.dp_stage.shards_optimizer and not groups:  # the whole DP state in every actor, leavers' too
+            stash = calls.each(WorkerEndpoints.stash_state)
+            calls.gather(stash, "stashing state before leaving a draining node")
+        new: dict[int, int] = {}
+        free = (i for i in itertools.count() if i not in before)
+        try:
+            for d in sorted(leaving):
+                new[d] = next(free)
+                self.builder.place_replica(new[d], timeout_s)
+        except PlacementTimeout as err:
+            self.builder.drop_replicas(set(new.values()) & set(roster.replicas))
+            return self._shrink(leaving, err)
+        self.builder.drop_replicas(leaving)
+        order = [new.get(d, d) for d in before]
+        if groups:  # the replacement groups last: the first shard group is the source of every shard
+            size = len(groups[0])
+            chunks = [order[i : i + size] for i in range(0, len(order), size)]
+            order = [d for chunk in sorted(chunks, key=lambda c: c[0] in new.values()) for d in chunk]
+        roster.replicas = order
+        self.builder.regroup(new=set(new.values()))
+        source = next(i for i, d in enumerate(order) if d not in new.values())
+        calls.gather(calls.each(WorkerEndpoints.sync_state, source), "handing state to the replacements")
+        roster.ready |= set(new.values())
+        moved = ", ".join(f"{d}->{n}" for d, n in sorted(new.items()))
+        return f"moved replica(s) off the draining node ({moved}), state handed over live; dp={roster.dp}"
+
+    def _shrink(self, leaving: set[int], err: BaseException) -> str:
+        """No room off the draining nodes: release the leavers now (their state stays in the others), then
+        down to a valid dp (`scale_to`, which releases the newest)."""
+        roster = self.roster
+        self.builder.drop_replicas(leaving)
+        self.builder.regroup()
+        line = f"no room off the draining node ({err}); released replica(s) {sorted(leaving)}, dp={roster.dp}"
+        valid = [d for d in roster.cfg.valid_dps() if d <= roster.dp]
+        if roster.dp not in roster.cfg.valid_dps() and valid:
+            line += "; " + self.scale_to(max(valid), timeout_s=0.0)
+        return line
 
     def _land_on_valid_dp(self, asked: int, before: int, new: list[int], err: PlacementTimeout) -> str:
         """Only some of the replicas `scale_to` asked for were placed (`new`, in order): release the newest

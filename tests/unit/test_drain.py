@@ -15,6 +15,7 @@ import torch
 
 from actors.spot_watch import SpotWatch, parse_notice
 from raypar.controller import cli, drain
+from raypar.controller.mesh_recovery import MeshRecovery
 from raypar.controller.training import TrainingLoop
 from raypar.core import checkpoint
 from raypar.core.parallel.mesh import Coord
@@ -92,27 +93,26 @@ def test_spot_notice_becomes_a_drain_and_garbage_or_silence_is_said_once(stub):
     assert watch.asked == parse_notice(_Stub.answer[1]) and watch.check() is None  # once
 
 
-def _loop_on(node: str) -> SimpleNamespace:
+def _loop_on(node: str, move: Any = None) -> SimpleNamespace:
+    """A training loop whose mesh has a replica on `node`; `move` stands in for the mesh's move_replicas."""
     loop = SimpleNamespace(events=[], name="r", status={})
     loop.event = loop.events.append
     loop.cfg = SimpleNamespace(parallel=SimpleNamespace(spot_notice="", placement_wait_s=300.0))
     loop.actor_mesh = SimpleNamespace(nodes={Coord(0, 0, 0, 0): SimpleNamespace(node_id="cd" * 28),
-                                             Coord(1, 0, 0, 0): SimpleNamespace(node_id=node)})  # fmt: skip
+                                             Coord(1, 0, 0, 0): SimpleNamespace(node_id=node)},
+                                      move_replicas=move)  # fmt: skip
     return loop
 
 
-def test_leave_moves_before_the_deadline_or_says_why_not(monkeypatch):
+def test_leave_moves_before_the_deadline_or_says_why_not():
     """At a step boundary: the move gets half the time left to find room; a deadline already passed, or a
     move that fails (the leavers died at the deadline), is said once and left to the failure path."""
     asked = []
-    monkeypatch.setattr(
-        drain, "move_replicas", lambda mesh, leaving, wait_s: asked.append((leaving, wait_s)) or "moved"
-    )
     for deadline, expect, said in (
         (-1, "draining deadline passed before step 3", 1),
         (60, "moved (before step 3", 2),
     ):
-        loop = _loop_on(NODE)
+        loop = _loop_on(NODE, lambda leaving, wait_s: asked.append((leaving, wait_s)) or "moved")
         departures = drain.Departures(loop)
         departures.watch = SimpleNamespace(
             current=lambda d=deadline: {NODE: drain.Drain(NODE, time.time() + d)}
@@ -123,8 +123,7 @@ def test_leave_moves_before_the_deadline_or_says_why_not(monkeypatch):
         )  # given up: said once; moved: the fake leaves the replica there, so it moves again
         assert len(loop.events) == said and loop.events[0].startswith(expect), loop.events
     assert asked[0][0] == {1} and 29 < asked[0][1] <= 30, asked  # half of the 60 s left
-    monkeypatch.setattr(drain, "move_replicas", lambda *a: (_ for _ in ()).throw(RuntimeError("actor died")))
-    loop = _loop_on(NODE)
+    loop = _loop_on(NODE, lambda *a: (_ for _ in ()).throw(RuntimeError("actor died")))
     departures = drain.Departures(loop)
     departures.watch = SimpleNamespace(current=lambda: {NODE: drain.Drain(NODE, time.time() + 60)})
     with pytest.raises(RuntimeError, match="actor died"):
@@ -141,6 +140,10 @@ class _LastCopyMesh:
         self.nodes = {Coord(d, 0, 0, 0): SimpleNamespace(node_id=NODE) for d in replicas}
         self.dp, self.pp, self.tp, self.cp = len(replicas), 1, 1, 1
         self.roster = self  # what move_replicas reads of the mesh's roster, the stand-in answers too
+
+    def move_replicas(self, leaving: set[int], timeout_s: float) -> str:
+        """The mesh's own move (its recovery part's), reading this stand-in as roster and calls."""
+        return MeshRecovery(self, self, builder=None, load=None).move_replicas(leaving, timeout_s)
 
     def commit(self) -> None:
         pass
