@@ -114,14 +114,8 @@ class WorkerState:
         cp, ep = self.cfg.parallel.cp, self.cfg.parallel.ep
         # The dp and edp groups list each replica's cp ranks together: the source's cp rank 0 sends.
         dense_src = src_dp_rank * cp
-        scaler = self.scaler.state() if self.scaler is not None else {}
         count = stash[1] if stash is not None else self.strategy.step_count
-        counts = [count, *scaler.values()]  # a float64 holds each of them exactly
-        # On the device: an NCCL group moves device memory only.
-        sent = torch.tensor([float(c) for c in counts], dtype=torch.float64, device=self.device)
-        steps = self.dp_group.broadcast(sent, dense_src).tolist()
-        if self.scaler is not None:
-            self.scaler.load_state(dict(zip(scaler, steps[1:], strict=True)))
+        count = _broadcast_counts(self.dp_group, dense_src, count, self.scaler, self.device)
         # Experts come from the replica holding the same ones in the source's EP group, over the EDP group.
         sources = [(self.strategy, self.dp_group, dense_src)]
         sources.append((self.expert_strategy, self.edp_group, src_dp_rank // ep * cp))
@@ -132,15 +126,9 @@ class WorkerState:
                 state = strategy.state_template()
             else:  # live views: the broadcast writes straight into this replica's state
                 state = strategy.full_state()
-            with torch.no_grad():
-                for name in sorted(state):
-                    state[name] = state[name].to(self.device)
-                    if group is not None:
-                        group.broadcast(state[name], src)
-            strategy.load_full_state(state, int(steps[0]))
-        with torch.no_grad():  # the routing biases: the same on every replica, sent like the dense state
-            for _, bias in sorted(self.model.routing_biases().items()):
-                self.dp_group.broadcast(bias, dense_src)
+            strategy.load_full_state(_broadcast_state(state, group, src, self.device), count)
+        # the routing biases (on the device, so broadcast in place): the same on every replica, as dense state
+        _broadcast_state(self.model.routing_biases(), self.dp_group, dense_src, self.device)
 
     def _sync_shard(self) -> None:
         """HSDP (raypar.core.dp.hsdp): a new shard group's replicas take their shards (owned masters and
@@ -148,18 +136,9 @@ class WorkerState:
         group, over the replicate group; the others resend theirs. Then every shard group gathers its
         parameters from the owners."""
         group = self.dpr_group
-        scaler = self.scaler.state() if self.scaler is not None else {}
-        counts = [self.strategy.step_count, *scaler.values()]
-        sent = torch.tensor([float(c) for c in counts], dtype=torch.float64, device=self.device)
-        steps = group.broadcast(sent, 0).tolist() if group is not None else counts
-        if self.scaler is not None:
-            self.scaler.load_state(dict(zip(scaler, steps[1:], strict=True)))
+        count = _broadcast_counts(group, 0, self.strategy.step_count, self.scaler, self.device)
         for strategy in self._strategies():
-            owned = {k: t.to(self.device) for k, t in strategy.owned_state().items()}
-            with torch.no_grad():
-                for name in sorted(owned) if group is not None else ():
-                    group.broadcast(owned[name], 0)
-            strategy.load_owned_state(owned, int(steps[0]))
+            strategy.load_owned_state(_broadcast_state(strategy.owned_state(), group, 0, self.device), count)
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def parameters(self) -> dict[str, Shard]:
@@ -300,6 +279,32 @@ class WorkerState:
             raise self._fail(f"restoring step {step} from memory", err) from err
         self._share(snap)
         self.copies.wait_shared()
+
+
+def _broadcast_counts(
+    group: Any, src: int, step_count: int, scaler: LossScaler | None, device: torch.device
+) -> int:
+    """The optimizer's step count and the loss scaler's state of rank `src` of `group` (None: this rank's
+    own), the scaler's loaded here; returns the step count. As float64 (which holds each exactly), on the
+    device (an NCCL group moves device memory only)."""
+    saved = scaler.state() if scaler is not None else {}
+    counts = [step_count, *saved.values()]
+    if group is not None:
+        sent = torch.tensor([float(c) for c in counts], dtype=torch.float64, device=device)
+        counts = group.broadcast(sent, src).tolist()
+    if scaler is not None:
+        scaler.load_state(dict(zip(saved, counts[1:], strict=True)))
+    return int(counts[0])
+
+
+def _broadcast_state(state: dict[str, torch.Tensor], group: Any, src: int, device: torch.device) -> dict:
+    """`state` on the device, each tensor that of rank `src` of `group` (None: this rank's own), in name order
+    on every rank. A tensor already on the device is the same object: the broadcast writes into it."""
+    state = {name: t.to(device) for name, t in state.items()}
+    with torch.no_grad():
+        for name in sorted(state) if group is not None else ():
+            group.broadcast(state[name], src)
+    return state
 
 
 def rng_state(device: torch.device) -> dict[str, str]:

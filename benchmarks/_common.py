@@ -32,7 +32,8 @@ from typing import Any
 import ray
 import torch
 
-from actors.worker import WORKER_GROUPS, WORKER_THREADS, Worker, _ActorBackend
+from actors.worker import WORKER_GROUPS, WORKER_THREADS, Worker
+from actors.worker_step import ActorBackend, WorkerStep
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.controller.connection import NAMESPACE
 from raypar.core import data
@@ -143,7 +144,7 @@ class BenchActorMesh(ActorMesh):
         return self.run, tuple(coord), self.threads
 
 
-class _PaddedBackend(_ActorBackend):
+class _PaddedBackend(ActorBackend):
     """raypar's actor backend, each compute instruction padded to a fixed duration (`costs`: op ->
     seconds): a known cost per unit that needs no core, as a device kernel would, and the same on every
     stage, whatever the real model's own compute there (the last stage's head and loss, the first's
@@ -171,6 +172,25 @@ class TimedStepReport(StepReport):
     prev_apply_cpu_s: float = math.nan
 
 
+class _TimedStep(WorkerStep):
+    """raypar's steps, each report a TimedStepReport with `t_phase` set; each compute instruction padded to
+    `cost` = (forward, backward) seconds where either is set (`_PaddedBackend`)."""
+
+    cost = (0.0, 0.0)
+
+    def _backend(self, step: int, scale: float) -> ActorBackend:
+        fwd_s, bwd_s = self.cost
+        if not (fwd_s or bwd_s):
+            return super()._backend(step, scale)
+        whole = 2 * bwd_s if any(i.op == BACKWARD_INPUT for i in self.plan) else bwd_s
+        costs = {FORWARD: fwd_s, BACKWARD: whole, BACKWARD_INPUT: bwd_s, BACKWARD_WEIGHT: bwd_s}
+        return super()._backend(step, scale, functools.partial(_PaddedBackend, costs=costs))
+
+    def run(self, step: int) -> TimedStepReport:
+        phase = time.perf_counter()  # a few µs before the step's own zero of `events`
+        return TimedStepReport(**vars(super().run(step)), t_phase=phase)
+
+
 class _TimedWorker(Worker):
     """raypar's Worker, instrumented, behaviour unchanged: each `train_step` report (a TimedStepReport) holds
     - `t_start`: the absolute `time.perf_counter()` at its start (system-wide on Linux, so the events of
@@ -182,23 +202,16 @@ class _TimedWorker(Worker):
       step's update, which runs at the start of this call when it was piggybacked on it).
     Optionally (`set_fixed_cost`) each compute instruction padded to a fixed duration (`_PaddedBackend`)."""
 
+    step_class = _TimedStep
+
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._cost = (0.0, 0.0)
         self._apply = (float("nan"), float("nan"))
 
     def set_fixed_cost(self, fwd_s: float, bwd_s: float) -> None:
         """Forward units last `fwd_s`; backward units, and under a split backward B and W each, `bwd_s` (a
         whole backward in a plan that also splits some, as DualPipeV's, B + W: 2 `bwd_s`)."""
-        self._cost = (fwd_s, bwd_s)
-
-    def _backend(self, step: int, scale: float) -> _ActorBackend:
-        fwd_s, bwd_s = self._cost
-        if not (fwd_s or bwd_s):
-            return super()._backend(step, scale)
-        whole = 2 * bwd_s if any(i.op == BACKWARD_INPUT for i in self.plan) else bwd_s
-        costs = {FORWARD: fwd_s, BACKWARD: whole, BACKWARD_INPUT: bwd_s, BACKWARD_WEIGHT: bwd_s}
-        return super()._backend(step, scale, functools.partial(_PaddedBackend, costs=costs))
+        self.steps.cost = (fwd_s, bwd_s)
 
     def train_step(self, step: int, commit: int | None = None) -> TimedStepReport:
         start, cpu, thread_cpu = time.perf_counter(), time.process_time(), time.thread_time()
@@ -209,10 +222,6 @@ class _TimedWorker(Worker):
             result, t_start=start, cpu_s=cpu_s, thread_cpu_s=thread_cpu_s,
             prev_apply_s=prev_apply_s, prev_apply_cpu_s=prev_apply_cpu_s,
         )
-
-    def _train_step(self, step: int) -> TimedStepReport:
-        phase = time.perf_counter()  # a few µs before the worker's own zero of `events`
-        return TimedStepReport(**vars(super()._train_step(step)), t_phase=phase)
 
     def apply_step(self, step: int) -> None:
         start, cpu = time.perf_counter(), time.process_time()

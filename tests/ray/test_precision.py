@@ -13,6 +13,8 @@ import ray
 import torch
 
 from actors.worker import WORKER_GROUPS, WORKER_THREADS, Worker
+from actors.worker_step import WorkerStep
+from actors.worker_strategies import WorkerStrategies
 from raypar.controller.actor_calls import StepFailure
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core import checkpoint
@@ -28,21 +30,14 @@ TINY = "examples/configs/tiny.toml"
 INF_STEP, INF_ACTOR = 1, Coord(1, 0, 1)
 
 
-class _InfWorker(Worker):
-    """Puts an inf into one gradient of one actor at INF_STEP, after the DP reduction (so no other actor
-    sees it through the data); `local_only` breaks the MAX reduction of the verdict (negative control)."""
+class _InfStrategies(WorkerStrategies):
+    """Puts an inf into one gradient of one actor at INF_STEP (`step_now`: the step in phase 1), after the DP
+    reduction (so no other actor sees it through the data)."""
 
-    local_only = False
+    step_now = -1
 
-    def set_local_only(self, value: bool) -> None:
-        self.local_only = value
-
-    def train_step(self, step: int, commit: int | None = None):  # noqa: ANN201 - Worker's
-        self.step_now = step
-        return super().train_step(step, commit)
-
-    def _make_strategy(self, dp_group):  # noqa: ANN001, ANN202 - Worker's
-        strategy = super()._make_strategy(dp_group)
+    def _make_dense(self, dp_group, replicate):  # noqa: ANN001, ANN202 - WorkerStrategies'
+        strategy = super()._make_dense(dp_group, replicate)
         unscale = strategy.unscale_
 
         def unscale_with_inf(inv_scale: float, check: bool = False) -> bool:
@@ -53,8 +48,26 @@ class _InfWorker(Worker):
         strategy.unscale_ = unscale_with_inf
         return strategy
 
+
+class _LocalVerdictStep(WorkerStep):
+    """`local_only` breaks the MAX reduction of the skip verdict (negative control)."""
+
+    local_only = False
+
     def _anywhere(self, flag: bool) -> bool:
         return flag if self.local_only else super()._anywhere(flag)
+
+
+class _InfWorker(Worker):
+    strategies_class = _InfStrategies
+    step_class = _LocalVerdictStep
+
+    def set_local_only(self, value: bool) -> None:
+        self.steps.local_only = value
+
+    def train_step(self, step: int, commit: int | None = None):  # noqa: ANN201 - Worker's
+        self.strategies.step_now = step
+        return super().train_step(step, commit)
 
 
 class InfMesh(ActorMesh):

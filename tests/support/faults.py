@@ -50,6 +50,8 @@ import torch
 from actors.endpoints import Peers, Placement, SetupInfo, Snapshot
 from actors.worker import WORKER_GROUPS, WORKER_THREADS, Worker
 from actors.worker_state import WorkerState
+from actors.worker_step import WorkerStep
+from actors.worker_strategies import WorkerStrategies
 from collectives import Group
 from raypar.controller.actor_mesh import ActorMesh
 from raypar.core.config.schema import Config
@@ -83,14 +85,70 @@ class MoEGatherSummed(MoELayer):
         return gather_from_sp(x, self.group)
 
 
+class _FaultyStrategies(WorkerStrategies):
+    """The DP strategies of a `_FaultyWorker`, whose faults they share: `dp_sum`, `ep_divisor_edp`,
+    `expert_no_regather`."""
+
+    def __init__(self, coord: Coord):
+        super().__init__(coord)
+        self.faults: set[str] = set()
+
+    def _make_dense(self, dp_group: Any, replicate: Any) -> DPStrategy:
+        strategy = super()._make_dense(dp_group, replicate)
+        if "dp_sum" in self.faults:
+            strategy.reduce_op = "sum"
+        return strategy
+
+    def _expert_class(self) -> type[DPStrategy]:
+        if "expert_no_regather" in self.faults:
+            return ExpertsNotRegathered
+        return super()._expert_class()
+
+    def _make_experts(self, edp_group: Any, replicate: Any, dp: int) -> DPStrategy:
+        strategy = super()._make_experts(edp_group, replicate, dp)
+        if "ep_divisor_edp" in self.faults:
+            strategy.divisor = 1 if edp_group is None else edp_group.size
+        return strategy
+
+
+class _FaultyStep(WorkerStep):
+    """The steps of a `_FaultyWorker`, whose faults they share: `tie_no_sum`, `pp_zero_grad` and the
+    `raise_at_step`, `kill_at_step`, `stop_at_step` of phase 1."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self.faults: set[str] = set()
+
+    def _sum_tied_grads(self) -> None:
+        if "tie_no_sum" not in self.faults:
+            super()._sum_tied_grads()
+
+    def _send_grad(self, chunk: int, mb: int, grad: torch.Tensor) -> None:
+        super()._send_grad(chunk, mb, torch.zeros_like(grad) if "pp_zero_grad" in self.faults else grad)
+
+    def run(self, step: int) -> StepReport:
+        if f"raise_at_step:{step}" in self.faults:
+            raise RuntimeError("fault injected by the test suite")
+        if f"kill_at_step:{step}" in self.faults:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if f"stop_at_step:{step}" in self.faults:
+            os.kill(os.getpid(), signal.SIGSTOP)  # until ray.kill's SIGKILL ends it
+        return super().run(step)
+
+
 class _FaultyWorker(Worker):
+    strategies_class = _FaultyStrategies
+    step_class = _FaultyStep
+
     def __init__(self, run: str, coord: tuple[int, int, int], threads: int = 1, faults: tuple[str, ...] = ()):
         super().__init__(run, coord, threads)
-        self.faults = set(faults)
+        # one set, shared with the parts: set_faults changes it in place
+        self.faults = self.strategies.faults = self.steps.faults = set(faults)
         self.calls: Counter[str] = Counter()
 
     def set_faults(self, faults: list[str]) -> None:
-        self.faults = set(faults)
+        self.faults.clear()
+        self.faults.update(faults)
 
     def _count(self, method: str) -> None:
         self.calls[method] += 1
@@ -145,7 +203,7 @@ class _FaultyWorker(Worker):
 
     def _zero_moments(self) -> None:
         with torch.no_grad():
-            for strategy in self._strategies():
+            for strategy in self.strategies:
                 for moment in strategy.moments.values():
                     moment.zero_()
 
@@ -170,50 +228,17 @@ class _FaultyWorker(Worker):
             for layer in self.model.moe_layers().values():
                 layer.__class__ = MoEGatherSummed
 
-    def _make_strategy(self, dp_group: Any) -> DPStrategy:
-        strategy = super()._make_strategy(dp_group)
-        if "dp_sum" in self.faults:
-            strategy.reduce_op = "sum"
-        return strategy
-
-    def _expert_strategy_class(self) -> type[DPStrategy]:
-        if "expert_no_regather" in self.faults:
-            return ExpertsNotRegathered
-        return super()._expert_strategy_class()
-
-    def _make_expert_strategy(self, edp_group: Any) -> DPStrategy:
-        strategy = super()._make_expert_strategy(edp_group)
-        if "ep_divisor_edp" in self.faults:
-            strategy.divisor = 1 if edp_group is None else edp_group.size
-        return strategy
-
     def gradients(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
         """name -> (local gradient after reduction and clipping, global shape, offsets): read between a step's
         phase 1 and its commit. Unsharded strategies only (each piece is a whole parameter)."""
         specs = self.model.shard_specs()
         out = {}
-        for strategy in self._strategies():
+        for strategy in self.strategies:
             assert not strategy.sharded, "gradients() reads whole parameters: zero=0 only"
             for piece in strategy.layout.pieces:
                 grad = strategy._mgrad(piece).detach().view(piece.slot.shape).to("cpu", copy=True)
                 out[piece.slot.name] = (grad, *specs[piece.slot.name])
         return out
-
-    def _sum_tied_grads(self) -> None:
-        if "tie_no_sum" not in self.faults:
-            super()._sum_tied_grads()
-
-    def _send_grad(self, chunk: int, mb: int, grad: torch.Tensor) -> None:
-        super()._send_grad(chunk, mb, torch.zeros_like(grad) if "pp_zero_grad" in self.faults else grad)
-
-    def _train_step(self, step: int) -> StepReport:
-        if f"raise_at_step:{step}" in self.faults:
-            raise RuntimeError("fault injected by the test suite")
-        if f"kill_at_step:{step}" in self.faults:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if f"stop_at_step:{step}" in self.faults:
-            os.kill(os.getpid(), signal.SIGSTOP)  # until ray.kill's SIGKILL ends it
-        return super()._train_step(step)
 
 
 class _FaultyState(WorkerState):
