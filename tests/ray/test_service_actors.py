@@ -80,8 +80,11 @@ def _close(got: list[float], want: list[float]) -> bool:
 
 
 def test_control_actor_killed_mid_run(tmp_path, undisturbed):
-    cfg = tiny("train.steps=6", "train.max_failures=3")
-    straight = undisturbed("train.steps=6")  # this run's config: the same losses bit for bit
+    # the layout of the session's shared undisturbed run (tests/ray/conftest.py: one run fewer than a
+    # reference of its own)
+    shape = ("parallel.dp=2", "train.steps=6")
+    cfg = tiny(*shape, "train.max_failures=3")
+    straight = undisturbed(*shape)  # this run's config: the same losses bit for bit
     _KillingLoop.victim, _KillingLoop.at, _KillingLoop.faults = "control", 1, {}
     loop = _KillingLoop(cfg, "svc-control", tmp_path / "run", progress=False)
     result = loop.execute()
