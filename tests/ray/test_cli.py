@@ -136,19 +136,21 @@ def test_train_checkpoint_inspect_export_report(address, tmp_path, capsys, no_ra
 
 
 def test_worker_exception_exits_1_naming_the_actor(in_process, tmp_path, monkeypatch):
-    """The CLI of `python -m tests.support.faults` (its fault-injecting mesh), in this process."""
+    """The CLI of `python -m tests.support.faults` (its fault-injecting mesh), in this process. The raising
+    actor is the last stage's, which stage 0 waits on; its coordinates are Coord's own repr, so two actors
+    name it as well as more would."""
     from raypar.controller import training
     from tests.support.faults import FaultyActorMesh
 
     monkeypatch.setattr(training.TrainingLoop, "mesh_class", FaultyActorMesh)
-    monkeypatch.setenv("RAYPAR_INJECT_FAULT", "dp0.pp1.tp1=raise_at_step:2")
+    monkeypatch.setenv("RAYPAR_INJECT_FAULT", "dp0.pp1.tp0=raise_at_step:2")
     code, _, err = in_process(
         "train", str(TINY), "--name", "cli-fail", "--run-dir", str(tmp_path), "--no-progress",
-        "--set", "parallel.pp=2", "--set", "parallel.tp=2",
+        "--set", "parallel.pp=2",
     )  # fmt: skip
     assert code == 1, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert "raypar:cli-fail:dp0.pp1.tp1" in last and "dp=0, pp=1, tp=1" in last, last
+    assert "raypar:cli-fail:dp0.pp1.tp0" in last and "dp=0, pp=1, tp=0" in last, last
     assert "fault injected" in last and "Traceback" not in err
     assert [m["step"] for m in metrics(tmp_path)] == [0, 1]  # the failed step was not logged
 
