@@ -24,10 +24,8 @@ def address(ray_session) -> str:
     return ray.get_runtime_context().gcs_address
 
 
-def raypar(*args: str, address: str | None = None, env: dict[str, str] | None = None, timeout: float = 300):
-    # With faults to inject, the same CLI runs through the test suite's fault-injecting mesh.
-    module = "tests.support.faults" if "RAYPAR_INJECT_FAULT" in (env or {}) else "raypar.controller.cli"
-    cmd = [sys.executable, "-m", module, *args]
+def raypar(*args: str, address: str | None = None, timeout: float = 300):
+    cmd = [sys.executable, "-m", "raypar.controller.cli", *args]
     if address:
         cmd += ["--address", address]
     return subprocess.run(
@@ -36,11 +34,35 @@ def raypar(*args: str, address: str | None = None, env: dict[str, str] | None = 
         text=True,
         timeout=timeout,
         cwd=ROOT,
-        env={**os.environ, "RAY_AUTH_MODE": "token", **(env or {})},
+        env={**os.environ, "RAY_AUTH_MODE": "token"},
     )
 
 
+@pytest.fixture
+def in_process(address, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]):
+    """`in_process(*args)`: `raypar *args --address <the session's Ray>` run by cli.main in this process, as
+    `raypar` calls it; returns (exit status, stdout, stderr), read at the file descriptors, so that anything
+    Ray's core writes there counts too. Only where the command itself is the claim and the entry point is
+    not: a subprocess spends seconds importing torch and joining Ray on 2 cores, and the entry point is the
+    train run's of test_train_checkpoint_inspect_export_report. The process already joined the session's
+    Ray, which connection.connect then keeps."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # as a subprocess gets it (cli.main may set it too)
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capfd.readouterr()
+        code = cli.main([*args, "--address", address])
+        out, err = capfd.readouterr()
+        return code, out, err
+
+    return run
+
+
 def test_train_checkpoint_inspect_export_report(address, tmp_path, capsys, no_ray):
+    """The entry point end to end, and the run loop's wiring: its metrics.jsonl is the loss curve of the
+    same config stepped directly on an ActorMesh (exactly: same layout, same actors' code)."""
+    from raypar.controller.actor_mesh import ActorMesh
+    from raypar.core.run_config import load_config
+
     ckpt = tmp_path / "ckpt"
     proc = raypar(
         "train",
@@ -77,6 +99,14 @@ def test_train_checkpoint_inspect_export_report(address, tmp_path, capsys, no_ra
     for key in ("step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "dp", "pp", "tp"):
         assert key in records[0]
     assert (tmp_path / "run" / "config.toml").read_text().count("[parallel]") == 1
+    # The CLI's loss curve is the ActorMesh's (no connect: this process's Ray, which `no_ray` leaves be)
+    trainer = ActorMesh(load_config(TINY, ["parallel.pp=2"]), "cli-ok-direct")
+    try:
+        trainer.start()
+        direct = [trainer.step(s).loss for s in range(4)]
+    finally:
+        trainer.shutdown()
+    assert losses(tmp_path / "run") == direct
 
     # The commands that need no Ray run in this process (cli.main, as `raypar` calls it): a subprocess
     # each would spend seconds importing torch on 2 cores; the entry point itself is the train run's above.
@@ -105,75 +135,45 @@ def test_train_checkpoint_inspect_export_report(address, tmp_path, capsys, no_ra
     assert "manifest.json" in bad and len(bad.strip().splitlines()) == 1, bad
 
 
-def test_worker_exception_exits_1_naming_the_actor(address, tmp_path):
-    proc = raypar(
-        "train",
-        str(TINY),
-        "--name",
-        "cli-fail",
-        "--run-dir",
-        str(tmp_path),
-        "--no-progress",
-        "--set",
-        "parallel.pp=2",
-        "--set",
-        "parallel.tp=2",
-        address=address,
-        env={"RAYPAR_INJECT_FAULT": "dp0.pp1.tp1=raise_at_step:2"},
-    )
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert "raypar:cli-fail:dp0.pp1.tp1" in last and "dp=0, pp=1, tp=1" in last, last
-    assert "fault injected" in last and "Traceback" not in proc.stderr
+def test_worker_exception_exits_1_naming_the_actor(in_process, tmp_path, monkeypatch):
+    """The CLI of `python -m tests.support.faults` (its fault-injecting mesh), in this process. The raising
+    actor is the last stage's, which stage 0 waits on; its coordinates are Coord's own repr, so two actors
+    name it as well as more would."""
+    from raypar.controller import training
+    from tests.support.faults import FaultyActorMesh
+
+    monkeypatch.setattr(training.TrainingLoop, "mesh_class", FaultyActorMesh)
+    monkeypatch.setenv("RAYPAR_INJECT_FAULT", "dp0.pp1.tp0=raise_at_step:2")
+    code, _, err = in_process(
+        "train", str(TINY), "--name", "cli-fail", "--run-dir", str(tmp_path), "--no-progress",
+        "--set", "parallel.pp=2",
+    )  # fmt: skip
+    assert code == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "raypar:cli-fail:dp0.pp1.tp0" in last and "dp=0, pp=1, tp=0" in last, last
+    assert "fault injected" in last and "Traceback" not in err
     assert [m["step"] for m in metrics(tmp_path)] == [0, 1]  # the failed step was not logged
 
 
-def test_a_layout_no_node_holds_exits_2_before_any_actor(address, tmp_path):
+def test_a_layout_no_node_holds_exits_2_before_any_actor(in_process, tmp_path):
     """The session's Ray is one node without an autoscaler: an actor asking more CPUs than it has is refused
     with the numbers, in one line, before the run places anything (raypar.controller.capacity)."""
     cpus = int(ray.cluster_resources()["CPU"])
     common = ["train", str(TINY), "--name", "cli-capacity", "--run-dir", str(tmp_path), "--no-progress"]
-    proc = raypar(*common, "--set", f"parallel.threads_per_actor={cpus + 1}", address=address)
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    code, _, err = in_process(*common, "--set", f"parallel.threads_per_actor={cpus + 1}")
+    assert code == 2, err[-3000:]
     asked = cpus + 1
-    assert proc.stderr.strip().splitlines() == [
+    assert err.strip().splitlines() == [
         f"raypar: parallel.threads_per_actor: needs {asked} CPUs per node for a tp group of 1 ({asked} per "
         f"actor); the largest node has {cpus} and there is no autoscaler"
-    ], proc.stderr[-3000:]
+    ], err[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists()
     # Control: the same layout at 1 CPU per actor trains (every other run of this module); the other
     # refusals, on resource dicts: tests/unit/test_capacity.py.
 
 
-def test_status_and_scale_errors(address):
-    proc = raypar("status", address=address)
-    assert proc.returncode == 0, proc.stderr
-    proc = raypar("scale", "--run", "no-such-run", "--dp", "2", address=address)
-    assert (
-        proc.returncode == 2 and "no-such-run" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    )
-
-
-def test_metrics_match_the_loss_curve_of_a_direct_run(address, tmp_path):
-    """The CLI's metrics.jsonl is the ActorMesh's loss curve (guards the wiring of the run loop)."""
-    from raypar.controller.actor_mesh import ActorMesh
-    from raypar.core.run_config import load_config
-
-    proc = raypar(
-        "train",
-        str(TINY),
-        "--name",
-        "cli-curve",
-        "--run-dir",
-        str(tmp_path),
-        "--no-progress",
-        address=address,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    trainer = ActorMesh(load_config(TINY), "cli-curve-direct")
-    try:
-        trainer.start()
-        direct = [trainer.step(s).loss for s in range(4)]
-    finally:
-        trainer.shutdown()
-    assert losses(tmp_path) == direct
+def test_status_and_scale_errors(in_process):
+    code, _, err = in_process("status")
+    assert code == 0, err
+    code, _, err = in_process("scale", "--run", "no-such-run", "--dp", "2")
+    assert code == 2 and "no-such-run" in err and len(err.strip().splitlines()) == 1, err

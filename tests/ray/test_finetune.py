@@ -10,12 +10,11 @@ import json
 import ray
 
 from raypar.controller import cli
-from tests.ray.test_cli import raypar
 from tests.support.chat_tokenizers import chat_tokenizer
 from tests.support.hf_models import make_hf_llama
 
 
-def test_prepare_finetune_generate(ray_session, tmp_path, capsys):
+def test_prepare_finetune_generate(ray_session, tmp_path, capsys, monkeypatch):
     tokenizer = chat_tokenizer(tmp_path / "model", "llama3")
     make_hf_llama(tmp_path / "model", vocab=512)  # >= the tokenizer's 400 ids
     data = tmp_path / "data"
@@ -46,16 +45,13 @@ def test_prepare_finetune_generate(ray_session, tmp_path, capsys):
         'parallel.device="cpu"',
         "parallel.timeout_s=60",
     ]
-    proc = raypar(
-        "train",
-        "examples/configs/finetune.toml",
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--no-progress",
-        *(a for s in sets for a in ("--set", s)),
-        address=ray.get_runtime_context().gcs_address,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # cli.main in this process, joined to the session's Ray: a subprocess would spend seconds importing torch
+    # and joining Ray on 2 cores; the entry point itself runs in tests/ray/test_cli.py
+    train = ["train", "examples/configs/finetune.toml", "--run-dir", str(tmp_path / "run"), "--no-progress",
+             "--address", ray.get_runtime_context().gcs_address, *(a for s in sets for a in ("--set", s))]
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # as a subprocess of the session gets it
+    assert cli.main(train) == 0, capsys.readouterr().err[-3000:]
+    capsys.readouterr()  # the run's summary: what generate prints is read below
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
     for r in records:  # the assistant turns only: fewer target tokens than tokens, a finite loss per one

@@ -42,40 +42,71 @@ def jobs(ray_session) -> JobSubmissionClient:
     return JobSubmissionClient(f"http://{ray_session._private.worker.get_dashboard_url()}")
 
 
-def _submit(
-    jobs: JobSubmissionClient, working_dir: Path, name: str, *args: str
-) -> tuple[JobStatus, str, str]:
-    """Submit `raypar train tiny.toml --name <name> *args` with `working_dir` as the job's; returns the
-    final status, the job's message and its logs."""
+class Job:
+    """A submitted job; `result()` waits for it to end: its final status, its message and its logs."""
+
+    def __init__(self, jobs: JobSubmissionClient, command: str, runtime_env: dict[str, Any], name: str):
+        self.jobs, self.name = jobs, name
+        runtime_env = {**runtime_env, "env_vars": {"PYTHONPATH": str(REPO)}}
+        self.id = jobs.submit_job(entrypoint=command, runtime_env=runtime_env)
+        self.deadline = time.monotonic() + JOB_TIMEOUT_S
+
+    def result(self) -> tuple[JobStatus, str, str]:
+        while (status := self.jobs.get_job_status(self.id)) not in DONE:
+            assert time.monotonic() < self.deadline, f"job {self.id} ({self.name}) still {status}"
+            time.sleep(0.5)  # polling Ray's job API: it offers no blocking wait
+        return status, self.jobs.get_job_info(self.id).message or "", self.jobs.get_job_logs(self.id)
+
+
+def _submit(jobs: JobSubmissionClient, working_dir: Path, name: str, *args: str) -> Job:
+    """Submit `raypar train tiny.toml --name <name> *args` with `working_dir` as the job's."""
     command = " ".join([sys.executable, "-m", "raypar.controller.cli", "train", "tiny.toml",
                         "--name", name, "--set", "train.steps=2", *args])  # fmt: skip
-    return _run_job(jobs, command, {"working_dir": str(working_dir)}, name)
+    return Job(jobs, command, {"working_dir": str(working_dir)}, name)
 
 
-def _run_job(
-    jobs: JobSubmissionClient, command: str, runtime_env: dict[str, Any], name: str
-) -> tuple[JobStatus, str, str]:
-    runtime_env = {**runtime_env, "env_vars": {"PYTHONPATH": str(REPO)}}
-    job = jobs.submit_job(entrypoint=command, runtime_env=runtime_env)
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while (status := jobs.get_job_status(job)) not in DONE:
-        assert time.monotonic() < deadline, f"job {job} ({name}) still {status} after {JOB_TIMEOUT_S}s"
-        time.sleep(0.5)  # polling Ray's job API: it offers no blocking wait
-    return status, jobs.get_job_info(job).message or "", jobs.get_job_logs(job)
+def _rayjob_words(claim: Path) -> list[str]:
+    """The RayJob's entrypoint, word for word but for the pod's paths (the image's repository, the shared
+    claim at /mnt/checkpoints) and `raypar` run as this tree's module (the venv's script may be another
+    tree's). Overrides: a 2-step run, the claim's checkpoint.dir (train.toml's) mapped too, and no
+    parallel.node_type: this one-node Ray stands for the CPU worker group whose custom resource
+    tests/unit/test_kuberay.py checks."""
+    words = [w.replace(IMAGE_REPO, str(REPO)).replace("/mnt/checkpoints", str(claim)) for w in entrypoint()]
+    assert words[0] == "raypar"
+    words[:1] = [sys.executable, "-m", "raypar.controller.cli"]
+    ckpt = claim / "raypar" / "kuberay-tiny"
+    sets = ["train.steps=2", f"checkpoint.dir='{ckpt}'", "parallel.node_type=''"]
+    return [*words, *(a for s in sets for a in ("--set", s))]
 
 
-@pytest.fixture
-def working_dir(tmp_path: Path) -> Path:
+@pytest.fixture(scope="module")
+def working_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """What a user's `--working-dir .` holds here: the run's config."""
-    wd = tmp_path / "wd"
+    wd = tmp_path_factory.mktemp("jobs") / "wd"
     wd.mkdir()
     shutil.copy(TINY, wd / "tiny.toml")
     return wd
 
 
-def test_a_job_with_its_run_dir_outside_the_copy_trains_and_keeps_its_metrics(jobs, working_dir, tmp_path):
-    run_dir = tmp_path / "kept" / "job-a"
-    status, message, logs = _submit(jobs, working_dir, "job-a", "--run-dir", str(run_dir))
+@pytest.fixture(scope="module")
+def submitted(jobs: JobSubmissionClient, working_dir: Path) -> dict[str, Any]:
+    """Jobs 1 and 3, submitted at once: each job's driver is a process that imports torch and joins Ray,
+    and two of those overlap on 2 cores where one after the other they add up. Each test reads its own
+    job's end. Job 2 is submitted on its own, after job 1 ended: jobs running at once with the same
+    working_dir share one package in the GCS (its URI is the content's hash), and a job that ended first
+    took it away from the other (`Failed to download runtime_env file package`)."""
+    run_dir = working_dir.parent / "kept" / "job-a"
+    claim = working_dir.parent / "claim"
+    words = _rayjob_words(claim)
+    return {
+        "job-a": (_submit(jobs, working_dir, "job-a", "--run-dir", str(run_dir)), run_dir),
+        "rayjob": (Job(jobs, shlex.join(words), {}, "rayjob"), (words, claim)),
+    }
+
+
+def test_a_job_with_its_run_dir_outside_the_copy_trains_and_keeps_its_metrics(submitted):
+    job, run_dir = submitted["job-a"]
+    status, message, logs = job.result()
     assert status == JobStatus.SUCCEEDED, (message, logs[-3000:])
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1]
@@ -84,27 +115,20 @@ def test_a_job_with_its_run_dir_outside_the_copy_trains_and_keeps_its_metrics(jo
     assert list_actors(address=address, filters=[("name", "=", "raypar:job-a:dp0.pp0.tp0")]), logs[-3000:]
 
 
-def test_control_the_default_run_dir_inside_the_copy_is_refused(jobs, working_dir):
-    status, message, logs = _submit(jobs, working_dir, "job-b")
+def test_control_the_default_run_dir_inside_the_copy_is_refused(jobs, working_dir, submitted):
+    submitted["job-a"][0].result()  # ended (see `submitted`)
+    status, message, logs = _submit(jobs, working_dir, "job-b").result()
     assert status == JobStatus.FAILED and "exit code 2" in message, (message, logs[-3000:])
     refusal = [line for line in logs.splitlines() if "--run-dir:" in line]
     assert len(refusal) == 1 and "inside the copy of the job's working_dir" in refusal[0], logs[-3000:]
     assert "Traceback" not in logs, logs[-3000:]
 
 
-def test_the_rayjob_entrypoint_runs_as_written(jobs, tmp_path):
-    """The RayJob's entrypoint, word for word but for the pod's paths (the image's repository, the shared
-    claim at /mnt/checkpoints) and `raypar` run as this tree's module (the venv's script may be another
-    tree's). Overrides: a 2-step run, the claim's checkpoint.dir (train.toml's) mapped too, and no
-    parallel.node_type: this one-node Ray stands for the CPU worker group whose custom resource
-    tests/unit/test_kuberay.py checks."""
-    claim = tmp_path / "claim"
-    words = [w.replace(IMAGE_REPO, str(REPO)).replace("/mnt/checkpoints", str(claim)) for w in entrypoint()]
-    assert words[0] == "raypar"
-    words[:1] = [sys.executable, "-m", "raypar.controller.cli"]
+def test_the_rayjob_entrypoint_runs_as_written(submitted):
+    """The RayJob's entrypoint as written (`_rayjob_words`)."""
+    job, (words, claim) = submitted["rayjob"]
     ckpt = claim / "raypar" / "kuberay-tiny"
-    words += ["--set", "train.steps=2", "--set", f"checkpoint.dir='{ckpt}'", "--set", "parallel.node_type=''"]
-    status, message, logs = _run_job(jobs, shlex.join(words), {}, "rayjob")
+    status, message, logs = job.result()
     assert status == JobStatus.SUCCEEDED, (message, logs[-3000:])
     run_dir = Path(words[words.index("--run-dir") + 1])
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from raypar.controller import cli
 from tests.support.runs import TINY, metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,21 +26,33 @@ def address(ray_session) -> str:
 
 
 def _train(address: str, name: str, run_dir: Path, *sets: str) -> list[str]:
-    return [sys.executable, "-m", "raypar.controller.cli", "train", str(TINY), "--name", name,
-            "--run-dir", str(run_dir), "--no-progress", "--address", address,
-            *[a for s in sets for a in ("--set", s)]]
+    return ["train", str(TINY), "--name", name, "--run-dir", str(run_dir), "--no-progress",
+            "--address", address, *[a for s in sets for a in ("--set", s)]]
 
 
-def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def second(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]):
+    """`second(argv)`: `raypar train` run by cli.main in this process (another process than the first run's,
+    so the run-dir lock, an flock, and the run name, a named actor, are held against it as against any
+    other driver); returns (exit status, stderr read at the file descriptor). A subprocess each would
+    spend seconds importing torch and joining Ray on 2 cores; the first run is the real CLI's."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # as the first run has it
+
+    def run(argv: list[str]) -> tuple[int, str]:
+        capfd.readouterr()
+        code = cli.main(argv)
+        return code, capfd.readouterr().err
+
+    return run
 
 
-def test_a_second_run_of_the_same_dir_or_name_is_refused_and_writes_nothing(address, tmp_path):
+def test_a_second_run_of_the_same_dir_or_name_is_refused_and_writes_nothing(address, tmp_path, second):
     first_dir = tmp_path / "first"
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    argv = _train(address, "twice", first_dir, "train.steps=100000")
+    cmd = [sys.executable, "-m", "raypar.controller.cli", *argv]
     first = subprocess.Popen(
-        _train(address, "twice", first_dir, "train.steps=100000"),
+        cmd,
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
@@ -53,10 +66,10 @@ def test_a_second_run_of_the_same_dir_or_name_is_refused_and_writes_nothing(addr
             ("twice", tmp_path / "second", "raypar: --name: a run named twice is live on this cluster"),
         )
         for name, run_dir, line in refusals:
-            proc = _run(_train(address, name, run_dir, "train.seed=7"))
-            assert proc.returncode == 2, proc.stderr[-3000:]
-            lines = proc.stderr.strip().splitlines()
-            assert len(lines) == 1 and lines[0].startswith(line), proc.stderr[-3000:]
+            code, err = second(_train(address, name, run_dir, "train.seed=7"))
+            assert code == 2, err[-3000:]
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(line), err[-3000:]
         assert not (tmp_path / "second" / "config.toml").exists()
         assert (first_dir / "config.toml").read_text() == config  # the second run wrote nothing
         steps = [m["step"] for m in metrics(first_dir)]
@@ -69,10 +82,10 @@ def test_a_second_run_of_the_same_dir_or_name_is_refused_and_writes_nothing(addr
     # records, so a new run there is refused for that alone (issue #45, 1: never started again from step 0),
     # and the name takes a new run in another directory.
     kept = (first_dir / "metrics.jsonl").read_text()
-    again = _run(_train(address, "twice", first_dir, "train.steps=2"))
-    assert again.returncode == 2 and "in use" not in again.stderr, again.stderr[-3000:]
-    assert f"--run-dir: {first_dir} already holds a run's records" in again.stderr, again.stderr[-3000:]
+    code, err = second(_train(address, "twice", first_dir, "train.steps=2"))
+    assert code == 2 and "in use" not in err, err[-3000:]
+    assert f"--run-dir: {first_dir} already holds a run's records" in err, err[-3000:]
     assert (first_dir / "metrics.jsonl").read_text() == kept
-    fresh = _run(_train(address, "twice", tmp_path / "third", "train.steps=2"))
-    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    code, err = second(_train(address, "twice", tmp_path / "third", "train.steps=2"))
+    assert code == 0, err[-3000:]
     assert [m["step"] for m in metrics(tmp_path / "third")] == [0, 1]

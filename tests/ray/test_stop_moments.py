@@ -89,8 +89,10 @@ class Run:
         groups = list_placement_groups(address=self.address, filters=[("name", "=", pg)], limit=100)
         return any(g.state == "PENDING" for g in groups)
 
-    def signal(self, sig: signal.Signals) -> tuple[int, str]:
+    def signal(self, sig: signal.Signals) -> None:
         os.killpg(self.proc.pid, sig)
+
+    def ended(self) -> tuple[int, str]:
         try:
             _, err = self.proc.communicate(timeout=120)
         finally:
@@ -126,40 +128,46 @@ def _check_stopped(run: Run, code: int, err: str, sig: signal.Signals) -> None:
 
 
 @contextlib.contextmanager
-def _placement(run: Run) -> Iterator[None]:
+def _placement(runs: list[Run]) -> Iterator[None]:
     """The first replica's placement group cannot be placed yet: every free CPU is held here. (A run asking
     for more CPUs than the cluster has is refused before it places anything: tests/unit/test_capacity.py.)"""
     # All of them: between runs nothing holds any (each run's leftovers are checked to be none).
     blocker = placement_group([{"CPU": ray.cluster_resources()["CPU"]}])
     try:
         ray.get(blocker.ready(), timeout=60)
-        run.start(["parallel.timeout_s=600"])
-        run.wait_until("a pending placement", lambda: run.pending(f"raypar:{run.name}:dp0.pp0"))
+        for run in runs:
+            run.start(["parallel.timeout_s=600"])
+        for run in runs:
+            run.wait_until("a pending placement", lambda run=run: run.pending(f"raypar:{run.name}:dp0.pp0"))
         yield
     finally:
         remove_placement_group(blocker)
 
 
 @contextlib.contextmanager
-def _setup(run: Run) -> Iterator[None]:
+def _setup(runs: list[Run]) -> Iterator[None]:
     """The actors are being started and set up: processes starting, groups forming, `setup` (the first
     actor's stalls, so the moment lasts until the signal)."""
-    run.start([], faults=f"dp0.pp0.tp0=stall_in:setup:1:{STALL_S}")
-    run.wait_until("set-up", lambda: run.announced("setup"))
+    for run in runs:
+        run.start([], faults=f"dp0.pp0.tp0=stall_in:setup:1:{STALL_S}")
+    for run in runs:
+        run.wait_until("set-up", lambda run=run: run.announced("setup"))
     yield
 
 
 @contextlib.contextmanager
-def _checkpoint_write(run: Run) -> Iterator[None]:
+def _checkpoint_write(runs: list[Run]) -> Iterator[None]:
     """The second checkpoint's shards are being written (the first one is published)."""
+    (run,) = runs
     run.start(["checkpoint.every=1"], faults=f"dp0.pp0.tp0=stall_write:2:{STALL_S}")
     run.wait_until("the second checkpoint's write", lambda: run.announced("checkpoint-write 2"))
     yield
 
 
 @contextlib.contextmanager
-def _recovery(run: Run) -> Iterator[None]:
+def _recovery(runs: list[Run]) -> Iterator[None]:
     """Replica 1 died in step 2; the survivor is being re-formed (its rebind stalls)."""
+    (run,) = runs
     faults = f"dp1.pp0.tp0=exit_in:train_step:3;dp0.pp0.tp0=stall_in:rebind:2:{STALL_S}"
     run.start(["parallel.dp=2", "checkpoint.every=1"], faults=faults)
     run.wait_until("recovery", lambda: run.announced("recovery"))
@@ -167,8 +175,9 @@ def _recovery(run: Run) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _scale(run: Run) -> Iterator[None]:
+def _scale(runs: list[Run]) -> Iterator[None]:
     """`raypar scale --dp 2` while the cluster has no room for the new replica: it is being placed."""
+    (run,) = runs
     run.start(["checkpoint.every=1", "parallel.timeout_s=600"])
     run.wait_until("its first step", lambda: bool(metrics(run.dir / "run")))
     blocker = placement_group([{"CPU": ray.available_resources()["CPU"]}])  # every free CPU, held here
@@ -182,8 +191,9 @@ def _scale(run: Run) -> Iterator[None]:
 
 
 TERM, INT = signal.SIGTERM, signal.SIGINT
-# The signals sent at each moment, one run each: SIGTERM everywhere, and Ctrl-C too where a run is cheap
-# (~7 s here; where actors must start and train first, 15-20 s). Both unwind the same way, as
+# The signals sent at each moment, one run each, the runs of a moment at once (their start-ups, mostly one
+# process each importing torch, overlap on 2 cores): SIGTERM everywhere, and Ctrl-C too where a run is
+# cheap (~7 s here; where actors must start and train first, 15-20 s). Both unwind the same way, as
 # KeyboardInterrupts; tests/ray/test_clean_stop.py sends both mid-step, SIGTERM twice, and
 # tests/unit/test_stopping.py covers an interrupt that Ray's C extension swallows, at any moment.
 MOMENTS = {
@@ -198,12 +208,17 @@ MOMENTS = {
 @pytest.mark.parametrize("moment", list(MOMENTS))
 def test_a_signal_at_any_moment_ends_the_run_cleanly(address, tmp_path, moment):
     enter, signals = MOMENTS[moment]
-    for i, sig in enumerate(signals):
-        run = Run(address, tmp_path / str(i), f"stop-{moment}-{i}")
+    runs = [Run(address, tmp_path / str(i), f"stop-{moment}-{i}") for i in range(len(signals))]
+    for run in runs:
         run.dir.mkdir()
-        try:
-            with enter(run):
-                code, err = run.signal(sig)
-        finally:
-            run.kill()
+    try:
+        with enter(runs):
+            for run, sig in zip(runs, signals, strict=True):
+                run.signal(sig)
+            ended = [run.ended() for run in runs]
+    finally:
+        for run in runs:
+            if hasattr(run, "proc"):  # started
+                run.kill()
+    for run, sig, (code, err) in zip(runs, signals, ended, strict=True):
         _check_stopped(run, code, err, sig)
