@@ -47,13 +47,13 @@ def _alive(address: str, run: str, timeout_s: float = 30) -> list[str]:
 
 
 def _stop_mid_run(
-    address: str, tmp_path: Path, runs: dict[str, signal.Signals]
-) -> dict[str, tuple[int, str]]:
+    address: str, tmp_path: Path, runs: list[str], sig: signal.Signals
+) -> list[tuple[int, str]]:
     """Start each of `runs` in its own process group, all at once (their start-ups, mostly one process each
-    importing torch, overlap on 2 cores), wait for each one's first step, send it its signal (to the group,
-    as a terminal or `ray job stop` does); returns each one's exit status and stderr."""
-    procs = {
-        run: subprocess.Popen(
+    importing torch, overlap on 2 cores), wait for each one's first step, send `sig` to each group (as a
+    terminal or `ray job stop` does); returns each one's exit status and stderr."""
+    procs = [
+        subprocess.Popen(
             [sys.executable, "-m", "raypar.controller.cli", "train", str(TINY), "--name", run,
              "--run-dir", str(tmp_path / run), "--no-progress", "--address", address,
              "--set", "train.steps=100000", *STEPS_OF_SECONDS],
@@ -61,41 +61,42 @@ def _stop_mid_run(
             stderr=subprocess.PIPE, text=True, start_new_session=True,
         )  # fmt: skip
         for run in runs
-    }
+    ]
     try:
+        ended = []
         deadline = time.monotonic() + 240
-        for run, proc in procs.items():
+        for run, proc in zip(runs, procs, strict=True):
             while not metrics(tmp_path / run):  # bounded poll of the file the run appends to
                 assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=30)
                 time.sleep(0.05)
-            os.killpg(proc.pid, runs[run])
-        ended = {}
-        for run, proc in procs.items():
+            os.killpg(proc.pid, sig)
+        for proc in procs:
             _, err = proc.communicate(timeout=120)
-            ended[run] = (proc.returncode, err)
+            ended.append((proc.returncode, err))
     finally:
-        for proc in procs.values():
+        for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     return ended
 
 
-SAID = {
-    signal.SIGTERM: (143, "raypar: terminated (SIGTERM)"),
-    signal.SIGINT: (130, "raypar: interrupted (Ctrl-C)"),
-}
-
-
-def test_a_signal_mid_run_ends_it_with_one_line(address, tmp_path):
-    """SIGTERM to two runs (a race shows on one of two tries) and SIGINT to one, the three runs at once.
-    (Run one after the other, as they were, the SIGTERM pair took twice the SIGINT run's time.)"""
-    term, interrupt = signal.SIGTERM, signal.SIGINT
-    runs = {"stop-sigterm-0": term, "stop-sigterm-1": term, "stop-sigint-0": interrupt}
-    for run, (code, err) in _stop_mid_run(address, tmp_path, runs).items():
-        status, line = SAID[runs[run]]
+@pytest.mark.parametrize(
+    "sig, status, line",
+    [
+        (signal.SIGTERM, 143, "raypar: terminated (SIGTERM)"),
+        (signal.SIGINT, 130, "raypar: interrupted (Ctrl-C)"),
+    ],
+    ids=["SIGTERM", "SIGINT"],
+)
+def test_a_signal_mid_run_ends_it_with_one_line(address, tmp_path, sig, status, line):
+    # SIGTERM to two runs (at once): a race shows on one of two tries. The SIGTERM case took twice the
+    # SIGINT one's time when its tries ran one after the other.
+    runs = [f"stop-{sig.name.lower()}-{i}" for i in range(2 if sig == signal.SIGTERM else 1)]
+    ended = _stop_mid_run(address, tmp_path, runs, sig)
+    for i, (run, (code, err)) in enumerate(zip(runs, ended, strict=True)):
         said = err.strip().splitlines()
-        assert (code, said) == (status, [line]), f"{run}: exit {code}\n{err[-3000:]}"
-        assert not _alive(address, run), run
+        assert (code, said) == (status, [line]), f"try {i + 1}: exit {code}\n{err[-3000:]}"
+        assert not _alive(address, run), f"try {i + 1}"
         groups = ray.util.placement_group_table().values()  # and its placement groups
         assert all(g["state"] == "REMOVED" for g in groups if g["name"].startswith(f"raypar:{run}:")), groups
