@@ -2,8 +2,9 @@
 one cluster of its own for every run here): the run moves the replica off the node before the deadline, its
 state handed over from the leaving actors (ZeRO-3 without checkpoint.in_memory: no disk anywhere), so no step
 is redone and nothing restarts. Each case's negative control is the same drain on a run that ignores it. On
-the same cluster: benchmarks/drain.py's --quick measurement, and the spot watcher actor turning a stub's
-interruption notice into the same Ray drain."""
+the same cluster: benchmarks/drain.py's --quick measurement, a node lost without notice (the run continues
+and heals: tests/support/node_loss_probe.py), and the spot watcher actor turning a stub's interruption notice
+into the same Ray drain."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ from typing import Any
 
 import pytest
 
+from tests.support import node_loss_probe
 from tests.support.drain_probe import CASES, COMMON, DEADLINE_S, STEPS
 from tests.support.equivalence import LOSS_RTOL
 from tests.support.reference import reference_run
 from tests.support.runs import tiny
 
 ROOT = Path(__file__).resolve().parents[2]
-PROBE_TIMEOUT_S = 840  # six runs, a benchmark and a spot check on one cluster: ~3 min alone, ~10 at load 60
+# eight runs, a benchmark and a spot check on one cluster: ~3 min alone, ~10 at load 60
+PROBE_TIMEOUT_S = 900
 pytestmark = pytest.mark.timeout(PROBE_TIMEOUT_S + 60)  # the first test's setup runs the probe
 
 
@@ -94,3 +97,19 @@ def test_spot_notice_drains_the_node_and_garbage_is_ignored(probed):
         and "asked Ray to drain" in spot["notice"][0]
     )
     assert spot["listed_deadline"] == spot["deadline"], spot  # the GCS lists the node with the notice's time
+
+
+def test_node_loss_mid_run_continues_and_heals(probed):
+    """A whole node (a tensor-parallel group: both actors of replica 1) removed from a local multi-node
+    cluster mid-run: the run goes on at dp=1, heals to dp=2 when a node is added back, logs every step once
+    and stays on the undisturbed loss curve (the one-process reference: the layouts only reorder float sums,
+    LOSS_RTOL). See tests/support/node_loss_probe.py."""
+    out = probed["node_loss"]
+    records = out["metrics"]
+    assert out["victims"] == ["dp1.pp0.tp0", "dp1.pp0.tp1"], out["victims"]
+    assert not out["alive"] and out["restarts"] >= 1, out["events"]
+    assert [m["step"] for m in records] == list(range(node_loss_probe.STEPS)), out["events"]
+    assert 1 in {m["dp"] for m in records} and records[-1]["dp"] == 2, [m["dp"] for m in records]
+    got = [m["loss"] for m in records]
+    want = reference_run(tiny(*node_loss_probe.UNDISTURBED), node_loss_probe.STEPS).losses
+    assert all(abs(g - w) <= LOSS_RTOL * abs(w) for g, w in zip(got, want, strict=True)), (got, want)

@@ -1,7 +1,11 @@
 """Paths actors must see as the driver does, on a real two-node cluster: a head (`ray start --head`) and a
 second node whose `ray start` runs in a mount namespace of its own, where one directory is covered by an
 empty tmpfs -- what a node-local disk is on a real cluster. The driver-side checks:
-tests/unit/test_shared_paths.py."""
+tests/unit/test_shared_paths.py.
+
+First, on the same token-authenticated head (one cluster start for the module): joining it with only the
+token at hand. The address handling without a cluster: tests/unit/test_connection.py; a local Ray's token
+file: tests/cluster/test_local_ray.py."""
 
 from __future__ import annotations
 
@@ -23,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "configs" / "tiny.toml"
 
 
+# The CLI as a user runs it; the negative control imports Ray first, as connection.py did before the fix.
 CLI = "import sys; from raypar.controller.cli import main; sys.exit(main(sys.argv[1:]))"
+RAY_FIRST = "import ray; " + CLI
 
 
 def _can_unshare() -> bool:
@@ -34,9 +40,19 @@ def _can_unshare() -> bool:
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
-    """(cluster, root): a head and a second node (one CPU each, no autoscaling) that sees an empty
-    `root/hidden`; one cluster for the module's tests (its start costs more than their runs)."""
+def token_head():
+    """A plain token-authenticated head of one CPU: no autoscaler (no node is added but by hand) and no
+    dashboard (`raypar status` reads the GCS; nothing reads the state API when runs succeed or are refused
+    before any actor). One for the module: its start costs more than the tests' runs; started again if
+    Ray's fixed wait for the raylet runs out on a loaded machine (FakeCluster.start)."""
+    with FakeCluster(None, num_cpus=1, dashboard=False, start_attempts=2) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def two_nodes(token_head, tmp_path_factory):
+    """(cluster, root): the head and a second node (one CPU, no autoscaling) that sees an empty
+    `root/hidden`."""
     tmp_path = tmp_path_factory.mktemp("two_nodes")
     if not _can_unshare():
         pytest.skip("needs mount namespaces (unshare -m), to give one node a directory the other lacks")
@@ -47,11 +63,47 @@ def two_nodes(tmp_path_factory):
     # sh -c SCRIPT ARG0 ARGS...: $0 is the directory to cover, "$@" the `ray start` command.
     cover = ["unshare", "-m", "--propagation", "private", "sh", "-c"]
     cover += ['mount -t tmpfs raypar "$0" && exec "$@"']
-    # A plain head: no autoscaler (no node is added but by hand) and no dashboard (nothing reads its state
-    # API when runs succeed or are refused before any actor).
-    with FakeCluster(None, num_cpus=1, dashboard=False) as cluster:
-        cluster.add_node(1, wrap=[*cover, str(hidden)], cwd=elsewhere)
-        yield cluster, tmp_path
+    token_head.add_node(1, wrap=[*cover, str(hidden)], cwd=elsewhere)
+    return token_head, tmp_path
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="FakeCluster finds its processes in /proc")
+@pytest.mark.timeout(300)
+def test_status_joins_a_token_cluster_with_only_the_token_at_hand(token_head):
+    cluster = token_head
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["RAY_AUTH_TOKEN_PATH"] = cluster.env["RAY_AUTH_TOKEN_PATH"]  # the token, but no RAY_AUTH_MODE
+
+    def status(code: str, *address: str, extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-c", code, "status", *address], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**env, **(extra or {})})
+
+    # The three commands are independent processes: started together, their imports overlap.
+    # Negative control (`late`): the same command in a process that imported Ray before raypar set the
+    # mode (where connect() used to set it) is refused by the cluster.
+    procs = {
+        "explicit": status(CLI, "--address", cluster.address),
+        "auto": status(CLI, "--address", "auto", extra={"RAY_ADDRESS": cluster.address}),
+        "late": status(RAY_FIRST, "--address", cluster.address),
+    }
+    done = {}
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=120)
+            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    explicit, auto, late = done["explicit"], done["auto"], done["late"]
+    assert explicit.returncode == 0, explicit.stderr[-2000:]
+    assert explicit.stdout.strip() == "raypar: no live runs"
+    assert not explicit.stderr.strip(), explicit.stderr[-2000:]  # nothing of Ray's own logging
+    assert auto.returncode == 0 and auto.stdout.strip() == "raypar: no live runs", auto.stderr[-2000:]
+    assert late.returncode == 1, late.stdout + late.stderr[-2000:]
+    assert late.stderr.strip().splitlines() == [late.stderr.strip()]  # one line, no InvalidAuthToken
+    assert late.stderr.startswith(f"raypar: could not connect to Ray at {cluster.address}"), late.stderr
 
 
 def _train(cluster: FakeCluster, cwd: Path, *sets: str) -> subprocess.CompletedProcess[str]:

@@ -8,9 +8,11 @@ KubeRay) then removes the node: here once the run says it left it. The negative 
 the same drain on a run that ignores draining: the node is removed before its next step, as the deadline
 would, and the run's first failure ends it (what follows is the failure path that tests/ray covers); the
 test holds that against the same check. A replacement node joins after every removal, so every run finds
-three free nodes. Then, on the same cluster: benchmarks/drain.py's measurement at --quick settings, and the
-spot watcher's drain of a free node against a stub metadata service. The undisturbed losses come from the
-one-process reference (tests/support/reference.py), in the test's process. Prints one JSON object.
+three free nodes. Then, on the same cluster: benchmarks/drain.py's measurement at --quick settings, a node
+lost without notice (tests/support/node_loss_probe.py, on the two nodes left once the benchmark's drained one
+is gone), and the spot watcher's drain of a free node against a stub metadata service. The drain runs'
+undisturbed losses come from the one-process reference (tests/support/reference.py), in the test's process.
+Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from raypar.controller.drain import Departures, read_draining
 from raypar.controller.spot import SpotWatchers
 from raypar.controller.training import TrainingLoop
 from tests.support.metadata_stub import metadata_stub
+from tests.support.node_loss_probe import node_loss
 from tests.support.runs import metrics, tiny
 
 STEPS = 4
@@ -161,11 +164,24 @@ class Probe:
             self.cluster.add_node(num_cpus=NODE_CPUS)
         self.tmp = Path(tempfile.mkdtemp(prefix="drain-"))
 
-    def replace(self, node_id: str) -> None:
-        """The drainer's deadline: the node goes (SIGKILL); a fresh one joins for the next run."""
+    def remove(self, node_id: str) -> None:
+        """The drainer's deadline: the node goes (SIGKILL)."""
         node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
         self.cluster.remove_node(node, allow_graceful=False)
-        self.cluster.add_node(num_cpus=NODE_CPUS)
+
+    def drop_unusable(self) -> None:
+        """Remove every worker node that is draining (or gone since: a draining node may end when idle), as
+        their drainer would; the two usable nodes left are what the node-loss run fills."""
+        usable = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - set(read_draining())
+        for node in [n for n in self.cluster.worker_nodes if n.node_id not in usable]:
+            self.cluster.remove_node(node, allow_graceful=False)
+        assert len(self.cluster.worker_nodes) == 2, f"{len(self.cluster.worker_nodes)} usable nodes, not 2"
+
+    def replace(self, node_id: str) -> None:
+        """The node goes; a fresh one joins for the next run, which waits for it (Cluster.wait_for_nodes):
+        its start overlaps the end of this run."""
+        self.remove(node_id)
+        self.cluster.add_node(wait=False, num_cpus=NODE_CPUS)
 
     def drained_run(self, case: str, ignore: bool) -> dict[str, Any]:
         """One run of `case` whose leaving replicas' node is drained after DRAIN_AFTER_STEP, then removed."""
@@ -267,10 +283,14 @@ def main() -> None:
             for ignore in (False, True):
                 key = f"{case}-ignored" if ignore else case
                 out[key] = probe.drained_run(case, ignore)
-                probe.cluster.wait_for_nodes()
+                probe.cluster.wait_for_nodes(timeout=WAIT_S)
         started = time.perf_counter()
         out["benchmark"] = drain_benchmark.measure(**drain_benchmark.QUICK)  # leaves its drained node
         out["wall_s"]["benchmark"] = time.perf_counter() - started
+        probe.drop_unusable()
+        started = time.perf_counter()
+        out["node_loss"] = node_loss(probe.cluster, probe.tmp)
+        out["wall_s"]["node_loss"] = time.perf_counter() - started
         out["spot"] = spot_drain()
     finally:
         ray.shutdown()
