@@ -16,6 +16,7 @@ import pytest
 
 from raypar.controller import cli
 from raypar.controller.run_log import RunLog
+from raypar.core import data
 from raypar.core.config.load import from_dict
 from tests.support.runs import ACTORS_START, ActorsStarted
 from tests.unit.test_resume_checks import write_checkpoint
@@ -88,8 +89,14 @@ def test_make_demo_twice_keeps_runs_demo(tmp_path, capsys, monkeypatch, no_actor
     train = recipe.split("\t$(BIN)/raypar ", 1)[1].split("\n\t$(BIN)/")[0]  # its first command, all lines
     argv = shlex.split(train.replace("\\\n", " "))
     assert argv[:2] == ["train", "examples/configs/small.toml"] and "runs/demo" in argv, argv
+    source = next(a.split("=", 1)[1] for a in argv if a.startswith("data.source="))
     argv[1] = str(ROOT / argv[1])
     monkeypatch.chdir(tmp_path)
+    # What the recipe's prerequisite prepares (the manual's text): here any text, byte-level, enough for
+    # the validation batches data.val_fraction holds out.
+    text = tmp_path / "text.txt"
+    text.write_text("The for statement repeats its suite.\n" * 2000)
+    data.prepare([str(text)], source)
     demo = tmp_path / "runs" / "demo"
     demo.mkdir(parents=True)
     before = _records(demo / "metrics.jsonl", range(5))
