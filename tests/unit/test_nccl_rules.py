@@ -190,13 +190,14 @@ def test_a_synchronous_op_whose_wait_returned_is_listed_until_it_completes():
 # -- the stand-in's own strictness: mismatched collectives and faulted streams are named -------------------
 def test_members_that_disagree_on_a_reduction_s_op_are_told():
     """NCCL matches collectives by order alone: a SUM meeting a MAX is garbage (or a hang), reported here as
-    misuse through the asynchronous error, naming both."""
+    misuse through the asynchronous error, naming both. Either in the member's own wait (the other member's
+    look found it first and aborted their communicator) or at its next check: both are the error."""
 
     def fn(rank: int, group: Group) -> str:
-        group.all_reduce(torch.ones(2), "sum" if rank == 0 else "max")
-        group._backend.poll()  # the watchdog's look, now
         told = r"differs across members.*float32, (max|sum).*float32, (sum|max)"
         with pytest.raises(GroupError, match=told):
+            group.all_reduce(torch.ones(2), "sum" if rank == 0 else "max")
+            group._backend.poll()  # the watchdog's look, now
             group.check()
         return "told"
 
