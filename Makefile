@@ -74,18 +74,13 @@ BYTECODE := $(BIN)/python -m compileall -q $(SOURCES)
 
 # The suite by what a test needs (docs/testing.md): unit (one process, thread ranks), ray (the session's one
 # local Ray), cluster (subprocess runs that start their own Ray or clusters, benchmarks' --quick runs).
-# The Ray and cluster tiers run side by side: each keeps about one of the two cores busy (measured: actors
-# mostly wait on each other, on timeouts and on Ray), and each Ray of theirs is a separate instance (the
-# session's local Ray; the cluster tier's own, on free ports). The Ray tier's output follows the cluster's.
 test: $(STAMP)
 	$(BIN)/ruff check raypar actors collectives tests benchmarks examples
 	$(BIN)/lint-imports
 	$(BYTECODE)
 	$(PYTEST) $(ACROSS_CORES) tests/unit
-	$(PYTEST) tests/ray > .ray-tier.log 2>&1 & ray_tier=$$!; \
-	$(PYTEST) tests/cluster; cluster_rc=$$?; \
-	wait $$ray_tier; ray_rc=$$?; echo "== the Ray tier (ran beside the cluster tier):"; cat .ray-tier.log; \
-	test $$cluster_rc -eq 0 -a $$ray_rc -eq 0
+	$(PYTEST) tests/ray
+	$(PYTEST) tests/cluster
 ifeq ($(AVX512),yes)
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -q -ra $(ACROSS_CORES) $(ISA_TESTS)
 else
