@@ -62,8 +62,9 @@ ISA_TESTS := $(addprefix tests/unit/test_,precision.py model.py tp_layers.py exe
 	compress.py::test_bf16_reduce_scatter_within_bound compress.py::test_lossless_settings_equal_the_plain_average \
 	dp_strategy.py::test_bf16_parameters_with_fp32_masters_match_zero0 offload.py::test_offload_bf16_parameters_match)
 PYTEST := $(BIN)/python -m pytest -q -ra --durations=25
-# The unit tier's tests are one process each way (thread ranks, mostly one busy core at a time): a worker per
-# core (pytest-xdist), a file's tests on one worker so that its module fixtures are built once.
+# A worker per core (pytest-xdist), a file's tests on one worker so that its module fixtures (a run, a
+# cluster) are built once. No tier keeps the cores busy alone: thread ranks mostly wait on each other, a Ray
+# test on actor starts and timeouts (one tier after the other, the cores were ~70 % busy; side by side ~95 %).
 ACROSS_CORES := -n auto --maxprocesses=4 --dist loadfile
 
 # An editable install leaves the project's own sources without bytecode (pip compiles only what it copies),
@@ -72,15 +73,19 @@ ACROSS_CORES := -n auto --maxprocesses=4 --dist loadfile
 SOURCES := raypar actors collectives tests benchmarks
 BYTECODE := $(BIN)/python -m compileall -q $(SOURCES)
 
-# The suite by what a test needs (docs/testing.md): unit (one process, thread ranks), ray (the session's one
-# local Ray), cluster (subprocess runs that start their own Ray or clusters, benchmarks' --quick runs).
+# The suite by what a test needs (docs/testing.md): unit (one process, thread ranks), ray (a session Ray per
+# worker), cluster (subprocess runs that start their own Ray or clusters, benchmarks' --quick runs). The three
+# tiers in one pytest across the cores, the cluster tier's long files first so that short ones fill the end.
+# test_job_submit alone after them: beside the other worker's Rays and clusters, a job's driver once failed to
+# join its cluster ("Failed to connect to Ray cluster", while Ray looks for the raylet of its machine among
+# every raylet process there); alone, and in another run side by side, it passed.
+JOBS := tests/ray/test_job_submit.py
 test: $(STAMP)
 	$(BIN)/ruff check raypar actors collectives tests benchmarks examples
 	$(BIN)/lint-imports
 	$(BYTECODE)
-	$(PYTEST) $(ACROSS_CORES) tests/unit
-	$(PYTEST) tests/ray
-	$(PYTEST) tests/cluster
+	$(PYTEST) $(ACROSS_CORES) --deselect $(JOBS) tests/cluster tests/ray tests/unit
+	$(PYTEST) $(JOBS)
 ifeq ($(AVX512),yes)
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -q -ra $(ACROSS_CORES) $(ISA_TESTS)
 else

@@ -1,4 +1,5 @@
-"""One local Ray instance for the whole test session (starting Ray costs seconds on 2 cores)."""
+"""One local Ray instance for the whole test session of each pytest-xdist worker (starting Ray costs seconds
+on 2 cores), started by the first test that asks for it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,32 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Actors export metrics to Ray's agent every interval (default 10 s); 1 s, Ray's floor, keeps
 # tests/ray/test_telemetry.py's wait short. Read by every Ray process ray.init starts, so set before it.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+# No idle workers started ahead for a Ray's first driver (one per CPU, each importing Ray: ~1.5 CPU-seconds
+# a Ray start on 2 cores): raypar's actors set environment variables, so they never use them, and the tests'
+# few plain tasks start their own. Read by every raylet a test starts (ray.init, clusters, CLI subprocesses).
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+
+
+def _free_agent_port() -> None:
+    """Each Ray that `ray.init` starts here gets a free port for its dashboard agent's HTTP server instead of
+    Ray's fixed 52365: `make test` runs a session Ray in each pytest-xdist worker, and a second agent on the
+    same port cannot serve Ray's job API (tests/ray/test_job_submit.py). `ray.init` has no argument for it
+    (`ray start` has --dashboard-agent-listen-port, as tests/support/fake_cluster.py passes); the default of
+    the pinned Ray's RayParams is swapped for this process only."""
+    import socket
+
+    from ray._private import parameter
+
+    init = parameter.RayParams.__init__
+
+    def with_free_port(self, *args, **kwargs):
+        if kwargs.get("dashboard_agent_listen_port") is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                kwargs["dashboard_agent_listen_port"] = s.getsockname()[1]
+        init(self, *args, **kwargs)
+
+    parameter.RayParams.__init__ = with_free_port
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +45,7 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
+        _free_agent_port()
         # More logical CPUs than cores: test actors are tiny and mostly wait on each other.
         # The dashboard serves the state API (list_actors) that tests use to find processes by actor name.
         # address="local": a new instance, never another Ray that runs on this machine.

@@ -63,10 +63,17 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
         hint = ""
         if "auth" in str(err).lower():
             hint = " (token authentication: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN, or ~/.ray/auth_token)"
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise RunFailure(
-            f"could not connect to Ray at {address or 'a new local instance'}: {first}{hint}"
+            f"could not connect to Ray at {address or 'a new local instance'}: {_first_line(err)}"
+            # Ray's "Failed to connect to Ray cluster at ..." says nothing more; its cause says why
+            + (f" ({type(err.__cause__).__name__}: {_first_line(err.__cause__)})" if err.__cause__ else "")
+            + hint
         ) from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _control(run: str) -> Any:

@@ -106,3 +106,27 @@ def test_private_token_is_created_only_where_ray_would_generate_one(clean_env, m
     finally:
         os.umask(old)
     assert _mode(token) == 0o644
+
+
+def test_a_failed_join_names_ray_s_cause(clean_env, monkeypatch):
+    """Ray's "Failed to connect to Ray cluster at ..." alone does not say why (a job's driver hit it once in
+    `make test`); its cause is added to the one line."""
+    import ray
+
+    from raypar.controller import connection, ray_env
+
+    def init(**kwargs):
+        try:
+            raise RuntimeError("No node info found matching attributes: '/tmp/ray'\nmore")
+        except RuntimeError as why:
+            raise ConnectionError(f"Failed to connect to Ray cluster at {kwargs['address']}") from why
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray_env, "probe", lambda address: None)  # something listens there
+    with pytest.raises(connection.RunFailure) as failed:
+        connection.connect("127.0.0.1:6379")
+    assert str(failed.value) == (
+        "could not connect to Ray at 127.0.0.1:6379: Failed to connect to Ray cluster at 127.0.0.1:6379 "
+        "(RuntimeError: No node info found matching attributes: '/tmp/ray')"
+    )
