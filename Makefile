@@ -75,7 +75,8 @@ BYTECODE := $(BIN)/python -m compileall -q $(SOURCES)
 
 # The suite by what a test needs (docs/testing.md): unit (one process, thread ranks), ray (a session Ray per
 # worker), cluster (subprocess runs that start their own Ray or clusters, benchmarks' --quick runs). The three
-# tiers in one pytest across the cores, the cluster tier's long files first so that short ones fill the end.
+# tiers in one pytest across the cores, in the order given (xdist would otherwise start the files with the
+# most tests first): the cluster tier's long files first, so that the unit tier's short ones fill the end.
 # test_job_submit alone after them: beside the other worker's Rays and clusters, a job's driver once failed to
 # join its cluster ("Failed to connect to Ray cluster", while Ray looks for the raylet of its machine among
 # every raylet process there); alone, and in another run side by side, it passed.
@@ -84,7 +85,7 @@ test: $(STAMP)
 	$(BIN)/ruff check raypar actors collectives tests benchmarks examples
 	$(BIN)/lint-imports
 	$(BYTECODE)
-	$(PYTEST) $(ACROSS_CORES) --deselect $(JOBS) tests/cluster tests/ray tests/unit
+	$(PYTEST) $(ACROSS_CORES) --no-loadscope-reorder --deselect $(JOBS) tests/cluster tests/ray tests/unit
 	$(PYTEST) $(JOBS)
 ifeq ($(AVX512),yes)
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest -q -ra $(ACROSS_CORES) $(ISA_TESTS)
