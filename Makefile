@@ -78,8 +78,8 @@ BYTECODE := $(BIN)/python -m compileall -q $(SOURCES)
 # tiers in one pytest across the cores, in the order given (xdist would otherwise start the files with the
 # most tests first): the cluster tier's long files first, so that the unit tier's short ones fill the end.
 # test_job_submit alone after them: beside the other worker's Rays and clusters, a job's driver once failed to
-# join its cluster ("Failed to connect to Ray cluster", while Ray looks for the raylet of its machine among
-# every raylet process there); alone, and in another run side by side, it passed.
+# join its cluster ("Failed to connect to Ray cluster"; the cause unknown: Ray's message hid it, raypar's now
+# adds it); alone, and in another run side by side, it passed.
 JOBS := tests/ray/test_job_submit.py
 test: $(STAMP)
 	$(BIN)/ruff check raypar actors collectives tests benchmarks examples

@@ -31,9 +31,10 @@ def rays_script() -> str:
     return os.path.join(os.path.dirname(spec.origin), "_private", "workers", "setup_worker.py")
 
 
-def command(argv: list[str], environ: dict[str, str]) -> list[str] | None:
-    """The `bash -c` argument list Ray's script would exec for `argv` (its arguments), with `environ` updated
-    as it updates the environment; None where this does not cover the context (Ray's script then runs)."""
+def command(argv: list[str]) -> list[str] | None:
+    """The `bash -c` argument list Ray's script would exec for `argv` (its arguments), with os.environ updated
+    as it updates it; None, the environment untouched, where this does not cover the context (Ray's script
+    then runs)."""
     context_json, language, rest = None, None, []
     args = iter(argv)
     for arg in args:
@@ -54,14 +55,14 @@ def command(argv: list[str], environ: dict[str, str]) -> list[str] | None:
     if context.get("command_prefix") or context.get("java_jars") or context.get("override_worker_entrypoint"):
         return None
     for key, value in (context.get("env_vars") or {}).items():  # ray._private.utils.update_envs
-        environ[key] = re.sub(r"\$\{[A-Z0-9_]+\}", "", os.path.expandvars(value))
+        os.environ[key] = re.sub(r"\$\{[A-Z0-9_]+\}", "", os.path.expandvars(value))
     python = context.get("py_executable") or sys.executable
     cmd = ["exec", python, *(shlex.quote(a) for a in rest)]
     return ["bash", "-c", " ".join(cmd)]
 
 
 def main() -> None:
-    cmd = command(sys.argv[1:], os.environ)
+    cmd = command(sys.argv[1:])
     if cmd is None:
         os.execv(sys.executable, [sys.executable, rays_script(), *sys.argv[1:]])
     os.execvp("bash", cmd)

@@ -28,14 +28,20 @@ CONTEXTS = {
 }
 
 
+def _environ(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """A fresh os.environ for one side of the comparison (both read and write it)."""
+    env = {"HOME_OF_TEST": "/home/t", "PATH": "/bin"}
+    monkeypatch.setattr(os, "environ", env)
+    return env
+
+
 def rays(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, str], list[str]]:
     """The environment and `os.execvp` arguments of Ray's setup_worker.py given `argv`."""
     from ray._private.runtime_env.context import RuntimeEnvContext
     from ray._private.workers import setup_worker
     from ray.core.generated.common_pb2 import Language
 
-    env = {"HOME_OF_TEST": "/home/t", "PATH": "/bin"}
-    monkeypatch.setattr(os, "environ", env)
+    env = _environ(monkeypatch)
     execed: list[Any] = []
     monkeypatch.setattr(os, "execvp", lambda file, args: execed.append([file, *args]))
     args, remaining = setup_worker.parser.parse_known_args(argv)
@@ -45,21 +51,16 @@ def rays(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, st
     return dict(env), call[1:]
 
 
-def ours(argv: list[str], command: Callable[..., Any]) -> tuple[dict[str, str], list[str] | None]:
-    env = {"HOME_OF_TEST": "/home/t", "PATH": "/bin"}
-    real = os.environ
-    try:
-        os.environ = env  # expandvars reads os.environ  # noqa: B003
-        cmd = command(argv, env)
-    finally:
-        os.environ = real  # noqa: B003
-    return env, cmd
+def ours(argv: list[str], monkeypatch: pytest.MonkeyPatch, command: Callable[..., Any]
+         ) -> tuple[dict[str, str], list[str] | None]:
+    env = _environ(monkeypatch)
+    cmd = command(argv)
+    return dict(env), cmd
 
 
 def check_same(argv: list[str], monkeypatch: pytest.MonkeyPatch, command: Callable[..., Any]) -> None:
     want_env, want_cmd = rays(argv, monkeypatch)
-    monkeypatch.undo()
-    got_env, got_cmd = ours(argv, command)
+    got_env, got_cmd = ours(argv, monkeypatch, command)
     assert got_env == want_env, f"environment differs: {got_env} vs Ray's {want_env}"
     assert got_cmd == want_cmd, f"command differs: {got_cmd} vs Ray's {want_cmd}"
 
@@ -76,9 +77,9 @@ def test_the_same_environment_and_command_as_rays_script(name, form, monkeypatch
 def test_control_unexpanded_variables_are_caught(monkeypatch):
     """Negative control: a stand-in that copies `env_vars` as they are (no ${X} expansion) is rejected."""
 
-    def verbatim(argv: list[str], env: dict[str, str]) -> list[str] | None:
-        cmd = lean_setup_worker.command(argv, env)
-        env["P"] = "${HOME_OF_TEST}/bin:${UNSET_OF_TEST}"
+    def verbatim(argv: list[str]) -> list[str] | None:
+        cmd = lean_setup_worker.command(argv)
+        os.environ["P"] = "${HOME_OF_TEST}/bin:${UNSET_OF_TEST}"
         return cmd
 
     argv = [*WORKER, f"--serialized-runtime-env-context={CONTEXTS['expanded']}", "--language=PYTHON"]
@@ -91,5 +92,5 @@ def test_control_unexpanded_variables_are_caught(monkeypatch):
 ])  # fmt: skip
 def test_what_it_does_not_cover_goes_to_rays_script(context):
     argv = [*WORKER, f"--serialized-runtime-env-context={context}", "--language=PYTHON"]
-    assert lean_setup_worker.command(argv, {}) is None
-    assert lean_setup_worker.command([*WORKER, "--language=JAVA"], {}) is None
+    assert lean_setup_worker.command(argv) is None
+    assert lean_setup_worker.command([*WORKER, "--language=JAVA"]) is None
