@@ -144,9 +144,9 @@ class Departures:
     def notice(self, drain: Drain) -> None:
         """From the watch's thread: a node began draining. Said at once if it holds replicas of the run."""
         held = on_nodes(dict(self.loop.actor_mesh.nodes), {drain.node_id})  # dict(): a copy under the GIL
-        if held:
-            self.loop.event(f"{drain.describe()}: replica(s) {sorted(held)} leave it before the next step")
+        if held:  # posted first: whoever reads the line and asks `raypar status` then finds the drain there
             self.control.update.remote({**self.loop.log.status, "draining": self.status()})
+            self.loop.event(f"{drain.describe()}: replica(s) {sorted(held)} leave it before the next step")
 
     def status(self) -> dict[str, Any]:
         """`raypar status`'s view: per draining node holding replicas, its deadline (Unix s) and those."""

@@ -66,6 +66,7 @@ DEADLINE_S = 60
 RAY = str(Path(sys.executable).parent / "ray")  # the venv's CLI, where PATH may not lead
 LEFT = ("moved", "no room", "moving")  # how the lines on leaving a draining node begin
 WAIT_S = 240  # any one phase of a run on a loaded 2-core machine
+STATUS_WAIT_S = 30  # the run's status post, one actor call, to reach its control actor
 
 
 @ray.remote(num_cpus=NODE_CPUS)
@@ -143,6 +144,19 @@ def _wait(what: str, done: Any, thread: threading.Thread) -> None:
         time.sleep(0.05)  # polling files and a list the run appends to
 
 
+def _posted_status(name: str) -> list[str]:
+    """What `raypar status` prints once the run's control actor holds the drain (the run posts it from its
+    watch thread; an actor call from another thread of this process is not ordered with that post), or
+    after STATUS_WAIT_S what it prints then, for the test to reject."""
+    control = ray.get_actor(control_name(name), namespace=NAMESPACE)
+    deadline = time.monotonic() + STATUS_WAIT_S
+    while True:
+        lines = status_lines([ray.get(control.status.remote(), timeout=30)])
+        if any(line.lstrip().startswith("draining:") for line in lines) or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.1)  # the post is one actor call away
+
+
 def _drain(address: str, node: str) -> None:
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
     subprocess.run(
@@ -215,8 +229,7 @@ class Probe:
             _drain(self.cluster.address, victim)
         loop.drained.set()
         _wait("the run's line on the drain", lambda: any(" drains " in e for e in loop.events), thread)
-        posted = ray.get(ray.get_actor(control_name(name), namespace=NAMESPACE).status.remote(), timeout=30)
-        status = status_lines([posted])  # what `raypar status` prints now
+        status = _posted_status(name)
         _wait(
             "the run to leave the node (or, ignoring the drain, to reach its next step)",
             lambda: loop.ignored.is_set() or any(e.startswith(LEFT) for e in loop.events),
