@@ -17,6 +17,7 @@ from raypar.controller.actor_mesh import RunFailure
 from raypar.core import checkpoint
 from raypar.core.parallel.mesh import Coord
 from tests.support.faults import FaultyActorMesh
+from tests.support.reference import reference_run
 from tests.support.runs import Background, killing, losses, metrics, run, tiny, with_faults
 
 RTOL = 1e-5
@@ -88,12 +89,15 @@ def test_kill_workers_recovers_and_matches(ray_session, tmp_path, straight):
 
 def test_a_heal_that_drops_the_adam_moments_is_rejected(ray_session, tmp_path, straight):
     """Negative control for the recovery check above (and the elastic one below: growing dp heals the new
-    replicas the same way, `sync_state`): one kill -9 at the reference's layout and schedule, and a heal that
-    gives the new replica everything but the Adam moments. The run goes on as before, its curve does not."""
+    replicas the same way, `sync_state`): one kill -9 at the reference's dp and schedule, and a heal that
+    gives the new replica everything but the Adam moments. The run goes on as before, its curve does not.
+    One stage per replica (two actors and one healed, not four and two): each actor heals from its peer of
+    the same stage, so a second stage only repeats that, and the elastic run's heals are at one stage. The
+    steps before the heal meet the reference's curve within RTOL: the layout alone does not move it."""
     run_dir = tmp_path / "badheal"
-    cfg = tiny("parallel.dp=2", "parallel.pp=2", "train.steps=8", "parallel.timeout_s=10")
-    everywhere = {Coord(d, p, 0): ["heal_drops_moments"] for d in range(2) for p in range(2)}
-    result = run(cfg, "badheal", run_dir, with_faults(everywhere, killing(2, Coord(1, 1, 0))))
+    cfg = tiny("parallel.dp=2", "train.steps=8", "parallel.timeout_s=10")
+    everywhere = {Coord(d, 0, 0): ["heal_drops_moments"] for d in range(2)}
+    result = run(cfg, "badheal", run_dir, with_faults(everywhere, killing(2, Coord(1, 0, 0))))
     records = metrics(run_dir)
     assert [m["step"] for m in records] == list(range(8)) and result["restarts"] == 1
     assert min(m["dp"] for m in records) == 1 and records[-1]["dp"] == 2, "shrank and healed"
@@ -131,15 +135,16 @@ def test_max_failures_ends_the_run(ray_session, tmp_path):
 
 def test_elastic_dp_matches_fixed_dp(ray_session, tmp_path):
     """dp 1 -> 2 -> 4 -> 2 in one run, requested through the run's control actor (what `raypar scale`
-    calls), gives the losses of a fixed-dp run: the same config left at dp=1 (one actor, not more: any
-    fixed dp has these losses up to the order of float sums). One stage per replica (a replica's actors
-    cost seconds each to start): replicas of several actors healed into a run, at pp=2 in the kill test
-    above and at cp=2 in tests/ray/test_zero_cp.py::test_elastic_dp_with_cp_under_zero2."""
+    calls), gives the losses of a fixed-dp run: the one-process reference of the same config
+    (tests/support/reference.py, in microbatches of its 1 sequence; no actor: any fixed dp has these
+    losses up to the order of float sums, and fixed layouts on actors against that reference are
+    tests/ray/test_equivalence.py's). One stage per replica (a replica's actors cost seconds each to
+    start): replicas of several actors healed into a run, at pp=2 in the kill test above and at cp=2 in
+    tests/ray/test_zero_cp.py::test_elastic_dp_with_cp_under_zero2."""
     # 12 sequences split into whole 1-sequence microbatches at every dp in [1, 4]
     cfg = tiny("parallel.dp=1", "parallel.microbatches=12", "train.global_batch=12", "train.steps=10",
                "parallel.max_dp=4")  # fmt: skip
-    fixed_dir = tmp_path / "fixed"
-    run(cfg, "fixed", fixed_dir)
+    fixed = reference_run(cfg, cfg.train.steps, microbatch_size=cfg.microbatch_size).losses
     elastic_dir = tmp_path / "elastic"
     bg = Background(cfg, "elastic", elastic_dir)
     for step, dp in ((1, 2), (4, 4), (7, 2)):
@@ -151,7 +156,7 @@ def test_elastic_dp_matches_fixed_dp(ray_session, tmp_path):
     records = metrics(elastic_dir)
     assert [m["step"] for m in records] == list(range(10))
     assert {m["dp"] for m in records} == {1, 2, 4}
-    assert_same_curve(losses(elastic_dir), losses(fixed_dir))
+    assert_same_curve(losses(elastic_dir), fixed)
     assert not ray.util.list_named_actors(all_namespaces=True) or all(
         "elastic" not in a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
     ), "shrinking and shutdown release every actor"

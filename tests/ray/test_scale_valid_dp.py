@@ -9,6 +9,7 @@ control path runs for real on the session's Ray)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 import ray
@@ -72,46 +73,65 @@ def _alive_become(run: str, names: set[str], timeout_s: float = 30) -> set[str]:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize(
-    "start, capacity, lands, kept",
-    [
-        (2, 3, 2, []),  # one of two placed: dp=3 is invalid, the placed one is released
-        (1, 3, 2, [1]),  # two of three placed: dp=3 is invalid, dp=2 is kept
-        (2, 4, 4, [2, 3]),  # control: room for all
-    ],
-    ids=["stays", "largest-valid", "all-placed"],
-)
-def test_a_partial_scale_lands_on_a_valid_dp(ray_session, start, capacity, lands, kept):
-    run = f"scale-valid-{start}-{capacity}"
-    mesh = _mesh(run, start, capacity)
+def _scale_lands(mesh: _RoomFor, capacity: int, lands: int, kept: list[int]) -> None:
+    """`scale_to(4)` on `mesh` with room for `capacity` replicas in all lands on dp=`lands`, keeping the
+    new replicas `kept`, says so in one line, and releases the others' actors and placement groups."""
+    start, run = mesh.dp, mesh.run
+    mesh.builder.capacity = capacity
+    said = mesh.scale_to(4, timeout_s=1)
+    assert mesh.dp == lands, said
+    assert mesh.replicas == list(range(start)) + kept, said
+    assert len(said.splitlines()) == 1, said
+    if capacity < 4:
+        assert f"placed {capacity - start} of the {4 - start} replica(s) asked for dp=4" in said, said
+        assert f"dp={lands}" in said and "not placed within" in said, said
+        assert ("dp=3 is not one the run accepts" in said) == (lands < capacity), said
+    # The released replicas' actors and placement groups are gone; the kept ones step.
+    kept_names = {mesh.name(c) for c in mesh.actors}
+    assert _alive_become(run, kept_names) == kept_names
+    groups = ray.util.placement_group_table().values()
+    mine = [g for g in groups if g["name"].startswith(f"raypar:{run}:")]
+    live = {g["name"] for g in mine if g["state"] != "REMOVED"}
+    assert live == {f"raypar:{run}:dp{d}.pp0" for d in mesh.replicas}
+    assert set(mesh.step(0).per_actor) == set(mesh.actors)
+
+
+@pytest.fixture(scope="module")
+def mesh(ray_session) -> Iterator[_RoomFor]:
+    """One run of stub actors for both tests below (its actors cost more to start than the scales); each
+    test takes it at dp=1 (`_at_dp1`)."""
+    mesh = _mesh("scale-valid", 1, 4)
     try:
-        said = mesh.scale_to(4, timeout_s=1)
-        assert mesh.dp == lands, said
-        assert mesh.replicas == list(range(start)) + kept, said
-        assert len(said.splitlines()) == 1, said
-        if capacity < 4:
-            assert f"placed {capacity - start} of the {4 - start} replica(s) asked for dp=4" in said, said
-            assert f"dp={lands}" in said and "not placed within" in said, said
-            assert ("dp=3 is not one the run accepts" in said) == (lands < capacity), said
-        # The released replicas' actors and placement groups are gone; the kept ones step.
-        kept_names = {mesh.name(c) for c in mesh.actors}
-        assert _alive_become(run, kept_names) == kept_names
-        groups = ray.util.placement_group_table().values()
-        mine = [g for g in groups if g["name"].startswith(f"raypar:{run}:")]
-        live = {g["name"] for g in mine if g["state"] != "REMOVED"}
-        assert live == {f"raypar:{run}:dp{d}.pp0" for d in mesh.replicas}
-        assert set(mesh.step(0).per_actor) == set(mesh.actors)
+        yield mesh
     finally:
         mesh.shutdown()
 
 
-def test_a_node_new_to_the_run_is_probed_before_a_replica_starts_there(ray_session):
+def _at_dp1(mesh: _RoomFor) -> _RoomFor:
+    if mesh.dp > 1:
+        assert mesh.scale_to(1, timeout_s=5).startswith("removed replica(s)"), mesh.replicas
+    assert mesh.replicas == [0], mesh.replicas
+    return mesh
+
+
+def test_a_partial_scale_lands_on_a_valid_dp(mesh):
+    """Three scales of one run to dp=4, each from where the last landed: from dp=1 with room for three
+    replicas, two of three placed, dp=3 is invalid and dp=2 is kept; from dp=2 with room for three, one of
+    two placed, dp=3 is invalid and the placed one is released; the control, from dp=2 with room for all
+    four, lands on dp=4."""
+    _at_dp1(mesh)
+    _scale_lands(mesh, capacity=3, lands=2, kept=[1])  # largest valid
+    _scale_lands(mesh, capacity=3, lands=2, kept=[])  # stays
+    _scale_lands(mesh, capacity=4, lands=4, kept=[2, 3])  # all placed
+
+
+def test_a_node_new_to_the_run_is_probed_before_a_replica_starts_there(mesh):
     """Issue 27: a node that joins after the start is probed when a replica is first placed on it. Here the
     session's one node stands for it (the check starts knowing no node), and the driver's sample counts are
     off by one, so the real probe refuses it: the replica's group is released before any actor starts, and
     the scale lands where it was, saying why. The control: the true counts pass, probed once."""
-    run = "scale-probe"
-    mesh = _mesh(run, 1, 4)
+    run, started_with = _at_dp1(mesh).run, mesh.node_check
+    mesh.builder.capacity = 4
     try:
         right = shared_paths._samples(mesh.cfg)
         mesh.node_check = node_check.NodeCheck(mesh.cfg, (right[0] + 1, right[1]), known=set())
@@ -129,7 +149,7 @@ def test_a_node_new_to_the_run_is_probed_before_a_replica_starts_there(ray_sessi
         said = mesh.scale_to(2, timeout_s=5)
         assert mesh.dp == 2 and mesh.node_check.good and not mesh.node_check.refused, said
     finally:
-        mesh.shutdown()
+        mesh.node_check = started_with
 
 
 class _WaitsTimeoutSBuilder(MeshBuilder):
