@@ -18,48 +18,14 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 
-def _session_ray_params() -> None:
-    """Three defaults of the Rays that `ray.init` starts here, swapped in the pinned Ray's RayParams for this
-    process only (`ray.init` takes none of them as an argument):
-    - the dashboard agent's HTTP port: a free one instead of Ray's fixed 52365. `make test` runs a session
-      Ray in each pytest-xdist worker, and a second agent on the same port cannot serve Ray's job API
-      (tests/ray/test_job_submit.py); `ray start` has --dashboard-agent-listen-port, as
-      tests/support/fake_cluster.py passes;
-    - the script that starts each worker process: tests/support/lean_setup_worker.py, which does what Ray's
-      setup_worker.py does for these Rays' runtime envs without importing Ray first (0.36 CPU-seconds per
-      actor process; tests/unit/test_lean_setup_worker.py holds it to Ray's);
-    - no log monitor: it forwards workers' output to drivers that print it, and every driver here joins with
-      `log_to_driver=False` (raypar's too). It polls every log file of the session, and a session Ray here
-      accumulates the files of ~300 worker processes: the log monitors were ~100 CPU-seconds of a
-      `make test` run (sampled per process)."""
-    import socket
-
-    from ray._private import parameter
-
-    from tests.support import lean_setup_worker
-
-    init = parameter.RayParams.__init__
-
-    def session_params(self, *args, **kwargs):
-        if kwargs.get("dashboard_agent_listen_port") is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                kwargs["dashboard_agent_listen_port"] = s.getsockname()[1]
-        if kwargs.get("setup_worker_path") is None:
-            kwargs["setup_worker_path"] = lean_setup_worker.__file__
-        if kwargs.get("include_log_monitor") is None:
-            kwargs["include_log_monitor"] = False
-        init(self, *args, **kwargs)
-
-    parameter.RayParams.__init__ = session_params
-
-
 @pytest.fixture(scope="session")
 def ray_session():
     import ray
 
+    from tests.support import lean_ray
+
     if not ray.is_initialized():
-        _session_ray_params()
+        lean_ray.lean_defaults(free_agent_port=True)  # a free agent port, lean worker starts, no log monitor
         # More logical CPUs than cores: test actors are tiny and mostly wait on each other.
         # The dashboard serves the state API (list_actors) that tests use to find processes by actor name.
         # address="local": a new instance, never another Ray that runs on this machine.

@@ -71,9 +71,9 @@ class FakeCluster:
     Without a config (`config_path=None`): a plain head of `num_cpus` logical CPUs and no autoscaler, e.g.
     one Ray that a test module's subprocess drivers share; `head_env` is added to the head's environment
     (its raylet's, which its worker processes inherit); `dashboard=False` leaves out the dashboard (and the
-    state API it serves), as a local `ray.init(include_dashboard=False)` does; `log_monitor=False` leaves out
-    the head's log monitor, which forwards workers' output to drivers that print it and polls every log file
-    of the session meanwhile (a CPU cost that grows with the workers a long-lived head has started).
+    state API it serves), as a local `ray.init(include_dashboard=False)` does; `lean=True` starts the head as
+    the session Rays start (tests/support/lean_ray.py: lean worker starts, no log monitor), for a long-lived
+    head that many subprocess drivers share.
 
     On exit it ends only the processes it started (by pid, found through the session the head runs
     in), including the fake worker nodes the autoscaler launched, and removes its temp dir.
@@ -86,7 +86,7 @@ class FakeCluster:
         num_cpus: int = 0,
         head_env: dict[str, str] | None = None,
         dashboard: bool = True,
-        log_monitor: bool = True,
+        lean: bool = False,
         start_attempts: int = 1,
         start_timeout_s: float = 90.0,
         keep_temp_dir: bool = False,
@@ -95,7 +95,7 @@ class FakeCluster:
         self.num_cpus = num_cpus
         self.head_env = dict(head_env or {})
         self.dashboard = dashboard
-        self.log_monitor = log_monitor
+        self.lean = lean
         self.start_attempts = start_attempts
         self.start_timeout_s = start_timeout_s
         self.keep_temp_dir = keep_temp_dir
@@ -165,7 +165,8 @@ class FakeCluster:
             head_env["RAY_FAKE_CLUSTER"] = "1"
         head_env.pop("RAY_ADDRESS")  # `ray start --head` must not try to join anything
         cmd = [
-            sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+            sys.executable, "-m", "tests.support.lean_ray" if self.lean else "ray.scripts.scripts",
+            "start", "--head", "--block",
             f"--temp-dir={self.temp_dir}",
             f"--port={gcs_port}",
             *autoscaling,
@@ -177,7 +178,6 @@ class FakeCluster:
             f"--dashboard-agent-listen-port={_free_port()}",
             "--dashboard-host=127.0.0.1",
             *([] if self.dashboard else ["--include-dashboard=false"]),
-            *([] if self.log_monitor else ["--include-log-monitor=false"]),
             "--disable-usage-stats",
         ]  # fmt: skip
         # start_new_session: the session id then names every process of this cluster (see stop()).

@@ -8,7 +8,8 @@ it exec's imports Ray again: for the ~360 actor processes of the Ray tier, two m
 the same for the runtime envs the session Rays see (`env_vars` only: no conda, container or Java), with the
 standard library alone. tests/unit/test_lean_setup_worker.py holds it to the pinned Ray's
 `RuntimeEnvContext.exec_worker` (environment and command) on such contexts; anything else is handed to Ray's
-script unchanged. The cluster tier's Rays (`ray start`, subprocess drivers) keep Ray's own.
+script unchanged. The Rays that raypar's CLI starts in the cluster tier's subprocesses, and the fake
+autoscaling clusters, keep Ray's own (tests/support/lean_ray.py says which Rays use this).
 """
 
 from __future__ import annotations
