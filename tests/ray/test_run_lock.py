@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from raypar.controller import cli
-from tests.support.runs import TINY, metrics
+from raypar.controller import cli, training
+from raypar.controller.actor_mesh import ActorMesh
+from tests.support.runs import ACTORS_START, TINY, ActorsStarted, metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +47,16 @@ def second(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]):
     return run
 
 
-def test_a_second_run_of_the_same_dir_or_name_is_refused_and_writes_nothing(address, tmp_path, second):
+class _StopsAtActorStart(ActorMesh):
+    """Ends a run where its actors would start: past the run-dir lock, the run-name claim and config.toml."""
+
+    def start(self, *args: object, **kwargs: object) -> None:
+        raise ActorsStarted(f"{ACTORS_START}: the run holds its directory and its name")
+
+
+def test_a_second_run_of_the_same_dir_or_name_is_refused_and_writes_nothing(
+    address, tmp_path, second, monkeypatch
+):
     first_dir = tmp_path / "first"
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     argv = _train(address, "twice", first_dir, "train.steps=100000")
@@ -86,6 +96,10 @@ def test_a_second_run_of_the_same_dir_or_name_is_refused_and_writes_nothing(addr
     assert code == 2 and "in use" not in err, err[-3000:]
     assert f"--run-dir: {first_dir} already holds a run's records" in err, err[-3000:]
     assert (first_dir / "metrics.jsonl").read_text() == kept
-    code, err = second(_train(address, "twice", tmp_path / "third", "train.steps=2"))
-    assert code == 0, err[-3000:]
-    assert [m["step"] for m in metrics(tmp_path / "third")] == [0, 1]
+    # The name takes a new run in another directory: it gets past the claim (a live name is refused there,
+    # above) and writes its config.toml, up to where its actors would start (no actors: the claim is the
+    # point, and training on is what every other run does).
+    monkeypatch.setattr(training.TrainingLoop, "mesh_class", _StopsAtActorStart)
+    with pytest.raises(ActorsStarted, match=ACTORS_START):
+        second(_train(address, "twice", tmp_path / "third", "train.steps=2"))
+    assert (tmp_path / "third" / "config.toml").exists()
