@@ -7,14 +7,20 @@ optimizer step moves the loss by ~1e-2 here, which the negative control shows th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
 from raypar.core import data
 from raypar.core.config.schema import Config
 from raypar.core.observe import report
-from tests.support.reference import reference_run
+from tests.support.reference import Run, reference_run
 from tests.support.runs import metrics, run, tiny
 
 RTOL = 1e-5
 STEPS = 3
+MODEL = ("model.n_layers=4", "parallel.microbatches=2")  # two blocks per stage at pp=2
 
 
 def cfg_at(dp: int, pp: int, *more: str) -> Config:
@@ -29,31 +35,37 @@ def cfg_at(dp: int, pp: int, *more: str) -> Config:
     )
 
 
-def test_val_loss_matches_reference_at_2_2_1(ray_session, tmp_path):
-    ref = reference_run(cfg_at(1, 1), STEPS)
+@dataclass
+class ValRun:
+    run_dir: Path
+    got: dict[int, float]  # step -> the run's validation loss
+    ref: Run
+
+
+@pytest.fixture(scope="module")
+def val_run(ray_session, tmp_path_factory) -> ValRun:
+    """One run at dp=2 x pp=2 x cp=2 (dp's and pp's reductions of the validation loss and cp's shares of
+    every sequence at once: the checks below are facets of it). (Interleaved and DualPipeV chunks, where the
+    last stage hands a chunk's output back to the first: tests/unit/test_evaluate.py, on thread ranks with
+    its negative control.)"""
+    run_dir = tmp_path_factory.mktemp("val")
+    run(cfg_at(2, 2, *MODEL, "parallel.cp=2"), "val-222", run_dir)
+    got = {m["step"]: m["val_loss"] for m in metrics(run_dir) if m["val_loss"] is not None}
+    return ValRun(run_dir, got, reference_run(cfg_at(1, 1, *MODEL), STEPS))
+
+
+def test_val_loss_matches_reference_at_dp2_pp2_cp2(val_run):
+    got, ref = val_run.got, val_run.ref
     assert sorted(ref.val_losses) == [1, 2]  # every 2 steps and after the last
-    run(cfg_at(2, 2), "val-221", tmp_path)
-    got = {m["step"]: m["val_loss"] for m in metrics(tmp_path) if m["val_loss"] is not None}
-    assert sorted(got) == [1, 2] and metrics(tmp_path)[0]["val_loss"] is None
+    assert sorted(got) == [1, 2] and metrics(val_run.run_dir)[0]["val_loss"] is None
     for step, want in ref.val_losses.items():
         assert abs(got[step] - want) <= RTOL * want, (step, got[step], want)
     # Negative control: the validation loss one update earlier (step 1's against step 2's) is rejected.
     assert abs(got[2] - ref.val_losses[1]) > RTOL * ref.val_losses[1]
-    # Held-out samples are not trained on: the split is a tail the sampler never reaches.
+
+
+def test_held_out_samples_are_not_trained_on_and_the_report_draws_them(val_run):
+    # The split is a tail the sampler never reaches.
     train, val = data.open_datasets(cfg_at(1, 1).data, cfg_at(1, 1).model)
     assert train.num_samples + val.num_samples == train.base.num_samples and val.start == train.stop
-    assert report.write_report(tmp_path)["files"]  # loss.png with the validation curve
-
-
-def test_val_loss_matches_reference_under_cp(ray_session, tmp_path):
-    """Under cp each rank evaluates its share of every sequence. (Interleaved and DualPipeV chunks, where
-    the last stage hands a chunk's output back to the first: tests/unit/test_evaluate.py, on thread ranks
-    with its negative control.)"""
-    model = ("model.n_layers=4", "parallel.microbatches=2")
-    ref = reference_run(cfg_at(1, 1, *model), STEPS)
-    run(cfg_at(2, 1, *model, "parallel.cp=2"), "val-21", tmp_path)
-    got = {m["step"]: m["val_loss"] for m in metrics(tmp_path) if m["val_loss"] is not None}
-    assert sorted(got) == sorted(ref.val_losses)
-    for step, want in ref.val_losses.items():
-        assert abs(got[step] - want) <= RTOL * want, (step, got[step], want)
-    assert abs(got[2] - ref.val_losses[1]) > RTOL * ref.val_losses[1]  # the control, as above
+    assert report.write_report(val_run.run_dir)["files"]  # loss.png with the validation curve
