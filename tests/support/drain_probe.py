@@ -30,7 +30,7 @@ from typing import Any
 
 import ray
 from ray.cluster_utils import Cluster
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from actors.control import control_name
 from benchmarks import drain as drain_benchmark
@@ -54,8 +54,8 @@ CASES: dict[str, tuple[list[str], list[int]]] = {
     "pp2": (["parallel.dp=2", "parallel.pp=2"], [1]),
 }
 # Each stage of these is a placement group of its own, which Ray may put on any node with room (a node held
-# a stage of each replica in one run): ballast on the other nodes steers replica 0 onto one node, then
-# replica 1 onto the next, and the third is freed for the replacement.
+# a stage of each replica in one run): ballast holding two nodes steers replica 0 onto the third, then
+# replica 1 onto the one freed next, and the last is freed for the replacement.
 STEERED = {"pp2"}
 # The case whose drain is also run ignored (the negative control): two replicas on the drained node, the most
 # that leaves it at once.
@@ -69,17 +69,11 @@ WAIT_S = 240  # any one phase of a run on a loaded 2-core machine
 STATUS_WAIT_S = 30  # the run's status post, one actor call, to reach its control actor
 
 
-@ray.remote(num_cpus=NODE_CPUS)
-class Ballast:
-    """Holds every CPU of one node, so that a placement meanwhile lands on another."""
-
-    def ready(self) -> bool:
-        return True
-
-
-def _ballast(node_id: str) -> Any:
-    held = Ballast.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
-    ray.get(held.ready.remote(), timeout=WAIT_S)
+def _ballast(nodes: int) -> list[PlacementGroup]:
+    """Every CPU of `nodes` nodes held, so that a placement meanwhile lands on another: one placement group
+    of a node's CPUs each (no two fit on one node; a reservation starts no process, an actor would)."""
+    held = [placement_group([{"CPU": NODE_CPUS}], strategy="STRICT_PACK") for _ in range(nodes)]
+    ray.get([pg.ready() for pg in held], timeout=WAIT_S)
     return held
 
 
@@ -210,13 +204,12 @@ class Probe:
         ended: list[BaseException] = []
         thread = threading.Thread(target=lambda: _catch(loop.execute, ended), daemon=True)
         started = time.perf_counter()
-        first, *others = [n.node_id for n in self.cluster.worker_nodes]
-        held = [_ballast(n) for n in others] if case in STEERED else []
+        held = _ballast(len(self.cluster.worker_nodes) - 1) if case in STEERED else []
         thread.start()
         pgs, pp = loop.actor_mesh.roster.pgs, loop.actor_mesh.pp
         for d, ballast in enumerate(held):  # replica d placed (on the one node left free): the next opens
             _wait(f"replica {d} placed", lambda d=d: all((d, p) in pgs for p in range(pp)), thread)
-            ray.kill(ballast)
+            remove_placement_group(ballast)
         _wait("the first steps", lambda: any(m["step"] >= DRAIN_AFTER_STEP for m in metrics(run_dir)), thread)
         nodes = dict(loop.actor_mesh.nodes)
         victim = next(w.node_id for c, w in nodes.items() if c.dp == leaving[0])
