@@ -39,6 +39,7 @@ from raypar.controller.connection import NAMESPACE
 from raypar.controller.drain import Departures, read_draining
 from raypar.controller.spot import SpotWatchers
 from raypar.controller.training import TrainingLoop
+from tests.support import lean_setup_worker
 from tests.support.metadata_stub import metadata_stub
 from tests.support.node_loss_probe import node_loss
 from tests.support.runs import metrics, tiny
@@ -61,6 +62,10 @@ STEERED = {"pp2"}
 # that leaves it at once.
 CONTROL = "hsdp"
 NODES, NODE_CPUS = 3, 2
+# Every node starts its workers through tests/support/lean_setup_worker.py, as the session Rays do: Ray's
+# setup_worker.py imports all of Ray before it exec's the worker (0.36 CPU-s an actor process).
+LEAN = {"setup_worker_path": lean_setup_worker.__file__}
+NODE = {"num_cpus": NODE_CPUS, **LEAN}
 DRAIN_AFTER_STEP = 1
 DEADLINE_S = 60
 RAY = str(Path(sys.executable).parent / "ray")  # the venv's CLI, where PATH may not lead
@@ -169,10 +174,10 @@ class Probe:
         system = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000}
         self.cluster = Cluster(
             initialize_head=True,
-            head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": system},
+            head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": system, **LEAN},
         )
         for _ in range(NODES):
-            self.cluster.add_node(num_cpus=NODE_CPUS)
+            self.cluster.add_node(**NODE)
         self.tmp = Path(tempfile.mkdtemp(prefix="drain-"))
 
     def remove(self, node_id: str) -> None:
@@ -192,7 +197,7 @@ class Probe:
         """The node goes; a fresh one joins for the next run, which waits for it (Cluster.wait_for_nodes):
         its start overlaps the end of this run."""
         self.remove(node_id)
-        self.cluster.add_node(wait=False, num_cpus=NODE_CPUS)
+        self.cluster.add_node(wait=False, **NODE)
 
     def drained_run(self, case: str, ignore: bool) -> dict[str, Any]:
         """One run of `case` whose leaving replicas' node is drained after DRAIN_AFTER_STEP, then removed."""
@@ -298,7 +303,7 @@ def main() -> None:
         out["wall_s"]["benchmark"] = time.perf_counter() - started
         probe.drop_unusable()
         started = time.perf_counter()
-        out["node_loss"] = node_loss(probe.cluster, probe.tmp)
+        out["node_loss"] = node_loss(probe.cluster, probe.tmp, NODE)
         out["wall_s"]["node_loss"] = time.perf_counter() - started
         out["spot"] = spot_drain()
     finally:

@@ -42,8 +42,9 @@ class _Loop(TrainingLoop):
         super()._membership(control, step)
 
 
-def node_loss(cluster: Cluster, tmp: Path) -> dict[str, Any]:
-    """The run that loses a node and heals; what test_drain.py checks."""
+def node_loss(cluster: Cluster, tmp: Path, node_args: dict[str, Any]) -> dict[str, Any]:
+    """The run that loses a node and heals; what test_drain.py checks. `node_args`: the node added back's
+    (Cluster.add_node)."""
     out: dict[str, Any] = {}
     loop = _Loop(tiny(*ELASTIC), "nodeloss", tmp / "run", progress=False)
     result: dict[str, Any] = {}
@@ -60,7 +61,7 @@ def node_loss(cluster: Cluster, tmp: Path) -> dict[str, Any]:
     cluster.remove_node(victim, allow_graceful=False)
     if not _Loop.shrunk.wait(timeout=180):
         raise AssertionError(f"the run did not shrink to dp=1: {loop.events}")
-    cluster.add_node(num_cpus=2)
+    cluster.add_node(**node_args)
     cluster.wait_for_nodes()
     _Loop.node_back.set()
     thread.join(timeout=300)
