@@ -170,8 +170,14 @@ class Probe:
     """The cluster, and the runs on it in turn."""
 
     def __init__(self) -> None:
-        # Quick node-death detection (default: tens of seconds of missed health checks).
-        system = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000}
+        # Quick node-death detection (default: tens of seconds of missed health checks). Idle workers kept
+        # (default: beyond a node's CPUs, killed after a second idle, as a node running a run's two actors
+        # does): each run's shared-path check, a task on every node, reuses the worker of the run before.
+        system = {
+            "health_check_initial_delay_ms": 0,
+            "health_check_period_ms": 1000,
+            "num_workers_soft_limit": 64,
+        }
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": system, **LEAN},
