@@ -1,5 +1,6 @@
 """A whole node lost mid-run, on a local multi-node cluster: run by tests/support/drain_probe.py on its
-cluster (for tests/cluster/test_drain.py) once its drain runs are done: no cluster starts for it alone.
+cluster (for tests/cluster/test_drain.py) after its cases' drain runs and the benchmark (its negative control
+follows, on the two nodes this leaves): no cluster starts for it alone.
 
 The cluster (a `ray.cluster_utils.Cluster` whose nodes are declared dead after a second of missed health
 checks) holds exactly two usable 2-CPU worker nodes, and this process is connected to it. A tiny model at
