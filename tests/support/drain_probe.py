@@ -80,7 +80,8 @@ def _ballast(nodes: int) -> list[PlacementGroup]:
     """Every CPU of `nodes` nodes held, so that a placement meanwhile lands on another: one placement group
     of a node's CPUs each (no two fit on one node; a reservation starts no process, an actor would)."""
     held = [placement_group([{"CPU": NODE_CPUS}], strategy="STRICT_PACK") for _ in range(nodes)]
-    ray.get([pg.ready() for pg in held], timeout=WAIT_S)
+    for pg in held:
+        assert pg.wait(WAIT_S), f"ballast not placed in {WAIT_S}s: free {ray.available_resources()}"
     return held
 
 
