@@ -19,17 +19,14 @@ test's process. Prints one JSON object.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +43,7 @@ from raypar.controller.spot import SpotWatchers
 from raypar.controller.training import TrainingLoop
 from tests.support import lean_setup_worker
 from tests.support.metadata_stub import metadata_stub
-from tests.support.node_loss_probe import node_loss
+from tests.support.node_loss_probe import kill, node_loss
 from tests.support.runs import metrics, tiny
 
 STEPS = 4
@@ -253,7 +250,7 @@ class Probe:
             self.replace(victim)
         else:
             self.remove(victim)
-        _kill(on_victim.values())
+        kill(on_victim.values())
         loop.removed.set()
         thread.join(timeout=WAIT_S)
         return {
@@ -268,15 +265,6 @@ class Probe:
             "leaving": leaving,
             "wall_s": time.perf_counter() - started,
         }
-
-
-def _kill(pids: Iterable[int]) -> None:
-    """SIGKILL `pids`, the actors left on a removed node, as the end of their machine would: a worker of a
-    removed `Cluster` node notices its raylet's end only at a later check, and meanwhile a tiny run's next
-    steps can complete (the negative control then ran to its end, no failure, on a lightly loaded machine)."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def _catch(run: Any, ended: list[BaseException]) -> None:
