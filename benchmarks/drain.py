@@ -54,17 +54,19 @@ def ask_drain(node_id: str, deadline_s: float) -> None:
 
 
 # --quick: a tiny model, one timed step, every collective wait bounded as the probe's runs bound theirs; what
-# tests/support/drain_probe.py runs on its cluster
-QUICK = {"preset": "tiny", "seq_len": 32, "steps": 1, "timeout_s": 20}
+# tests/support/drain_probe.py runs on its cluster. A replica is one actor of TP threads there, filling its
+# node as the TP group does: 2 + 1 + 2 actor starts (start, move, restart), not 4 + 2 + 4; the same
+# measurements (the probe's zero3 case moves a tp=2 group).
+QUICK = {"preset": "tiny", "seq_len": 32, "steps": 1, "timeout_s": 20, "tp": 1}
 
 
-def measure(preset: str, seq_len: int, steps: int, timeout_s: int = 60) -> dict[str, float]:
+def measure(preset: str, seq_len: int, steps: int, timeout_s: int = 60, tp: int = TP) -> dict[str, float]:
     """The measurements, on the Ray this process joined: three nodes of TP CPUs free, none draining.
-    `timeout_s`: parallel.timeout_s."""
+    `timeout_s`: parallel.timeout_s; `tp`: the replica's actors, TP // tp threads (CPUs) each."""
     cfg = load_config(None, [
-        f"model.preset='{preset}'", f"model.seq_len={seq_len}", "parallel.dp=2", f"parallel.tp={TP}",
-        "parallel.zero=3", "parallel.microbatches=2", "parallel.device='cpu'",
-        f"parallel.timeout_s={timeout_s}",
+        f"model.preset='{preset}'", f"model.seq_len={seq_len}", "parallel.dp=2", f"parallel.tp={tp}",
+        f"parallel.threads_per_actor={TP // tp}", "parallel.zero=3", "parallel.microbatches=2",
+        "parallel.device='cpu'", f"parallel.timeout_s={timeout_s}",
         "train.global_batch=8", "train.steps=1000", "data.source='synthetic'",
     ])  # fmt: skip
     trainer = ActorMesh(cfg, "bench-drain")

@@ -8,11 +8,13 @@ KubeRay) then removes the node: here once the run says it left it. The negative 
 check it fails is the same for every case) is the same drain on a run that ignores draining: the node is
 removed before its next step, as the deadline would, and the run's first failure ends it (what follows is the
 failure path that tests/ray covers); the test holds that against the same check. A replacement node joins
-after every removal, so every run finds three free nodes. Then, on the same cluster: benchmarks/drain.py's
-measurement at --quick settings, a node lost without notice (tests/support/node_loss_probe.py, on the two
-nodes left once the benchmark's drained one is gone), and the spot watcher's drain of a free node against a
-stub metadata service. The drain runs' undisturbed losses come from the one-process reference
-(tests/support/reference.py), in the test's process. Prints one JSON object.
+after every case's removal, so every case finds three free nodes. Then, on the same cluster:
+benchmarks/drain.py's measurement at --quick settings, a node lost without notice
+(tests/support/node_loss_probe.py, on the two nodes left once the benchmark's drained one is gone), the
+negative control on the two nodes that run leaves (it moves nothing, so it needs no free node; its drained
+node is not replaced), and the spot watcher's drain of the node left, against a stub metadata service. The
+drain runs' undisturbed losses come from the one-process reference (tests/support/reference.py), in the
+test's process. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 import ray
 from ray.cluster_utils import Cluster
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from actors.control import control_name
 from benchmarks import drain as drain_benchmark
@@ -39,8 +41,9 @@ from raypar.controller.connection import NAMESPACE
 from raypar.controller.drain import Departures, read_draining
 from raypar.controller.spot import SpotWatchers
 from raypar.controller.training import TrainingLoop
+from tests.support import lean_setup_worker
 from tests.support.metadata_stub import metadata_stub
-from tests.support.node_loss_probe import node_loss
+from tests.support.node_loss_probe import kill, node_loss
 from tests.support.runs import metrics, tiny
 
 STEPS = 4
@@ -54,13 +57,17 @@ CASES: dict[str, tuple[list[str], list[int]]] = {
     "pp2": (["parallel.dp=2", "parallel.pp=2"], [1]),
 }
 # Each stage of these is a placement group of its own, which Ray may put on any node with room (a node held
-# a stage of each replica in one run): ballast on the other nodes steers replica 0 onto one node, then
-# replica 1 onto the next, and the third is freed for the replacement.
+# a stage of each replica in one run): ballast holding two nodes steers replica 0 onto the third, then
+# replica 1 onto the one freed next, and the last is freed for the replacement.
 STEERED = {"pp2"}
 # The case whose drain is also run ignored (the negative control): two replicas on the drained node, the most
 # that leaves it at once.
 CONTROL = "hsdp"
 NODES, NODE_CPUS = 3, 2
+# Every node starts its workers through tests/support/lean_setup_worker.py, as the session Rays do: Ray's
+# setup_worker.py imports all of Ray before it exec's the worker (0.36 CPU-s an actor process).
+LEAN = {"setup_worker_path": lean_setup_worker.__file__}
+NODE = {"num_cpus": NODE_CPUS, **LEAN}
 DRAIN_AFTER_STEP = 1
 DEADLINE_S = 60
 RAY = str(Path(sys.executable).parent / "ray")  # the venv's CLI, where PATH may not lead
@@ -69,17 +76,12 @@ WAIT_S = 240  # any one phase of a run on a loaded 2-core machine
 STATUS_WAIT_S = 30  # the run's status post, one actor call, to reach its control actor
 
 
-@ray.remote(num_cpus=NODE_CPUS)
-class Ballast:
-    """Holds every CPU of one node, so that a placement meanwhile lands on another."""
-
-    def ready(self) -> bool:
-        return True
-
-
-def _ballast(node_id: str) -> Any:
-    held = Ballast.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
-    ray.get(held.ready.remote(), timeout=WAIT_S)
+def _ballast(nodes: int) -> list[PlacementGroup]:
+    """Every CPU of `nodes` nodes held, so that a placement meanwhile lands on another: one placement group
+    of a node's CPUs each (no two fit on one node; a reservation starts no process, an actor would)."""
+    held = [placement_group([{"CPU": NODE_CPUS}], strategy="STRICT_PACK") for _ in range(nodes)]
+    for pg in held:
+        assert pg.wait(WAIT_S), f"ballast not placed in {WAIT_S}s: free {ray.available_resources()}"
     return held
 
 
@@ -171,14 +173,20 @@ class Probe:
     """The cluster, and the runs on it in turn."""
 
     def __init__(self) -> None:
-        # Quick node-death detection (default: tens of seconds of missed health checks).
-        system = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000}
+        # Quick node-death detection (default: tens of seconds of missed health checks). Idle workers kept
+        # (default: beyond a node's CPUs, killed after a second idle, as a node running a run's two actors
+        # does): each run's shared-path check, a task on every node, reuses the worker of the run before.
+        system = {
+            "health_check_initial_delay_ms": 0,
+            "health_check_period_ms": 1000,
+            "num_workers_soft_limit": 64,
+        }
         self.cluster = Cluster(
             initialize_head=True,
-            head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": system},
+            head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": system, **LEAN},
         )
         for _ in range(NODES):
-            self.cluster.add_node(num_cpus=NODE_CPUS)
+            self.cluster.add_node(**NODE)
         self.tmp = Path(tempfile.mkdtemp(prefix="drain-"))
 
     def remove(self, node_id: str) -> None:
@@ -188,7 +196,8 @@ class Probe:
 
     def drop_unusable(self) -> None:
         """Remove every worker node that is draining (or gone since: a draining node may end when idle), as
-        their drainer would; the two usable nodes left are what the node-loss run fills."""
+        their drainer would; the two usable nodes left are what the node-loss run fills, then the negative
+        control."""
         usable = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - set(read_draining())
         for node in [n for n in self.cluster.worker_nodes if n.node_id not in usable]:
             self.cluster.remove_node(node, allow_graceful=False)
@@ -198,10 +207,11 @@ class Probe:
         """The node goes; a fresh one joins for the next run, which waits for it (Cluster.wait_for_nodes):
         its start overlaps the end of this run."""
         self.remove(node_id)
-        self.cluster.add_node(wait=False, num_cpus=NODE_CPUS)
+        self.cluster.add_node(wait=False, **NODE)
 
-    def drained_run(self, case: str, ignore: bool) -> dict[str, Any]:
-        """One run of `case` whose leaving replicas' node is drained after DRAIN_AFTER_STEP, then removed."""
+    def drained_run(self, case: str, ignore: bool, replace: bool = True) -> dict[str, Any]:
+        """One run of `case` whose leaving replicas' node is drained after DRAIN_AFTER_STEP, then removed (and
+        with `replace`, a fresh node joins)."""
         overrides, leaving = CASES[case]
         name = f"{case}-ignored" if ignore else case
         run_dir = self.tmp / name
@@ -210,13 +220,12 @@ class Probe:
         ended: list[BaseException] = []
         thread = threading.Thread(target=lambda: _catch(loop.execute, ended), daemon=True)
         started = time.perf_counter()
-        first, *others = [n.node_id for n in self.cluster.worker_nodes]
-        held = [_ballast(n) for n in others] if case in STEERED else []
+        held = _ballast(len(self.cluster.worker_nodes) - 1) if case in STEERED else []
         thread.start()
         pgs, pp = loop.actor_mesh.roster.pgs, loop.actor_mesh.pp
         for d, ballast in enumerate(held):  # replica d placed (on the one node left free): the next opens
             _wait(f"replica {d} placed", lambda d=d: all((d, p) in pgs for p in range(pp)), thread)
-            ray.kill(ballast)
+            remove_placement_group(ballast)
         _wait("the first steps", lambda: any(m["step"] >= DRAIN_AFTER_STEP for m in metrics(run_dir)), thread)
         nodes = dict(loop.actor_mesh.nodes)
         victim = next(w.node_id for c, w in nodes.items() if c.dp == leaving[0])
@@ -236,8 +245,12 @@ class Probe:
             thread,
         )
         left_s = time.time() - drained_at
-        still_there = sorted(c.key for c, w in loop.actor_mesh.nodes.items() if w.node_id == victim)
-        self.replace(victim)
+        on_victim = {c.key: w.pid for c, w in loop.actor_mesh.nodes.items() if w.node_id == victim}
+        if replace:
+            self.replace(victim)
+        else:
+            self.remove(victim)
+        kill(on_victim.values())
         loop.removed.set()
         thread.join(timeout=WAIT_S)
         return {
@@ -247,7 +260,7 @@ class Probe:
             "alive": thread.is_alive(),
             "ended": [repr(e) for e in ended],
             "left_s": left_s,
-            "still_on_node": still_there,
+            "still_on_node": sorted(on_victim),
             "status": status,
             "leaving": leaving,
             "wall_s": time.perf_counter() - started,
@@ -296,17 +309,18 @@ def main() -> None:
         ray.init(address=probe.cluster.address, log_to_driver=False)
         probe.cluster.wait_for_nodes()
         for case in CASES:
-            for ignore in (False, True) if case == CONTROL else (False,):
-                key = f"{case}-ignored" if ignore else case
-                out[key] = probe.drained_run(case, ignore)
-                probe.cluster.wait_for_nodes(timeout=WAIT_S)
+            out[case] = probe.drained_run(case, ignore=False)
+            probe.cluster.wait_for_nodes(timeout=WAIT_S)
         started = time.perf_counter()
         out["benchmark"] = drain_benchmark.measure(**drain_benchmark.QUICK)  # leaves its drained node
         out["wall_s"]["benchmark"] = time.perf_counter() - started
         probe.drop_unusable()
         started = time.perf_counter()
-        out["node_loss"] = node_loss(probe.cluster, probe.tmp)
+        out["node_loss"] = node_loss(probe.cluster, probe.tmp, NODE)
         out["wall_s"]["node_loss"] = time.perf_counter() - started
+        # The negative control last, on the two nodes the node-loss run leaves: no run after it needs the node
+        # it drains replaced (one node start fewer)
+        out[f"{CONTROL}-ignored"] = probe.drained_run(CONTROL, ignore=True, replace=False)
         out["spot"] = spot_drain()
     finally:
         ray.shutdown()

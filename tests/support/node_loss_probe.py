@@ -1,5 +1,6 @@
 """A whole node lost mid-run, on a local multi-node cluster: run by tests/support/drain_probe.py on its
-cluster (for tests/cluster/test_drain.py) once its drain runs are done: no cluster starts for it alone.
+cluster (for tests/cluster/test_drain.py) after its cases' drain runs and the benchmark (its negative control
+follows, on the two nodes this leaves): no cluster starts for it alone.
 
 The cluster (a `ray.cluster_utils.Cluster` whose nodes are declared dead after a second of missed health
 checks) holds exactly two usable 2-CPU worker nodes, and this process is connected to it. A tiny model at
@@ -11,7 +12,11 @@ The undisturbed losses: the one-process reference of the same config, in the tes
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +33,16 @@ ELASTIC = ["parallel.dp=2", "parallel.tp=2", *UNDISTURBED]
 REMOVE_AFTER_STEP = 2
 
 
+def kill(pids: Iterable[int]) -> None:
+    """SIGKILL `pids`, the actors on a removed node, as the end of their machine would: a worker of a removed
+    `Cluster` node notices its raylet's end only at a later check, and meanwhile a tiny run's next steps can
+    complete (the drain probe's negative control then ran to its end, no failure, on a lightly loaded
+    machine)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 class _Loop(TrainingLoop):
     """Reports when it has shrunk to dp=1, then waits (at that step boundary) for the node to be back."""
 
@@ -42,8 +57,9 @@ class _Loop(TrainingLoop):
         super()._membership(control, step)
 
 
-def node_loss(cluster: Cluster, tmp: Path) -> dict[str, Any]:
-    """The run that loses a node and heals; what test_drain.py checks."""
+def node_loss(cluster: Cluster, tmp: Path, node_args: dict[str, Any]) -> dict[str, Any]:
+    """The run that loses a node and heals; what test_drain.py checks. `node_args`: the node added back's
+    (Cluster.add_node)."""
     out: dict[str, Any] = {}
     loop = _Loop(tiny(*ELASTIC), "nodeloss", tmp / "run", progress=False)
     result: dict[str, Any] = {}
@@ -54,13 +70,14 @@ def node_loss(cluster: Cluster, tmp: Path) -> dict[str, Any]:
             raise AssertionError("the run ended early")
         threading.Event().wait(0.05)  # polling a file the run appends to
     victim_node = next(w.node_id for c, w in loop.actor_mesh.nodes.items() if c.dp == 1)
-    placed = loop.actor_mesh.nodes.items()
-    out["victims"] = sorted(c.key for c, w in placed if w.node_id == victim_node)
+    placed = {c.key: w.pid for c, w in loop.actor_mesh.nodes.items() if w.node_id == victim_node}
+    out["victims"] = sorted(placed)
     victim = next(n for n in cluster.worker_nodes if n.node_id == victim_node)
     cluster.remove_node(victim, allow_graceful=False)
+    kill(placed.values())
     if not _Loop.shrunk.wait(timeout=180):
         raise AssertionError(f"the run did not shrink to dp=1: {loop.events}")
-    cluster.add_node(num_cpus=2)
+    cluster.add_node(**node_args)
     cluster.wait_for_nodes()
     _Loop.node_back.set()
     thread.join(timeout=300)
