@@ -195,11 +195,14 @@ def test_dead_member_fails_fast_and_the_group_reforms_without_it(pool, ray_sessi
     survivors = {label: pool.actors[label] for label in ("a0", "a1")}
     actors = {**survivors, "d2": victim_actor}
     try:
+        # Started before the join: its start (a process importing torch, seconds more under load) is not what
+        # the group's timeout bounds (the join timed out waiting for 'd2' once, on a slow machine).
+        victim_pid = ray_session.get(victim_actor.pid.remote(), timeout=120)
         create_groups(actors, {"trio": list(actors)}, pool.server.address, epoch=0, timeout_s=timeout_s)
         healthy = ray_session.get([a.try_all_reduce.remote("trio") for a in actors.values()], timeout=60)
         assert all(err is None and torch.equal(res, torch.full((1000,), 3.0)) for res, err, _ in healthy)
 
-        victim = os.pidfd_open(ray_session.get(actors["d2"].pid.remote(), timeout=60))
+        victim = os.pidfd_open(victim_pid)
         ray_session.kill(actors["d2"])
         assert select.select([victim], [], [], 60)[0], "the killed actor's process did not exit"
         os.close(victim)  # the process is gone before the survivors start
