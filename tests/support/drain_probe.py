@@ -41,7 +41,7 @@ from raypar.controller.connection import NAMESPACE
 from raypar.controller.drain import Departures, read_draining
 from raypar.controller.spot import SpotWatchers
 from raypar.controller.training import TrainingLoop
-from tests.support.lean_ray import LEAN_NODE
+from tests.support import lean_setup_worker
 from tests.support.metadata_stub import metadata_stub
 from tests.support.node_loss_probe import kill, node_loss
 from tests.support.runs import metrics, tiny
@@ -64,9 +64,10 @@ STEERED = {"pp2"}
 # that leaves it at once.
 CONTROL = "hsdp"
 NODES, NODE_CPUS = 3, 2
-# Every node starts its workers as the session Rays do (tests/support/lean_ray.py: 0.36 CPU-s less an
-# actor process).
-NODE = {"num_cpus": NODE_CPUS, **LEAN_NODE}
+# Every node starts its workers through tests/support/lean_setup_worker.py, as the session Rays do: Ray's
+# setup_worker.py imports all of Ray before it exec's the worker (0.36 CPU-s an actor process).
+LEAN = {"setup_worker_path": lean_setup_worker.__file__}
+NODE = {"num_cpus": NODE_CPUS, **LEAN}
 DRAIN_AFTER_STEP = 1
 DEADLINE_S = 60
 RAY = str(Path(sys.executable).parent / "ray")  # the venv's CLI, where PATH may not lead
@@ -182,7 +183,7 @@ class Probe:
         }
         self.cluster = Cluster(
             initialize_head=True,
-            head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": system, **LEAN_NODE},
+            head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": system, **LEAN},
         )
         for _ in range(NODES):
             self.cluster.add_node(**NODE)

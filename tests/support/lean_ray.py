@@ -22,15 +22,11 @@ from __future__ import annotations
 import socket
 import sys
 
-from tests.support import lean_setup_worker
-
-# A `ray.cluster_utils.Cluster` node's arguments (head_node_args, add_node) for the lean worker start alone:
-# the probes' clusters keep their log monitors.
-LEAN_NODE = {"setup_worker_path": lean_setup_worker.__file__}
-
 
 def lean_defaults(free_agent_port: bool) -> None:
     from ray._private import parameter
+
+    from tests.support import lean_setup_worker
 
     init = parameter.RayParams.__init__
 
