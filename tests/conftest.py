@@ -29,22 +29,13 @@ def ray_session():
         # More logical CPUs than cores: test actors are tiny and mostly wait on each other.
         # The dashboard serves the state API (list_actors) that tests use to find processes by actor name.
         # address="local": a new instance, never another Ray that runs on this machine.
-        # Ray waits a fixed 30 s for its raylet (and a while for its dashboard) to come up; a machine
-        # loaded by other work can miss that: start again, as benchmarks/_common.start_ray does.
-        for attempt in range(3):
-            try:
-                ray.init(
-                    address="local",
-                    num_cpus=16,
-                    include_dashboard=True,
-                    log_to_driver=False,
-                    configure_logging=False,
-                )
-                break
-            except Exception:  # noqa: BLE001 - Ray's start-up errors are plain Exceptions
-                ray.shutdown()
-                if attempt == 2:
-                    raise
+        options = {
+            "num_cpus": 16,
+            "include_dashboard": True,
+            "log_to_driver": False,
+            "configure_logging": False,
+        }
+        lean_ray.retried(lambda: ray.init(address="local", **options), undo=ray.shutdown)
     yield ray
     ray.shutdown()
 

@@ -41,7 +41,8 @@ from raypar.controller.connection import NAMESPACE
 from raypar.controller.drain import Departures, read_draining
 from raypar.controller.spot import SpotWatchers
 from raypar.controller.training import TrainingLoop
-from tests.support import lean_setup_worker
+from tests.support import lean_ray
+from tests.support.lean_ray import LEAN_NODE
 from tests.support.metadata_stub import metadata_stub
 from tests.support.node_loss_probe import kill, node_loss
 from tests.support.runs import metrics, tiny
@@ -64,10 +65,9 @@ STEERED = {"pp2"}
 # that leaves it at once.
 CONTROL = "hsdp"
 NODES, NODE_CPUS = 3, 2
-# Every node starts its workers through tests/support/lean_setup_worker.py, as the session Rays do: Ray's
-# setup_worker.py imports all of Ray before it exec's the worker (0.36 CPU-s an actor process).
-LEAN = {"setup_worker_path": lean_setup_worker.__file__}
-NODE = {"num_cpus": NODE_CPUS, **LEAN}
+# Every node starts its workers as the session Rays do (tests/support/lean_ray.py: 0.36 CPU-s less an
+# actor process).
+NODE = {"num_cpus": NODE_CPUS, **LEAN_NODE}
 DRAIN_AFTER_STEP = 1
 DEADLINE_S = 60
 RAY = str(Path(sys.executable).parent / "ray")  # the venv's CLI, where PATH may not lead
@@ -181,12 +181,10 @@ class Probe:
             "health_check_period_ms": 1000,
             "num_workers_soft_limit": 64,
         }
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": system, **LEAN},
-        )
+        head = {"num_cpus": 0, "include_dashboard": False, "_system_config": system, **LEAN_NODE}
+        self.cluster = lean_ray.retried(lambda: Cluster(initialize_head=True, head_node_args=head))
         for _ in range(NODES):
-            self.cluster.add_node(**NODE)
+            lean_ray.retried(lambda: self.cluster.add_node(**NODE))
         self.tmp = Path(tempfile.mkdtemp(prefix="drain-"))
 
     def remove(self, node_id: str) -> None:
@@ -207,7 +205,7 @@ class Probe:
         """The node goes; a fresh one joins for the next run, which waits for it (Cluster.wait_for_nodes):
         its start overlaps the end of this run."""
         self.remove(node_id)
-        self.cluster.add_node(wait=False, **NODE)
+        lean_ray.retried(lambda: self.cluster.add_node(wait=False, **NODE))
 
     def drained_run(self, case: str, ignore: bool, replace: bool = True) -> dict[str, Any]:
         """One run of `case` whose leaving replicas' node is drained after DRAIN_AFTER_STEP, then removed (and

@@ -15,18 +15,32 @@
 pinned Ray's RayParams for this process. `python -m tests.support.lean_ray start ...` is `ray start ...`
 with them (tests/support/fake_cluster.py, `lean=True`). The Rays that raypar's CLI starts in the cluster
 tier's subprocesses, and the fake autoscaling clusters, keep Ray's own, so that path stays covered.
+
+`retried` starts a Ray node (`ray.init`, a `Cluster` head, `Cluster.add_node`) again where it timed out on a
+loaded machine.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from tests.support import lean_setup_worker
+
+T = TypeVar("T")
+ATTEMPTS = 3
+# A `ray.cluster_utils.Cluster` node's arguments (head_node_args, add_node) for the tests' probes' clusters:
+# the lean worker start, and no log monitor (a Cluster's worker nodes have none already).
+LEAN_NODE = {"setup_worker_path": lean_setup_worker.__file__, "include_log_monitor": False}
 
 
 def lean_defaults(free_agent_port: bool) -> None:
     from ray._private import parameter
-
-    from tests.support import lean_setup_worker
 
     init = parameter.RayParams.__init__
 
@@ -44,8 +58,38 @@ def lean_defaults(free_agent_port: bool) -> None:
     parameter.RayParams.__init__ = lean_params
 
 
-if __name__ == "__main__":
-    lean_defaults(free_agent_port=False)
-    from ray.scripts.scripts import main
+def retried(start: Callable[[], T], undo: Callable[[], None] = lambda: None) -> T:
+    """`start()`, up to ATTEMPTS times: Ray waits a fixed 30 s for a new node's raylet to register with the
+    GCS ("The current node timed out during startup"), and a while for its dashboard, which a machine loaded
+    by the rest of `make test` can miss.
+    Ray leaves a failed start's processes running (its Node raises before anything holds them), so they are
+    ended (by pid: the child processes this process started meanwhile) before `undo()` and the next
+    attempt."""
+    for _ in range(ATTEMPTS - 1):
+        before = _children()
+        try:
+            return start()
+        except Exception as err:  # noqa: BLE001 - Ray's start-up errors are plain Exceptions, of any text
+            for pid in _children() - before:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            undo()
+            print(f"a Ray node did not start ({err}); starting it again", file=sys.stderr, flush=True)
+    return start()
 
-    sys.exit(main())
+
+def _children() -> set[int]:
+    """The pids of this process's children (from /proc: psutil is not a dependency). Children only: a node's
+    own processes (GCS, raylet, dashboard) are; the workers of nodes already up, which a start while a run
+    goes on must leave alone, are their raylets' (those of a failed start end with their raylet)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the field after the (name)
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        if parent == os.getpid():
+            found.add(int(stat.parent.name))
+    return found

@@ -23,6 +23,7 @@ from typing import Any
 from ray.cluster_utils import Cluster
 
 from raypar.controller.training import TrainingLoop
+from tests.support import lean_ray
 from tests.support.runs import metrics, tiny
 
 STEPS = 12
@@ -77,7 +78,7 @@ def node_loss(cluster: Cluster, tmp: Path, node_args: dict[str, Any]) -> dict[st
     kill(placed.values())
     if not _Loop.shrunk.wait(timeout=180):
         raise AssertionError(f"the run did not shrink to dp=1: {loop.events}")
-    cluster.add_node(**node_args)
+    lean_ray.retried(lambda: cluster.add_node(**node_args))
     cluster.wait_for_nodes()
     _Loop.node_back.set()
     thread.join(timeout=300)

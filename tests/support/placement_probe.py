@@ -26,13 +26,11 @@ from ray.util.placement_group import placement_group, placement_group_table
 from raypar.controller.mesh_builder import MeshBuilder
 from raypar.controller.placement import ActorResources, node_of, place_stage, release, shard_mate
 from raypar.core.run_config import load_config
-from tests.support import lean_setup_worker
+from tests.support import lean_ray
+from tests.support.lean_ray import LEAN_NODE
 from tests.support.stub_worker import StubActorMesh
 
 RES = ActorResources(cpus=1.0, gpus=1.0)
-# Every node starts its workers through tests/support/lean_setup_worker.py, as the session Rays do: Ray's
-# setup_worker.py imports all of Ray before it exec's the worker (0.36 CPU-s an actor process).
-LEAN = {"setup_worker_path": lean_setup_worker.__file__}
 
 
 class _SwitchableBuilder(MeshBuilder):
@@ -97,15 +95,15 @@ def devices() -> dict[str, Any]:
 
 
 def main() -> None:
-    head = {"num_cpus": 0, "include_dashboard": False, **LEAN}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
+    head = {"num_cpus": 0, "include_dashboard": False, **LEAN_NODE}
+    cluster = lean_ray.retried(lambda: Cluster(initialize_head=True, head_node_args=head))
     for _ in range(2):
-        cluster.add_node(num_cpus=4, num_gpus=4, **LEAN)
+        lean_ray.retried(lambda: cluster.add_node(num_cpus=4, num_gpus=4, **LEAN_NODE))
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
         out = {"placement": placement()}
-        cluster.add_node(num_cpus=2, num_gpus=2, **LEAN)
+        lean_ray.retried(lambda: cluster.add_node(num_cpus=2, num_gpus=2, **LEAN_NODE))
         cluster.wait_for_nodes(timeout=120)
         held = placement_group([RES.bundle()] * 4, strategy="STRICT_PACK")  # one 4-GPU node, whole
         ray.get(held.ready(), timeout=60)
