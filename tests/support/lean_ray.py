@@ -93,3 +93,10 @@ def _children() -> set[int]:
         if parent == os.getpid():
             found.add(int(stat.parent.name))
     return found
+
+
+if __name__ == "__main__":
+    lean_defaults(free_agent_port=False)
+    from ray.scripts.scripts import main
+
+    sys.exit(main())
