@@ -11,14 +11,13 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
 import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from raypar.controller import config_cmd, ray_env, stopping
+from raypar.controller import config_cmd, preflight, ray_env, stopping
 from raypar.core.config.errors import ConfigError
 from raypar.core.config.rules import check_tracker_packages
 from raypar.core.config.schema import Config
@@ -172,152 +171,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_data(cfg: Config) -> tuple[int, int]:
-    """Open the dataset once here: its errors are config errors, and the stdlib corpus is prepared once.
-    Returns its sample counts, which the other nodes' shared-path probe compares with theirs."""
-    from raypar.controller import shared_paths
-    from raypar.core import data
-    from raypar.core.data import documents
-
-    try:
-        dataset, val = data.open_datasets(cfg.data, cfg.model, VERIFY_HASHES_BYTES)
-        data.tokenizer_record(cfg.data)  # what every checkpoint will record: checked to be the tokenizer
-        data.GlobalSampler(dataset.num_samples, cfg.train.global_batch, cfg.train.seed)
-    except ConfigError:
-        raise
-    except (OSError, ValueError) as err:  # a broken prepared directory or an unreadable source file
-        raise ConfigError(f"data.source: {err}") from None
-    if cfg.data.document_masking is True and not documents.has_documents(dataset):
-        raise ConfigError(
-            f"data.document_masking: data.source {cfg.data.source!r} records no document boundaries (prepare "
-            "it with --format chat, --format prompt-completion or --pack documents)"
-        )
-    masked = [documents.masked(cfg.data.document_masking, d) for d in (dataset, val) if d is not None]
-    if cfg.model.dropout and any(masked):
-        raise ConfigError(  # "auto" on data with boundaries; true was refused with dropout by the rules
-            f"data.document_masking: \"auto\" masks the documents the data records and needs model.dropout "
-            f"= 0 (masked attention has none), got {cfg.model.dropout}; set it false to train with dropout"
-        )
-    if cfg.train.eval_every:
-        data.check_eval(val, cfg.train.eval_batches, cfg.train.global_batch)
-    return shared_paths.sample_counts(dataset, val)
-
-
-def _writable_dir(path: Path, what: str) -> None:
-    """`path` is, or can be made, a directory this process writes into; else a ConfigError naming `what`."""
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{what}: {path} exists and is not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"{what}: cannot create {path}: {err.strerror or err}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"{what}: {path} is not writable")
-
-
-def _check_outputs(cfg: Config, run_dir: Path) -> None:
-    """Where the run writes: its directory and a local checkpoint.dir (other URIs are checked on first
-    use). Checked before Ray starts, so a typo costs a second, not a cluster start-up."""
-    _writable_dir(run_dir, "--run-dir")
-    if cfg.checkpoint.dir:
-        import pyarrow.fs as pafs
-
-        from raypar.core import checkpoint
-
-        try:
-            fs, path = checkpoint.resolve_fs(cfg.checkpoint.dir)
-        except checkpoint.CheckpointError as err:
-            raise ConfigError(f"checkpoint.dir: {err}") from None
-        if isinstance(fs, pafs.LocalFileSystem):
-            _writable_dir(Path(path), "checkpoint.dir")
-    if cfg.log.backends:  # where the trackers write (issue 45: refused before the actors, not at step 0)
-        from raypar.core.observe import tracker_backends, trackers
-
-        _writable_dir(Path(trackers.resolved(cfg.log, run_dir, "").dir), "log.dir")
-        if "mlflow" in cfg.log.backends and cfg.log.mlflow_uri:
-            tracker_backends.check_mlflow_uri(cfg.log.mlflow_uri)
-
-
-# Resuming reads every shard's bytes up front (sha256) when the checkpoint is at most this big; above it
-# only sizes (the actors verify hashes as they load). So does opening a local prepared dataset (sha256 and
-# token ids up to it; sizes always): a start-up bounded to ~1 s of reading.
-VERIFY_HASHES_BYTES = 2**30
-
-
-def _check_compile_cache(cfg: Config) -> None:
-    """train.compile: the inductor cache this node's actors will load kernels from is this user's alone
-    (created 0700 here); other nodes' actors check theirs before they compile."""
-    if not cfg.train.compile:
-        return
-    from raypar.core.model import compiled
-
-    try:
-        compiled.own_cache_dir(compiled.inductor_cache_dir())
-    except OSError as err:
-        raise ConfigError(f"train.compile: {err}") from None
-
-
-def _check_fits(cfg: Config) -> None:
-    """On GPUs, refuse a layout the planner predicts will not fit (ConfigError naming the knob to turn).
-    The driver's GPU stands for the workers': a driver without one cannot tell, and checks nothing."""
-    import torch
-
-    if cfg.parallel.device == "cpu" or not torch.cuda.is_available():
-        return
-    from raypar.core import planner
-
-    props = torch.cuda.get_device_properties(0)
-    planner.check_fits(cfg, props.total_memory, planner.device_named(props.name), props.name)
-
-
-def _resolve_resume(cfg: Config, which: str) -> str | None:
-    """The checkpoint to resume from, checked before any actor starts: a step directory must be intact
-    (exit 2 naming the bad file); under a root (or `latest`), the newest intact one is taken, and every
-    newer one passed over is named with the reason. `latest` under a checkpoint.dir with no step directory
-    yet: None, the run starts at step 0 (a job submitted again and again, as KubeRay's RayJob does, keeps
-    one command line); damaged step directories only are still refused."""
-    import pyarrow.fs as pafs
-
-    from raypar.core import checkpoint
-
-    if which == "latest" and not cfg.checkpoint.dir:
-        raise ConfigError("--resume latest: checkpoint.dir is not set")
-    where = cfg.checkpoint.dir if which == "latest" else which
-    try:
-        if which == "latest" and not any(
-            checkpoint.STEP_RE.fullmatch(d.base_name) for d in checkpoint.subdirs(where)
-        ):
-            print(f"raypar: --resume latest: no checkpoint under {where} yet; from step 0", file=sys.stderr)
-            return None
-        fs, path = checkpoint.resolve_fs(where)
-        if fs.get_file_info(f"{path}/{checkpoint.MANIFEST}").type == pafs.FileType.File:
-            uri = where
-            checkpoint.verify(uri, VERIFY_HASHES_BYTES)
-        else:
-            uri, notes = checkpoint.newest_intact(where, VERIFY_HASHES_BYTES)
-            for note in notes:
-                print(f"raypar: --resume: {note}", file=sys.stderr)
-            if notes:
-                print(f"raypar: --resume: using {uri}, the newest intact checkpoint", file=sys.stderr)
-        manifest = checkpoint.load_manifest(uri)
-    except (checkpoint.CheckpointError, *checkpoint.FS_ERRORS) as err:  # FS_ERRORS: OSError, Arrow's
-        raise ConfigError(f"--resume: {err}") from None
-    saved = manifest["meta"].get("model", {})
-    if manifest["step"] > cfg.train.steps:  # the run would train nothing and end "done"
-        raise ConfigError(
-            f"--resume: {uri} is at step {manifest['step']}, past train.steps={cfg.train.steps}: nothing "
-            "to train (set train.steps above the checkpoint's step)"
-        )
-    mine = dataclasses.asdict(cfg.model)
-    diff = [k for k in mine if k != "preset" and k in saved and saved[k] != mine[k]]
-    if diff:
-        raise ConfigError(
-            f"--resume: {uri}/manifest.json does not match the model: "
-            + ", ".join(f"model.{k}={mine[k]} vs {saved[k]}" for k in diff)
-        )
-    return uri
-
-
 def _train(args: argparse.Namespace) -> int:
     if args.name is not None and not _RUN_NAME.fullmatch(args.name):
         raise UsageError(
@@ -335,19 +188,19 @@ def _train(args: argparse.Namespace) -> int:
     from raypar.core import planner
 
     shared_paths.make_absolute(cfg)  # actors run in other directories, and on other nodes
-    samples = _check_data(cfg)
-    _check_compile_cache(cfg)
-    _check_fits(cfg)
+    samples = preflight.check_data(cfg)
+    preflight.check_compile_cache(cfg)
+    preflight.check_fits(cfg)
     planner.check_local_memory(cfg, ray_env.target(args.address))  # a local Ray's actors all live here
-    resume = _resolve_resume(cfg, args.resume) if args.resume else None
+    resume = preflight.resolve_resume(cfg, args.resume) if args.resume else None
     resume = shared_paths.absolute(resume) if resume else None
     name = args.name or f"{Path(args.config).stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     run_dir = args.run_dir or Path("runs") / name
     shared_paths.check_run_dir(str(run_dir))  # not in `ray job submit`'s temporary copy of the working dir
-    if args.dry_run:  # every check above and the records' below, but nothing created (_check_outputs mkdirs)
+    if args.dry_run:  # every check above and the records' below, but nothing created (check_outputs mkdirs)
         run_records.check(cfg, run_dir, resume)
         return _dry_run(cfg, args.address)
-    _check_outputs(cfg, run_dir)
+    preflight.check_outputs(cfg, run_dir)
     run_records.check(cfg, run_dir, resume)  # never over another run's records or checkpoints
     from raypar.controller.connection import RunFailure  # imports Ray: only once the input is known good
     from raypar.controller.training import TrainingLoop

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from raypar.controller import cli
+from raypar.controller import cli, preflight
 from raypar.core import checkpoint
 from tests.support.runs import TINY, metrics, run, tiny
 
@@ -54,7 +54,7 @@ def test_resuming_past_train_steps_is_refused_up_front(step2, tmp_path, capsys):
     assert len(err) == 1 and "--resume" in err[0] and "step 2" in err[0] and "train.steps=1" in err[0], err
     assert not run_dir.exists()
     # Control: the same checkpoint with steps left to train passes the check.
-    assert cli._resolve_resume(tiny("train.steps=3"), step2).endswith("/step_00000002")
+    assert preflight.resolve_resume(tiny("train.steps=3"), step2).endswith("/step_00000002")
 
 
 def test_resumed_summary_counts_this_runs_tokens(step2, tmp_path, capsys):

@@ -129,7 +129,7 @@ def test_a_local_dataset_that_disagrees_with_its_index_is_refused(
 
 
 def test_the_actors_check_sizes_but_leave_hashes_to_the_driver(tmp_path):
-    """The driver hashes once (within cli.VERIFY_HASHES_BYTES); each actor's open checks sizes only."""
+    """The driver hashes once (within preflight.VERIFY_HASHES_BYTES); each actor's open checks sizes only."""
     out = _prepare(tmp_path, tokenizer=False)
     _flip_a_byte(out)
     model = load_config(str(TINY), ["model.seq_len=16"]).model

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raypar.controller import cli
+from raypar.controller import preflight
 from raypar.core import checkpoint
 from raypar.core.config.errors import ConfigError
 from tests.support.runs import tiny
@@ -37,7 +37,7 @@ def test_resume_latest_skips_damaged_checkpoint_and_says_so(tmp_path, capsys, da
         shard.write_bytes(shard.read_bytes()[:-1] + b"\x07")
     else:
         (newest / "manifest.json").unlink()
-    uri = cli._resolve_resume(tiny(f"checkpoint.dir='{root}'"), "latest")
+    uri = preflight.resolve_resume(tiny(f"checkpoint.dir='{root}'"), "latest")
     assert uri.endswith("step_00000002")
     err = capsys.readouterr().err
     assert "skipped step_00000004" in err and "using" in err and "step_00000002" in err, err
@@ -45,4 +45,4 @@ def test_resume_latest_skips_damaged_checkpoint_and_says_so(tmp_path, capsys, da
     # Named explicitly, the damaged checkpoint is refused (exit 2 naming the file), not replaced.
     if damage != "deleted manifest":
         with pytest.raises(ConfigError, match=shard.name):
-            cli._resolve_resume(tiny(), str(newest))
+            preflight.resolve_resume(tiny(), str(newest))

@@ -97,14 +97,14 @@ def test_resume_latest_starts_fresh_only_where_no_checkpoint_was_ever_written(tm
     """The RayJob's `--resume latest` on its first submission (an empty checkpoint.dir, or none yet):
     step 0, said on one line. A checkpoint.dir holding only damaged step directories is still refused
     (the control: starting over there would silently throw a run away)."""
-    from raypar.controller import cli
+    from raypar.controller import preflight
     from tests.support.runs import tiny
 
     root = tmp_path / "ckpt"
-    assert cli._resolve_resume(tiny(f"checkpoint.dir='{root}'"), "latest") is None
+    assert preflight.resolve_resume(tiny(f"checkpoint.dir='{root}'"), "latest") is None
     root.mkdir()
-    assert cli._resolve_resume(tiny(f"checkpoint.dir='{root}'"), "latest") is None
+    assert preflight.resolve_resume(tiny(f"checkpoint.dir='{root}'"), "latest") is None
     assert "--resume latest: no checkpoint under" in capsys.readouterr().err
     (root / "step_00000004").mkdir()  # a step directory without its manifest
     with pytest.raises(ConfigError, match="no intact checkpoint"):
-        cli._resolve_resume(tiny(f"checkpoint.dir='{root}'"), "latest")
+        preflight.resolve_resume(tiny(f"checkpoint.dir='{root}'"), "latest")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from raypar.controller import cli, shared_paths
+from raypar.controller import preflight, shared_paths
 from raypar.core.config.errors import ConfigError
 from raypar.core.run_config import load_config
 from tests.support.runs import TINY
@@ -52,7 +52,7 @@ def test_the_probe_checks_the_counts_the_cli_opened_the_datasets_for():
     # The driver opens its datasets once, in the CLI's input check, and hands their counts to the node probe:
     # a node that sees the same data agrees with them, one that counts other training samples is named.
     cfg = load_config(TINY, ["data.val_fraction=0.25"])
-    samples = cli._check_data(cfg)
+    samples = preflight.check_data(cfg)
     assert samples[1] > 0 and samples[0] + samples[1] == 2**20  # the synthetic set, a quarter held out
     assert shared_paths._probe(cfg, "", samples) is None
     other = (samples[0] + 1, samples[1])

@@ -168,7 +168,8 @@ def _validate_attention_masks(cfg: Config) -> None:
         isinstance(masking, bool) or masking == "auto",
         f'data.document_masking: expected true, false or "auto", got {masking!r}',
     )
-    # "auto" with dropout is checked once the data is open (the CLI's _check_data): on only with documents
+    # "auto" with dropout is checked once the data is open (raypar.controller.preflight.check_data): on only
+    # with documents
     masked = (("model.sliding_window", window > 0), ("data.document_masking", masking is True))
     for key, on in masked:
         _require(not on or m.dropout == 0, f"{key}: needs model.dropout = 0 (masked attention has none)")
