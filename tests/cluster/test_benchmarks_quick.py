@@ -32,10 +32,10 @@ def shared_ray() -> Iterator[dict[str, str]]:
     """One Ray head for the module's scripts (its own temp dir, free ports, no dashboard, as the scripts'
     private Rays; started lean, as the session Rays are: tests/support/lean_ray.py, whose log monitor's
     absence the scripts cannot see, as they join with `log_to_driver=False`): the environment that makes a
-    script join it. Its workers at nice 0, as start_ray runs a private Ray's (RAY_worker_niceness, read by its
-    raylet). Started in a session of its own and ended by
-    the pids of that session (FakeCluster.stop), not by its process group: the raylet starts each worker
-    in a process group of its own, which a killpg of the head's would miss."""
+    script join it. Its workers at nice 0, as start_ray runs a private Ray's (RAY_worker_niceness, read by
+    its raylet). Started in a session of its own and ended by the pids of that session (FakeCluster.stop),
+    not by its process group: the raylet starts each worker in a process group of its own, which a killpg
+    of the head's would miss."""
     head_env = {"RAY_worker_niceness": "0", "PYTHONPATH": REPO, "RAY_DEDUP_LOGS": "0"}
     # Three attempts, as start_ray gives a private Ray: a head that misses Ray's startup wait fails 13 tests.
     head = FakeCluster(

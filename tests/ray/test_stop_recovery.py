@@ -112,7 +112,9 @@ def test_a_stopped_peer_is_named_in_the_hang_report_and_the_run_recovers(stopped
     # is redone at dp=1
 
     # the probes of step 2 (under load step 0 can outlast the 1 s watchdog too and be probed first)
-    (probes,) = [p for p in stopped.probes if any(a is not None and a.step == 2 for a in p.values())][:1]
+    at_step_2 = [p for p in stopped.probes if any(a is not None and a.step == 2 for a in p.values())]
+    assert at_step_2, f"no probe answered from step 2: {stopped.probes}"
+    probes = at_step_2[0]
     assert sorted(probes) == ["dp0.pp0.tp0", "dp1.pp0.tp0"] and probes["dp0.pp0.tp0"] is None, probes
     names = {key: f"raypar:stopped:{key}" for key in probes}
     unanswered = hangs.report_text(2, 1.0, dict.fromkeys(probes), names)

@@ -16,8 +16,8 @@ pinned Ray's RayParams for this process. `python -m tests.support.lean_ray start
 with them (tests/support/fake_cluster.py, `lean=True`). The Rays that raypar's CLI starts in the cluster
 tier's subprocesses, and the fake autoscaling clusters, keep Ray's own, so that path stays covered.
 
-`retried` starts a Ray node (`ray.init`, a `Cluster` head, `Cluster.add_node`) again where it timed out on a
-loaded machine.
+`retried` starts a Ray node (`ray.init`, a `Cluster` head, `Cluster.add_node`) again where its start failed on
+a loaded machine.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from tests.support import lean_setup_worker
 
 T = TypeVar("T")
 ATTEMPTS = 3
-# A `ray.cluster_utils.Cluster` node's arguments (head_node_args, add_node) for the tests' probes' clusters:
-# the lean worker start, and no log monitor (a Cluster's worker nodes have none already).
+# The lean worker start and no log monitor, as RayParams arguments: what `lean_defaults` swaps in, and a
+# `ray.cluster_utils.Cluster` node's arguments (head_node_args, add_node) in the probes' clusters (a
+# Cluster's worker nodes have no log monitor already).
 LEAN_NODE = {"setup_worker_path": lean_setup_worker.__file__, "include_log_monitor": False}
 
 
@@ -49,10 +50,9 @@ def lean_defaults(free_agent_port: bool) -> None:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 kwargs["dashboard_agent_listen_port"] = s.getsockname()[1]
-        if kwargs.get("setup_worker_path") is None:
-            kwargs["setup_worker_path"] = lean_setup_worker.__file__
-        if kwargs.get("include_log_monitor") is None:
-            kwargs["include_log_monitor"] = False
+        for key, value in LEAN_NODE.items():  # the lean worker start, no log monitor: unless given
+            if kwargs.get(key) is None:
+                kwargs[key] = value
         init(self, *args, **kwargs)
 
     parameter.RayParams.__init__ = lean_params
