@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support import worker_forkserver
+
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Actors export metrics to Ray's agent every interval (default 10 s); 1 s, Ray's floor, keeps
 # tests/ray/test_telemetry.py's wait short. Read by every Ray process ray.init starts, so set before it.
@@ -16,6 +18,9 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 # a Ray start on 2 cores): raypar's actors set environment variables, so they never use them, and the tests'
 # few plain tasks start their own. Read by every raylet a test starts (ray.init, clusters, CLI subprocesses).
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+# Every Ray the tests start (session Rays, clusters, the benchmarks' head) starts its raypar actors as forks
+# of a process that imported torch and raypar already: tests/support/worker_forkserver.py.
+os.environ.setdefault(worker_forkserver.SWITCH_ENV, "1")
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 
 - the script that starts each worker process: tests/support/lean_setup_worker.py, which does what Ray's
   setup_worker.py does for these Rays' runtime envs without importing Ray first (0.36 CPU-seconds per
-  actor process; tests/unit/test_lean_setup_worker.py holds it to Ray's);
+  actor process; tests/unit/test_lean_setup_worker.py holds it to Ray's), and starts a raypar actor's
+  process as a fork of one that imported torch, Ray and raypar already (tests/support/worker_forkserver.py);
 - no log monitor: it forwards workers' output to drivers that print it, and every driver here joins with
   `log_to_driver=False` (raypar's too). It polls every log file of the session, and a session Ray here
   accumulates the files of ~300 worker processes: the log monitors were ~100 CPU-seconds of a `make test`

@@ -10,6 +10,9 @@ standard library alone. tests/unit/test_lean_setup_worker.py holds it to the pin
 `RuntimeEnvContext.exec_worker` (environment and command) on such contexts; anything else is handed to Ray's
 script unchanged. The Rays that raypar's CLI starts in the cluster tier's subprocesses, and the fake
 autoscaling clusters, keep Ray's own (tests/support/lean_ray.py says which Rays use this).
+
+Where the tests switch it on, the worker is then not exec'd but forked from a process that imported it all
+already (tests/support/worker_forkserver.py), and this process waits for it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ import os
 import re
 import shlex
 import sys
+
+if __package__:
+    from tests.support import worker_forkserver
+else:  # run by a raylet as a script: this folder is sys.path[0]
+    import worker_forkserver
 
 PYTHON = "PYTHON"  # ray.core.generated.common_pb2.Language.Name(Language.PYTHON)
 
@@ -36,6 +44,18 @@ def command(argv: list[str]) -> list[str] | None:
     """The `bash -c` argument list Ray's script would exec for `argv` (its arguments), with os.environ updated
     as it updates it; None, the environment untouched, where this does not cover the context (Ray's script
     then runs)."""
+    worker = worker_command(argv)
+    return None if worker is None else _bash(worker)
+
+
+def _bash(worker: list[str]) -> list[str]:
+    python, *args = worker
+    return ["bash", "-c", " ".join(["exec", python, *(shlex.quote(a) for a in args)])]
+
+
+def worker_command(argv: list[str]) -> list[str] | None:
+    """The worker's Python and its arguments, as `command` runs them, os.environ updated; None where this does
+    not cover the context."""
     context_json, language, rest = None, None, []
     args = iter(argv)
     for arg in args:
@@ -57,16 +77,18 @@ def command(argv: list[str]) -> list[str] | None:
         return None
     for key, value in (context.get("env_vars") or {}).items():  # ray._private.utils.update_envs
         os.environ[key] = re.sub(r"\$\{[A-Z0-9_]+\}", "", os.path.expandvars(value))
-    python = context.get("py_executable") or sys.executable
-    cmd = ["exec", python, *(shlex.quote(a) for a in rest)]
-    return ["bash", "-c", " ".join(cmd)]
+    return [context.get("py_executable") or sys.executable, *rest]
 
 
 def main() -> None:
-    cmd = command(sys.argv[1:])
-    if cmd is None:
+    worker = worker_command(sys.argv[1:])
+    if worker is None:
         os.execv(sys.executable, [sys.executable, rays_script(), *sys.argv[1:]])
-    os.execvp("bash", cmd)
+    if worker[0] == sys.executable:  # a fork of the tests' worker fork server, where one serves
+        code = worker_forkserver.run_forked(worker[1:])
+        if code is not None:
+            worker_forkserver.exit_as(code)
+    os.execvp("bash", _bash(worker))
 
 
 if __name__ == "__main__":
