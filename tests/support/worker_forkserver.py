@@ -339,11 +339,22 @@ def serve(server: str) -> None:
     except ProcessLookupError:
         return  # its raylet ended already
     env = dict(os.environ)
-    preload()
+    try:
+        preload()
+        apart = forks_draw_apart()
+    except Exception:  # noqa: BLE001 - whatever stops it serving is printed, and it serves no worker
+        traceback.print_exc()
+        apart = False
+    if not apart:
+        # Holding the name unserved until the raylet ends, so that the launchers' servers end at once (the
+        # name is taken) instead of each importing all again: their workers start afresh.
+        print("worker fork server: Ray's random ids are seeded before the fork (a module that preload() "
+              "imports drew one), or the imports failed: not serving", file=sys.stderr, flush=True)
+        waiting = selectors.DefaultSelector()
+        waiting.register(raylet, selectors.EVENT_READ)
+        waiting.select()  # until the raylet ends
+        return
     imported = {key: value for key, value in os.environ.items() if env.get(key) != value}
-    if not forks_draw_apart():
-        sys.exit("worker fork server: Ray's random ids are seeded before the fork (a module that preload() "
-                 "imports drew one), so its workers would draw the same: not serving")
     listener.listen(64)
     print(f"listening as {server}", flush=True)
     Server(listener, env, imported).run(raylet)

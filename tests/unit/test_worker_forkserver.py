@@ -140,6 +140,33 @@ def test_a_worker_of_another_import_time_environment_starts_afresh_and_starts_it
     os.close(new_server)
 
 
+def test_a_server_that_cannot_serve_holds_its_name_until_its_raylet_ends(server, tmp_path):
+    """A server whose imports fail serves no worker, and keeps its name taken, so that launchers start their
+    workers afresh instead of each starting a server that imports all again."""
+    _, _, script = server
+    raylet = fake_raylet()
+    env = launcher_env(raylet, PROBE_SERVER="broken")
+    broken = ("import sys; from tests.support import worker_forkserver as w; "
+              "w.preload = lambda: 1 / 0; w.serve(sys.argv[1])")
+    held = subprocess.Popen([sys.executable, "-c", broken, worker_forkserver.name(env)], cwd=REPO, env=env,
+                            stderr=subprocess.PIPE)
+    said = ""
+    while "not serving" not in said:  # the traceback, then the line
+        assert readable(held.stderr.fileno(), 120), f"the broken server said only {said!r} in 120 s"
+        chunk = os.read(held.stderr.fileno(), 1 << 16).decode()
+        assert chunk, f"the broken server ended, having said {said!r}"
+        said += chunk
+    assert "ZeroDivisionError" in said, said
+    launcher = launch(env, script, "0", tmp_path)
+    out, err = launcher.communicate(timeout=120)
+    pid, parent, *_ = report(out)
+    assert launcher.returncode == 0, err
+    assert (pid, parent) == (launcher.pid, os.getpid()), "a worker of a server that cannot serve"
+    assert held.poll() is None, "the broken server let its name go before its raylet ended"
+    raylet.communicate(timeout=60)
+    assert held.wait(timeout=60) == 0
+
+
 def test_the_server_is_named_by_what_a_fork_keeps():
     env = {"PATH": "/bin", "OMP_NUM_THREADS": "1", "RAY_JOB_ID": "01000000"}
     assert worker_forkserver.name({**env, "PROBE": "x"}) == worker_forkserver.name(env)  # read at run time
