@@ -38,6 +38,7 @@ import runpy
 import selectors
 import signal
 import socket
+import struct
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -125,6 +126,12 @@ def mismatch(request: dict, env: dict[str, str]) -> str | None:
     return None
 
 
+def peer_uid(connection: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    creds = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
 @dataclass
 class _Child:
     pid: int
@@ -163,6 +170,9 @@ class Server:
 
     def _accept(self, listener: socket.socket) -> None:
         connection, _ = listener.accept()
+        if peer_uid(connection) != os.getuid():  # an abstract socket has no file mode: any local user may
+            connection.close()  # connect, and a fork runs the script it names as this user
+            return
         try:
             message, fds, _, _ = socket.recv_fds(connection, MAX_MESSAGE, 3)
             request = json.loads(message)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -179,6 +180,35 @@ def test_the_server_is_named_by_what_a_fork_keeps():
             f"the worker's {key}={value!r} where the server has {env.get(key)!r}")
     other = {**request, "python": ["/usr/bin/python3"]}
     assert worker_forkserver.mismatch(other, env).startswith("the worker's Python ['/usr/bin/python3']")
+
+
+def test_the_server_knows_who_connects():
+    """The server forks only for its own user (an abstract socket has no file mode to keep others out): the
+    peer's uid, here this process's own, and another's after setuid (root only: the control)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    assert worker_forkserver.peer_uid(ours) == os.getuid()
+    ours.close()
+    theirs.close()
+    if os.getuid() != 0:
+        return
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind("\0raypar-test-peer-uid-" + str(os.getpid()))
+    listener.listen(1)
+    listener.settimeout(60)
+    nobody = os.fork()
+    if nobody == 0:  # as user `nobody`, connect and wait for the server's close
+        try:
+            os.setuid(65534)
+            peer = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            peer.connect(listener.getsockname())
+            peer.recv(1)
+        finally:
+            os._exit(0)
+    connection, _ = listener.accept()
+    assert worker_forkserver.peer_uid(connection) == 65534
+    connection.close()
+    listener.close()
+    os.waitpid(nobody, 0)
 
 
 def test_forks_of_the_preloaded_server_draw_their_own_ids():
