@@ -114,18 +114,6 @@ def name(env: dict[str, str]) -> str:
     return "raypar-worker-forkserver-" + hashlib.sha256(json.dumps(kept).encode()).hexdigest()[:32]
 
 
-def mismatch(request: dict, env: dict[str, str]) -> str | None:
-    """Why the worker `request` asks for could not be a fork of a server with environment `env`; None if it
-    could."""
-    if request["python"] != interpreter():
-        return f"the worker's Python {request['python']} is not the server's {interpreter()}"
-    theirs = request["env"]
-    for key in sorted(set(theirs) | set(env)):
-        if key.startswith(IMPORT_TIME) and theirs.get(key) != env.get(key):
-            return f"the worker's {key}={theirs.get(key)!r} where the server has {env.get(key)!r}"
-    return None
-
-
 def peer_uid(connection: socket.socket) -> int:
     """The user id of the process at the other end of a Unix socket (SO_PEERCRED)."""
     creds = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -145,7 +133,6 @@ class Server:
     """The accept loop: one connection per launcher, one child per connection."""
 
     listener: socket.socket
-    env: dict[str, str]  # as the server started, before its imports
     imported: dict[str, str]  # what its imports set in it (a new process's imports set them too)
     selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
 
@@ -176,7 +163,7 @@ class Server:
         try:
             message, fds, _, _ = socket.recv_fds(connection, MAX_MESSAGE, 3)
             request = json.loads(message)
-            refusal = mismatch(request, self.env) if len(fds) == 3 else "stdin, stdout and stderr not sent"
+            refusal = None if len(fds) == 3 else "stdin, stdout and stderr not sent"
         except (OSError, ValueError, KeyError, TypeError) as err:
             fds, refusal = [], f"the request was unreadable ({err!r})"
         if refusal is not None:
@@ -277,7 +264,7 @@ def run_forked(argv: list[str]) -> int | None:
         connection.close()
         spawn(server)
         return None
-    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "python": interpreter()}
+    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
     socket.send_fds(connection, [json.dumps(request).encode()], [0, 1, 2])
     reply = json.loads(connection.recv(MAX_MESSAGE) or b'{"refused": "the server closed the connection"}')
     if "refused" in reply:
@@ -367,7 +354,7 @@ def serve(server: str) -> None:
     imported = {key: value for key, value in os.environ.items() if env.get(key) != value}
     listener.listen(64)
     print(f"listening as {server}", flush=True)
-    Server(listener, env, imported).run(raylet)
+    Server(listener, imported).run(raylet)
 
 
 if __name__ == "__main__":

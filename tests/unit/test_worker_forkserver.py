@@ -169,17 +169,12 @@ def test_a_server_that_cannot_serve_holds_its_name_until_its_raylet_ends(server,
 
 
 def test_the_server_is_named_by_what_a_fork_keeps():
+    """A launcher reaches only the server whose environment a fork of it keeps: a variable read at run time
+    may differ, one read at start-up or import (the control) may not."""
     env = {"PATH": "/bin", "OMP_NUM_THREADS": "1", "RAY_JOB_ID": "01000000"}
-    assert worker_forkserver.name({**env, "PROBE": "x"}) == worker_forkserver.name(env)  # read at run time
-    request = {"python": worker_forkserver.interpreter(), "env": {**env, "PROBE": "x"}}
-    assert worker_forkserver.mismatch(request, env) is None
+    assert worker_forkserver.name({**env, "PROBE": "x"}) == worker_forkserver.name(env)
     for key, value in (("OMP_NUM_THREADS", "2"), ("RAY_JOB_ID", "02000000"), ("GLIBC_TUNABLES", "a=1")):
-        assert worker_forkserver.name({**env, key: value}) != worker_forkserver.name(env)
-        changed = {**request, "env": {**env, key: value}}
-        assert worker_forkserver.mismatch(changed, env) == (
-            f"the worker's {key}={value!r} where the server has {env.get(key)!r}")
-    other = {**request, "python": ["/usr/bin/python3"]}
-    assert worker_forkserver.mismatch(other, env).startswith("the worker's Python ['/usr/bin/python3']")
+        assert worker_forkserver.name({**env, key: value}) != worker_forkserver.name(env), key
 
 
 def test_the_server_knows_who_connects():
